@@ -1,0 +1,413 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SchemaVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEMA_VERSION_UNSPECIFIED: _ClassVar[SchemaVersion]
+    SCHEMA_VERSION_1: _ClassVar[SchemaVersion]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_FWD: _ClassVar[Phase]
+    PHASE_BWD: _ClassVar[Phase]
+    PHASE_GRAD: _ClassVar[Phase]
+    PHASE_PARAM: _ClassVar[Phase]
+    PHASE_LOSS: _ClassVar[Phase]
+    PHASE_INPUT: _ClassVar[Phase]
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_OUTPUT: _ClassVar[Role]
+    ROLE_INPUT: _ClassVar[Role]
+    ROLE_GRAD_OUTPUT: _ClassVar[Role]
+    ROLE_GRAD_INPUT: _ClassVar[Role]
+    ROLE_VALUE: _ClassVar[Role]
+SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
+SCHEMA_VERSION_1: SchemaVersion
+PHASE_UNSPECIFIED: Phase
+PHASE_FWD: Phase
+PHASE_BWD: Phase
+PHASE_GRAD: Phase
+PHASE_PARAM: Phase
+PHASE_LOSS: Phase
+PHASE_INPUT: Phase
+ROLE_UNSPECIFIED: Role
+ROLE_OUTPUT: Role
+ROLE_INPUT: Role
+ROLE_GRAD_OUTPUT: Role
+ROLE_GRAD_INPUT: Role
+ROLE_VALUE: Role
+
+class Key(_message.Message):
+    __slots__ = ("step", "microbatch", "phase", "site", "role", "index", "call")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    microbatch: int
+    phase: Phase
+    site: str
+    role: Role
+    index: int
+    call: int
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., site: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., index: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("logical_shape", "offsets", "shape", "replica", "partial", "dtype", "complex_as_real")
+    LOGICAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPLEX_AS_REAL_FIELD_NUMBER: _ClassVar[int]
+    logical_shape: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    replica: bool
+    partial: bool
+    dtype: str
+    complex_as_real: bool
+    def __init__(self, logical_shape: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., replica: _Optional[bool] = ..., partial: _Optional[bool] = ..., dtype: _Optional[str] = ..., complex_as_real: _Optional[bool] = ...) -> None: ...
+
+class Digest(_message.Message):
+    __slots__ = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "has_moments", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch", "sketch_seed")
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    POSINF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NEGINF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HAS_MOMENTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    SUM_SQ_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    ABS_MAX_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
+    numel: int
+    nan_count: int
+    posinf_count: int
+    neginf_count: int
+    zero_count: int
+    has_moments: bool
+    sum: float
+    sum_sq: float
+    min: float
+    max: float
+    abs_max: float
+    fingerprint: int
+    fingerprint_seed: int
+    sketch: _containers.RepeatedScalarFieldContainer[float]
+    sketch_seed: int
+    def __init__(self, numel: _Optional[int] = ..., nan_count: _Optional[int] = ..., posinf_count: _Optional[int] = ..., neginf_count: _Optional[int] = ..., zero_count: _Optional[int] = ..., has_moments: _Optional[bool] = ..., sum: _Optional[float] = ..., sum_sq: _Optional[float] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., abs_max: _Optional[float] = ..., fingerprint: _Optional[int] = ..., fingerprint_seed: _Optional[int] = ..., sketch: _Optional[_Iterable[float]] = ..., sketch_seed: _Optional[int] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("codec", "raw_nbytes", "compressed_nbytes", "crc32", "chunk_index", "chunk_count", "data")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    raw_nbytes: int
+    compressed_nbytes: int
+    crc32: int
+    chunk_index: int
+    chunk_count: int
+    data: bytes
+    def __init__(self, codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ..., compressed_nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Record(_message.Message):
+    __slots__ = ("key", "stage", "layout", "is_none", "digest", "payload")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    IS_NONE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    key: Key
+    stage: int
+    layout: Layout
+    is_none: bool
+    digest: Digest
+    payload: Payload
+    def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MESH_DIM_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MESH_COORDINATE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    run: str
+    session_id: str
+    rank: int
+    world_size: int
+    mesh_shape: _containers.RepeatedScalarFieldContainer[int]
+    mesh_dim_names: _containers.RepeatedScalarFieldContainer[str]
+    mesh_coordinate: _containers.RepeatedScalarFieldContainer[int]
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    torch_version: str
+    dtype: str
+    seed: int
+    labels: _containers.ScalarMap[str, str]
+    host: str
+    local_rank: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("session_id", "acked_seq")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    acked_seq: int
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
+
+class RecordBatch(_message.Message):
+    __slots__ = ("schema_version", "session_id", "seq", "records")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    session_id: str
+    seq: int
+    records: _containers.RepeatedCompositeFieldContainer[Record]
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    acked_seq: int
+    stored: int
+    duplicates: int
+    conflicts: int
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("schema_version", "session_id", "records_sent", "records_dropped", "capture_errors", "dropped_by_reason")
+    class DroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_SENT_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    session_id: str
+    records_sent: int
+    records_dropped: int
+    capture_errors: int
+    dropped_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., records_sent: _Optional[int] = ..., records_dropped: _Optional[int] = ..., capture_errors: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("records_stored",)
+    RECORDS_STORED_FIELD_NUMBER: _ClassVar[int]
+    records_stored: int
+    def __init__(self, records_stored: _Optional[int] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("run", "world_size", "ranks_registered", "ranks_closed", "records", "created_unix")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    world_size: int
+    ranks_registered: int
+    ranks_closed: int
+    records: int
+    created_unix: float
+    def __init__(self, run: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_registered: _Optional[int] = ..., ranks_closed: _Optional[int] = ..., records: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
+
+class DescribeRunRequest(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "session_id", "mesh_coordinate", "stages", "host", "records_stored", "records_sent", "records_dropped", "closed", "dropped_by_reason")
+    class DroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_COORDINATE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_STORED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_SENT_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    session_id: str
+    mesh_coordinate: _containers.RepeatedScalarFieldContainer[int]
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    host: str
+    records_stored: int
+    records_sent: int
+    records_dropped: int
+    closed: bool
+    dropped_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., session_id: _Optional[str] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., records_stored: _Optional[int] = ..., records_sent: _Optional[int] = ..., records_dropped: _Optional[int] = ..., closed: _Optional[bool] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PhaseCount(_message.Message):
+    __slots__ = ("phase", "sites", "records", "none_records")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NONE_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    sites: int
+    records: int
+    none_records: int
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., sites: _Optional[int] = ..., records: _Optional[int] = ..., none_records: _Optional[int] = ...) -> None: ...
+
+class DescribeRunResponse(_message.Message):
+    __slots__ = ("summary", "mesh_shape", "mesh_dim_names", "torch_version", "dtype", "seed", "labels", "ranks", "steps", "microbatches", "phases", "conflicts", "none_grad_sites")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MESH_DIM_NAMES_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    NONE_GRAD_SITES_FIELD_NUMBER: _ClassVar[int]
+    summary: RunSummary
+    mesh_shape: _containers.RepeatedScalarFieldContainer[int]
+    mesh_dim_names: _containers.RepeatedScalarFieldContainer[str]
+    torch_version: str
+    dtype: str
+    seed: int
+    labels: _containers.ScalarMap[str, str]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    microbatches: int
+    phases: _containers.RepeatedCompositeFieldContainer[PhaseCount]
+    conflicts: int
+    none_grad_sites: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, summary: _Optional[_Union[RunSummary, _Mapping]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., steps: _Optional[_Iterable[int]] = ..., microbatches: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhaseCount, _Mapping]]] = ..., conflicts: _Optional[int] = ..., none_grad_sites: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CompareRequest(_message.Message):
+    __slots__ = ("ref", "cand", "policy_toml", "preset")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    CAND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_TOML_FIELD_NUMBER: _ClassVar[int]
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    cand: str
+    policy_toml: str
+    preset: str
+    def __init__(self, ref: _Optional[str] = ..., cand: _Optional[str] = ..., policy_toml: _Optional[str] = ..., preset: _Optional[str] = ...) -> None: ...
+
+class CompareResponse(_message.Message):
+    __slots__ = ("report_json", "exit_code")
+    REPORT_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    report_json: str
+    exit_code: int
+    def __init__(self, report_json: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("ref", "cand", "policy_toml", "preset", "poll_interval_s", "timeout_s")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    CAND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_TOML_FIELD_NUMBER: _ClassVar[int]
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    POLL_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    cand: str
+    policy_toml: str
+    preset: str
+    poll_interval_s: float
+    timeout_s: float
+    def __init__(self, ref: _Optional[str] = ..., cand: _Optional[str] = ..., policy_toml: _Optional[str] = ..., preset: _Optional[str] = ..., poll_interval_s: _Optional[float] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("finding_json", "first_divergence", "status")
+    FINDING_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    finding_json: str
+    first_divergence: bool
+    status: str
+    def __init__(self, finding_json: _Optional[str] = ..., first_divergence: _Optional[bool] = ..., status: _Optional[str] = ...) -> None: ...
