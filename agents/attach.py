@@ -1,0 +1,186 @@
+"""`attach`: the one call a training script makes, and the `Agent` it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from agents.capture import Capturer, Counters, HostBatch
+from agents.config import AgentConfig, apply_env, check
+from agents.identity import RankIdentity, rank_identity
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    """Captures one rank's tensors and streams their digests to the auditor.
+
+    After `attach` returns, no method raises into training: failures are counted and logged
+    once. `step(i)` and `microbatch(j)` are context managers that key what is captured inside
+    them; parameter gradients are captured when a step block exits (before optimizer.step()).
+    """
+
+    def __init__(self, config: AgentConfig, ident: RankIdentity) -> None:
+        self.config = config
+        self.ident = ident
+        self.counters = Counters()
+        self._models: list[tuple[torch.nn.Module, int]] = []
+        self._closed = False
+        self._sender = None
+        self.active = config.enabled and (config.ranks is None or ident.rank in config.ranks)
+        if self.active:
+            from agents.sender import Sender  # grpc only where auditing is on
+
+            self._sender = Sender(config, ident, self.counters)
+        self.capturer = Capturer(config, ident, self._sink, self.counters)
+
+    def _sink(self, batch: HostBatch) -> None:
+        if self._sender is not None:
+            self._sender.submit(batch)
+
+    @property
+    def session_id(self) -> str | None:
+        return self._sender.session_id if self._sender is not None else None
+
+    def watch(self, module: torch.nn.Module, *, stage: int = -1) -> int:
+        """Hook a (further) model or pipeline-stage module; returns the number of hooked modules."""
+        if not self.active:
+            return 0
+        try:
+            self._models.append((module, stage))
+            return self.capturer.hook_modules(module, stage)
+        except Exception as exc:
+            self.capturer._failed("watch", exc)
+            return 0
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Key captures inside the block by `step`; capture parameter gradients at its end."""
+        if self.active:
+            self.capturer.start_step(step)
+        try:
+            yield
+        finally:
+            if self.active:
+                self.capture_gradients()
+                self.capturer.flush()
+
+    @contextlib.contextmanager
+    def microbatch(self, microbatch: int) -> Iterator[None]:
+        """Key captures inside the block by `microbatch`."""
+        if self.active:
+            self.capturer.microbatch = microbatch
+        try:
+            yield
+        finally:
+            if self.active:
+                self.capturer.flush()
+
+    def capture(self, tensor: torch.Tensor | None, *, site: str, phase: str = "fwd",
+                role: str = "value", index: int = 0, microbatch: int | None = None,
+                stage: int | None = None) -> None:
+        """Capture a tensor the hooks cannot see (the loss, the input batch, a custom value)."""
+        if self.active:
+            self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
+                                  microbatch=microbatch, stage=stage)
+
+    def capture_gradients(self) -> None:
+        """Capture every watched parameter's gradient now (None recorded explicitly)."""
+        if not self.active:
+            return
+        for module, stage in self._models:
+            self.capturer.capture_parameters(module, grads=True, stage=stage)
+            self.capturer.capture_parameters(module, grads=False, stage=stage)
+
+    def close(self, timeout: float | None = None) -> dict:
+        """Flush within `timeout` (default config.flush_timeout_s) + 1 s; returns the counts."""
+        if self._closed:
+            return self.summary()
+        self._closed = True
+        started = time.monotonic()
+        try:
+            self.capturer.flush()
+            self.capturer.remove_hooks()
+            if self._sender is not None:
+                self._sender.close(self.config.flush_timeout_s if timeout is None else timeout)
+        except Exception as exc:  # never into training
+            log.warning("rank %d: numaudit close failed: %r", self.ident.rank, exc)
+        s = self.summary()
+        if self.active:
+            log.info("rank %d: numaudit run=%s captured=%d sent=%d acked=%d dropped=%d "
+                     "errors=%d in %.2fs", self.ident.rank, self.config.run, s["captured"],
+                     s["sent"], s["acked"], s["dropped"], s["errors"],
+                     time.monotonic() - started)
+        return s
+
+    def summary(self) -> dict:
+        captured, errors, dropped = self.counters.snapshot()
+        snd = self._sender
+        return {
+            "captured": captured,
+            "sent": snd.sent if snd else 0,
+            "acked": snd.acked if snd else 0,
+            "dropped": sum(dropped.values()),
+            "dropped_by_reason": dropped,
+            "errors": errors,
+            "reconnects": snd.reconnects if snd else 0,
+        }
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def attach(
+    model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+    *,
+    run: str | None = None,
+    address: str | None = None,
+    token: str | None = None,
+    config: AgentConfig | None = None,
+    mesh=None,
+    dp_dim: str | None = None,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    stages: Sequence[int] = (),
+    dtype: str = "",
+    seed: int = 0,
+    labels: dict[str, str] | None = None,
+    **options,
+) -> Agent:
+    """Hook `model` (or each pipeline-stage module, with `stages` giving their indices).
+
+    Arguments set the configuration; NUMAUDIT_* variables override them (docs/agent.md). Raises
+    ValueError for a configuration that cannot work — the one moment the agent may raise.
+    """
+    base = config or AgentConfig()
+    overrides = {k: v for k, v in dict(run=run, address=address, token=token).items() if v}
+    cfg = apply_env(_replace(base, **overrides, **options))
+    check(cfg)
+    ident = rank_identity(mesh, dp_dim=dp_dim or cfg.dp_dim, dp_rank=dp_rank or cfg.dp_rank,
+                          dp_size=dp_size or cfg.dp_size, stages=tuple(stages))
+    ident.dtype, ident.seed, ident.labels = dtype, seed, dict(labels or {})
+    agent = Agent(cfg, ident)
+    modules = [] if model is None else ([model] if isinstance(model, torch.nn.Module) else list(model))
+    stage_ids = list(stages) if stages else [-1] * len(modules)
+    if len(stage_ids) != len(modules):
+        raise ValueError(f"stages: {len(stage_ids)} indices for {len(modules)} stage modules")
+    for module, stage in zip(modules, stage_ids):
+        agent.watch(module, stage=stage)
+    return agent
+
+
+def _replace(config: AgentConfig, **changes) -> AgentConfig:
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(AgentConfig)}
+    unknown = set(changes) - fields
+    if unknown:
+        raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}")
+    return dataclasses.replace(config, **changes)

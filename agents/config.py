@@ -1,0 +1,153 @@
+"""Agent configuration: a dataclass of arguments, overridden field by field by NUMAUDIT_* variables.
+
+Precedence, lowest first: the dataclass defaults < arguments to `agents.attach` < environment.
+The environment wins so that an operator can redirect or switch off auditing of a job without
+touching its code. Every variable is named once here; docs/agent.md lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+ENV_ADDR = "NUMAUDIT_ADDR"            # auditor address HOST:PORT
+ENV_RUN = "NUMAUDIT_RUN"              # run name
+ENV_TOKEN = "NUMAUDIT_TOKEN"          # bearer token (never logged)
+ENV_DISABLE = "NUMAUDIT_DISABLE"      # "1": attach returns an agent that captures nothing
+ENV_MODULES = "NUMAUDIT_MODULES"      # comma-separated globs of module sites to hook
+ENV_EXCLUDE = "NUMAUDIT_EXCLUDE"      # comma-separated globs of module sites never hooked
+ENV_DEPTH = "NUMAUDIT_DEPTH"          # deepest module level hooked (layers.0.moe is depth 3)
+ENV_PHASES = "NUMAUDIT_PHASES"        # comma-separated phases: fwd,bwd,grad,param,loss,input
+ENV_STEPS = "NUMAUDIT_STEPS"          # steps captured: "0-3,10"; empty = all
+ENV_RANKS = "NUMAUDIT_RANKS"          # ranks that capture: "0,4-7"; empty = all
+ENV_PAYLOAD = "NUMAUDIT_PAYLOAD"      # comma-separated "phase:site" globs that carry raw payloads
+ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
+ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
+
+PHASES = ("fwd", "bwd", "grad", "param", "loss", "input")
+
+
+@dataclass
+class AgentConfig:
+    """What the agent captures and where it sends it."""
+
+    address: str | None = None
+    """Auditor address HOST:PORT; None = no auditor (captures are counted and dropped)."""
+    run: str | None = None
+    """Run name, e.g. "ref" or "pp8"; required when an address is given."""
+    token: str | None = None
+    """Bearer token sent as call metadata."""
+    enabled: bool = True
+    """False: attach() hooks nothing and every call is a no-op."""
+    modules: tuple[str, ...] = ("*",)
+    """Globs (fnmatch) on normalized module sites whose outputs are captured."""
+    exclude: tuple[str, ...] = ()
+    """Globs of module sites never captured, even when `modules` matches."""
+    max_depth: int = 3
+    """Deepest module level captured: `layers` is 1, `layers.0` 2, `layers.0.moe` 3."""
+    phases: tuple[str, ...] = ("fwd", "grad", "loss", "input")
+    """Phases captured; add "bwd" for gradients at module outputs, "param" for weights."""
+    steps: frozenset[int] | None = None
+    """Steps captured; None = every step."""
+    ranks: frozenset[int] | None = None
+    """Global ranks that capture; None = all. Other ranks attach as no-ops."""
+    payload: tuple[str, ...] = ()
+    """Globs on "phase:site" (e.g. "fwd:output") whose raw bytes travel zstd-compressed."""
+    sketch_k: int = 256
+    """CountSketch buckets per digest (a power of two); see docs/digests.md for the error band."""
+    dp_dim: str | None = None
+    """Device-mesh dim along which the batch is split (activations are pieces of one tensor)."""
+    dp_rank: int | None = None
+    """Data-parallel rank, when no mesh dim is named; default: the global rank."""
+    dp_size: int | None = None
+    """Data-parallel size, when no mesh dim is named; default: the world size."""
+    queue_records: int = 65536
+    """Captures that may wait for the sender; past this they are dropped and counted."""
+    max_unacked_bytes: int = 256 << 20
+    """Memory budget for batches sent but not yet acked; past it new records are dropped."""
+    batch_records: int = 512
+    """Records per batch on the wire (FIELD-NOTES: gRPC pays per message)."""
+    batch_interval_s: float = 0.05
+    """A partial batch is sent after this long."""
+    flush_timeout_s: float = 10.0
+    """close() waits at most this long for acks (plus 1 s for the session close)."""
+    connect_timeout_s: float = 5.0
+    """Deadline of each unary call (Register, CloseSession)."""
+    ack_timeout_s: float = 10.0
+    """A stream with unacked batches and no ack for this long is treated as hung and reopened."""
+    device_batch: int = 64
+    """Captures digested on the device before one host transfer."""
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def parse_int_set(spec: str) -> frozenset[int] | None:
+    """ "0-3,10" → {0,1,2,3,10}; "" → None (all). Raises ValueError naming the bad part."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    out: set[int] = set()
+    for part in _split(spec):
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ValueError(f"not an integer range: {part!r}") from None
+        if b < a or a < 0:
+            raise ValueError(f"bad range: {part!r}")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Return a copy of `config` with every NUMAUDIT_* variable that is set applied on top."""
+    env = os.environ if env is None else env
+    changes: dict = {}
+    if env.get(ENV_ADDR):
+        changes["address"] = env[ENV_ADDR]
+    if env.get(ENV_RUN):
+        changes["run"] = env[ENV_RUN]
+    if env.get(ENV_TOKEN):
+        changes["token"] = env[ENV_TOKEN]
+    if env.get(ENV_DISABLE, "").strip() in ("1", "true", "yes"):
+        changes["enabled"] = False
+    if ENV_MODULES in env:
+        changes["modules"] = _split(env[ENV_MODULES])
+    if ENV_EXCLUDE in env:
+        changes["exclude"] = _split(env[ENV_EXCLUDE])
+    if env.get(ENV_DEPTH):
+        changes["max_depth"] = int(env[ENV_DEPTH])
+    if ENV_PHASES in env:
+        changes["phases"] = _split(env[ENV_PHASES])
+    if ENV_STEPS in env:
+        changes["steps"] = parse_int_set(env[ENV_STEPS])
+    if ENV_RANKS in env:
+        changes["ranks"] = parse_int_set(env[ENV_RANKS])
+    if ENV_PAYLOAD in env:
+        changes["payload"] = _split(env[ENV_PAYLOAD])
+    if env.get(ENV_SKETCH_K):
+        changes["sketch_k"] = int(env[ENV_SKETCH_K])
+    if env.get(ENV_FLUSH_TIMEOUT):
+        changes["flush_timeout_s"] = float(env[ENV_FLUSH_TIMEOUT])
+    return dataclasses.replace(config, **changes)
+
+
+def check(config: AgentConfig) -> None:
+    """Raise ValueError naming the field when the configuration cannot work."""
+    unknown = set(config.phases) - set(PHASES)
+    if unknown:
+        raise ValueError(f"phases: unknown {sorted(unknown)}; known: {', '.join(PHASES)}")
+    k = config.sketch_k
+    if k < 1 or k & (k - 1):
+        raise ValueError(f"sketch_k: {k} is not a power of two")
+    if config.address and not config.run:
+        raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
+    if config.max_depth < 1:
+        raise ValueError("max_depth: must be >= 1")
+    if config.batch_records < 1 or config.queue_records < 1:
+        raise ValueError("batch_records/queue_records: must be >= 1")

@@ -1,0 +1,42 @@
+"""Configuration: arguments, then NUMAUDIT_* variables on top; bad settings named."""
+
+import pytest
+
+from agents.config import AgentConfig, apply_env, check, parse_int_set
+
+
+def test_environment_overrides_arguments():
+    cfg = AgentConfig(address="a:1", run="ref", phases=("fwd",))
+    env = {"NUMAUDIT_ADDR": "b:2", "NUMAUDIT_RUN": "pp8", "NUMAUDIT_PHASES": "fwd,bwd,grad",
+           "NUMAUDIT_STEPS": "0-2,7", "NUMAUDIT_DEPTH": "2"}
+    out = apply_env(cfg, env)
+    assert (out.address, out.run) == ("b:2", "pp8")
+    assert out.phases == ("fwd", "bwd", "grad")
+    assert out.steps == frozenset({0, 1, 2, 7})
+    assert out.max_depth == 2
+    assert cfg.address == "a:1"  # the argument object is not mutated
+
+
+def test_unset_environment_keeps_arguments():
+    cfg = AgentConfig(address="a:1", run="ref")
+    assert apply_env(cfg, {}) == cfg
+
+
+def test_disable_switch():
+    assert apply_env(AgentConfig(), {"NUMAUDIT_DISABLE": "1"}).enabled is False
+
+
+@pytest.mark.parametrize("spec, why", [("3-1", "bad range"), ("x", "not an integer")])
+def test_bad_ranges_are_named(spec, why):
+    with pytest.raises(ValueError, match=why):
+        parse_int_set(spec)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(phases=("fwd", "weights")), "phases"),
+    (dict(sketch_k=100), "sketch_k"),
+    (dict(address="h:1"), "run"),
+])
+def test_check_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        check(AgentConfig(**changes))
