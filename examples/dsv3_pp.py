@@ -1,0 +1,251 @@
+"""Candidate run: the DS3-style model on 2 pipeline ranks x the reference's 4-rank dp mesh (ZBV).
+
+    torchrun --nproc-per-node 8 examples/dsv3_pp.py --name pp8 [--dump /tmp/pp.pt]
+
+Mesh ("pp", "dp") of shape (2, 4): global rank = pp_rank * 4 + dp_rank, so dp rank d sees the same
+data as dp rank d of the reference. The model is cut by layers into 4 stages placed in V order
+(pp rank 0 holds stages 0 and 3, pp rank 1 holds stages 1 and 2) and driven by
+`ScheduleZBVZeroBubble`, which splits backward into input-grad (I) and weight-grad (W) actions.
+Each stage is FSDP2-sharded over the dp mesh.
+
+Microbatches: the schedule gets the local batch (the 16 microbatches of the reference concatenated
+in order) and splits it with `tensor_split` along dim 0 into 16 equal chunks, so its microbatch j is
+exactly the reference's microbatch j.
+
+Gradient scaling: the schedule's loss is the per-microbatch mean cross-entropy (unscaled) and
+`scale_grads=True` makes the schedule divide the accumulated gradients by n_microbatches after the
+dp reduce-scatter (which averages over dp ranks). That is the reference's mean over microbatches and
+dp ranks. The reference divides each loss by n_microbatches before backward instead; for a power of
+two (16) both orders are bitwise identical, otherwise they agree to rounding.
+
+FSDP2 inside the stages uses reshard_after_forward=False; with FSDP2's default (True for non-root
+modules) the ZBV split backward silently loses layer gradients. `--inject reshard-after-forward`
+brings that bug back on purpose; docs/dsv3.md explains it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: `examples.*`, `agents`
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+from examples.dsv3.data import batches, local_batch
+from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
+from examples.dsv3_spmd import full_grads
+
+RUN_ENV = "NUMAUDIT_RUN"
+"""Run name when --name is not given (the option wins over the environment)."""
+DEFAULT_RUN = "pp8"
+PP_DEGREE = 2
+STAGES_PER_RANK = 2  # ZBV needs exactly two, in V order
+
+
+@dataclasses.dataclass
+class PipelineRun:
+    """Everything one rank holds; what an audit agent or a fault injection needs to reach."""
+
+    mesh: DeviceMesh
+    """The ("pp", "dp") mesh."""
+    modules: list[Transformer]
+    """This rank's stage modules (FSDP2-sharded, full-model FQNs), in stage order."""
+    stages: list[PipelineStage]
+    """The pipelining stages wrapping `modules`."""
+    schedule: ScheduleZBVZeroBubble
+    """The schedule; `schedule.step(...)` runs all microbatches of one step."""
+    optimizer: torch.optim.Optimizer
+    """One optimizer over the parameters of both local stages."""
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+
+def _inject_reshard_after_forward(run: PipelineRun) -> None:
+    """Reshard layers after forward (FSDP2's default): the ZBV split backward then drops their grads."""
+    for module in run.modules:
+        for layer in module.layers.values():
+            layer.set_reshard_after_forward(True, recurse=False)
+
+
+INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
+    "reshard-after-forward": _inject_reshard_after_forward,
+}
+"""Faults `--inject NAME` plants after the run is built, to show what an audit catches."""
+
+OnStep = Callable[[int, PipelineRun, list[float]], None]
+"""Called after a step's schedule ran, before the optimizer: (step, run, this rank's microbatch losses)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # Not --run: torchrun's own parser takes --run as an abbreviation of --run-path.
+    p.add_argument("--name", default=os.environ.get(RUN_ENV, DEFAULT_RUN),
+                   help=f"run name for the audit (default: ${RUN_ENV} or '{DEFAULT_RUN}')")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=16, help="microbatches per dp rank and step")
+    p.add_argument("--microbatch-size", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seeds both the weights and the data")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--scale", type=int, default=1, help="model width multiplier (ModelArgs.scaled)")
+    p.add_argument("--dump", type=Path, default=None,
+                   help="global rank 0 writes the full gradients of all stages, per-microbatch outputs "
+                        "and losses to this .pt file")
+    p.add_argument("--inject", choices=sorted(INJECTIONS), default=None,
+                   help="plant a known fault (see INJECTIONS)")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> PipelineRun:
+    world = dist.get_world_size()
+    if world % PP_DEGREE:
+        raise SystemExit(f"world size {world} is not a multiple of the pipeline degree {PP_DEGREE}")
+    mesh = init_device_mesh("cpu", (PP_DEGREE, world // PP_DEGREE), mesh_dim_names=("pp", "dp"))
+    pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
+    pp_rank = pp_mesh.get_local_rank()
+    num_stages = PP_DEGREE * STAGES_PER_RANK
+    margs = ModelArgs().scaled(args.scale)
+    modules, stages = [], []
+    for stage_index in (pp_rank, num_stages - 1 - pp_rank):  # V order
+        module = Transformer(margs)
+        module.init_weights(args.seed)  # full model first, so every weight equals the reference's
+        prune_to_stage(module, stage_index, num_stages)
+        # reshard_after_forward=False is required for correctness, not memory: the schedule's
+        # UNSHARD/RESHARD actions bracket the whole step, and the I (input-grad) action collects
+        # `stage.submod.parameters()` *before* autograd runs. A layer resharded after its forward
+        # exposes its sharded DTensors there, which are not in the autograd graph, so the W action
+        # silently computes no gradient for it (None, or partial sums). See docs/dsv3.md.
+        for layer in module.layers.values():
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        modules.append(module)
+        stages.append(PipelineStage(module, stage_index, num_stages, torch.device("cpu"),
+                                    group=pp_mesh.get_group()))
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=loss_fn,
+                                     scale_grads=True)
+    optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=args.lr)
+    return PipelineRun(mesh, modules, stages, schedule, optimizer)
+
+
+def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float]:
+    """Run args.steps steps; returns the global mean loss of each step."""
+    run = build(args)  # an audit agent attaches to `run.modules` / `run.schedule` here
+    if args.inject is not None:
+        INJECTIONS[args.inject](run)
+    dp_rank = run.mesh["dp"].get_local_rank()
+    margs = run.modules[0].args
+    data = batches(args.seed, dp_rank, args.microbatches, args.microbatch_size, margs.max_seq_len,
+                   margs.vocab_size)
+    step_losses = []
+    for step in range(args.steps):  # audited as `with agent.step(step):`
+        tokens, targets = local_batch(next(data))
+        losses: list[torch.Tensor] = []
+        # The microbatch loop lives inside the schedule: it runs F, I (input grad) and W (weight
+        # grad) actions for microbatches 0..n-1 of both local stages in ZBV order.
+        outputs = run.schedule.step(
+            *((tokens,) if run.has_first_stage else ()),
+            target=targets if run.has_last_stage else None,
+            losses=losses if run.has_last_stage else None,
+            return_outputs=args.dump is not None,
+        )
+        mb_losses = [loss.item() for loss in losses]
+        _warn_missing_grads(run, args.name)
+        if on_step is not None:
+            on_step(step, run, mb_losses)
+        if args.dump is not None:
+            dump_step(args.dump, step, run, outputs, mb_losses, args.microbatches)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        step_losses.append(_global_mean(mb_losses))
+        if dist.get_rank() == 0:
+            print(f"[{args.name}] step {step} loss {step_losses[-1]:.6f}", flush=True)
+    return step_losses
+
+
+def _warn_missing_grads(run: PipelineRun, name: str) -> None:
+    """Rank 0 prints how many parameter gradients are None across the job (should be none)."""
+    params = list(run.parameters())
+    t = torch.tensor([sum(p.grad is None for p in params), len(params)])
+    dist.all_reduce(t)  # each parameter counted once per dp rank
+    if dist.get_rank() == 0 and t[0] > 0:
+        print(f"[{name}] WARNING: {t[0].item()} of {t[1].item()} parameter-gradient pieces are None",
+              flush=True)
+
+
+def _global_mean(losses: list[float]) -> float:
+    """Mean over every microbatch loss in the job (only last-stage ranks hold any)."""
+    t = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
+
+
+def dump_step(path: Path, step: int, run: PipelineRun, outputs: torch.Tensor | None,
+              losses: list[float], n_microbatches: int) -> None:
+    """Global rank 0 writes {step: {grads, outputs [dp, mb, ...], losses [dp, mb]}} to path.
+
+    Grads: each pp rank gathers its stages' full gradients over its dp group, then the dp-rank-0
+    member of each pp rank sends them to global rank 0 (same FQNs as the reference). Outputs and
+    losses live on the ranks holding the last stage (pp rank 0 in V order); they are gathered over
+    that rank's dp group.
+    """
+    grads: dict[str, torch.Tensor | None] = {}
+    for module in run.modules:
+        grads.update(full_grads(module))
+    dp_mesh, pp_mesh = run.mesh["dp"], run.mesh["pp"]
+    if dp_mesh.get_local_rank() == 0:
+        shards: list | None = [None] * pp_mesh.size() if dist.get_rank() == 0 else None
+        dist.gather_object(grads, shards, dst=0, group=pp_mesh.get_group())
+        if shards is not None:
+            grads = {k: v for shard in shards for k, v in shard.items()}
+    record = {"grads": grads}
+    if run.has_last_stage:
+        group = dp_mesh.get_group()
+        local_out = outputs.unflatten(0, (n_microbatches, -1)).contiguous()  # [mb, mb_size, ...]
+        gathered = [torch.empty_like(local_out) for _ in range(dp_mesh.size())]
+        dist.all_gather(gathered, local_out, group=group)
+        local_loss = torch.tensor(losses, dtype=torch.float64)
+        gathered_loss = [torch.empty_like(local_loss) for _ in range(dp_mesh.size())]
+        dist.all_gather(gathered_loss, local_loss, group=group)
+        record.update(outputs=torch.stack(gathered), losses=torch.stack(gathered_loss))
+    if dist.get_rank() == 0:
+        if not run.has_last_stage:
+            raise AssertionError("global rank 0 must hold the last stage (V order) to dump outputs")
+        saved = torch.load(path) if step > 0 and path.exists() else {}
+        saved[step] = record
+        torch.save(saved, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    start = time.perf_counter()
+    try:
+        train(args)
+        if dist.get_rank() == 0:
+            print(f"[{args.name}] {args.steps} step(s) in {time.perf_counter() - start:.2f} s", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
