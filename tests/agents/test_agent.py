@@ -1,0 +1,206 @@
+"""The agent against a real auditor: what reaches the store, and what happens when it cannot."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import agents
+from agents.layout import PieceLayout
+from auditor.store import Reader, from_int64
+from protos import numaudit_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 2)
+        self.spare = torch.nn.Linear(2, 2)  # never called: grads stay None
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train(agent, model, steps=1, microbatches=2):
+    for step in range(steps):
+        with agent.step(step):
+            for j in range(microbatches):
+                with agent.microbatch(j):
+                    loss = model(torch.randn(3, 4)).square().mean()
+                    agent.capture(loss, site="loss", phase="loss")
+                    loss.backward()
+
+
+def _records(db, run):
+    reader = Reader(db)
+    try:
+        return list(reader.records(run))
+    finally:
+        reader.close()
+
+
+def test_records_reach_the_store_with_none_grads_explicit(auditor_server):
+    model = Net()
+    agent = agents.attach(model, run="ref", address=auditor_server.address)
+    _train(agent, model)
+    s = agent.close()
+    assert s["dropped"] == 0 and s["errors"] == 0
+    assert s["acked"] == s["sent"] == s["captured"] > 0
+    rows = _records(auditor_server.db_path, "ref")
+    assert len(rows) == s["captured"]
+    keys = {(r[0], r[1], r[2], r[3]) for r in rows}
+    for mb in (0, 1):
+        for site in ("a", "b"):
+            assert (0, mb, pb.PHASE_FWD, site) in keys
+        assert (0, mb, pb.PHASE_LOSS, "loss") in keys
+    none = {r[3] for r in rows if r[9]}
+    assert none == {"spare.weight", "spare.bias"}
+    grads = {r[3] for r in rows if r[2] == pb.PHASE_GRAD and not r[9]}
+    assert grads == {"a.weight", "a.bias", "b.weight", "b.bias"}
+
+
+def test_fingerprint_in_store_matches_digest_of_the_tensor(auditor_server):
+    from agents.digest import digest_piece
+
+    t = torch.randn(5, 3)
+    agent = agents.attach(None, run="ref", address=auditor_server.address)
+    with agent.step(0), agent.microbatch(0):
+        agent.capture(t, site="x", phase="input")
+    agent.close()
+    (row,) = _records(auditor_server.db_path, "ref")
+    _, i64 = digest_piece(t, PieceLayout.full((5, 3)))
+    assert from_int64(row[28]) == int(i64[5]) % (1 << 64)
+
+
+def test_payload_travels_compressed_and_round_trips(auditor_server):
+    import zstandard
+
+    t = torch.randn(64, 8)
+    agent = agents.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
+    with agent.step(0), agent.microbatch(0):
+        agent.capture(t, site="x", phase="input")
+    agent.close()
+    (row,) = _records(auditor_server.db_path, "ref")
+    reader = Reader(auditor_server.db_path)
+    header, data = reader.payload(row[30])
+    raw = zstandard.ZstdDecompressor().decompress(data)
+    assert header["raw_nbytes"] == t.numel() * 4
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(64, 8), t)
+
+
+def test_checkpoint_recomputation_is_not_a_new_call(auditor_server):
+    class Ckpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    model = Ckpt()
+    agent = agents.attach(model, run="ref", address=auditor_server.address, phases=("fwd",))
+    with agent.step(0), agent.microbatch(0):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    agent.close()
+    calls = [(r[3], r[6]) for r in _records(auditor_server.db_path, "ref")]
+    assert calls == [("inner", 0)]
+
+
+def test_repeated_calls_are_numbered(auditor_server):
+    lin = torch.nn.Linear(2, 2)
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    model = Twice()
+    agent = agents.attach(model, run="ref", address=auditor_server.address, phases=("fwd",))
+    with agent.step(0):
+        for j in range(2):
+            with agent.microbatch(j):
+                model(torch.randn(1, 2))
+    agent.close()
+    keys = sorted((r[1], r[6]) for r in _records(auditor_server.db_path, "ref"))
+    assert keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_auditor_never_blocks_training_and_drops_are_counted():
+    model = Net()
+    agent = agents.attach(model, run="ref", address=f"127.0.0.1:{_free_port()}",
+                          flush_timeout_s=0.5)
+    started = time.monotonic()
+    _train(agent, model, steps=3)
+    train_time = time.monotonic() - started
+    started = time.monotonic()
+    s = agent.close()
+    assert time.monotonic() - started < 0.5 + 1.0 + 0.5
+    assert train_time < 5.0
+    assert s["acked"] == 0
+    assert s["dropped"] == s["captured"] > 0
+    assert set(s["dropped_by_reason"]) <= {"unacked_at_close", "unsent_at_close"}
+
+
+def test_rejected_batch_is_dropped_and_counted_and_later_ones_delivered(auditor_server):
+    agent = agents.attach(None, run="ref", address=auditor_server.address, batch_records=1)
+    with agent.step(0), agent.microbatch(0):
+        agent.capture(torch.ones(2), site="good1", phase="input")
+        agent.capture(torch.ones(2), site="x" * 600, phase="input")  # site too long: refused
+    with agent.step(0), agent.microbatch(1):
+        agent.capture(torch.ones(2), site="good2", phase="input")
+    s = agent.close()
+    assert s["dropped_by_reason"] == {"rejected": 1}
+    sites = sorted(r[3] for r in _records(auditor_server.db_path, "ref"))
+    assert sites == ["good1", "good2"]
+
+
+def test_queue_overflow_drops_and_counts_without_blocking():
+    agent = agents.attach(None, run="ref", address=f"127.0.0.1:{_free_port()}",
+                          queue_records=4, device_batch=1, flush_timeout_s=0.2)
+    with agent.step(0), agent.microbatch(0):
+        for i in range(50):
+            agent.capture(torch.ones(3), site=f"t{i}", phase="input")
+    s = agent.close()
+    assert s["captured"] == 50
+    assert s["dropped"] == 50
+    assert s["dropped_by_reason"].get("queue_full", 0) > 0
+
+
+def test_hooks_never_raise_into_training(auditor_server, monkeypatch):
+    import agents.capture as capture
+
+    def broken(*a, **k):
+        raise RuntimeError("digest exploded")
+
+    monkeypatch.setattr(capture, "digest_piece", broken)
+    model = Net()
+    agent = agents.attach(model, run="ref", address=auditor_server.address)
+    _train(agent, model)  # must not raise
+    s = agent.close()
+    assert s["errors"] > 0
+
+
+def test_disabled_agent_hooks_nothing(monkeypatch):
+    monkeypatch.setenv("NUMAUDIT_DISABLE", "1")
+    model = Net()
+    agent = agents.attach(model, run="ref", address="127.0.0.1:1")
+    _train(agent, model)
+    assert agent.close()["captured"] == 0
+    assert not model.a._forward_hooks

@@ -1,0 +1,55 @@
+"""Processes for end-to-end tests: `auditor serve` and torchrun, started as a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Daemon:
+    """`python -m auditor serve` on a free port; stop() sends SIGTERM and returns the exit code."""
+
+    def __init__(self, tmp: Path, name: str = "audit") -> None:
+        self.db = tmp / f"{name}.db"
+        self.port_file = tmp / f"{name}.port"
+        self.log = tmp / f"{name}.log"
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0",
+             "--db", str(self.db), "--port-file", str(self.port_file)],
+            stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        deadline = time.monotonic() + 30
+        while not (self.port_file.exists() and self.port_file.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"auditor did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{self.port_file.read_text().strip()}"
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._out.close()
+
+
+def torchrun(script: str, nproc: int, *args: str, env: dict | None = None,
+             timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run an example under torchrun (gloo, CPU); fails the test with its output on error."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(ROOT / "examples" / script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+    return proc
