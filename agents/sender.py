@@ -284,6 +284,10 @@ class Sender:
 
     def _service_connection(self, now: float) -> None:
         if self._stream is None:
+            # Lazy: the first batch (or close) opens the session, so that registration carries
+            # what was set up after attach (pipeline stages) and idle ranks hold no connection.
+            if not self._pending and not self._closing:
+                return
             if now < self._next_attempt or now >= self._deadline:
                 return
             try:
@@ -306,17 +310,20 @@ class Sender:
             self._next_attempt = time.monotonic()
 
     def _connect(self) -> None:
+        self._register(max(0.05, min(self.config.connect_timeout_s,
+                                     self._deadline - time.monotonic())))
+        self._stream = _Stream(self._stub, self._metadata)
+        self._backoff = RECONNECT_BACKOFF_MIN_S
+
+    def _register(self, timeout: float) -> None:
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.config.address,
                                                   options=limits.client_options())
             self._stub = numaudit_pb2_grpc.AuditorStub(self._channel)
-        timeout = max(0.05, min(self.config.connect_timeout_s, self._deadline - time.monotonic()))
         resp = self._stub.Register(self._register_request(), timeout=timeout,
                                    metadata=self._metadata, wait_for_ready=False)
         self._ack(resp.acked_seq)
         self._registered = True
-        self._stream = _Stream(self._stub, self._metadata)
-        self._backoff = RECONNECT_BACKOFF_MIN_S
 
     def _register_request(self) -> pb.RegisterRequest:
         i = self.ident
@@ -396,6 +403,12 @@ class Sender:
             if item is not None:
                 self.counters.drop("unsent_at_close", len(item.captures))
         self._drop_stream()
+        if (self._can_send() and not self._registered and self.counters.snapshot()[0]
+                and time.monotonic() < self._deadline):
+            try:  # nothing was ever sent: register anyway so the drop counts reach the auditor
+                self._register(max(0.05, min(1.0, self._deadline - time.monotonic())))
+            except grpc.RpcError:
+                pass
         if self._channel is not None and self._registered and self._fatal is None:
             captured, errors, dropped = self.counters.snapshot()
             req = pb.CloseSessionRequest(

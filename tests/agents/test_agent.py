@@ -204,3 +204,17 @@ def test_disabled_agent_hooks_nothing(monkeypatch):
     _train(agent, model)
     assert agent.close()["captured"] == 0
     assert not model.a._forward_hooks
+
+
+def test_drops_reach_the_auditor_even_when_nothing_was_sent(auditor_server):
+    agent = agents.attach(None, run="ref", address=auditor_server.address, queue_records=1,
+                          device_batch=1)
+    agent._sender.submit = lambda batch: agent.counters.drop("queue_full", len(batch.captures))
+    with agent.step(0), agent.microbatch(0):
+        for i in range(3):
+            agent.capture(torch.ones(2), site=f"t{i}", phase="input")
+    agent.close()
+    (session,) = Reader(auditor_server.db_path).sessions("ref")
+    assert session["records_sent"] == 3
+    assert session["records_dropped"] == 3
+    assert session["dropped_by_reason"] == {"queue_full": 3}
