@@ -1,0 +1,275 @@
+"""Where a piece sits inside its logical tensor (DESIGN.md "piece and layout").
+
+A record is one *piece* of a *logical* tensor: a box ``offsets .. offsets + shape`` inside
+``logical_shape``. Pieces of one key from all ranks tile the logical tensor, which is what lets
+the auditor rebuild a logical tensor's digest from shards computed under any parallelism.
+
+Layouts come from two places: DTensor placements (:func:`dtensor_layout`) and the declared
+data-parallel split of a batch (:func:`batch_layout`). Only boxes are representable; a placement
+whose local piece is not one box (a ``_StridedShard`` that interleaves rows) raises
+:class:`UnsupportedLayout` instead of being silently mis-indexed.
+
+torch is imported lazily so that this module stays importable where torch is not wanted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedLayout(ValueError):
+    """A tensor's placement cannot be described as one box of its logical tensor."""
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """One box of a logical tensor, plus how copies of the box relate across ranks."""
+
+    logical_shape: tuple[int, ...]
+    """Global shape of the logical tensor; ``()`` for a 0-dim tensor."""
+    offsets: tuple[int, ...]
+    """Start of the piece in each dim of the logical tensor."""
+    shape: tuple[int, ...]
+    """Extent of the piece in each dim; ``offsets[d] + shape[d] <= logical_shape[d]``."""
+    replica: bool = False
+    """Identical copies of this box exist on other ranks (a Replicate mesh dim)."""
+    partial: bool = False
+    """This piece is one addend of its box (a Partial placement): addends sum to the values."""
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> PieceLayout:
+        """The whole tensor as one piece (no parallelism)."""
+        shape = tuple(int(s) for s in shape)
+        return cls(logical_shape=shape, offsets=(0,) * len(shape), shape=shape)
+
+    @property
+    def numel(self) -> int:
+        """Elements in the piece."""
+        return math.prod(self.shape)
+
+    @property
+    def logical_numel(self) -> int:
+        """Elements in the logical tensor."""
+        return math.prod(self.logical_shape)
+
+    @property
+    def is_full(self) -> bool:
+        """The piece is the whole logical tensor."""
+        return self.shape == self.logical_shape
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field when the box is not inside the tensor."""
+        n = len(self.logical_shape)
+        for name in ("offsets", "shape"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"{name}: length {len(getattr(self, name))} != len(logical_shape) {n}"
+                )
+        for name in ("logical_shape", "offsets", "shape"):
+            values = getattr(self, name)
+            for d, v in enumerate(values):
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise ValueError(f"{name}[{d}]: {v!r} is not an int")
+                if v < 0:
+                    raise ValueError(f"{name}[{d}]: {v} is negative")
+        for d, (o, s, g) in enumerate(zip(self.offsets, self.shape, self.logical_shape)):
+            if o + s > g:
+                raise ValueError(
+                    f"shape[{d}]: offsets[{d}] + shape[{d}] = {o} + {s} > logical_shape[{d}] = {g}"
+                )
+
+    def to_proto(self, pb: Any, *, dtype: str, complex_as_real: bool = False) -> Any:
+        """Fill a ``numaudit.v1.Layout`` message (``dtype`` without the ``torch.`` prefix)."""
+        pb.logical_shape[:] = self.logical_shape
+        pb.offsets[:] = self.offsets
+        pb.shape[:] = self.shape
+        pb.replica = self.replica
+        pb.partial = self.partial
+        pb.dtype = dtype
+        pb.complex_as_real = complex_as_real
+        return pb
+
+    @classmethod
+    def from_proto(cls, pb: Any) -> PieceLayout:
+        """Read a ``numaudit.v1.Layout`` message (dtype and complex_as_real are not kept)."""
+        return cls(
+            logical_shape=tuple(pb.logical_shape),
+            offsets=tuple(pb.offsets),
+            shape=tuple(pb.shape),
+            replica=pb.replica,
+            partial=pb.partial,
+        )
+
+
+def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int) -> PieceLayout:
+    """Layout of a data-parallel rank's activations: the batch is split on dim 0.
+
+    The logical tensor is the concatenation of all dp ranks' local tensors on dim 0, in dp-rank
+    order (the order a DistributedSampler feeds them). A 0-dim tensor (a per-rank scalar loss)
+    becomes element ``dp_rank`` of a logical vector of ``dp_size`` elements.
+    """
+    local_shape = tuple(int(s) for s in local_shape)
+    if dp_size < 1:
+        raise ValueError(f"dp_size: {dp_size} < 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank: {dp_rank} not in [0, {dp_size})")
+    if dp_size == 1:
+        return PieceLayout.full(local_shape)
+    if not local_shape:
+        return PieceLayout(logical_shape=(dp_size,), offsets=(dp_rank,), shape=(1,))
+    rows = local_shape[0]
+    return PieceLayout(
+        logical_shape=(rows * dp_size, *local_shape[1:]),
+        offsets=(dp_rank * rows,) + (0,) * (len(local_shape) - 1),
+        shape=local_shape,
+    )
+
+
+def complex_real_layout(layout: PieceLayout) -> PieceLayout:
+    """Layout of ``torch.view_as_real`` of a complex piece: a trailing dim of 2, taken whole."""
+    return PieceLayout(
+        logical_shape=(*layout.logical_shape, 2),
+        offsets=(*layout.offsets, 0),
+        shape=(*layout.shape, 2),
+        replica=layout.replica,
+        partial=layout.partial,
+    )
+
+
+def placements_layout(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+) -> PieceLayout:
+    """Layout of the piece held at mesh ``coordinate`` of a tensor with these placements.
+
+    The pure core of :func:`dtensor_layout`, usable without a process group. Plain ``Shard``
+    pieces are always one box (sharding a contiguous range contiguously stays contiguous), uneven
+    and empty shards included (an empty shard's offset is the dim's size, which torch reports).
+    ``_StridedShard`` pieces are boxes in the FSDP2 + TP pattern and are accepted when they are;
+    otherwise :class:`UnsupportedLayout` names the placement.
+    """
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    global_shape = tuple(int(s) for s in global_shape)
+    _check_placements(placements, len(global_shape))
+    local_shape, offsets = _compute_local_shape_and_global_offset(
+        global_shape, tuple(mesh_shape), list(coordinate), placements
+    )
+    return _finish(global_shape, mesh_shape, coordinate, placements, local_shape, offsets)
+
+
+def dtensor_layout(dt: Any) -> PieceLayout:
+    """Layout of this rank's local shard of a DTensor (``dt.to_local()``).
+
+    Uses torch's ``compute_local_shape_and_global_offset`` (uneven shards, Shard on any dim,
+    multi-dim meshes). ``replica`` is set when any mesh dim is Replicate, ``partial`` when any
+    placement is Partial. A rank outside the DTensor's mesh holds nothing: its layout is an empty
+    box at the origin.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = dt.device_mesh
+    placements = tuple(dt.placements)
+    global_shape = tuple(int(s) for s in dt.shape)
+    _check_placements(placements, len(global_shape))
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        zeros = (0,) * len(global_shape)
+        return PieceLayout(logical_shape=global_shape, offsets=zeros, shape=zeros)
+    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return _finish(global_shape, tuple(mesh.shape), coordinate, placements, local_shape, offsets)
+
+
+def _check_placements(placements: Sequence[Any], ndim: int) -> None:
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    for p in placements:
+        if isinstance(p, (Shard, _StridedShard)):
+            if not 0 <= p.dim < ndim:
+                raise UnsupportedLayout(f"placement {p!r}: dim out of range for {ndim}-dim tensor")
+        elif not isinstance(p, (Replicate, Partial)):
+            raise UnsupportedLayout(f"placement {p!r} is not Shard, Replicate or Partial")
+
+
+def _finish(
+    global_shape: tuple[int, ...],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+    local_shape: Sequence[int],
+    offsets: Sequence[int],
+) -> PieceLayout:
+    from torch.distributed.tensor.placement_types import Partial, Replicate, _StridedShard
+
+    local_shape = tuple(int(s) for s in local_shape)
+    offsets = tuple(int(o) for o in offsets)
+    if any(isinstance(p, _StridedShard) for p in placements):
+        _check_strided_is_box(global_shape, mesh_shape, coordinate, placements, local_shape, offsets)
+    layout = PieceLayout(
+        logical_shape=global_shape,
+        offsets=offsets,
+        shape=local_shape,
+        replica=any(isinstance(p, Replicate) for p in placements),
+        partial=any(isinstance(p, Partial) for p in placements),
+    )
+    layout.validate()
+    return layout
+
+
+def _check_strided_is_box(
+    global_shape: tuple[int, ...],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+    local_shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+) -> None:
+    """Replay the split of each dim that a ``_StridedShard`` touches, as distribute_tensor does.
+
+    The replay splits an index vector with the placements' own ``_split_tensor`` (mesh dims left
+    to right), so it follows whatever torch does; a piece whose indices are not one contiguous
+    range, or that disagrees with torch's (shape, offset), is refused.
+    """
+    import torch
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    strided_dims = {p.dim for p in placements if isinstance(p, _StridedShard)}
+    for dim in sorted(strided_dims):
+        index = torch.arange(global_shape[dim])
+        culprit = None
+        for mesh_dim, p in enumerate(placements):
+            if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
+                continue
+            if isinstance(p, _StridedShard):
+                culprit = p
+                splitter: Any = _StridedShard(0, split_factor=p.split_factor)
+            else:
+                splitter = Shard(0)
+            pieces, _ = splitter._split_tensor(index, int(mesh_shape[mesh_dim]), with_padding=False)
+            index = pieces[int(coordinate[mesh_dim])]
+        n = index.numel()
+        if n == 0:
+            ok = local_shape[dim] == 0
+        else:
+            start = int(index[0])
+            ok = (
+                bool(torch.equal(index, torch.arange(start, start + n)))
+                and local_shape[dim] == n
+                and offsets[dim] == start
+            )
+        if not ok:
+            raise UnsupportedLayout(
+                f"placement {culprit!r} on dim {dim} at mesh coordinate {tuple(coordinate)}: "
+                "the local piece is not one contiguous box of the logical tensor"
+            )
