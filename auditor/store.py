@@ -190,6 +190,14 @@ class Store:
     def rollback(self) -> None:
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
+        self._reload_sites()
+
+    def _reload_sites(self) -> None:
+        # Site ids assigned inside a rolled-back transaction or savepoint no longer exist; a
+        # stale cache would give later records a dangling site_id.
+        self._site_ids = dict(
+            (name, sid) for sid, name in self.conn.execute("SELECT site_id, name FROM sites")
+        )
 
     def savepoint(self, name: str) -> None:
         self.conn.execute(f"SAVEPOINT {name}")
@@ -200,10 +208,7 @@ class Store:
     def rollback_to(self, name: str) -> None:
         self.conn.execute(f"ROLLBACK TO {name}")
         self.conn.execute(f"RELEASE {name}")
-        # Site ids assigned inside the rolled-back savepoint no longer exist.
-        self._site_ids = dict(
-            (name, sid) for sid, name in self.conn.execute("SELECT site_id, name FROM sites")
-        )
+        self._reload_sites()
 
     # -- writes (inside a transaction) ----------------------------------------------------------
 

@@ -34,23 +34,28 @@ class StoreWriter:
         self._queue: queue.Queue = queue.Queue()
         self._ready = concurrent.futures.Future()
         self._closed = False
+        self._lock = threading.Lock()  # orders submit() against close(): nothing queued after the stop
         self._thread = threading.Thread(target=self._run, name="numaudit-store-writer", daemon=True)
         self._thread.start()
         self._ready.result()  # raises if the store could not be opened
 
     def submit(self, work: Callable[[Store], Any]) -> concurrent.futures.Future:
-        if self._closed:
-            raise WriterClosed("the store writer is closed")
+        """Queue work; the future resolves after its transaction commits. A future cancelled
+        before the writer picks it up is skipped (its work never runs)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((work, fut))
+        with self._lock:
+            if self._closed:
+                raise WriterClosed("the store writer is closed")
+            self._queue.put((work, fut))
         return fut
 
     def close(self, timeout: float = 30.0) -> None:
         """Commit what is queued, then stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -72,6 +77,9 @@ class StoreWriter:
                 if None in items:
                     stop = True
                     items = [i for i in items if i is not None]
+                # Cancelled futures are dropped; the rest can no longer be cancelled, so setting
+                # their result after the commit cannot raise InvalidStateError.
+                items = [(work, fut) for work, fut in items if fut.set_running_or_notify_cancel()]
                 if items:
                     self._commit(store, items)
         finally:
@@ -95,7 +103,10 @@ class StoreWriter:
             store.commit()
         except Exception as exc:  # the commit itself failed (disk full, I/O error)
             log.error("store commit failed: %s", exc)
-            store.rollback()
+            try:
+                store.rollback()
+            except Exception as rollback_exc:  # the connection may be unusable; keep serving
+                log.error("store rollback failed: %s", rollback_exc)
             for _, fut in items:
                 if not fut.done():
                     fut.set_exception(exc)
