@@ -1,0 +1,27 @@
+"""Shared fixtures: a real auditor daemon on 127.0.0.1:0 over a fresh SQLite file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from auditor import limits
+from auditor.server import BackgroundServer
+from protos import numaudit_pb2_grpc
+
+
+@pytest.fixture
+def auditor_server(tmp_path: Path) -> Iterator[BackgroundServer]:
+    """A running daemon (grpc.aio in a background thread); `.address`, `.db_path`."""
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", grace=1.0) as server:
+        yield server
+
+
+@pytest.fixture
+def auditor_stub(auditor_server: BackgroundServer) -> Iterator[numaudit_pb2_grpc.AuditorStub]:
+    """An Auditor stub on a channel to `auditor_server` (pass timeout= on every call)."""
+    with grpc.insecure_channel(auditor_server.address, options=limits.client_options()) as channel:
+        yield numaudit_pb2_grpc.AuditorStub(channel)
