@@ -111,10 +111,10 @@ class Agent:
             log.warning("rank %d: numaudit close failed: %r", self.ident.rank, exc)
         s = self.summary()
         if self.active:
-            log.info("rank %d: numaudit run=%s captured=%d sent=%d acked=%d dropped=%d "
-                     "errors=%d in %.2fs", self.ident.rank, self.config.run, s["captured"],
-                     s["sent"], s["acked"], s["dropped"], s["errors"],
-                     time.monotonic() - started)
+            log.info("rank %d: numaudit run=%s captured=%d sent=%d acked=%d spooled=%d "
+                     "dropped=%d errors=%d in %.2fs", self.ident.rank, self.config.run,
+                     s["captured"], s["sent"], s["acked"], s["spooled"], s["dropped"],
+                     s["errors"], time.monotonic() - started)
         return s
 
     def summary(self) -> dict:
@@ -124,6 +124,7 @@ class Agent:
             "captured": captured,
             "sent": snd.sent if snd else 0,
             "acked": snd.acked if snd else 0,
+            "spooled": snd.spooled if snd else 0,
             "dropped": sum(dropped.values()),
             "dropped_by_reason": dropped,
             "errors": errors,

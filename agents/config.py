@@ -25,6 +25,9 @@ ENV_RANKS = "NUMAUDIT_RANKS"          # ranks that capture: "0,4-7"; empty = all
 ENV_PAYLOAD = "NUMAUDIT_PAYLOAD"      # comma-separated "phase:site" globs that carry raw payloads
 ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
 ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
+ENV_SPOOL = "NUMAUDIT_SPOOL"          # spool directory
+ENV_SPOOL_MODE = "NUMAUDIT_SPOOL_MODE"  # spill | always | off
+SPOOL_MODES = ("spill", "always", "off")
 
 PHASES = ("fwd", "bwd", "grad", "param", "loss", "input")
 
@@ -79,6 +82,11 @@ class AgentConfig:
     """A stream with unacked batches and no ack for this long is treated as hung and reopened."""
     device_batch: int = 64
     """Captures digested on the device before one host transfer."""
+    spool_dir: str = "numaudit-spool"
+    """Where records the auditor did not take are written (`auditor ingest` replays them)."""
+    spool_mode: str = "spill"
+    """"spill": only what is unacked at close (or everything, without an address); "always":
+    every batch is written ahead of sending (survives a killed training process); "off"."""
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -132,6 +140,10 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["payload"] = _split(env[ENV_PAYLOAD])
     if env.get(ENV_SKETCH_K):
         changes["sketch_k"] = int(env[ENV_SKETCH_K])
+    if env.get(ENV_SPOOL):
+        changes["spool_dir"] = env[ENV_SPOOL]
+    if env.get(ENV_SPOOL_MODE):
+        changes["spool_mode"] = env[ENV_SPOOL_MODE].strip()
     if env.get(ENV_FLUSH_TIMEOUT):
         changes["flush_timeout_s"] = float(env[ENV_FLUSH_TIMEOUT])
     return dataclasses.replace(config, **changes)
@@ -147,6 +159,8 @@ def check(config: AgentConfig) -> None:
         raise ValueError(f"sketch_k: {k} is not a power of two")
     if config.address and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
+    if config.spool_mode not in SPOOL_MODES:
+        raise ValueError(f"spool_mode: {config.spool_mode!r} is not one of {', '.join(SPOOL_MODES)}")
     if config.max_depth < 1:
         raise ValueError("max_depth: must be >= 1")
     if config.batch_records < 1 or config.queue_records < 1:

@@ -28,6 +28,7 @@ from agents.config import AgentConfig
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from agents.identity import RankIdentity
 from auditor import limits
+from auditor.spool import SpoolWriter
 from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
 
@@ -121,7 +122,9 @@ class Sender:
         self._zstd = zstandard.ZstdCompressor(level=1, write_content_size=True)
         self.sent = 0
         self.acked = 0
+        self.spooled = 0
         self.reconnects = 0
+        self._spool: SpoolWriter | None = None
         self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
         self._thread = threading.Thread(target=self._run, name="numaudit-sender", daemon=True)
         self._thread.start()
@@ -265,16 +268,24 @@ class Sender:
         self._records_bytes = 0
         if not records:
             return
+        msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=self.session_id,
+                             seq=self._next_seq)
+        msg.records.extend(records)
         if not self._can_send():
-            reason = "no_auditor" if not self.config.address else self._fatal
-            self.counters.drop(reason, len(records))
+            if self._spool_write(msg):
+                self._next_seq += 1
+                self.sent += len(records)
+                self.spooled += len(records)
+            else:
+                reason = "no_auditor" if not self.config.address else self._fatal
+                self.counters.drop(reason, len(records))
             return
         if self._pending_bytes + nbytes > self.config.max_unacked_bytes:
             self.counters.drop("buffer_full", len(records))
             return
-        msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=self.session_id,
-                             seq=self._next_seq)
-        msg.records.extend(records)
+        if self.config.spool_mode == "always" and not self._spool_write(msg):
+            self.counters.drop("spool_error", len(records))
+            return
         self._pending.append(_Batch(self._next_seq, msg, len(records), nbytes))
         self._pending_bytes += nbytes
         self._next_seq += 1
@@ -397,6 +408,13 @@ class Sender:
         """Count what never got acked, tell the auditor the totals, close the channel."""
         self._cut()
         unacked = sum(b.records for b in self._pending)
+        if unacked and self.config.spool_mode == "spill":
+            if all(self._spool_write(b.message) for b in self._pending):
+                self.spooled += unacked
+                unacked = 0
+        elif unacked and self.config.spool_mode == "always":
+            self.spooled += unacked  # already written ahead
+            unacked = 0
         self.counters.drop("unacked_at_close", unacked)
         while not self._in.empty():
             item = self._in.get_nowait()
@@ -417,10 +435,47 @@ class Sender:
                 capture_errors=errors,
             )
             req.dropped_by_reason.update(dropped)
+            self._spool_close(req)
             try:
-                self._stub.CloseSession(req, timeout=1.0, metadata=self._metadata)
+                self._stub.CloseSession(req, timeout=0.9, metadata=self._metadata)
             except grpc.RpcError as exc:
                 log.warning("rank %d: could not close the auditor session: %s",
                             self.ident.rank, exc.code().name)
+        else:
+            self._spool_close(None)
         if self._channel is not None:
             self._channel.close()
+
+    # -- spool ----------------------------------------------------------------------------------
+
+    def _spool_write(self, batch: pb.RecordBatch) -> bool:
+        """Append a batch to this session's spool file (opened with its registration)."""
+        if self.config.spool_mode == "off":
+            return False
+        try:
+            if self._spool is None:
+                self._spool = SpoolWriter(self.config.spool_dir, self.config.run or "unnamed",
+                                          self.ident.rank, self.session_id)
+                self._spool.append(self._register_request())
+                log.info("rank %d: numaudit spooling to %s", self.ident.rank, self._spool.path)
+            self._spool.append(batch)
+            return True
+        except OSError as exc:
+            log.warning("rank %d: numaudit spool write failed: %r", self.ident.rank, exc)
+            return False
+
+    def _spool_close(self, req: pb.CloseSessionRequest | None) -> None:
+        if self._spool is None:
+            return
+        try:
+            if req is None:
+                captured, errors, dropped = self.counters.snapshot()
+                req = pb.CloseSessionRequest(
+                    schema_version=pb.SCHEMA_VERSION_1, session_id=self.session_id,
+                    records_sent=captured, records_dropped=sum(dropped.values()),
+                    capture_errors=errors)
+                req.dropped_by_reason.update(dropped)
+            self._spool.append(req)
+            self._spool.close()
+        except OSError as exc:
+            log.warning("rank %d: numaudit spool close failed: %r", self.ident.rank, exc)
