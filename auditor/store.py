@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from protos import numaudit_pb2 as pb
 
@@ -350,13 +351,10 @@ class Store:
         ).fetchone()[0]
 
 
-def _pack_sketch(values: Iterable[float]) -> bytes:
-    import array
-
-    a = array.array("d", values)
-    if a.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte doubles
-        raise RuntimeError("float64 array itemsize is not 8")
-    return a.tobytes()
+def _pack_sketch(values: Sequence[float]) -> bytes:
+    # Native-order float64, as unpack_sketch reads it. struct over the protobuf container is
+    # ~2.5x faster than array.array(values), which iterates it element by element.
+    return struct.pack(f"={len(values)}d", *values)
 
 
 def unpack_sketch(blob: bytes) -> list[float]:
