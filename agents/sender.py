@@ -304,7 +304,7 @@ class Sender:
             try:
                 self._connect()
             except grpc.RpcError as exc:
-                self._connection_failed(exc)
+                self._connection_failed(exc, registering=True)
                 return
         self._drain_acks()
         s = self._stream
@@ -373,10 +373,13 @@ class Sender:
             self._pending_bytes -= b.nbytes
             self.acked += b.records
 
-    def _connection_failed(self, exc: Exception) -> None:
+    def _connection_failed(self, exc: Exception, registering: bool = False) -> None:
         code = exc.code() if isinstance(exc, grpc.RpcError) else None
         self._drop_stream()
-        if code in _FATAL:
+        # A registration refused for what it says (schema version, world size, bad field) will
+        # be refused again: give up rather than retry forever.
+        if code in _FATAL or (registering and (code in _REJECTED
+                                               or code == grpc.StatusCode.FAILED_PRECONDITION)):
             self._fatal = "refused"
             log.error("rank %d: the auditor refused this agent (%s: %s); records are dropped",
                       self.ident.rank, code.name, exc.details())

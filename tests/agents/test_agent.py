@@ -275,3 +275,22 @@ def test_hung_auditor_close_spills_and_returns_in_time(tmp_path):
         assert time.monotonic() - started < 1.0 + 1.0 + 0.3
     assert s["spooled"] + s["dropped"] == s["captured"]
     assert s["spooled"] > 0
+
+
+def test_registration_refused_for_its_content_is_final_not_retried(auditor_server, tmp_path):
+    """A run registered with world size 2 refuses a rank claiming 3: the agent stops trying."""
+    first = agents.attach(None, run="ref", address=auditor_server.address, dp_rank=0, dp_size=1)
+    first.ident.world_size = 2
+    with first.step(0), first.microbatch(0):
+        first.capture(torch.ones(1), site="x", phase="input")
+    first.close()
+    other = agents.attach(None, run="ref", address=auditor_server.address, dp_rank=0, dp_size=1,
+                          spool_mode="off")
+    other.ident.world_size = 3
+    with other.step(0), other.microbatch(0):
+        other.capture(torch.ones(1), site="y", phase="input")
+    started = time.monotonic()
+    s = other.close(timeout=5.0)
+    assert time.monotonic() - started < 2.0  # did not spend the flush timeout retrying
+    assert s["dropped_by_reason"] == {"refused": 1}
+    assert other._sender.reconnects == 0
