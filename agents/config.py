@@ -25,6 +25,7 @@ ENV_RANKS = "NUMAUDIT_RANKS"          # ranks that capture: "0,4-7"; empty = all
 ENV_PAYLOAD = "NUMAUDIT_PAYLOAD"      # comma-separated "phase:site" globs that carry raw payloads
 ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
 ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
+ENV_SIDECAR = "NUMAUDIT_SIDECAR"      # node sidecar socket, unix:///PATH (then no gRPC in-process)
 ENV_SPOOL = "NUMAUDIT_SPOOL"          # spool directory
 ENV_SPOOL_MODE = "NUMAUDIT_SPOOL_MODE"  # spill | always | off
 SPOOL_MODES = ("spill", "always", "off")
@@ -42,6 +43,10 @@ class AgentConfig:
     """Run name, e.g. "ref" or "pp8"; required when an address is given."""
     token: str | None = None
     """Bearer token sent as call metadata."""
+    sidecar: str | None = None
+    """Node sidecar socket (unix:///PATH): records go there, and it talks to the auditor."""
+    start_sidecar: bool = False
+    """Local rank 0 starts the node's sidecar on `sidecar` if none is listening."""
     enabled: bool = True
     """False: attach() hooks nothing and every call is a no-op."""
     modules: tuple[str, ...] = ("*",)
@@ -122,6 +127,8 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["run"] = env[ENV_RUN]
     if env.get(ENV_TOKEN):
         changes["token"] = env[ENV_TOKEN]
+    if env.get(ENV_SIDECAR):
+        changes["sidecar"] = env[ENV_SIDECAR]
     if env.get(ENV_DISABLE, "").strip() in ("1", "true", "yes"):
         changes["enabled"] = False
     if ENV_MODULES in env:
@@ -157,7 +164,7 @@ def check(config: AgentConfig) -> None:
     k = config.sketch_k
     if k < 1 or k & (k - 1):
         raise ValueError(f"sketch_k: {k} is not a power of two")
-    if config.address and not config.run:
+    if (config.address or config.sidecar) and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
     if config.spool_mode not in SPOOL_MODES:
         raise ValueError(f"spool_mode: {config.spool_mode!r} is not one of {', '.join(SPOOL_MODES)}")

@@ -7,7 +7,8 @@ through the same idempotent store path, so a batch that was also delivered live 
 Frame: 4-byte little-endian length, 4-byte CRC-32 of (kind byte + body), 1 kind byte, body.
 Kinds: 1 RegisterRequest, 2 RecordBatch, 3 CloseSessionRequest. A torn tail (crash mid-write)
 or a corrupt frame ends the readable part of a file: everything before it is intact and used.
-Also the framing of the sidecar's Unix-socket protocol (kind 4: Ack), so one codec serves both.
+Also the framing of the sidecar's Unix-socket protocol (kind 4: Ack; kind 5: an error, its body
+"STATUS_NAME:details" in UTF-8), so one codec serves both.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ KIND_REGISTER = 1
 KIND_BATCH = 2
 KIND_CLOSE = 3
 KIND_ACK = 4
+KIND_ERROR = 5
 _TYPES = {KIND_REGISTER: pb.RegisterRequest, KIND_BATCH: pb.RecordBatch,
-          KIND_CLOSE: pb.CloseSessionRequest, KIND_ACK: pb.Ack}
+          KIND_CLOSE: pb.CloseSessionRequest, KIND_ACK: pb.Ack, KIND_ERROR: bytes}
 _KINDS = {v: k for k, v in _TYPES.items()}
 _HEADER = struct.Struct("<IIB")
 MAX_FRAME_BYTES = limits.MAX_MESSAGE_BYTES
@@ -40,7 +42,7 @@ class SpoolError(ValueError):
 
 def encode(message) -> bytes:
     kind = _KINDS[type(message)]
-    body = message.SerializeToString()
+    body = message if kind == KIND_ERROR else message.SerializeToString()
     crc = zlib.crc32(bytes([kind]) + body)
     return _HEADER.pack(len(body), crc, kind) + body
 
@@ -63,7 +65,13 @@ def read_frame(read) -> tuple[int, bytes] | None:
     return kind, body
 
 
+def encode_error(code_name: str, details: str) -> bytes:
+    return encode(f"{code_name}:{details}".encode("utf-8", "replace"))
+
+
 def decode(kind: int, body: bytes):
+    if kind == KIND_ERROR:
+        return body
     message = _TYPES[kind]()
     message.ParseFromString(body)
     return message

@@ -1,0 +1,224 @@
+"""Delivery: one session's numbered batches to the next hop, at least once, never blocking its owner.
+
+A `Delivery` is pumped by its owner's thread (`service()` every few milliseconds): it registers
+the session when there is something to send, streams pending batches, drops them as acks arrive
+(an ack names the highest sequence durably stored downstream), and after any failure reconnects
+with backoff, re-registers (the peer says what it already has) and resends the rest. The agent's
+sender uses one for the rank's session; the node sidecar uses one per relayed session.
+
+Failure policy, by status code:
+- the peer refused the batch at the head of the queue for its content (INVALID_ARGUMENT,
+  DATA_LOSS, RESOURCE_EXHAUSTED, OUT_OF_RANGE): resending cannot help; that batch is dropped and
+  counted as `rejected`, the rest are resent;
+- the peer refused the session (UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, or a
+  registration refused for what it says): give up, everything pending is counted `refused`;
+- anything else (UNAVAILABLE, DEADLINE_EXCEEDED, a hung peer caught by the ack watchdog):
+  reconnect after 50 ms, doubling to at most 1 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
+from protos import numaudit_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# The first retry comes quickly so a restarted auditor is resumed within about a second;
+# repeated failures back off to one attempt a second.
+RECONNECT_BACKOFF_MIN_S = 0.05
+RECONNECT_BACKOFF_MAX_S = 1.0
+
+_REJECTED = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
+}
+_FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+          grpc.StatusCode.UNIMPLEMENTED}
+
+
+@dataclass
+class PendingBatch:
+    seq: int
+    message: pb.RecordBatch
+    records: int
+    nbytes: int
+
+
+class Delivery:
+    """Acked delivery of one session over one transport. Not thread-safe: one owner thread."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        register: Callable[[], pb.RegisterRequest],
+        *,
+        on_drop: Callable[[str, int], None],
+        connect_timeout_s: float = 5.0,
+        ack_timeout_s: float = 10.0,
+        max_unacked_bytes: int = 256 << 20,
+        name: str = "",
+    ) -> None:
+        self.transport = transport
+        self._register_request = register
+        self._on_drop = on_drop
+        self.connect_timeout_s = connect_timeout_s
+        self.ack_timeout_s = ack_timeout_s
+        self.max_unacked_bytes = max_unacked_bytes
+        self.name = name
+        self.pending: deque[PendingBatch] = deque()
+        self.pending_bytes = 0
+        self.acked_records = 0
+        self.acked_seq = 0
+        self.reconnects = 0
+        self.registered = False
+        self.fatal: str | None = None
+        self._stream: Stream | None = None
+        self._sent_upto = 0
+        self._last_progress = 0.0
+        self._backoff = RECONNECT_BACKOFF_MIN_S
+        self._next_attempt = 0.0
+
+    # -- owner's calls ------------------------------------------------------------------------
+
+    def offer(self, batch: pb.RecordBatch, records: int, nbytes: int) -> bool:
+        """Queue a batch; False (nothing queued) when over the memory budget or given up."""
+        if self.fatal is not None or self.pending_bytes + nbytes > self.max_unacked_bytes:
+            return False
+        self.pending.append(PendingBatch(batch.seq, batch, records, nbytes))
+        self.pending_bytes += nbytes
+        return True
+
+    @property
+    def pending_records(self) -> int:
+        return sum(b.records for b in self.pending)
+
+    def service(self, deadline: float = float("inf"), *, connect: bool = True) -> None:
+        """Connect if due, send what is pending, take acks, watch for a hung peer."""
+        if self.fatal is not None:
+            return
+        now = time.monotonic()
+        if self._stream is None:
+            if not connect or not self.pending or now < self._next_attempt or now >= deadline:
+                return
+            try:
+                self._connect(deadline)
+            except Exception as exc:
+                self._failed(as_transport_error(exc), registering=True)
+                return
+        self._drain_acks()
+        s = self._stream
+        if s is None:
+            return
+        for b in self.pending:
+            if b.seq > self._sent_upto:
+                s.send(b.message)
+                self._sent_upto = b.seq
+        if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:
+            log.warning("%s: no ack for %.1fs; reconnecting", self.name, self.ack_timeout_s)
+            self._drop_stream()
+            self._next_attempt = time.monotonic()
+
+    def register_only(self, timeout: float) -> bool:
+        """Register without streaming (to close a session that never sent anything)."""
+        if self.fatal is not None:
+            return False
+        try:
+            self._ack(self.transport.register(self._register_request(), timeout))
+            self.registered = True
+            return True
+        except Exception as exc:
+            log.debug("%s: register failed: %r", self.name, exc)
+            return False
+
+    def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> bool:
+        """Tell the peer the session's totals; False when it could not be told."""
+        self._drop_stream()
+        if not self.registered or self.fatal is not None:
+            return False
+        try:
+            self.transport.close_session(req, timeout)
+            return True
+        except Exception as exc:
+            err = as_transport_error(exc)
+            log.warning("%s: could not close the session: %s", self.name, err.code().name)
+            return False
+
+    def shutdown(self) -> None:
+        self._drop_stream()
+        self.transport.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _connect(self, deadline: float) -> None:
+        timeout = max(0.05, min(self.connect_timeout_s, deadline - time.monotonic()))
+        self._ack(self.transport.register(self._register_request(), timeout))
+        self.registered = True
+        self._stream = self.transport.open_stream()
+        self._sent_upto = self.acked_seq
+        self._last_progress = time.monotonic()
+        self._backoff = RECONNECT_BACKOFF_MIN_S
+
+    def _drain_acks(self) -> None:
+        while self._stream is not None:
+            try:
+                item = self._stream.acks.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, pb.Ack):
+                self._last_progress = time.monotonic()
+                self._ack(item.acked_seq)
+            elif item is EOF_MARK:
+                self._drop_stream()
+            else:
+                self._failed(as_transport_error(item))
+
+    def _ack(self, acked_seq: int) -> None:
+        self.acked_seq = max(self.acked_seq, acked_seq)
+        while self.pending and self.pending[0].seq <= acked_seq:
+            b = self.pending.popleft()
+            self.pending_bytes -= b.nbytes
+            self.acked_records += b.records
+
+    def _failed(self, err: TransportError, registering: bool = False) -> None:
+        code = err.code()
+        self._drop_stream()
+        if code in _FATAL or (registering and (code in _REJECTED
+                                               or code == grpc.StatusCode.FAILED_PRECONDITION)):
+            self.fatal = "refused"
+            log.error("%s: refused (%s: %s); records are dropped", self.name, code.name,
+                      err.details())
+            while self.pending:
+                self._on_drop("refused", self.pending.popleft().records)
+            self.pending_bytes = 0
+            return
+        if code in _REJECTED and self.pending and self.registered:
+            bad = self.pending.popleft()
+            self.pending_bytes -= bad.nbytes
+            self._on_drop("rejected", bad.records)
+            log.warning("%s: batch %d rejected (%s: %s); dropped", self.name, bad.seq,
+                        code.name, err.details())
+            self._next_attempt = time.monotonic()
+            return
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            self.registered = False  # an unknown session (a wiped store): register again
+        self.reconnects += 1
+        self._next_attempt = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, RECONNECT_BACKOFF_MAX_S)
+        log.debug("%s: connection failed (%s); retrying", self.name, code.name)
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.cancel()
+            except Exception:
+                pass
+            self._stream = None

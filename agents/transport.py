@@ -1,0 +1,268 @@
+"""Transports: how a session's batches reach the next hop (the auditor over gRPC, or the node sidecar).
+
+Both offer the same four operations to `agents.delivery.Delivery` — register, open a stream of
+batches whose acks arrive on a queue, close the session, close the transport — and report
+failures as `TransportError` carrying a gRPC status code, so the delivery logic (what to resend,
+what to drop, when to give up) is written once.
+
+The sidecar transport speaks the spool's framing (auditor/spool.py) over a Unix stream socket and
+never touches gRPC, so a training process in sidecar mode holds no gRPC channel at all (fork
+safety, grpc/grpc#32992).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from auditor import limits
+from auditor.spool import KIND_ACK, KIND_ERROR, decode, encode, read_frame, SpoolError
+from protos import numaudit_pb2 as pb
+from protos import numaudit_pb2_grpc
+
+EOF_MARK = object()
+"""Put on a stream's ack queue when the peer ended the stream cleanly."""
+
+
+class TransportError(Exception):
+    """A failed call, shaped like grpc.RpcError: `.code()` and `.details()`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def as_transport_error(exc: Exception) -> TransportError:
+    if isinstance(exc, TransportError):
+        return exc
+    if isinstance(exc, grpc.RpcError):
+        return TransportError(exc.code(), exc.details() or "")
+    return TransportError(grpc.StatusCode.UNAVAILABLE, repr(exc))
+
+
+class Stream(Protocol):
+    acks: queue.Queue
+    """pb.Ack items, then EOF_MARK or a TransportError."""
+
+    def send(self, batch: pb.RecordBatch) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+class Transport(Protocol):
+    def register(self, req: pb.RegisterRequest, timeout: float) -> int: ...
+
+    def open_stream(self) -> Stream: ...
+
+    def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# -- gRPC ---------------------------------------------------------------------------------------
+
+class _GrpcStream:
+    """One Ingest call: sends are queued for grpc's request iterator; a thread reads acks."""
+
+    def __init__(self, stub, metadata) -> None:
+        self._outbox: queue.Queue = queue.Queue()
+        self.acks: queue.Queue = queue.Queue()
+        self.call = stub.Ingest(self._requests(), metadata=metadata)
+        threading.Thread(target=self._read, name="numaudit-acks", daemon=True).start()
+
+    def _requests(self):
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for ack in self.call:
+                self.acks.put(ack)
+            self.acks.put(EOF_MARK)
+        except Exception as exc:
+            self.acks.put(as_transport_error(exc))
+
+    def send(self, batch: pb.RecordBatch) -> None:
+        self._outbox.put(batch)
+
+    def cancel(self) -> None:
+        self._outbox.put(None)
+        self.call.cancel()
+
+
+class GrpcTransport:
+    """The auditor daemon over gRPC; the channel is created on first use."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.address = address
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = None
+        self._stub = None
+
+    def _connect(self):
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.address, options=limits.client_options())
+            self._stub = numaudit_pb2_grpc.AuditorStub(self._channel)
+        return self._stub
+
+    def register(self, req: pb.RegisterRequest, timeout: float) -> int:
+        try:
+            resp = self._connect().Register(req, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise as_transport_error(exc) from None
+        return resp.acked_seq
+
+    def open_stream(self) -> _GrpcStream:
+        return _GrpcStream(self._connect(), self._metadata)
+
+    def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None:
+        try:
+            self._connect().CloseSession(req, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise as_transport_error(exc) from None
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+
+# -- node sidecar over a Unix socket ------------------------------------------------------------
+
+SEND_TIMEOUT_S = 2.0
+"""A sidecar that does not take a batch within this long is treated as hung."""
+
+
+def unix_path(address: str) -> str:
+    """`unix:///run/numaudit.sock` or `unix:/x` or a plain path → the socket's path."""
+    for prefix in ("unix://", "unix:"):
+        if address.startswith(prefix):
+            return address[len(prefix):]
+    return address
+
+
+class _SocketStream:
+    """Batches written as frames; a thread reads the sidecar's acks (and errors) in order."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.acks: queue.Queue = queue.Queue()
+        self._closed = False
+        threading.Thread(target=self._read, name="numaudit-sidecar-acks", daemon=True).start()
+
+    def _read(self) -> None:
+        reader = self._sock.makefile("rb")
+        try:
+            while True:
+                frame = read_frame(reader.read)
+                if frame is None:
+                    self.acks.put(EOF_MARK)
+                    return
+                self.acks.put(_reply(*frame))
+        except (OSError, SpoolError, ValueError) as exc:
+            if not self._closed:
+                self.acks.put(TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar: {exc}"))
+
+    def send(self, batch: pb.RecordBatch) -> None:
+        try:
+            self._sock.sendall(encode(batch))
+        except OSError as exc:
+            self.acks.put(TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar: {exc!r}"))
+
+    def cancel(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def _reply(kind: int, body: bytes) -> Any:
+    """An Ack, or the TransportError the sidecar sent back."""
+    if kind == KIND_ACK:
+        return decode(kind, body)
+    if kind == KIND_ERROR:
+        name, _, details = body.decode("utf-8", "replace").partition(":")
+        code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNAVAILABLE)
+        return TransportError(code, details)
+    raise ValueError(f"unexpected frame kind {kind} from the sidecar")
+
+
+class SidecarTransport:
+    """The node sidecar (`python -m agents.sidecar`) over its Unix socket."""
+
+    def __init__(self, address: str) -> None:
+        self.path = unix_path(address)
+        self._sock: socket.socket | None = None
+
+    def _call(self, message, timeout: float) -> pb.Ack:
+        """One request/reply on a fresh connection (Register opens the stream's connection)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+            sock.sendall(encode(message))
+            frame = read_frame(sock.makefile("rb").read)
+        except (OSError, SpoolError) as exc:
+            sock.close()
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar {self.path}: {exc}") from None
+        if frame is None:
+            sock.close()
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "sidecar closed the connection")
+        reply = _reply(*frame)
+        if isinstance(reply, TransportError):
+            sock.close()
+            raise reply
+        sock.settimeout(SEND_TIMEOUT_S)
+        self._sock = sock
+        return reply
+
+    def register(self, req: pb.RegisterRequest, timeout: float) -> int:
+        self.close()
+        return self._call(req, timeout).acked_seq
+
+    def open_stream(self) -> _SocketStream:
+        if self._sock is None:
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "sidecar: not registered")
+        sock, self._sock = self._sock, None
+        return _SocketStream(sock)
+
+    def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None:
+        self._call(req, timeout)
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def wait_for_socket(address: str, timeout: float) -> bool:
+    """True once a sidecar accepts connections on `address` (bounded by `timeout`)."""
+    path = unix_path(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(path)
+                return True
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
