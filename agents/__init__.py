@@ -6,9 +6,28 @@
         with agent.microbatch(0):
             loss = loss_fn(model(x)); loss.backward()
     agent.close()
+
+Imports are lazy so that `python -m agents.sidecar` does not load torch.
 """
 
-from agents.attach import Agent, attach
-from agents.config import AgentConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agents.agent import Agent, attach
+    from agents.config import AgentConfig
 
 __all__ = ["Agent", "AgentConfig", "attach"]
+
+
+def __getattr__(name: str):
+    if name in ("Agent", "attach"):
+        from agents import agent as module
+
+        return getattr(module, name)
+    if name == "AgentConfig":
+        from agents.config import AgentConfig
+
+        return AgentConfig
+    raise AttributeError(f"module 'agents' has no attribute {name!r}")

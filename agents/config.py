@@ -15,6 +15,9 @@ from typing import Mapping
 ENV_ADDR = "NUMAUDIT_ADDR"            # auditor address HOST:PORT
 ENV_RUN = "NUMAUDIT_RUN"              # run name
 ENV_TOKEN = "NUMAUDIT_TOKEN"          # bearer token (never logged)
+ENV_TLS_CA = "NUMAUDIT_TLS_CA"        # PEM CA that signed the auditor's certificate: dial TLS
+ENV_TLS_CERT = "NUMAUDIT_TLS_CERT"    # PEM client certificate (auditor requiring mutual TLS)
+ENV_TLS_KEY = "NUMAUDIT_TLS_KEY"      # PEM key of the client certificate
 ENV_DISABLE = "NUMAUDIT_DISABLE"      # "1": attach returns an agent that captures nothing
 ENV_MODULES = "NUMAUDIT_MODULES"      # comma-separated globs of module sites to hook
 ENV_EXCLUDE = "NUMAUDIT_EXCLUDE"      # comma-separated globs of module sites never hooked
@@ -42,7 +45,13 @@ class AgentConfig:
     run: str | None = None
     """Run name, e.g. "ref" or "pp8"; required when an address is given."""
     token: str | None = None
-    """Bearer token sent as call metadata."""
+    """Bearer token: call credentials over TLS, call metadata without (never logged)."""
+    tls_ca: str | None = None
+    """PEM CA file that signed the auditor's certificate; set = dial over TLS."""
+    tls_cert: str | None = None
+    """PEM client certificate file, for an auditor that requires mutual TLS (with tls_key)."""
+    tls_key: str | None = None
+    """PEM private key file of tls_cert."""
     sidecar: str | None = None
     """Node sidecar socket (unix:///PATH): records go there, and it talks to the auditor."""
     start_sidecar: bool = False
@@ -129,6 +138,9 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["token"] = env[ENV_TOKEN]
     if env.get(ENV_SIDECAR):
         changes["sidecar"] = env[ENV_SIDECAR]
+    for name, key in ((ENV_TLS_CA, "tls_ca"), (ENV_TLS_CERT, "tls_cert"), (ENV_TLS_KEY, "tls_key")):
+        if env.get(name):
+            changes[key] = env[name]
     if env.get(ENV_DISABLE, "").strip() in ("1", "true", "yes"):
         changes["enabled"] = False
     if ENV_MODULES in env:
@@ -166,6 +178,13 @@ def check(config: AgentConfig) -> None:
         raise ValueError(f"sketch_k: {k} is not a power of two")
     if (config.address or config.sidecar) and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError("tls_cert/tls_key: a client certificate needs its key, and a key its "
+                         f"certificate ({ENV_TLS_CERT}, {ENV_TLS_KEY})")
+    for key in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(config, key)
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"{key}: cannot read {path}")
     if config.spool_mode not in SPOOL_MODES:
         raise ValueError(f"spool_mode: {config.spool_mode!r} is not one of {', '.join(SPOOL_MODES)}")
     if config.max_depth < 1:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from agents.attach import Agent
+from agents.agent import Agent
 
 log = logging.getLogger(__name__)
 

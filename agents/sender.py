@@ -27,6 +27,7 @@ from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
 from auditor import limits
 from auditor.spool import SpoolWriter
+from auditor.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class Sender:
         target = config.sidecar or config.address
         if target:
             transport = (SidecarTransport(config.sidecar) if config.sidecar
-                         else GrpcTransport(config.address, config.token))
+                         else GrpcTransport(config.address, config.token,
+                                            TLSConfig.from_files(config.tls_ca, config.tls_cert,
+                                                                 config.tls_key)))
             self.delivery = Delivery(
                 transport, self._register_request, on_drop=counters.drop,
                 connect_timeout_s=config.connect_timeout_s, ack_timeout_s=config.ack_timeout_s,

@@ -21,7 +21,9 @@ from typing import Any, Protocol
 import grpc
 
 from auditor import limits
+from auditor.channels import open_channel
 from auditor.spool import KIND_ACK, KIND_ERROR, decode, encode, read_frame, SpoolError
+from auditor.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
 
@@ -107,15 +109,16 @@ class _GrpcStream:
 class GrpcTransport:
     """The auditor daemon over gRPC; the channel is created on first use."""
 
-    def __init__(self, address: str, token: str | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str, token: str | None = None,
+                 tls: TLSConfig | None = None) -> None:
+        self.address, self._token, self._tls = address, token, tls
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = None
         self._stub = None
 
     def _connect(self):
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.address, options=limits.client_options())
+            self._channel = open_channel(self.address, tls=self._tls, token=self._token)
             self._stub = numaudit_pb2_grpc.AuditorStub(self._channel)
         return self._stub
 

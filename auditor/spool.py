@@ -80,8 +80,20 @@ def decode(kind: int, body: bytes):
 class SpoolWriter:
     """Appends frames to one session's spool file; `sync()` makes them durable."""
 
-    def __init__(self, directory: str | Path, run: str, rank: int, session_id: str) -> None:
-        self.path = Path(directory) / f"{run}-rank{rank}-{session_id}{SUFFIX}"
+    def __init__(self, directory: str | Path, run: str, rank: int, session_id: str,
+                 tag: str = "") -> None:
+        """`tag` keeps writers of one session apart (the sidecar's relay copy vs the agent's)."""
+        self._open(Path(directory) / f"{run}-rank{rank}-{session_id}{tag}{SUFFIX}")
+
+    @classmethod
+    def reopen(cls, path: str | Path) -> "SpoolWriter":
+        """Append to an existing spool file (a restarted sidecar resuming a session)."""
+        writer = cls.__new__(cls)
+        writer._open(Path(path))
+        return writer
+
+    def _open(self, path: Path) -> None:
+        self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: BinaryIO = open(self.path, "ab")
         self.bytes_written = self._file.tell()

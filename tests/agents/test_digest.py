@@ -25,6 +25,7 @@ from agents.layout import PieceLayout, complex_real_layout
 from auditor.digests import DigestValues, merge_disjoint, merge_partial
 
 M64 = (1 << 64) - 1
+M32 = (1 << 32) - 1
 K = 16  # small sketches keep the pure-Python reference fast
 
 
@@ -38,6 +39,15 @@ def ref_mix64(z: int) -> int:
     z ^= z >> 27
     z = (z * 0x94D049BB133111EB) & M64
     return z ^ (z >> 31)
+
+
+def ref_fmix32(h: int) -> int:
+    h &= M32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
 
 
 def ref_bits(v, dtype: torch.dtype) -> int:
@@ -59,8 +69,9 @@ def ref_digest(t: torch.Tensor, layout: PieceLayout, k: int):
     for c in itertools.product(*(range(s) for s in layout.shape)):
         v = t[c].item() if t.dim() else t.item()
         g = sum((o + ci) * s for o, ci, s in zip(layout.offsets, c, gstrides))
-        h = ref_mix64(D.SKETCH_SEED + D.GOLDEN_GAMMA * g)
-        fp = (fp + ref_mix64(h ^ ref_bits(v, t.dtype) ^ D.FINGERPRINT_SEED)) & M64
+        key = (D.FINGERPRINT_SEED + D.GOLDEN_GAMMA * g) & M64
+        fp = (fp + ref_mix64(key ^ ref_bits(v, t.dtype))) & M64
+        h = ref_fmix32(D.SKETCH_SEED + 0x9E3779B9 * (g & M32) + 0x7FEB352D * (g >> 32))
         b = h & (2 * k - 1)
         if t.dtype.is_floating_point and math.isfinite(v):
             sketch[b % k] += -v if b >= k else v
@@ -115,6 +126,21 @@ def test_zero_extension_of_negative_bits():
     t = torch.tensor([-1.5, -0.0, 2.0])
     layout = PieceLayout.full((3,))
     assert as_values(t, layout).fingerprint == ref_digest(t, layout, K)[0]
+
+
+@pytest.mark.parametrize("offsets,shape,logical", [
+    ((2**32 - 3,), (6,), (2**33,)),             # contiguous run across 2**32
+    ((2**31 - 2, 5), (4, 3), (2**31 + 7, 11)),  # Shard(1)-like piece at indices > 2**32
+    ((2**40,), (5,), (2**41,)),                 # far beyond int32
+])
+def test_indices_beyond_32_bits(offsets, shape, logical, small_chunks):
+    """Logical tensors with more than 2**32 elements keep exact keys (pieces stay small)."""
+    t = torch.randn(shape, dtype=torch.float64)
+    layout = PieceLayout(logical, offsets, shape)
+    fp, sketch, _ = ref_digest(t, layout, K)
+    d = as_values(t, layout)
+    assert d.fingerprint == fp
+    np.testing.assert_allclose(d.sketch, sketch, rtol=1e-12, atol=1e-12)
 
 
 def test_mixed_int_widths_fingerprint_by_value():

@@ -1,4 +1,4 @@
-"""`attach`: the one call a training script makes, and the `Agent` it returns."""
+"""The `Agent` and `attach`, the one call a training script makes."""
 
 from __future__ import annotations
 
@@ -167,6 +167,8 @@ def attach(
     ident = rank_identity(mesh, dp_dim=dp_dim or cfg.dp_dim, dp_rank=dp_rank or cfg.dp_rank,
                           dp_size=dp_size or cfg.dp_size, stages=tuple(stages))
     ident.dtype, ident.seed, ident.labels = dtype, seed, dict(labels or {})
+    if cfg.sidecar and cfg.start_sidecar and cfg.enabled:
+        ensure_sidecar(cfg, ident)
     agent = Agent(cfg, ident)
     modules = [] if model is None else ([model] if isinstance(model, torch.nn.Module) else list(model))
     stage_ids = list(stages) if stages else [-1] * len(modules)
@@ -185,3 +187,37 @@ def _replace(config: AgentConfig, **changes) -> AgentConfig:
     if unknown:
         raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}")
     return dataclasses.replace(config, **changes)
+
+
+SIDECAR_START_TIMEOUT_S = 20.0
+
+
+def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
+    """Local rank 0 starts the node's sidecar unless one listens; every rank waits for it.
+
+    The sidecar runs in its own session (it outlives the job long enough to deliver, then exits
+    when idle), so it can neither take the training process down nor be killed with its group.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from agents.transport import wait_for_socket
+
+    if wait_for_socket(cfg.sidecar, 0):
+        return True
+    if ident.local_rank == 0:
+        spool = Path(cfg.spool_dir)
+        spool.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "agents.sidecar", "--listen", cfg.sidecar,
+               "--spool", str(spool), "--exit-when-idle", "10"]
+        if cfg.address:
+            cmd += ["--auditor", cfg.address]
+        with open(spool / "sidecar.log", "ab") as out:
+            subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    if wait_for_socket(cfg.sidecar, SIDECAR_START_TIMEOUT_S):
+        return True
+    log.warning("rank %d: no numaudit sidecar on %s after %.0fs; records will be spilled",
+                ident.rank, cfg.sidecar, SIDECAR_START_TIMEOUT_S)
+    return False

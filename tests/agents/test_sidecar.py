@@ -1,0 +1,152 @@
+"""The node sidecar: ranks hand records over a Unix socket; it spools them and owns the network."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import agents
+from agents.sidecar import Sidecar
+from agents.transport import SidecarTransport, wait_for_socket
+from auditor.ingest import replay_into_db
+from auditor.store import Reader
+
+pytestmark = pytest.mark.timeout(90)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _capture(agent, n: int, start: int = 0, microbatch: int = 0) -> None:
+    with agent.step(0), agent.microbatch(microbatch):
+        for i in range(start, start + n):
+            agent.capture(torch.full((4,), float(i)), site=f"t{i}", phase="input")
+
+
+def _stored_sites(db: Path, run: str) -> list[str]:
+    reader = Reader(db)
+    try:
+        return sorted(r[3] for r in reader.records(run))
+    finally:
+        reader.close()
+
+
+def _wait(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_records_flow_through_the_sidecar_to_the_auditor(auditor_server, tmp_path):
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay", auditor=auditor_server.address)
+    sidecar.start()
+    try:
+        agent = agents.attach(None, run="ref", sidecar=sock, batch_records=4)
+        assert isinstance(agent._sender.delivery.transport, SidecarTransport)
+        _capture(agent, 10)
+        s = agent.close()
+        assert s["acked"] == s["captured"] == 10 and s["dropped"] == 0
+        assert _wait(lambda: sidecar._all_done())
+    finally:
+        sidecar.stop(grace=5)
+    assert _stored_sites(auditor_server.db_path, "ref") == sorted(f"t{i}" for i in range(10))
+    (session,) = Reader(auditor_server.db_path).sessions("ref")
+    assert session["closed"] and session["records_sent"] == 10
+    assert not list((tmp_path / "relay").glob("*.spool"))  # delivered sessions leave no spool
+
+
+def test_no_grpc_channel_is_created_in_sidecar_mode(tmp_path):
+    """Checked in a fresh interpreter: grpc's channel class is never instantiated."""
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay")  # spool only
+    sidecar.start()
+    try:
+        code = (
+            "import grpc, grpc._channel, torch, agents\n"
+            "made = []\n"
+            "orig = grpc._channel.Channel.__init__\n"
+            "def spy(self, *a, **k):\n"
+            "    made.append(1); orig(self, *a, **k)\n"
+            "grpc._channel.Channel.__init__ = spy\n"
+            f"a = agents.attach(None, run='ref', sidecar={sock!r})\n"
+            "with a.step(0), a.microbatch(0):\n"
+            "    a.capture(torch.ones(3), site='x', phase='input')\n"
+            "s = a.close()\n"
+            "assert s['acked'] == 1, s\n"
+            "assert not made, 'a gRPC channel was created in the training process'\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+    finally:
+        sidecar.stop(grace=0)
+
+
+def _start_sidecar(sock: str, spool: Path, auditor: str | None, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "agents.sidecar", "--listen", sock, "--spool", str(spool)]
+    if auditor:
+        cmd += ["--auditor", auditor]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    assert wait_for_socket(sock, 20), log.read_text()
+    return proc
+
+
+def test_sidecar_killed_and_restarted_with_its_spool_loses_nothing(auditor_server, tmp_path):
+    sock = f"unix://{tmp_path}/s.sock"
+    spool = tmp_path / "relay"
+    log = tmp_path / "sidecar.log"
+    proc = _start_sidecar(sock, spool, None, log)  # no auditor yet: everything stays spooled
+    agent = agents.attach(None, run="ref", sidecar=sock, batch_records=5, flush_timeout_s=20,
+                          spool_dir=str(tmp_path / "agent-spool"))
+    _capture(agent, 20)
+    assert _wait(lambda: agent._sender.acked == 20)  # durable at the sidecar
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    # the rank keeps capturing while the sidecar is down; its sender reconnects later
+    _capture(agent, 20, start=20, microbatch=1)
+    proc = _start_sidecar(sock, spool, auditor_server.address, log)
+    try:
+        s = agent.close()
+        assert s["acked"] == 40 and s["dropped"] == 0, s
+        assert _wait(lambda: len(_stored_sites(auditor_server.db_path, "ref")) == 40)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    assert _stored_sites(auditor_server.db_path, "ref") == sorted(f"t{i}" for i in range(40))
+
+
+def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay")
+    sidecar.start()
+    try:
+        agent = agents.attach(None, run="offline", sidecar=sock)
+        _capture(agent, 7)
+        assert agent.close()["acked"] == 7
+    finally:
+        sidecar.stop(grace=1)
+    (result,) = replay_into_db([tmp_path / "relay"], tmp_path / "late.db")
+    assert (result.stored, result.rejected) == (7, [])
+    assert len(_stored_sites(tmp_path / "late.db", "offline")) == 7
+
+
+def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    sock = f"unix://{tmp_path}/node.sock"
+    agent = agents.attach(None, run="ref", sidecar=sock, start_sidecar=True,
+                          address=auditor_server.address, spool_dir=str(tmp_path / "spool"))
+    assert wait_for_socket(sock, 0)
+    _capture(agent, 3)
+    assert agent.close()["acked"] == 3
+    assert _wait(lambda: len(_stored_sites(auditor_server.db_path, "ref")) == 3)
+    pid = int(subprocess.run(["pgrep", "-f", f"agents.sidecar --listen {sock}"],
+                             capture_output=True, text=True).stdout.split()[0])
+    os.kill(pid, signal.SIGTERM)  # don't wait the 10 s idle period in a test
+    assert _wait(lambda: not wait_for_socket(sock, 0), 10)
