@@ -16,8 +16,9 @@ from typing import Iterable
 
 import grpc
 
-from auditor import limits
+from auditor.channels import open_channel
 from auditor.spool import SpoolError, read_spool, spool_files
+from auditor.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
 
@@ -46,12 +47,14 @@ class ReplayResult:
     """Why the file could not be replayed at all."""
 
 
-def replay(paths: Iterable[str | Path], address: str, *, token: str | None = None
-           ) -> list[ReplayResult]:
-    """Replay every spool file named (or under a named directory) into the daemon at `address`."""
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+def replay(paths: Iterable[str | Path], address: str, *, token: str | None = None,
+           tls: TLSConfig | None = None) -> list[ReplayResult]:
+    """Replay every spool file named (or under a named directory) into the daemon at `address`.
+
+    `tls` and `token` as for any client (auditor.channels.open_channel)."""
+    metadata = ()  # the channel carries the token
     results = []
-    with grpc.insecure_channel(address, options=limits.client_options()) as channel:
+    with open_channel(address, tls=tls, token=token) as channel:
         stub = numaudit_pb2_grpc.AuditorStub(channel)
         for path in spool_files(list(paths)):
             results.append(_replay_file(stub, path, metadata))
