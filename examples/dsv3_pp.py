@@ -20,7 +20,11 @@ two (16) both orders are bitwise identical, otherwise they agree to rounding.
 
 FSDP2 inside the stages uses reshard_after_forward=False; with FSDP2's default (True for non-root
 modules) the ZBV split backward silently loses layer gradients. `--inject reshard-after-forward`
-brings that bug back on purpose; docs/dsv3.md explains it.
+brings that bug back on purpose; docs/dsv3.md explains it, and `INJECTIONS` lists the other faults
+an audit must catch.
+
+Auditing: `watch_stages` keys every capture by the schedule's microbatch (chunk) id and stage
+index, and `agent_loss` captures each microbatch's loss where the schedule computes it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
+import agents
+from agents.pipeline import agent_loss, watch_stages
+from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
+                                    capture_input_tokens, close_agent)
 from examples.dsv3.data import batches, local_batch
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
 from examples.dsv3_spmd import full_grads
@@ -81,14 +89,122 @@ class PipelineRun:
 
 
 def _inject_reshard_after_forward(run: PipelineRun) -> None:
-    """Reshard layers after forward (FSDP2's default): the ZBV split backward then drops their grads."""
+    """Reshard layers after forward (FSDP2's default): the ZBV split backward then drops their grads.
+
+    The origin bug: stage 3's layer gradients are None, stages 1 and 2 hold sums over only some
+    microbatches (docs/dsv3.md).
+    """
     for module in run.modules:
         for layer in module.layers.values():
             layer.set_reshard_after_forward(True, recurse=False)
 
 
+BREAK_AT_STAGE = 1
+"""`break-backward` cuts the backward graph at the input of this stage."""
+
+
+def _inject_break_backward(run: PipelineRun) -> None:
+    """Cut the backward graph at stage 1's input, keeping a path that carries a zero gradient.
+
+    `h.detach() + 0 * h` has h's value (bitwise) but passes back a zero gradient, so the schedule
+    still finds a graph to run through: stage 1 sends zeros to stage 0, whose parameters
+    (`tok_embeddings`, `layers.0.*`) end the step with all-zero gradients. Forward is untouched.
+    """
+
+    def cut(module: torch.nn.Module, inputs: tuple) -> tuple:
+        h = inputs[0]
+        return (h.detach() + 0 * h, *inputs[1:])
+
+    for stage in run.stages:
+        if stage.stage_index == BREAK_AT_STAGE:
+            stage.submod.register_forward_pre_hook(cut)
+
+
+def _inject_last_microbatch_only(run: PipelineRun) -> None:
+    """Reset the accumulated gradients before the last microbatch's weight-gradient action.
+
+    In ZBV every stage runs its W (weight-gradient) actions in microbatch order, and stage 0 does
+    its whole backward in W, so clearing `.grad` just before W(n-1) leaves only the last
+    microbatch's contribution (then divided by n_microbatches as usual). Forward is untouched.
+    """
+    last = run.schedule._n_microbatches - 1
+    for stage in run.stages:
+        method = stage.backward_weight_one_chunk
+
+        def reset_then_run(chunk_id: int, *args, _method=method, _stage=stage, **kwargs):
+            if chunk_id == last:
+                for p in _stage.submod.parameters():  # the unsharded parameters during the step
+                    p.grad = None
+            return _method(chunk_id, *args, **kwargs)
+
+        stage.backward_weight_one_chunk = reset_then_run
+
+
+def _inject_grad_scale(run: PipelineRun) -> None:
+    """Leave out the division by n_microbatches: gradients are 16x the reference's (a sum, not a mean)."""
+    run.schedule.scale_grads = False
+
+
+SWAP_DP_RANK = 1
+"""`swap-microbatches` swaps two microbatches of this data-parallel rank ..."""
+SWAP_MICROBATCHES = (3, 12)
+"""... these two (tokens and targets together)."""
+
+
+def _inject_swap_microbatches(run: PipelineRun) -> None:
+    """Feed microbatches 3 and 12 of dp rank 1 in each other's place (a data-order bug).
+
+    Both the tokens (first stage) and the targets (last stage) are swapped, so the step trains on
+    the same samples; only those two microbatches' activations and losses differ from the
+    reference's, on dp rank 1's piece. Gradients add up the same terms in another order.
+    """
+    if run.mesh["dp"].get_local_rank() != SWAP_DP_RANK:
+        return
+    n = run.schedule._n_microbatches
+    a, b = SWAP_MICROBATCHES
+    step = run.schedule.step
+
+    def swap(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        chunks = list(t.tensor_split(n, dim=0))
+        chunks[a], chunks[b] = chunks[b], chunks[a]
+        return torch.cat(chunks)
+
+    def swapped_step(*args, target=None, **kwargs):
+        return step(*(swap(t) for t in args), target=swap(target), **kwargs)
+
+    run.schedule.step = swapped_step
+
+
+ULP_LAYER = "1"
+"""`ulp-shared-expert` changes this layer's `moe.shared_experts.w1.weight[0, 0]` ..."""
+
+
+def _inject_ulp_shared_expert(run: PipelineRun) -> None:
+    """... by one unit in the last place (towards +inf) in the candidate only.
+
+    The element lives in row 0, i.e. in the FSDP2 shard of dp rank 0 of the pipeline rank holding
+    the layer; it is changed in that sharded parameter before the first step, so the schedule's
+    all-gather hands every dp rank the changed weight.
+    """
+    if run.mesh["dp"].get_local_rank() != 0:
+        return
+    for module in run.modules:
+        if ULP_LAYER in module.layers:
+            weight = module.layers[ULP_LAYER].moe.shared_experts.w1.weight
+            with torch.no_grad():
+                local = weight.to_local()
+                local[0, 0] = torch.nextafter(local[0, 0], torch.tensor(float("inf")))
+
+
 INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
     "reshard-after-forward": _inject_reshard_after_forward,
+    "break-backward": _inject_break_backward,
+    "last-microbatch-only": _inject_last_microbatch_only,
+    "grad-scale": _inject_grad_scale,
+    "swap-microbatches": _inject_swap_microbatches,
+    "ulp-shared-expert": _inject_ulp_shared_expert,
 }
 """Faults `--inject NAME` plants after the run is built, to show what an audit catches."""
 
@@ -112,14 +228,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and losses to this .pt file")
     p.add_argument("--inject", choices=sorted(INJECTIONS), default=None,
                    help="plant a known fault (see INJECTIONS)")
+    add_audit_args(p)
     return p.parse_args(argv)
 
 
-def build(args: argparse.Namespace) -> PipelineRun:
+def make_mesh() -> DeviceMesh:
+    """The ("pp", "dp") mesh of shape (PP_DEGREE, world / PP_DEGREE)."""
     world = dist.get_world_size()
     if world % PP_DEGREE:
         raise SystemExit(f"world size {world} is not a multiple of the pipeline degree {PP_DEGREE}")
-    mesh = init_device_mesh("cpu", (PP_DEGREE, world // PP_DEGREE), mesh_dim_names=("pp", "dp"))
+    return init_device_mesh("cpu", (PP_DEGREE, world // PP_DEGREE), mesh_dim_names=("pp", "dp"))
+
+
+def build(args: argparse.Namespace, mesh: DeviceMesh | None = None,
+          loss: Callable[..., torch.Tensor] = loss_fn) -> PipelineRun:
+    """This rank's two stages, FSDP2-sharded, and the ZBV schedule that drives them with `loss`."""
+    mesh = make_mesh() if mesh is None else mesh
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
     pp_rank = pp_mesh.get_local_rank()
     num_stages = PP_DEGREE * STAGES_PER_RANK
@@ -139,34 +263,61 @@ def build(args: argparse.Namespace) -> PipelineRun:
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
         modules.append(module)
         stages.append(PipelineStage(module, stage_index, num_stages, torch.device("cpu"),
+                                    *_stage_metadata(args, margs, stage_index, num_stages),
                                     group=pp_mesh.get_group()))
-    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=loss_fn,
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=loss,
                                      scale_grads=True)
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=args.lr)
     return PipelineRun(mesh, modules, stages, schedule, optimizer)
 
 
+def _stage_metadata(args: argparse.Namespace, margs: ModelArgs, stage_index: int,
+                    num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example (meta) input and output of one microbatch of a stage: its static metadata.
+
+    Given these, the schedule skips its first-step metadata inference, which would otherwise run
+    every stage's forward (and the loss, and a backward) once more on placeholder tensors: extra
+    work, and forwards an audit agent would see as an extra call of every module in microbatch 0.
+    """
+    batch, seq = args.microbatch_size, margs.max_seq_len
+    meta = torch.device("meta")
+    # requires_grad matters: it tells the schedule which tensors carry gradients between stages.
+    hidden = torch.empty(batch, seq, margs.dim, device=meta, requires_grad=True)
+    inputs = torch.empty(batch, seq, dtype=torch.long, device=meta) if stage_index == 0 else hidden
+    outputs = (torch.empty(batch, seq, margs.vocab_size, device=meta, requires_grad=True)
+               if stage_index == num_stages - 1 else hidden)
+    return inputs, outputs
+
+
 def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float]:
     """Run args.steps steps; returns the global mean loss of each step."""
-    run = build(args)  # an audit agent attaches to `run.modules` / `run.schedule` here
+    mesh = make_mesh()
+    # The audit agent. Its stage modules are added by `watch_stages` once they exist; the
+    # schedule's loss function is wrapped so each microbatch's (unscaled) loss is captured.
+    agent = agents.attach(run=args.name, mesh=mesh, dp_dim="dp", **agent_options(args))
+    run = build(args, mesh, loss=agent_loss(agent, loss_fn, site=LOSS_SITE))
     if args.inject is not None:
         INJECTIONS[args.inject](run)
+    watch_stages(agent, run.stages)  # captures keyed by the schedule's microbatch and stage ids
+    for module in run.modules:
+        capture_input_tokens(agent, module)  # on the first stage only
     dp_rank = run.mesh["dp"].get_local_rank()
     margs = run.modules[0].args
     data = batches(args.seed, dp_rank, args.microbatches, args.microbatch_size, margs.max_seq_len,
                    margs.vocab_size)
     step_losses = []
-    for step in range(args.steps):  # audited as `with agent.step(step):`
+    for step in range(args.steps):
         tokens, targets = local_batch(next(data))
         losses: list[torch.Tensor] = []
         # The microbatch loop lives inside the schedule: it runs F, I (input grad) and W (weight
         # grad) actions for microbatches 0..n-1 of both local stages in ZBV order.
-        outputs = run.schedule.step(
-            *((tokens,) if run.has_first_stage else ()),
-            target=targets if run.has_last_stage else None,
-            losses=losses if run.has_last_stage else None,
-            return_outputs=args.dump is not None,
-        )
+        with agent.step(step):  # on exit: every parameter gradient (None recorded explicitly)
+            outputs = run.schedule.step(
+                *((tokens,) if run.has_first_stage else ()),
+                target=targets if run.has_last_stage else None,
+                losses=losses if run.has_last_stage else None,
+                return_outputs=args.dump is not None,
+            )
         mb_losses = [loss.item() for loss in losses]
         _warn_missing_grads(run, args.name)
         if on_step is not None:
@@ -178,6 +329,7 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
         step_losses.append(_global_mean(mb_losses))
         if dist.get_rank() == 0:
             print(f"[{args.name}] step {step} loss {step_losses[-1]:.6f}", flush=True)
+    close_agent(agent, args.name)
     return step_losses
 
 
@@ -238,11 +390,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         train(args)
         if dist.get_rank() == 0:
-            print(f"[{args.name}] {args.steps} step(s) in {time.perf_counter() - start:.2f} s", flush=True)
+            print(f"[{args.name}] {args.steps} step(s) in {time.perf_counter() - start:.2f} s "
+                  f"(rank 0 cpu {time.process_time() - cpu:.2f} s)", flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -31,6 +31,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+import agents
+from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
+                                    capture_input_tokens, close_agent)
 from examples.dsv3.data import batches
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn
 
@@ -55,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", type=int, default=1, help="model width multiplier (ModelArgs.scaled)")
     p.add_argument("--dump", type=Path, default=None,
                    help="rank 0 writes full gradients, per-microbatch outputs and losses to this .pt file")
+    add_audit_args(p)
     return p.parse_args(argv)
 
 
@@ -71,7 +75,11 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     """Run args.steps steps; returns the global mean loss of each step."""
     dp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     dp_rank = dp_mesh.get_local_rank()
-    model = build_model(args, dp_mesh)  # an audit agent attaches to `model` here
+    model = build_model(args, dp_mesh)
+    # The audit agent: hooks every module and parameter of the model. The address comes from
+    # $NUMAUDIT_ADDR; without one the agent counts its captures as dropped and training goes on.
+    agent = agents.attach(model, run=args.name, mesh=dp_mesh, dp_dim="dp", **agent_options(args))
+    capture_input_tokens(agent, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     margs = model.args
     data = batches(args.seed, dp_rank, args.microbatches, args.microbatch_size, margs.max_seq_len,
@@ -79,17 +87,21 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     n_mb = args.microbatches
     assert isinstance(model, FSDPModule)
     step_losses = []
-    for step in range(args.steps):  # audited as `with agent.step(step):`
+    for step in range(args.steps):
         microbatches = next(data)
         losses, outputs = [], []
-        for j, (tokens, targets) in enumerate(microbatches):  # `with agent.microbatch(j):`
-            model.set_requires_gradient_sync(j == n_mb - 1)
-            logits = model(tokens)
-            loss = loss_fn(logits, targets)
-            (loss / n_mb).backward()
-            losses.append(loss.item())
-            if args.dump is not None:
-                outputs.append(logits.detach())
+        with agent.step(step):  # on exit: every parameter gradient (None recorded explicitly)
+            for j, (tokens, targets) in enumerate(microbatches):
+                with agent.microbatch(j):
+                    model.set_requires_gradient_sync(j == n_mb - 1)
+                    logits = model(tokens)
+                    loss = loss_fn(logits, targets)
+                    # The unscaled microbatch mean, as the pipeline schedule's loss_fn returns it.
+                    agent.capture(loss, site=LOSS_SITE, phase="loss")
+                    (loss / n_mb).backward()
+                losses.append(loss.item())
+                if args.dump is not None:
+                    outputs.append(logits.detach())
         if on_step is not None:
             on_step(step, model, losses)
         if args.dump is not None:
@@ -99,6 +111,7 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
         step_losses.append(_global_mean(losses))
         if dist.get_rank() == 0:
             print(f"[{args.name}] step {step} loss {step_losses[-1]:.6f}", flush=True)
+    close_agent(agent, args.name)
     return step_losses
 
 
@@ -138,11 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         train(args)
         if dist.get_rank() == 0:
-            print(f"[{args.name}] {args.steps} step(s) in {time.perf_counter() - start:.2f} s", flush=True)
+            print(f"[{args.name}] {args.steps} step(s) in {time.perf_counter() - start:.2f} s "
+                  f"(rank 0 cpu {time.process_time() - cpu:.2f} s)", flush=True)
     finally:
         dist.destroy_process_group()
 
