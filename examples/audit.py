@@ -6,13 +6,20 @@ them with the shipped policy, prints the report, stops the daemon and exits with
 exit code (0 = within policy, 1 = findings that breach it, 2 = usage or set-up error).
 
     python -m examples.audit --build build [--inject NAME] [--policy FILE]
+
+More candidates against one reference (what the end-to-end test does): the first call runs the
+reference into a fresh database; later calls with `--skip-ref` keep that database and add one
+candidate each under its own name.
+
+    python -m examples.audit --build B
+    python -m examples.audit --build B --skip-ref --cand-name pp8_break --inject break-backward
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,16 +28,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "examples" / "policies" / "ds3_vs_pp.toml"
-INJECTIONS = ("break-backward", "last-microbatch-only", "grad-scale", "swap-microbatches",
-              "ulp-shared-expert")
+INJECTIONS = ("reshard-after-forward", "break-backward", "last-microbatch-only", "grad-scale",
+              "swap-microbatches", "ulp-shared-expert")
+"""`--inject` names; the faults themselves live in examples/dsv3_pp.py (INJECTIONS)."""
+REF_RANKS, CAND_RANKS = 4, 8
+JOB_TIMEOUT_S = 300
+"""A training job taking longer than this is killed (a hang, not a slow machine)."""
 
 
 def _say(msg: str) -> None:
     print(f"[audit] {msg}", flush=True)
 
 
+class SetupError(RuntimeError):
+    """Something `make audit` needs did not work (exit 2); the message says where to look."""
+
+
 class Daemon:
-    """`auditor serve` as a subprocess on a free port."""
+    """`auditor serve` as a subprocess on a free port; `address` once it listens."""
 
     def __init__(self, db: Path, log: Path) -> None:
         self.port_file = db.with_suffix(".port")
@@ -41,10 +56,11 @@ class Daemon:
              "--port-file", str(self.port_file)],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not (self.port_file.exists() and self.port_file.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the auditor did not start; see {log}")
+                self.stop()
+                raise SetupError(f"the auditor did not start; see {log}")
             time.sleep(0.05)
         self.address = f"127.0.0.1:{self.port_file.read_text().strip()}"
 
@@ -55,7 +71,9 @@ class Daemon:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         self._log.close()
+        self.port_file.unlink(missing_ok=True)
 
 
 def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=()) -> float:
@@ -66,64 +84,148 @@ def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=(
            f"--nproc-per-node={nproc}", str(ROOT / "examples" / script), "--name", name, *extra]
     started = time.monotonic()
     with open(log, "w") as out:
-        rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                 timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise SetupError(f"{script} did not finish in {JOB_TIMEOUT_S}s; see {log}") from None
     if rc != 0:
-        raise RuntimeError(f"{script} failed (exit {rc}); see {log}")
+        raise SetupError(f"{script} failed (exit {rc}); see {log}")
     return time.monotonic() - started
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="make audit", description=__doc__.splitlines()[0])
-    p.add_argument("--build", type=Path, default=ROOT / "build")
-    p.add_argument("--inject", choices=INJECTIONS, help="fault injected into the candidate")
-    p.add_argument("--policy", type=Path, default=POLICY)
-    p.add_argument("--ref", default="ref")
-    p.add_argument("--cand", default="pp8")
-    args = p.parse_args(argv)
-    if not args.policy.exists():
-        print(f"make audit: policy file not found: {args.policy}", file=sys.stderr)
-        return 2
+@dataclasses.dataclass
+class Outcome:
+    """What one `make audit` produced (the end-to-end test reads it)."""
 
+    rc: int
+    """The compare's exit code (0 within policy, 1 breach, 2 usage or set-up error)."""
+    db: Path
+    text_report: Path | None = None
+    json_report: Path | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds per phase: daemon, ref, cand, compare, total."""
+
+
+def compare(ref: str, cand: str, db: Path, policy: Path, text_report: Path,
+            json_report: Path, extra: list[str]) -> int:
+    """`auditor compare` on the stored runs: JSON to a file, text to a file and the terminal."""
+    base = [sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
+            "--policy", str(policy), *extra]
+    with open(json_report, "w") as out:
+        subprocess.call(base + ["--format", "json"], stdout=out, cwd=ROOT)
+    proc = subprocess.run(base + ["--format", "text"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    text_report.write_text(proc.stdout)
+    sys.stdout.write(proc.stdout)
+    sys.stdout.flush()
+    return proc.returncode
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="make audit", description=__doc__.splitlines()[0])
+    p.add_argument("--build", type=Path, default=ROOT / "build",
+                   help="folder for the database, the reports and the logs (default: build)")
+    p.add_argument("--inject", choices=INJECTIONS, help="fault injected into the candidate")
+    p.add_argument("--policy", type=Path, default=POLICY,
+                   help=f"tolerance policy (default: {POLICY.relative_to(ROOT)})")
+    p.add_argument("--ref-name", default="ref", help="run name of the reference")
+    p.add_argument("--cand-name", default="pp8", help="run name of the candidate")
+    p.add_argument("--skip-ref", action="store_true",
+                   help="keep the database and its reference run; only add the candidate")
+    p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `auditor compare` (repeatable)")
+    return p.parse_args(argv)
+
+
+def audit(args: argparse.Namespace) -> Outcome:
+    """Daemon, reference, candidate, compare; the daemon is stopped whatever happens."""
     build: Path = args.build.resolve()
     build.mkdir(parents=True, exist_ok=True)
     db = build / "audit.db"
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{db}{suffix}").unlink(missing_ok=True)
     logs = build / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir()
+    logs.mkdir(exist_ok=True)
+    outcome = Outcome(rc=2, db=db)
+    if args.skip_ref:
+        _check_kept_database(db, args.ref_name, args.cand_name)
+    else:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
 
     total = time.monotonic()
     started = time.monotonic()
     daemon = Daemon(db, logs / "auditor.log")
-    _say(f"auditor listening on {daemon.address} (db {db}) in {time.monotonic() - started:.1f}s")
+    outcome.timings["daemon"] = time.monotonic() - started
+    _say(f"auditor listening on {daemon.address} (database {db}) "
+         f"in {outcome.timings['daemon']:.1f}s")
     try:
-        _say("reference: DeepSeek-V3, 4 ranks, FSDP2, 16 microbatches ...")
-        t = run_job("dsv3_spmd.py", 4, args.ref, daemon.address, logs / "ref.log")
-        _say(f"reference done in {t:.1f}s")
+        if not args.skip_ref:
+            _say(f"reference '{args.ref_name}': DeepSeek-V3, {REF_RANKS} ranks, FSDP2, "
+                 "16 microbatches per rank ...")
+            outcome.timings["ref"] = run_job("dsv3_spmd.py", REF_RANKS, args.ref_name,
+                                             daemon.address, logs / f"{args.ref_name}.log")
+            _say(f"reference done in {outcome.timings['ref']:.1f}s")
         inject = ["--inject", args.inject] if args.inject else []
-        label = f" (injected: {args.inject})" if args.inject else ""
-        _say(f"candidate: DeepSeek-V3, 8 ranks = 2 pipeline x 4 FSDP2, ZBV{label} ...")
-        t = run_job("dsv3_pp.py", 8, args.cand, daemon.address, logs / "cand.log", inject)
-        _say(f"candidate done in {t:.1f}s")
-    except RuntimeError as exc:
+        label = f", injected fault: {args.inject}" if args.inject else ""
+        _say(f"candidate '{args.cand_name}': DeepSeek-V3, {CAND_RANKS} ranks = 2 pipeline x 4 "
+             f"FSDP2, ZBV schedule{label} ...")
+        outcome.timings["cand"] = run_job("dsv3_pp.py", CAND_RANKS, args.cand_name,
+                                          daemon.address, logs / f"{args.cand_name}.log", inject)
+        _say(f"candidate done in {outcome.timings['cand']:.1f}s")
+
+        started = time.monotonic()
+        _say(f"auditor compare {args.ref_name} {args.cand_name} --policy {_short(args.policy)}")
+        outcome.text_report = build / f"report-{args.cand_name}.txt"
+        outcome.json_report = build / f"report-{args.cand_name}.json"
+        outcome.rc = compare(args.ref_name, args.cand_name, db, args.policy,
+                             outcome.text_report, outcome.json_report, args.compare_arg)
+        outcome.timings["compare"] = time.monotonic() - started
+    finally:
         daemon.stop()
+    outcome.timings["total"] = time.monotonic() - total
+    _say(f"compare done in {outcome.timings['compare']:.1f}s (exit {outcome.rc})")
+    _say(f"total {outcome.timings['total']:.1f}s")
+    _say(f"database: {db}")
+    _say(f"reports:  {outcome.text_report}")
+    _say(f"          {outcome.json_report}")
+    _say(f"logs:     {logs}")
+    return outcome
+
+
+def _check_kept_database(db: Path, ref: str, cand: str) -> None:
+    """--skip-ref: the database must hold the reference and not yet the candidate."""
+    from auditor.store import Reader
+
+    if not db.exists():
+        raise SetupError(f"--skip-ref: no database at {db} (run once without --skip-ref)")
+    reader = Reader(db)
+    try:
+        names = set(reader.run_names())
+    finally:
+        reader.close()
+    if ref not in names:
+        raise SetupError(f"--skip-ref: {db} holds no run '{ref}'")
+    if cand in names:
+        raise SetupError(f"--skip-ref: {db} already holds a run '{cand}'; choose another "
+                         "--cand-name")
+
+
+def _short(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.policy.exists():
+        print(f"make audit: policy file not found: {args.policy}", file=sys.stderr)
+        return 2
+    try:
+        return audit(args).rc
+    except SetupError as exc:
         print(f"make audit: {exc}", file=sys.stderr)
         return 2
-
-    started = time.monotonic()
-    compare = [sys.executable, "-m", "auditor", "compare", args.ref, args.cand,
-               "--address", daemon.address, "--policy", str(args.policy)]
-    json_report = build / "report.json"
-    text_report = build / "report.txt"
-    subprocess.call(compare + ["--format", "json", "-o", str(json_report)], cwd=ROOT)
-    subprocess.call(compare + ["--format", "text", "-o", str(text_report)], cwd=ROOT)
-    rc = subprocess.call(compare, cwd=ROOT)
-    _say(f"compare done in {time.monotonic() - started:.1f}s (exit {rc})")
-    daemon.stop()
-    _say(f"total {time.monotonic() - total:.1f}s; database {db}; reports {text_report}, "
-         f"{json_report}; logs {logs}")
-    return rc
 
 
 if __name__ == "__main__":
