@@ -16,7 +16,7 @@ import agents
 from agents.sidecar import Sidecar
 from agents.transport import SidecarTransport, wait_for_socket
 from auditor.ingest import replay_into_db
-from auditor.store import Reader
+from auditor.store import Reader, UnknownRun
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +32,8 @@ def _stored_sites(db: Path, run: str) -> list[str]:
     reader = Reader(db)
     try:
         return sorted(r[3] for r in reader.records(run))
+    except UnknownRun:  # the sidecar has not registered the session upstream yet
+        return []
     finally:
         reader.close()
 
