@@ -1,15 +1,21 @@
 """`auditor`: the daemon and the commands that read what it stored.
 
     auditor serve --listen HOST:PORT --db PATH [--sync full|normal] [--port-file PATH]
-    auditor runs  [--db PATH | --address HOST:PORT] [--format text|json]
-    auditor show RUN [--db PATH | --address HOST:PORT] [--format text|json]
+                  [--tokens FILE] [--tls-cert CERT --tls-key KEY [--tls-client-ca CA]]
+    auditor runs  [--db PATH | --address HOST:PORT [--tls-ca CA --tls-cert C --tls-key K]]
+                  [--format text|json]
+    auditor show RUN [--db PATH | --address HOST:PORT [--tls-...]] [--format text|json]
+
+Clients of a daemon that requires tokens take the token from $NUMAUDIT_TOKEN (never an option:
+the command line is visible to every user of the machine); --tls-* default to $NUMAUDIT_TLS_*.
 
 Exit codes (DESIGN.md): 0 = ok, 1 = findings that breach the policy (compare), 2 = usage or input
 error, always as one line on stderr. Output is rich on a terminal, plain text otherwise.
 
 More commands (compare, watch) attach to the `main` group: `@main.command()` in their own
 module, imported at the bottom of this file; `store_or_address` gives them the run source the
-user named and `InputError` the exit-2 path.
+user named (with the token and the TLS settings of `tls_options`) and `InputError` the exit-2
+path.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ import click
 import grpc
 
 from auditor import limits, summary
+from auditor.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
 from auditor.store import Reader, UnknownRun
+from auditor.tls import ServerTLS, TLSConfig, TLSError
+from auditor.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
 # Environment (arguments win over the environment):
@@ -102,9 +111,13 @@ class StoreSource:
 class AddressSource:
     """Runs asked of a running auditor; every call has a deadline (`timeout`)."""
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 tls: TLSConfig | None = None, token: str | None = None) -> None:
         self.label, self.timeout = address, timeout
-        self.channel = grpc.insecure_channel(address, options=limits.client_options())
+        try:
+            self.channel = open_channel(address, tls=tls, token=token)
+        except TLSError as exc:
+            raise InputError(str(exc)) from None
         self.stub = numaudit_pb2_grpc.AuditorStub(self.channel)
 
     def call(self, method: Any, request: Any) -> Any:
@@ -131,8 +144,13 @@ class AddressSource:
 
 
 def store_or_address(db: Path | None, address: str | None,
-                     timeout: float = DEFAULT_TIMEOUT_S) -> StoreSource | AddressSource:
-    """The run source the user named: --db, else --address, else $NUMAUDIT_DB, $NUMAUDIT_ADDR."""
+                     timeout: float = DEFAULT_TIMEOUT_S, *, tls: TLSConfig | None = None,
+                     token: str | None = None) -> StoreSource | AddressSource:
+    """The run source the user named: --db, else --address, else $NUMAUDIT_DB, $NUMAUDIT_ADDR.
+
+    An address is dialed with `tls` (default: $NUMAUDIT_TLS_CA/CERT/KEY, plaintext when unset)
+    and `token` (default: $NUMAUDIT_TOKEN).
+    """
     if db is not None and address is not None:
         raise InputError("give either --db or --address, not both")
     if db is None and address is None:
@@ -142,7 +160,13 @@ def store_or_address(db: Path | None, address: str | None,
             address = os.environ[ENV_ADDR]
         else:
             raise InputError("give --db PATH or --address HOST:PORT")
-    return StoreSource(db) if db is not None else AddressSource(address, timeout)
+    if db is not None:
+        return StoreSource(db)
+    try:
+        tls = tls if tls is not None else tls_from_env()
+    except TLSError as exc:
+        raise InputError(str(exc)) from None
+    return AddressSource(address, timeout, tls=tls, token=token or token_from_env())
 
 
 def source_options(fn: Any) -> Any:
@@ -153,6 +177,28 @@ def source_options(fn: Any) -> Any:
     fn = click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
                       help=f"Read a store file (default ${ENV_DB}).")(fn)
     return fn
+
+
+def tls_options(fn: Any) -> Any:
+    """--tls-ca / --tls-cert / --tls-key for commands that dial --address; the command passes
+    `client_tls(tls_ca, tls_cert, tls_key)` to `store_or_address`."""
+    fn = click.option("--tls-key", type=click.Path(dir_okay=False), metavar="KEY",
+                      help="PEM key of --tls-cert.")(fn)
+    fn = click.option("--tls-cert", type=click.Path(dir_okay=False), metavar="CERT",
+                      help="PEM client certificate, for a daemon that requires mutual TLS.")(fn)
+    fn = click.option("--tls-ca", type=click.Path(dir_okay=False), metavar="CA",
+                      help="Dial --address over TLS, trusting this PEM CA "
+                           "(default $NUMAUDIT_TLS_CA; none of --tls-* = plaintext).")(fn)
+    return fn
+
+
+def client_tls(ca: str | None, cert: str | None, key: str | None) -> TLSConfig | None:
+    """TLS from --tls-* options, each defaulting to its $NUMAUDIT_TLS_*; None = plaintext."""
+    env = tls_from_env_files()
+    try:
+        return TLSConfig.from_files(ca or env[0], cert or env[1], key or env[2])
+    except TLSError as exc:
+        raise InputError(str(exc)) from None
 
 
 format_option = click.option("--format", "fmt", type=click.Choice(["text", "json"]),
@@ -174,27 +220,53 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
               show_default=True, help="Seconds in-flight calls get on SIGTERM/SIGINT.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
+@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False, path_type=Path),
+              metavar="FILE", help="Token file (TOML, docs/security.md): every call needs a "
+                                   "token scoped to its runs. Without it the daemon is open.")
+@click.option("--tls-cert", metavar="CERT", help="Serve TLS with this PEM certificate chain.")
+@click.option("--tls-key", metavar="KEY", help="PEM private key of --tls-cert.")
+@click.option("--tls-client-ca", metavar="CA",
+              help="Require client certificates signed by this PEM CA (mutual TLS).")
 def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
-          log_level: str) -> None:
+          log_level: str, tokens_file: Path | None, tls_cert: str | None, tls_key: str | None,
+          tls_client_ca: str | None) -> None:
     """Run the auditor daemon until SIGTERM or SIGINT."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not db.parent.is_dir():
         raise InputError(f"db: directory {db.parent} does not exist")
+    if bool(tls_cert) != bool(tls_key):
+        raise InputError("tls-cert/tls-key: give both to serve TLS")
+    if tls_client_ca and not tls_cert:
+        raise InputError("tls-client-ca: mutual TLS needs --tls-cert and --tls-key too")
+    tls = ServerTLS(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    tokens = None
+    if tokens_file is not None:
+        try:
+            tokens = Tokens.load(tokens_file)
+        except TokenFileError as exc:
+            raise InputError(str(exc)) from None
+        if holds_plaintext(tokens_file) and readable_by_others(tokens_file):
+            log.warning("tokens: %s holds plaintext tokens and is readable by other users "
+                        "(chmod 600 it, or give sha256 digests instead)", tokens_file)
     try:
-        asyncio.run(_serve(listen, db, sync, port_file, grace))
+        asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls))
+    except TLSError as exc:
+        raise InputError(str(exc)) from None
     except (RuntimeError, OSError, sqlite3.Error) as exc:
         raise InputError(f"cannot serve on {listen} with db={db}: {exc}") from None
 
 
-async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float) -> None:
+async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
+                 tokens: Tokens | None, tls: ServerTLS | None) -> None:
     from auditor.server import serve as serve_daemon  # grpc.aio only for this command
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with serve_daemon(listen, db, synchronous=sync, grace=grace) as address:
+    async with serve_daemon(listen, db, synchronous=sync, grace=grace, tokens=tokens,
+                            tls=tls) as address:
         if port_file is not None:
             tmp = port_file.with_name(port_file.name + ".tmp")
             tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")
@@ -208,10 +280,12 @@ async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace
 
 @main.command()
 @source_options
+@tls_options
 @format_option
-def runs(db: Path | None, address: str | None, timeout: float, fmt: str) -> None:
-    """List the runs in the store."""
-    source = store_or_address(db, address, timeout)
+def runs(db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+         tls_cert: str | None, tls_key: str | None, fmt: str) -> None:
+    """List the runs in the store (with a token: the runs it may read)."""
+    source = store_or_address(db, address, timeout, tls=client_tls(tls_ca, tls_cert, tls_key))
     try:
         resp = source.list_runs()
     finally:
@@ -230,10 +304,12 @@ def runs(db: Path | None, address: str | None, timeout: float, fmt: str) -> None
 @main.command()
 @click.argument("run")
 @source_options
+@tls_options
 @format_option
-def show(run: str, db: Path | None, address: str | None, timeout: float, fmt: str) -> None:
+def show(run: str, db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+         tls_cert: str | None, tls_key: str | None, fmt: str) -> None:
     """Show what the store holds for RUN: ranks, mesh, steps, sites per phase, None grads, drops."""
-    source = store_or_address(db, address, timeout)
+    source = store_or_address(db, address, timeout, tls=client_tls(tls_ca, tls_cert, tls_key))
     try:
         resp = source.describe_run(run)
     finally:

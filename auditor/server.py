@@ -8,6 +8,9 @@ with INVALID_ARGUMENT instead of gRPC's INTERNAL.
 Ingest: each batch is validated whole (off the event loop), handed to the single store writer,
 and acked only when the transaction holding it has committed. One stream is processed in order,
 one batch at a time, so `acked_seq` never runs ahead of a batch that failed.
+
+Access control (`tokens`) is an interceptor (auditor/auth.py) whose refusals go through the same
+`status_for`; TLS and mutual TLS come from `ServerTLS` (auditor/tls.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from auditor import limits, summary
+from auditor.auth import AuthInterceptor, PermissionDenied, Unauthenticated
 from auditor.store import Reader, Store, StoreError, UnknownRun, UnknownSession, content_hash
+from auditor.tls import ServerTLS
+from auditor.tokens import Tokens
 from auditor.validate import (
     ValidationError, validate_batch, validate_close, validate_describe, validate_register,
 )
@@ -62,6 +68,10 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
     """The status code and details a handler answers for an exception. The only such mapping."""
     if isinstance(exc, ValidationError):
         return _KIND_STATUS[exc.kind], str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, UnknownRun):
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, StoreError):  # unknown session, or contradicts what is stored
@@ -293,21 +303,31 @@ def _check_synchronous(synchronous: str) -> str:
 
 @contextlib.asynccontextmanager
 async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numaudit.db", *,
-                synchronous: str = "FULL",
-                grace: float = limits.SHUTDOWN_GRACE_S) -> AsyncIterator[str]:
+                synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
+                tokens: Tokens | None = None,
+                tls: ServerTLS | None = None) -> AsyncIterator[str]:
     """Runs the daemon while the block runs; yields the bound address ("HOST:PORT").
 
-    `listen` may use port 0 (the yielded address has the real port). On exit the server stops
+    `listen` may use port 0 (the yielded address has the real port). With `tokens` every Auditor
+    call needs a token of the file with the right scope (health and reflection stay open); with
+    `tls` the port serves TLS (mutual TLS when it names a client CA). On exit the server stops
     accepting, Ingest streams end after the batch they are committing, in-flight calls get
     `grace` seconds, then the writer commits what is queued and closes the store.
     """
     level = _check_synchronous(synchronous)
     host = listen.rsplit(":", 1)[0]
+    credentials = tls.credentials() if tls is not None else None  # TLSError before anything starts
     writer = await asyncio.to_thread(StoreWriter, db_path, synchronous=level)
     pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
                                                  thread_name_prefix="numaudit-validate")
-    server = grpc.aio.server(options=limits.server_options())
     service = AuditorService(writer, db_path, pool)
+    interceptors = []
+    if tokens is not None:
+        async def session_run(session_id: str) -> str:
+            return await service._read(lambda reader: reader.session_run(session_id))
+        interceptors.append(AuthInterceptor(tokens, service=SERVICE_NAME, session_run=session_run,
+                                            status_for=status_for))
+    server = grpc.aio.server(options=limits.server_options(), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     started = False
     try:
@@ -317,16 +337,31 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(listen)
+        if credentials is not None:
+            try:
+                port = server.add_secure_port(listen, credentials)
+            except RuntimeError as exc:  # gRPC says only "Failed to bind" for a bad key too
+                raise RuntimeError(f"{exc} (is the address free, and is {tls.key} the key of "
+                                   f"{tls.cert}?)") from None
+        else:
+            port = server.add_insecure_port(listen)
         await server.start()
         started = True
         address = f"{host}:{port}"
-        if host in _LOOPBACK_HOSTS:
-            log.info("listening on %s (plaintext, loopback only) db=%s synchronous=%s",
-                     address, db_path, level)
+        access = (f"tokens from {tokens.source} ({len(tokens)} entries)" if tokens is not None
+                  else "open: no tokens")
+        if tls is not None:
+            log.info("listening on %s (%s) access=%s db=%s synchronous=%s", address,
+                     "mutual TLS: client certificates required" if tls.mutual else "TLS",
+                     access, db_path, level)
+        elif host in _LOOPBACK_HOSTS:
+            log.info("listening on %s (plaintext, loopback only) access=%s db=%s synchronous=%s",
+                     address, access, db_path, level)
         else:
-            log.warning("listening on %s in PLAINTEXT (no TLS) on a non-loopback address; "
-                        "db=%s synchronous=%s", address, db_path, level)
+            log.warning("listening on %s in PLAINTEXT (no TLS) on a non-loopback address%s; "
+                        "access=%s db=%s synchronous=%s", address,
+                        ": tokens cross the network in clear" if tokens is not None else "",
+                        access, db_path, level)
         yield address
     finally:
         log.info("stopping: no new calls, %.1f s grace for in-flight ones", grace)
@@ -347,9 +382,10 @@ class BackgroundServer:
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", db_path: str | Path = "numaudit.db", *,
-                 synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S) -> None:
+                 synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
+                 tokens: Tokens | None = None, tls: ServerTLS | None = None) -> None:
         self.listen, self.db_path = listen, Path(db_path)
-        self._kwargs = dict(synchronous=synchronous, grace=grace)
+        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls)
         self.address = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None

@@ -382,6 +382,16 @@ class Reader:
             raise UnknownRun(f"run: no run named {name!r} in the store")
         return row[0]
 
+    def session_run(self, session_id: str) -> str:
+        """The name of the run a session belongs to; UnknownSession if none."""
+        row = self.conn.execute(
+            "SELECT r.name FROM sessions s JOIN runs r ON r.run_id = s.run_id"
+            " WHERE s.session_id = ?", (session_id,)
+        ).fetchone()
+        if row is None:
+            raise UnknownSession(f"session_id: {session_id!r} is not registered")
+        return row[0]
+
     def run_names(self) -> list[str]:
         return [r[0] for r in self.conn.execute("SELECT name FROM runs ORDER BY created")]
 
