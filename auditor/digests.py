@@ -21,7 +21,7 @@ import numpy as np
 
 FINGERPRINT_SEED = 0x6E756D6175646974
 """Must equal agents.digest.FINGERPRINT_SEED; digests made with another seed do not compare."""
-SKETCH_SEED = 0x736B657463683031
+SKETCH_SEED = 0x736B3031
 """Must equal agents.digest.SKETCH_SEED."""
 N_MOMENTS = 5
 """Leading moments in an f64 row: sum, sum_sq, min, max, abs_max; the sketch follows."""

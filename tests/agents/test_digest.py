@@ -84,6 +84,16 @@ def as_values(t: torch.Tensor, layout: PieceLayout, k: int = K, **kw) -> DigestV
     return DigestValues.from_rows(f.tolist(), i.tolist(), has_moments(t.dtype))
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors gain nothing from a second intra-op thread, and on a busy machine every op
+    would wait for it to be scheduled."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 8 elements, so small tensors cross many chunk boundaries."""
