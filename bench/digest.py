@@ -1,0 +1,93 @@
+"""Digest throughput next to a plain copy of the same data (docs/benchmarks.md).
+
+For each dtype and size: the median time of ``dst.copy_(src)`` and of ``digest_piece`` on one
+tensor, their ratio, and the digest's breakdown into its components (index keys, fingerprint,
+moments, sketch). Throughput counts the source tensor's bytes once.
+
+The default is one intra-op thread: on a shared 2-core machine two threads spend their time
+waiting for each other, and one thread is what FIELD-NOTES' floors were measured with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from agents.digest import DEFAULT_SKETCH_K, _digest, digest_piece
+from agents.layout import PieceLayout
+
+MiB = 1 << 20
+COMPONENTS = ("keys", "fingerprint", "moments", "sketch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: workspaces, page faults
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _repeats(nbytes: int, quick: bool) -> int:
+    if nbytes <= MiB:
+        return 11 if quick else 21
+    if nbytes <= 16 * MiB:
+        return 3 if quick else 5
+    return 3
+
+
+def measure(dtype: torch.dtype, nbytes: int, repeats: int, sketch_k: int) -> dict[str, float]:
+    """GB/s of a copy, of the digest and of each digest component, medians of ``repeats``."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(nbytes // dtype.itemsize, generator=g).to(dtype)
+    dst = torch.empty_like(src)
+    layout = PieceLayout.full(tuple(src.shape))
+    copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
+    digest_s = _median_seconds(lambda: digest_piece(src, layout, sketch_k=sketch_k), repeats)
+    parts: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+    for _ in range(repeats):
+        timings: dict[str, float] = {}
+        _digest(src, layout, sketch_k, sync_free=None, timings=timings)
+        for c in COMPONENTS:
+            parts[c].append(timings.get(c, 0.0))
+    gbps = lambda s: nbytes / s / 1e9 if s > 0 else float("inf")  # noqa: E731
+    row = {"copy": gbps(copy_s), "digest": gbps(digest_s), "ratio": digest_s / copy_s}
+    row.update({c: gbps(statistics.median(parts[c])) for c in COMPONENTS})
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 and 16 MiB only, fewer repeats")
+    parser.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")],
+                        help="comma-separated sizes in MiB (default 1,16,256; quick 1,16)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--sketch-k", type=int, default=DEFAULT_SKETCH_K)
+    args, _ = parser.parse_known_args(argv)
+    sizes = args.sizes or ([1, 16] if args.quick else [1, 16, 256])
+    torch.set_num_threads(args.threads)
+
+    print(f"## Digest throughput (torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+          f"k={args.sketch_k}, median GB/s of the source bytes)")
+    print("| dtype | size | copy | digest | digest/copy time | keys | fingerprint | moments "
+          "| sketch |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.dtypes.split(","):
+        for size in sizes:
+            r = measure(DTYPES[name], size * MiB, _repeats(size * MiB, args.quick), args.sketch_k)
+            print(f"| {name} | {size} MiB | {r['copy']:.2f} | {r['digest']:.3f} | "
+                  f"{r['ratio']:.0f}x | {r['keys']:.2f} | {r['fingerprint']:.2f} | "
+                  f"{r['moments']:.2f} | {r['sketch']:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
