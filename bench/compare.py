@@ -1,0 +1,196 @@
+"""Benchmark: comparing two stored runs of 100k and 1M logical keys (goal: 1M keys < 10 s).
+
+    python -m bench.compare [--quick] [--keys 100000 1000000] [--pieces 1] [--dir DIR]
+
+The runs are synthetic and written straight into a store file with the store's own schema
+(`auditor.store.connect`), bypassing the gRPC ingest (which has its own benchmark) so that
+building a million-key database takes seconds, not minutes. Each key is a float32 tensor; the
+candidate differs from the reference in 0.1% of keys by a rounding-size change (`close`) and in
+0.01% by a large one (`diverged`), so the slow path (moments and sketches read from the store)
+runs too. With ``--pieces N`` each key is split in N shards in the candidate (one piece in the
+reference), so the tiling merge is measured as well.
+
+Reported per size: time to build the report (engine), time to render text and JSON, keys/s.
+Databases are cached under --dir (default: $TMPDIR/numaudit-bench) by their parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SKETCH_K = 16
+"""Sketch buckets in the synthetic records (the agent's default is 256; fewer keeps the
+million-key store at a few hundred MB; the fast path never reads sketches)."""
+CLOSE_FRACTION = 1e-3
+DIVERGED_FRACTION = 1e-4
+
+
+def _shape_for(n_keys: int) -> tuple[int, int, int, int]:
+    """(steps, microbatches, modules, params) giving about n_keys keys."""
+    steps, mbs = 5, 16
+    per_step = max(1, n_keys // steps)
+    params = max(1, per_step // 25)
+    modules = max(1, (per_step - 2 * params) // (2 * mbs))
+    return steps, mbs, modules, params
+
+
+def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0) -> dict:
+    """Write runs "ref" (1 piece per key) and "cand" (``pieces`` shards per key)."""
+    from auditor.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+    from auditor.store import connect
+
+    steps, mbs, modules, params = _shape_for(n_keys)
+    rng = np.random.default_rng(seed)
+    conn = connect(path, synchronous="OFF")
+    conn.execute("PRAGMA journal_mode=OFF")
+    conn.execute("BEGIN")
+    site_names = [f"layers.{i // 4}.block{i % 4}" for i in range(modules)] + \
+        [f"layers.{i // 8}.p{i % 8}.weight" for i in range(params)]
+    conn.executemany("INSERT INTO sites (site_id, name) VALUES (?, ?)",
+                     list(enumerate(site_names, start=1)))
+    mod_ids = np.arange(1, modules + 1)
+    par_ids = np.arange(modules + 1, modules + params + 1)
+    keys = []
+    for step in range(steps):
+        for mb in range(mbs):
+            for phase, role in ((1, 1), (2, 3)):
+                keys.append(np.stack([np.full(modules, step), np.full(modules, mb),
+                                      np.full(modules, phase), mod_ids, np.full(modules, role)], 1))
+        for phase in (4, 3):  # param, grad
+            keys.append(np.stack([np.full(params, step), np.full(params, -1),
+                                  np.full(params, phase), par_ids, np.full(params, 5)], 1))
+    keys = np.concatenate(keys)
+    n = len(keys)
+    fps = rng.integers(-(1 << 63), (1 << 63) - 1, size=n, dtype=np.int64)
+    sketches = rng.standard_normal((n, SKETCH_K))
+    sum_sq = (sketches ** 2).sum(1)
+    kind = np.zeros(n, np.int8)
+    pick = rng.random(n)
+    kind[pick < CLOSE_FRACTION] = 1
+    kind[pick < DIVERGED_FRACTION] = 2
+    fs, ss = fingerprint_to_int64(FINGERPRINT_SEED), fingerprint_to_int64(SKETCH_SEED)
+    numel = 4096
+    for run_id, name, n_pieces in ((1, "ref", 1), (2, "cand", pieces)):
+        conn.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?)",
+                     (run_id, name, time.time(), n_pieces, "[]", "[]", "2.13.0", "float32", 0, "{}"))
+        for r in range(n_pieces):
+            conn.execute("INSERT INTO sessions (session_id, run_id, rank, local_rank, host,"
+                         " mesh_coordinate, stages, registered, closed) VALUES (?,?,?,?,?,?,?,?,?)",
+                         (f"{name}-{r}", run_id, r, r, "bench", "[]", "[]", time.time(),
+                          time.time()))
+        rows = []
+        cand = name == "cand"
+        fp_run = fps.copy()
+        sk_run = sketches.copy()
+        if cand:
+            fp_run[kind > 0] ^= 0x5A5A
+            sk_run[kind == 1] *= 1 + 1e-7
+            sk_run[kind == 2] *= 1.5
+        ss_run = (sk_run ** 2).sum(1) if cand else sum_sq
+        for i in range(n):
+            step, mb, phase, site, role = (int(v) for v in keys[i])
+            for r in range(n_pieces):
+                rows_per = numel // n_pieces
+                if n_pieces == 1:
+                    lay = ("[64, 64]", "[0, 0]", "[64, 64]")
+                    fp = int(fp_run[i])
+                    sk = sk_run[i]
+                    s2 = float(ss_run[i])
+                else:
+                    h = 64 // n_pieces
+                    lay = ("[64, 64]", f"[{r * h}, 0]", f"[{h}, 64]")
+                    # shards whose fingerprints and sketches add up to the logical tensor's
+                    fp = int(fp_run[i]) if r == 0 else 0
+                    sk = sk_run[i] if r == 0 else np.zeros(SKETCH_K)
+                    s2 = float(ss_run[i]) if r == 0 else 0.0
+                rows.append((run_id, step, mb, phase, site, role, 0, 0, r, -1, 0, "float32",
+                             lay[0], lay[1], lay[2], 0, 0, 0, rows_per if n_pieces > 1 else numel,
+                             0, 0, 0, 0, 1, 0.0, s2, -3.0, 3.0, 3.0, fp, fs,
+                             struct.pack(f"<{SKETCH_K}d", *sk), ss, b"", f"{name}-{r}", 1, 0.0))
+            if len(rows) >= 100_000:
+                _insert(conn, rows)
+                rows = []
+        _insert(conn, rows)
+    conn.execute("COMMIT")
+    conn.close()
+    return {"keys": n, "steps": steps, "microbatches": mbs, "modules": modules, "params": params}
+
+
+def _insert(conn, rows) -> None:
+    conn.executemany(
+        "INSERT INTO records (run_id, step, microbatch, phase, site_id, role, idx, call, rank,"
+        " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial, complex_as_real,"
+        " numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min, max, abs_max,"
+        " fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash, session_id, seq,"
+        " received) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
+        "?,?,?)", rows)
+
+
+def run_one(directory: Path, n_keys: int, pieces: int) -> dict:
+    from auditor.engine import compare_runs
+
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / f"compare-{n_keys}-{pieces}-k{SKETCH_K}.db"
+    meta_path = db.with_suffix(".json")
+    if not (db.exists() and meta_path.exists()):
+        for p in (db, meta_path):
+            p.unlink(missing_ok=True)
+        t = time.perf_counter()
+        meta = build_store(db, n_keys, pieces)
+        meta["build_s"] = time.perf_counter() - t
+        meta_path.write_text(json.dumps(meta))
+    meta = json.loads(meta_path.read_text())
+    t0 = time.perf_counter()
+    report = compare_runs(db, "ref", "cand")
+    t1 = time.perf_counter()
+    text = report.to_text(width=120)
+    t2 = time.perf_counter()
+    with open(os.devnull, "w") as sink:
+        report.write_json(sink)
+    t3 = time.perf_counter()
+    keys = meta["keys"]
+    return {
+        "keys": keys, "pieces": pieces, "compare_s": t1 - t0, "text_s": t2 - t1,
+        "json_s": t3 - t2, "keys_per_s": keys / (t1 - t0), "timings": report.comparison.timings,
+        "verdicts": {k: v for k, v in report.counts.items() if v}, "text_lines": text.count("\n"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.compare", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="10k and 100k keys only")
+    ap.add_argument("--keys", type=int, nargs="+", default=None)
+    ap.add_argument("--pieces", type=int, default=1, help="shards per key in the candidate")
+    ap.add_argument("--dir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "numaudit-bench")
+    args = ap.parse_args(argv)
+    sizes = args.keys or ([10_000, 100_000] if args.quick else [100_000, 1_000_000])
+    print(f"## Comparison (candidate: {args.pieces} piece(s) per key, sketch k={SKETCH_K})")
+    print("| keys | compare | keys/s | text report | JSON report (all findings) |")
+    print("|---:|---:|---:|---:|---:|")
+    ok = True
+    for n in sizes:
+        r = run_one(args.dir, n, args.pieces)
+        print(f"| {r['keys']:,} | {r['compare_s']:.2f} s | {r['keys_per_s']:,.0f} | "
+              f"{r['text_s']:.2f} s | {r['json_s']:.2f} s |", flush=True)
+        print(f"<!-- stages: {json.dumps({k: round(v, 3) for k, v in r['timings'].items()})} "
+              f"verdicts: {json.dumps(r['verdicts'])} -->", flush=True)
+        if r["keys"] >= 1_000_000 and r["compare_s"] > 10:
+            ok = False
+    if not ok:
+        print("goal missed: 1M keys took more than 10 s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
