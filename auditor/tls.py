@@ -67,7 +67,7 @@ class ServerTLS:
     """How the daemon serves TLS (`auditor serve --tls-cert --tls-key [--tls-client-ca]`)."""
 
     cert: str
-    """PEM certificate chain of the daemon; its subjectAltName must name the address clients dial."""
+    """PEM certificate chain of the daemon; its subjectAltName names the host clients dial."""
     key: str
     """PEM private key of `cert`."""
     client_ca: str | None = None
