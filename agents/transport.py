@@ -20,7 +20,6 @@ from typing import Any, Protocol
 
 import grpc
 
-from auditor import limits
 from auditor.channels import open_channel
 from auditor.spool import KIND_ACK, KIND_ERROR, decode, encode, read_frame, SpoolError
 from auditor.tls import TLSConfig
