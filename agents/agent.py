@@ -198,6 +198,7 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
     The sidecar runs in its own session (it outlives the job long enough to deliver, then exits
     when idle), so it can neither take the training process down nor be killed with its group.
     """
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -213,9 +214,14 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
                "--spool", str(spool), "--exit-when-idle", "10"]
         if cfg.address:
             cmd += ["--auditor", cfg.address]
+        env = dict(os.environ)  # the agent's own settings, whether arguments or environment
+        for name, value in (("NUMAUDIT_TOKEN", cfg.token), ("NUMAUDIT_TLS_CA", cfg.tls_ca),
+                            ("NUMAUDIT_TLS_CERT", cfg.tls_cert), ("NUMAUDIT_TLS_KEY", cfg.tls_key)):
+            if value:
+                env[name] = value
         with open(spool / "sidecar.log", "ab") as out:
             subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, env=env)
     if wait_for_socket(cfg.sidecar, SIDECAR_START_TIMEOUT_S):
         return True
     log.warning("rank %d: no numaudit sidecar on %s after %.0fs; records will be spilled",

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from agents.delivery import Delivery
 from agents.transport import GrpcTransport, unix_path
+from auditor.channels import tls_from_env
+from auditor.tls import TLSConfig, TLSError
 from auditor.spool import (KIND_BATCH, KIND_CLOSE, KIND_REGISTER, SpoolError, SpoolWriter,
                            decode, encode, encode_error, read_frame, read_spool, spool_files)
 from protos import numaudit_pb2 as pb
@@ -63,11 +65,13 @@ class Sidecar:
     """Accepts rank connections on a Unix socket; spools and forwards their sessions."""
 
     def __init__(self, listen: str, spool_dir: str | Path, *, auditor: str | None = None,
-                 token: str | None = None, max_spool_bytes: int = DEFAULT_MAX_SPOOL_BYTES,
+                 token: str | None = None, tls: "TLSConfig | None" = None,
+                 max_spool_bytes: int = DEFAULT_MAX_SPOOL_BYTES,
                  exit_when_idle_s: float | None = None) -> None:
+        """`tls` secures the upstream channel to the auditor (the rank side is a local socket)."""
         self.path = unix_path(listen)
         self.spool_dir = Path(spool_dir)
-        self.auditor, self.token = auditor, token
+        self.auditor, self.token, self.tls = auditor, token, tls
         self.max_spool_bytes = max_spool_bytes
         self.exit_when_idle_s = exit_when_idle_s
         self.sessions: dict[str, Session] = {}
@@ -155,7 +159,7 @@ class Sidecar:
             name = f"sidecar session {reg.session_id[:8]} (run {reg.run} rank {reg.rank})"
             session_box: list[Session] = []
             delivery = Delivery(
-                GrpcTransport(self.auditor, self.token), lambda: reg,
+                GrpcTransport(self.auditor, self.token, tls=self.tls), lambda: reg,
                 on_drop=lambda reason, n: self._count_drop(session_box, reason, n),
                 max_unacked_bytes=self.max_spool_bytes, name=name)
             session = Session(reg, spool, delivery)
@@ -324,8 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s numaudit-sidecar %(levelname)s %(message)s")
+    try:  # NUMAUDIT_TLS_CA / _CERT / _KEY, as for the agent
+        tls = tls_from_env()
+    except (TLSError, OSError) as exc:
+        print(f"sidecar: {exc}", file=sys.stderr)
+        return 2
     sidecar = Sidecar(args.listen, args.spool, auditor=args.auditor,
-                      token=os.environ.get("NUMAUDIT_TOKEN"),
+                      token=os.environ.get("NUMAUDIT_TOKEN"), tls=tls,
                       max_spool_bytes=args.max_spool_bytes, exit_when_idle_s=args.exit_when_idle)
     try:
         sidecar.start()

@@ -21,9 +21,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 from protos import numaudit_pb2 as pb
 
@@ -155,6 +153,10 @@ MB_PARAM = -(1 << 40)   # per-step parameter values: before every microbatch of 
 MB_GRAD = 1 << 40       # per-step gradients: after every microbatch of the step
 
 
+if TYPE_CHECKING:  # numpy loads with the engine, not with the CLI's policy parsing
+    import numpy as np
+
+
 def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stage: np.ndarray,
                position: np.ndarray) -> np.ndarray:
     """Indices that sort keys into execution order (see the module docstring).
@@ -163,6 +165,8 @@ def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stag
     position interpolated from the candidate's order, see `fill_positions`); ``stage`` is the
     pipeline stage the key ran in (-1 when not pipelined).
     """
+    import numpy as np
+
     phase_rank = _lookup(phase, PHASE_RANK, 9)
     mb = microbatch.astype(np.int64).copy()
     mb[phase == pb.PHASE_PARAM] = MB_PARAM
@@ -174,6 +178,8 @@ def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stag
 
 
 def _lookup(values: np.ndarray, table: Mapping[int, int], default: int) -> np.ndarray:
+    import numpy as np
+
     lut = np.full(max(max(table), int(values.max(initial=0))) + 1, default, dtype=np.int64)
     for k, v in table.items():
         lut[k] = v
@@ -190,6 +196,8 @@ def fill_positions(group: np.ndarray, own_position: np.ndarray,
     its own run's capture order, same group) that the reference has; at the start of its group
     when there is none.
     """
+    import numpy as np
+
     n = len(group)
     out = ref_position.astype(np.float64).copy()
     if n == 0 or not np.isnan(out).any():

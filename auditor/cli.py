@@ -429,5 +429,5 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-# Other modules' commands register on `main` here, e.g.:
-# from auditor import compare_cli  # noqa: E402,F401  (adds `compare`, `watch`)
+# Other modules' commands register on `main` here:
+from auditor import cli_compare  # noqa: E402,F401  (adds `compare`, `watch`)

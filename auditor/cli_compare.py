@@ -23,14 +23,15 @@ from typing import Any, Iterator
 import click
 import grpc
 
-from auditor.cli import ENV_ADDR, ENV_DB, InputError, main, store_or_address, StoreSource
-from auditor.columns import KeyRangeError
-from auditor.engine import LiveComparison, LiveEvent, compare_runs
-from auditor.findings import headline
+from auditor.cli import (ENV_ADDR, ENV_DB, InputError, StoreSource, client_tls, main,
+                         store_or_address, tls_options)
 from auditor.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
-from auditor.report import TEXT_ROWS_PER_GROUP, render_junit, render_text
 from auditor.store import UnknownRun
 from protos import numaudit_pb2 as pb
+
+# The engine (numpy) is imported by the commands that use it, so `auditor serve` starts fast.
+TEXT_ROWS_PER_GROUP = 50
+"""Default of --limit (auditor.report.TEXT_ROWS_PER_GROUP)."""
 
 COMPARE_TIMEOUT_S = 600.0
 """Deadline of a Compare RPC (a million keys take seconds; the daemon may be busy)."""
@@ -65,6 +66,12 @@ def _load_policy(policy_file: Path | None, preset: str | None) -> tuple[Policy, 
         raise InputError(f"policy: {exc}") from None
 
 
+def _source(db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+            tls_cert: str | None, tls_key: str | None) -> Any:
+    tls = client_tls(tls_ca, tls_cert, tls_key) if db is None else None
+    return store_or_address(db, address, timeout, tls=tls)
+
+
 def _width() -> int:
     return shutil.get_terminal_size((100, 24)).columns
 
@@ -81,14 +88,20 @@ def _width() -> int:
 @click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
               show_default=True, help="Text: findings listed per phase and stage (0 = all).")
 @_sources
+@tls_options
 def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
             output: Path | None, show_all: bool, limit: int, db: Path | None,
-            address: str | None, timeout: float) -> int:
+            address: str | None, timeout: float, tls_ca: str | None, tls_cert: str | None,
+            tls_key: str | None) -> int:
     """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
     policy, policy_text = _load_policy(policy_file, preset)
     if output is not None and not output.parent.is_dir():
         raise InputError(f"output: directory {output.parent} does not exist")
-    source = store_or_address(db, address, timeout)
+    from auditor.columns import KeyRangeError
+    from auditor.engine import compare_runs
+    from auditor.report import render_junit, render_text
+
+    source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     try:
         if isinstance(source, StoreSource):
             try:
@@ -157,8 +170,10 @@ def _write(output: Path | None, text: str | None, report: Any) -> None:
 # -- watch ---------------------------------------------------------------------------------------
 
 def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
-                  timeout: float) -> Iterator[LiveEvent]:
-    """The same loop as the Watch RPC, against a store file."""
+                  timeout: float) -> Iterator[Any]:
+    """The same loop as the Watch RPC, against a store file (yields engine.LiveEvent)."""
+    from auditor.engine import LiveComparison, LiveEvent
+
     live = LiveComparison(reader, ref, cand, policy)
     yield LiveEvent(status=f"watching {ref} vs {cand}")
     last_news = time.monotonic()
@@ -210,12 +225,15 @@ def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: s
               show_default=True, help="Stop after this many seconds without new keys (0 = wait "
                                       "until both runs finish).")
 @_sources
+@tls_options
 def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
           show_all: bool, poll: float, idle: float, db: Path | None, address: str | None,
-          timeout: float) -> int:
+          timeout: float, tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> int:
     """Compare REF and CAND while they run: findings as soon as keys are final in both."""
+    from auditor.columns import KeyRangeError
+
     policy, policy_text = _load_policy(policy_file, preset)
-    source = store_or_address(db, address, timeout)
+    source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     breaches = 0
     try:
         if isinstance(source, StoreSource):
@@ -240,6 +258,8 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
 
 def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all: bool) -> int:
     """Print one event; returns 1 for a breaching finding (counted once, not on announcement)."""
+    from auditor.findings import headline
+
     if fmt == "json":
         kind = "status" if doc is None else ("first_divergence" if first else "finding")
         payload: dict = {"event": kind}

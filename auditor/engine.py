@@ -456,7 +456,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     klass = np.array([classes.setdefault(d if d in FLOAT_DTYPES else "integer", len(classes))
                       for d in catalog.dtypes] + [-1], np.int64)
     same = ex_r & ex_c & (fp_r == fp_c) & (klass[dt_r] == klass[dt_c])
-    assign(same, F.IDENTICAL)
+    out_metric[assign(same, F.IDENTICAL)] = _METRIC_CODES["exact"]
     hm_r, hm_c = side(rk.has_moments, ck.has_moments, False)
     exact_metric = metric == _METRIC_CODES["exact"]
     m = assign((exact_metric | ~hm_r | ~hm_c) & ex_r & ex_c, F.DIVERGED)

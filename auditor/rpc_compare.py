@@ -71,9 +71,10 @@ def request_policy(request: pb.CompareRequest | pb.WatchRequest) -> Policy:
     try:
         return resolve_policy(request.policy_toml, request.preset, source="policy_toml")
     except PolicyError as exc:
-        field = "preset" if str(exc).startswith("preset") or not request.policy_toml.strip() \
-            else "policy_toml"
-        raise ValidationError(field, str(exc).removeprefix("preset: ")) from None
+        text = str(exc)
+        if text.startswith("policy_toml: "):
+            raise ValidationError("policy_toml", text.removeprefix("policy_toml: ")) from None
+        raise ValidationError("preset", text.removeprefix("preset: ")) from None
 
 
 def report_json_within(report: Report, budget: int = RESPONSE_BUDGET_BYTES) -> str:

@@ -255,12 +255,16 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     # The comparison engine wires these two; the decorator already maps its errors.
     @_rpc("unary_unary")
     async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
-        raise Unimplemented("Compare: not available in this build")
+        from auditor import rpc_compare  # numpy and the engine load on the first compare
+
+        return await rpc_compare.compare(self, request)
 
     @_rpc("unary_stream")
     async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
-        raise Unimplemented("Watch: not available in this build")
-        yield  # pragma: no cover - makes this an async generator
+        from auditor import rpc_compare
+
+        async for event in rpc_compare.watch(self, request):
+            yield event
 
 
 def add_auditor_service(service: AuditorService, server: grpc.aio.Server) -> None:

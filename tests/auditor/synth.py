@@ -215,3 +215,24 @@ def iter_batches(records: Iterable[pb.Record], size: int) -> Iterable[list[pb.Re
             buf = []
     if buf:
         yield buf
+
+
+def send(stub, run: RunBuilder, *, batch_size: int = 256, timeout: float = 30.0) -> None:
+    """Store a synthetic run through a running daemon: Register, Ingest, CloseSession RPCs."""
+    for rank in range(run.world_size):
+        sid = f"{run.name}-{rank}-{next(_session_ids)}"
+        stub.Register(pb.RegisterRequest(
+            schema_version=limits.CURRENT_SCHEMA_VERSION, run=run.name, session_id=sid,
+            rank=rank, world_size=run.world_size, stages=run.stages.get(rank, []),
+            torch_version=torch.__version__, dtype=run.dtype, host="synth", local_rank=rank),
+            timeout=timeout)
+        recs = run.records.get(rank, [])
+        batches = [pb.RecordBatch(schema_version=limits.CURRENT_SCHEMA_VERSION, session_id=sid,
+                                  seq=seq, records=recs[start:start + batch_size])
+                   for seq, start in enumerate(range(0, len(recs), batch_size), start=1)]
+        acks = list(stub.Ingest(iter(batches), timeout=timeout))
+        assert len(acks) == len(batches)
+        if run.close:
+            stub.CloseSession(pb.CloseSessionRequest(
+                schema_version=limits.CURRENT_SCHEMA_VERSION, session_id=sid,
+                records_sent=len(recs)), timeout=timeout)

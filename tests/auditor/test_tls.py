@@ -199,3 +199,30 @@ def test_serve_and_runs_over_mutual_tls(pki, tmp_path):
         _, log = proc.communicate(timeout=30)
     assert proc.returncode == 0, log
     assert "mutual TLS: client certificates required" in log and READER not in log
+
+
+def test_sidecar_relays_over_mutual_tls_with_its_token(pki, mtls_server, tmp_path):
+    """The rank speaks to the sidecar over a local socket; the sidecar to the auditor over mTLS."""
+    import time
+
+    import torch
+
+    import agents
+    from agents.sidecar import Sidecar
+
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay", auditor=mtls_server.address, token=WRITER,
+                      tls=TLSConfig.from_files(str(pki.ca), str(pki.client_cert),
+                                               str(pki.client_key)))
+    sidecar.start()
+    try:
+        agent = agents.attach(None, run="tls-sidecar", sidecar=sock)
+        with agent.step(0), agent.microbatch(0):
+            agent.capture(torch.ones(3), site="x", phase="input")
+        assert agent.close()["acked"] == 1
+        deadline = time.monotonic() + 20
+        while not sidecar._all_done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sidecar.stop(grace=2)
+    assert stored(mtls_server.db_path, "tls-sidecar") == 1
