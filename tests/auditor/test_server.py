@@ -418,13 +418,14 @@ def test_bad_close_and_describe(shared):
     assert dump(server.db_path) == before
 
 
-def test_compare_and_watch_are_unimplemented(shared):
+def test_compare_and_watch_refuse_unknown_runs(shared):
+    # the engine's handlers (tests/auditor/test_compare_cli.py) answer through the same mapping
     _, stub, _ = shared
     err = rpc_error(stub.Compare, pb.CompareRequest(ref="a", cand="b"))
-    assert (err.code(), err.details()) == (grpc.StatusCode.UNIMPLEMENTED,
-                                           "Compare: not available in this build")
+    assert (err.code(), err.details()) == (grpc.StatusCode.NOT_FOUND,
+                                           "run: no run named 'a' in the store")
     err = rpc_error(stub.Watch, pb.WatchRequest(ref="a", cand="b"))
-    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.code() == grpc.StatusCode.NOT_FOUND
 
 
 _METHODS = {
