@@ -312,6 +312,8 @@ def _digest(
     sketch) for the benchmark; it synchronizes the device and is not for production use.
     """
     t = t.detach()
+    if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: digest the local shard
+        t = t.to_local()
     if t.is_complex():
         if len(layout.shape) == t.dim():
             layout = complex_real_layout(layout)
@@ -423,7 +425,8 @@ class _Accumulator:
 def _chunk_moments(
     x: torch.Tensor, ws: _Workspace, m: int, acc: _Accumulator, sync_free: bool
 ) -> None:
-    """Moments and sketch of one float chunk, finite elements only."""
+    """Moments of one float chunk over its finite elements; leaves the chunk in ``ws.f64`` as
+    float64 with NaN/Inf replaced by 0, for the sketch."""
     f = ws.f64[:m]
     if x.dtype == torch.float16:  # f16 -> f64 has no fast path; via f32 is 4x faster
         f.copy_(ws.f32[:m].copy_(x))
@@ -493,8 +496,9 @@ def digest_batch_to_host(
 
     Returns ``(f64 [n, 5 + k], i64 [n, 6], event)`` with the tensors on the CPU. When the rows
     live on a CUDA device the copy is asynchronous into pinned memory and ``event`` is recorded
-    after it: the caller must ``event.synchronize()`` (from any thread) before reading the
-    tensors. ``event`` is None when no wait is needed. All rows must share one device and k.
+    on the current stream after it: the caller must ``event.synchronize()`` (from any thread)
+    before reading the tensors. ``event`` is None when no wait is needed (CPU rows; other
+    accelerators are copied synchronously). All rows must share one device and k.
     """
     if len(rows_f64) != len(rows_i64):
         raise ValueError(f"rows_i64: {len(rows_i64)} rows != {len(rows_f64)} f64 rows")
@@ -507,13 +511,13 @@ def digest_batch_to_host(
     i64 = torch.stack(rows_i64)
     if f64.device.type == "cpu":
         return f64, i64, None
-    pin = f64.device.type == "cuda"
-    host_f64 = torch.empty(f64.shape, dtype=f64.dtype, pin_memory=pin)
-    host_i64 = torch.empty(i64.shape, dtype=i64.dtype, pin_memory=pin)
+    if f64.device.type != "cuda":
+        # Other accelerators have no event to wait on here: copy synchronously.
+        return f64.cpu(), i64.cpu(), None
+    host_f64 = torch.empty(f64.shape, dtype=f64.dtype, pin_memory=True)
+    host_i64 = torch.empty(i64.shape, dtype=i64.dtype, pin_memory=True)
     host_f64.copy_(f64, non_blocking=True)
     host_i64.copy_(i64, non_blocking=True)
-    event = None
-    if pin:
-        event = torch.cuda.Event()
-        event.record()
+    event = torch.cuda.Event()
+    event.record()
     return host_f64, host_i64, event

@@ -166,6 +166,12 @@ def test_dtensor_layout_matches_placements(fake_rank):
             lay = dtensor_layout(dt)
             assert lay == placements_layout(shape, (2, 2), coord, placements)
             assert lay.shape == tuple(dt.to_local().shape)
+        # digest_piece accepts the DTensor itself and digests its local shard
+        from agents.digest import digest_piece
+
+        dt = distribute_tensor(torch.arange(20.0).view(5, 4), mesh, [Shard(0), Shard(1)])
+        lay = dtensor_layout(dt)
+        assert torch.equal(digest_piece(dt, lay)[1], digest_piece(dt.to_local(), lay)[1])
         partial = DTensor.from_local(torch.zeros(3, 4), mesh, [Partial(), Shard(0)],
                                      run_check=False)
         lay = dtensor_layout(partial)
