@@ -150,22 +150,29 @@ def test_dtensor_layout_matches_placements(fake_rank):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    cases = [
-        ((5, 7), [Shard(0), Shard(1)]),
-        ((5, 3), [Shard(0), Replicate()]),
-        ((6, 4), [Replicate(), Shard(0)]),
-        ((3, 9), [Shard(1), Shard(1)]),
-        ((2, 2), [Shard(0), Shard(0)]),  # rank (1, 1) holds nothing
-    ]
+    cases = {
+        (2, 2): [
+            ((5, 7), [Shard(0), Shard(1)]),
+            ((5, 3), [Shard(0), Replicate()]),
+            ((6, 4), [Replicate(), Shard(0)]),
+            ((3, 9), [Shard(1), Shard(1)]),
+            ((2, 2), [Shard(0), Shard(0)]),  # rank (1, 1) holds nothing
+        ],
+        (4,): [((5, 3), [Shard(0)]), ((3, 6, 2), [Shard(1)])],
+        (2, 1, 2): [((7, 5), [Shard(1), Replicate(), Shard(0)])],
+    }
     for rank in range(4):
         fake_rank(rank)
+        for mesh_shape, shard_cases in cases.items():
+            mesh = DeviceMesh("cpu", torch.arange(4).view(mesh_shape))
+            coord = mesh.get_coordinate()
+            for shape, placements in shard_cases:
+                dt = distribute_tensor(torch.zeros(shape), mesh, placements)
+                lay = dtensor_layout(dt)
+                assert lay == placements_layout(shape, mesh_shape, coord, placements)
+                assert lay.shape == tuple(dt.to_local().shape)
         mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))
         coord = mesh.get_coordinate()
-        for shape, placements in cases:
-            dt = distribute_tensor(torch.zeros(shape), mesh, placements)
-            lay = dtensor_layout(dt)
-            assert lay == placements_layout(shape, (2, 2), coord, placements)
-            assert lay.shape == tuple(dt.to_local().shape)
         # digest_piece accepts the DTensor itself and digests its local shard
         from agents.digest import digest_piece
 
