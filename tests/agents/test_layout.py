@@ -218,8 +218,11 @@ def _gloo_worker(rank: int, out_dir: str) -> None:
                             init_method=f"file://{out_dir}/store")
     results = {}
     try:
+        meshes = {}  # one mesh per shape: creating sub-groups is the slow part of the job
         for name, (mesh_shape, shape, placements) in GLOO_CASES.items():
-            mesh = init_device_mesh("cpu", mesh_shape)
+            if mesh_shape not in meshes:
+                meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+            mesh = meshes[mesh_shape]
             full = full_tensor(name, shape)
             dt = distribute_tensor(full, mesh, placements)
             local = dt.to_local()
@@ -234,7 +237,7 @@ def _gloo_worker(rank: int, out_dir: str) -> None:
                              "data_ok": bool(torch.equal(local, full[box])),
                              "f64": f.tolist(), "i64": i.tolist()}
         # Partial: each rank holds its own addend of a row shard; the sum is the logical tensor.
-        mesh = init_device_mesh("cpu", (2, 2))
+        mesh = meshes[(2, 2)]
         g = torch.Generator().manual_seed(100 + rank)
         addend = torch.randn(3, 4, generator=g)
         dt = DTensor.from_local(addend, mesh, [Partial(), Shard(0)], run_check=False)
