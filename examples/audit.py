@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "examples" / "policies" / "ds3_vs_pp.toml"
@@ -107,17 +108,21 @@ class Outcome:
     """Seconds per phase: daemon, ref, cand, compare, total."""
 
 
-def compare(ref: str, cand: str, db: Path, policy: Path, text_report: Path,
-            json_report: Path, extra: list[str]) -> int:
-    """`auditor compare` on the stored runs: JSON to a file, text to a file and the terminal."""
+def compare(ref: str, cand: str, db: Path, policy: Path | None, text_report: Path,
+            json_report: Path, extra: Sequence[str] = (), echo: bool = True) -> int:
+    """`auditor compare` on the stored runs: JSON to a file, text to a file (and the terminal).
+
+    It reads the store file directly (`--db`): the daemon has stored and acked every record by
+    the time the jobs exit. Without a policy file, `extra` should name a `--preset`.
+    """
     base = [sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
-            "--policy", str(policy), *extra]
-    with open(json_report, "w") as out:
-        subprocess.call(base + ["--format", "json"], stdout=out, cwd=ROOT)
+            *(["--policy", str(policy)] if policy is not None else []), *extra]
+    subprocess.call(base + ["--format", "json", "-o", str(json_report)], cwd=ROOT)
     proc = subprocess.run(base + ["--format", "text"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     text_report.write_text(proc.stdout)
-    sys.stdout.write(proc.stdout)
-    sys.stdout.flush()
+    if echo:
+        sys.stdout.write(proc.stdout)
+        sys.stdout.flush()
     return proc.returncode
 
 

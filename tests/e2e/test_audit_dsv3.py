@@ -1,0 +1,175 @@
+"""`make audit` end to end: the DS3 reference against its pipeline twin, clean and with faults.
+
+Everything goes through `examples.audit`, the code `make audit` runs: a real `auditor serve`,
+real torchrun jobs (4 and 8 ranks, gloo, CPU) and a real `auditor compare` with the shipped
+policy. The reference runs once into one database; each candidate is added to it under its own
+name (`--skip-ref --cand-name`), so a fault costs one 8-rank job. Verdicts and localization are
+read from the JSON report (schema `numaudit.report`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from examples import audit
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STAGE0_PARAMS = {"tok_embeddings.weight"} | {
+    f"layers.0.{name}" for name in (
+        "attention_norm.weight", "attention.wq.weight", "attention.wkv_a.weight",
+        "attention.kv_norm.weight", "attention.wkv_b.weight", "attention.wo.weight",
+        "ffn_norm.weight", "moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2",
+        "moe.experts.w3", "moe.shared_experts.w1.weight", "moe.shared_experts.w2.weight",
+        "moe.shared_experts.w3.weight")}
+N_PARAMS = 59
+DP_RANK_ROWS = 2
+"""Rows of a logical microbatch tensor that one dp rank holds (microbatch size 2)."""
+
+
+class Audits:
+    """One build folder: the clean audit first (it runs the reference), faults added on demand."""
+
+    def __init__(self, build: Path) -> None:
+        self.build = build
+        self._runs: dict[str, tuple[audit.Outcome, dict]] = {}
+
+    def run(self, inject: str | None = None) -> tuple[audit.Outcome, dict]:
+        key = inject or "clean"
+        if key not in self._runs:
+            argv = ["--build", str(self.build)]
+            if inject is not None:
+                self.run()  # the reference comes with the clean audit
+                argv += ["--skip-ref", "--cand-name", _run_name(inject), "--inject", inject]
+            outcome = audit.audit(audit.parse_args(argv))
+            self._runs[key] = outcome, json.loads(outcome.json_report.read_text())
+        return self._runs[key]
+
+    def recompare(self, inject: str, preset: str) -> tuple[int, dict]:
+        """Compare an existing candidate again with a preset instead of the shipped policy."""
+        outcome, _ = self.run(inject)
+        name = _run_name(inject)
+        out = self.build / f"report-{name}-{preset}.json"
+        rc = audit.compare("ref", name, outcome.db, None, self.build / f"{name}-{preset}.txt",
+                           out, ["--preset", preset], echo=False)
+        return rc, json.loads(out.read_text())
+
+
+def _run_name(inject: str) -> str:
+    return "pp8_" + inject.replace("-", "_")
+
+
+@pytest.fixture(scope="module")
+def audits(tmp_path_factory) -> Audits:
+    return Audits(tmp_path_factory.mktemp("make_audit"))
+
+
+def _diverged(report: dict, phases=("fwd", "bwd", "input", "loss")) -> list[dict]:
+    return [f for f in report["findings"]
+            if f["verdict"] == "diverged" and f["key"]["phase"] in phases]
+
+
+def _grads(report: dict) -> list[dict]:
+    return [f for f in report["findings"] if f["key"]["phase"] == "grad"]
+
+
+def test_clean_audit_passes_the_shipped_policy(audits):
+    outcome, report = audits.run()
+    assert outcome.rc == 0, outcome.text_report.read_text()
+    assert report["schema"] == "numaudit.report"
+    summary = report["summary"]
+    assert summary["exit_code"] == 0 and summary["breaches"] == 0
+    assert summary["keys"] == 971  # 57 captures x 16 microbatches + 59 grads, per dp rank
+    bad = {v: n for v, n in summary["verdicts"].items() if v not in ("identical", "close") and n}
+    assert not bad
+    assert report["first_divergence"] is None
+    assert report["graph_breaks"] == []
+    # the timing `make audit` promises (docs/benchmarks.md), with room for a busy machine
+    assert outcome.timings["total"] < 240
+
+
+def test_break_backward_is_one_graph_break_at_stage_0(audits):
+    outcome, report = audits.run("break-backward")
+    assert outcome.rc == 1
+    assert _diverged(report) == []  # forward untouched
+    (brk,) = report["graph_breaks"]
+    assert brk["side"] == "cand" and brk["scope"] == "stage" and brk["stage"] == 0
+    assert brk["kind"] in ("zero", "none")
+    assert set(brk["sites"]) == STAGE0_PARAMS and brk["params"] == brk["total_params"] == 15
+    breaching = [f for f in report["findings"] if f["breach"]]
+    assert {f["key"]["site"] for f in breaching} == STAGE0_PARAMS
+    assert all(f["key"]["phase"] == "grad" and f["stage"] == 0 for f in breaching)
+    first = report["first_divergence"]
+    assert first["key"]["phase"] == "grad" and first["stage"] == 0
+
+
+def test_grad_scale_diverges_every_gradient_by_a_norm_ratio_of_16(audits):
+    outcome, report = audits.run("grad-scale")
+    assert outcome.rc == 1
+    assert _diverged(report) == []
+    grads = _grads(report)
+    assert len(grads) == N_PARAMS
+    assert all(f["verdict"] == "diverged" for f in grads)
+    for f in grads:
+        assert f["metrics"]["norm_ratio"] == pytest.approx(16.0, rel=1e-6), f["key"]["site"]
+    assert report["graph_breaks"] == []
+
+
+def test_ulp_in_a_shared_expert_is_localized_and_only_bitwise_calls_it_diverged(audits):
+    outcome, report = audits.run("ulp-shared-expert")
+    assert outcome.rc == 1
+    first = report["first_divergence"]
+    assert first["key"]["phase"] == "fwd" and first["key"]["microbatch"] == 0
+    assert first["key"]["site"] in ("layers.1.moe", "layers.1.moe.shared_experts")
+    assert first["stage"] == 1 and first["cause"]["kind"] == "introduced"
+    # Nothing upstream of layer 1's MoE differs in the first microbatch.
+    mb0 = {f["key"]["site"] for f in _diverged(report) if f["key"]["microbatch"] == 0}
+    assert mb0 <= {"layers.1.moe", "layers.1.moe.shared_experts"} and mb0
+
+    rc, bitwise = audits.recompare("ulp-shared-expert", "bitwise")
+    assert rc == 1
+    assert bitwise["first_divergence"]["key"] == first["key"]
+    rc, fp32 = audits.recompare("ulp-shared-expert", "fp32")
+    assert rc == 0
+    assert fp32["first_divergence"] is None
+    forward = [f for f in fp32["findings"] if f["key"]["phase"] == "fwd"]
+    assert all(f["verdict"] in ("identical", "close") for f in forward)
+    assert any(f["verdict"] == "close" and f["key"] == first["key"] for f in forward)
+
+
+def test_swapped_microbatches_diverge_only_there_and_only_on_dp_rank_1(audits):
+    from examples.dsv3_pp import SWAP_DP_RANK, SWAP_MICROBATCHES
+
+    outcome, report = audits.run("swap-microbatches")
+    assert outcome.rc == 1
+    diverged = _diverged(report)
+    assert {f["key"]["microbatch"] for f in diverged} == set(SWAP_MICROBATCHES)
+    per_mb = Counter((f["key"]["microbatch"], f["key"]["phase"]) for f in diverged)
+    for mb in SWAP_MICROBATCHES:
+        assert per_mb[(mb, "fwd")] > 0 and per_mb[(mb, "loss")] == 1
+    first = report["first_divergence"]
+    assert first["key"]["microbatch"] == min(SWAP_MICROBATCHES)
+    # the earliest capture of that microbatch: the tokens, or (integers compared only by
+    # fingerprint) the embedding of them
+    assert (first["key"]["phase"], first["key"]["site"]) in (("input", "tokens"),
+                                                             ("fwd", "tok_embeddings"))
+    # The logits travel as payloads: every differing element lies in dp rank 1's rows.
+    for f in diverged:
+        if f["key"]["site"] == "output":
+            payload = f["metrics"]["payload"]
+            rows = payload["worst"]["index"][0]
+            assert SWAP_DP_RANK * DP_RANK_ROWS <= rows < (SWAP_DP_RANK + 1) * DP_RANK_ROWS
+            assert payload["mismatched"] <= DP_RANK_ROWS * 64 * 512
+
+
+def test_last_microbatch_only_diverges_every_gradient_and_no_activation(audits):
+    outcome, report = audits.run("last-microbatch-only")
+    assert outcome.rc == 1
+    assert _diverged(report) == []
+    grads = _grads(report)
+    assert len(grads) == N_PARAMS and all(f["verdict"] == "diverged" for f in grads)
+    assert report["graph_breaks"] == []
