@@ -186,12 +186,11 @@ class Sender:
         d = r.digest
         d.numel, d.nan_count, d.posinf_count, d.neginf_count, d.zero_count = ints[:5]
         d.fingerprint = ints[5] & _MASK64
-        d.fingerprint_seed = FINGERPRINT_SEED
+        d.fingerprint_seed, d.sketch_seed = FINGERPRINT_SEED, SKETCH_SEED
         d.has_moments = cap.moments
         if cap.moments:
             d.sum, d.sum_sq, d.min, d.max, d.abs_max = floats[:5]
             d.sketch.extend(floats[5:])
-            d.sketch_seed = SKETCH_SEED
         if cap.payload is None:
             return [r]
         if cap.payload.numel() * cap.payload.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:

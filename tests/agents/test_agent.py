@@ -294,3 +294,16 @@ def test_registration_refused_for_its_content_is_final_not_retried(auditor_serve
     assert time.monotonic() - started < 2.0  # did not spend the flush timeout retrying
     assert s["dropped_by_reason"] == {"refused": 1}
     assert other._sender.reconnects == 0
+
+
+def test_integer_records_carry_the_digest_seeds(auditor_server):
+    """Seeds travel with every digest, so integer inputs compare like any other tensor."""
+    from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+
+    agent = agents.attach(None, run="ref", address=auditor_server.address)
+    with agent.step(0), agent.microbatch(0):
+        agent.capture(torch.arange(6), site="tokens", phase="input")
+    agent.close()
+    reader = Reader(auditor_server.db_path)
+    (seeds,) = reader.conn.execute("SELECT fingerprint_seed, sketch_seed FROM records").fetchall()
+    assert [from_int64(s) for s in seeds] == [FINGERPRINT_SEED, SKETCH_SEED]
