@@ -78,6 +78,9 @@ class Key(NamedTuple):
 
 def normalize_site(name: str) -> str:
     """``_orig_mod.module.layers.0._checkpoint_wrapped_module.moe`` → ``layers.0.moe``."""
+    if "_mod" not in name and not name.startswith("module") and ".." not in name \
+            and not name.startswith(".") and not name.endswith("."):
+        return name  # nothing to strip (the agent normalizes already): the common case
     parts = [p for p in name.split(".") if p and p not in _WRAPPERS]
     while parts and parts[0] in _LEADING_WRAPPERS:
         parts.pop(0)

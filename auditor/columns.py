@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from auditor.align import RenameRule, canonical_sites
+from auditor.align import RenameRule, canonical_sites, normalize_site
 from auditor.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
 from auditor.merge import Piece
 from auditor.store import Reader
@@ -175,6 +175,13 @@ class Catalog:
         for sid, name in self._store_names.items():
             self._name_ids.setdefault(name, sid)
         top = max(self._store_names, default=0)
+        if not self.renames and all(normalize_site(n) is n for n in new.values()) and \
+                all(normalize_site(n) is n for n in self.site_names.values()):
+            # nothing to rename (the agent normalized already): ids are the store's
+            self.site_names.update(new)
+            identity = np.arange(top + 1, dtype=np.int64)
+            self._luts = {"ref": identity, "cand": identity}
+            return
         for side in ("ref", "cand"):
             canon, warnings = canonical_sites(self._store_names, self.renames, side)
             for w in warnings:

@@ -20,6 +20,7 @@ Pipeline, vectorized over keys (numpy columns, no Python object per record on th
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -197,6 +198,8 @@ class Comparison:
         if v == F.GRAD_NONE:
             side = self.cand.name if ck.status[ci] == M.NONE else self.ref.name
             return f"None in {side}"
+        if v == F.IDENTICAL and ri >= 0 and rk.status[ri] == M.NONE:
+            return "None in both runs"
         if v == F.MISSING_IN_REF:
             return f"not captured in {self.ref.name}" + (" (expected by policy)"
                                                         if self.expected[i] else "")
@@ -401,9 +404,11 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     st_r, st_c = side(rk.status, ck.status, -1)
     dt_r, dt_c = side(rk.dtype, ck.dtype, -1)
 
-    # the policy, once per distinct (site, phase, role, dtype pair)
-    combo = ((B >> 32) << 24) | ((A & 0xF) << 20) | (((B >> 28) & 0xF) << 16) \
-        | ((dt_r.astype(np.int64) + 1) << 8) | (dt_c.astype(np.int64) + 1)
+    # the policy, once per distinct (site, phase, role, dtype pair); without rules it depends
+    # on the dtype pair alone
+    combo = ((dt_r.astype(np.int64) + 1) << 8) | (dt_c.astype(np.int64) + 1)
+    if policy.rules:
+        combo |= ((B >> 32) << 24) | ((A & 0xF) << 20) | (((B >> 28) & 0xF) << 16)
     uniq, inv = np.unique(combo, return_inverse=True)
     checks = [_check_for(int(u), catalog, policy) for u in uniq]
     labels: dict[str, int] = {}
@@ -821,14 +826,16 @@ def _order(comp: Comparison) -> None:
     ref_pos[~hr] = np.nan
     cand_pos = np.where(hc, ck.pos[np.maximum(comp.ci, 0)] if len(ck) else 0, 0).astype(np.float64)
     cand_pos[~hc] = np.nan
-    # group = (step, microbatch, phase, stage)
-    g_order = np.lexsort((stage, comp.A))
-    ga, gs = comp.A[g_order], stage[g_order]
-    gnew = np.ones(K, bool)
-    gnew[1:] = (ga[1:] != ga[:-1]) | (gs[1:] != gs[:-1])
-    group = np.empty(K, np.int64)
-    group[g_order] = np.cumsum(gnew) - 1
-    pos = fill_positions(group, cand_pos, ref_pos)
+    if hr.all():
+        pos = ref_pos
+    else:  # place candidate-only keys within their (step, microbatch, phase, stage) group
+        g_order = np.lexsort((stage, comp.A))
+        ga, gs = comp.A[g_order], stage[g_order]
+        gnew = np.ones(K, bool)
+        gnew[1:] = (ga[1:] != ga[:-1]) | (gs[1:] != gs[:-1])
+        group = np.empty(K, np.int64)
+        group[g_order] = np.cumsum(gnew) - 1
+        pos = fill_positions(group, cand_pos, ref_pos)
     order = exec_order(step, mb, phase, stage, pos)
     comp.order = order
     comp.rank_in_order = np.empty(K, np.int64)
@@ -871,6 +878,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         catalog = Catalog(reader, policy.renames)
         rc = catalog.load(ref, "ref")
         cc = catalog.load(cand, "cand")
+        ref_info["records"], cand_info["records"] = len(rc), len(cc)
         t1 = time.perf_counter()
         comp = evaluate(rc, cc, catalog, policy, reader)
         comp.timings["load"] = t1 - t0
@@ -885,17 +893,20 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
 
 
 def _run_info(reader: Reader, name: str) -> dict:
+    """What the report says about a run (records: filled in from the columns read)."""
     info = reader.run_info(name)
-    sessions = reader.sessions(name)
+    sessions = reader.conn.execute(
+        "SELECT rank, closed IS NOT NULL, stages, records_dropped FROM sessions WHERE run_id = ?",
+        (info["run_id"],)).fetchall()
     return {
         "name": name, "world_size": info["world_size"], "dtype": info["dtype"],
         "torch_version": info["torch_version"], "mesh_shape": info["mesh_shape"],
         "mesh_dim_names": info["mesh_dim_names"], "labels": info["labels"],
-        "ranks_registered": len({s["rank"] for s in sessions}),
-        "ranks_closed": len({s["rank"] for s in sessions if s["closed"] is not None}),
-        "stages": sorted({st for s in sessions for st in s["stages"]}),
-        "records": sum(s["records_stored"] for s in sessions),
-        "dropped": sum(s["records_dropped"] or 0 for s in sessions),
+        "ranks_registered": len({r for r, _, _, _ in sessions}),
+        "ranks_closed": len({r for r, closed, _, _ in sessions if closed}),
+        "stages": sorted({st for _, _, stages, _ in sessions for st in json.loads(stages)}),
+        "records": 0,
+        "dropped": sum(d or 0 for _, _, _, d in sessions),
         "conflicts": reader.conflicts(name),
     }
 
@@ -939,6 +950,7 @@ class LiveComparison:
         self.finished = False
         self.emitted = 0
         self._late_warned = False
+        self._last_past = -math.inf
 
     def _progress(self, side: str) -> tuple[float, bool]:
         """(the step every rank of the run is past, whether the run is finished)."""
@@ -987,8 +999,9 @@ class LiveComparison:
         (past_r, fin_r), (past_c, fin_c) = self._progress("ref"), self._progress("cand")
         self.finished = fin_r and fin_c
         past = min(past_r if not fin_r else math.inf, past_c if not fin_c else math.inf)
-        if new_rows or self.finished:
+        if new_rows or self.finished or past != self._last_past:
             events.extend(self._emit(past, everything=self.finished))
+        self._last_past = past
         if not self.announced and self.breach_steps:
             s = min(self.breach_steps)
             if s < past or self.finished:

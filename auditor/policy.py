@@ -211,6 +211,17 @@ class Policy:
     def check(self, phase: str, site: str, role: str, dtype_ref: str | None,
               dtype_cand: str | None) -> Check:
         """The check for one key (first matching rule, else the default)."""
+        if not self.rules:  # the common case: one answer per dtype pair
+            cache = self.__dict__.setdefault("_default_checks", {})
+            got = cache.get((dtype_ref, dtype_cand))
+            if got is None:
+                got = cache[(dtype_ref, dtype_cand)] = self._check(phase, site, role, dtype_ref,
+                                                                   dtype_cand)
+            return got
+        return self._check(phase, site, role, dtype_ref, dtype_cand)
+
+    def _check(self, phase: str, site: str, role: str, dtype_ref: str | None,
+               dtype_cand: str | None) -> Check:
         tol = self.key_tolerance(dtype_ref, dtype_cand)
         for rule in self.rules:
             if not rule.matches(phase, site, role, (dtype_ref or "", dtype_cand or "")):

@@ -122,19 +122,21 @@ class Report:
             head["findings_omitted"] = {"identical": self.counts.get("identical", 0)}
         text = json.dumps(head, indent=indent, allow_nan=False)
         out.write(text[:-1].rstrip() + (",\n" if indent else ",") + ' "findings": [')
-        first = True
         fast = _IdenticalWriter(self.comparison)
         comp = self.comparison
-        for i in comp.indices(include_identical=include_identical):
-            if not first:
-                out.write(",")
-            first = False
-            if indent:
-                out.write("\n  ")
-            if comp.verdict[i] == F.IDENTICAL and fast.ok(i):
-                out.write(fast.render(i))
-            else:
-                out.write(json.dumps(comp.finding(i).as_dict(), allow_nan=False))
+        sep = ",\n  " if indent else ","
+        idx = comp.indices(include_identical=include_identical)
+        for start in range(0, len(idx), 4096):
+            chunk = idx[start:start + 4096]
+            quick = fast.renderable(chunk)
+            rendered = fast.render_many(chunk[quick]) if quick.any() else []
+            parts: list[str] = []
+            it = iter(rendered)
+            for i, q in zip(chunk.tolist(), quick.tolist()):
+                parts.append(next(it) if q else
+                             json.dumps(comp.finding(i).as_dict(), allow_nan=False))
+            out.write(("\n  " if indent and start == 0 else ("" if start == 0 else sep))
+                      + sep.join(parts))
         out.write(("\n" if indent else "") + "]}\n")
 
     def to_json(self, *, include_identical: bool = True, indent: int | None = None) -> str:
@@ -165,57 +167,74 @@ class Report:
 
 
 class _IdenticalWriter:
-    """JSON of identical findings without building a Finding (the common, bulky case)."""
+    """JSON of identical findings without building Findings (the common, bulky case).
+
+    Produces exactly `Finding.as_dict()` serialized by json.dumps (tests/auditor/test_report.py
+    holds the two to equality), from bulk-converted columns.
+    """
 
     def __init__(self, comp) -> None:
         self.comp = comp
-        self._sites: dict[int, str] = {}
+        names = comp.catalog.site_names
+        self._sites = {sid: json.dumps(n) for sid, n in names.items()}
         self._rules = [json.dumps(r) for r in comp.rule_labels]
         self._dtypes = [json.dumps(d) for d in comp.catalog.dtypes]
         self._shapes = [json.dumps(list(s[0])) for s in comp.catalog.shapes]
+        self._ref_ranks = comp.ref.rank.tolist()
+        self._cand_ranks = comp.cand.rank.tolist()
 
-    def ok(self, i: int) -> bool:
+    def renderable(self, idx: np.ndarray) -> np.ndarray:
         c = self.comp
-        return c.ri[i] >= 0 and c.ci[i] >= 0 and i not in c.notes
+        ok = (c.verdict[idx] == F.IDENTICAL) & (c.ri[idx] >= 0) & (c.ci[idx] >= 0)
+        if c.notes:
+            ok &= ~np.isin(idx, list(c.notes))
+        return ok
 
-    def render(self, i: int) -> str:
+    def render_many(self, idx: np.ndarray) -> list[str]:
         c = self.comp
-        a, b = int(c.A[i]), int(c.B[i])
-        sid = b >> 32
-        site = self._sites.get(sid)
-        if site is None:
-            site = self._sites[sid] = json.dumps(c.catalog.site_names.get(sid, f"site#{sid}"))
-        ri, ci = int(c.ri[i]), int(c.ci[i])
         rk, ck = c.ref_keys, c.cand_keys
-        none = rk.status[ri] == M.NONE
-        rr = rk.ranks(c.ref, ri)
-        cr = ck.ranks(c.cand, ci)
-        if none:
-            dt_r = dt_c = shape = "null"
-            numel = "null"
-            metrics = "{}"
-        else:
-            dt_r = self._dtypes[rk.dtype[ri]]
-            dt_c = self._dtypes[ck.dtype[ci]]
-            shape = self._shapes[ck.shape[ci]]
-            numel = str(int(ck.numel[ci]))
-            metrics = (f'{{"exact": true, "nonfinite_present": {{"ref": '
-                       f'{"true" if rk.nonfinite[ri] else "false"}, "cand": '
-                       f'{"true" if ck.nonfinite[ci] else "false"}}}}}')
-        return (
-            f'{{"key": {{"step": {a >> 24}, "microbatch": {((a >> 4) & 0xFFFFF) - 1}, '
-            f'"phase": "{phase_name(a & 0xF)}", "site": {site}, '
-            f'"role": "{_ROLE[(b >> 28) & 0xF]}", "index": {(b >> 14) & 0x3FFF}, '
-            f'"call": {b & 0x3FFF}}}, "verdict": "identical", "breach": false, '
-            f'"stage": {int(ck.stage[ci])}, "ref_stage": {int(rk.stage[ri])}, '
-            f'"ranks": {{"ref": {rr}, "cand": {cr}}}, '
-            f'"dtype": {{"ref": {dt_r}, "cand": {dt_c}}}, "shape": {shape}, "numel": {numel}, '
-            f'"metric": {"null" if none else chr(34) + "exact" + chr(34)}, "value": null, '
-            f'"sigma": null, "threshold": null, "uncertain": false, "metrics": {metrics}, '
-            f'"rule": {self._rules[int(c.rule[i])]}, "expected": false, "detail": '
-            f'"{"None in both runs" if none else ""}", "notes": [], "cause": null, '
-            f'"order": {int(c.rank_in_order[i])}}}'
-        )
+        ri, ci = c.ri[idx], c.ci[idx]
+        A, B = c.A[idx].tolist(), c.B[idx].tolist()
+        none = (rk.status[ri] == M.NONE).tolist()
+        r_first, r_count = rk.first[ri].tolist(), rk.count[ri].tolist()
+        c_first, c_count = ck.first[ci].tolist(), ck.count[ci].tolist()
+        dt_r, dt_c = rk.dtype[ri].tolist(), ck.dtype[ci].tolist()
+        shape, numel = ck.shape[ci].tolist(), ck.numel[ci].tolist()
+        st_r, st_c = rk.stage[ri].tolist(), ck.stage[ci].tolist()
+        nf_r, nf_c = (rk.nonfinite[ri] > 0).tolist(), (ck.nonfinite[ci] > 0).tolist()
+        rule, order = c.rule[idx].tolist(), c.rank_in_order[idx].tolist()
+        rr, cr = self._ref_ranks, self._cand_ranks
+        sites, rules, dtypes, shapes = self._sites, self._rules, self._dtypes, self._shapes
+        out = []
+        for j in range(len(A)):
+            a, b = A[j], B[j]
+            sid = b >> 32
+            site = sites.get(sid) or json.dumps(f"site#{sid}")
+            if none[j]:
+                body = ('"dtype": {"ref": null, "cand": null}, "shape": null, "numel": null, '
+                        '"metric": null, "value": null, "sigma": null, "threshold": null, '
+                        '"uncertain": false, "metrics": {}')
+                detail = "None in both runs"
+            else:
+                body = (f'"dtype": {{"ref": {dtypes[dt_r[j]]}, "cand": {dtypes[dt_c[j]]}}}, '
+                        f'"shape": {shapes[shape[j]]}, "numel": {numel[j]}, "metric": "exact", '
+                        '"value": null, "sigma": null, "threshold": null, "uncertain": false, '
+                        '"metrics": {"exact": true, "nonfinite_present": {"ref": '
+                        f'{"true" if nf_r[j] else "false"}, "cand": '
+                        f'{"true" if nf_c[j] else "false"}}}}}')
+                detail = ""
+            out.append(
+                f'{{"key": {{"step": {a >> 24}, "microbatch": {((a >> 4) & 0xFFFFF) - 1}, '
+                f'"phase": "{phase_name(a & 0xF)}", "site": {site}, '
+                f'"role": "{_ROLE[(b >> 28) & 0xF]}", "index": {(b >> 14) & 0x3FFF}, '
+                f'"call": {b & 0x3FFF}}}, "verdict": "identical", "breach": false, '
+                f'"stage": {st_c[j]}, "ref_stage": {st_r[j]}, '
+                f'"ranks": {{"ref": {rr[r_first[j]:r_first[j] + r_count[j]]}, '
+                f'"cand": {cr[c_first[j]:c_first[j] + c_count[j]]}}}, {body}, '
+                f'"rule": {rules[rule[j]]}, "expected": false, "detail": "{detail}", '
+                f'"notes": [], "cause": null, "order": {order[j]}}}'
+            )
+        return out
 
 
 from auditor.align import ROLE_NAMES as _ROLE_NAMES  # noqa: E402
@@ -256,65 +275,74 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
     names = {"ref": comp.ref.name, "cand": comp.cand.name}
     site_names = comp.catalog.site_names
     idx = np.flatnonzero(is_grad & (comp.verdict != F.IGNORED))
+    ri, ci = comp.ri[idx], comp.ci[idx]
+    both_ok = (ri >= 0) & (ci >= 0)
+    zr = np.where(both_ok, rk.all_zero[np.maximum(ri, 0)] if len(rk) else -1, -1)
+    zc = np.where(both_ok, ck.all_zero[np.maximum(ci, 0)] if len(ck) else -1, -1)
+    zero_diff = both_ok & (zr >= 0) & (zc >= 0) & (zr != zc) & (comp.verdict[idx] != F.GRAD_NONE)
+    none = comp.verdict[idx] == F.GRAD_NONE
+    if not (none.any() or zero_diff.any()):  # the common case: nothing to group
+        return []
     entries: list[tuple] = []
     totals_stage: dict[tuple, set[str]] = {}
     totals_run: dict[str, set[str]] = {"ref": set(), "cand": set()}
-    for i in idx.tolist():
+    for i, r, c, is_none, zd, z_ref in zip(idx.tolist(), ri.tolist(), ci.tolist(),
+                                            none.tolist(), zero_diff.tolist(), zr.tolist()):
         site = site_names.get(int(comp.B[i] >> 32), "")
-        step = int(comp.A[i] >> 24)
         stage = int(comp.order_stage[i])
-        ri, ci = int(comp.ri[i]), int(comp.ci[i])
-        for side, present in (("ref", ri >= 0), ("cand", ci >= 0)):
+        for side, present in (("ref", r >= 0), ("cand", c >= 0)):
             if present:
                 totals_run[side].add(site)
                 totals_stage.setdefault((side, stage), set()).add(site)
-        v = int(comp.verdict[i])
-        if v == F.GRAD_NONE:
-            side = "cand" if ck.status[ci] == M.NONE else "ref"
+        step = int(comp.A[i] >> 24)
+        if is_none:
+            side = "cand" if ck.status[c] == M.NONE else "ref"
             entries.append((side, "none", stage, site, step))
-        elif ri >= 0 and ci >= 0 and rk.status[ri] == M.OK and ck.status[ci] == M.OK:
-            zr, zc = int(rk.all_zero[ri]), int(ck.all_zero[ci])
-            if zr >= 0 and zc >= 0 and zr != zc:
-                entries.append(("ref" if zr else "cand", "zero", stage, site, step))
+        elif zd:
+            entries.append(("ref" if z_ref == 1 else "cand", "zero", stage, site, step))
     breaks = F.group_graph_breaks(entries, totals_stage, totals_run, names)
     _add_boundary(comp, breaks)
     return breaks
 
 
 def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
-    """Name where gradients stop: the first stage (in pipeline order) without gradients."""
+    """Name where gradients stop: the first stage (in pipeline order) without parameter
+    gradients, and whether its input activation's backward was captured."""
     for side in ("cand", "ref"):
         mine = [b for b in breaks if b.side == side and b.kind == "none"]
         if not mine:
             continue
-        stages = sorted({b.stage for b in mine if b.stage is not None and b.stage >= 0})
         keys = comp.cand_keys if side == "cand" else comp.ref_keys
-        cols = comp.cand if side == "cand" else comp.ref
-        bwd = ((keys.A & 0xF) == PHASE_IDS["bwd"]) & (keys.status == M.OK)
-        run = cols.name
-        if stages:
-            s = stages[0]
-            in_stage = bwd & (keys.stage == s)
-            n = int(in_stage.sum())
-            where = f"stage {s}"
+        run = (comp.cand if side == "cand" else comp.ref).name
+        stages = sorted({b.stage for b in mine if b.stage is not None and b.stage >= 0})
+        in_stage = keys.stage == stages[0] if stages else np.ones(len(keys), bool)
+        where = f"stage {stages[0]}" if stages else "the model"
+        phase = keys.A & 0xF
+        bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
+        fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
+        text = f"gradients stop at {where} (the first without parameter gradients in {run})"
+        if len(fwd):
+            # the stage's input activation: its earliest forward capture
+            first = fwd[np.argmin(keys.pos[fwd])]
+            site_id = int(keys.B[first] >> 32)
+            site = comp.catalog.site_names.get(site_id, "?")
+            back = bwd & ((keys.B >> 32) == site_id)
+            if back.any():
+                text += (f": the backward of its input activation ({site}) was captured, so "
+                         "gradients reached the stage but its parameters received none (a skipped "
+                         "weight-gradient step, or gradients dropped or freed before capture)")
+            elif bwd.any():
+                text += (f": {int(bwd.sum())} activation gradients were captured in it but not the "
+                         f"backward of its input activation ({site})")
+            else:
+                text += (f": no activation gradient was captured in it, not even for its input "
+                         f"activation ({site}): backward never reached it")
+        elif bwd.any():
+            text += f": {int(bwd.sum())} activation gradients were captured in it"
         else:
-            in_stage = bwd
-            n = int(bwd.sum())
-            where = "the model"
-        if n == 0:
-            text = (f"gradients stop at {where} (first without parameter gradients in {run}): no "
-                    "activation gradient was captured there either, so backward never reached it")
-        else:
-            sites = sorted({comp.catalog.site_names.get(int(b >> 32), "?")
-                            for b in keys.B[in_stage][:1000]})
-            text = (f"gradients stop at {where} (first without parameter gradients in {run}): "
-                    f"{n} activation gradients were captured there (e.g. {sites[0]}), so backward "
-                    "ran through it but its parameters received no gradient (weight-gradient "
-                    "computation skipped, or gradients dropped or freed before capture)")
-        for b in mine:
-            if b.scope in ("run", "stage") or b is mine[0]:
-                b.boundary = text
-                break
+            text += ": no activation gradient was captured in it either"
+        target = next((b for b in mine if b.scope in ("run", "stage")), mine[0])
+        target.boundary = text
 
 
 def format_float(v: float | None) -> str:
@@ -359,8 +387,13 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
     """The human report from the JSON form: summary, first divergence, graph breaks, warnings,
     then the findings (breaching ones, or all with ``show_all``) by phase and stage."""
     from rich.console import Console
+    from rich.padding import Padding
     from rich.table import Table
     from rich.text import Text
+
+    def para(text: str, indent: int, style: str = "") -> None:
+        """A paragraph whose wrapped lines keep the indentation."""
+        con.print(Padding(Text(text, style=style), (0, 0, 0, indent)))
 
     buf = io.StringIO()
     con = Console(file=buf, width=width or 100, force_terminal=color, no_color=not color,
@@ -377,34 +410,34 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         con.print(Text("First divergence: none", style="bold"))
     else:
         con.print(Text("First divergence", style="bold"))
-        con.print(Text("  " + F.headline(first), style="red"))
+        para(F.headline(first), 2, "red")
         if first.get("cause"):
-            con.print(f"  {first['cause']['kind']}: {first['cause']['reason']}")
-        con.print(f"  ranks: {runs['ref']['name']} {_ranks_text(first['ranks']['ref'])}; "
-                  f"{runs['cand']['name']} {_ranks_text(first['ranks']['cand'])}; "
-                  f"rule: {first['rule']}")
+            para(f"{first['cause']['kind']}: {first['cause']['reason']}", 2)
+        para(f"ranks: {runs['ref']['name']} {_ranks_text(first['ranks']['ref'])}; "
+             f"{runs['cand']['name']} {_ranks_text(first['ranks']['cand'])}; "
+             f"rule: {first['rule']}", 2)
         payload = first.get("metrics", {}).get("payload")
         if payload and payload.get("worst"):
             w = payload["worst"]
-            con.print(f"  largest difference at {w['index']}: {w['ref']} vs {w['cand']} "
-                      f"(max_abs {format_float(payload['max_abs'])}, "
-                      f"ulp {format_float(payload['ulp'])})")
+            para(f"largest difference at {w['index']}: {w['ref']} vs {w['cand']} "
+                 f"(max_abs {format_float(payload['max_abs'])}, "
+                 f"ulp {format_float(payload['ulp'])})", 2)
         for note in first.get("notes", []):
-            con.print(f"  note: {note}")
+            para(f"note: {note}", 2)
 
     if doc.get("graph_breaks"):
         con.print()
         con.print(Text("Backward-graph breaks", style="bold"))
         for g in doc["graph_breaks"]:
-            con.print(Text(f"  - {g['message']}", style="red" if g["kind"] == "none" else "yellow"))
+            para(f"- {g['message']}", 2, "red" if g["kind"] == "none" else "yellow")
             if g.get("boundary"):
-                con.print(f"    {g['boundary']}")
+                para(g["boundary"], 4)
 
     if doc.get("warnings"):
         con.print()
         con.print(Text("Warnings", style="bold"))
         for w in doc["warnings"]:
-            con.print(f"  - {w}")
+            para(f"- {w}", 2)
 
     groups: dict[tuple[str, int], list[dict]] = {}
     first_order: dict[tuple[str, int], int] = {}
@@ -419,7 +452,7 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
     title = "Findings" if show_all else "Breaching findings"
     if not groups:
         con.print(Text(f"{title}: none", style="bold"))
-        return buf.getvalue()
+        return _rstrip_lines(buf.getvalue())
     con.print(Text(f"{title}, by phase and stage", style="bold"))
     summarized = bool(doc.get("graph_breaks"))
     for (phase, st), members in sorted(groups.items(), key=lambda kv: first_order[kv[0]]):
@@ -464,7 +497,11 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         if len(rows) > len(shown):
             con.print(f"    ... and {len(rows) - len(shown)} more (--limit 0 lists all; "
                       "--format json has every finding)")
-    return buf.getvalue()
+    return _rstrip_lines(buf.getvalue())
+
+
+def _rstrip_lines(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.split("\n"))
 
 
 def summary_line(summ: dict) -> str:

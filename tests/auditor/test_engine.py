@@ -145,10 +145,26 @@ def test_missing_stage_gradients_are_one_grouped_graph_break(db):
     [gb] = report.graph_breaks
     assert (gb.side, gb.kind, gb.scope, gb.stage, gb.params) == ("cand", "none", "stage", 1, 2)
     assert "stage 1: all 2 parameter gradients are None in pp" in gb.message
-    assert "backward ran through it" in gb.boundary  # stage 1's activation grads were captured
+    # stage 1's input activation (layers.2) had its backward captured
+    assert gb.boundary.startswith("gradients stop at stage 1 (the first without parameter "
+                                  "gradients in pp): the backward of its input activation "
+                                  "(layers.2) was captured")
     text = report.to_text(width=120)
     assert "Backward-graph breaks" in text and gb.message in text
     assert "2 grad_none, summarized under backward-graph breaks" in text
+
+
+def test_all_zero_gradients_in_one_run_are_reported(db):
+    def zero(kind, step, mb, site, t):
+        return torch.zeros_like(t) if (kind, site) == ("grad", "layers.2.weight") else t
+
+    write_runs(db, mlp_run("ref", world=2), mlp_run("zero", world=2, perturb=zero))
+    report = compare_runs(db, "ref", "zero")
+    [f] = list(report.findings(breaches_only=True))
+    assert (f.key.site, f.verdict) == ("layers.2.weight", "diverged")
+    [gb] = report.graph_breaks
+    assert (gb.side, gb.kind, gb.scope, gb.module) == ("cand", "zero", "module", "layers.2")
+    assert "all zero in zero but not in ref" in gb.message
 
 
 def test_pipeline_without_break_is_identical(db):

@@ -23,13 +23,17 @@ def _ulp(kind, step, mb, site, t):
         return t
     if (kind, site) == ("grad", "layers.0.weight"):
         return None  # a backward-graph break in the candidate
-    return t
+    return _frozen(kind, step, mb, site, t)
+
+
+def _frozen(kind, step, mb, site, t):
+    return None if (kind, site) == ("grad", "layers.2.weight") else t  # None in both runs
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     db = tmp_path_factory.mktemp("report") / "audit.db"
-    write_runs(db, mlp_run("ref", world=2), mlp_run("cand", world=4, perturb=_ulp))
+    write_runs(db, mlp_run("ref", world=2, perturb=_frozen), mlp_run("cand", world=4, perturb=_ulp))
     return compare_runs(db, "ref", "cand", preset_policy("bitwise"))
 
 
@@ -65,6 +69,7 @@ def test_fast_identical_json_equals_the_finding(report):
             assert by_order[int(comp.rank_in_order[i])] == comp.finding(i).as_dict()
             n += 1
     assert n > 10
+    assert any(f["detail"] == "None in both runs" for f in doc["findings"])
 
 
 def test_json_without_identical_and_pretty(report):
