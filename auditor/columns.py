@@ -149,6 +149,7 @@ class Catalog:
         self.renames = list(renames)
         self.pieces: list[Piece] = []
         self.seeds_ok: list[bool] = []
+        self._seeds: tuple[int, int] | None = None
         self.has_moments: list[bool] = []
         self._layout_ids: dict[str, int] = {}
         self.dtypes: list[str] = []
@@ -245,8 +246,8 @@ class Catalog:
     def load(self, run: str, side: str, *, after_rid: int = 0) -> RunColumns:
         """The run's records (those with record id > after_rid), as sorted columns."""
         run_id = self.reader.run_id(run)
-        params = {"run": run_id, "fs": fingerprint_to_int64(FINGERPRINT_SEED),
-                  "ss": fingerprint_to_int64(SKETCH_SEED), "after": after_rid}
+        fs, ss = self.seeds(run_id)
+        params = {"run": run_id, "fs": fs, "ss": ss, "after": after_rid}
         if after_rid:
             sql = _SELECT + " WHERE record_id > :after AND run_id = :run"
         else:
@@ -258,6 +259,19 @@ class Catalog:
             cols.sort()
         cols.max_rid = int(cols.rid.max(initial=after_rid))
         return cols
+
+    def seeds(self, run_id: int) -> tuple[int, int]:
+        """The (fingerprint, sketch) seeds fingerprints must share to be compared: those of the
+        first run read that has a record (the reference), else the agent's defaults. Pieces
+        digested with other seeds get no exact comparison (their keys say so)."""
+        if self._seeds is None:
+            row = self.reader.conn.execute(
+                "SELECT fingerprint_seed, sketch_seed FROM records WHERE run_id = ? AND"
+                " is_none = 0 LIMIT 1", (run_id,)).fetchone()
+            if row is None:
+                return (fingerprint_to_int64(FINGERPRINT_SEED), fingerprint_to_int64(SKETCH_SEED))
+            self._seeds = (int(row[0]), int(row[1]))
+        return self._seeds
 
     def fetch_digests(self, rids: np.ndarray) -> dict[str, np.ndarray]:
         """Moments, non-finite counts and sketches of the given records, in the order given.

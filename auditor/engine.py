@@ -468,11 +468,19 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     out_metric[m] = _METRIC_CODES["exact"]
     for i in np.flatnonzero(m & ~exact_metric):
         notes.setdefault(int(i), []).append("integer/bool tensor: compared exactly")
+    # no fingerprint to compare and no sketch to estimate from: say so, never pass silently
+    part_r, part_c = side(rk.partial, ck.partial, False)
     m = (verdict < 0) & (~hm_r | ~hm_c)
     for i in np.flatnonzero(m):
-        notes.setdefault(int(i), []).append("not comparable: an integer Partial sum has neither "
-                                            "fingerprint nor sketch")
-    assign(m, F.CLOSE)
+        why = ("an integer Partial sum has neither fingerprint nor sketch"
+               if part_r[i] or part_c[i] else
+               "the runs' fingerprints were made with different seeds and integer tensors "
+               "have no sketch")
+        notes.setdefault(int(i), []).append(f"not comparable: {why}")
+    unverifiable = assign(m & (part_r | part_c),
+                          F.DIVERGED if policy.on_uncertain == "breach" else F.CLOSE)
+    uncertain[unverifiable] = True
+    assign(m, F.DIVERGED)
     t2 = time.perf_counter()
 
     comp = Comparison(

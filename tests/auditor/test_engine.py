@@ -311,6 +311,25 @@ def test_partial_sums_have_no_exact_comparison(db):
     assert g.verdict == "close" and any("exact comparison unavailable" in n for n in g.notes)
 
 
+def test_fingerprints_made_with_other_seeds_are_never_compared(db):
+    ids = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    x = torch.randn(3, 4)
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b in (ref, cand):
+        b.add_full(ids, step=0, microbatch=0, phase="input", site="tokens", role="value")
+        b.add_full(x, step=0, microbatch=0, phase="fwd", site="embed")
+    for r in cand.records[0]:
+        r.digest.fingerprint_seed ^= 1  # as if another agent version had digested them
+    write_runs(db, ref, cand)
+    report = compare_runs(db, "ref", "cand")
+    by_site = {f.key.site: f for f in report.findings()}
+    tokens, embed = by_site["tokens"], by_site["embed"]
+    assert tokens.verdict == "diverged" and tokens.breach  # integers: nothing else to compare
+    assert "different seeds" in tokens.notes[0]
+    assert embed.verdict == "close" and embed.metrics["exact"] is None
+    assert "other seeds" in embed.metrics["exact_unavailable"]
+
+
 def test_sketch_relative_error_agrees_with_payload_exact(db):
     g = torch.Generator().manual_seed(7)
     ref, cand = RunBuilder("ref"), RunBuilder("cand")
