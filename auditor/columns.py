@@ -274,38 +274,45 @@ class Catalog:
         return self._seeds
 
     def fetch_digests(self, rids: np.ndarray) -> dict[str, np.ndarray]:
-        """Moments, non-finite counts and sketches of the given records, in the order given.
+        """Moments, counts and sketches of the given records, in the order given.
 
-        Returns arrays keyed by DIGEST_COLUMNS plus "sketch" (a list of float64 arrays).
+        Returns float64 arrays keyed by DIGEST_COLUMNS (integer pieces, which have no moments,
+        hold the merge identity: sums 0, min +inf, max -inf), "sketch" as an [n, k] array (k the
+        longest sketch, shorter ones zero-padded) and "sketch_k" (each row's own length).
         """
         n = len(rids)
-        out = {c: np.zeros(n) for c in DIGEST_COLUMNS}
-        sketches: list[np.ndarray | None] = [None] * n
         if n == 0:
-            out["sketch"] = sketches
+            out = {c: np.zeros(0) for c in DIGEST_COLUMNS}
+            out["sketch"], out["sketch_k"] = np.zeros((0, 0)), np.zeros(0, np.int64)
             return out
-        order = np.argsort(rids, kind="stable")
-        sorted_rids = rids[order]
-        got_rid: list[int] = []
+        uniq = np.unique(rids)
         got: list[tuple] = []
         with no_gc():
-            for start in range(0, n, ID_CHUNK):
-                chunk = np.unique(sorted_rids[start:start + ID_CHUNK])
+            for start in range(0, len(uniq), ID_CHUNK):
                 got.extend(self.reader.conn.execute(
-                    "SELECT record_id, nan, posinf, neginf, zeros, numel, sum, sum_sq, min, max,"
-                    " abs_max, sketch"
-                    " FROM records WHERE record_id IN (SELECT value FROM json_each(?))",
-                    (json.dumps(chunk.tolist()),)).fetchall())
-        got.sort(key=lambda r: r[0])
-        got_rid = np.array([r[0] for r in got], dtype=np.int64)
-        pos = np.searchsorted(got_rid, rids)
-        if len(got_rid) == 0 or np.any(pos >= len(got_rid)) or np.any(got_rid[np.minimum(pos, len(got_rid) - 1)] != rids):
-            raise sqlite3.DatabaseError("records vanished from the store while comparing")
-        for j, c in enumerate(DIGEST_COLUMNS, start=1):
-            vals = np.array([np.nan if r[j] is None else r[j] for r in got], dtype=np.float64)
-            out[c] = vals[pos]
-        blobs = [np.frombuffer(r[-1], dtype="<f8") for r in got]
-        out["sketch"] = [blobs[p] for p in pos]
+                    "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
+                    " COALESCE(sum_sq, 0.0), COALESCE(min, 9e999), COALESCE(max, -9e999),"
+                    " COALESCE(abs_max, 0.0), sketch FROM records"
+                    " WHERE record_id IN (SELECT value FROM json_each(?)) ORDER BY record_id",
+                    (json.dumps(uniq[start:start + ID_CHUNK].tolist()),)).fetchall())
+            cols = list(zip(*got)) if got else [()] * 12
+            got_rid = np.array(cols[0], dtype=np.int64)
+            if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
+                raise sqlite3.DatabaseError("records vanished from the store while comparing")
+            pos = np.searchsorted(got_rid, rids)
+            out = {c: np.array(cols[j], dtype=np.float64)[pos]
+                   for j, c in enumerate(DIGEST_COLUMNS, start=1)}
+            blobs = cols[-1]
+            lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)) // 8
+        k = int(lengths.max(initial=0))
+        if len(lengths) and (lengths == k).all():
+            sketch = np.frombuffer(b"".join(blobs), dtype="<f8").reshape(len(blobs), k)
+        else:
+            sketch = np.zeros((len(blobs), k))
+            for j, b in enumerate(blobs):
+                sketch[j, :len(b) // 8] = np.frombuffer(b, dtype="<f8")
+        out["sketch"] = sketch[pos]
+        out["sketch_k"] = lengths[pos]
         return out
 
     def payload_rids(self, rids: np.ndarray) -> set[int]:

@@ -98,7 +98,8 @@ class Comparison:
     order_stage: np.ndarray
     payload: dict[int, dict] = field(default_factory=dict)
     notes: dict[int, list[str]] = field(default_factory=dict)
-    nonfinite_detail: dict[int, dict] = field(default_factory=dict)
+    nonfinite_counts: np.ndarray | None = None
+    """[K, 6]: NaN, +Inf, -Inf of ref then cand, where read (-1 elsewhere)."""
     timings: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -180,8 +181,9 @@ class Comparison:
                                       "sigma": _jf(self.cos_sigma[i])}
             out["norm_ratio"] = _jf(self.norm_ratio[i])
             out["abs_max_ratio"] = _jf(self.abs_max_ratio[i])
-        if i in self.nonfinite_detail:
-            out["nonfinite"] = self.nonfinite_detail[i]
+        d = self.nonfinite_detail(i)
+        if d is not None:
+            out["nonfinite"] = d
         if i in self.payload:
             out["payload"] = self.payload[i]
         return out
@@ -207,7 +209,7 @@ class Comparison:
             return f"not captured in {self.cand.name}" + (" (expected by policy)"
                                                          if self.expected[i] else "")
         if v == F.NONFINITE:
-            d = self.nonfinite_detail.get(i)
+            d = self.nonfinite_detail(i)
             if d is None:
                 return "NaN/Inf present in " + " and ".join(
                     n for n, x in ((self.ref.name, rk.nonfinite[ri]), (self.cand.name,
@@ -218,6 +220,14 @@ class Comparison:
                 parts.append(f"{name}: {c['nan']} NaN, {c['posinf']} +Inf, {c['neginf']} -Inf")
             return "non-finite elements — " + "; ".join(parts)
         return ""
+
+    def nonfinite_detail(self, i: int) -> dict | None:
+        nc = self.nonfinite_counts
+        if nc is None or nc[i, 0] < 0:
+            return None
+        c = nc[i].tolist()
+        return {"ref": {"nan": c[0], "posinf": c[1], "neginf": c[2]},
+                "cand": {"nan": c[3], "posinf": c[4], "neginf": c[5]}}
 
     def indices(self, *, breaches_only: bool = False, include_identical: bool = True,
                 in_order: bool = True) -> np.ndarray:
@@ -529,10 +539,10 @@ def _ranges_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def _store_nonfinite(comp: Comparison, keys: np.ndarray, R: dict, C: dict) -> None:
-    for j, i in enumerate(keys.tolist()):
-        comp.nonfinite_detail[i] = {
-            side: {"nan": int(S["nan"][j]), "posinf": int(S["posinf"][j]),
-                   "neginf": int(S["neginf"][j])} for side, S in (("ref", R), ("cand", C))}
+    if comp.nonfinite_counts is None:
+        comp.nonfinite_counts = np.full((len(comp), 6), -1, np.int64)
+    comp.nonfinite_counts[keys] = np.stack(
+        [R["nan"], R["posinf"], R["neginf"], C["nan"], C["posinf"], C["neginf"]], axis=1)
 
 
 def _merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Catalog, *,
@@ -554,18 +564,15 @@ def _merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cat
         out[c] = np.where(partial, np.nan, out[c])
     if not sketches:
         return out
-    ks = np.array([len(s) for s in d["sketch"]])
+    ks = d["sketch_k"]
     k = int(ks.max(initial=0))
     seg = np.repeat(np.arange(len(keys_idx)), np.diff(np.append(offsets, len(rows))))
     ok = np.ones(len(keys_idx), bool)
     bad_rows = ks != k
     if bad_rows.any():
         ok[np.unique(seg[bad_rows])] = False
-    sk = np.zeros((len(rows), k))
-    good = np.flatnonzero(~bad_rows)
-    if len(good) and k:
-        sk[good] = np.stack([d["sketch"][j] for j in good])
-    out["sketch"] = np.add.reduceat(sk, offsets, axis=0) if k else np.zeros((len(keys_idx), 0))
+    out["sketch"] = np.add.reduceat(d["sketch"], offsets, axis=0) if k else \
+        np.zeros((len(keys_idx), 0))
     out["sketch_ok"] = ok & (k > 0)
     out["k"] = k
     out["rows"] = rows

@@ -21,6 +21,7 @@ from auditor import findings as F
 from auditor import merge as M
 from auditor.align import PHASE_IDS, phase_name
 from auditor.policy import Policy
+from auditor.engine import _METRIC_NAMES
 
 SCHEMA = "numaudit.report"
 SCHEMA_VERSION = 1
@@ -167,7 +168,7 @@ class Report:
 
 
 class _IdenticalWriter:
-    """JSON of identical findings without building Findings (the common, bulky case).
+    """JSON of identical and close findings without building Findings (the bulky cases).
 
     Produces exactly `Finding.as_dict()` serialized by json.dumps (tests/auditor/test_report.py
     holds the two to equality), from bulk-converted columns.
@@ -184,10 +185,14 @@ class _IdenticalWriter:
         self._cand_ranks = comp.cand.rank.tolist()
 
     def renderable(self, idx: np.ndarray) -> np.ndarray:
+        """Identical findings, and close ones without notes or payload metrics."""
         c = self.comp
-        ok = (c.verdict[idx] == F.IDENTICAL) & (c.ri[idx] >= 0) & (c.ci[idx] >= 0)
+        v = c.verdict[idx]
+        ok = ((v == F.IDENTICAL) | (v == F.CLOSE)) & (c.ri[idx] >= 0) & (c.ci[idx] >= 0)
         if c.notes:
             ok &= ~np.isin(idx, list(c.notes))
+        if c.payload:
+            ok &= ~np.isin(idx, list(c.payload))
         return ok
 
     def render_many(self, idx: np.ndarray) -> list[str]:
@@ -203,13 +208,60 @@ class _IdenticalWriter:
         st_r, st_c = rk.stage[ri].tolist(), ck.stage[ci].tolist()
         nf_r, nf_c = (rk.nonfinite[ri] > 0).tolist(), (ck.nonfinite[ci] > 0).tolist()
         rule, order = c.rule[idx].tolist(), c.rank_in_order[idx].tolist()
+        close = (c.verdict[idx] == F.CLOSE).tolist()
         rr, cr = self._ref_ranks, self._cand_ranks
         sites, rules, dtypes, shapes = self._sites, self._rules, self._dtypes, self._shapes
+        if any(close):
+            exact = (rk.exact[ri] & ck.exact[ci]).tolist()
+            fp_eq = (rk.fp[ri] == ck.fp[ci]).tolist()
+            partial = (rk.partial[ri] | ck.partial[ci]).tolist()
+            metric = c.metric[idx].tolist()
+            cols = [c.value, c.sigma, c.threshold, c.rel_l2, c.rel_sigma, c.lower_bound,
+                    c.cos_dist, c.cos_sigma, c.norm_ratio, c.abs_max_ratio]
+            nums = [[_num(x) for x in col[idx].tolist()] for col in cols]
+            unc = c.uncertain[idx].tolist()
+            nfc = c.nonfinite_counts[idx].tolist() if c.nonfinite_counts is not None else None
         out = []
         for j in range(len(A)):
             a, b = A[j], B[j]
             sid = b >> 32
             site = sites.get(sid) or json.dumps(f"site#{sid}")
+            if close[j]:
+                value, sigma, thr, rel, rels, lb, cosd, coss, nr, ar = (n[j] for n in nums)
+                if exact[j]:
+                    ex = f'"exact": {"true" if fp_eq[j] else "false"}'
+                else:
+                    ex = '"exact": null, "exact_unavailable": ' + (
+                        _PARTIAL_WHY if partial[j] else '"digests were made with other seeds"')
+                extra = ""
+                if rel != "null":
+                    extra = (f', "rel_l2": {{"estimate": {rel}, "sigma": {rels}, "lower_bound": '
+                             f'{lb}}}, "cosine_distance": {{"estimate": {cosd}, "sigma": {coss}}}'
+                             f', "norm_ratio": {nr}, "abs_max_ratio": {ar}')
+                if nfc is not None and nfc[j][0] >= 0:
+                    n6 = nfc[j]
+                    extra += (f', "nonfinite": {{"ref": {{"nan": {n6[0]}, "posinf": {n6[1]}, '
+                              f'"neginf": {n6[2]}}}, "cand": {{"nan": {n6[3]}, "posinf": '
+                              f'{n6[4]}, "neginf": {n6[5]}}}}}')
+                mname = json.dumps(_METRIC_NAMES[metric[j]]) if metric[j] >= 0 else "null"
+                body = (f'"dtype": {{"ref": {dtypes[dt_r[j]]}, "cand": {dtypes[dt_c[j]]}}}, '
+                        f'"shape": {shapes[shape[j]]}, "numel": {numel[j]}, "metric": {mname}, '
+                        f'"value": {value}, "sigma": {sigma}, "threshold": {thr}, '
+                        f'"uncertain": {"true" if unc[j] else "false"}, "metrics": {{{ex}, '
+                        '"nonfinite_present": {"ref": '
+                        f'{"true" if nf_r[j] else "false"}, "cand": '
+                        f'{"true" if nf_c[j] else "false"}}}{extra}}}')
+                out.append(
+                    f'{{"key": {{"step": {a >> 24}, "microbatch": {((a >> 4) & 0xFFFFF) - 1}, '
+                    f'"phase": "{phase_name(a & 0xF)}", "site": {site}, '
+                    f'"role": "{_ROLE[(b >> 28) & 0xF]}", "index": {(b >> 14) & 0x3FFF}, '
+                    f'"call": {b & 0x3FFF}}}, "verdict": "close", "breach": false, '
+                    f'"stage": {st_c[j]}, "ref_stage": {st_r[j]}, '
+                    f'"ranks": {{"ref": {rr[r_first[j]:r_first[j] + r_count[j]]}, '
+                    f'"cand": {cr[c_first[j]:c_first[j] + c_count[j]]}}}, {body}, '
+                    f'"rule": {rules[rule[j]]}, "expected": false, "detail": "", '
+                    f'"notes": [], "cause": null, "order": {order[j]}}}')
+                continue
             if none[j]:
                 body = ('"dtype": {"ref": null, "cand": null}, "shape": null, "numel": null, '
                         '"metric": null, "value": null, "sigma": null, "threshold": null, '
@@ -240,6 +292,17 @@ class _IdenticalWriter:
 from auditor.align import ROLE_NAMES as _ROLE_NAMES  # noqa: E402
 
 _ROLE = {k: v for k, v in _ROLE_NAMES.items()}
+_PARTIAL_WHY = json.dumps("Partial placement: the logical tensor's fingerprint cannot be rebuilt "
+                          "from addends")
+
+
+def _num(v: float) -> str:
+    """A float as Finding.as_dict() + json.dumps write it: NaN null, infinities as strings."""
+    if v != v:
+        return "null"
+    if v in (math.inf, -math.inf):
+        return '"inf"' if v > 0 else '"-inf"'
+    return repr(v)
 
 
 def _run_warnings(ref: dict, cand: dict) -> list[str]:

@@ -46,7 +46,7 @@ def _shape_for(n_keys: int) -> tuple[int, int, int, int]:
 
 
 def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
-                sketch_k: int = SKETCH_K) -> dict:
+                sketch_k: int = SKETCH_K, close_fraction: float = CLOSE_FRACTION) -> dict:
     """Write runs "ref" (1 piece per key) and "cand" (``pieces`` shards per key)."""
     from auditor.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
     from auditor.store import connect
@@ -78,7 +78,7 @@ def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
     sum_sq = (sketches ** 2).sum(1)
     kind = np.zeros(n, np.int8)
     pick = rng.random(n)
-    kind[pick < CLOSE_FRACTION] = 1
+    kind[pick < close_fraction] = 1
     kind[pick < DIVERGED_FRACTION] = 2
     fs, ss = fingerprint_to_int64(FINGERPRINT_SEED), fingerprint_to_int64(SKETCH_SEED)
     numel = 4096
@@ -138,17 +138,19 @@ def _insert(conn, rows) -> None:
         "?,?,?)", rows)
 
 
-def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K) -> dict:
+def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
+            close_fraction: float = CLOSE_FRACTION) -> dict:
     from auditor.engine import compare_runs
 
     directory.mkdir(parents=True, exist_ok=True)
-    db = directory / f"compare-{n_keys}-{pieces}-k{sketch_k}.db"
+    tag = "" if close_fraction == CLOSE_FRACTION else f"-close{close_fraction:g}"
+    db = directory / f"compare-{n_keys}-{pieces}-k{sketch_k}{tag}.db"
     meta_path = db.with_suffix(".json")
     if not (db.exists() and meta_path.exists()):
         for p in (db, meta_path):
             p.unlink(missing_ok=True)
         t = time.perf_counter()
-        meta = build_store(db, n_keys, pieces, sketch_k=sketch_k)
+        meta = build_store(db, n_keys, pieces, sketch_k=sketch_k, close_fraction=close_fraction)
         meta["build_s"] = time.perf_counter() - t
         meta_path.write_text(json.dumps(meta))
     meta = json.loads(meta_path.read_text())
@@ -177,17 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, nargs="+", default=None)
     ap.add_argument("--pieces", type=int, default=1, help="shards per key in the candidate")
     ap.add_argument("--sketch-k", type=int, default=SKETCH_K, help="sketch buckets per record")
+    ap.add_argument("--close-fraction", type=float, default=CLOSE_FRACTION,
+                    help="keys that differ by a rounding-size change (1 = all: the bf16 case)")
     ap.add_argument("--dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "numaudit-bench")
     args = ap.parse_args(argv)
     sizes = args.keys or ([10_000, 100_000] if args.quick else [100_000, 1_000_000])
-    print(f"## Comparison (candidate: {args.pieces} piece(s) per key, sketch k={args.sketch_k})")
+    print(f"## Comparison (candidate: {args.pieces} piece(s) per key, sketch k={args.sketch_k}, "
+          f"{args.close_fraction:g} of keys close)")
     print("| keys | compare (wall) | compare (CPU) | keys/s (wall) | text report | "
           "JSON report (all findings) | load average |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     ok = True
     for n in sizes:
-        r = run_one(args.dir, n, args.pieces, args.sketch_k)
+        r = run_one(args.dir, n, args.pieces, args.sketch_k, args.close_fraction)
         print(f"| {r['keys']:,} | {r['compare_s']:.2f} s | {r['compare_cpu_s']:.2f} s | "
               f"{r['keys_per_s']:,.0f} | {r['text_s']:.2f} s | {r['json_s']:.2f} s | "
               f"{r['load']:.1f} |", flush=True)

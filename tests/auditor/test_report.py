@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 from auditor.engine import compare_runs
 from auditor.policy import preset_policy
@@ -65,11 +66,30 @@ def test_fast_identical_json_equals_the_finding(report):
     by_order = {f["order"]: f for f in doc["findings"]}
     n = 0
     for i in comp.indices():
-        if comp.verdict[i] == 0:  # identical
-            assert by_order[int(comp.rank_in_order[i])] == comp.finding(i).as_dict()
-            n += 1
+        assert by_order[int(comp.rank_in_order[i])] == comp.finding(i).as_dict()
+        n += comp.verdict[i] == 0  # identical
     assert n > 10
     assert any(f["detail"] == "None in both runs" for f in doc["findings"])
+
+
+def test_fast_close_json_equals_the_finding(tmp_path):
+    db = tmp_path / "audit.db"
+    write_runs(db, mlp_run("ref", world=2), mlp_run("cand", world=3, perturb=_ulp_only))
+    report = compare_runs(db, "ref", "cand")  # fp32 defaults: the ulp-sized change is close
+    comp = report.comparison
+    doc = json.loads(report.to_json())
+    close = [f for f in doc["findings"] if f["verdict"] == "close"]
+    assert close and all("rel_l2" in f["metrics"] for f in close)
+    by_order = {f["order"]: f for f in doc["findings"]}
+    for i in comp.indices():
+        assert by_order[int(comp.rank_in_order[i])] == comp.finding(i).as_dict()
+
+
+def _ulp_only(kind, step, mb, site, t):
+    if (kind, site, mb) == ("fwd", "layers.1", 1):
+        t = t.clone()
+        t[0, 3] = torch.nextafter(t[0, 3], torch.tensor(2.0))
+    return t
 
 
 def test_json_without_identical_and_pretty(report):
