@@ -149,9 +149,33 @@ class Report:
 
     def to_text(self, *, width: int | None = None, show_all: bool = False,
                 limit: int = TEXT_ROWS_PER_GROUP, color: bool = False) -> str:
-        findings = (f.as_dict() for f in self.findings(breaches_only=not show_all))
-        return render_text(self.header_dict(), findings, width=width, show_all=show_all,
-                           limit=limit, color=color)
+        return render_text(self.header_dict(), self._text_findings(show_all, limit), width=width,
+                           show_all=show_all, limit=limit, color=color)
+
+    def _text_findings(self, show_all: bool, limit: int) -> Iterator[dict]:
+        """Findings for the text report: the rows it lists in full, the others reduced to what
+        it counts (a million breaches must not build a million Findings to print fifty)."""
+        comp = self.comparison
+        rk, ck = comp.ref_keys, comp.cand_keys
+        collapse = bool(self.graph_breaks)
+        grad, grad_none = PHASE_IDS["grad"], F.GRAD_NONE
+        listed: dict[tuple, int] = {}
+        for i in comp.indices(breaches_only=not show_all).tolist():
+            ri, ci = int(comp.ri[i]), int(comp.ci[i])
+            stage = int(ck.stage[ci]) if ci >= 0 else None
+            ref_stage = int(rk.stage[ri]) if ri >= 0 else None
+            ph, v = int(comp.A[i] & 0xF), int(comp.verdict[i])
+            group = (ph, stage if stage is not None else (ref_stage or -1))
+            listable = not (collapse and ph == grad and v == grad_none)
+            n = listed.get(group, 0)
+            if listable:
+                listed[group] = n + 1
+            if listable and (limit <= 0 or n < limit):
+                yield comp.finding(i).as_dict()
+            else:
+                yield {"key": {"phase": phase_name(ph)}, "stage": stage, "ref_stage": ref_stage,
+                       "verdict": F.VERDICT_NAMES[v], "breach": bool(comp.breach[i]),
+                       "order": int(comp.rank_in_order[i])}
 
     def to_junit(self) -> str:
         return render_junit(self.header_dict(), self._lite_findings())
