@@ -395,10 +395,11 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
 def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
     """Name where gradients stop: the first stage (in pipeline order) without parameter
     gradients, and whether its input activation's backward was captured."""
-    for side in ("cand", "ref"):
-        mine = [b for b in breaks if b.side == side and b.kind == "none"]
+    for side, kind in (("cand", "none"), ("cand", "zero"), ("ref", "none"), ("ref", "zero")):
+        mine = [b for b in breaks if b.side == side and b.kind == kind]
         if not mine:
             continue
+        what = "parameter gradients" if kind == "none" else "non-zero parameter gradients"
         keys = comp.cand_keys if side == "cand" else comp.ref_keys
         run = (comp.cand if side == "cand" else comp.ref).name
         stages = sorted({b.stage for b in mine if b.stage is not None and b.stage >= 0})
@@ -407,7 +408,7 @@ def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
         phase = keys.A & 0xF
         bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
         fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
-        text = f"gradients stop at {where} (the first without parameter gradients in {run})"
+        text = f"gradients stop at {where} (the first without {what} in {run})"
         if len(fwd):
             # the stage's input activation: its earliest forward capture
             first = fwd[np.argmin(keys.pos[fwd])]
@@ -475,7 +476,6 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
     then the findings (breaching ones, or all with ``show_all``) by phase and stage."""
     from rich.console import Console
     from rich.padding import Padding
-    from rich.table import Table
     from rich.text import Text
 
     def para(text: str, indent: int, style: str = "") -> None:
@@ -554,33 +554,24 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
             con.print(f"    {collapsed} grad_none, summarized under backward-graph breaks")
         if not rows:
             continue
-        table = Table(box=None, pad_edge=False, show_edge=False, padding=(0, 1),
-                      header_style="bold")
-        for name, kw in (("step", {"justify": "right"}), ("mb", {"justify": "right"}),
-                         ("site", {"overflow": "fold", "ratio": 3}), ("role", {}),
-                         ("verdict", {}), ("metric", {}), ("value", {"justify": "right"}),
-                         ("threshold", {"justify": "right"}),
-                         ("cause / detail", {"overflow": "fold", "ratio": 4})):
-            table.add_column(name, **kw)
         shown = rows if limit <= 0 else rows[:limit]
-        for f in shown:
-            value = format_float(f.get("value"))
-            if f.get("sigma"):
-                value += f" ±{format_float(f['sigma'])}"
-            if f.get("uncertain"):
-                value += " ?"
-            cause = f.get("cause")
-            extra = f"{cause['kind']}: {cause['reason']}" if cause else f.get("detail", "")
-            if f.get("notes"):
-                extra = (extra + "; " if extra else "") + "; ".join(f["notes"])
-            k = f["key"]
-            role = k["role"] + (f"[{k['index']}]" if k["index"] else "") + \
-                (f" #{k['call']}" if k["call"] else "")
+        texts = [_row_texts(f) for f in shown]
+        shared = {t[1] for t in texts}
+        common = shared.pop() if len(shared) == 1 and len(texts) > 1 else None
+        if common:
+            para(f"all listed: {common}", 4)
+        # align the columns of the listed rows as far as the width allows
+        widths = [max(len(t[0][c]) for t in texts) for c in range(3)]
+        budget = (width or 100) - 4 - 6 - max(len(t[0][3]) for t in texts)
+        if sum(widths) > budget:
+            widths[1] = max(0, budget - widths[0] - widths[2])
+        texts = [("  ".join(p.ljust(w) for p, w in zip(t[0][:3], widths)) + "  " + t[0][3],
+                  t[1]) for t in texts]
+        for f, (line, extra) in zip(shown, texts):
             style = "red" if f["breach"] else ("green" if f["verdict"] == "identical" else "")
-            table.add_row(str(k["step"]), str(k["microbatch"]) if k["microbatch"] >= 0 else "-",
-                          k["site"], role, Text(f["verdict"], style=style), f.get("metric") or "-",
-                          value, format_float(f.get("threshold")), extra or "")
-        con.print(table)
+            para(line, 4, style)
+            if extra and extra != common:
+                para(extra, 8)
         if len(rows) > len(shown):
             con.print(f"    ... and {len(rows) - len(shown)} more (--limit 0 lists all; "
                       "--format json has every finding)")
@@ -589,6 +580,30 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
 
 def _rstrip_lines(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.split("\n"))
+
+
+def _row_texts(f: dict) -> tuple[tuple[str, str, str, str], str]:
+    """A finding as the text report lists it: (where, what, verdict, measure), explanation."""
+    k = f["key"]
+    where = f"step {k['step']}" + (f" mb {k['microbatch']}" if k["microbatch"] >= 0 else "")
+    role = k["role"] + (f"[{k['index']}]" if k["index"] else "") + \
+        (f" call {k['call']}" if k["call"] else "")
+    line = ""
+    if f.get("metric") and f.get("value") is not None:
+        line += f"{f['metric']} {format_float(f['value'])}"
+        if f.get("sigma"):
+            line += f" ±{format_float(f['sigma'])}"
+        if f.get("threshold") is not None:
+            line += f" vs {format_float(f['threshold'])}"
+        if f.get("uncertain"):
+            line += " (within noise)"
+    elif f.get("metric") and f["verdict"] != "identical":
+        line = f["metric"]  # exact, shape: no number to show
+    cause = f.get("cause")
+    extra = f"{cause['kind']}: {cause['reason']}" if cause else f.get("detail", "")
+    if f.get("notes"):
+        extra = (extra + "; " if extra else "") + "; ".join(f["notes"])
+    return (where, f"{k['site']} {role}", f["verdict"], line), extra
 
 
 def summary_line(summ: dict) -> str:
