@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keys that differ by a rounding-size change (1 = all: the bf16 case)")
     ap.add_argument("--dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "numaudit-bench")
-    args = ap.parse_args(argv)
+    args, _ = ap.parse_known_args(argv)  # `python -m bench` hands every benchmark the same argv
     sizes = args.keys or ([10_000, 100_000] if args.quick else [100_000, 1_000_000])
     print(f"## Comparison (candidate: {args.pieces} piece(s) per key, sketch k={args.sketch_k}, "
           f"{args.close_fraction:g} of keys close)")
