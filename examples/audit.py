@@ -137,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cand-name", default="pp8", help="run name of the candidate")
     p.add_argument("--skip-ref", action="store_true",
                    help="keep the database and its reference run; only add the candidate")
+    p.add_argument("--bwd", action="store_true",
+                   help="both runs also capture gradients at module outputs (phase bwd)")
     p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `auditor compare` (repeatable)")
     return p.parse_args(argv)
@@ -162,14 +164,16 @@ def audit(args: argparse.Namespace) -> Outcome:
     outcome.timings["daemon"] = time.monotonic() - started
     _say(f"auditor listening on {daemon.address} (database {db}) "
          f"in {outcome.timings['daemon']:.1f}s")
+    capture = ["--bwd"] if args.bwd else []
     try:
         if not args.skip_ref:
             _say(f"reference '{args.ref_name}': DeepSeek-V3, {REF_RANKS} ranks, FSDP2, "
                  "16 microbatches per rank ...")
             outcome.timings["ref"] = run_job("dsv3_spmd.py", REF_RANKS, args.ref_name,
-                                             daemon.address, logs / f"{args.ref_name}.log")
+                                             daemon.address, logs / f"{args.ref_name}.log",
+                                             capture)
             _say(f"reference done in {outcome.timings['ref']:.1f}s")
-        inject = ["--inject", args.inject] if args.inject else []
+        inject = capture + (["--inject", args.inject] if args.inject else [])
         label = f", injected fault: {args.inject}" if args.inject else ""
         _say(f"candidate '{args.cand_name}': DeepSeek-V3, {CAND_RANKS} ranks = 2 pipeline x 4 "
              f"FSDP2, ZBV schedule{label} ...")

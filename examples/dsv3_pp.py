@@ -12,11 +12,11 @@ Microbatches: the schedule gets the local batch (the 16 microbatches of the refe
 in order) and splits it with `tensor_split` along dim 0 into 16 equal chunks, so its microbatch j is
 exactly the reference's microbatch j.
 
-Gradient scaling: the schedule's loss is the per-microbatch mean cross-entropy (unscaled) and
-`scale_grads=True` makes the schedule divide the accumulated gradients by n_microbatches after the
-dp reduce-scatter (which averages over dp ranks). That is the reference's mean over microbatches and
-dp ranks. The reference divides each loss by n_microbatches before backward instead; for a power of
-two (16) both orders are bitwise identical, otherwise they agree to rounding.
+Gradient scaling: as in the reference, backward runs on each microbatch's mean cross-entropy
+divided by n_microbatches (`MicrobatchMean`, torchtitan's `rescale_accumulated_loss`), and the
+schedule's own `scale_grads` is off; FSDP2's reduce-scatter averages over the dp ranks. So every
+gradient flowing backward, not only the accumulated ones, is the reference's, and an audit with
+`--bwd` compares activation gradients too. The audit captures the loss before the division.
 
 FSDP2 inside the stages uses reshard_after_forward=False; with FSDP2's default (True for non-root
 modules) the ZBV split backward silently loses layer gradients. `--inject reshard-after-forward`
@@ -74,6 +74,8 @@ class PipelineRun:
     """The schedule; `schedule.step(...)` runs all microbatches of one step."""
     optimizer: torch.optim.Optimizer
     """One optimizer over the parameters of both local stages."""
+    loss: "MicrobatchMean"
+    """The schedule's loss function (per-microbatch loss / n_microbatches)."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -141,8 +143,12 @@ def _inject_last_microbatch_only(run: PipelineRun) -> None:
 
 
 def _inject_grad_scale(run: PipelineRun) -> None:
-    """Leave out the division by n_microbatches: gradients are 16x the reference's (a sum, not a mean)."""
-    run.schedule.scale_grads = False
+    """Leave out the loss's division by n_microbatches, which the reference does.
+
+    Every gradient, accumulated or flowing backward, is then n_microbatches (16) times the
+    reference's: the sum over microbatches instead of the mean. Forward is untouched.
+    """
+    run.loss.divisor = 1
 
 
 SWAP_DP_RANK = 1
@@ -232,6 +238,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class MicrobatchMean:
+    """The schedule's loss: a microbatch's loss divided by the number of microbatches.
+
+    Backward on it accumulates the mean over microbatches, as the reference's `loss / n` does
+    (the schedule's `scale_grads` is then off). `divisor` is an attribute so a fault can change it.
+    """
+
+    def __init__(self, loss: Callable[..., torch.Tensor], divisor: int) -> None:
+        self.loss, self.divisor = loss, divisor
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return self.loss(*args, **kwargs) / self.divisor
+
+
 def make_mesh() -> DeviceMesh:
     """The ("pp", "dp") mesh of shape (PP_DEGREE, world / PP_DEGREE)."""
     world = dist.get_world_size()
@@ -242,7 +262,11 @@ def make_mesh() -> DeviceMesh:
 
 def build(args: argparse.Namespace, mesh: DeviceMesh | None = None,
           loss: Callable[..., torch.Tensor] = loss_fn) -> PipelineRun:
-    """This rank's two stages, FSDP2-sharded, and the ZBV schedule that drives them with `loss`."""
+    """This rank's two stages, FSDP2-sharded, and the ZBV schedule that drives them.
+
+    `loss` is the per-microbatch loss (a mean over its tokens); the schedule backpropagates it
+    divided by the number of microbatches (`MicrobatchMean`).
+    """
     mesh = make_mesh() if mesh is None else mesh
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
     pp_rank = pp_mesh.get_local_rank()
@@ -265,10 +289,11 @@ def build(args: argparse.Namespace, mesh: DeviceMesh | None = None,
         stages.append(PipelineStage(module, stage_index, num_stages, torch.device("cpu"),
                                     *_stage_metadata(args, margs, stage_index, num_stages),
                                     group=pp_mesh.get_group()))
-    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=loss,
-                                     scale_grads=True)
+    schedule_loss = MicrobatchMean(loss, args.microbatches)
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches,
+                                     loss_fn=schedule_loss, scale_grads=False)
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=args.lr)
-    return PipelineRun(mesh, modules, stages, schedule, optimizer)
+    return PipelineRun(mesh, modules, stages, schedule, optimizer, schedule_loss)
 
 
 def _stage_metadata(args: argparse.Namespace, margs: ModelArgs, stage_index: int,
@@ -318,7 +343,8 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
                 losses=losses if run.has_last_stage else None,
                 return_outputs=args.dump is not None,
             )
-        mb_losses = [loss.item() for loss in losses]
+        # the schedule returns the scaled losses; a power-of-two divisor undoes exactly
+        mb_losses = [loss.item() * run.loss.divisor for loss in losses]
         _warn_missing_grads(run, args.name)
         if on_step is not None:
             on_step(step, run, mb_losses)
