@@ -137,8 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cand-name", default="pp8", help="run name of the candidate")
     p.add_argument("--skip-ref", action="store_true",
                    help="keep the database and its reference run; only add the candidate")
-    p.add_argument("--bwd", action="store_true",
-                   help="both runs also capture gradients at module outputs (phase bwd)")
+    p.add_argument("--bwd", action=argparse.BooleanOptionalAction, default=True,
+                   help="both runs also capture the gradient at every captured module output "
+                        "(phase bwd; on by default: it tells where backward goes wrong)")
     p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `auditor compare` (repeatable)")
     return p.parse_args(argv)

@@ -68,6 +68,9 @@ def audits(tmp_path_factory) -> Audits:
     return Audits(tmp_path_factory.mktemp("make_audit"))
 
 
+FORWARD = ("fwd", "input", "loss")
+
+
 def _diverged(report: dict, phases=("fwd", "bwd", "input", "loss")) -> list[dict]:
     return [f for f in report["findings"]
             if f["verdict"] == "diverged" and f["key"]["phase"] in phases]
@@ -83,7 +86,8 @@ def test_clean_audit_passes_the_shipped_policy(audits):
     assert report["schema"] == "numaudit.report"
     summary = report["summary"]
     assert summary["exit_code"] == 0 and summary["breaches"] == 0
-    assert summary["keys"] == 971  # 57 captures x 16 microbatches + 59 grads, per dp rank
+    # per dp rank: 16 microbatches x (57 forward-side + 51 bwd captures) + 59 grads
+    assert summary["keys"] == 16 * (57 + 51) + N_PARAMS
     bad = {v: n for v, n in summary["verdicts"].items() if v not in ("identical", "close") and n}
     assert not bad
     assert report["first_divergence"] is None
@@ -95,28 +99,37 @@ def test_clean_audit_passes_the_shipped_policy(audits):
 def test_break_backward_is_one_graph_break_at_stage_0(audits):
     outcome, report = audits.run("break-backward")
     assert outcome.rc == 1
-    assert _diverged(report) == []  # forward untouched
+    assert _diverged(report, FORWARD) == []  # forward untouched
+    # Backward: stage 1 is exact, and what reaches stage 0 (layers.0's output gradient) is not.
+    bwd = _diverged(report, ("bwd",))
+    assert bwd and all(f["stage"] == 0 for f in bwd)
+    first = report["first_divergence"]
+    assert (first["key"]["phase"], first["key"]["site"], first["stage"]) == ("bwd", "layers.0", 0)
+    assert first["cause"]["kind"] == "introduced"
+    assert first["cause"]["previous"]["site"].startswith("layers.1.")  # stage 1's last backward
     (brk,) = report["graph_breaks"]
     assert brk["side"] == "cand" and brk["scope"] == "stage" and brk["stage"] == 0
     assert brk["kind"] in ("zero", "none")
     assert set(brk["sites"]) == STAGE0_PARAMS and brk["params"] == brk["total_params"] == 15
-    breaching = [f for f in report["findings"] if f["breach"]]
-    assert {f["key"]["site"] for f in breaching} == STAGE0_PARAMS
-    assert all(f["key"]["phase"] == "grad" and f["stage"] == 0 for f in breaching)
-    first = report["first_divergence"]
-    assert first["key"]["phase"] == "grad" and first["stage"] == 0
+    grads = [f for f in _grads(report) if f["breach"]]
+    assert {f["key"]["site"] for f in grads} == STAGE0_PARAMS
 
 
 def test_grad_scale_diverges_every_gradient_by_a_norm_ratio_of_16(audits):
     outcome, report = audits.run("grad-scale")
     assert outcome.rc == 1
-    assert _diverged(report) == []
+    assert _diverged(report, FORWARD) == []
     grads = _grads(report)
     assert len(grads) == N_PARAMS
     assert all(f["verdict"] == "diverged" for f in grads)
-    for f in grads:
-        assert f["metrics"]["norm_ratio"] == pytest.approx(16.0, rel=1e-6), f["key"]["site"]
+    # every gradient, accumulated or flowing backward, is 16x the reference's
+    for f in grads + _diverged(report, ("bwd",)):
+        assert f["metrics"]["norm_ratio"] == pytest.approx(16.0, rel=1e-6), f["key"]
     assert report["graph_breaks"] == []
+    # where it starts: the gradient of the loss arriving at the logits, first microbatch
+    first = report["first_divergence"]
+    assert (first["key"]["phase"], first["key"]["site"], first["key"]["microbatch"]) == (
+        "bwd", "output", 0)
 
 
 def test_ulp_in_a_shared_expert_is_localized_and_only_bitwise_calls_it_diverged(audits):
@@ -127,7 +140,7 @@ def test_ulp_in_a_shared_expert_is_localized_and_only_bitwise_calls_it_diverged(
     assert first["key"]["site"] in ("layers.1.moe", "layers.1.moe.shared_experts")
     assert first["stage"] == 1 and first["cause"]["kind"] == "introduced"
     # Nothing upstream of layer 1's MoE differs in the first microbatch.
-    mb0 = {f["key"]["site"] for f in _diverged(report) if f["key"]["microbatch"] == 0}
+    mb0 = {f["key"]["site"] for f in _diverged(report, FORWARD) if f["key"]["microbatch"] == 0}
     assert mb0 <= {"layers.1.moe", "layers.1.moe.shared_experts"} and mb0
 
     rc, bitwise = audits.recompare("ulp-shared-expert", "bitwise")
@@ -136,7 +149,7 @@ def test_ulp_in_a_shared_expert_is_localized_and_only_bitwise_calls_it_diverged(
     rc, fp32 = audits.recompare("ulp-shared-expert", "fp32")
     assert rc == 0
     assert fp32["first_divergence"] is None
-    forward = [f for f in fp32["findings"] if f["key"]["phase"] == "fwd"]
+    forward = [f for f in fp32["findings"] if f["key"]["phase"] in FORWARD]
     assert all(f["verdict"] in ("identical", "close") for f in forward)
     assert any(f["verdict"] == "close" and f["key"] == first["key"] for f in forward)
 
@@ -153,13 +166,10 @@ def test_swapped_microbatches_diverge_only_there_and_only_on_dp_rank_1(audits):
         assert per_mb[(mb, "fwd")] > 0 and per_mb[(mb, "loss")] == 1
     first = report["first_divergence"]
     assert first["key"]["microbatch"] == min(SWAP_MICROBATCHES)
-    # the earliest capture of that microbatch: the tokens, or (integers compared only by
-    # fingerprint) the embedding of them
-    assert (first["key"]["phase"], first["key"]["site"]) in (("input", "tokens"),
-                                                             ("fwd", "tok_embeddings"))
+    assert (first["key"]["phase"], first["key"]["site"]) == ("input", "tokens")  # its earliest
     # The logits travel as payloads: every differing element lies in dp rank 1's rows.
     for f in diverged:
-        if f["key"]["site"] == "output":
+        if (f["key"]["phase"], f["key"]["site"]) == ("fwd", "output"):
             payload = f["metrics"]["payload"]
             rows = payload["worst"]["index"][0]
             assert SWAP_DP_RANK * DP_RANK_ROWS <= rows < (SWAP_DP_RANK + 1) * DP_RANK_ROWS
@@ -169,7 +179,9 @@ def test_swapped_microbatches_diverge_only_there_and_only_on_dp_rank_1(audits):
 def test_last_microbatch_only_diverges_every_gradient_and_no_activation(audits):
     outcome, report = audits.run("last-microbatch-only")
     assert outcome.rc == 1
-    assert _diverged(report) == []
+    assert _diverged(report) == []  # activations and activation gradients all match
     grads = _grads(report)
     assert len(grads) == N_PARAMS and all(f["verdict"] == "diverged" for f in grads)
     assert report["graph_breaks"] == []
+    assert report["first_divergence"]["key"]["phase"] == "grad"
+    assert report["first_divergence"]["cause"]["kind"] == "introduced"
