@@ -54,7 +54,8 @@ from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
 from examples.dsv3_spmd import full_grads
 
 RUN_ENV = "NUMAUDIT_RUN"
-"""Run name when --name is not given (the option wins over the environment)."""
+"""Run name when --name is not given. The agent reads it too and, when both are set, lets it win
+over --name (docs/agent.md: the environment overrides arguments)."""
 DEFAULT_RUN = "pp8"
 PP_DEGREE = 2
 STAGES_PER_RANK = 2  # ZBV needs exactly two, in V order

@@ -38,7 +38,8 @@ from examples.dsv3.data import batches
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn
 
 RUN_ENV = "NUMAUDIT_RUN"
-"""Run name when --name is not given (the option wins over the environment)."""
+"""Run name when --name is not given. The agent reads it too and, when both are set, lets it win
+over --name (docs/agent.md: the environment overrides arguments)."""
 DEFAULT_RUN = "ref"
 
 OnStep = Callable[[int, Transformer, list[float]], None]
