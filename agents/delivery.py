@@ -8,8 +8,9 @@ sender uses one for the rank's session; the node sidecar uses one per relayed se
 
 Failure policy, by status code:
 - the peer refused the batch at the head of the queue for its content (INVALID_ARGUMENT,
-  DATA_LOSS, RESOURCE_EXHAUSTED, OUT_OF_RANGE): resending cannot help; that batch is dropped and
-  counted as `rejected`, the rest are resent;
+  DATA_LOSS, RESOURCE_EXHAUSTED, OUT_OF_RANGE): after REFUSAL_RETRIES resends (bytes corrupted
+  in transit look the same) that batch is dropped and counted as `rejected`, the rest are resent;
+- ABORTED (the batch checksum did not match: corrupted in transit): resent;
 - the peer refused the session (UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, or a
   registration refused for what it says): give up, everything pending is counted `refused`;
 - anything else (UNAVAILABLE, DEADLINE_EXCEEDED, a hung peer caught by the ack watchdog):
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 # repeated failures back off to one attempt a second.
 RECONNECT_BACKOFF_MIN_S = 0.05
 RECONNECT_BACKOFF_MAX_S = 1.0
+
+REFUSAL_RETRIES = 2
+"""Times a refused registration or batch is tried again before it is believed (and dropped)."""
 
 _REJECTED = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
@@ -86,6 +90,7 @@ class Delivery:
         self._last_progress = 0.0
         self._backoff = RECONNECT_BACKOFF_MIN_S
         self._next_attempt = 0.0
+        self._refusals = 0
 
     # -- owner's calls ------------------------------------------------------------------------
 
@@ -101,13 +106,17 @@ class Delivery:
     def pending_records(self) -> int:
         return sum(b.records for b in self.pending)
 
-    def service(self, deadline: float = float("inf"), *, connect: bool = True) -> None:
-        """Connect if due, send what is pending, take acks, watch for a hung peer."""
+    def service(self, deadline: Callable[[], float] = lambda: float("inf"), *,
+                connect: bool = True) -> None:
+        """Connect if due, send what is pending, take acks, watch for a hung peer.
+
+        `deadline()` is the owner's current give-up time (it moves when the owner closes).
+        """
         if self.fatal is not None:
             return
         now = time.monotonic()
         if self._stream is None:
-            if not connect or not self.pending or now < self._next_attempt or now >= deadline:
+            if not connect or not self.pending or now < self._next_attempt or now >= deadline():
                 return
             try:
                 self._connect(deadline)
@@ -125,6 +134,7 @@ class Delivery:
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:
             log.warning("%s: no ack for %.1fs; reconnecting", self.name, self.ack_timeout_s)
             self._drop_stream()
+            self.transport.close()
             self._next_attempt = time.monotonic()
 
     def register_only(self, timeout: float) -> bool:
@@ -158,14 +168,17 @@ class Delivery:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _connect(self, deadline: float) -> None:
-        timeout = max(0.05, min(self.connect_timeout_s, deadline - time.monotonic()))
-        self._ack(self.transport.register(self._register_request(), timeout))
+    def _connect(self, deadline: Callable[[], float]) -> None:
+        timeout = max(0.05, min(self.connect_timeout_s, deadline() - time.monotonic()))
+        # The owner's deadline can arrive while the call is in flight (close() is called):
+        # the call gives up then, so close() is never held past its budget.
+        acked = self.transport.register(self._register_request(), timeout,
+                                        lambda: time.monotonic() >= deadline())
+        self._ack(acked)
         self.registered = True
         self._stream = self.transport.open_stream()
         self._sent_upto = self.acked_seq
         self._last_progress = time.monotonic()
-        self._backoff = RECONNECT_BACKOFF_MIN_S
 
     def _drain_acks(self) -> None:
         while self._stream is not None:
@@ -175,6 +188,8 @@ class Delivery:
                 return
             if isinstance(item, pb.Ack):
                 self._last_progress = time.monotonic()
+                self._refusals = 0
+                self._backoff = RECONNECT_BACKOFF_MIN_S  # progress, not just a registration
                 self._ack(item.acked_seq)
             elif item is EOF_MARK:
                 self._drop_stream()
@@ -191,8 +206,19 @@ class Delivery:
     def _failed(self, err: TransportError, registering: bool = False) -> None:
         code = err.code()
         self._drop_stream()
-        if code in _FATAL or (registering and (code in _REJECTED
-                                               or code == grpc.StatusCode.FAILED_PRECONDITION)):
+        # A fresh connection next time: one whose bytes were corrupted or that hangs can stay
+        # "up" while every call on it times out, so reusing the channel would never recover.
+        self.transport.close()
+        refused_for_content = code in _REJECTED or (registering and
+                                                    code == grpc.StatusCode.FAILED_PRECONDITION)
+        if refused_for_content and self._refusals < REFUSAL_RETRIES:
+            # Bytes corrupted in transit are refused like bad content: try again before
+            # believing it. A real refusal repeats and costs REFUSAL_RETRIES round trips.
+            self._refusals += 1
+            self._next_attempt = time.monotonic() + self._backoff
+            log.debug("%s: refused (%s); retry %d", self.name, code.name, self._refusals)
+            return
+        if code in _FATAL or (registering and refused_for_content):
             self.fatal = "refused"
             log.error("%s: refused (%s: %s); records are dropped", self.name, code.name,
                       err.details())
@@ -206,6 +232,7 @@ class Delivery:
             self._on_drop("rejected", bad.records)
             log.warning("%s: batch %d rejected (%s: %s); dropped", self.name, bad.seq,
                         code.name, err.details())
+            self._refusals = 0
             self._next_attempt = time.monotonic()
             return
         if code == grpc.StatusCode.FAILED_PRECONDITION:

@@ -27,6 +27,7 @@ from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
 from auditor import limits
 from auditor.spool import SpoolWriter
+from auditor.validate import records_checksum
 from auditor.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 
@@ -129,7 +130,7 @@ class Sender:
             if self._records and (draining or now - self._batch_started >= self.config.batch_interval_s):
                 self._cut()
             if self.delivery is not None:
-                self.delivery.service(self._deadline)
+                self.delivery.service(lambda: self._deadline)
             if draining and self._in.empty():
                 if not self._records and not self._deliverable():
                     return
@@ -220,7 +221,7 @@ class Sender:
         if not records:
             return
         msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=self.session_id,
-                             seq=self._next_seq)
+                             seq=self._next_seq, records_crc32=records_checksum(records))
         msg.records.extend(records)
         d = self.delivery
         if d is None or d.fatal is not None:

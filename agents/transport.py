@@ -13,10 +13,11 @@ safety, grpc/grpc#32992).
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 
@@ -26,6 +27,8 @@ from auditor.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
 
+ABORT_POLL_S = 0.02
+"""How often a blocking call checks whether its owner has given up on it (close deadline)."""
 EOF_MARK = object()
 """Put on a stream's ack queue when the peer ended the stream cleanly."""
 
@@ -62,7 +65,8 @@ class Stream(Protocol):
 
 
 class Transport(Protocol):
-    def register(self, req: pb.RegisterRequest, timeout: float) -> int: ...
+    def register(self, req: pb.RegisterRequest, timeout: float,
+                 abort: Callable[[], bool] = ...) -> int: ...
 
     def open_stream(self) -> Stream: ...
 
@@ -76,10 +80,10 @@ class Transport(Protocol):
 class _GrpcStream:
     """One Ingest call: sends are queued for grpc's request iterator; a thread reads acks."""
 
-    def __init__(self, stub, metadata) -> None:
+    def __init__(self, stub) -> None:
         self._outbox: queue.Queue = queue.Queue()
         self.acks: queue.Queue = queue.Queue()
-        self.call = stub.Ingest(self._requests(), metadata=metadata)
+        self.call = stub.Ingest(self._requests())
         threading.Thread(target=self._read, name="numaudit-acks", daemon=True).start()
 
     def _requests(self):
@@ -111,7 +115,6 @@ class GrpcTransport:
     def __init__(self, address: str, token: str | None = None,
                  tls: TLSConfig | None = None) -> None:
         self.address, self._token, self._tls = address, token, tls
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = None
         self._stub = None
 
@@ -121,19 +124,27 @@ class GrpcTransport:
             self._stub = numaudit_pb2_grpc.AuditorStub(self._channel)
         return self._stub
 
-    def register(self, req: pb.RegisterRequest, timeout: float) -> int:
-        try:
-            resp = self._connect().Register(req, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise as_transport_error(exc) from None
-        return resp.acked_seq
+    def register(self, req: pb.RegisterRequest, timeout: float,
+                 abort: Callable[[], bool] = lambda: False) -> int:
+        """Register; gives up early (DEADLINE_EXCEEDED) as soon as `abort()` turns true."""
+        future = self._connect().Register.future(req, timeout=timeout)
+        while True:
+            try:
+                return future.result(timeout=ABORT_POLL_S).acked_seq
+            except grpc.FutureTimeoutError:
+                if abort():
+                    future.cancel()
+                    raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         "register: given up at close") from None
+            except grpc.RpcError as exc:
+                raise as_transport_error(exc) from None
 
     def open_stream(self) -> _GrpcStream:
-        return _GrpcStream(self._connect(), self._metadata)
+        return _GrpcStream(self._connect())
 
     def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None:
         try:
-            self._connect().CloseSession(req, timeout=timeout, metadata=self._metadata)
+            self._connect().CloseSession(req, timeout=timeout)
         except grpc.RpcError as exc:
             raise as_transport_error(exc) from None
 
@@ -212,13 +223,18 @@ class SidecarTransport:
         self.path = unix_path(address)
         self._sock: socket.socket | None = None
 
-    def _call(self, message, timeout: float) -> pb.Ack:
+    def _call(self, message, timeout: float,
+              abort: Callable[[], bool] = lambda: False) -> pb.Ack:
         """One request/reply on a fresh connection (Register opens the stream's connection)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
             sock.connect(self.path)
             sock.sendall(encode(message))
+            while not select.select([sock], [], [], ABORT_POLL_S)[0]:  # a hung sidecar
+                if abort() or time.monotonic() >= deadline:
+                    raise OSError("no reply (timed out or given up at close)")
             frame = read_frame(sock.makefile("rb").read)
         except (OSError, SpoolError) as exc:
             sock.close()
@@ -234,9 +250,10 @@ class SidecarTransport:
         self._sock = sock
         return reply
 
-    def register(self, req: pb.RegisterRequest, timeout: float) -> int:
+    def register(self, req: pb.RegisterRequest, timeout: float,
+                 abort: Callable[[], bool] = lambda: False) -> int:
         self.close()
-        return self._call(req, timeout).acked_seq
+        return self._call(req, timeout, abort).acked_seq
 
     def open_stream(self) -> _SocketStream:
         if self._sock is None:

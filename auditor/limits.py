@@ -73,6 +73,9 @@ SERVER_KEEPALIVE_TIME_MS = 60_000
 SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
 SERVER_MIN_PING_INTERVAL_MS = 10_000
 """The daemon tolerates client pings this often (must be <= CLIENT_KEEPALIVE_TIME_MS)."""
+CLIENT_RECONNECT_BACKOFF_MIN_MS = 50
+CLIENT_RECONNECT_BACKOFF_MAX_MS = 250
+"""A channel to a dead auditor tries again at most every 250 ms (4 attempts/s per rank)."""
 SHUTDOWN_GRACE_S = 5.0
 """On SIGTERM the daemon stops accepting, lets in-flight calls finish this long, then flushes."""
 VALIDATION_THREADS = 2
@@ -109,4 +112,9 @@ def client_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", CLIENT_KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),  # 0 = no limit while a stream is idle
+        # gRPC's own reconnect backoff (1 s, x1.6, up to 120 s) would decide when a restarted
+        # auditor is reached again; keep it short so a restart is resumed within about a second.
+        ("grpc.initial_reconnect_backoff_ms", CLIENT_RECONNECT_BACKOFF_MIN_MS),
+        ("grpc.min_reconnect_backoff_ms", CLIENT_RECONNECT_BACKOFF_MIN_MS),
+        ("grpc.max_reconnect_backoff_ms", CLIENT_RECONNECT_BACKOFF_MAX_MS),
     ]

@@ -61,6 +61,7 @@ _KIND_STATUS = {
     "version": grpc.StatusCode.FAILED_PRECONDITION,
     "corrupt": grpc.StatusCode.DATA_LOSS,
     "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "transit": grpc.StatusCode.ABORTED,
 }
 
 

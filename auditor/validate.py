@@ -55,6 +55,12 @@ class CorruptPayload(ValidationError):
     kind = "corrupt"
 
 
+class CorruptedInTransit(ValidationError):
+    """A batch whose checksum does not match its records (ABORTED: the sender resends)."""
+
+    kind = "transit"
+
+
 class TooLarge(ValidationError):
     """Over a limit of `auditor.limits` (RESOURCE_EXHAUSTED)."""
 
@@ -198,8 +204,20 @@ def validate_describe(req: pb.DescribeRunRequest) -> None:
 
 # -- Batches and records -----------------------------------------------------------------------------
 
+def records_checksum(records) -> int:
+    """What `RecordBatch.records_crc32` holds: CRC-32 of each record's deterministic bytes."""
+    crc = 0
+    for r in records:
+        crc = zlib.crc32(r.SerializeToString(deterministic=True), crc)
+    return crc
+
+
 def validate_batch(batch: pb.RecordBatch) -> None:
     """Everything about a batch that can be checked without the store; raises on the first fault."""
+    if batch.HasField("records_crc32") and records_checksum(batch.records) != batch.records_crc32:
+        # First: a corrupted batch must be resent, not refused for what the corruption says.
+        raise CorruptedInTransit("records_crc32", "does not match the records (corrupted in "
+                                                  "transit); resend the batch")
     check_schema_version(batch.schema_version)
     check_session_id(batch.session_id)
     if batch.seq < 1:

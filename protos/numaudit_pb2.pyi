@@ -200,16 +200,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
 
 class RecordBatch(_message.Message):
-    __slots__ = ("schema_version", "session_id", "seq", "records")
+    __slots__ = ("schema_version", "session_id", "seq", "records", "records_crc32")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_CRC32_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     session_id: str
     seq: int
     records: _containers.RepeatedCompositeFieldContainer[Record]
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ...) -> None: ...
+    records_crc32: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., records_crc32: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts")

@@ -25,7 +25,7 @@ from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.faults.corpus import real_session
 from tests.faults.harness import ROOT, Auditor, figure
 
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED,
             grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED}
 T = 10
 _counter = itertools.count()
