@@ -64,10 +64,15 @@ class Agent:
             self.capturer.start_step(step)
         try:
             yield
-        finally:
+        except BaseException:
+            # The step failed: its gradients are not the step's (and a rerun under the same run
+            # name must not conflict with them). Flush what was captured, then re-raise.
             if self.active:
-                self.capture_gradients()
                 self.capturer.flush()
+            raise
+        if self.active:
+            self.capture_gradients()
+            self.capturer.flush()
 
     @contextlib.contextmanager
     def microbatch(self, microbatch: int) -> Iterator[None]:

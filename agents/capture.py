@@ -132,6 +132,7 @@ class Capturer:
         self.microbatch = 0
         self.stage = -1
         self._calls: Counter[tuple[int, str]] = Counter()
+        self._bwd_seen: set[tuple] = set()
         self._captures: list[Capture] = []
         self._f64: list[torch.Tensor] = []
         self._i64: list[torch.Tensor] = []
@@ -188,9 +189,14 @@ class Capturer:
         return hook
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
+        key = (step, mb, site, index, call)
+
         def hook(grad):
             try:
-                if grad is not None:
+                # Split backward (ZBV, DualPipeV) can run a tensor's hooks in both the
+                # input-gradient and the weight-gradient action: one capture per key.
+                if grad is not None and key not in self._bwd_seen:
+                    self._bwd_seen.add(key)
                     saved = self.step
                     self.step = step
                     try:
@@ -215,6 +221,7 @@ class Capturer:
         self.step = step
         self.microbatch = 0
         self._calls.clear()
+        self._bwd_seen.clear()
 
     # -- captures -------------------------------------------------------------------------------
 

@@ -307,3 +307,28 @@ def test_integer_records_carry_the_digest_seeds(auditor_server):
     reader = Reader(auditor_server.db_path)
     (seeds,) = reader.conn.execute("SELECT fingerprint_seed, sketch_seed FROM records").fetchall()
     assert [from_int64(s) for s in seeds] == [FINGERPRINT_SEED, SKETCH_SEED]
+
+
+def test_a_step_that_raises_captures_no_gradients(auditor_server):
+    model = Net()
+    agent = agents.attach(model, run="ref", address=auditor_server.address)
+    with pytest.raises(RuntimeError, match="boom"):
+        with agent.step(0), agent.microbatch(0):
+            model(torch.randn(2, 4)).sum().backward()
+            raise RuntimeError("boom")
+    agent.close()
+    phases = {r[2] for r in _records(auditor_server.db_path, "ref")}
+    assert pb.PHASE_FWD in phases and pb.PHASE_GRAD not in phases
+
+
+def test_a_gradient_hook_run_twice_is_captured_once(auditor_server):
+    """Split backward can run a tensor's hooks twice; each key is captured once."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    agent = agents.attach(model, run="ref", address=auditor_server.address, phases=("bwd",))
+    with agent.step(0), agent.microbatch(0):
+        out = model(torch.randn(2, 3))
+        loss = out.sum()
+        torch.autograd.grad(loss, out, retain_graph=True)  # runs the hook once
+        loss.backward()  # and again
+    s = agent.close()
+    assert s["captured"] == 1 and len(_records(auditor_server.db_path, "ref")) == 1
