@@ -431,3 +431,4 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 # Other modules' commands register on `main` here:
 from auditor import cli_compare  # noqa: E402,F401  (adds `compare`, `watch`)
+from auditor import cli_ingest  # noqa: E402,F401  (adds `ingest`)
