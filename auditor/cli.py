@@ -35,6 +35,7 @@ import click
 import grpc
 
 from auditor import limits, summary
+from auditor.ranges import format_ranges
 from auditor.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
 from auditor.store import Reader, UnknownRun
 from auditor.tls import ServerTLS, TLSConfig, TLSError
@@ -360,17 +361,6 @@ def _when(unix: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
 
 
-def _ranges(values: Sequence[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ", ".join(parts) or "none"
 
 
 def _print_describe(d: dict) -> None:
@@ -386,7 +376,7 @@ def _print_describe(d: dict) -> None:
         f"mesh: {mesh_text}",
         f"torch {d['torch_version'] or '?'}, dtype {d['dtype'] or '?'}, seed {d['seed']}"
         + ("".join(f", {k}={v}" for k, v in d["labels"].items())),
-        f"steps: {_ranges(d['steps'])} ({len(d['steps'])}); microbatches: {d['microbatches']}",
+        f"steps: {format_ranges(d['steps'], 'none')} ({len(d['steps'])}); microbatches: {d['microbatches']}",
     ]
     click.echo("\n".join(lines) + "\n")
     _print_table(

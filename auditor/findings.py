@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from auditor.align import Key
+from auditor.ranges import format_ranges
 
 IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, \
     INCOMPLETE, REPLICA_DIVERGENCE, IGNORED = range(10)
@@ -243,7 +244,7 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
             out.append(GraphBreak(side, kind, "run", None, "", len(sites_all), len(sites_all),
                                   steps_all, sorted(sites_all)[:20],
                                   f"all {len(sites_all)} parameter {what[kind]}{tail}, "
-                                  f"steps {_ranges(steps_all)}"))
+                                  f"steps {format_ranges(steps_all)}"))
             continue
         by_stage: dict[int | None, list] = {}
         for stage, site, step in items:
@@ -258,7 +259,7 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
                 out.append(GraphBreak(side, kind, "stage", stage, "", len(sites), len(total),
                                       steps, sorted(sites)[:20],
                                       f"{label}: all {len(sites)} parameter {what[kind]}{tail}, "
-                                      f"steps {_ranges(steps)}"))
+                                      f"steps {format_ranges(steps)}"))
                 continue
             by_module: dict[str, set[str]] = {}
             for s in sites:
@@ -270,25 +271,13 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
                                       len(total) or len(sites), steps, sorted(sites)[:20],
                                       f"{label}: {len(sites)} of {len(total) or len(sites)} "
                                       f"parameter {what[kind]}{tail} in {len(by_module)} modules "
-                                      f"under {prefix}, steps {_ranges(steps)}"))
+                                      f"under {prefix}, steps {format_ranges(steps)}"))
                 continue
             for module, msites in sorted(by_module.items()):
                 out.append(GraphBreak(side, kind, "module", stage, module, len(msites),
                                       len(msites), steps, sorted(msites),
                                       f"{label}: {module or '(root)'}: {len(msites)} parameter "
                                       f"{what[kind]}{tail} ({', '.join(sorted(s.rsplit('.', 1)[-1] for s in msites))}), "
-                                      f"steps {_ranges(steps)}"))
+                                      f"steps {format_ranges(steps)}"))
     return out
 
-
-def _ranges(values: Sequence[int]) -> str:
-    values = sorted(set(values))
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ", ".join(parts) or "none"

@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from auditor.digests import DigestValues, merge_disjoint, merge_partial
+from auditor.ranges import format_ranges
 
 MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
@@ -78,7 +79,7 @@ class Problem:
     """Text with ``{ranks}`` where the ranks of ``positions`` go."""
 
     def render(self, ranks: Sequence[int]) -> str:
-        names = _rank_list([ranks[p] for p in self.positions]) if self.positions else ""
+        names = format_ranges([ranks[p] for p in self.positions]) if self.positions else ""
         return self.detail.replace("{ranks}", names)
 
 
@@ -215,7 +216,7 @@ class _MultiProblem(Problem):
     def render(self, ranks: Sequence[int]) -> str:
         text = self.detail
         for k, g in enumerate(self.groups):
-            text = text.replace(f"{{r{k}}}", _rank_list([ranks[p] for p in g]))
+            text = text.replace(f"{{r{k}}}", format_ranges([ranks[p] for p in g]))
         return text
 
 
@@ -277,18 +278,6 @@ def _fmt_value(v: object) -> str:
     return str(list(v)) if isinstance(v, tuple) else str(v)
 
 
-def _rank_list(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    values = sorted(set(int(r) for r in ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ", ".join(parts)
 
 
 # -- one key at a time (tests, tools) ----------------------------------------------------------------
@@ -328,7 +317,7 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
         if len(fps) > 1:
             first = digests[rs[0]].fingerprint
             bad = [ranks[i] for i in rs if digests[i].fingerprint != first]
-            msg = (f"replicas differ: ranks {_rank_list(bad)} disagree with rank {ranks[rs[0]]}")
+            msg = (f"replicas differ: ranks {format_ranges(bad)} disagree with rank {ranks[rs[0]]}")
             return LogicalDigest(REPLICA_DIVERGENCE, None, plan, msg, tuple(bad))
     if plan.status == REPLICA_DIVERGENCE:
         return LogicalDigest(REPLICA_DIVERGENCE, None, plan, plan.describe(ranks),
@@ -534,8 +523,8 @@ def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.
             odd = [rk for rk, fv in zip(ranks, f[b]) if fv != f[b, 0]]
             status[g] = REPLICA_DIVERGENCE
             bad_ranks[g] = tuple(odd)
-            messages[g] = (f"replicas differ: ranks {_rank_list(odd)} disagree with rank "
-                           f"{ranks[0]} (replicas on ranks {_rank_list(ranks)})")
+            messages[g] = (f"replicas differ: ranks {format_ranges(odd)} disagree with rank "
+                           f"{ranks[0]} (replicas on ranks {format_ranges(ranks)})")
 
 
 def _describe(plan: TilingPlan, groups: np.ndarray, rows: np.ndarray, cols,

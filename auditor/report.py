@@ -21,6 +21,7 @@ from auditor import findings as F
 from auditor import merge as M
 from auditor.align import PHASE_IDS, phase_name
 from auditor.policy import Policy
+from auditor.ranges import format_ranges
 from auditor.engine import _METRIC_NAMES
 
 SCHEMA = "numaudit.report"
@@ -448,25 +449,17 @@ def format_float(v: float | None) -> str:
 # -- text ---------------------------------------------------------------------------------------------
 
 def _ranks_text(ranks: list[int]) -> str:
-    from auditor.merge import _rank_list
-
-    return _rank_list(ranks) or "-"
+    return format_ranges(ranks, "-")
 
 
 def _run_text(info: dict) -> str:
     stages = info.get("stages") or []
     parts = [f"{info['world_size']} rank" + ("s" if info["world_size"] != 1 else "")]
     if len(stages) > 1:
-        parts.append(f"stages {_ranges(stages)}")
+        parts.append(f"stages {format_ranges(stages)}")
     if info.get("dtype"):
         parts.append(info["dtype"])
     return f"{info['name']} ({', '.join(parts)})"
-
-
-def _ranges(values) -> str:
-    from auditor.merge import _rank_list
-
-    return _rank_list(values)
 
 
 def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None,
