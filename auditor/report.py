@@ -410,7 +410,15 @@ def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
         bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
         fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
         text = f"gradients stop at {where} (the first without {what} in {run})"
-        if len(fwd):
+        later = stages[0] + 1 if stages else None
+        if later is not None and later not in stages and (keys.stage == later).any():
+            text += (f", at the stage {stages[0]} -> {later} boundary (stage {later}'s parameters "
+                     "received gradients)")
+        any_bwd = ((keys.A & 0xF) == PHASE_IDS["bwd"]).any()
+        if not any_bwd:
+            text += (f"; {run} captured no activation gradients (phase bwd), so whether backward "
+                     "reached the stage cannot be told: capture bwd to locate the cut")
+        elif len(fwd):
             # the stage's input activation: its earliest forward capture
             first = fwd[np.argmin(keys.pos[fwd])]
             site_id = int(keys.B[first] >> 32)

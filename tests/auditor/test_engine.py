@@ -103,7 +103,8 @@ def test_swapped_microbatches_diverge_at_that_microbatch(db):
     assert bad_mbs == {1, 2}
 
 
-def _pipeline_runs(db: Path, *, stage1_grads_none: bool) -> None:
+def _pipeline_runs(db: Path, *, stage1_grads_none: bool = False,
+                   stage0_grads_none: bool = False, with_bwd: bool = True) -> None:
     """ref: 2 dp ranks, no pipeline; cand: 2 stages x 2 dp ranks, layers 0-1 | 2-3."""
     g = torch.Generator().manual_seed(3)
     weights = {f"layers.{i}.weight": torch.randn(4, 6, generator=g) for i in range(4)}
@@ -113,20 +114,22 @@ def _pipeline_runs(db: Path, *, stage1_grads_none: bool) -> None:
     cand = RunBuilder("pp", world_size=4, stages={0: [0], 1: [0], 2: [1], 3: [1]})
     for i, h in acts.items():
         ref.add_sharded(h, [0, 1], step=0, microbatch=0, phase="fwd", site=f"layers.{i}")
-        ref.add_sharded(h * 2, [0, 1], step=0, microbatch=0, phase="bwd", site=f"layers.{i}",
-                        role="grad_output")
+        if with_bwd:
+            ref.add_sharded(h * 2, [0, 1], step=0, microbatch=0, phase="bwd",
+                            site=f"layers.{i}", role="grad_output")
         stage = 0 if i < 2 else 1
         ranks = [0, 1] if stage == 0 else [2, 3]
         cand.add_sharded(h, ranks, step=0, microbatch=0, phase="fwd", site=f"layers.{i}",
                          stage=stage)
-        cand.add_sharded(h * 2, ranks, step=0, microbatch=0, phase="bwd", site=f"layers.{i}",
-                         role="grad_output", stage=stage)
+        if with_bwd:
+            cand.add_sharded(h * 2, ranks, step=0, microbatch=0, phase="bwd",
+                             site=f"layers.{i}", role="grad_output", stage=stage)
     for name, gr in grads.items():
         i = int(name.split(".")[1])
         ref.add_sharded(gr, [0, 1], step=0, microbatch=-1, phase="grad", site=name, role="value")
         stage = 0 if i < 2 else 1
         ranks = [0, 1] if stage == 0 else [2, 3]
-        if stage == 1 and stage1_grads_none:
+        if (stage == 1 and stage1_grads_none) or (stage == 0 and stage0_grads_none):
             for r in ranks:
                 cand.add_none(r, step=0, site=name, stage=stage)
         else:
@@ -152,6 +155,23 @@ def test_missing_stage_gradients_are_one_grouped_graph_break(db):
     text = report.to_text(width=120)
     assert "Backward-graph breaks" in text and gb.message in text
     assert "2 grad_none, summarized under backward-graph breaks" in text
+
+
+def test_a_break_inside_the_pipeline_names_the_stage_boundary(db):
+    """Stage 0 without gradients while stage 1 has them: the cut is at the 0 -> 1 boundary."""
+    _pipeline_runs(db, stage0_grads_none=True)
+    [gb] = compare_runs(db, "ref", "pp").graph_breaks
+    assert gb.stage == 0
+    assert gb.boundary.startswith("gradients stop at stage 0 (the first without parameter "
+                                  "gradients in pp), at the stage 0 -> 1 boundary (stage 1's "
+                                  "parameters received gradients)")
+
+
+def test_without_bwd_captures_the_boundary_does_not_guess(db):
+    _pipeline_runs(db, stage1_grads_none=True, with_bwd=False)
+    [gb] = compare_runs(db, "ref", "pp").graph_breaks
+    assert "captured no activation gradients (phase bwd)" in gb.boundary
+    assert "never reached" not in gb.boundary
 
 
 def test_all_zero_gradients_in_one_run_are_reported(db):
