@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -269,30 +270,22 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
 
 
 def add_auditor_service(service: AuditorService, server: grpc.aio.Server) -> None:
-    """Like the generated add_AuditorServicer_to_server, but with our lenient deserializers."""
-    handlers = {
-        "Register": grpc.unary_unary_rpc_method_handler(
-            service.Register, request_deserializer=_lenient_parser(pb.RegisterRequest),
-            response_serializer=pb.RegisterResponse.SerializeToString),
-        "Ingest": grpc.stream_stream_rpc_method_handler(
-            service.Ingest, request_deserializer=_lenient_parser(pb.RecordBatch),
-            response_serializer=pb.Ack.SerializeToString),
-        "CloseSession": grpc.unary_unary_rpc_method_handler(
-            service.CloseSession, request_deserializer=_lenient_parser(pb.CloseSessionRequest),
-            response_serializer=pb.CloseSessionResponse.SerializeToString),
-        "ListRuns": grpc.unary_unary_rpc_method_handler(
-            service.ListRuns, request_deserializer=_lenient_parser(pb.ListRunsRequest),
-            response_serializer=pb.ListRunsResponse.SerializeToString),
-        "DescribeRun": grpc.unary_unary_rpc_method_handler(
-            service.DescribeRun, request_deserializer=_lenient_parser(pb.DescribeRunRequest),
-            response_serializer=pb.DescribeRunResponse.SerializeToString),
-        "Compare": grpc.unary_unary_rpc_method_handler(
-            service.Compare, request_deserializer=_lenient_parser(pb.CompareRequest),
-            response_serializer=pb.CompareResponse.SerializeToString),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            service.Watch, request_deserializer=_lenient_parser(pb.WatchRequest),
-            response_serializer=pb.WatchEvent.SerializeToString),
-    }
+    """Like the generated add_AuditorServicer_to_server, but with our lenient deserializers.
+
+    The handlers are derived from the service in the proto (one source of truth): every method
+    is served by the servicer method of the same name.
+    """
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Auditor"].methods:
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(service, method.name),
+            request_deserializer=_lenient_parser(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
