@@ -46,13 +46,16 @@ class Agent:
     def session_id(self) -> str | None:
         return self._sender.session_id if self._sender is not None else None
 
-    def watch(self, module: torch.nn.Module, *, stage: int = -1) -> int:
-        """Hook a (further) model or pipeline-stage module; returns the number of hooked modules."""
+    def watch(self, module: torch.nn.Module, *, stage: int = -1, pipelined: bool = False) -> int:
+        """Hook a (further) model or pipeline-stage module; returns the number of hooked modules.
+
+        `pipelined` is for agents.pipeline.watch_stages: capture only inside schedule chunks.
+        """
         if not self.active:
             return 0
         try:
             self._models.append((module, stage))
-            return self.capturer.hook_modules(module, stage)
+            return self.capturer.hook_modules(module, stage, pipelined=pipelined)
         except Exception as exc:
             self.capturer._failed("watch", exc)
             return 0

@@ -133,6 +133,10 @@ class Capturer:
         self.stage = -1
         self._calls: Counter[tuple[int, str]] = Counter()
         self._bwd_seen: set[tuple] = set()
+        self.in_chunk = 0
+        """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
+        self.loss_microbatch: int | None = None
+        """Microbatch of the last forward chunk whose loss has not been captured yet."""
         self._captures: list[Capture] = []
         self._f64: list[torch.Tensor] = []
         self._i64: list[torch.Tensor] = []
@@ -154,12 +158,19 @@ class Capturer:
 
     # -- hooks ----------------------------------------------------------------------------------
 
-    def hook_modules(self, model: torch.nn.Module, stage: int = -1) -> int:
-        """Hook every selected module of `model` (a whole model or one pipeline stage)."""
+    def hook_modules(self, model: torch.nn.Module, stage: int = -1, *,
+                     pipelined: bool = False) -> int:
+        """Hook every selected module of `model` (a whole model or one pipeline stage).
+
+        `pipelined`: the module is driven by a pipeline schedule, and only forwards inside the
+        schedule's chunk methods (`in_chunk`) are captured — not the schedule's own shape
+        inference, which runs the stage once outside them.
+        """
         n = 0
         cfg = self.config
         for site, module in select_modules(model, cfg.modules, cfg.exclude, cfg.max_depth):
-            self._handles.append(module.register_forward_hook(self._forward_hook(site, stage)))
+            hook = self._forward_hook(site, stage, pipelined)
+            self._handles.append(module.register_forward_hook(hook))
             n += 1
         return n
 
@@ -168,10 +179,12 @@ class Capturer:
             h.remove()
         self._handles.clear()
 
-    def _forward_hook(self, site: str, stage: int):
+    def _forward_hook(self, site: str, stage: int, pipelined: bool = False):
         def hook(module, inputs, output):
             try:
                 if in_backward() or not (self.wants("fwd") or self.wants("bwd")):
+                    return
+                if pipelined and not self.in_chunk:
                     return
                 mb = self.microbatch
                 call = self._next_call(site)

@@ -36,7 +36,7 @@ def watch_stages(agent: Agent, stages: Sequence[Any]) -> None:
     stages = list(stages)
     agent.ident.stages = tuple(sorted(int(s.stage_index) for s in stages))
     for stage in stages:
-        agent.watch(stage.submod, stage=int(stage.stage_index))
+        agent.watch(stage.submod, stage=int(stage.stage_index), pipelined=True)
         for name in _CHUNK_METHODS:
             method = getattr(stage, name, None)
             if method is not None:
@@ -44,15 +44,22 @@ def watch_stages(agent: Agent, stages: Sequence[Any]) -> None:
 
 
 def _keyed(agent: Agent, stage_index: int, method: Callable) -> Callable:
+    forward = method.__name__ == "forward_one_chunk"
+
     @functools.wraps(method)
     def run_chunk(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         capturer = agent.capturer
         # Left set after the call on purpose: the schedule computes the loss of this chunk right
         # after its forward, and `agent_loss` reads the microbatch from here.
         capturer.microbatch, capturer.stage = int(chunk_id), stage_index
+        capturer.in_chunk += 1
         try:
-            return method(chunk_id, *args, **kwargs)
+            result = method(chunk_id, *args, **kwargs)
+            if forward:
+                capturer.loss_microbatch = int(chunk_id)
+            return result
         finally:
+            capturer.in_chunk -= 1
             capturer.flush()
 
     return run_chunk
@@ -65,7 +72,12 @@ def agent_loss(agent: Agent, loss_fn: Callable[..., torch.Tensor], *,
     @functools.wraps(loss_fn)
     def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
         value = loss_fn(*args, **kwargs)
-        agent.capture(value, site=site, phase="loss")
+        capturer = agent.capturer
+        # Only the loss of a forward chunk the schedule ran: a schedule inferring shapes calls
+        # the loss function once more, outside any chunk, and that value is no microbatch's.
+        if capturer.loss_microbatch is not None:
+            agent.capture(value, site=site, phase="loss", microbatch=capturer.loss_microbatch)
+            capturer.loss_microbatch = None
         return value
 
     return loss
