@@ -152,15 +152,9 @@ def headline(f: dict) -> str:
     text = f"{f['verdict']}: {key_text(f['key'])}"
     if f.get("stage") is not None and f["stage"] >= 0:
         text += f" (stage {f['stage']})"
-    value = f.get("value")
-    if f.get("metric") and value is not None:
-        text += f" — {f['metric']} {_fmt(value)}"
-        if f.get("sigma"):
-            text += f" ± {_fmt(f['sigma'])}"
-        if f.get("threshold") is not None:
-            text += f" vs {_fmt(f['threshold'])}"
-        if f.get("uncertain"):
-            text += " (within noise of the threshold)"
+    measure = measure_text(f)
+    if measure:
+        text += f" — {measure}"
     if f.get("detail"):
         text += f" — {f['detail']}"
     return text
@@ -176,7 +170,28 @@ def _jf(v: float | None) -> float | str | None:
     return float(v)
 
 
-def _fmt(v) -> str:
+def measure_text(f: dict, *, compact: bool = False) -> str:
+    """The metric's value (± its sigma) against the threshold: "rel_l2 0.886 ± 0.0391 vs 0".
+
+    `compact` is the text report's column form; "" when the finding has no measured value.
+    """
+    value = f.get("value")
+    if not f.get("metric") or value is None:
+        return ""
+    text = f"{f['metric']} {format_float(value)}"
+    if f.get("sigma"):
+        text += (" ±" if compact else " ± ") + format_float(f["sigma"])
+    if f.get("threshold") is not None:
+        text += f" vs {format_float(f['threshold'])}"
+    if f.get("uncertain"):
+        text += " (within noise)" if compact else " (within noise of the threshold)"
+    return text
+
+
+def format_float(v: float | str | None) -> str:
+    """3 significant digits; "0", "inf", "nan" as such; "-" for None; strings unchanged."""
+    if v is None:
+        return "-"
     if isinstance(v, str):
         return v
     if v == 0:

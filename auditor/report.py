@@ -21,6 +21,7 @@ from auditor import findings as F
 from auditor import merge as M
 from auditor.align import PHASE_IDS, phase_name
 from auditor.policy import Policy
+from auditor.findings import format_float
 from auditor.ranges import format_ranges
 from auditor.engine import _METRIC_NAMES
 
@@ -442,18 +443,6 @@ def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
         target.boundary = text
 
 
-def format_float(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    if v == 0:
-        return "0"
-    if math.isinf(v) or math.isnan(v):
-        return str(v)
-    return f"{v:.3g}"
-
-
 # -- text ---------------------------------------------------------------------------------------------
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -589,16 +578,8 @@ def _row_texts(f: dict) -> tuple[tuple[str, str, str, str], str]:
     where = f"step {k['step']}" + (f" mb {k['microbatch']}" if k["microbatch"] >= 0 else "")
     role = k["role"] + (f"[{k['index']}]" if k["index"] else "") + \
         (f" call {k['call']}" if k["call"] else "")
-    line = ""
-    if f.get("metric") and f.get("value") is not None:
-        line += f"{f['metric']} {format_float(f['value'])}"
-        if f.get("sigma"):
-            line += f" ±{format_float(f['sigma'])}"
-        if f.get("threshold") is not None:
-            line += f" vs {format_float(f['threshold'])}"
-        if f.get("uncertain"):
-            line += " (within noise)"
-    elif f.get("metric") and f["verdict"] != "identical":
+    line = F.measure_text(f, compact=True)
+    if not line and f.get("metric") and f["verdict"] != "identical":
         line = f["metric"]  # exact, shape: no number to show
     cause = f.get("cause")
     extra = f"{cause['kind']}: {cause['reason']}" if cause else f.get("detail", "")
