@@ -10,11 +10,10 @@ are counted, logged once per kind with the rank, and the capture is dropped.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,7 +23,7 @@ from agents.config import AgentConfig
 from agents.digest import digest_batch_to_host, digest_piece, has_moments
 from agents.identity import RankIdentity
 from agents.layout import PieceLayout, batch_layout, complex_real_layout, dtensor_layout
-from agents.sites import select_modules
+from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -150,11 +149,8 @@ class Capturer:
         return phase in self.config.phases and (steps is None or self.step in steps)
 
     def _wants_payload(self, phase: str, site: str, role: str) -> bool:
-        name = f"{phase}:{site}"
-        return any(
-            fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(f"{name}:{role}", g)
-            for g in self.config.payload
-        )
+        globs = self.config.payload
+        return matches(f"{phase}:{site}", globs) or matches(f"{phase}:{site}:{role}", globs)
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -305,8 +301,6 @@ class Capturer:
 
     def capture_parameters(self, model: torch.nn.Module, *, grads: bool, stage: int = -1) -> None:
         """Capture every parameter's gradient (None recorded explicitly) or value."""
-        from agents.sites import normalize_site
-
         phase = "grad" if grads else "param"
         if not self.wants(phase):
             return
