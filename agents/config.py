@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 ENV_ADDR = "NUMAUDIT_ADDR"            # auditor address HOST:PORT

@@ -13,7 +13,6 @@ is rendered here from its JSON, so both sources print the same report.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import time

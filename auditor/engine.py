@@ -33,11 +33,11 @@ from auditor import findings as F
 from auditor import merge as M
 from auditor.align import (PHASE_IDS, PHASE_NAMES, ROLE_NAMES, Key, exec_order, fill_positions,
                            phase_name, role_name)
-from auditor.columns import Catalog, RunColumns, unpack_a, unpack_b
+from auditor.columns import Catalog, RunColumns, unpack_a
 from auditor.metrics import (EPS64, FLOAT_DTYPES, MACHINE_EPS, PayloadUnavailable, bits_to_values,
                              decode_payload, payload_metrics, ratio, sketch_metrics)
 from auditor.policy import METRICS, PAYLOAD_METRICS, Check, Policy
-from auditor.store import Reader, UnknownRun
+from auditor.store import Reader
 
 SLOW_CHUNK = 8192
 """Keys whose moments and sketches are read and compared per round (bounds memory: 2 x 8192 x k

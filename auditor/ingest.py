@@ -19,7 +19,6 @@ import grpc
 from auditor.channels import open_channel
 from auditor.spool import SpoolError, read_spool, spool_files
 from auditor.tls import TLSConfig
-from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from auditor import limits, summary
 from auditor.auth import AuthInterceptor, PermissionDenied, Unauthenticated
-from auditor.store import Reader, Store, StoreError, UnknownRun, UnknownSession, content_hash
+from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
 from auditor.tls import ServerTLS
 from auditor.tokens import Tokens
 from auditor.validate import (

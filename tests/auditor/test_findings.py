@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from auditor.findings import group_graph_breaks, headline, judge
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import io
 import json
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch

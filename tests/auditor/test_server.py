@@ -24,7 +24,6 @@ from auditor.store import Reader
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import (
     batch, float32_bytes, none_record, payload_for, record, register_request, zstd_header,
-    zstd_payload,
 )
 
 T = 10  # deadline of every call, seconds

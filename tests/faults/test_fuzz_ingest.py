@@ -205,6 +205,7 @@ def test_unmutated_real_batches_are_stored(daemon):
     acks = list(stub.Ingest(iter(renamed), timeout=T))
     assert [a.acked_seq for a in acks] == [b.seq for b in batches]
     assert sum(a.stored + a.duplicates + a.conflicts for a in acks) == sum(len(b.records) for b in batches)
+    assert _counts(auditor.db)[0] == before + sum(a.stored for a in acks)  # acked = in the store
 
 
 @pytest.mark.timeout(120)
