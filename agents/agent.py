@@ -32,6 +32,11 @@ class Agent:
         self._closed = False
         self._sender = None
         self.active = config.enabled and (config.ranks is None or ident.rank in config.ranks)
+        if self.active and not config.run:
+            # Records without a run name could be neither stored nor replayed from a spool.
+            log.warning("rank %d: numaudit has no run name (run= or NUMAUDIT_RUN): auditing is "
+                        "off", ident.rank)
+            self.active = False
         if self.active:
             from agents.sender import Sender  # grpc only where auditing is on
 

@@ -332,3 +332,13 @@ def test_a_gradient_hook_run_twice_is_captured_once(auditor_server):
         loss.backward()  # and again
     s = agent.close()
     assert s["captured"] == 1 and len(_records(auditor_server.db_path, "ref")) == 1
+
+
+def test_without_a_run_name_auditing_is_off_and_nothing_is_spooled(tmp_path, caplog):
+    model = Net()
+    agent = agents.attach(model, spool_dir=str(tmp_path / "spool"))
+    _train(agent, model)
+    assert agent.close()["captured"] == 0
+    assert not model.a._forward_hooks
+    assert not (tmp_path / "spool").exists()
+    assert "no run name" in caplog.text
