@@ -3,7 +3,7 @@
 It owns all I/O of the agent. Records are cut into batches by count, size and age and given
 consecutive sequence numbers; a `Delivery` (agents/delivery.py) streams them to the auditor (or
 to the node sidecar) and keeps each until it is acked, resending after reconnects. Records that
-cannot be delivered are written to the spool (auditor/spool.py) for `auditor ingest`, or dropped
+cannot be delivered are written to the spool (wire/spool.py) for `auditor ingest`, or dropped
 and counted. Nothing here raises into the training thread; `submit` never blocks.
 """
 
@@ -25,10 +25,10 @@ from agents.delivery import Delivery
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
-from auditor import limits
-from auditor.spool import SpoolWriter
-from auditor.validate import records_checksum
-from auditor.tls import TLSConfig
+from wire import limits
+from wire.spool import SpoolWriter
+from wire.checksum import records_checksum
+from wire.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from agents.delivery import Delivery
 from agents.transport import GrpcTransport, unix_path
-from auditor.channels import tls_from_env
-from auditor.tls import TLSConfig, TLSError
-from auditor.spool import (KIND_BATCH, KIND_CLOSE, KIND_REGISTER, SpoolError, SpoolWriter,
+from wire.channels import tls_from_env
+from wire.tls import TLSConfig, TLSError
+from wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_REGISTER, SpoolError, SpoolWriter,
                            decode, encode, encode_error, read_frame, read_spool, spool_files)
 from protos import numaudit_pb2 as pb
 

@@ -5,7 +5,7 @@ batches whose acks arrive on a queue, close the session, close the transport —
 failures as `TransportError` carrying a gRPC status code, so the delivery logic (what to resend,
 what to drop, when to give up) is written once.
 
-The sidecar transport speaks the spool's framing (auditor/spool.py) over a Unix stream socket and
+The sidecar transport speaks the spool's framing (wire/spool.py) over a Unix stream socket and
 never touches gRPC, so a training process in sidecar mode holds no gRPC channel at all (fork
 safety, grpc/grpc#32992).
 """
@@ -21,9 +21,9 @@ from typing import Any, Callable, Protocol
 
 import grpc
 
-from auditor.channels import open_channel
-from auditor.spool import KIND_ACK, KIND_ERROR, decode, encode, read_frame, SpoolError
-from auditor.tls import TLSConfig
+from wire.channels import open_channel
+from wire.spool import KIND_ACK, KIND_ERROR, decode, encode, read_frame, SpoolError
+from wire.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
 

@@ -34,11 +34,12 @@ from typing import Any, Sequence
 import click
 import grpc
 
-from auditor import limits, summary
+from wire import limits
+from auditor import summary
 from auditor.ranges import format_ranges
-from auditor.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
+from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
 from auditor.store import Reader, UnknownRun
-from auditor.tls import ServerTLS, TLSConfig, TLSError
+from wire.tls import ServerTLS, TLSConfig, TLSError
 from auditor.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from auditor.channels import token_from_env
+from wire.channels import token_from_env
 from auditor.cli import ENV_ADDR, ENV_DB, InputError, client_tls, main, tls_options
 from auditor.ingest import replay, replay_into_db
-from auditor.spool import spool_files
+from wire.spool import spool_files
 
 
 @main.command()

@@ -16,9 +16,9 @@ from typing import Iterable
 
 import grpc
 
-from auditor.channels import open_channel
-from auditor.spool import SpoolError, read_spool, spool_files
-from auditor.tls import TLSConfig
+from wire.channels import open_channel
+from wire.spool import SpoolError, read_spool, spool_files
+from wire.tls import TLSConfig
 from protos import numaudit_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def replay(paths: Iterable[str | Path], address: str, *, token: str | None = Non
            tls: TLSConfig | None = None) -> list[ReplayResult]:
     """Replay every spool file named (or under a named directory) into the daemon at `address`.
 
-    `tls` and `token` as for any client (auditor.channels.open_channel)."""
+    `tls` and `token` as for any client (wire.channels.open_channel)."""
     metadata = ()  # the channel carries the token
     results = []
     with open_channel(address, tls=tls, token=token) as channel:

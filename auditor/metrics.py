@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import zstandard
 
-from auditor import limits
+from wire import limits
 
 EPS64 = float(np.finfo(np.float64).eps)
 ROUNDING_FLOOR = 4.0

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from auditor import limits
+from wire import limits
 from auditor.columns import KeyRangeError
 from auditor.engine import LiveComparison, LiveEvent, compare_runs
 from auditor.policy import Policy, PolicyError, resolve_policy

@@ -10,7 +10,7 @@ and acked only when the transaction holding it has committed. One stream is proc
 one batch at a time, so `acked_seq` never runs ahead of a batch that failed.
 
 Access control (`tokens`) is an interceptor (auditor/auth.py) whose refusals go through the same
-`status_for`; TLS and mutual TLS come from `ServerTLS` (auditor/tls.py).
+`status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from auditor import limits, summary
+from wire import limits
+from auditor import summary
 from auditor.auth import AuthInterceptor, PermissionDenied, Unauthenticated
 from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
-from auditor.tls import ServerTLS
+from wire.tls import ServerTLS
 from auditor.tokens import Tokens
 from auditor.validate import (
     ValidationError, validate_batch, validate_close, validate_describe, validate_register,

@@ -28,8 +28,9 @@ from typing import Sequence
 
 import zstandard
 
-from auditor import limits
+from wire import limits
 from protos import numaudit_pb2 as pb
+from wire.checksum import records_checksum
 
 
 class ValidationError(ValueError):
@@ -62,7 +63,7 @@ class CorruptedInTransit(ValidationError):
 
 
 class TooLarge(ValidationError):
-    """Over a limit of `auditor.limits` (RESOURCE_EXHAUSTED)."""
+    """Over a limit of `wire.limits` (RESOURCE_EXHAUSTED)."""
 
     kind = "too_large"
 
@@ -203,14 +204,6 @@ def validate_describe(req: pb.DescribeRunRequest) -> None:
 
 
 # -- Batches and records -----------------------------------------------------------------------------
-
-def records_checksum(records) -> int:
-    """What `RecordBatch.records_crc32` holds: CRC-32 of each record's deterministic bytes."""
-    crc = 0
-    for r in records:
-        crc = zlib.crc32(r.SerializeToString(deterministic=True), crc)
-    return crc
-
 
 def validate_batch(batch: pb.RecordBatch) -> None:
     """Everything about a batch that can be checked without the store; raises on the first fault."""

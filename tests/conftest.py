@@ -8,7 +8,7 @@ from typing import Iterator
 import grpc
 import pytest
 
-from auditor import limits
+from wire import limits
 from auditor.server import BackgroundServer
 from protos import numaudit_pb2_grpc
 

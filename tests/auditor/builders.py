@@ -7,7 +7,7 @@ import zlib
 
 import zstandard
 
-from auditor import limits
+from wire import limits
 from protos import numaudit_pb2 as pb
 
 V1 = limits.CURRENT_SCHEMA_VERSION

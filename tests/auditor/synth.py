@@ -19,7 +19,7 @@ import zstandard
 
 from agents.digest import digest_piece
 from agents.layout import PieceLayout
-from auditor import limits
+from wire import limits
 from auditor.digests import DigestValues
 from auditor.validate import validate_batch
 from auditor.writer import StoreWriter

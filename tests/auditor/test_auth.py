@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from auditor import auth
-from auditor.channels import open_channel
+from wire.channels import open_channel
 from auditor.server import SERVICE_NAME, BackgroundServer
 from auditor.store import Reader
 from auditor.tokens import Tokens, TokenFileError

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from auditor import limits
+from wire import limits
 from auditor.store import Reader
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import batch, none_record, record, register_request

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from auditor.spool import SpoolWriter
+from wire.spool import SpoolWriter
 from auditor.store import Reader
 from protos import numaudit_pb2 as pb
 

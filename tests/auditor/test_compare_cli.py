@@ -117,7 +117,7 @@ def test_watch_on_a_store_file(db):
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    from auditor import limits
+    from wire import limits
     from auditor.server import BackgroundServer
     from protos import numaudit_pb2_grpc
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from auditor import limits
+from wire import limits
 from auditor.server import BackgroundServer
 from auditor.store import Reader
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from auditor.channels import open_channel
+from wire.channels import open_channel
 from auditor.server import BackgroundServer
 from auditor.store import Reader
-from auditor.tls import ServerTLS, TLSConfig, TLSError
+from wire.tls import ServerTLS, TLSConfig, TLSError
 from auditor.tokens import Tokens
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.pki import PKI, make_pki

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 from hypothesis import given, settings, strategies as st
 
-from auditor import limits
+from wire import limits
 from auditor.validate import (
     ITEMSIZE, CorruptPayload, TooLarge, UnsupportedVersion, ValidationError, check_run_name,
     check_zstd_header, validate_batch, validate_close, validate_record, validate_register,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from auditor.spool import read_spool
+from wire.spool import read_spool
 from protos import numaudit_pb2 as pb
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from auditor.ingest import replay
-from auditor.spool import read_spool
+from wire.spool import read_spool
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
 
 

@@ -2,7 +2,7 @@
 
 The daemon serves TLS with `ServerTLS` (and requires client certificates when it is given a
 client CA: mutual TLS); every client (agent, CLI, spool replay) dials with a `TLSConfig` through
-`auditor.channels.open_channel`. Files are read when credentials are built, and an unreadable
+`wire.channels.open_channel`. Files are read when credentials are built, and an unreadable
 file raises `TLSError` naming the option and the path, never a gRPC internal error.
 docs/security.md shows how to make the files with openssl.
 """

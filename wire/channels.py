@@ -3,7 +3,7 @@
 With TLS the bearer token travels as call credentials composed with the SSL credentials (gRPC
 refuses call credentials on a plaintext channel, FIELD-NOTES). Without TLS it travels as
 `authorization: Bearer ...` metadata added by a client interceptor, which leaves calls that
-already carry an `authorization` entry alone. Limits and keepalive come from `auditor.limits`.
+already carry an `authorization` entry alone. Limits and keepalive come from `wire.limits`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import grpc
 
-from auditor import limits
-from auditor.tls import TLSConfig
+from wire import limits
+from wire.tls import TLSConfig
 
 # Environment of the CLI clients (`auditor runs/show/compare --address`); arguments win. The agent
 # reads the same variables through agents/config.py.

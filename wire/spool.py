@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from auditor import limits
+from wire import limits
 from protos import numaudit_pb2 as pb
 
 KIND_REGISTER = 1
