@@ -47,7 +47,7 @@ def _shape_for(n_keys: int) -> tuple[int, int, int, int]:
 def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
                 sketch_k: int = SKETCH_K, close_fraction: float = CLOSE_FRACTION) -> dict:
     """Write runs "ref" (1 piece per key) and "cand" (``pieces`` shards per key)."""
-    from auditor.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+    from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
     from auditor.store import connect
 
     steps, mbs, modules, params = _shape_for(n_keys)
@@ -139,7 +139,9 @@ def _insert(conn, rows) -> None:
 
 def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
             close_fraction: float = CLOSE_FRACTION) -> dict:
-    from auditor.engine import compare_runs
+    from auditor.compare.engine import compare_runs
+    from auditor.report.json_report import write_json
+    from auditor.report.text import to_text
 
     directory.mkdir(parents=True, exist_ok=True)
     tag = "" if close_fraction == CLOSE_FRACTION else f"-close{close_fraction:g}"
@@ -158,10 +160,10 @@ def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
     report = compare_runs(db, "ref", "cand")
     t1 = time.perf_counter()
     cpu = time.process_time() - c0
-    text = report.to_text(width=120)
+    text = to_text(report, width=120)
     t2 = time.perf_counter()
     with open(os.devnull, "w") as sink:
-        report.write_json(sink)
+        write_json(report, sink)
     t3 = time.perf_counter()
     keys = meta["keys"]
     return {

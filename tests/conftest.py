@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from wire import limits
-from auditor.server import BackgroundServer
+from auditor.daemon.server import BackgroundServer
 from protos import numaudit_pb2_grpc
 
 

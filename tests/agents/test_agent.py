@@ -238,7 +238,7 @@ def test_drops_reach_the_auditor_even_when_nothing_was_sent(auditor_server):
 
 
 def test_without_auditor_records_are_spooled_and_ingest_replays_them_once(tmp_path):
-    from auditor.ingest import replay_into_db
+    from auditor.daemon.replay import replay_into_db
 
     spool = tmp_path / "spool"
     model = Net()

@@ -22,7 +22,7 @@ from agents.digest import (
     release_workspaces,
 )
 from agents.layout import PieceLayout, complex_real_layout
-from auditor.digests import DigestValues, merge_disjoint, merge_partial
+from auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
 
 M64 = (1 << 64) - 1
 M32 = (1 << 32) - 1

@@ -265,7 +265,7 @@ def gloo_results(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_gloo_dtensor_pieces_tile_and_digests_merge(gloo_results):
     from agents.digest import digest_piece
-    from auditor.digests import DigestValues, merge_disjoint, merge_partial
+    from auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
 
     for name, (_, shape, _) in GLOO_CASES.items():
         per_rank = [r[name] for r in gloo_results]

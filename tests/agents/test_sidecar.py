@@ -15,7 +15,7 @@ import torch
 import agents
 from agents.sidecar import Sidecar
 from agents.transport import SidecarTransport, wait_for_socket
-from auditor.ingest import replay_into_db
+from auditor.daemon.replay import replay_into_db
 from auditor.store import Reader, UnknownRun
 
 pytestmark = pytest.mark.timeout(90)

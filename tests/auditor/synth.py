@@ -20,9 +20,9 @@ import zstandard
 from agents.digest import digest_piece
 from agents.layout import PieceLayout
 from wire import limits
-from auditor.digests import DigestValues
-from auditor.validate import validate_batch
-from auditor.writer import StoreWriter
+from auditor.compare.digests import DigestValues
+from auditor.daemon.validate import validate_batch
+from auditor.store.writer import StoreWriter
 from protos import numaudit_pb2 as pb
 
 PHASES = {"fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,

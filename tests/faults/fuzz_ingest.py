@@ -3,7 +3,7 @@
     python -m tests.faults.fuzz_ingest CORPUS_DIR -runs=N -max_total_time=S
 
 Each input is the bytes of one Ingest request. It goes through what the daemon's Ingest handler
-does with it (auditor/server.py): the lenient parser, `_validate_and_hash` (validation and
+does with it (auditor/daemon/server.py): the lenient parser, `_validate_and_hash` (validation and
 content hashes), then `Store.ingest` inside a transaction on a real SQLite file, rolled back so
 the store stays small. The only exceptions allowed are the ones the server maps to specific
 status codes (ValidationError, StoreError); anything else — which `status_for` would answer as
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports(include=["auditor.validate", "auditor.store"]):
+with atheris.instrument_imports(include=["auditor.daemon.validate", "auditor.store"]):
     from auditor.store import Store, StoreError
-    from auditor.validate import ValidationError
+    from auditor.daemon.validate import ValidationError
 
-from auditor.server import MalformedRequest, _lenient_parser, _validate_and_hash  # noqa: E402
+from auditor.daemon.server import MalformedRequest, _lenient_parser, _validate_and_hash  # noqa: E402
 from protos import numaudit_pb2 as pb  # noqa: E402
 
 SESSION = "fuzz-session"

@@ -350,7 +350,7 @@ class StoreView:
 
 def replay_into_file(spools: Iterable[Path], db: Path):
     """`auditor ingest` of spool files into the store file `db` (an in-process daemon)."""
-    from auditor.ingest import replay_into_db
+    from auditor.daemon.replay import replay_into_db
 
     assert str(db).endswith(".db"), f"{db}: not a store file (an address?)"
     files = list(spools)

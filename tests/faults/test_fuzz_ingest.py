@@ -1,4 +1,4 @@
-"""Fuzzing the ingest path with mutated *real* batches (tests/auditor/test_server.py fuzzes
+"""Fuzzing the ingest path with mutated *real* batches (tests/auditor/daemon/test_server.py fuzzes
 synthetic ones field by field, and random bytes).
 
 - hypothesis, over gRPC against a daemon subprocess: real agent batches mutated byte-wise (flips,

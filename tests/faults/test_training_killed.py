@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from auditor.ingest import replay
+from auditor.daemon.replay import replay
 from wire.spool import read_spool
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
 

@@ -1,0 +1,285 @@
+"""`auditor compare` and `auditor watch` (registered on `auditor.cli.main`).
+
+    auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit]
+                             [-o FILE] [--all] [--limit N] [--db PATH | --address HOST:PORT]
+    auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
+                           [--poll S] [--timeout S] [--db PATH | --address HOST:PORT]
+
+Exit codes: 0 = every finding within policy, 1 = some finding breaches it, 2 = usage or input
+error (one line on stderr). With --address the daemon compares (the Compare RPC) and the report
+is rendered here from its JSON, so both sources print the same report.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+import grpc
+
+from auditor.cli.main import (ENV_ADDR, ENV_DB, InputError, StoreSource, client_tls, main,
+                         store_or_address, tls_options)
+from auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
+from auditor.store import UnknownRun
+from protos import numaudit_pb2 as pb
+
+# The engine (numpy) is imported by the commands that use it, so `auditor serve` starts fast.
+TEXT_ROWS_PER_GROUP = 50
+"""Default of --limit (auditor.report.text.TEXT_ROWS_PER_GROUP)."""
+
+COMPARE_TIMEOUT_S = 600.0
+"""Deadline of a Compare RPC (a million keys take seconds; the daemon may be busy)."""
+WATCH_POLL_S = 1.0
+
+
+def _sources(fn: Any) -> Any:
+    fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=COMPARE_TIMEOUT_S,
+                      show_default=True, help="Deadline of the call to --address, seconds.")(fn)
+    fn = click.option("--address", metavar="HOST:PORT",
+                      help=f"Ask a running auditor (default ${ENV_ADDR}).")(fn)
+    fn = click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
+                      help=f"Read a store file (default ${ENV_DB}).")(fn)
+    return fn
+
+
+def _policy_options(fn: Any) -> Any:
+    fn = click.option("--preset", type=click.Choice(list(PRESETS)),
+                      help="Tolerance preset (overrides the policy file's own).")(fn)
+    fn = click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
+                      help="Policy file (TOML, docs/policy.md).")(fn)
+    return fn
+
+
+def _load_policy(policy_file: Path | None, preset: str | None) -> tuple[Policy, str]:
+    """The policy and its text (sent to a daemon as is)."""
+    try:
+        if policy_file is None:
+            return preset_policy(preset), ""
+        return load_policy(policy_file, preset), policy_file.read_text()
+    except PolicyError as exc:
+        raise InputError(f"policy: {exc}") from None
+
+
+def _source(db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+            tls_cert: str | None, tls_key: str | None) -> Any:
+    tls = client_tls(tls_ca, tls_cert, tls_key) if db is None else None
+    return store_or_address(db, address, timeout, tls=tls)
+
+
+def _width() -> int:
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+@main.command()
+@click.argument("ref")
+@click.argument("cand")
+@_policy_options
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "junit"]), default="text",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the report here instead of stdout.")
+@click.option("--all", "show_all", is_flag=True, help="Text: list passing findings too.")
+@click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
+              show_default=True, help="Text: findings listed per phase and stage (0 = all).")
+@_sources
+@tls_options
+def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
+            output: Path | None, show_all: bool, limit: int, db: Path | None,
+            address: str | None, timeout: float, tls_ca: str | None, tls_cert: str | None,
+            tls_key: str | None) -> int:
+    """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
+    policy, policy_text = _load_policy(policy_file, preset)
+    if output is not None and not output.parent.is_dir():
+        raise InputError(f"output: directory {output.parent} does not exist")
+    from auditor.compare.columns import KeyRangeError
+    from auditor.compare.engine import compare_runs
+    from auditor.report.junit import render_junit, to_junit
+    from auditor.report.text import render_text, to_text
+
+    source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
+    try:
+        if isinstance(source, StoreSource):
+            try:
+                report = compare_runs(source.reader, ref, cand, policy)
+            except (UnknownRun, KeyRangeError) as exc:
+                raise InputError(str(exc)) from None
+            exit_code = report.exit_code
+            if fmt == "json":
+                text = None
+            elif fmt == "junit":
+                text = to_junit(report)
+            else:
+                text = to_text(report, width=_text_width(output), show_all=show_all,
+                               limit=limit, color=output is None and sys.stdout.isatty())
+        else:
+            req = pb.CompareRequest(ref=ref, cand=cand, policy_toml=policy_text,
+                                    preset=preset or "")
+            resp = source.call(source.stub.Compare, req)
+            exit_code = resp.exit_code
+            doc = json.loads(resp.report_json)
+            report = None
+            if fmt == "json":
+                text = resp.report_json if resp.report_json.endswith("\n") \
+                    else resp.report_json + "\n"
+            elif fmt == "junit":
+                text = render_junit(doc, doc["findings"])
+            else:
+                text = render_text(doc, doc["findings"], width=_text_width(output),
+                                   show_all=show_all, limit=limit,
+                                   color=output is None and sys.stdout.isatty())
+                if doc.get("findings_included", "all") != "all":
+                    text += (f"(the daemon's report omitted findings: "
+                             f"{doc.get('findings_omitted', {})})\n")
+    finally:
+        source.close()
+    _write(output, text, report)
+    return exit_code
+
+
+def _text_width(output: Path | None) -> int:
+    return _width() if output is None and sys.stdout.isatty() else 120
+
+
+def _write(output: Path | None, text: str | None, report: Any) -> None:
+    """Write a rendered report (or stream the JSON one) to the output file or stdout."""
+    from auditor.report.json_report import write_json
+
+    try:
+        if output is None:
+            if text is None:
+                write_json(report, sys.stdout)
+            else:
+                sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        tmp = output.with_name(output.name + ".tmp")
+        with open(tmp, "w") as fh:
+            if text is None:
+                write_json(report, fh)
+            else:
+                fh.write(text)
+        tmp.replace(output)
+    except OSError as exc:
+        raise InputError(f"output: cannot write {output or 'stdout'} ({exc.strerror or exc})") \
+            from None
+
+
+# -- watch ---------------------------------------------------------------------------------------
+
+def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
+                  timeout: float) -> Iterator[Any]:
+    """The same loop as the Watch RPC, against a store file (yields auditor.compare.live.LiveEvent)."""
+    from auditor.compare.live import LiveComparison, LiveEvent
+
+    live = LiveComparison(reader, ref, cand, policy)
+    yield LiveEvent(status=f"watching {ref} vs {cand}")
+    last_news = time.monotonic()
+    while True:
+        started = time.monotonic()
+        events = live.poll()
+        yield from events
+        if any(ev.finding is not None for ev in events):
+            last_news = time.monotonic()
+        if live.finished:
+            yield from live.flush()
+            yield LiveEvent(status=f"done: both runs finished, {live.emitted} findings")
+            return
+        if timeout and time.monotonic() - last_news > timeout:
+            yield from live.flush()
+            yield LiveEvent(status=f"timed out: no new keys for {timeout:g}s, "
+                                   f"{live.emitted} findings")
+            return
+        time.sleep(max(poll, 2 * (time.monotonic() - started)))
+
+
+def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: str | None,
+                   poll: float, timeout: float) -> Iterator[tuple[dict | None, bool, str]]:
+    req = pb.WatchRequest(ref=ref, cand=cand, policy_toml=policy_text, preset=preset or "",
+                          poll_interval_s=poll, timeout_s=timeout)
+    deadline = timeout * 4 + 60 if timeout else 24 * 3600.0
+    try:
+        for ev in source.stub.Watch(req, timeout=deadline):
+            yield (json.loads(ev.finding_json) if ev.finding_json else None,
+                   ev.first_divergence, ev.status)
+    except grpc.RpcError as exc:
+        code, details = exc.code(), (exc.details() or "").replace("\n", " ")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise InputError(f"cannot reach the auditor at {source.label} ({code.name}: "
+                             f"{details})") from None
+        raise InputError(f"auditor at {source.label}: {code.name}: {details}") from None
+
+
+@main.command()
+@click.argument("ref")
+@click.argument("cand")
+@_policy_options
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: one JSON object per line.")
+@click.option("--all", "show_all", is_flag=True, help="Print passing findings too.")
+@click.option("--poll", type=click.FloatRange(min=0.05), default=WATCH_POLL_S, show_default=True,
+              help="Seconds between reads of the store.")
+@click.option("--idle-timeout", "idle", type=click.FloatRange(min=0), default=0,
+              show_default=True, help="Stop after this many seconds without new keys (0 = wait "
+                                      "until both runs finish).")
+@_sources
+@tls_options
+def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
+          show_all: bool, poll: float, idle: float, db: Path | None, address: str | None,
+          timeout: float, tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> int:
+    """Compare REF and CAND while they run: findings as soon as keys are final in both."""
+    from auditor.compare.columns import KeyRangeError
+
+    policy, policy_text = _load_policy(policy_file, preset)
+    source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
+    breaches = 0
+    try:
+        if isinstance(source, StoreSource):
+            try:
+                stream = ((ev.finding.as_dict() if ev.finding else None, ev.first_divergence,
+                           ev.status)
+                          for ev in _local_events(source.reader, ref, cand, policy, poll, idle))
+                for doc, first, status in stream:
+                    breaches += _print_event(doc, first, status, fmt, show_all)
+            except (UnknownRun, KeyRangeError) as exc:
+                raise InputError(str(exc)) from None
+        else:
+            for doc, first, status in _remote_events(source, ref, cand, policy_text, preset, poll,
+                                                     idle):
+                breaches += _print_event(doc, first, status, fmt, show_all)
+    except KeyboardInterrupt:
+        click.echo("auditor: watch interrupted", err=True)
+    finally:
+        source.close()
+    return 1 if breaches else 0
+
+
+def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all: bool) -> int:
+    """Print one event; returns 1 for a breaching finding (counted once, not on announcement)."""
+    from auditor.compare.findings import headline
+
+    if fmt == "json":
+        kind = "status" if doc is None else ("first_divergence" if first else "finding")
+        payload: dict = {"event": kind}
+        if doc is None:
+            payload["status"] = status
+        else:
+            payload["finding"] = doc
+        if doc is None or first or show_all or doc["breach"]:
+            click.echo(json.dumps(payload, allow_nan=False))
+        return int(doc is not None and not first and doc["breach"])
+    if doc is None:
+        click.echo(f"[watch] {status}", err=True)
+        return 0
+    if first:
+        click.echo("FIRST DIVERGENCE: " + headline(doc))
+        if doc.get("cause"):
+            click.echo(f"  {doc['cause']['kind']}: {doc['cause']['reason']}")
+        return 0
+    if doc["breach"] or show_all:
+        click.echo(headline(doc))
+    return int(doc["breach"])

@@ -1,0 +1,62 @@
+"""`auditor ingest SPOOL...`: load spool files (agent spills, sidecar spools) into the store."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from wire.channels import token_from_env
+from auditor.cli.main import ENV_ADDR, ENV_DB, InputError, client_tls, main, tls_options
+from auditor.daemon.replay import replay, replay_into_db
+from wire.spool import spool_files
+
+
+@main.command()
+@click.argument("spools", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
+              help=f"Load into this store file (default ${ENV_DB}).")
+@click.option("--address", metavar="HOST:PORT", help="Load through a running auditor.")
+@tls_options
+def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, tls_ca: str | None,
+           tls_cert: str | None, tls_key: str | None) -> None:
+    """Replay spool files (or every *.spool under a directory) through the ingest path.
+
+    Idempotent: batches the auditor already stored are counted as duplicates, so a spool may be
+    loaded after a partly successful live delivery, or twice. Exit 0 when every file loaded,
+    1 when a file was unreadable or a batch was refused, 2 on usage errors.
+    """
+    import os
+
+    missing = [str(p) for p in spools if not p.exists()]
+    if missing:
+        raise InputError(f"no such spool file or directory: {missing[0]}")
+    files = list(spool_files(list(spools)))
+    if not files:
+        raise InputError(f"no *.spool files under {', '.join(map(str, spools))}")
+    if db is not None and address is not None:
+        raise InputError("give either --db or --address, not both")
+    if db is None and address is None:
+        db = Path(os.environ[ENV_DB]) if os.environ.get(ENV_DB) else None
+        address = os.environ.get(ENV_ADDR) if db is None else None
+    if db is None and address is None:
+        raise InputError("give --db PATH or --address HOST:PORT")
+    if db is not None:
+        results = replay_into_db(files, db)
+    else:
+        results = replay(files, address, token=token_from_env(),
+                         tls=client_tls(tls_ca, tls_cert, tls_key))
+    failed = False
+    for r in results:
+        line = (f"{r.path}: run {r.run or '?'} rank {r.rank}: {r.batches} batches, {r.records} "
+                f"records: {r.stored} stored, {r.duplicates} already stored, {r.conflicts} conflicts")
+        if r.torn:
+            line += f"; torn tail ({r.torn}) ignored"
+        click.echo(line)
+        for why in r.rejected:
+            click.echo(f"  refused: {why}", err=True)
+        if r.error:
+            click.echo(f"  not loaded: {r.error}", err=True)
+        failed |= bool(r.rejected or r.error)
+    sys.exit(1 if failed else 0)

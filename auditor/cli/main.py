@@ -1,0 +1,420 @@
+"""`auditor`: the daemon and the commands that read what it stored.
+
+    auditor serve --listen HOST:PORT --db PATH [--sync full|normal] [--port-file PATH]
+                  [--tokens FILE] [--tls-cert CERT --tls-key KEY [--tls-client-ca CA]]
+    auditor runs  [--db PATH | --address HOST:PORT [--tls-ca CA --tls-cert C --tls-key K]]
+                  [--format text|json]
+    auditor show RUN [--db PATH | --address HOST:PORT [--tls-...]] [--format text|json]
+
+Clients of a daemon that requires tokens take the token from $NUMAUDIT_TOKEN (never an option:
+the command line is visible to every user of the machine); --tls-* default to $NUMAUDIT_TLS_*.
+
+Exit codes (DESIGN.md): 0 = ok, 1 = findings that breach the policy (compare), 2 = usage or input
+error, always as one line on stderr. Output is rich on a terminal, plain text otherwise.
+
+More commands (compare, watch, ingest) attach to the `main` group: `@main.command()` in their
+own module, imported by `auditor/cli/__init__.py`; `store_or_address` gives them the run source the
+user named (with the token and the TLS settings of `tls_options`) and `InputError` the exit-2
+path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+import grpc
+
+from wire import limits
+from auditor.store import summary
+from auditor.compare.ranges import format_ranges
+from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
+from auditor.store import Reader, UnknownRun
+from wire.tls import ServerTLS, TLSConfig, TLSError
+from auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
+from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+
+# Environment (arguments win over the environment):
+ENV_DB = "NUMAUDIT_DB"            # store file for serve/runs/show when --db is not given
+ENV_ADDR = "NUMAUDIT_ADDR"        # auditor address for runs/show when neither --db nor --address
+DEFAULT_TIMEOUT_S = 10.0          # deadline of each call to a remote auditor
+
+log = logging.getLogger("auditor")
+
+
+class InputError(click.ClickException):
+    """A usage or input error: one line on stderr, exit 2."""
+
+    exit_code = 2
+
+
+class _Group(click.Group):
+    """Prints every click error as one line and exits with its code (2 for usage errors)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            click.echo(exc.ctx.get_help() if exc.ctx else str(exc), err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            click.echo(f"auditor: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("auditor: aborted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """numaudit auditor: stores what rank agents send, and shows it."""
+
+
+# -- Where runs come from: a store file or a running auditor --------------------------------------
+
+class StoreSource:
+    """Runs read straight from a store file (`.reader` for commands that need the records)."""
+
+    def __init__(self, db: Path) -> None:
+        self.label = str(db)
+        try:
+            self.reader = Reader(db)
+            self.reader.conn.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
+        except FileNotFoundError:
+            raise InputError(f"db: no store at {db}") from None
+        except sqlite3.Error as exc:
+            raise InputError(f"db: {db} is not a numaudit store ({exc})") from None
+
+    def list_runs(self) -> pb.ListRunsResponse:
+        return summary.list_runs(self.reader)
+
+    def describe_run(self, run: str) -> pb.DescribeRunResponse:
+        try:
+            return summary.describe_run(self.reader, run)
+        except UnknownRun as exc:
+            raise InputError(str(exc)) from None
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class AddressSource:
+    """Runs asked of a running auditor; every call has a deadline (`timeout`)."""
+
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 tls: TLSConfig | None = None, token: str | None = None) -> None:
+        self.label, self.timeout = address, timeout
+        try:
+            self.channel = open_channel(address, tls=tls, token=token)
+        except TLSError as exc:
+            raise InputError(str(exc)) from None
+        self.stub = numaudit_pb2_grpc.AuditorStub(self.channel)
+
+    def call(self, method: Any, request: Any) -> Any:
+        """Calls a unary RPC; any failure becomes an InputError naming the address."""
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), (exc.details() or "").replace("\n", " ")
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise InputError(details) from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise InputError(f"cannot reach the auditor at {self.label} "
+                                 f"({code.name}: {details})") from None
+            raise InputError(f"auditor at {self.label}: {code.name}: {details}") from None
+
+    def list_runs(self) -> pb.ListRunsResponse:
+        return self.call(self.stub.ListRuns, pb.ListRunsRequest())
+
+    def describe_run(self, run: str) -> pb.DescribeRunResponse:
+        return self.call(self.stub.DescribeRun, pb.DescribeRunRequest(run=run))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def store_or_address(db: Path | None, address: str | None,
+                     timeout: float = DEFAULT_TIMEOUT_S, *, tls: TLSConfig | None = None,
+                     token: str | None = None) -> StoreSource | AddressSource:
+    """The run source the user named: --db, else --address, else $NUMAUDIT_DB, $NUMAUDIT_ADDR.
+
+    An address is dialed with `tls` (default: $NUMAUDIT_TLS_CA/CERT/KEY, plaintext when unset)
+    and `token` (default: $NUMAUDIT_TOKEN).
+    """
+    if db is not None and address is not None:
+        raise InputError("give either --db or --address, not both")
+    if db is None and address is None:
+        if os.environ.get(ENV_DB):
+            db = Path(os.environ[ENV_DB])
+        elif os.environ.get(ENV_ADDR):
+            address = os.environ[ENV_ADDR]
+        else:
+            raise InputError("give --db PATH or --address HOST:PORT")
+    if db is not None:
+        return StoreSource(db)
+    try:
+        tls = tls if tls is not None else tls_from_env()
+    except TLSError as exc:
+        raise InputError(str(exc)) from None
+    return AddressSource(address, timeout, tls=tls, token=token or token_from_env())
+
+
+def source_options(fn: Any) -> Any:
+    """--db / --address / --timeout, shared by every command that reads runs."""
+    fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=DEFAULT_TIMEOUT_S,
+                      show_default=True, help="Deadline of each call to --address, seconds.")(fn)
+    fn = click.option("--address", metavar="HOST:PORT", help="Ask a running auditor.")(fn)
+    fn = click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
+                      help=f"Read a store file (default ${ENV_DB}).")(fn)
+    return fn
+
+
+def tls_options(fn: Any) -> Any:
+    """--tls-ca / --tls-cert / --tls-key for commands that dial --address; the command passes
+    `client_tls(tls_ca, tls_cert, tls_key)` to `store_or_address`."""
+    fn = click.option("--tls-key", type=click.Path(dir_okay=False), metavar="KEY",
+                      help="PEM key of --tls-cert.")(fn)
+    fn = click.option("--tls-cert", type=click.Path(dir_okay=False), metavar="CERT",
+                      help="PEM client certificate, for a daemon that requires mutual TLS.")(fn)
+    fn = click.option("--tls-ca", type=click.Path(dir_okay=False), metavar="CA",
+                      help="Dial --address over TLS, trusting this PEM CA "
+                           "(default $NUMAUDIT_TLS_CA; none of --tls-* = plaintext).")(fn)
+    return fn
+
+
+def client_tls(ca: str | None, cert: str | None, key: str | None) -> TLSConfig | None:
+    """TLS from --tls-* options, each defaulting to its $NUMAUDIT_TLS_*; None = plaintext."""
+    env = tls_from_env_files()
+    try:
+        return TLSConfig.from_files(ca or env[0], cert or env[1], key or env[2])
+    except TLSError as exc:
+        raise InputError(str(exc)) from None
+
+
+format_option = click.option("--format", "fmt", type=click.Choice(["text", "json"]),
+                             default="text", show_default=True)
+
+
+# -- serve ---------------------------------------------------------------------------------------
+
+@main.command()
+@click.option("--listen", default=limits.DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
+              help="Address to bind; port 0 picks a free port. Plaintext: keep it on loopback.")
+@click.option("--db", type=click.Path(dir_okay=False, path_type=Path), envvar=ENV_DB,
+              default="numaudit.db", show_default=True, help="Store file (created if missing).")
+@click.option("--sync", type=click.Choice(["full", "normal"], case_sensitive=False), default="full",
+              show_default=True, help="SQLite synchronous level: full survives an OS crash too.")
+@click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the bound port here once listening (for --listen HOST:0).")
+@click.option("--grace", type=click.FloatRange(min=0), default=limits.SHUTDOWN_GRACE_S,
+              show_default=True, help="Seconds in-flight calls get on SIGTERM/SIGINT.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
+              show_default=True)
+@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False, path_type=Path),
+              metavar="FILE", help="Token file (TOML, docs/security.md): every call needs a "
+                                   "token scoped to its runs. Without it the daemon is open.")
+@click.option("--tls-cert", metavar="CERT", help="Serve TLS with this PEM certificate chain.")
+@click.option("--tls-key", metavar="KEY", help="PEM private key of --tls-cert.")
+@click.option("--tls-client-ca", metavar="CA",
+              help="Require client certificates signed by this PEM CA (mutual TLS).")
+def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
+          log_level: str, tokens_file: Path | None, tls_cert: str | None, tls_key: str | None,
+          tls_client_ca: str | None) -> None:
+    """Run the auditor daemon until SIGTERM or SIGINT."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not db.parent.is_dir():
+        raise InputError(f"db: directory {db.parent} does not exist")
+    if bool(tls_cert) != bool(tls_key):
+        raise InputError("tls-cert/tls-key: give both to serve TLS")
+    if tls_client_ca and not tls_cert:
+        raise InputError("tls-client-ca: mutual TLS needs --tls-cert and --tls-key too")
+    tls = ServerTLS(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    tokens = None
+    if tokens_file is not None:
+        try:
+            tokens = Tokens.load(tokens_file)
+        except TokenFileError as exc:
+            raise InputError(str(exc)) from None
+        if holds_plaintext(tokens_file) and readable_by_others(tokens_file):
+            log.warning("tokens: %s holds plaintext tokens and is readable by other users "
+                        "(chmod 600 it, or give sha256 digests instead)", tokens_file)
+    try:
+        asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls))
+    except TLSError as exc:
+        raise InputError(str(exc)) from None
+    except (RuntimeError, OSError, sqlite3.Error) as exc:
+        raise InputError(f"cannot serve on {listen} with db={db}: {exc}") from None
+
+
+async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
+                 tokens: Tokens | None, tls: ServerTLS | None) -> None:
+    from auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve_daemon(listen, db, synchronous=sync, grace=grace, tokens=tokens,
+                            tls=tls) as address:
+        if port_file is not None:
+            tmp = port_file.with_name(port_file.name + ".tmp")
+            tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")
+            tmp.replace(port_file)  # readers never see a half-written file
+        click.echo(f"numaudit auditor listening on {address} db={db}", err=True)
+        await stop.wait()
+        log.info("signal received, shutting down")
+
+
+# -- runs and show -------------------------------------------------------------------------------
+
+@main.command()
+@source_options
+@tls_options
+@format_option
+def runs(db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+         tls_cert: str | None, tls_key: str | None, fmt: str) -> None:
+    """List the runs in the store (with a token: the runs it may read)."""
+    source = store_or_address(db, address, timeout, tls=client_tls(tls_ca, tls_cert, tls_key))
+    try:
+        resp = source.list_runs()
+    finally:
+        source.close()
+    if fmt == "json":
+        click.echo(json.dumps([_summary_dict(r) for r in resp.runs], indent=2))
+        return
+    if not resp.runs:
+        click.echo(f"no runs in {source.label}")
+        return
+    rows = [(r.run, r.world_size, r.ranks_registered, r.ranks_closed, r.records,
+             _when(r.created_unix)) for r in resp.runs]
+    _print_table(("run", "world size", "ranks", "closed", "records", "created"), rows)
+
+
+@main.command()
+@click.argument("run")
+@source_options
+@tls_options
+@format_option
+def show(run: str, db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+         tls_cert: str | None, tls_key: str | None, fmt: str) -> None:
+    """Show what the store holds for RUN: ranks, mesh, steps, sites per phase, None grads, drops."""
+    source = store_or_address(db, address, timeout, tls=client_tls(tls_ca, tls_cert, tls_key))
+    try:
+        resp = source.describe_run(run)
+    finally:
+        source.close()
+    info = describe_dict(resp)
+    if fmt == "json":
+        click.echo(json.dumps(info, indent=2))
+        return
+    _print_describe(info)
+
+
+def _phase_name(phase: int) -> str:
+    return pb.Phase.Name(phase).removeprefix("PHASE_").lower() if phase in pb.Phase.values() \
+        else str(phase)
+
+
+def _summary_dict(s: pb.RunSummary) -> dict:
+    return dict(run=s.run, world_size=s.world_size, ranks_registered=s.ranks_registered,
+                ranks_closed=s.ranks_closed, records=s.records, created_unix=s.created_unix)
+
+
+def describe_dict(resp: pb.DescribeRunResponse) -> dict:
+    """The JSON form of `auditor show` (sent/dropped are null while a rank is still open)."""
+    ranks = [dict(rank=r.rank, session_id=r.session_id, mesh_coordinate=list(r.mesh_coordinate),
+                  stages=list(r.stages), host=r.host, stored=r.records_stored,
+                  sent=r.records_sent if r.closed else None,
+                  dropped=r.records_dropped if r.closed else None, closed=r.closed,
+                  dropped_by_reason=dict(sorted(r.dropped_by_reason.items())))
+             for r in resp.ranks]
+    return dict(
+        **_summary_dict(resp.summary),
+        mesh=dict(shape=list(resp.mesh_shape), dim_names=list(resp.mesh_dim_names)),
+        torch_version=resp.torch_version, dtype=resp.dtype, seed=resp.seed,
+        labels=dict(sorted(resp.labels.items())),
+        ranks=ranks,
+        steps=list(resp.steps),
+        microbatches=resp.microbatches,
+        phases=[dict(phase=_phase_name(p.phase), sites=p.sites, records=p.records,
+                     none_records=p.none_records) for p in resp.phases],
+        grad_none=dict(records=sum(p.none_records for p in resp.phases),
+                       sites=list(resp.none_grad_sites)),
+        dropped=sum(r["dropped"] or 0 for r in ranks),
+        conflicts=resp.conflicts,
+    )
+
+
+def _when(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+
+
+def _print_describe(d: dict) -> None:
+    mesh = d["mesh"]
+    if mesh["shape"]:
+        names = mesh["dim_names"] or [f"dim{i}" for i in range(len(mesh["shape"]))]
+        mesh_text = " x ".join(f"{n}={s}" for n, s in zip(names, mesh["shape"]))
+    else:
+        mesh_text = "none"
+    lines = [
+        f"run {d['run']}: world size {d['world_size']}, {d['ranks_registered']} ranks registered, "
+        f"{d['ranks_closed']} closed, {d['records']} records (created {_when(d['created_unix'])})",
+        f"mesh: {mesh_text}",
+        f"torch {d['torch_version'] or '?'}, dtype {d['dtype'] or '?'}, seed {d['seed']}"
+        + ("".join(f", {k}={v}" for k, v in d["labels"].items())),
+        f"steps: {format_ranges(d['steps'], 'none')} ({len(d['steps'])}); microbatches: {d['microbatches']}",
+    ]
+    click.echo("\n".join(lines) + "\n")
+    _print_table(
+        ("rank", "mesh coordinate", "stages", "host", "stored", "sent", "dropped"),
+        [(r["rank"], ",".join(map(str, r["mesh_coordinate"])) or "-",
+          ",".join(map(str, r["stages"])) or "-", r["host"] or "-", r["stored"],
+          "open" if r["sent"] is None else r["sent"], "open" if r["dropped"] is None else r["dropped"])
+         for r in d["ranks"]],
+    )
+    click.echo("")
+    _print_table(("phase", "sites", "records", "grad is None"),
+                 [(p["phase"], p["sites"], p["records"], p["none_records"]) for p in d["phases"]])
+    gn = d["grad_none"]
+    tail = [
+        f"\ngrad is None: {gn['records']} records at {len(gn['sites'])} sites"
+        + (": " + ", ".join(gn["sites"]) if gn["sites"] else ""),
+        f"drops reported by agents: {d['dropped']}"
+        + "".join(f"\n  rank {r['rank']}: " + ", ".join(f"{k}={v}" for k, v in
+                                                       r["dropped_by_reason"].items())
+                  for r in d["ranks"] if r["dropped_by_reason"]),
+        f"conflicts: {d['conflicts']}",
+    ]
+    click.echo("\n".join(tail))
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A rich table on a terminal; aligned plain text otherwise (pipes, files, tests)."""
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*headers)
+        for row in rows:
+            table.add_row(*(str(c) for c in row))
+        Console().print(table)
+        return
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for r in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -1,0 +1,378 @@
+"""A run's records as numpy columns: the comparison engine's view of the store.
+
+Comparing a million keys must not build a Python object per record field, so the engine reads a
+narrow projection of ``records`` (key packed into two integers, the layout as one interned
+string, the counts, the fingerprint and the record id) and keeps it as arrays. Moments and
+sketches are read later, and only for the keys whose fingerprints differ.
+
+This module reads the store's tables directly (auditor/store.py's schema) through a
+`store.Reader`'s connection; it writes nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from auditor.compare.align import RenameRule, canonical_sites, normalize_site
+from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+from auditor.compare.merge import Piece
+from auditor.store import Reader
+
+# Packed key: A = step << 24 | (microbatch + 1) << 4 | phase,
+#             B = site << 32 | role << 28 | index << 14 | call.
+# Both preserve the key's sort order, so (A, B) sorts like the key.
+MAX_STEP = (1 << 39) - 1
+MAX_MICROBATCH = (1 << 20) - 2
+MAX_SITE_ID = (1 << 31) - 1
+MAX_INDEX = MAX_CALL = (1 << 14) - 1
+
+_SELECT = (
+    "SELECT"
+    " (step << 24) | ((microbatch + 1) << 4) | phase,"
+    " (site_id << 32) | (role << 28) | (idx << 14) | call,"
+    " (rank << 40) | ((stage + 1) << 8)"
+    "  | (is_none << 7) | (replica << 6) | (partial << 5) | (complex_as_real << 4)"
+    "  | (has_moments << 3) | ((fingerprint_seed = :fs AND sketch_seed = :ss) << 2)"
+    "  | ((nan + posinf + neginf > 0) << 1) | (zeros = numel AND numel > 0)"
+    f"  | ((step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
+    f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646) << 39),"
+    " dtype || logical_shape || offsets || shape,"
+    " fingerprint, record_id"
+    " FROM records"
+)
+_KEY_ORDER = " ORDER BY step, microbatch, phase, site_id, role, idx, call, rank"
+
+DIGEST_COLUMNS = ("nan", "posinf", "neginf", "zeros", "numel", "sum", "sum_sq", "min", "max",
+                  "abs_max")
+ID_CHUNK = 50_000
+"""Record ids per json_each() lookup."""
+
+
+class KeyRangeError(ValueError):
+    """A key field beyond what the packed comparison key holds."""
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Millions of fresh tuples make the cyclic GC rescan the heap over and over: pause it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+_FIELDS = ("A", "B", "rank", "stage", "flags", "layout", "fp", "rid")
+NONFINITE_FLAG = 2
+"""flags bit: the piece holds NaN or Inf."""
+ALL_ZERO_FLAG = 1
+"""flags bit: every element of the piece is zero (and it has elements)."""
+
+
+@dataclass
+class RunColumns:
+    """One run's records, sorted by (key, rank)."""
+
+    name: str
+    side: str
+    """"ref" or "cand"."""
+    A: np.ndarray
+    B: np.ndarray
+    rank: np.ndarray
+    stage: np.ndarray
+    flags: np.ndarray
+    """NONFINITE_FLAG | ALL_ZERO_FLAG bits per piece."""
+    layout: np.ndarray
+    """Index into `Catalog.pieces`."""
+    fp: np.ndarray
+    """uint64 fingerprints."""
+    rid: np.ndarray
+    max_rid: int = 0
+    """Largest record id read (for incremental reads)."""
+
+    def __len__(self) -> int:
+        return len(self.A)
+
+    @classmethod
+    def empty(cls, name: str, side: str) -> RunColumns:
+        i8 = np.zeros(0, np.int64)
+        return cls(name, side, i8, i8, i8.astype(np.int32), i8.astype(np.int32),
+                   i8.astype(np.uint8), i8.astype(np.int32), i8.astype(np.uint64), i8)
+
+    def concat(self, other: RunColumns) -> RunColumns:
+        """Rows of both, re-sorted by (key, rank)."""
+        merged = {f: np.concatenate([getattr(self, f), getattr(other, f)]) for f in _FIELDS}
+        out = RunColumns(self.name, self.side, **merged,
+                         max_rid=max(self.max_rid, other.max_rid))
+        out.sort()
+        return out
+
+    def sort(self) -> None:
+        order = np.lexsort((self.rank, self.B, self.A))
+        if np.any(order[1:] < order[:-1]):
+            for f in _FIELDS:
+                setattr(self, f, getattr(self, f)[order])
+
+    def take(self, mask: np.ndarray) -> RunColumns:
+        return RunColumns(self.name, self.side, **{f: getattr(self, f)[mask] for f in _FIELDS},
+                          max_rid=self.max_rid)
+
+
+def unpack_a(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """step, microbatch, phase."""
+    return A >> 24, ((A >> 4) & 0xFFFFF) - 1, A & 0xF
+
+
+def unpack_b(B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """site id, role, index, call."""
+    return B >> 32, (B >> 28) & 0xF, (B >> 14) & 0x3FFF, B & 0x3FFF
+
+
+class Catalog:
+    """What the two runs' columns share: interned layouts, dtypes, shapes and site names.
+
+    Site ids are the store's; names that a rename rule turns into names the store does not know
+    get new ids above the store's largest.
+    """
+
+    def __init__(self, reader: Reader, renames: Sequence[RenameRule] = ()) -> None:
+        self.reader = reader
+        self.renames = list(renames)
+        self.pieces: list[Piece] = []
+        self.seeds_ok: list[bool] = []
+        self._seeds: tuple[int, int] | None = None
+        self.has_moments: list[bool] = []
+        self._layout_ids: dict[str, int] = {}
+        self.dtypes: list[str] = []
+        self._dtype_ids: dict[str, int] = {}
+        self.shapes: list[tuple] = []
+        self._shape_ids: dict[tuple, int] = {}
+        self.site_names: dict[int, str] = {}
+        """Aligned (canonical) site id → name."""
+        self._name_ids: dict[str, int] = {}
+        self._store_names: dict[int, str] = {}
+        self._luts: dict[str, np.ndarray] = {}
+        self.warnings: list[str] = []
+        self._warned: set[str] = set()
+        self._refresh_sites()
+
+    # -- sites ----------------------------------------------------------------------------------
+
+    def _refresh_sites(self) -> None:
+        rows = self.reader.conn.execute("SELECT site_id, name FROM sites").fetchall()
+        new = {sid: name for sid, name in rows if sid not in self._store_names}
+        if not new and self._luts:
+            return
+        self._store_names.update(new)
+        for sid, name in self._store_names.items():
+            self._name_ids.setdefault(name, sid)
+        top = max(self._store_names, default=0)
+        if not self.renames and all(normalize_site(n) is n for n in new.values()) and \
+                all(normalize_site(n) is n for n in self.site_names.values()):
+            # nothing to rename (the agent normalized already): ids are the store's
+            self.site_names.update(new)
+            identity = np.arange(top + 1, dtype=np.int64)
+            self._luts = {"ref": identity, "cand": identity}
+            return
+        for side in ("ref", "cand"):
+            canon, warnings = canonical_sites(self._store_names, self.renames, side)
+            for w in warnings:
+                if w not in self._warned:
+                    self._warned.add(w)
+                    self.warnings.append(w)
+            lut = np.arange(top + 1, dtype=np.int64)
+            for sid, name in canon.items():
+                cid = self._name_ids.get(name)
+                if cid is None:
+                    cid = self._name_ids[name] = max(max(self._name_ids.values(), default=0),
+                                                     top) + 1
+                lut[sid] = cid
+                self.site_names[cid] = name
+            self._luts[side] = lut
+
+    def site_lut(self, side: str, max_site: int) -> np.ndarray:
+        lut = self._luts[side]
+        if max_site >= len(lut):
+            self._refresh_sites()
+            lut = self._luts[side]
+        return lut
+
+    def site_id(self, name: str) -> int | None:
+        return self._name_ids.get(name)
+
+    # -- layouts --------------------------------------------------------------------------------
+
+    def layout_code(self, text: str, bits: int) -> int:
+        """Code of a piece layout: the layout text and the flag bits of the query."""
+        k = (text, bits)
+        code = self._layout_ids.get(k)
+        if code is None:
+            code = self._layout_ids[k] = len(self.pieces)
+            dtype, logical, offsets, shape = _split_layout(text)
+            self.pieces.append(Piece(
+                dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape,
+                replica=bool(bits & 16), partial=bool(bits & 8), complex_as_real=bool(bits & 4),
+                is_none=bool(bits & 32)))
+            self.seeds_ok.append(bool(bits & 1))
+            self.has_moments.append(bool(bits & 2))
+        return code
+
+    def dtype_code(self, dtype: str) -> int:
+        code = self._dtype_ids.get(dtype)
+        if code is None:
+            code = self._dtype_ids[dtype] = len(self.dtypes)
+            self.dtypes.append(dtype)
+        return code
+
+    def shape_code(self, shape: tuple, complex_as_real: bool) -> int:
+        k = (tuple(shape), complex_as_real)
+        code = self._shape_ids.get(k)
+        if code is None:
+            code = self._shape_ids[k] = len(self.shapes)
+            self.shapes.append(k)
+        return code
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def load(self, run: str, side: str, *, after_rid: int = 0) -> RunColumns:
+        """The run's records (those with record id > after_rid), as sorted columns."""
+        run_id = self.reader.run_id(run)
+        fs, ss = self.seeds(run_id)
+        params = {"run": run_id, "fs": fs, "ss": ss, "after": after_rid}
+        if after_rid:
+            sql = _SELECT + " WHERE record_id > :after AND run_id = :run"
+        else:
+            sql = _SELECT + " WHERE run_id = :run" + _KEY_ORDER
+        with no_gc():
+            rows = self.reader.conn.execute(sql, params).fetchall()
+            cols = _columns(self, rows, run, side)
+        if after_rid:
+            cols.sort()
+        cols.max_rid = int(cols.rid.max(initial=after_rid))
+        return cols
+
+    def seeds(self, run_id: int) -> tuple[int, int]:
+        """The (fingerprint, sketch) seeds fingerprints must share to be compared: those of the
+        first run read that has a record (the reference), else the agent's defaults. Pieces
+        digested with other seeds get no exact comparison (their keys say so)."""
+        if self._seeds is None:
+            row = self.reader.conn.execute(
+                "SELECT fingerprint_seed, sketch_seed FROM records WHERE run_id = ? AND"
+                " is_none = 0 LIMIT 1", (run_id,)).fetchone()
+            if row is None:
+                return (fingerprint_to_int64(FINGERPRINT_SEED), fingerprint_to_int64(SKETCH_SEED))
+            self._seeds = (int(row[0]), int(row[1]))
+        return self._seeds
+
+    def fetch_digests(self, rids: np.ndarray) -> dict[str, np.ndarray]:
+        """Moments, counts and sketches of the given records, in the order given.
+
+        Returns float64 arrays keyed by DIGEST_COLUMNS (integer pieces, which have no moments,
+        hold the merge identity: sums 0, min +inf, max -inf), "sketch" as an [n, k] array (k the
+        longest sketch, shorter ones zero-padded) and "sketch_k" (each row's own length).
+        """
+        n = len(rids)
+        if n == 0:
+            out = {c: np.zeros(0) for c in DIGEST_COLUMNS}
+            out["sketch"], out["sketch_k"] = np.zeros((0, 0)), np.zeros(0, np.int64)
+            return out
+        uniq = np.unique(rids)
+        got: list[tuple] = []
+        with no_gc():
+            for start in range(0, len(uniq), ID_CHUNK):
+                got.extend(self.reader.conn.execute(
+                    "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
+                    " COALESCE(sum_sq, 0.0), COALESCE(min, 9e999), COALESCE(max, -9e999),"
+                    " COALESCE(abs_max, 0.0), sketch FROM records"
+                    " WHERE record_id IN (SELECT value FROM json_each(?)) ORDER BY record_id",
+                    (json.dumps(uniq[start:start + ID_CHUNK].tolist()),)).fetchall())
+            cols = list(zip(*got)) if got else [()] * 12
+            got_rid = np.array(cols[0], dtype=np.int64)
+            if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
+                raise sqlite3.DatabaseError("records vanished from the store while comparing")
+            pos = np.searchsorted(got_rid, rids)
+            out = {c: np.array(cols[j], dtype=np.float64)[pos]
+                   for j, c in enumerate(DIGEST_COLUMNS, start=1)}
+            blobs = cols[-1]
+            lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)) // 8
+        k = int(lengths.max(initial=0))
+        if len(lengths) and (lengths == k).all():
+            sketch = np.frombuffer(b"".join(blobs), dtype="<f8").reshape(len(blobs), k)
+        else:
+            sketch = np.zeros((len(blobs), k))
+            for j, b in enumerate(blobs):
+                sketch[j, :len(b) // 8] = np.frombuffer(b, dtype="<f8")
+        out["sketch"] = sketch[pos]
+        out["sketch_k"] = lengths[pos]
+        return out
+
+    def payload_rids(self, rids: np.ndarray) -> set[int]:
+        """Which of these records have a complete payload stored."""
+        found: set[int] = set()
+        uniq = np.unique(rids)
+        for start in range(0, len(uniq), ID_CHUNK):
+            chunk = uniq[start:start + ID_CHUNK]
+            found.update(r for (r,) in self.reader.conn.execute(
+                "SELECT record_id FROM payload_chunks WHERE record_id IN"
+                " (SELECT value FROM json_each(?)) GROUP BY record_id"
+                " HAVING COUNT(*) = MAX(chunk_count)", (json.dumps(chunk.tolist()),)))
+        return found
+
+
+def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple]:
+    """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists)."""
+    i = text.index("[")
+    parts = text[i + 1:-1].split("][")
+    if len(parts) != 3:
+        raise ValueError(f"layout {text!r} is not dtype + three JSON lists")
+    logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts)
+    return text[:i], logical, offsets, shape
+
+
+def _columns(cat: Catalog, rows: list[tuple], run: str, side: str) -> RunColumns:
+    if not rows:
+        return RunColumns.empty(run, side)
+    n = len(rows)
+    A, B, R, lay, fp, rid = zip(*rows)
+    del rows
+    R = np.fromiter(R, dtype=np.int64, count=n)
+    if np.any(R & (1 << 39)):
+        raise KeyRangeError(
+            f"run {run!r}: a key field is beyond the comparable range (step <= {MAX_STEP}, "
+            f"microbatch <= {MAX_MICROBATCH}, index and call <= {MAX_CALL})")
+    texts: dict[str, int] = dict.fromkeys(lay)  # distinct layouts, at C speed
+    text_list = list(texts)
+    for i, t in enumerate(text_list):
+        texts[t] = i
+    tcode = np.fromiter(map(texts.__getitem__, lay), dtype=np.int64, count=n)
+    combo = tcode * 64 + ((R >> 2) & 0x3F)
+    uniq, inv = np.unique(combo, return_inverse=True)
+    codes = np.array([cat.layout_code(text_list[u >> 6], int(u & 0x3F)) for u in uniq.tolist()],
+                     dtype=np.int32)
+    cols = RunColumns(
+        name=run, side=side,
+        A=np.fromiter(A, dtype=np.int64, count=n),
+        B=np.fromiter(B, dtype=np.int64, count=n),
+        rank=(R >> 40).astype(np.int32),
+        stage=(((R >> 8) & 0x7FFFFFFF) - 1).astype(np.int32),
+        flags=(R & 3).astype(np.uint8),
+        layout=codes[inv.reshape(-1)],
+        fp=np.fromiter(fp, dtype=np.int64, count=n).view(np.uint64),
+        rid=np.fromiter(rid, dtype=np.int64, count=n),
+    )
+    site = cols.B >> 32
+    lut = cat.site_lut(side, int(site.max()))
+    canon = lut[site]
+    if np.any(canon != site):
+        cols.B = (canon << 32) | (cols.B & 0xFFFFFFFF)
+        cols.sort()
+    return cols

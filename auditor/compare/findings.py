@@ -1,0 +1,298 @@
+"""Verdicts, findings, first divergence and backward-graph breaks (docs/comparison.md).
+
+A *finding* is the auditor's verdict on one aligned key. Verdicts:
+
+- ``identical``: bitwise equal (fingerprints), or None in both runs;
+- ``close`` / ``diverged``: the policy's metric within / beyond its threshold;
+- ``missing_in_ref`` / ``missing_in_cand``: the key exists in one run only;
+- ``grad_none``: None in one run, a tensor in the other (a backward-graph break);
+- ``nonfinite``: NaN/Inf in one run and not the other, or in both where the policy forbids it;
+- ``incomplete``: a run's pieces do not tile the logical tensor;
+- ``replica_divergence``: copies that must be identical differ within one run.
+
+A finding *breaches* the policy unless it is identical, close, or an expected absence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from auditor.compare.align import Key
+from auditor.compare.ranges import format_ranges
+
+IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, \
+    INCOMPLETE, REPLICA_DIVERGENCE, IGNORED = range(10)
+VERDICT_NAMES = ("identical", "close", "diverged", "missing_in_ref", "missing_in_cand",
+                 "grad_none", "nonfinite", "incomplete", "replica_divergence", "ignored")
+VERDICTS = VERDICT_NAMES[:IGNORED]
+"""Verdicts a finding can have (ignored keys produce no finding, only a count)."""
+PASSING = frozenset({IDENTICAL, CLOSE, IGNORED})
+
+
+def judge(value: np.ndarray, sigma: np.ndarray, threshold: np.ndarray, sigmas: float,
+          on_uncertain: str, certain_breach: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(breach, uncertain) for estimates ``value +- sigma`` against ``threshold``.
+
+    The point estimate decides; a finding is *uncertain* when the threshold lies within
+    ``sigmas`` standard deviations of the estimate, i.e. when noise could have decided it. Since
+    the sketch's sigma is proportional to the difference itself, a difference far below the
+    threshold is never uncertain (it is ``close``) and one far above never is either
+    (``diverged``). ``on_uncertain`` then says what an uncertain finding is: ``estimate`` (the
+    point estimate), ``breach`` (conservative) or ``pass``. ``certain_breach`` marks keys whose
+    deterministic lower bound already exceeds the threshold.
+    """
+    value = np.asarray(value, np.float64)
+    sigma = np.nan_to_num(np.asarray(sigma, np.float64), nan=0.0)
+    threshold = np.asarray(threshold, np.float64)
+    with np.errstate(invalid="ignore"):
+        over = value > threshold
+        uncertain = (sigma > 0) & (np.abs(value - threshold) <= sigmas * sigma)
+    uncertain &= np.isfinite(value)
+    if certain_breach is not None:
+        over |= certain_breach
+        uncertain &= ~certain_breach
+    if on_uncertain == "breach":
+        breach = over | uncertain
+    elif on_uncertain == "pass":
+        breach = over & ~uncertain
+    else:
+        breach = over
+    # NaN values (not computable) never pass silently
+    breach |= np.isnan(value)
+    return breach, uncertain
+
+
+@dataclass
+class Cause:
+    """Whether a diverged key introduced the divergence or inherited it."""
+
+    kind: str
+    """"introduced", "inherited" or "unknown"."""
+    reason: str
+    previous: Key | None = None
+    """The capture the judgement rests on (its input, or the previous site in order)."""
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "reason": self.reason,
+                "previous": None if self.previous is None else self.previous.as_dict()}
+
+
+@dataclass
+class Finding:
+    """The verdict on one aligned key, with everything needed to act on it."""
+
+    key: Key
+    verdict: str
+    breach: bool
+    stage: int | None
+    """The candidate's pipeline stage (-1 when not pipelined, None when the key is missing)."""
+    ref_stage: int | None
+    ranks: dict[str, list[int]]
+    """Ranks that sent pieces, per side ("ref", "cand")."""
+    dtype: dict[str, str | None]
+    shape: list[int] | None
+    numel: int | None
+    metric: str | None = None
+    value: float | None = None
+    sigma: float | None = None
+    threshold: float | None = None
+    uncertain: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    rule: str = "default"
+    expected: bool = False
+    """An absence the policy expects (expect_missing): not a breach."""
+    detail: str = ""
+    notes: list[str] = field(default_factory=list)
+    cause: Cause | None = None
+    order: int = 0
+    """Position in execution order (0 = earliest)."""
+
+    def as_dict(self) -> dict:
+        return {
+            "key": self.key.as_dict(),
+            "verdict": self.verdict,
+            "breach": self.breach,
+            "stage": self.stage,
+            "ref_stage": self.ref_stage,
+            "ranks": self.ranks,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "numel": self.numel,
+            "metric": self.metric,
+            "value": _jf(self.value),
+            "sigma": _jf(self.sigma),
+            "threshold": _jf(self.threshold),
+            "uncertain": self.uncertain,
+            "metrics": self.metrics,
+            "rule": self.rule,
+            "expected": self.expected,
+            "detail": self.detail,
+            "notes": self.notes,
+            "cause": None if self.cause is None else self.cause.as_dict(),
+            "order": self.order,
+        }
+
+    def headline(self) -> str:
+        """One line: verdict, key, metric against threshold."""
+        return headline(self.as_dict())
+
+
+def key_text(k: dict) -> str:
+    """A key dict (JSON form) as `Key.__str__` writes it."""
+    return str(Key(**k))
+
+
+def headline(f: dict) -> str:
+    """One line for a finding in its JSON form: verdict, key, stage, metric vs threshold."""
+    text = f"{f['verdict']}: {key_text(f['key'])}"
+    if f.get("stage") is not None and f["stage"] >= 0:
+        text += f" (stage {f['stage']})"
+    measure = measure_text(f)
+    if measure:
+        text += f" — {measure}"
+    if f.get("detail"):
+        text += f" — {f['detail']}"
+    return text
+
+
+def _jf(v: float | None) -> float | str | None:
+    if v is None:
+        return None
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return float(v)
+
+
+def measure_text(f: dict, *, compact: bool = False) -> str:
+    """The metric's value (± its sigma) against the threshold: "rel_l2 0.886 ± 0.0391 vs 0".
+
+    `compact` is the text report's column form; "" when the finding has no measured value.
+    """
+    value = f.get("value")
+    if not f.get("metric") or value is None:
+        return ""
+    text = f"{f['metric']} {format_float(value)}"
+    if f.get("sigma"):
+        text += (" ±" if compact else " ± ") + format_float(f["sigma"])
+    if f.get("threshold") is not None:
+        text += f" vs {format_float(f['threshold'])}"
+    if f.get("uncertain"):
+        text += " (within noise)" if compact else " (within noise of the threshold)"
+    return text
+
+
+def format_float(v: float | str | None) -> str:
+    """3 significant digits; "0", "inf", "nan" as such; "-" for None; strings unchanged."""
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if v == 0:
+        return "0"
+    if math.isinf(v) or math.isnan(v):
+        return str(v)
+    return f"{v:.3g}"
+
+
+# -- backward-graph breaks --------------------------------------------------------------------------
+
+@dataclass
+class GraphBreak:
+    """Parameters without gradient in one run, grouped (stage, module, or the whole run)."""
+
+    side: str
+    """The run where gradients are None (or all zero): "ref" or "cand"."""
+    kind: str
+    """"none" (gradient is None) or "zero" (gradient is all zeros)."""
+    scope: str
+    """"run", "stage" or "module"."""
+    stage: int | None
+    module: str
+    params: int
+    """Distinct parameters concerned."""
+    total_params: int
+    """Parameters of that scope compared."""
+    steps: list[int]
+    sites: list[str]
+    message: str
+    boundary: str = ""
+
+    def as_dict(self) -> dict:
+        return {"side": self.side, "kind": self.kind, "scope": self.scope, "stage": self.stage,
+                "module": self.module, "params": self.params, "total_params": self.total_params,
+                "steps": self.steps, "sites": self.sites, "message": self.message,
+                "boundary": self.boundary}
+
+
+def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
+                       totals_by_stage: dict[tuple[str, int | None], set[str]],
+                       totals_run: dict[str, set[str]],
+                       run_names: dict[str, str]) -> list[GraphBreak]:
+    """Group per-key breaks into one line per run, stage or module.
+
+    ``entries``: (side, kind, stage, site, step) of every gradient that is None (kind "none")
+    or all zeros (kind "zero") in one run only; ``totals_*``: every parameter site compared,
+    per (side, stage) and per side, so "all parameters of stage 1" can be recognised.
+    """
+    from auditor.compare.align import common_prefix, site_module
+
+    out: list[GraphBreak] = []
+    by_side_kind: dict[tuple[str, str], list] = {}
+    for side, kind, stage, site, step in entries:
+        by_side_kind.setdefault((side, kind), []).append((stage, site, step))
+    what = {"none": "gradients are None", "zero": "gradients are all zero"}
+    for (side, kind), items in sorted(by_side_kind.items()):
+        run = run_names.get(side, side)
+        other = run_names.get("ref" if side == "cand" else "cand", "")
+        sites_all = {s for _, s, _ in items}
+        steps_all = sorted({st for _, _, st in items})
+        tail = f" in {run} (present in {other})" if kind == "none" else \
+            f" in {run} but not in {other}"
+        if sites_all and sites_all >= totals_run.get(side, set()):
+            out.append(GraphBreak(side, kind, "run", None, "", len(sites_all), len(sites_all),
+                                  steps_all, sorted(sites_all)[:20],
+                                  f"all {len(sites_all)} parameter {what[kind]}{tail}, "
+                                  f"steps {format_ranges(steps_all)}"))
+            continue
+        by_stage: dict[int | None, list] = {}
+        for stage, site, step in items:
+            by_stage.setdefault(stage, []).append((site, step))
+        for stage in sorted(by_stage, key=lambda s: (s is None, s)):
+            rows = by_stage[stage]
+            sites = {s for s, _ in rows}
+            steps = sorted({st for _, st in rows})
+            total = totals_by_stage.get((side, stage), set())
+            label = f"stage {stage}" if stage is not None and stage >= 0 else "the model"
+            if total and sites >= total and stage is not None and stage >= 0:
+                out.append(GraphBreak(side, kind, "stage", stage, "", len(sites), len(total),
+                                      steps, sorted(sites)[:20],
+                                      f"{label}: all {len(sites)} parameter {what[kind]}{tail}, "
+                                      f"steps {format_ranges(steps)}"))
+                continue
+            by_module: dict[str, set[str]] = {}
+            for s in sites:
+                by_module.setdefault(site_module(s), set()).add(s)
+            # collapse modules under their common prefix when there are many
+            if len(by_module) > 8:
+                prefix = common_prefix(by_module) or "(several modules)"
+                out.append(GraphBreak(side, kind, "module", stage, prefix, len(sites),
+                                      len(total) or len(sites), steps, sorted(sites)[:20],
+                                      f"{label}: {len(sites)} of {len(total) or len(sites)} "
+                                      f"parameter {what[kind]}{tail} in {len(by_module)} modules "
+                                      f"under {prefix}, steps {format_ranges(steps)}"))
+                continue
+            for module, msites in sorted(by_module.items()):
+                out.append(GraphBreak(side, kind, "module", stage, module, len(msites),
+                                      len(msites), steps, sorted(msites),
+                                      f"{label}: {module or '(root)'}: {len(msites)} parameter "
+                                      f"{what[kind]}{tail} ({', '.join(sorted(s.rsplit('.', 1)[-1] for s in msites))}), "
+                                      f"steps {format_ranges(steps)}"))
+    return out
+

@@ -1,0 +1,187 @@
+"""The live comparison behind `auditor watch`: report keys as they become final."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from auditor.compare import findings as F
+from auditor.compare import merge as M
+from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.policy import Policy
+from auditor.compare.slow import ranges_index
+from auditor.compare.verdicts import evaluate
+from auditor.store import Reader
+
+
+@dataclass
+class LiveEvent:
+    """What `LiveComparison.poll` reports: a finding (maybe the first divergence) or a status."""
+
+    finding: F.Finding | None = None
+    first_divergence: bool = False
+    status: str = ""
+
+
+class LiveComparison:
+    """Compare two runs while they are still being written (``auditor watch``).
+
+    Each `poll` reads the records stored since the last one and reports every key that became
+    *final*: its pieces tile the logical tensor in both runs and no further piece can change
+    it. A key whose pieces are all disjoint shards is final as soon as they tile it; a key with
+    replicas or Partial addends (more copies may still arrive) once every rank of both runs has
+    moved past its step (sent a record of a later step, or closed its session). When both runs
+    have finished (every rank registered and closed) everything left is reported, missing keys
+    included. The first divergence is announced once: when every key up to its step has been
+    reported in both runs, so that no earlier divergence can still appear.
+    """
+
+    def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None) -> None:
+        self.reader = reader
+        self.names = {"ref": ref, "cand": cand}
+        self.policy = policy or Policy()
+        reader.run_id(ref)
+        reader.run_id(cand)
+        self.catalog = Catalog(reader, self.policy.renames)
+        self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
+        self.done = {side: np.zeros(0, bool) for side in self.names}
+        self.reported: set[tuple[int, int]] = set()
+        self.breach_steps: set[int] = set()
+        self.announced = False
+        self.finished = False
+        self.emitted = 0
+        self._late_warned = False
+        self._last_past = -math.inf
+
+    def _progress(self, side: str) -> tuple[float, bool]:
+        """(the step every rank of the run is past, whether the run is finished)."""
+        run_id = self.reader.run_id(self.names[side])
+        world = self.reader.conn.execute("SELECT world_size FROM runs WHERE run_id = ?",
+                                         (run_id,)).fetchone()[0]
+        sessions = self.reader.conn.execute(
+            "SELECT rank, closed IS NOT NULL FROM sessions WHERE run_id = ?", (run_id,)).fetchall()
+        closed = {r for r, c in sessions if c}
+        ranks = {r for r, _ in sessions}
+        finished = len(ranks) >= world and closed >= ranks
+        if len(ranks) < world:
+            return -1.0, False
+        cols = self.cols[side]
+        latest = np.full(max(ranks, default=0) + 1, -1, np.int64)
+        if len(cols):
+            np.maximum.at(latest, cols.rank, cols.A >> 24)
+        past = min((float(latest[r]) for r in ranks - closed), default=math.inf)
+        return past, finished
+
+    def poll(self) -> list[LiveEvent]:
+        """Read what arrived and report the keys that became final."""
+        events: list[LiveEvent] = []
+        new_rows = 0
+        for side in ("ref", "cand"):
+            old = self.cols[side]
+            fresh = self.catalog.load(self.names[side], side, after_rid=old.max_rid)
+            if not len(fresh):
+                continue
+            new_rows += len(fresh)
+            late = np.array([(int(a), int(b)) in self.reported for a, b in zip(fresh.A, fresh.B)],
+                            bool) if self.reported else np.zeros(len(fresh), bool)
+            if late.any() and not self._late_warned:
+                self._late_warned = True
+                events.append(LiveEvent(status=f"{self.names[side]}: {int(late.sum())} pieces "
+                                               "arrived for keys already reported; ignored"))
+            fresh.max_rid = max(fresh.max_rid, old.max_rid)
+            merged = old.concat(fresh)
+            done = np.concatenate([self.done[side], late])
+            # keep `done` aligned with the re-sorted rows
+            order = np.lexsort((np.concatenate([old.rank, fresh.rank]),
+                                np.concatenate([old.B, fresh.B]),
+                                np.concatenate([old.A, fresh.A])))
+            self.done[side] = done[order]
+            self.cols[side] = merged
+        (past_r, fin_r), (past_c, fin_c) = self._progress("ref"), self._progress("cand")
+        self.finished = fin_r and fin_c
+        past = min(past_r if not fin_r else math.inf, past_c if not fin_c else math.inf)
+        if new_rows or self.finished or past != self._last_past:
+            events.extend(self._emit(past, everything=self.finished))
+        self._last_past = past
+        if not self.announced and self.breach_steps:
+            s = min(self.breach_steps)
+            if s < past or self.finished:
+                events.extend(self._announce(s))
+        return events
+
+    def flush(self) -> list[LiveEvent]:
+        """Report everything left (the runs ended or the watch timed out)."""
+        events = self._emit(math.inf, everything=True)
+        if not self.announced and self.breach_steps:
+            events.extend(self._announce(min(self.breach_steps)))
+        return events
+
+    def _pending(self, side: str) -> tuple[RunColumns, np.ndarray]:
+        idx = np.flatnonzero(~self.done[side])
+        return self.cols[side].take(idx), idx
+
+    def _emit(self, past: float, *, everything: bool) -> list[LiveEvent]:
+        rc, ridx = self._pending("ref")
+        cc, cidx = self._pending("cand")
+        if not len(rc) and not len(cc):
+            return []
+        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader)
+        rk, ck = comp.ref_keys, comp.cand_keys
+        step = comp.A >> 24
+        if everything:
+            final = np.ones(len(comp), bool)
+        else:
+            hr, hc = comp.ri >= 0, comp.ci >= 0
+            st_r = np.where(hr, rk.status[np.maximum(comp.ri, 0)] if len(rk) else -1, -1)
+            st_c = np.where(hc, ck.status[np.maximum(comp.ci, 0)] if len(ck) else -1, -1)
+            copies_r = _has_copies(rk, self.catalog, rc)
+            copies_c = _has_copies(ck, self.catalog, cc)
+            cp_r = np.where(hr, copies_r[np.maximum(comp.ri, 0)] if len(rk) else False, False)
+            cp_c = np.where(hc, copies_c[np.maximum(comp.ci, 0)] if len(ck) else False, False)
+            tiled = hr & hc & np.isin(st_r, (M.OK, M.NONE)) & np.isin(st_c, (M.OK, M.NONE)) \
+                & ~cp_r & ~cp_c
+            final = tiled | (step < past)
+        events = []
+        for i in comp.order[final[comp.order]]:
+            i = int(i)
+            if comp.verdict[i] == F.IGNORED:
+                continue
+            f = comp.finding(i)
+            events.append(LiveEvent(finding=f))
+            if f.breach:
+                self.breach_steps.add(f.key.step)
+        self.emitted += len(events)
+        # mark the rows of reported keys
+        for which, lk, cols_idx, keys in (("ref", rk, ridx, comp.ri), ("cand", ck, cidx, comp.ci)):
+            g = keys[final & (keys >= 0)]
+            if not len(g):
+                continue
+            rows, _ = ranges_index(lk.first[g], lk.first[g] + lk.count[g])
+            self.done[which][cols_idx[rows]] = True
+        for a, b in zip(comp.A[final].tolist(), comp.B[final].tolist()):
+            self.reported.add((a, b))
+        return events
+
+    def _announce(self, step: int) -> list[LiveEvent]:
+        """Evaluate every key up to ``step`` in both runs and announce the earliest breach."""
+        parts = {}
+        for side in ("ref", "cand"):
+            c = self.cols[side]
+            parts[side] = c.take(np.flatnonzero((c.A >> 24) <= step))
+        comp = evaluate(parts["ref"], parts["cand"], self.catalog, self.policy, self.reader)
+        fd = comp.first_divergence()
+        if fd < 0:
+            return []
+        self.announced = True
+        return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
+
+
+def _has_copies(lk: M.LogicalKeys, catalog: Catalog, cols: RunColumns) -> np.ndarray:
+    """Keys whose pieces include replicas or Partial addends (more copies may still arrive)."""
+    if not len(lk):
+        return np.zeros(0, bool)
+    flagged = np.array([p.replica or p.partial for p in catalog.pieces], bool)
+    per_row = flagged[cols.layout] if len(cols) else np.zeros(0, bool)
+    return np.logical_or.reduceat(per_row, lk.first) if len(per_row) else np.zeros(len(lk), bool)

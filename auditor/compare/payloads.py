@@ -1,0 +1,98 @@
+"""Exact metrics from payloads: rebuild both runs' logical tensors from the pieces' bytes.
+
+Used by the slow path for keys where both runs sent every piece's bytes; bounded by the policy's
+`payload_max_bytes`, and a payload that cannot be used leaves a note instead of a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from auditor.compare.comparison import Comparison
+from auditor.compare.metrics import (FLOAT_DTYPES, ITEMSIZE, PayloadUnavailable, bits_to_values,
+                                     decode_payload, payload_metrics)
+
+
+def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:
+    rid_r = comp.ref.rid[R["rows"]]
+    rid_c = comp.cand.rid[C["rows"]]
+    have = comp.catalog.payload_rids(np.concatenate([rid_r, rid_c]))
+    if not have:
+        return np.zeros(n, bool)
+    hr = np.isin(rid_r, list(have))
+    hc = np.isin(rid_c, list(have))
+    ok_r = np.logical_and.reduceat(hr, R["offsets"]) if len(hr) else np.zeros(n, bool)
+    ok_c = np.logical_and.reduceat(hc, C["offsets"]) if len(hc) else np.zeros(n, bool)
+    return ok_r & ok_c
+
+
+def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
+                 atol: float) -> None:
+    """Exact metrics of key i from both runs' bytes (bounded by policy.payload_max_bytes)."""
+    try:
+        ref_vals, ref_bits, dt_r = _assemble(comp, "ref", int(comp.ri[i]), R, j)
+        cand_vals, cand_bits, dt_c = _assemble(comp, "cand", int(comp.ci[i]), C, j)
+    except PayloadUnavailable as exc:
+        comp.notes.setdefault(i, []).append(f"payload not used: {exc}")
+        return
+    pm = payload_metrics(ref_vals, cand_vals, rtol=rtol, atol=atol, ref_bits=ref_bits,
+                         cand_bits=cand_bits,
+                         ulp_ok=dt_r == dt_c and dt_r in FLOAT_DTYPES and ref_bits is not None
+                         and cand_bits is not None)
+    d = pm.as_dict()
+    rz = np.where(np.isfinite(ref_vals), ref_vals, 0.0).reshape(-1)
+    cz = np.where(np.isfinite(cand_vals), cand_vals, 0.0).reshape(-1)
+    d["_l2"] = float(np.linalg.norm(cz - rz))
+    comp.payload[i] = d
+    comp.payload[i]["rel_l2"] = pm.rel_l2
+    comp.payload[i]["allclose"] = pm.allclose
+    comp.payload[i]["max_abs"] = pm.max_abs
+    comp.payload[i]["max_rel"] = pm.max_rel
+    comp.payload[i]["ulp"] = pm.ulp
+
+
+def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
+    """(float64 values, raw bits or None, dtype) of one side's logical tensor from payloads."""
+    lk = comp.ref_keys if which == "ref" else comp.cand_keys
+    cols = comp.ref if which == "ref" else comp.cand
+    cat = comp.catalog
+    budget = comp.policy.payload_max_bytes
+    start, end = int(lk.taken_start[g]), int(lk.taken_start[g + 1])
+    rows = lk.taken_row[start:end]
+    dtype = cat.dtypes[lk.dtype[g]]
+    shape = cat.shapes[lk.shape[g]][0]
+    if math.prod(shape) * _itemsize(dtype) > budget:
+        raise PayloadUnavailable(f"logical tensor of {math.prod(shape)} elements exceeds "
+                                 f"payload_max_bytes {budget}")
+    partial = bool(lk.partial[g])
+    values = np.zeros(shape, np.float64)
+    bits = None if partial else np.zeros(shape, np.uint64)
+    used = 0
+    for r in rows:
+        piece = cat.pieces[cols.layout[r]]
+        got = cat.reader.payload(int(cols.rid[r]))
+        if got is None:
+            raise PayloadUnavailable(f"rank {int(cols.rank[r])}'s payload is incomplete")
+        header, data = got
+        used += int(header.get("raw_nbytes", 0))
+        if used > budget:
+            raise PayloadUnavailable(f"payloads exceed payload_max_bytes {budget}")
+        b = decode_payload(header, data, dtype, piece.shape, max_bytes=budget)
+        box = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))
+        v = bits_to_values(b, dtype).reshape(piece.shape)
+        if partial:
+            values[box] += v
+        else:
+            values[box] = v
+            bits[box] = b
+    if bits is not None:
+        bits = bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[
+            _itemsize(dtype)])
+    return values, bits, dtype
+
+
+def _itemsize(dtype: str) -> int:
+    from auditor.compare.metrics import ITEMSIZE
+    return ITEMSIZE[dtype]

@@ -1,0 +1,127 @@
+"""The report model: what a comparison of two runs found, for the renderers to read.
+
+`compare_runs` returns a `Report`: the columnar `Comparison`, both runs' descriptions, the policy,
+the verdict counts, the first divergence and the graph breaks. `header_dict` is the JSON report's
+head (docs/report-schema.md); findings are materialized one at a time while a renderer writes
+(`auditor.report`), so a million identical keys cost no million objects.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from auditor.compare import findings as F
+from auditor.compare.align import PHASE_IDS
+from auditor.compare.causes import graph_breaks
+from auditor.compare.comparison import Comparison
+from auditor.compare.policy import Policy
+
+SCHEMA = "numaudit.report"
+SCHEMA_VERSION = 1
+"""Bumped on any change that could break a reader of the JSON report (docs/report-schema.md)."""
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("numaudit")
+    except Exception:  # not installed (running from a checkout)
+        return "0+unknown"
+
+
+@dataclass
+class Report:
+    """The outcome of comparing two runs."""
+
+    comparison: Comparison
+    """Every aligned key's verdict and metrics, as columns."""
+    ref: dict
+    cand: dict
+    policy: Policy
+    counts: dict[str, int]
+    first: F.Finding | None
+    graph_breaks: list[F.GraphBreak]
+    warnings: list[str] = field(default_factory=list)
+    generated_unix: float = field(default_factory=time.time)
+
+    @property
+    def breaches(self) -> int:
+        return int(self.comparison.breach.sum())
+
+    @property
+    def exit_code(self) -> int:
+        """0 = every finding within policy, 1 = some finding breaches it."""
+        return 1 if self.breaches else 0
+
+    @property
+    def uncertain(self) -> int:
+        return int(self.comparison.uncertain.sum())
+
+    @classmethod
+    def build(cls, comp: Comparison, ref_info: dict, cand_info: dict, policy: Policy) -> Report:
+        counts = comp.counts()
+        fd = comp.first_divergence()
+        first = comp.finding(fd) if fd >= 0 else None
+        warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info)
+        if first is not None and first.cause and first.key.step > 0 \
+                and not comp.step_keys(first.key.step, (PHASE_IDS["param"],)).size:
+            first.notes.append("parameter values were not captured: a divergence of the weights "
+                               "(an optimizer difference) would first show here")
+        return cls(comparison=comp, ref=ref_info, cand=cand_info, policy=policy, counts=counts,
+                   first=first, graph_breaks=graph_breaks(comp), warnings=warnings)
+
+    # -- iteration --------------------------------------------------------------------------------
+
+    def findings(self, *, breaches_only: bool = False,
+                 include_identical: bool = True) -> Iterator[F.Finding]:
+        """Findings in execution order."""
+        return self.comparison.findings(breaches_only=breaches_only,
+                                        include_identical=include_identical)
+
+    # -- the report's head -------------------------------------------------------------------------------------
+
+    def header_dict(self) -> dict:
+        """The JSON report without its findings (docs/report-schema.md)."""
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "generated_unix": self.generated_unix,
+            "numaudit_version": _version(),
+            "runs": {"ref": self.ref, "cand": self.cand},
+            "policy": self.policy.describe(),
+            "summary": {
+                "keys": int(len(self.comparison)),
+                "verdicts": {v: self.counts.get(v, 0) for v in F.VERDICTS},
+                "ignored": self.counts.get("ignored", 0),
+                "breaches": self.breaches,
+                "uncertain": self.uncertain,
+                "exit_code": self.exit_code,
+            },
+            "first_divergence": None if self.first is None else self.first.as_dict(),
+            "graph_breaks": [g.as_dict() for g in self.graph_breaks],
+            "warnings": self.warnings,
+        }
+
+
+def _run_warnings(ref: dict, cand: dict) -> list[str]:
+    out = []
+    for info in (ref, cand):
+        n = info["name"]
+        if info["ranks_registered"] < info["world_size"]:
+            out.append(f"{n}: only {info['ranks_registered']} of {info['world_size']} ranks "
+                       "registered: keys of the others are missing")
+        if info["ranks_closed"] < info["ranks_registered"]:
+            out.append(f"{n}: {info['ranks_registered'] - info['ranks_closed']} ranks have not "
+                       "closed their session: the run may still be sending")
+        if info["dropped"]:
+            out.append(f"{n}: agents dropped {info['dropped']} records (see `auditor show {n}`)")
+        if info["conflicts"]:
+            out.append(f"{n}: {info['conflicts']} records were resent with other content "
+                       "(first stored kept)")
+    if ref.get("dtype") and cand.get("dtype") and ref["dtype"] != cand["dtype"]:
+        out.append(f"training dtypes differ ({ref['dtype']} vs {cand['dtype']}): each key gets "
+                   "the looser of its two dtypes' tolerances")
+    return out

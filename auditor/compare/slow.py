@@ -1,0 +1,234 @@
+"""The slow path: metrics for keys whose fingerprints could not decide.
+
+Reads the keys' moments and sketches in chunks, merges them per logical key, estimates the
+distance between the runs (sketch estimate, with deterministic lower bounds from norms and
+extremes), adds exact metrics where both runs sent payloads (`auditor.compare.payloads`), and
+judges each key's policy metric against its threshold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from auditor.compare import findings as F
+from auditor.compare.columns import Catalog
+from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
+from auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
+from auditor.compare.payloads import payload_for, payload_keys
+from auditor.compare.policy import METRICS, PAYLOAD_METRICS
+from auditor.store import Reader
+
+SLOW_CHUNK = 8192
+"""Keys whose moments and sketches are read and compared per round (bounds memory: 2 x 8192 x k
+float64 sketches, 32 MiB at k = 256)."""
+LOWER_BOUND_SLACK = 16.0
+"""Rounding slack of the norm-difference lower bound, in eps64 * sqrt(numel) * norm."""
+METRIC_LIST = list(METRICS)
+REL_L2, EXACT = METRIC_CODES["rel_l2"], METRIC_CODES["exact"]
+PAYLOAD_CODES = tuple(METRIC_CODES[m] for m in PAYLOAD_METRICS)
+
+
+def ranges_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated aranges [starts[i], ends[i]) and the segment offsets."""
+    lengths = ends - starts
+    total = int(lengths.sum())
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
+    idx = np.repeat(starts - offsets, lengths) + np.arange(total)
+    return idx, offsets
+
+
+def store_nonfinite(comp: Comparison, keys: np.ndarray, R: dict, C: dict) -> None:
+    if comp.nonfinite_counts is None:
+        comp.nonfinite_counts = np.full((len(comp), 6), -1, np.int64)
+    comp.nonfinite_counts[keys] = np.stack(
+        [R["nan"], R["posinf"], R["neginf"], C["nan"], C["posinf"], C["neginf"]], axis=1)
+
+
+def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Catalog, *,
+                sketches: bool = True):
+    """Merged moments and sketches of one side for the given logical keys (all with rows)."""
+    lk = comp.ref_keys if which == "ref" else comp.cand_keys
+    cols = comp.ref if which == "ref" else comp.cand
+    rows_idx, offsets = ranges_index(lk.taken_start[keys_idx], lk.taken_start[keys_idx + 1])
+    rows = lk.taken_row[rows_idx]
+    d = catalog.fetch_digests(cols.rid[rows])
+    out = {}
+    for c in ("nan", "posinf", "neginf", "sum", "sum_sq"):
+        out[c] = np.add.reduceat(d[c], offsets)
+    out["min"] = np.minimum.reduceat(d["min"], offsets)
+    out["max"] = np.maximum.reduceat(d["max"], offsets)
+    out["abs_max"] = np.maximum.reduceat(d["abs_max"], offsets)
+    partial = lk.partial[keys_idx]
+    for c in ("sum_sq", "min", "max", "abs_max"):
+        out[c] = np.where(partial, np.nan, out[c])
+    if not sketches:
+        return out
+    ks = d["sketch_k"]
+    k = int(ks.max(initial=0))
+    seg = np.repeat(np.arange(len(keys_idx)), np.diff(np.append(offsets, len(rows))))
+    ok = np.ones(len(keys_idx), bool)
+    bad_rows = ks != k
+    if bad_rows.any():
+        ok[np.unique(seg[bad_rows])] = False
+    out["sketch"] = np.add.reduceat(d["sketch"], offsets, axis=0) if k else \
+        np.zeros((len(keys_idx), 0))
+    out["sketch_ok"] = ok & (k > 0)
+    out["k"] = k
+    out["rows"] = rows
+    out["offsets"] = offsets
+    return out
+
+
+def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rtol_all, atol_all,
+                reader: Reader) -> None:
+    """Metrics and verdicts for keys whose fingerprints could not decide."""
+    cat, pol = comp.catalog, comp.policy
+    ri, ci = comp.ri[keys], comp.ci[keys]
+    R = merge_side(comp, ri, "ref", cat)
+    C = merge_side(comp, ci, "cand", cat)
+    numel = comp.cand_keys.numel[ci].astype(np.float64)
+    n = len(keys)
+    store_nonfinite(comp, keys, R, C)
+    sketch_ok = R["sketch_ok"] & C["sketch_ok"] & (R["k"] == C["k"])
+    if R["k"] == C["k"] and R["k"] > 0:
+        sm = sketch_metrics(R["sketch"], C["sketch"], R["sum_sq"], C["sum_sq"], numel)
+    else:
+        sm = None
+    rn = np.sqrt(np.maximum(R["sum_sq"], 0))
+    cn = np.sqrt(np.maximum(C["sum_sq"], 0))
+    if sm is not None:
+        rn = np.where(np.isnan(rn), sm.ref_norm, rn)
+        cn = np.where(np.isnan(cn), sm.cand_norm, cn)
+    # deterministic lower bounds on ||cand - ref||: norms, extremes (Cauchy-Schwarz / max-norm)
+    slack = LOWER_BOUND_SLACK * EPS64 * np.sqrt(numel + 1) * np.maximum(rn, cn)
+    with np.errstate(invalid="ignore"):
+        lb = np.nanmax(np.stack([
+            np.where(np.isnan(R["sum_sq"]) | np.isnan(C["sum_sq"]), 0.0,
+                     np.maximum(np.abs(cn - rn) - slack, 0.0)),
+            np.nan_to_num(np.abs(C["max"] - R["max"]), nan=0.0, posinf=0.0),
+            np.nan_to_num(np.abs(C["min"] - R["min"]), nan=0.0, posinf=0.0),
+            np.nan_to_num(np.abs(C["abs_max"] - R["abs_max"]), nan=0.0, posinf=0.0),
+        ]), axis=0)
+    if sm is not None:
+        dist = np.where(sketch_ok, np.maximum(sm.dist, lb), lb)
+        dist_sigma = np.where(sketch_ok, sm.dist_sigma, np.nan)
+        cos_d = np.where(sketch_ok, sm.cos_dist, np.nan)
+        cos_s = np.where(sketch_ok, sm.cos_sigma, np.nan)
+    else:
+        dist, dist_sigma = lb, np.full(n, np.nan)
+        cos_d = cos_s = np.full(n, np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(rn > 0, dist / rn, np.where(dist > 0, np.inf, 0.0))
+        rel_sigma = np.where(rn > 0, dist_sigma / rn, np.nan)
+        rel_lb = np.where(rn > 0, lb / rn, np.where(lb > 0, np.inf, 0.0))
+    if sm is not None:
+        rel_sigma = np.where(sm.norm_from_sketch, sm.rel_sigma, rel_sigma)
+    comp.rel_l2[keys] = rel
+    comp.rel_sigma[keys] = rel_sigma
+    comp.cos_dist[keys] = cos_d
+    comp.cos_sigma[keys] = cos_s
+    comp.norm_ratio[keys] = ratio(cn, rn)
+    comp.abs_max_ratio[keys] = ratio(C["abs_max"], R["abs_max"])
+    comp.lower_bound[keys] = rel_lb
+    for j in np.flatnonzero(~sketch_ok):
+        comp.notes.setdefault(int(keys[j]), []).append(
+            "sketches not comparable (different bucket counts or seeds): rel_l2 is only a lower "
+            "bound from the moments")
+
+    # payload metrics where both runs sent every piece's bytes
+    rtol, atol = rtol_all[keys], atol_all[keys]
+    has_payload = payload_keys(comp, R, C, n)
+    for j in np.flatnonzero(has_payload):
+        payload_for(comp, int(keys[j]), R, C, j, float(rtol[j]), float(atol[j]))
+    pm_ok = np.array([int(i) in comp.payload for i in keys], bool) if comp.payload else \
+        np.zeros(n, bool)
+
+    requested = metric_all[keys]
+    eff = requested.copy()
+    explicit = explicit_all[keys].copy()
+    for code in PAYLOAD_CODES:
+        fall = (eff == code) & ~pm_ok
+        for j in np.flatnonzero(fall):
+            comp.notes.setdefault(int(keys[j]), []).append(
+                f"{METRIC_LIST[code]} needs payloads from both runs: compared by rel_l2 instead")
+        eff[fall] = REL_L2
+        explicit[fall] = np.nan
+    exact_fallback = eff == EXACT
+    for j in np.flatnonzero(exact_fallback):
+        dt = cat.dtypes[comp.cand_keys.dtype[ci[j]]]
+        eps = MACHINE_EPS.get(dt, EPS64)
+        comp.notes.setdefault(int(keys[j]), []).append(
+            "exact comparison unavailable (Partial placement or other seeds): compared by rel_l2 "
+            f"against one rounding in {dt} ({eps:.3g})")
+        explicit[j] = eps
+    eff[exact_fallback] = REL_L2
+
+    value = np.full(n, np.nan)
+    sig = np.zeros(n)
+    thr = np.full(n, np.nan)
+    certain = np.zeros(n, bool)
+    code_out = eff.copy()
+    sqrt_n = np.sqrt(numel)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel_thr = np.where(rn > 0, rtol + atol * sqrt_n / rn, np.inf)
+    has_explicit = ~np.isnan(explicit)
+
+    # rel_l2, the common case, vectorized
+    sel = eff == REL_L2
+    if sel.any():
+        abs_mode = sel & (rn == 0)
+        rel_mode = sel & ~abs_mode
+        thr[rel_mode] = np.where(has_explicit, explicit, rel_thr)[rel_mode]
+        value[rel_mode] = rel[rel_mode]
+        sig[rel_mode] = np.nan_to_num(rel_sigma[rel_mode], nan=0.0)
+        certain[rel_mode] = rel_lb[rel_mode] > thr[rel_mode]
+        thr[abs_mode] = np.where(has_explicit, explicit, atol * sqrt_n)[abs_mode]
+        value[abs_mode] = dist[abs_mode]
+        sig[abs_mode] = np.nan_to_num(dist_sigma[abs_mode], nan=0.0)
+        certain[abs_mode] = lb[abs_mode] > thr[abs_mode]
+        code_out[abs_mode] = M_L2
+        for j in np.flatnonzero(sel & pm_ok):
+            pm = comp.payload[int(keys[j])]
+            value[j] = pm["_l2"] if abs_mode[j] else pm["rel_l2"]
+            sig[j], certain[j] = 0.0, False
+    for j in np.flatnonzero(~sel):
+        i = int(keys[j])
+        m = METRIC_LIST[eff[j]]
+        e = explicit[j]
+        pm = comp.payload.get(i)
+        if m == "cosine":
+            value[j], sig[j] = cos_d[j], np.nan_to_num(cos_s[j], nan=0.0)
+            thr[j] = e if has_explicit[j] else 0.5 * rel_thr[j] ** 2
+        elif m == "norm_ratio":
+            value[j] = abs(comp.norm_ratio[i] - 1.0)
+            thr[j] = e if has_explicit[j] else rel_thr[j]
+        elif m == "abs_max_ratio":
+            value[j] = abs(comp.abs_max_ratio[i] - 1.0)
+            amax = R["abs_max"][j]
+            thr[j] = e if has_explicit[j] else (rtol[j] + atol[j] / amax if amax > 0 else math.inf)
+        elif m == "allclose":
+            value[j], thr[j] = pm["allclose"], 1.0
+        elif m == "max_abs":
+            value[j] = pm["max_abs"]
+            thr[j] = e if has_explicit[j] else atol[j] + rtol[j] * R["abs_max"][j]
+        elif m == "max_rel":
+            value[j] = pm["max_rel"]
+            thr[j] = e if has_explicit[j] else rtol[j]
+        elif m == "ulp":
+            if pm.get("ulp") is None:
+                comp.notes.setdefault(i, []).append("ulp needs the same float dtype in both runs: "
+                                                    "compared by max_rel instead")
+                value[j], thr[j] = pm["max_rel"], rtol[j]
+                code_out[j] = METRIC_CODES["max_rel"]
+            else:
+                value[j] = pm["ulp"]
+                thr[j] = e if has_explicit[j] else 0.0
+    comp.metric[keys] = code_out
+    breach, unc = F.judge(value, sig, thr, pol.sigmas, pol.on_uncertain, certain)
+    comp.value[keys] = value
+    comp.sigma[keys] = np.where(sig > 0, sig, np.nan)
+    comp.threshold[keys] = thr
+    comp.uncertain[keys] = unc
+    comp.verdict[keys] = np.where(breach, F.DIVERGED, F.CLOSE)

@@ -1,0 +1,184 @@
+"""Verdicts from the columns: align two runs' logical keys and decide what the digests can.
+
+`evaluate` merges each run's pieces into logical keys (`auditor.compare.merge`), aligns them, and
+decides the cheap verdicts vectorized over keys: ignored by policy, missing, None, incomplete,
+replica divergence, shape, non-finite, and *identical* where fingerprints agree. What is left goes
+to the slow path (`auditor.compare.slow`), then everything is put in execution order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from auditor.compare import findings as F
+from auditor.compare import merge as M
+from auditor.compare.align import PHASE_NAMES, ROLE_NAMES
+from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
+from auditor.compare.metrics import FLOAT_DTYPES
+from auditor.compare.order import order_keys
+from auditor.compare.policy import Check, Policy
+from auditor.compare.slow import SLOW_CHUNK, merge_side, slow_chunk, store_nonfinite
+from auditor.store import Reader
+
+_ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
+_NONFINITE = {"match": 0, "forbid": 1, "allow": 2}
+
+
+def align_keys(r: M.LogicalKeys, c: M.LogicalKeys):
+    """(A, B, ref index, cand index) of the union of both runs' keys, in key order."""
+    if len(r) == len(c) and np.array_equal(r.A, c.A) and np.array_equal(r.B, c.B):
+        idx = np.arange(len(r))
+        return r.A, r.B, idx, idx.copy()
+    A = np.concatenate([r.A, c.A])
+    B = np.concatenate([r.B, c.B])
+    side = np.concatenate([np.zeros(len(r), np.int8), np.ones(len(c), np.int8)])
+    src = np.concatenate([np.arange(len(r)), np.arange(len(c))])
+    order = np.lexsort((side, B, A))
+    A, B, side, src = A[order], B[order], side[order], src[order]
+    new = np.ones(len(A), bool)
+    if len(A):
+        new[1:] = (A[1:] != A[:-1]) | (B[1:] != B[:-1])
+    kid = np.cumsum(new) - 1
+    K = int(kid[-1]) + 1 if len(A) else 0
+    ri = np.full(K, -1, np.int64)
+    ci = np.full(K, -1, np.int64)
+    ri[kid[side == 0]] = src[side == 0]
+    ci[kid[side == 1]] = src[side == 1]
+    return A[new], B[new], ri, ci
+
+
+def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy,
+             reader: Reader) -> Comparison:
+    """Verdicts and metrics for every key of two runs' columns."""
+    t0 = time.perf_counter()
+    rk = M.build_keys(ref, catalog)
+    ck = M.build_keys(cand, catalog)
+    t1 = time.perf_counter()
+    A, B, ri, ci = align_keys(rk, ck)
+    K = len(A)
+    hr, hc = ri >= 0, ci >= 0
+    rsafe, csafe = np.maximum(ri, 0), np.maximum(ci, 0)
+
+    def side(arr_r, arr_c, fill):
+        return (np.where(hr, arr_r[rsafe] if len(arr_r) else fill, fill),
+                np.where(hc, arr_c[csafe] if len(arr_c) else fill, fill))
+
+    st_r, st_c = side(rk.status, ck.status, -1)
+    dt_r, dt_c = side(rk.dtype, ck.dtype, -1)
+
+    # the policy, once per distinct (site, phase, role, dtype pair); without rules it depends
+    # on the dtype pair alone
+    combo = ((dt_r.astype(np.int64) + 1) << 8) | (dt_c.astype(np.int64) + 1)
+    if policy.rules:
+        combo |= ((B >> 32) << 24) | ((A & 0xF) << 20) | (((B >> 28) & 0xF) << 16)
+    uniq, inv = np.unique(combo, return_inverse=True)
+    checks = [_check_for(int(u), catalog, policy) for u in uniq]
+    labels: dict[str, int] = {}
+    rule_u = np.array([labels.setdefault(ch.rule, len(labels)) for ch in checks], np.int16)
+    action = np.array([_ACTIONS[ch.action] for ch in checks], np.int8)[inv]
+    metric = np.array([METRIC_CODES[ch.metric] for ch in checks], np.int16)[inv]
+    explicit = np.array([np.nan if ch.threshold is None else ch.threshold for ch in checks])[inv]
+    rtol = np.array([ch.rtol for ch in checks])[inv]
+    atol = np.array([ch.atol for ch in checks])[inv]
+    nfmode = np.array([_NONFINITE[ch.nonfinite] for ch in checks], np.int8)[inv]
+    rule = rule_u[inv] if len(uniq) else np.zeros(0, np.int16)
+
+    verdict = np.full(K, -1, np.int8)
+    expected = np.zeros(K, bool)
+    out_metric = np.full(K, -1, np.int16)
+    nan = np.full(K, np.nan)
+    value, sigma, threshold = nan.copy(), nan.copy(), nan.copy()
+    uncertain = np.zeros(K, bool)
+    notes: dict[int, list[str]] = {}
+
+    def assign(mask, v):
+        m = mask & (verdict < 0)
+        verdict[m] = v
+        return m
+
+    assign(action == 1, F.IGNORED)
+    assign((st_r == M.INCOMPLETE) | (st_c == M.INCOMPLETE), F.INCOMPLETE)
+    assign((st_r == M.REPLICA_DIVERGENCE) | (st_c == M.REPLICA_DIVERGENCE), F.REPLICA_DIVERGENCE)
+    expected |= assign(~hr, F.MISSING_IN_REF) & (action == 2)
+    expected |= assign(~hc, F.MISSING_IN_CAND) & (action == 2)
+    none_r, none_c = st_r == M.NONE, st_c == M.NONE
+    assign(none_r & none_c, F.IDENTICAL)
+    assign(none_r ^ none_c, F.GRAD_NONE)
+    # from here on both sides hold an OK logical digest
+    sh_r, sh_c = side(rk.shape, ck.shape, -1)
+    m = assign(sh_r != sh_c, F.DIVERGED)
+    out_metric[m] = M_SHAPE
+    for i in np.flatnonzero(m):
+        a, b = catalog.shapes[sh_r[i]][0], catalog.shapes[sh_c[i]][0]
+        notes.setdefault(int(i), []).append(f"logical shape {list(a)} in {ref.name}, {list(b)} "
+                                            f"in {cand.name}")
+    nf_r, nf_c = side(rk.nonfinite, ck.nonfinite, 0)
+    assign((nfmode == 1) & ((nf_r > 0) | (nf_c > 0)), F.NONFINITE)
+    assign((nfmode == 0) & ((nf_r > 0) != (nf_c > 0)), F.NONFINITE)
+    ex_r, ex_c = side(rk.exact, ck.exact, False)
+    fp_r, fp_c = side(rk.fp, ck.fp, np.uint64(0))
+    # equal fingerprints mean equal bits; equal bits mean equal values only within one float
+    # dtype (fp16 and bf16 share bit patterns) — integers enter the fingerprint by value
+    classes: dict[str, int] = {}
+    klass = np.array([classes.setdefault(d if d in FLOAT_DTYPES else "integer", len(classes))
+                      for d in catalog.dtypes] + [-1], np.int64)
+    same = ex_r & ex_c & (fp_r == fp_c) & (klass[dt_r] == klass[dt_c])
+    out_metric[assign(same, F.IDENTICAL)] = METRIC_CODES["exact"]
+    hm_r, hm_c = side(rk.has_moments, ck.has_moments, False)
+    exact_metric = metric == METRIC_CODES["exact"]
+    m = assign((exact_metric | ~hm_r | ~hm_c) & ex_r & ex_c, F.DIVERGED)
+    out_metric[m] = METRIC_CODES["exact"]
+    for i in np.flatnonzero(m & ~exact_metric):
+        notes.setdefault(int(i), []).append("integer/bool tensor: compared exactly")
+    # no fingerprint to compare and no sketch to estimate from: say so, never pass silently
+    part_r, part_c = side(rk.partial, ck.partial, False)
+    m = (verdict < 0) & (~hm_r | ~hm_c)
+    for i in np.flatnonzero(m):
+        why = ("an integer Partial sum has neither fingerprint nor sketch"
+               if part_r[i] or part_c[i] else
+               "the runs' fingerprints were made with different seeds and integer tensors "
+               "have no sketch")
+        notes.setdefault(int(i), []).append(f"not comparable: {why}")
+    unverifiable = assign(m & (part_r | part_c),
+                          F.DIVERGED if policy.on_uncertain == "breach" else F.CLOSE)
+    uncertain[unverifiable] = True
+    assign(m, F.DIVERGED)
+    t2 = time.perf_counter()
+
+    comp = Comparison(
+        ref=ref, cand=cand, ref_keys=rk, cand_keys=ck, catalog=catalog, policy=policy, A=A, B=B,
+        ri=ri, ci=ci, verdict=verdict, breach=np.zeros(K, bool), expected=expected,
+        metric=out_metric, value=value, sigma=sigma, threshold=threshold, uncertain=uncertain,
+        rule=rule, rule_labels=list(labels), rel_l2=nan.copy(), rel_sigma=nan.copy(),
+        cos_dist=nan.copy(), cos_sigma=nan.copy(), norm_ratio=nan.copy(),
+        abs_max_ratio=nan.copy(), lower_bound=nan.copy(), order=np.arange(K),
+        rank_in_order=np.arange(K), pred=np.full(K, -1, np.int64),
+        order_stage=np.zeros(K, np.int64), notes=notes,
+    )
+    nf_keys = np.flatnonzero(verdict == F.NONFINITE)
+    for s0 in range(0, len(nf_keys), SLOW_CHUNK):
+        chunk = nf_keys[s0:s0 + SLOW_CHUNK]
+        R = merge_side(comp, comp.ri[chunk], "ref", catalog, sketches=False)
+        C = merge_side(comp, comp.ci[chunk], "cand", catalog, sketches=False)
+        store_nonfinite(comp, chunk, R, C)
+    slow = np.flatnonzero(verdict < 0)
+    for s in range(0, len(slow), SLOW_CHUNK):
+        slow_chunk(comp, slow[s:s + SLOW_CHUNK], metric, explicit, rtol, atol, reader)
+    t3 = time.perf_counter()
+    comp.breach = ~np.isin(comp.verdict, (F.IDENTICAL, F.CLOSE, F.IGNORED)) & ~expected
+    order_keys(comp)
+    t4 = time.perf_counter()
+    comp.timings.update(merge=t1 - t0, verdicts=t2 - t1, metrics=t3 - t2, order=t4 - t3)
+    return comp
+
+
+def _check_for(combo: int, catalog: Catalog, policy: Policy) -> Check:
+    site = catalog.site_names.get(combo >> 24, "")
+    phase = PHASE_NAMES.get((combo >> 20) & 0xF, "")
+    role = ROLE_NAMES.get((combo >> 16) & 0xF, "")
+    dr, dc = ((combo >> 8) & 0xFF) - 1, (combo & 0xFF) - 1
+    return policy.check(phase, site, role, catalog.dtypes[dr] if dr >= 0 else None,
+                        catalog.dtypes[dc] if dc >= 0 else None)

@@ -1,0 +1,425 @@
+"""The auditor daemon: the numaudit.v1.Auditor gRPC service on grpc.aio.
+
+Every handler is wrapped by `_rpc`, the one place where exceptions become status codes
+(`status_for`), so no input can produce INTERNAL or UNKNOWN. Requests are parsed by our own
+deserializer: bytes that are not a valid message arrive as a `MalformedRequest` and are refused
+with INVALID_ARGUMENT instead of gRPC's INTERNAL.
+
+Ingest: each batch is validated whole (off the event loop), handed to the single store writer,
+and acked only when the transaction holding it has committed. One stream is processed in order,
+one batch at a time, so `acked_seq` never runs ahead of a batch that failed.
+
+Access control (`tokens`) is an interceptor (auditor/daemon/auth.py) whose refusals go through the same
+`status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from wire import limits
+from auditor.store import summary
+from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
+from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
+from wire.tls import ServerTLS
+from auditor.daemon.tokens import Tokens
+from auditor.daemon.validate import (
+    ValidationError, validate_batch, validate_close, validate_describe, validate_register,
+)
+from auditor.store.writer import StoreWriter, WriterClosed
+from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Auditor"].full_name  # "numaudit.v1.Auditor"
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
+
+
+# -- Errors and their status codes -------------------------------------------------------------
+
+class Unimplemented(Exception):
+    """An RPC this build does not provide (UNIMPLEMENTED)."""
+
+
+class ShuttingDown(Exception):
+    """The daemon is stopping; the agent should reconnect and resend (UNAVAILABLE)."""
+
+
+_KIND_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "version": grpc.StatusCode.FAILED_PRECONDITION,
+    "corrupt": grpc.StatusCode.DATA_LOSS,
+    "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "transit": grpc.StatusCode.ABORTED,
+}
+
+
+def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, str]:
+    """The status code and details a handler answers for an exception. The only such mapping."""
+    if isinstance(exc, ValidationError):
+        return _KIND_STATUS[exc.kind], str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
+    if isinstance(exc, UnknownRun):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, StoreError):  # unknown session, or contradicts what is stored
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, Unimplemented):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    if isinstance(exc, ShuttingDown):
+        return grpc.StatusCode.UNAVAILABLE, "auditor: shutting down; reconnect and resend"
+    if isinstance(exc, (sqlite3.Error, OSError, WriterClosed)):
+        log.error("%s: store error: %s: %s", method, type(exc).__name__, exc)
+        return grpc.StatusCode.UNAVAILABLE, f"store: {type(exc).__name__}: {exc}; retry later"
+    # A bug. Answer UNAVAILABLE (never INTERNAL/UNKNOWN) and leave the traceback in the log.
+    log.error("%s: unexpected error", method, exc_info=exc)
+    return grpc.StatusCode.UNAVAILABLE, f"auditor: unexpected {type(exc).__name__} (logged); retry later"
+
+
+class MalformedRequest:
+    """What our deserializer returns for bytes that do not parse as the expected message."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+
+def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
+    type_name = cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception:  # DecodeError, recursion limits: the peer's fault, reported in the handler
+            return MalformedRequest(type_name)
+
+    return parse
+
+
+def _parsed(message: Any) -> Any:
+    if isinstance(message, MalformedRequest):
+        raise ValidationError("request", f"not a valid {message.type_name}")
+    return message
+
+
+async def _parsed_stream(messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for message in messages:
+        yield _parsed(message)
+
+
+def _rpc(kind: str) -> Callable:
+    """Wraps a handler: parses requests, and maps every exception through `status_for`."""
+
+    def decorate(fn: Callable) -> Callable:
+        method = f"{SERVICE_NAME}/{fn.__name__}"
+
+        async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+            code, details = status_for(exc, method)
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+                log.info("%s refused: %s %s", method, code.name, details)
+            await context.abort(code, details)
+
+        if kind == "unary_unary":
+            @functools.wraps(fn)
+            async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await fn(self, _parsed(request), context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await abort(context, exc)
+            return unary
+
+        @functools.wraps(fn)
+        async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                request = _parsed_stream(request) if kind == "stream_stream" else _parsed(request)
+                async for response in fn(self, request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort(context, exc)
+        return streaming
+
+    return decorate
+
+
+# -- The service ---------------------------------------------------------------------------------
+
+def _validate_and_hash(batch: pb.RecordBatch) -> list[bytes]:
+    validate_batch(batch)
+    return [content_hash(r) for r in batch.records]
+
+
+class AuditorService(numaudit_pb2_grpc.AuditorServicer):
+    """numaudit.v1.Auditor over one store. Register it with `add_auditor_service`."""
+
+    def __init__(self, writer: StoreWriter, db_path: str | Path,
+                 pool: concurrent.futures.Executor) -> None:
+        self._writer = writer
+        self._db_path = Path(db_path)
+        self._pool = pool
+        self._stopping = asyncio.Event()
+
+    def begin_shutdown(self) -> None:
+        """Ingest streams end (UNAVAILABLE) after the batch they are committing."""
+        self._stopping.set()
+
+    async def _offload(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _commit(self, work: Callable[[Store], Any]) -> Any:
+        """Runs `work` in the writer's next transaction; returns once it has committed."""
+        return await asyncio.wrap_future(self._writer.submit(work))
+
+    async def _read(self, fn: Callable[[Reader], Any]) -> Any:
+        def run() -> Any:
+            reader = Reader(self._db_path)
+            try:
+                return fn(reader)
+            finally:
+                reader.close()
+        return await self._offload(run)
+
+    async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch]) -> pb.RecordBatch:
+        if self._stopping.is_set():
+            raise ShuttingDown()
+        nxt = asyncio.ensure_future(batches.__anext__())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            raise ShuttingDown()
+        return nxt.result()  # StopAsyncIteration at the end of the stream
+
+    @_rpc("unary_unary")
+    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        validate_register(request)
+        acked = await self._commit(lambda store: store.register(request))
+        log.info("registered run=%s rank=%d/%d session=%s acked_seq=%d", request.run, request.rank,
+                 request.world_size, request.session_id, acked)
+        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked)
+
+    @_rpc("stream_stream")
+    async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
+                     context: Any) -> AsyncIterator[pb.Ack]:
+        while True:
+            try:
+                batch = await self._next_or_stop(request_iterator)
+            except StopAsyncIteration:
+                return
+            hashes = await self._offload(_validate_and_hash, batch)
+            result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
+            log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d", batch.session_id,
+                      batch.seq, result.stored, result.duplicates, result.conflicts)
+            yield pb.Ack(session_id=batch.session_id, acked_seq=result.acked_seq,
+                         stored=result.stored, duplicates=result.duplicates,
+                         conflicts=result.conflicts)
+
+    @_rpc("unary_unary")
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context: Any) -> pb.CloseSessionResponse:
+        validate_close(request)
+        stored = await self._commit(lambda store: store.close_session(request))
+        log.info("closed session=%s sent=%d dropped=%d stored=%d", request.session_id,
+                 request.records_sent, request.records_dropped, stored)
+        return pb.CloseSessionResponse(records_stored=stored)
+
+    @_rpc("unary_unary")
+    async def ListRuns(self, request: pb.ListRunsRequest, context: Any) -> pb.ListRunsResponse:
+        return await self._read(summary.list_runs)
+
+    @_rpc("unary_unary")
+    async def DescribeRun(self, request: pb.DescribeRunRequest,
+                          context: Any) -> pb.DescribeRunResponse:
+        validate_describe(request)
+        return await self._read(lambda reader: summary.describe_run(reader, request.run))
+
+    # The comparison engine wires these two; the decorator already maps its errors.
+    @_rpc("unary_unary")
+    async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
+        from auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
+
+        return await rpc_compare.compare(self, request)
+
+    @_rpc("unary_stream")
+    async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
+        from auditor.daemon import compare_service as rpc_compare
+
+        async for event in rpc_compare.watch(self, request):
+            yield event
+
+
+def add_auditor_service(service: AuditorService, server: grpc.aio.Server) -> None:
+    """Like the generated add_AuditorServicer_to_server, but with our lenient deserializers.
+
+    The handlers are derived from the service in the proto (one source of truth): every method
+    is served by the servicer method of the same name.
+    """
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Auditor"].methods:
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(service, method.name),
+            request_deserializer=_lenient_parser(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+# -- Running it ------------------------------------------------------------------------------------
+
+def _check_synchronous(synchronous: str) -> str:
+    level = synchronous.upper()
+    if level not in ("FULL", "NORMAL", "EXTRA"):
+        raise ValueError(f"synchronous: {synchronous!r} is not one of FULL, NORMAL, EXTRA")
+    return level
+
+
+@contextlib.asynccontextmanager
+async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numaudit.db", *,
+                synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
+                tokens: Tokens | None = None,
+                tls: ServerTLS | None = None) -> AsyncIterator[str]:
+    """Runs the daemon while the block runs; yields the bound address ("HOST:PORT").
+
+    `listen` may use port 0 (the yielded address has the real port). With `tokens` every Auditor
+    call needs a token of the file with the right scope (health and reflection stay open); with
+    `tls` the port serves TLS (mutual TLS when it names a client CA). On exit the server stops
+    accepting, Ingest streams end after the batch they are committing, in-flight calls get
+    `grace` seconds, then the writer commits what is queued and closes the store.
+    """
+    level = _check_synchronous(synchronous)
+    host = listen.rsplit(":", 1)[0]
+    credentials = tls.credentials() if tls is not None else None  # TLSError before anything starts
+    writer = await asyncio.to_thread(StoreWriter, db_path, synchronous=level)
+    pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
+                                                 thread_name_prefix="numaudit-validate")
+    service = AuditorService(writer, db_path, pool)
+    interceptors = []
+    if tokens is not None:
+        async def session_run(session_id: str) -> str:
+            return await service._read(lambda reader: reader.session_run(session_id))
+        interceptors.append(AuthInterceptor(tokens, service=SERVICE_NAME, session_run=session_run,
+                                            status_for=status_for))
+    server = grpc.aio.server(options=limits.server_options(), interceptors=interceptors)
+    health_servicer = health.aio.HealthServicer()
+    started = False
+    try:
+        add_auditor_service(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
+        if credentials is not None:
+            try:
+                port = server.add_secure_port(listen, credentials)
+            except RuntimeError as exc:  # gRPC says only "Failed to bind" for a bad key too
+                raise RuntimeError(f"{exc} (is the address free, and is {tls.key} the key of "
+                                   f"{tls.cert}?)") from None
+        else:
+            port = server.add_insecure_port(listen)
+        await server.start()
+        started = True
+        address = f"{host}:{port}"
+        access = (f"tokens from {tokens.source} ({len(tokens)} entries)" if tokens is not None
+                  else "open: no tokens")
+        if tls is not None:
+            log.info("listening on %s (%s) access=%s db=%s synchronous=%s", address,
+                     "mutual TLS: client certificates required" if tls.mutual else "TLS",
+                     access, db_path, level)
+        elif host in _LOOPBACK_HOSTS:
+            log.info("listening on %s (plaintext, loopback only) access=%s db=%s synchronous=%s",
+                     address, access, db_path, level)
+        else:
+            log.warning("listening on %s in PLAINTEXT (no TLS) on a non-loopback address%s; "
+                        "access=%s db=%s synchronous=%s", address,
+                        ": tokens cross the network in clear" if tokens is not None else "",
+                        access, db_path, level)
+        yield address
+    finally:
+        log.info("stopping: no new calls, %.1f s grace for in-flight ones", grace)
+        service.begin_shutdown()
+        if started:
+            await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace)
+        await asyncio.to_thread(writer.close)
+        pool.shutdown(wait=True)
+        log.info("stopped; store flushed and closed")
+
+
+class BackgroundServer:
+    """`serve` on its own event loop in a thread, for synchronous code (tests, scripts).
+
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db") as srv:
+        channel = grpc.insecure_channel(srv.address)
+    """
+
+    def __init__(self, listen: str = "127.0.0.1:0", db_path: str | Path = "numaudit.db", *,
+                 synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
+                 tokens: Tokens | None = None, tls: ServerTLS | None = None) -> None:
+        self.listen, self.db_path = listen, Path(db_path)
+        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls)
+        self.address = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="numaudit-auditor", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            async with serve(self.listen, self.db_path, **self._kwargs) as address:
+                self.address = address
+                self._ready.set()
+                await self._stop.wait()
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def start(self, timeout: float = 30.0) -> str:
+        self._thread.start()
+        if not self._ready.wait(timeout) or not self.address:
+            raise RuntimeError(f"auditor did not start on {self.listen}: {self._error!r}")
+        return self.address
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,458 @@
+"""Validation of everything the daemon accepts, before anything is stored.
+
+Pure functions over the protobuf messages (no gRPC): each raises a `ValidationError` whose message
+is `field.path: why`; its `kind` tells the server which status code to answer with (the mapping
+lives in one place, `auditor.daemon.server`). A batch is validated whole before any of it is stored.
+
+Contracts checked here that a sender must know (docs/protocol.md has the full list):
+- NaN/Inf inside tensors are data: they show up as counts. The float64 moments cover finite
+  elements only, so `sum`/`sum_sq` are never NaN (they may overflow to +-inf); min/max are +inf/-inf
+  when a piece has no finite element; NaN in any moment or sketch bucket is refused.
+- `complex_as_real`: the tensor was complex and travels as its real view, so `dtype` is the real
+  dtype (float32 for complex64) and the shapes carry a trailing dim of 2 that is never split.
+- A payload's `raw_nbytes` is exactly `prod(layout.shape) * itemsize(layout.dtype)`.
+- zstd payloads: one frame that declares its content size (== raw_nbytes), no dictionary, a window
+  of at most `limits.MAX_ZSTD_WINDOW_BYTES`. The header is checked before decompressing, and
+  decompression reads bounded blocks and stops one byte past `raw_nbytes`, so an untrusted size is
+  never allocated. A payload whose chunks all arrive in one batch is checked whole (length, CRC-32,
+  decompression); a payload split across batches gets its header checks per chunk (and the zstd
+  frame header on chunk 0) — its CRC-32 is for readers of the store to check.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from typing import Sequence
+
+import zstandard
+
+from wire import limits
+from protos import numaudit_pb2 as pb
+from wire.checksum import records_checksum
+
+
+class ValidationError(ValueError):
+    """Bad input. `str(e)` is `field: why`; `kind` selects the status code."""
+
+    kind = "invalid"
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+        self.why = why
+
+
+class UnsupportedVersion(ValidationError):
+    """A schema version this build does not speak (FAILED_PRECONDITION)."""
+
+    kind = "version"
+
+
+class CorruptPayload(ValidationError):
+    """Payload bytes that contradict their own header (DATA_LOSS)."""
+
+    kind = "corrupt"
+
+
+class CorruptedInTransit(ValidationError):
+    """A batch whose checksum does not match its records (ABORTED: the sender resends)."""
+
+    kind = "transit"
+
+
+class TooLarge(ValidationError):
+    """Over a limit of `wire.limits` (RESOURCE_EXHAUSTED)."""
+
+    kind = "too_large"
+
+
+# Bytes per element, by torch dtype name without "torch.". Complex dtypes are listed for layouts
+# sent as complex; complex_as_real layouts name the real dtype instead.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1,
+}
+REAL_FLOAT_DTYPES = frozenset(
+    d for d in ITEMSIZE if d.startswith("float") or d == "bfloat16"
+)
+CODECS = ("zstd", "raw")
+_PHASES = frozenset(v for v in pb.Phase.values() if v != pb.PHASE_UNSPECIFIED)
+_ROLES = frozenset(v for v in pb.Role.values() if v != pb.ROLE_UNSPECIFIED)
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % limits.MAX_RUN_NAME_CHARS)
+_INT64_MAX = (1 << 63) - 1
+
+
+# -- Scalars and names ---------------------------------------------------------------------------
+
+def check_schema_version(version: int, field: str = "schema_version") -> None:
+    supported = ", ".join(str(v) for v in limits.SUPPORTED_SCHEMA_VERSIONS)
+    if version == 0:
+        raise ValidationError(field, f"not set; this auditor supports schema versions {supported}")
+    if version not in limits.SUPPORTED_SCHEMA_VERSIONS:
+        raise UnsupportedVersion(
+            field, f"version {version} is not supported; this auditor supports {supported}"
+        )
+
+
+def check_run_name(name: str, field: str = "run") -> None:
+    if not _RUN_NAME.fullmatch(name):
+        raise ValidationError(
+            field, f"{_short(name)} is not a run name ([A-Za-z0-9._-], 1 to "
+                   f"{limits.MAX_RUN_NAME_CHARS} characters)"
+        )
+
+
+def check_session_id(session_id: str, field: str = "session_id") -> None:
+    if not session_id:
+        raise ValidationError(field, "missing")
+    if len(session_id) > limits.MAX_SESSION_ID_CHARS or not session_id.isprintable():
+        raise ValidationError(
+            field, f"must be printable and at most {limits.MAX_SESSION_ID_CHARS} characters"
+        )
+
+
+def _check_text(value: str, field: str, *, limit: int = limits.MAX_TEXT_CHARS,
+                required: bool = False) -> None:
+    if required and not value:
+        raise ValidationError(field, "missing")
+    if len(value) > limit:
+        raise ValidationError(field, f"{len(value)} characters exceed the limit of {limit}")
+    if not value.isprintable():
+        raise ValidationError(field, "contains non-printable characters")
+
+
+def _short(value: str, n: int = 40) -> str:
+    return repr(value if len(value) <= n else value[:n] + "...")
+
+
+# -- Register and close ----------------------------------------------------------------------------
+
+def validate_register(req: pb.RegisterRequest) -> None:
+    check_schema_version(req.schema_version)
+    check_run_name(req.run)
+    check_session_id(req.session_id)
+    if not 1 <= req.world_size <= limits.MAX_WORLD_SIZE:
+        raise ValidationError("world_size", f"{req.world_size} is not in [1, {limits.MAX_WORLD_SIZE}]")
+    if not 0 <= req.rank < req.world_size:
+        raise ValidationError("rank", f"{req.rank} is not in [0, world_size {req.world_size})")
+    if req.local_rank < 0:
+        raise ValidationError("local_rank", f"{req.local_rank} is negative")
+    _check_mesh(req)
+    if len(req.stages) > limits.MAX_STAGES:
+        raise TooLarge("stages", f"{len(req.stages)} entries exceed the limit of {limits.MAX_STAGES}")
+    for i, stage in enumerate(req.stages):
+        if stage < 0:
+            raise ValidationError(f"stages[{i}]", f"{stage} is negative")
+    _check_text(req.torch_version, "torch_version")
+    _check_text(req.dtype, "dtype")
+    _check_text(req.host, "host")
+    if len(req.labels) > limits.MAX_LABELS:
+        raise TooLarge("labels", f"{len(req.labels)} entries exceed the limit of {limits.MAX_LABELS}")
+    for k, v in req.labels.items():
+        _check_text(k, "labels", required=True)
+        _check_text(v, f"labels[{k!r}]", limit=limits.MAX_LABEL_CHARS)
+
+
+def _check_mesh(req: pb.RegisterRequest) -> None:
+    shape, names, coord = list(req.mesh_shape), list(req.mesh_dim_names), list(req.mesh_coordinate)
+    if len(shape) > limits.MAX_TENSOR_DIMS:
+        raise ValidationError("mesh_shape", f"{len(shape)} dims exceed the limit of {limits.MAX_TENSOR_DIMS}")
+    for d, n in enumerate(shape):
+        if n < 1:
+            raise ValidationError(f"mesh_shape[{d}]", f"{n} is not >= 1")
+    if names and len(names) != len(shape):
+        raise ValidationError("mesh_dim_names", f"{len(names)} names for {len(shape)} mesh dims")
+    for d, name in enumerate(names):
+        _check_text(name, f"mesh_dim_names[{d}]", required=True)
+    if len(set(names)) != len(names):
+        raise ValidationError("mesh_dim_names", "names repeat")
+    if len(coord) != len(shape):
+        raise ValidationError("mesh_coordinate", f"{len(coord)} entries for {len(shape)} mesh dims")
+    for d, (c, n) in enumerate(zip(coord, shape)):
+        if not 0 <= c < n:
+            raise ValidationError(f"mesh_coordinate[{d}]", f"{c} is not in [0, mesh_shape {n})")
+    if shape and math.prod(shape) != req.world_size:
+        raise ValidationError(
+            "mesh_shape", f"{shape} has {math.prod(shape)} ranks, world_size is {req.world_size}"
+        )
+
+
+def validate_close(req: pb.CloseSessionRequest) -> None:
+    check_schema_version(req.schema_version)
+    check_session_id(req.session_id)
+    for name in ("records_sent", "records_dropped", "capture_errors"):
+        if getattr(req, name) < 0:
+            raise ValidationError(name, f"{getattr(req, name)} is negative")
+    if len(req.dropped_by_reason) > limits.MAX_DROP_REASONS:
+        raise TooLarge("dropped_by_reason",
+                       f"{len(req.dropped_by_reason)} entries exceed the limit of {limits.MAX_DROP_REASONS}")
+    for reason, n in req.dropped_by_reason.items():
+        _check_text(reason, "dropped_by_reason", required=True)
+        if n < 0:
+            raise ValidationError(f"dropped_by_reason[{reason!r}]", f"{n} is negative")
+
+
+def validate_describe(req: pb.DescribeRunRequest) -> None:
+    check_run_name(req.run)
+
+
+# -- Batches and records -----------------------------------------------------------------------------
+
+def validate_batch(batch: pb.RecordBatch) -> None:
+    """Everything about a batch that can be checked without the store; raises on the first fault."""
+    if batch.HasField("records_crc32") and records_checksum(batch.records) != batch.records_crc32:
+        # First: a corrupted batch must be resent, not refused for what the corruption says.
+        raise CorruptedInTransit("records_crc32", "does not match the records (corrupted in "
+                                                  "transit); resend the batch")
+    check_schema_version(batch.schema_version)
+    check_session_id(batch.session_id)
+    if batch.seq < 1:
+        raise ValidationError("seq", f"{batch.seq} is not >= 1 (sequences start at 1)")
+    records = batch.records
+    if len(records) > limits.MAX_BATCH_RECORDS:
+        raise TooLarge("records", f"{len(records)} records exceed the per-batch limit of "
+                                  f"{limits.MAX_BATCH_RECORDS}")
+    payload_bytes, has_payload = 0, False
+    for i, record in enumerate(records):
+        validate_record(record, f"records[{i}]")
+        if record.HasField("payload"):
+            payload_bytes += len(record.payload.data)
+            has_payload = True
+    if payload_bytes > limits.MAX_BATCH_PAYLOAD_BYTES:
+        raise TooLarge("records", f"payload data of {payload_bytes} bytes exceeds the per-batch "
+                                  f"limit of {limits.MAX_BATCH_PAYLOAD_BYTES}")
+    if has_payload:
+        _verify_batch_payloads(records)
+
+
+def validate_record(r: pb.Record, where: str = "record") -> None:
+    _check_key(r.key, f"{where}.key")
+    if r.stage < -1:
+        raise ValidationError(f"{where}.stage", f"{r.stage} is not >= -1")
+    if r.is_none:
+        for name in ("layout", "digest"):
+            if getattr(r, name).ByteSize():
+                raise ValidationError(f"{where}.{name}", "must be empty when is_none is set")
+        if r.HasField("payload"):
+            raise ValidationError(f"{where}.payload", "must be absent when is_none is set")
+        return
+    numel = _check_layout(r.layout, f"{where}.layout")
+    _check_digest(r.digest, numel, f"{where}.digest")
+    if r.HasField("payload"):
+        _check_payload_header(r.payload, r.layout, numel, f"{where}.payload")
+
+
+def _check_key(k: pb.Key, where: str) -> None:
+    if k.step < 0:
+        raise ValidationError(f"{where}.step", f"{k.step} is negative")
+    if k.microbatch < -1:
+        raise ValidationError(f"{where}.microbatch", f"{k.microbatch} is not >= -1")
+    if k.phase not in _PHASES:
+        raise ValidationError(f"{where}.phase", f"{k.phase} is not a known Phase")
+    if k.role not in _ROLES:
+        raise ValidationError(f"{where}.role", f"{k.role} is not a known Role")
+    _check_text(k.site, f"{where}.site", limit=limits.MAX_SITE_CHARS, required=True)
+    if k.index < 0:
+        raise ValidationError(f"{where}.index", f"{k.index} is negative")
+    if k.call < 0:
+        raise ValidationError(f"{where}.call", f"{k.call} is negative")
+
+
+def _check_layout(lay: pb.Layout, where: str) -> int:
+    """Returns the piece's element count."""
+    if lay.dtype not in ITEMSIZE:
+        why = "missing" if not lay.dtype else f"{_short(lay.dtype)} is not a known dtype"
+        raise ValidationError(f"{where}.dtype", why)
+    logical, offsets, shape = lay.logical_shape, lay.offsets, lay.shape
+    ndim = len(logical)
+    if ndim > limits.MAX_TENSOR_DIMS:
+        raise ValidationError(f"{where}.logical_shape",
+                              f"{ndim} dims exceed the limit of {limits.MAX_TENSOR_DIMS}")
+    if len(offsets) != ndim or len(shape) != ndim:
+        raise ValidationError(
+            f"{where}.offsets" if len(offsets) != ndim else f"{where}.shape",
+            f"lengths differ: logical_shape {ndim}, offsets {len(offsets)}, shape {len(shape)}",
+        )
+    for d in range(ndim):
+        for name, values in (("logical_shape", logical), ("offsets", offsets), ("shape", shape)):
+            if values[d] < 0:
+                raise ValidationError(f"{where}.{name}[{d}]", f"{values[d]} is negative")
+        if offsets[d] + shape[d] > logical[d]:
+            raise ValidationError(
+                f"{where}.offsets",
+                f"offset {offsets[d]} + shape {shape[d]} exceeds logical_shape {logical[d]} on dim {d}",
+            )
+    if math.prod(logical) > _INT64_MAX:
+        raise ValidationError(f"{where}.logical_shape", "has more elements than an int64 counts")
+    if lay.complex_as_real:
+        if lay.dtype not in REAL_FLOAT_DTYPES:
+            raise ValidationError(f"{where}.dtype", f"complex_as_real needs the real floating dtype, "
+                                                    f"not {lay.dtype}")
+        if ndim == 0 or logical[-1] != 2 or shape[-1] != 2:
+            raise ValidationError(f"{where}.shape", "complex_as_real needs a trailing dim of 2 "
+                                                    "(real, imaginary) in logical_shape and shape")
+    return math.prod(shape)
+
+
+def _check_digest(d: pb.Digest, numel: int, where: str) -> None:
+    if d.numel != numel:
+        raise ValidationError(f"{where}.numel", f"{d.numel} != prod(layout.shape) = {numel}")
+    for name in ("nan_count", "posinf_count", "neginf_count", "zero_count"):
+        value = getattr(d, name)
+        if not 0 <= value <= numel:
+            raise ValidationError(f"{where}.{name}", f"{value} is not in [0, numel {numel}]")
+    nonfinite = d.nan_count + d.posinf_count + d.neginf_count
+    if nonfinite + d.zero_count > numel:
+        raise ValidationError(
+            f"{where}.nan_count",
+            f"nan + posinf + neginf + zero counts ({nonfinite + d.zero_count}) exceed numel {numel}",
+        )
+    if len(d.sketch) > limits.MAX_SKETCH_BUCKETS:
+        raise TooLarge(f"{where}.sketch",
+                       f"{len(d.sketch)} buckets exceed the limit of {limits.MAX_SKETCH_BUCKETS}")
+    if not d.has_moments:
+        if d.sketch:
+            raise ValidationError(f"{where}.sketch", "must be empty when has_moments is false")
+        return
+    for name in ("sum", "sum_sq", "min", "max", "abs_max"):
+        if math.isnan(getattr(d, name)):
+            raise ValidationError(f"{where}.{name}", "NaN (moments cover finite elements only)")
+    if d.sum_sq < 0:
+        raise ValidationError(f"{where}.sum_sq", f"{d.sum_sq} is negative")
+    if d.abs_max < 0:
+        raise ValidationError(f"{where}.abs_max", f"{d.abs_max} is negative")
+    if numel - nonfinite > 0 and d.min > d.max:
+        raise ValidationError(f"{where}.min", f"{d.min} > max {d.max}")
+    if d.sketch and math.isnan(sum(d.sketch)):  # fast path; inf + -inf also lands here
+        for i, v in enumerate(d.sketch):
+            if math.isnan(v):
+                raise ValidationError(f"{where}.sketch[{i}]", "NaN")
+
+
+def _zstd_bound(n: int) -> int:
+    """ZSTD_COMPRESSBOUND plus slack for the frame header and checksum."""
+    return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
+
+
+def _check_payload_header(p: pb.Payload, lay: pb.Layout, numel: int, where: str) -> None:
+    if p.codec not in CODECS:
+        raise ValidationError(f"{where}.codec", f"{_short(p.codec)} is not one of {', '.join(CODECS)}")
+    expected = numel * ITEMSIZE[lay.dtype]
+    if p.raw_nbytes != expected:
+        raise ValidationError(
+            f"{where}.raw_nbytes",
+            f"{p.raw_nbytes} != prod(layout.shape) {numel} x itemsize {ITEMSIZE[lay.dtype]} "
+            f"({lay.dtype}) = {expected}",
+        )
+    if p.raw_nbytes > limits.MAX_PAYLOAD_RAW_BYTES:
+        raise TooLarge(f"{where}.raw_nbytes", f"{p.raw_nbytes} exceeds the per-record payload limit "
+                                              f"of {limits.MAX_PAYLOAD_RAW_BYTES}")
+    if p.chunk_count < 1:
+        raise ValidationError(f"{where}.chunk_count", f"{p.chunk_count} is not >= 1")
+    if not 0 <= p.chunk_index < p.chunk_count:
+        raise ValidationError(f"{where}.chunk_index",
+                              f"{p.chunk_index} is not in [0, chunk_count {p.chunk_count})")
+    bound = p.raw_nbytes if p.codec == "raw" else _zstd_bound(p.raw_nbytes)
+    if p.codec == "raw" and p.compressed_nbytes != p.raw_nbytes:
+        raise ValidationError(f"{where}.compressed_nbytes",
+                              f"{p.compressed_nbytes} != raw_nbytes {p.raw_nbytes} for codec raw")
+    if not 0 <= p.compressed_nbytes <= bound:
+        raise ValidationError(f"{where}.compressed_nbytes",
+                              f"{p.compressed_nbytes} is not in [0, {bound}] for {p.raw_nbytes} raw bytes")
+    if p.chunk_count > max(1, p.compressed_nbytes):
+        raise ValidationError(f"{where}.chunk_count",
+                              f"{p.chunk_count} chunks for a {p.compressed_nbytes}-byte stream")
+    if p.chunk_count == 1 and len(p.data) != p.compressed_nbytes:
+        raise CorruptPayload(f"{where}.data",
+                             f"{len(p.data)} bytes, compressed_nbytes says {p.compressed_nbytes}")
+    if p.chunk_count > 1 and not 0 < len(p.data) <= p.compressed_nbytes:
+        raise CorruptPayload(f"{where}.data", f"chunk of {len(p.data)} bytes in a "
+                                              f"{p.compressed_nbytes}-byte stream")
+
+
+def check_zstd_header(prefix: bytes, raw_nbytes: int, where: str) -> None:
+    """Refuses a zstd frame before decompressing it: size undeclared or wrong, window too large."""
+    try:
+        params = zstandard.get_frame_parameters(prefix)
+    except zstandard.ZstdError as exc:
+        raise CorruptPayload(f"{where}.data", f"not a zstd frame ({exc})") from None
+    if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+        raise ValidationError(f"{where}.data", "zstd frame does not declare its content size")
+    if params.content_size != raw_nbytes:
+        raise CorruptPayload(f"{where}.data", f"zstd frame declares {params.content_size} bytes, "
+                                              f"raw_nbytes says {raw_nbytes}")
+    if params.window_size > limits.MAX_ZSTD_WINDOW_BYTES:
+        raise TooLarge(f"{where}.data", f"zstd window of {params.window_size} bytes exceeds the "
+                                        f"limit of {limits.MAX_ZSTD_WINDOW_BYTES}")
+    if params.dict_id:
+        raise ValidationError(f"{where}.data", "zstd dictionaries are not supported")
+
+
+def verify_stream(p: pb.Payload, stream: bytes, where: str) -> None:
+    """Checks a whole compressed stream: length, CRC-32, and for zstd a bounded decompression."""
+    if len(stream) != p.compressed_nbytes:
+        raise CorruptPayload(f"{where}.data", f"stream of {len(stream)} bytes, compressed_nbytes "
+                                              f"says {p.compressed_nbytes}")
+    crc = zlib.crc32(stream)
+    if crc != p.crc32:
+        raise CorruptPayload(f"{where}.crc32", f"stream has CRC-32 {crc:#010x}, header says {p.crc32:#010x}")
+    if p.codec != "zstd":
+        return
+    check_zstd_header(stream, p.raw_nbytes, where)
+    n = _decompressed_size(stream, p.raw_nbytes, where)
+    if n != p.raw_nbytes:
+        raise CorruptPayload(f"{where}.data", f"zstd stream decompresses to {n} bytes, raw_nbytes "
+                                              f"says {p.raw_nbytes} (truncated or corrupt)")
+
+
+def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
+    """Bytes the stream decompresses to, reading at most raw_nbytes + 1 of them."""
+    dctx = zstandard.ZstdDecompressor(max_window_size=limits.MAX_ZSTD_WINDOW_BYTES)
+    n = 0
+    try:
+        with dctx.stream_reader(stream, read_size=1 << 16) as reader:
+            while n <= raw_nbytes:
+                block = reader.read(min(limits.DECOMPRESS_READ_BYTES, raw_nbytes + 1 - n))
+                if not block:
+                    break
+                n += len(block)
+    except (zstandard.ZstdError, MemoryError) as exc:
+        raise CorruptPayload(f"{where}.data", f"zstd decompression failed ({exc})") from None
+    return n
+
+
+def _verify_batch_payloads(records: Sequence[pb.Record]) -> None:
+    """Whole-stream checks for payloads complete in this batch; header checks for the others."""
+    complete: list[tuple[int, pb.Payload, bytes]] = []
+    groups: dict[tuple, dict[int, int]] = {}
+    for i, r in enumerate(records):
+        if not r.HasField("payload"):
+            continue
+        p = r.payload
+        if p.chunk_count == 1:
+            complete.append((i, p, p.data))
+            continue
+        if p.chunk_index == 0 and p.codec == "zstd":
+            check_zstd_header(p.data, p.raw_nbytes, f"records[{i}].payload")
+        group = (r.key.SerializeToString(deterministic=True), p.chunk_count, p.crc32,
+                 p.compressed_nbytes, p.codec, p.raw_nbytes)
+        groups.setdefault(group, {}).setdefault(p.chunk_index, i)
+    for chunks in groups.values():
+        first = chunks.get(0)
+        if first is not None and len(chunks) == records[first].payload.chunk_count:
+            stream = b"".join(records[chunks[c]].payload.data for c in range(len(chunks)))
+            complete.append((first, records[first].payload, stream))
+    raw_total = sum(p.raw_nbytes for _, p, _ in complete if p.codec == "zstd")
+    if raw_total > limits.MAX_BATCH_RAW_BYTES:
+        raise TooLarge("records", f"payloads would decompress to {raw_total} bytes, over the "
+                                  f"per-batch limit of {limits.MAX_BATCH_RAW_BYTES}; send fewer per batch")
+    for i, p, stream in complete:
+        verify_stream(p, stream, f"records[{i}].payload")
+

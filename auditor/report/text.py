@@ -1,0 +1,211 @@
+"""The human report: summary, first divergence, graph breaks, warnings, findings by phase."""
+
+from __future__ import annotations
+
+import io
+from typing import Iterable, Iterator
+
+from auditor.compare import findings as F
+from auditor.compare.align import PHASE_IDS, phase_name
+from auditor.compare.findings import format_float
+from auditor.compare.ranges import format_ranges
+from auditor.compare.result import Report
+
+TEXT_ROWS_PER_GROUP = 50
+"""Breaching findings listed per (phase, stage) group in the text report unless --limit says."""
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return format_ranges(ranks, "-")
+
+
+def _run_text(info: dict) -> str:
+    stages = info.get("stages") or []
+    parts = [f"{info['world_size']} rank" + ("s" if info["world_size"] != 1 else "")]
+    if len(stages) > 1:
+        parts.append(f"stages {format_ranges(stages)}")
+    if info.get("dtype"):
+        parts.append(info["dtype"])
+    return f"{info['name']} ({', '.join(parts)})"
+
+
+def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None,
+                show_all: bool = False, limit: int = TEXT_ROWS_PER_GROUP,
+                color: bool = False) -> str:
+    """The human report from the JSON form: summary, first divergence, graph breaks, warnings,
+    then the findings (breaching ones, or all with ``show_all``) by phase and stage."""
+    from rich.console import Console
+    from rich.padding import Padding
+    from rich.text import Text
+
+    def para(text: str, indent: int, style: str = "") -> None:
+        """A paragraph whose wrapped lines keep the indentation."""
+        con.print(Padding(Text(text, style=style), (0, 0, 0, indent)))
+
+    buf = io.StringIO()
+    con = Console(file=buf, width=width or 100, force_terminal=color, no_color=not color,
+                  highlight=False, soft_wrap=False)
+    runs, pol, summ = doc["runs"], doc["policy"], doc["summary"]
+    con.print(Text(f"numaudit: {_run_text(runs['ref'])} vs {_run_text(runs['cand'])}",
+                   style="bold"))
+    con.print(f"policy: {pol['name']} ({pol['source']}, sha256 {pol['sha256'][:12]})")
+    con.print(Text(summary_line(summ), style="bold red" if summ["breaches"] else "bold green"))
+
+    con.print()
+    first = doc.get("first_divergence")
+    if first is None:
+        con.print(Text("First divergence: none", style="bold"))
+    else:
+        con.print(Text("First divergence", style="bold"))
+        para(F.headline(first), 2, "red")
+        if first.get("cause"):
+            para(f"{first['cause']['kind']}: {first['cause']['reason']}", 2)
+        para(f"ranks: {runs['ref']['name']} {_ranks_text(first['ranks']['ref'])}; "
+             f"{runs['cand']['name']} {_ranks_text(first['ranks']['cand'])}; "
+             f"rule: {first['rule']}", 2)
+        payload = first.get("metrics", {}).get("payload")
+        if payload and payload.get("worst"):
+            w = payload["worst"]
+            para(f"largest difference at {w['index']}: {w['ref']} vs {w['cand']} "
+                 f"(max_abs {format_float(payload['max_abs'])}, "
+                 f"ulp {format_float(payload['ulp'])})", 2)
+        for note in first.get("notes", []):
+            para(f"note: {note}", 2)
+
+    if doc.get("graph_breaks"):
+        con.print()
+        con.print(Text("Backward-graph breaks", style="bold"))
+        for g in doc["graph_breaks"]:
+            para(f"- {g['message']}", 2, "red" if g["kind"] == "none" else "yellow")
+            if g.get("boundary"):
+                para(g["boundary"], 4)
+
+    if doc.get("warnings"):
+        con.print()
+        con.print(Text("Warnings", style="bold"))
+        for w in doc["warnings"]:
+            para(f"- {w}", 2)
+
+    groups: dict[tuple[str, int], list[dict]] = {}
+    first_order: dict[tuple[str, int], int] = {}
+    for f in findings:
+        if not show_all and not f["breach"]:
+            continue
+        st = f["stage"] if f["stage"] is not None else (f.get("ref_stage") or -1)
+        g = (f["key"]["phase"], st if st is not None else -1)
+        groups.setdefault(g, []).append(f)
+        first_order.setdefault(g, f.get("order", 0))
+    con.print()
+    title = "Findings" if show_all else "Breaching findings"
+    if not groups:
+        con.print(Text(f"{title}: none", style="bold"))
+        return _rstrip_lines(buf.getvalue())
+    con.print(Text(f"{title}, by phase and stage", style="bold"))
+    summarized = bool(doc.get("graph_breaks"))
+    for (phase, st), members in sorted(groups.items(), key=lambda kv: first_order[kv[0]]):
+        label = phase + (f", stage {st}" if st >= 0 else "")
+        rows = members
+        collapsed = 0
+        if phase == "grad" and summarized:
+            rows = [f for f in members if f["verdict"] != "grad_none"]
+            collapsed = len(members) - len(rows)
+        con.print(Text(f"  {label}: {len(members)} findings", style="bold"))
+        if collapsed:
+            con.print(f"    {collapsed} grad_none, summarized under backward-graph breaks")
+        if not rows:
+            continue
+        shown = rows if limit <= 0 else rows[:limit]
+        texts = [_row_texts(f) for f in shown]
+        shared = {t[1] for t in texts}
+        common = shared.pop() if len(shared) == 1 and len(texts) > 1 else None
+        if common:
+            para(f"all listed: {common}", 4)
+        # align the columns of the listed rows as far as the width allows
+        widths = [max(len(t[0][c]) for t in texts) for c in range(3)]
+        budget = (width or 100) - 4 - 6 - max(len(t[0][3]) for t in texts)
+        if sum(widths) > budget:
+            widths[1] = max(0, budget - widths[0] - widths[2])
+        texts = [("  ".join(p.ljust(w) for p, w in zip(t[0][:3], widths)) + "  " + t[0][3],
+                  t[1]) for t in texts]
+        for f, (line, extra) in zip(shown, texts):
+            style = "red" if f["breach"] else ("green" if f["verdict"] == "identical" else "")
+            para(line, 4, style)
+            if extra and extra != common:
+                para(extra, 8)
+        if len(rows) > len(shown):
+            con.print(f"    ... and {len(rows) - len(shown)} more (--limit 0 lists all; "
+                      "--format json has every finding)")
+    return _rstrip_lines(buf.getvalue())
+
+
+def _rstrip_lines(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.split("\n"))
+
+
+def _row_texts(f: dict) -> tuple[tuple[str, str, str, str], str]:
+    """A finding as the text report lists it: (where, what, verdict, measure), explanation."""
+    k = f["key"]
+    where = f"step {k['step']}" + (f" mb {k['microbatch']}" if k["microbatch"] >= 0 else "")
+    role = k["role"] + (f"[{k['index']}]" if k["index"] else "") + \
+        (f" call {k['call']}" if k["call"] else "")
+    line = F.measure_text(f, compact=True)
+    if not line and f.get("metric") and f["verdict"] != "identical":
+        line = f["metric"]  # exact, shape: no number to show
+    cause = f.get("cause")
+    extra = f"{cause['kind']}: {cause['reason']}" if cause else f.get("detail", "")
+    if f.get("notes"):
+        extra = (extra + "; " if extra else "") + "; ".join(f["notes"])
+    return (where, f"{k['site']} {role}", f["verdict"], line), extra
+
+
+def summary_line(summ: dict) -> str:
+    """"N keys: a identical, b close, ... — k breach the policy"."""
+    v = summ["verdicts"]
+    shown = [f"{v[name]} {name}" for name in F.VERDICTS if v.get(name)]
+    keys = sum(v.values())
+    text = f"{keys} keys: " + (", ".join(shown) or "none")
+    if summ.get("ignored"):
+        text += f" ({summ['ignored']} ignored by policy)"
+    text += f" — {summ['breaches']} breach the policy" if summ["breaches"] else \
+        " — all within policy"
+    if summ.get("uncertain"):
+        text += f"; {summ['uncertain']} within noise of their threshold"
+    return text
+
+
+def to_text(report: Report, *, width: int | None = None, show_all: bool = False,
+            limit: int = TEXT_ROWS_PER_GROUP, color: bool = False) -> str:
+    """The text report of a comparison."""
+    return render_text(report.header_dict(), text_findings(report, show_all, limit), width=width,
+                       show_all=show_all, limit=limit, color=color)
+
+
+def text_findings(report: Report, show_all: bool, limit: int) -> Iterator[dict]:
+    """Findings for the text report: the rows it lists in full, the others reduced to what
+    it counts (a million breaches must not build a million Findings to print fifty)."""
+    comp = report.comparison
+    rk, ck = comp.ref_keys, comp.cand_keys
+    collapse = bool(report.graph_breaks)
+    grad, grad_none = PHASE_IDS["grad"], F.GRAD_NONE
+    listed: dict[tuple, int] = {}
+    for i in comp.indices(breaches_only=not show_all).tolist():
+        ri, ci = int(comp.ri[i]), int(comp.ci[i])
+        stage = int(ck.stage[ci]) if ci >= 0 else None
+        ref_stage = int(rk.stage[ri]) if ri >= 0 else None
+        ph, v = int(comp.A[i] & 0xF), int(comp.verdict[i])
+        group = (ph, stage if stage is not None else (ref_stage or -1))
+        listable = not (collapse and ph == grad and v == grad_none)
+        n = listed.get(group, 0)
+        if listable:
+            listed[group] = n + 1
+        if listable and (limit <= 0 or n < limit):
+            yield comp.finding(i).as_dict()
+        else:
+            yield {"key": {"phase": phase_name(ph)}, "stage": stage, "ref_stage": ref_stage,
+                   "verdict": F.VERDICT_NAMES[v], "breach": bool(comp.breach[i]),
+                   "order": int(comp.rank_in_order[i])}
+
+
+def report_summary_line(report: Report) -> str:
+    """The one-line summary of a comparison."""
+    return summary_line(report.header_dict()["summary"])

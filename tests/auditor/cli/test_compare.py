@@ -1,0 +1,192 @@
+"""`auditor compare` / `auditor watch` and the Compare / Watch RPCs, against real stores and a
+real daemon (tests talk to servers, never to mocks of gRPC)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import grpc
+import pytest
+from click.testing import CliRunner
+
+from auditor.cli import main
+from protos import numaudit_pb2 as pb
+from tests.auditor.synth import mlp_run, send, write_runs
+
+ROOT = Path(__file__).resolve().parents[3]
+T = 30.0  # deadline of every RPC in these tests
+
+
+def _bump(kind, step, mb, site, t):
+    if (kind, site, mb) == ("fwd", "layers.1", 1):
+        t = t.clone()
+        t[0, 0] += 0.5
+    return t
+
+
+def runs():
+    return (mlp_run("ref", world=2), mlp_run("same", world=4),
+            mlp_run("bumped", world=2, perturb=_bump))
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "audit.db"
+    return write_runs(path, *runs())
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_exit_codes(db):
+    ok = cli("compare", "ref", "same", "--db", str(db), "--preset", "bitwise")
+    assert ok.exit_code == 0, ok.output
+    assert "all within policy" in ok.output and "First divergence: none" in ok.output
+    bad = cli("compare", "ref", "bumped", "--db", str(db))
+    assert bad.exit_code == 1
+    assert "First divergence" in bad.output and "fwd layers.1 output @ step 0 mb 1" in bad.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (("compare", "ref", "nope"), "no run named 'nope'"),
+    (("compare", "ref", "same", "--address", "127.0.0.1:1"), "either --db or --address"),
+    (("compare", "ref", "same", "--format", "html"), "html"),
+    (("compare", "ref", "same", "-o", "/nonexistent/dir/report.txt"), "does not exist"),
+])
+def test_usage_and_input_errors_exit_2_in_one_line(db, args, message):
+    res = cli(*args, "--db", str(db))
+    assert res.exit_code == 2
+    assert message in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_malformed_policy_is_one_line_naming_file_rule_field(db, tmp_path):
+    bad = tmp_path / "p.toml"
+    bad.write_text('[[rule]]\nname = "router"\nmetric = "cosin"\n')
+    res = cli("compare", "ref", "same", "--db", str(db), "--policy", str(bad))
+    assert res.exit_code == 2
+    assert f"{bad}: rule 1 (router): field 'metric'" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_formats_and_output_file(db, tmp_path):
+    out = tmp_path / "r.json"
+    res = cli("compare", "ref", "bumped", "--db", str(db), "--format", "json", "-o", str(out))
+    assert res.exit_code == 1 and res.output == ""
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["exit_code"] == 1 and doc["first_divergence"]["key"]["site"] == "layers.1"
+    junit = cli("compare", "ref", "bumped", "--db", str(db), "--format", "junit")
+    root = ET.fromstring(junit.output)
+    assert int(root.get("failures")) >= 1
+    every = cli("compare", "ref", "bumped", "--db", str(db), "--all", "--limit", "0")
+    assert "identical" in every.output.split("Findings, by phase and stage")[1]
+
+
+def test_policy_file_with_preset_override(db):
+    policy = ROOT / "examples" / "policies" / "default.toml"
+    res = cli("compare", "ref", "same", "--db", str(db), "--policy", str(policy), "--preset",
+              "bitwise")
+    assert res.exit_code == 0
+    assert "policy: default" in res.output
+
+
+def test_the_installed_command_runs(db):
+    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", "ref", "bumped", "--db",
+                           str(db), "--format", "json"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(proc.stdout)["summary"]["breaches"] >= 1
+
+
+def test_watch_on_a_store_file(db):
+    res = cli("watch", "ref", "bumped", "--db", str(db), "--poll", "0.05")
+    assert res.exit_code == 1
+    assert res.output.count("FIRST DIVERGENCE: diverged: fwd layers.1 output @ step 0 mb 1") == 1
+    js = cli("watch", "ref", "same", "--db", str(db), "--format", "json", "--poll", "0.05")
+    assert js.exit_code == 0
+    events = [json.loads(line) for line in js.output.splitlines()]
+    assert events[-1]["event"] == "status" and events[-1]["status"].startswith("done")
+
+
+# -- through a running daemon -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    from wire import limits
+    from auditor.daemon.server import BackgroundServer
+    from protos import numaudit_pb2_grpc
+
+    d = tmp_path_factory.mktemp("daemon")
+    with BackgroundServer("127.0.0.1:0", d / "audit.db", synchronous="NORMAL", grace=0.5) as srv:
+        with grpc.insecure_channel(srv.address, options=limits.client_options()) as channel:
+            stub = numaudit_pb2_grpc.AuditorStub(channel)
+            for run in runs():
+                send(stub, run)
+            yield srv, stub
+
+
+def test_compare_rpc_returns_the_json_report(daemon):
+    srv, stub = daemon
+    resp = stub.Compare(pb.CompareRequest(ref="ref", cand="bumped"), timeout=T)
+    assert resp.exit_code == 1
+    doc = json.loads(resp.report_json)
+    assert doc["schema_version"] == 1 and doc["findings_included"] == "all"
+    assert doc["first_divergence"]["key"]["microbatch"] == 1
+    same = stub.Compare(pb.CompareRequest(ref="ref", cand="same", preset="bitwise"), timeout=T)
+    assert same.exit_code == 0
+
+
+@pytest.mark.parametrize("request_kw, code, field", [
+    (dict(ref="ref", cand="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+    (dict(ref="r e f", cand="same"), grpc.StatusCode.INVALID_ARGUMENT, "ref:"),
+    (dict(ref="ref", cand="same", preset="fp31"), grpc.StatusCode.INVALID_ARGUMENT, "preset:"),
+    (dict(ref="ref", cand="same", policy_toml="[[rule]]\nphase = 'x'"),
+     grpc.StatusCode.INVALID_ARGUMENT, "policy_toml: rule 1: field 'phase'"),
+])
+def test_compare_rpc_errors_name_the_field(daemon, request_kw, code, field):
+    _, stub = daemon
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compare(pb.CompareRequest(**request_kw), timeout=T)
+    assert err.value.code() == code
+    assert field in err.value.details()
+
+
+def test_cli_against_the_daemon_prints_the_same_report(daemon, db):
+    srv, _ = daemon
+    remote = cli("compare", "ref", "bumped", "--address", srv.address)
+    local = cli("compare", "ref", "bumped", "--db", str(db))
+    assert remote.exit_code == local.exit_code == 1
+    strip = lambda s: s.split("\n", 3)[3]  # noqa: E731 - after the header lines
+    assert strip(remote.output) == strip(local.output)
+    junit = cli("compare", "ref", "bumped", "--address", srv.address, "--format", "junit")
+    assert ET.fromstring(junit.output).get("failures") is not None
+    gone = cli("compare", "ref", "nope", "--address", srv.address)
+    assert gone.exit_code == 2 and "nope" in gone.output
+
+
+def test_watch_rpc_streams_findings_and_announces_once(daemon):
+    _, stub = daemon
+    events = list(stub.Watch(pb.WatchRequest(ref="ref", cand="bumped", poll_interval_s=0.05,
+                                             timeout_s=5), timeout=T))
+    firsts = [e for e in events if e.first_divergence]
+    assert len(firsts) == 1
+    assert json.loads(firsts[0].finding_json)["key"]["site"] == "layers.1"
+    assert events[-1].status.startswith("done")
+    findings = [json.loads(e.finding_json) for e in events if e.finding_json and
+                not e.first_divergence]
+    assert len(findings) == len({json.dumps(f["key"], sort_keys=True) for f in findings})
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Watch(pb.WatchRequest(ref="ref", cand="bumped", timeout_s=-1), timeout=T))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in \
+        err.value.details()
+    res = cli("watch", "ref", "bumped", "--address", _addr(daemon), "--poll", "0.05")
+    assert res.exit_code == 1 and res.output.count("FIRST DIVERGENCE") == 1
+
+
+def _addr(daemon) -> str:
+    return daemon[0].address

@@ -1,0 +1,230 @@
+"""Host-side digest algebra: storage round trips, merging, and the sketch's documented bands."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from auditor.compare import digests as A
+from auditor.compare.digests import (
+    DigestValues,
+    fingerprint_from_int64,
+    fingerprint_to_int64,
+    merge_disjoint,
+    merge_partial,
+    sketch_cosine,
+    sketch_l2_estimate,
+    sketch_rel_error,
+)
+from protos import numaudit_pb2 as pb
+
+
+def test_auditor_digests_imports_no_torch():
+    """The daemon imports this module at start-up; torch would cost seconds."""
+    code = "import sys, auditor.compare.digests; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_seeds_and_row_layout_match_the_agent():
+    from agents import digest as agent
+
+    assert (A.FINGERPRINT_SEED, A.SKETCH_SEED, A.N_MOMENTS) == (
+        agent.FINGERPRINT_SEED, agent.SKETCH_SEED, agent.N_MOMENTS)
+
+
+@pytest.mark.parametrize("u", [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 0xDEADBEEFCAFEF00D])
+def test_fingerprint_int64_round_trip(u):
+    i = fingerprint_to_int64(u)
+    assert -(2**63) <= i < 2**63
+    assert fingerprint_from_int64(i) == u
+
+
+def test_fingerprint_int64_rejects_out_of_range():
+    with pytest.raises(ValueError, match="fingerprint"):
+        fingerprint_to_int64(2**64)
+    with pytest.raises(ValueError, match="fingerprint"):
+        fingerprint_from_int64(2**63)
+
+
+def _values(seed: int, n: int = 10, k: int = 8) -> DigestValues:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n)
+    return DigestValues(
+        numel=n, nan=1, posinf=0, neginf=2, zeros=3, has_moments=True, sum=float(x.sum()),
+        sum_sq=float((x * x).sum()), min=float(x.min()), max=float(x.max()),
+        abs_max=float(abs(x).max()), fingerprint=int(rng.integers(0, 2**63)) * 2 + 1,
+        sketch=rng.normal(size=k),
+    )
+
+
+def test_proto_round_trip():
+    d = _values(1)
+    msg = d.to_proto(pb.Digest())
+    back = DigestValues.from_proto(pb.Digest.FromString(msg.SerializeToString()))
+    assert back.fingerprint == d.fingerprint and back.numel == d.numel
+    assert (back.sum, back.min, back.max, back.abs_max) == (d.sum, d.min, d.max, d.abs_max)
+    np.testing.assert_array_equal(back.sketch, d.sketch)
+    assert (msg.fingerprint_seed, msg.sketch_seed) == (A.FINGERPRINT_SEED, A.SKETCH_SEED)
+
+
+def test_integer_digest_leaves_float_fields_unset():
+    d = DigestValues.from_rows([0, 0, math.inf, -math.inf, 0, 0, 0], [4, 0, 0, 0, 1, -5], False)
+    assert d.fingerprint == 2**64 - 5 and d.sketch.size == 0
+    msg = d.to_proto(pb.Digest())
+    assert (msg.sum, msg.min, msg.max) == (0.0, 0.0, 0.0)  # proto3 defaults: unset
+    assert len(msg.sketch) == 0 and not msg.has_moments
+    back = DigestValues.from_proto(msg)
+    assert (back.min, back.max) == (math.inf, -math.inf) and back.fingerprint == d.fingerprint
+
+
+def test_from_rows_validates_lengths():
+    with pytest.raises(ValueError, match="i64_row"):
+        DigestValues.from_rows([0.0] * 6, [1, 2, 3], True)
+    with pytest.raises(ValueError, match="f64_row"):
+        DigestValues.from_rows([0.0] * 3, [0] * 6, True)
+
+
+def test_merge_disjoint_algebra():
+    a, b = _values(1), _values(2)
+    m = merge_disjoint([a, b])
+    assert m.numel == 20 and m.nan == 2 and m.zeros == 6
+    assert m.fingerprint == (a.fingerprint + b.fingerprint) % 2**64
+    assert m.min == min(a.min, b.min) and m.abs_max == max(a.abs_max, b.abs_max)
+    np.testing.assert_array_equal(m.sketch, a.sketch + b.sketch)
+    ident = merge_disjoint([a, DigestValues.empty(True, 8)])
+    assert ident.fingerprint == a.fingerprint and ident.min == a.min and ident.sum == a.sum
+    assert merge_disjoint([a]).fingerprint == a.fingerprint
+
+
+def test_merge_refuses_incompatible_pieces():
+    a, b = _values(1, k=8), _values(2, k=16)
+    with pytest.raises(ValueError, match="sketch"):
+        merge_disjoint([a, b])
+    c = _values(3)
+    c.sketch_seed = 1
+    with pytest.raises(ValueError, match="seed"):
+        merge_disjoint([a, c])
+    with pytest.raises(ValueError, match="no pieces"):
+        merge_disjoint([])
+    with pytest.raises(ValueError, match="numel"):
+        merge_partial([_values(1, n=10), _values(2, n=11)])
+
+
+def test_merge_partial_marks_what_is_unknown():
+    a, b = _values(1), _values(2)
+    m = merge_partial([a, b])
+    assert not m.exact and m.numel == 10
+    assert m.sum == pytest.approx(a.sum + b.sum)
+    assert math.isnan(m.sum_sq) and math.isnan(m.min) and m.zeros == -1 and m.fingerprint == 0
+    assert m.nonfinite == a.nonfinite + b.nonfinite
+    assert merge_disjoint([m, merge_partial([a, b])]).exact is False
+
+
+# ----------------------------------------------------------------- sketch bands
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors gain nothing from a second intra-op thread, and on a busy machine every op
+    would wait for it to be scheduled."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _digest(x):
+    from agents.digest import digest_piece
+    from agents.layout import PieceLayout
+
+    f, i = digest_piece(x, PieceLayout.full(tuple(x.shape)))
+    return DigestValues.from_rows(f.tolist(), i.tolist(), True)
+
+
+def _pairs(count: int, seed: int):
+    """Reference/candidate pairs: sizes 1k..20k, noise 1e-7..1, several shapes of difference."""
+    g = torch.Generator().manual_seed(seed)
+    for j in range(count):
+        n = int(torch.randint(1_000, 20_000, (1,), generator=g))
+        scale = 10.0 ** int(torch.randint(-3, 4, (1,), generator=g))
+        a = torch.randn(n, generator=g, dtype=torch.float64) * scale
+        level = 10 ** float(torch.empty(1).uniform_(-7, 0, generator=g))
+        kind = j % 5
+        noise = torch.randn(n, generator=g, dtype=torch.float64)
+        if kind == 1:  # heavy-tailed noise
+            noise = noise ** 3
+        elif kind == 2:  # differences confined to 5% of the elements
+            noise = noise * (torch.rand(n, generator=g) < 0.05)
+        elif kind == 3:  # one diverged column of a [rows, 64] matrix
+            noise = (noise.view(-1)[: n - n % 64].view(-1, 64) * (torch.arange(64) == 7)).reshape(-1)
+            a = a[: noise.numel()]
+        elif kind == 4:  # a contiguous block differs
+            mask = torch.zeros(n, dtype=torch.bool)
+            s = int(torch.randint(0, n // 2, (1,), generator=g))
+            mask[s: s + n // 4] = True
+            noise = noise * mask
+        b = a + level * a.abs().mean() * noise
+        yield a, b
+
+
+def test_rel_error_within_documented_band(one_thread):
+    """|estimate / true - 1| <= 4 sigma (sigma = 1/sqrt(2k)) on >= 99% of 300 pairs."""
+    k = 256
+    sigma_rel = 1 / math.sqrt(2 * k)
+    ratios, inside = [], 0
+    pairs = list(_pairs(300, seed=7))
+    for a, b in pairs:
+        true = float((b - a).norm() / a.norm())
+        est, sigma = sketch_rel_error(_digest(a), _digest(b))
+        assert sigma == pytest.approx(est * sigma_rel)
+        ratio = est / true
+        ratios.append(ratio)
+        inside += abs(ratio - 1) <= 4 * sigma_rel
+    assert inside >= 0.99 * len(pairs)
+    r2 = np.array(ratios) ** 2
+    assert abs(r2.mean() - 1) < 4 * math.sqrt(2 / k) / math.sqrt(len(pairs))  # unbiased
+    assert np.std(ratios) < 1.25 * sigma_rel
+
+
+def test_cosine_within_documented_band(one_thread):
+    g = torch.Generator().manual_seed(11)
+    inside, total = 0, 0
+    for j in range(200):
+        n = int(torch.randint(1_000, 20_000, (1,), generator=g))
+        a = torch.randn(n, generator=g, dtype=torch.float64)
+        perp = torch.randn(n, generator=g, dtype=torch.float64)
+        perp -= (perp @ a) / (a @ a) * a
+        angle = float(torch.empty(1).uniform_(0, math.pi, generator=g)) * (0.001 if j % 2 else 1)
+        b = (math.cos(angle) * a / a.norm() + math.sin(angle) * perp / perp.norm()) * 3.0
+        true = float(a @ b / (a.norm() * b.norm()))
+        est, sigma = sketch_cosine(_digest(a), _digest(b))
+        total += 1
+        inside += abs(est - true) <= 4 * sigma + 1e-12
+    assert inside >= 0.99 * total
+
+
+def test_identical_and_single_element_differences_are_exact():
+    a = torch.randn(5000, dtype=torch.float64)
+    da = _digest(a)
+    assert sketch_l2_estimate(da, _digest(a.clone())) == (0.0, 0.0)
+    assert sketch_cosine(da, da)[0] == 1.0
+    b = a.clone()
+    b[1234] += 0.5
+    est, _ = sketch_l2_estimate(da, _digest(b))
+    assert est == pytest.approx(0.5, rel=1e-9)
+
+
+def test_zero_reference():
+    z = _digest(torch.zeros(100, dtype=torch.float64))
+    one = _digest(torch.ones(100, dtype=torch.float64))
+    assert sketch_rel_error(z, z) == (0.0, 0.0)
+    assert sketch_rel_error(z, one) == (math.inf, math.inf)
+    with pytest.raises(ValueError, match="sketch"):
+        ints = DigestValues.from_rows([0.0] * 5, [1, 0, 0, 0, 0, 0], False)
+        sketch_l2_estimate(ints, ints)
