@@ -12,6 +12,12 @@ class SchemaVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHEMA_VERSION_UNSPECIFIED: _ClassVar[SchemaVersion]
     SCHEMA_VERSION_1: _ClassVar[SchemaVersion]
 
+class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCTION_NONE: _ClassVar[Reduction]
+    REDUCTION_MEAN: _ClassVar[Reduction]
+    REDUCTION_SUM: _ClassVar[Reduction]
+
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PHASE_UNSPECIFIED: _ClassVar[Phase]
@@ -32,6 +38,9 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_VALUE: _ClassVar[Role]
 SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
 SCHEMA_VERSION_1: SchemaVersion
+REDUCTION_NONE: Reduction
+REDUCTION_MEAN: Reduction
+REDUCTION_SUM: Reduction
 PHASE_UNSPECIFIED: Phase
 PHASE_FWD: Phase
 PHASE_BWD: Phase
@@ -65,7 +74,7 @@ class Key(_message.Message):
     def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., site: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., index: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("logical_shape", "offsets", "shape", "replica", "partial", "dtype", "complex_as_real")
+    __slots__ = ("logical_shape", "offsets", "shape", "replica", "partial", "dtype", "complex_as_real", "reduce", "reduce_weight", "reduce_index", "reduce_count")
     LOGICAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +82,10 @@ class Layout(_message.Message):
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     COMPLEX_AS_REAL_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_COUNT_FIELD_NUMBER: _ClassVar[int]
     logical_shape: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -80,7 +93,11 @@ class Layout(_message.Message):
     partial: bool
     dtype: str
     complex_as_real: bool
-    def __init__(self, logical_shape: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., replica: _Optional[bool] = ..., partial: _Optional[bool] = ..., dtype: _Optional[str] = ..., complex_as_real: _Optional[bool] = ...) -> None: ...
+    reduce: Reduction
+    reduce_weight: float
+    reduce_index: int
+    reduce_count: int
+    def __init__(self, logical_shape: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., replica: _Optional[bool] = ..., partial: _Optional[bool] = ..., dtype: _Optional[str] = ..., complex_as_real: _Optional[bool] = ..., reduce: _Optional[_Union[Reduction, str]] = ..., reduce_weight: _Optional[float] = ..., reduce_index: _Optional[int] = ..., reduce_count: _Optional[int] = ...) -> None: ...
 
 class Digest(_message.Message):
     __slots__ = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "has_moments", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch", "sketch_seed")
@@ -151,7 +168,7 @@ class Record(_message.Message):
     def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank")
+    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +191,10 @@ class RegisterRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RENAME_IF_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     run: str
     session_id: str
@@ -189,15 +210,21 @@ class RegisterRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     host: str
     local_rank: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    job_id: str
+    rename_if_taken: bool
+    grad_scale: float
+    grad_scale_source: str
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "acked_seq")
+    __slots__ = ("session_id", "acked_seq", "run")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     acked_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
+    run: str
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ...) -> None: ...
 
 class RecordBatch(_message.Message):
     __slots__ = ("schema_version", "session_id", "seq", "records", "records_crc32")

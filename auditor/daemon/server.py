@@ -218,7 +218,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         acked = await self._commit(lambda store: store.register(request))
         log.info("registered run=%s rank=%d/%d session=%s acked_seq=%d", request.run, request.rank,
                  request.world_size, request.session_id, acked)
-        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked)
+        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=request.run)
 
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],

@@ -85,6 +85,7 @@ REAL_FLOAT_DTYPES = frozenset(
 CODECS = ("zstd", "raw")
 _PHASES = frozenset(v for v in pb.Phase.values() if v != pb.PHASE_UNSPECIFIED)
 _ROLES = frozenset(v for v in pb.Role.values() if v != pb.ROLE_UNSPECIFIED)
+_REDUCTIONS = frozenset(pb.Reduction.values())
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % limits.MAX_RUN_NAME_CHARS)
 _INT64_MAX = (1 << 63) - 1
 
@@ -153,6 +154,11 @@ def validate_register(req: pb.RegisterRequest) -> None:
     _check_text(req.torch_version, "torch_version")
     _check_text(req.dtype, "dtype")
     _check_text(req.host, "host")
+    _check_text(req.job_id, "job_id")
+    if not (math.isfinite(req.grad_scale) and req.grad_scale >= 0):
+        raise ValidationError("grad_scale", f"{req.grad_scale} is not a finite number >= 0 "
+                                            "(0 = not declared)")
+    _check_text(req.grad_scale_source, "grad_scale_source")
     if len(req.labels) > limits.MAX_LABELS:
         raise TooLarge("labels", f"{len(req.labels)} entries exceed the limit of {limits.MAX_LABELS}")
     for k, v in req.labels.items():
@@ -298,7 +304,31 @@ def _check_layout(lay: pb.Layout, where: str) -> int:
         if ndim == 0 or logical[-1] != 2 or shape[-1] != 2:
             raise ValidationError(f"{where}.shape", "complex_as_real needs a trailing dim of 2 "
                                                     "(real, imaginary) in logical_shape and shape")
+    if lay.reduce != pb.REDUCTION_NONE:
+        _check_reduction(lay, where)
     return math.prod(shape)
+
+
+def _check_reduction(lay: pb.Layout, where: str) -> None:
+    """A reduction over the batch is one whole-tensor addend of known index among its count."""
+    if lay.reduce not in _REDUCTIONS:
+        raise ValidationError(f"{where}.reduce", f"{lay.reduce} is not a Reduction")
+    if lay.partial:
+        raise ValidationError(f"{where}.partial", "a reduction over the batch is not also a "
+                                                  "Partial addend: set one of reduce, partial")
+    if list(lay.offsets) != [0] * len(lay.offsets) or list(lay.shape) != list(lay.logical_shape):
+        raise ValidationError(f"{where}.shape", "a reduction over the batch covers its whole "
+                                                "logical tensor (offsets 0, shape = logical_shape)")
+    if not 1 <= lay.reduce_count <= limits.MAX_WORLD_SIZE:
+        raise ValidationError(f"{where}.reduce_count",
+                              f"{lay.reduce_count} is not in [1, {limits.MAX_WORLD_SIZE}]")
+    if not 0 <= lay.reduce_index < lay.reduce_count:
+        raise ValidationError(f"{where}.reduce_index",
+                              f"{lay.reduce_index} is not in [0, reduce_count {lay.reduce_count})")
+    if lay.reduce == pb.REDUCTION_MEAN and not (math.isfinite(lay.reduce_weight)
+                                                 and lay.reduce_weight > 0):
+        raise ValidationError(f"{where}.reduce_weight",
+                              f"{lay.reduce_weight} is not a finite number > 0")
 
 
 def _check_digest(d: pb.Digest, numel: int, where: str) -> None:

@@ -23,7 +23,9 @@ from typing import Iterator, Sequence
 
 from protos import numaudit_pb2 as pb
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2 added the reduction columns of records and the job and gradient scale of sessions; a store
+of version 1 is upgraded in place when opened for writing (`_upgrade`)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -37,7 +39,8 @@ CREATE TABLE IF NOT EXISTS runs (
     torch_version TEXT NOT NULL,
     dtype TEXT NOT NULL,
     seed INTEGER NOT NULL,
-    labels TEXT NOT NULL
+    labels TEXT NOT NULL,
+    job_id TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
@@ -53,7 +56,10 @@ CREATE TABLE IF NOT EXISTS sessions (
     records_sent INTEGER,
     records_dropped INTEGER,
     capture_errors INTEGER,
-    dropped_by_reason TEXT
+    dropped_by_reason TEXT,
+    job_id TEXT NOT NULL DEFAULT '',
+    grad_scale REAL NOT NULL DEFAULT 0,
+    grad_scale_source TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS sites (site_id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL);
 CREATE TABLE IF NOT EXISTS records (
@@ -73,7 +79,9 @@ CREATE TABLE IF NOT EXISTS records (
     fingerprint INTEGER NOT NULL, fingerprint_seed INTEGER NOT NULL,
     sketch BLOB NOT NULL, sketch_seed INTEGER NOT NULL,
     content_hash BLOB NOT NULL,
-    session_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL
+    session_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL,
+    reduce INTEGER NOT NULL DEFAULT 0, reduce_weight REAL NOT NULL DEFAULT 1,
+    reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
@@ -98,12 +106,25 @@ CREATE TABLE IF NOT EXISTS conflicts (
 );
 """
 
+# Columns added after version 1 of the schema: (table, column, declaration), for `_upgrade`.
+_ADDED_COLUMNS = (
+    ("runs", "job_id", "TEXT NOT NULL DEFAULT ''"),
+    ("sessions", "job_id", "TEXT NOT NULL DEFAULT ''"),
+    ("sessions", "grad_scale", "REAL NOT NULL DEFAULT 0"),
+    ("sessions", "grad_scale_source", "TEXT NOT NULL DEFAULT ''"),
+    ("records", "reduce", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "reduce_weight", "REAL NOT NULL DEFAULT 1"),
+    ("records", "reduce_index", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "reduce_count", "INTEGER NOT NULL DEFAULT 1"),
+)
+
 # Columns of `records` as read by the comparison engine, in this order.
 RECORD_COLUMNS = (
     "step", "microbatch", "phase", "site", "role", "idx", "call", "rank", "stage", "is_none",
     "dtype", "logical_shape", "offsets", "shape", "replica", "partial", "complex_as_real",
     "numel", "nan", "posinf", "neginf", "zeros", "has_moments",
     "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "sketch", "record_id", "has_payload",
+    "reduce", "reduce_weight", "reduce_index", "reduce_count",
 )
 
 
@@ -159,12 +180,23 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
         conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
+        _upgrade(conn)
         conn.executescript(_SCHEMA)
         conn.execute(
-            "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
+
+
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Add the columns of later schema versions to a store written by an earlier one."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    for table, column, decl in _ADDED_COLUMNS:
+        if table in tables:
+            have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 class Store:
@@ -221,10 +253,10 @@ class Store:
         if row is None:
             cur = self.conn.execute(
                 "INSERT INTO runs (name, created, world_size, mesh_shape, mesh_dim_names,"
-                " torch_version, dtype, seed, labels) VALUES (?,?,?,?,?,?,?,?,?)",
+                " torch_version, dtype, seed, labels, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (req.run, time.time(), req.world_size, json.dumps(list(req.mesh_shape)),
                  json.dumps(list(req.mesh_dim_names)), req.torch_version, req.dtype, req.seed,
-                 json.dumps(dict(req.labels), sort_keys=True)),
+                 json.dumps(dict(req.labels), sort_keys=True), req.job_id),
             )
             run_id = cur.lastrowid
         else:
@@ -242,9 +274,11 @@ class Store:
             return existing[2]
         self.conn.execute(
             "INSERT INTO sessions (session_id, run_id, rank, local_rank, host, mesh_coordinate,"
-            " stages, registered) VALUES (?,?,?,?,?,?,?,?)",
+            " stages, registered, job_id, grad_scale, grad_scale_source)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (req.session_id, run_id, req.rank, req.local_rank, req.host,
-             json.dumps(list(req.mesh_coordinate)), json.dumps(list(req.stages)), time.time()),
+             json.dumps(list(req.mesh_coordinate)), json.dumps(list(req.stages)), time.time(),
+             req.job_id, req.grad_scale, req.grad_scale_source),
         )
         return 0
 
@@ -324,14 +358,17 @@ class Store:
             to_int64(d.fingerprint), to_int64(d.fingerprint_seed),
             _pack_sketch(d.sketch), to_int64(d.sketch_seed),
             chash, batch.session_id, batch.seq, now,
+            lay.reduce, lay.reduce_weight if lay.reduce else 1.0, lay.reduce_index,
+            lay.reduce_count if lay.reduce else 1,
         )
         cur = self.conn.execute(
             "INSERT INTO records (run_id, step, microbatch, phase, site_id, role, idx, call, rank,"
             " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial,"
             " complex_as_real, numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min,"
             " max, abs_max, fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash,"
-            " session_id, seq, received) VALUES"
-            " (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+            " session_id, seq, received, reduce, reduce_weight, reduce_index, reduce_count)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
+            "?,?,?,?)"
             " ON CONFLICT DO NOTHING",
             params,
         )
@@ -408,6 +445,17 @@ class Reader:
         info = dict(zip(keys, row))
         for k in ("mesh_shape", "mesh_dim_names", "labels"):
             info[k] = json.loads(info[k])
+        info["job_id"] = self.conn.execute("SELECT job_id FROM runs WHERE run_id = ?",
+                                           (info["run_id"],)).fetchone()[0]
+        scales = self.conn.execute(
+            "SELECT DISTINCT grad_scale, grad_scale_source FROM sessions WHERE run_id = ?"
+            " ORDER BY grad_scale", (info["run_id"],)).fetchall()
+        values = sorted({g for g, _ in scales})
+        # activation-gradient scale of the run (0 = undeclared, taken as 1); None when its
+        # sessions disagree (the comparison says so and does not rescale)
+        info["grad_scale"] = (values[0] or 1.0) if len(values) == 1 else None
+        info["grad_scale_sources"] = sorted({src for _, src in scales if src})
+        info["grad_scale_declared"] = bool(values) and all(g > 0 for g in values)
         return info
 
     def sessions(self, run: str) -> list[dict]:
@@ -441,7 +489,8 @@ class Reader:
             " r.is_none, r.dtype, r.logical_shape, r.offsets, r.shape, r.replica, r.partial,"
             " r.complex_as_real, r.numel, r.nan, r.posinf, r.neginf, r.zeros, r.has_moments,"
             " r.sum, r.sum_sq, r.min, r.max, r.abs_max, r.fingerprint, r.sketch, r.record_id,"
-            " EXISTS (SELECT 1 FROM payload_chunks p WHERE p.record_id = r.record_id)"
+            " EXISTS (SELECT 1 FROM payload_chunks p WHERE p.record_id = r.record_id),"
+            " r.reduce, r.reduce_weight, r.reduce_index, r.reduce_count"
             f" FROM records r JOIN sites s ON s.site_id = r.site_id WHERE {where}"
             " ORDER BY r.step, r.microbatch, r.phase, r.site_id, r.role, r.idx, r.call, r.rank",
             params,

@@ -205,3 +205,40 @@ def test_kinds_of_register_errors():
     labels = {f"k{i}": "v" for i in range(limits.MAX_LABELS + 1)}
     assert isinstance(refused(validate_register, register_request(labels=labels)), TooLarge)
     assert refused(validate_register, register_request(session_id="x" * 65)).field == "session_id"
+
+
+def _reduced(reduce=pb.REDUCTION_MEAN, index=1, count=2, weight=8.0) -> pb.Record:
+    r = _piece(logical=(), offsets=(), shape=())
+    r.layout.reduce, r.layout.reduce_index = reduce, index
+    r.layout.reduce_count, r.layout.reduce_weight = count, weight
+    return r
+
+
+def test_reduction_fields():
+    validate_record(_reduced())
+    validate_record(_reduced(pb.REDUCTION_SUM, index=0, count=1, weight=0.0))
+    assert str(refused(validate_record, _reduced(index=2))).startswith("record.layout.reduce_index")
+    assert str(refused(validate_record, _reduced(count=0))).startswith("record.layout.reduce_count")
+    assert str(refused(validate_record, _reduced(weight=0.0))).startswith(
+        "record.layout.reduce_weight")
+    assert str(refused(validate_record, _reduced(weight=math.nan))).startswith(
+        "record.layout.reduce_weight")
+    r = _reduced()
+    r.layout.reduce = 7
+    assert str(refused(validate_record, r)).startswith("record.layout.reduce:")
+    r = _reduced()
+    r.layout.partial = True
+    assert str(refused(validate_record, r)).startswith("record.layout.partial")
+    r = _piece(logical=(4,), offsets=(2,), shape=(2,))
+    r.layout.reduce, r.layout.reduce_count = pb.REDUCTION_SUM, 2
+    assert "whole logical tensor" in str(refused(validate_record, r))
+
+
+def test_register_identity_and_grad_scale_fields():
+    validate_register(register_request(job_id="torchelastic-123", grad_scale=2.0,
+                                       grad_scale_source="inferred: dp_size 2"))
+    assert str(refused(validate_register, register_request(grad_scale=-1.0))).startswith(
+        "grad_scale")
+    assert str(refused(validate_register, register_request(grad_scale=math.inf))).startswith(
+        "grad_scale")
+    assert str(refused(validate_register, register_request(job_id="j" * 300))).startswith("job_id")

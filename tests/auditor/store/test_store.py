@@ -107,3 +107,48 @@ def test_close_commits_what_is_queued(tmp_path):
     w.close()
     assert all(f.result(0).stored == 1 for f in futures)
     assert len(sites_of(tmp_path / "audit.db")) == 19
+
+
+def test_reduction_fields_and_grad_scale_are_stored(writer, tmp_path):
+    writer.submit(lambda s: s.register(register_request(
+        session_id="s2", rank=1, grad_scale=2.0, grad_scale_source="declared"))).result(10)
+    r = record(0, 0)
+    r.layout.reduce, r.layout.reduce_weight = 1, 6.0
+    r.layout.reduce_index, r.layout.reduce_count = 1, 2
+    writer.submit(lambda s: s.ingest(batch(1, [r, record(0, 1)]))).result(10)
+    reader = Reader(tmp_path / "audit.db")
+    try:
+        rows = [row[-4:] for row in reader.records("ref")]
+        assert rows == [(1, 6.0, 1, 2), (0, 1.0, 0, 1)]
+        info = reader.run_info("ref")
+        # one session declared 2, the other nothing: the run's scale is ambiguous
+        assert info["grad_scale"] is None and info["grad_scale_sources"] == ["declared"]
+    finally:
+        reader.close()
+
+
+def test_a_version_1_store_is_upgraded_in_place(tmp_path):
+    import sqlite3
+
+    from auditor.store import sqlite as store_sqlite
+
+    old = store_sqlite._SCHEMA
+    for table, column, decl in store_sqlite._ADDED_COLUMNS:
+        old = old.replace(f",\n    {column} {decl}", "").replace(f", {column} {decl}", "")
+    assert "reduce_weight" not in old and "grad_scale" not in old
+    db = tmp_path / "v1.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(old)
+    conn.close()
+    w = StoreWriter(db, synchronous="NORMAL")
+    try:
+        w.submit(lambda s: s.register(register_request(grad_scale=4.0))).result(10)
+        w.submit(lambda s: s.ingest(batch(1, [record(0, 0)]))).result(10)
+    finally:
+        w.close()
+    reader = Reader(db)
+    try:
+        assert reader.run_info("ref")["grad_scale"] == 4.0
+        assert [row[-4:] for row in reader.records("ref")] == [(0, 1.0, 0, 1)]
+    finally:
+        reader.close()
