@@ -178,6 +178,10 @@ def check(config: AgentConfig) -> None:
         raise ValueError(f"sketch_k: {k} is not a power of two")
     if (config.address or config.sidecar) and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
+    if config.run:  # the auditor's rule; spool file names are built from it
+        from wire.names import check_run_name
+
+        check_run_name(config.run)
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("tls_cert/tls_key: a client certificate needs its key, and a key its "
                          f"certificate ({ENV_TLS_CERT}, {ENV_TLS_KEY})")

@@ -260,11 +260,16 @@ class Sender:
                              seq=self._next_seq, records_crc32=records_checksum(records))
         msg.records.extend(records)
         d = self.delivery
-        if d is None or d.fatal is not None:
+        if d is not None and d.fatal is not None:
+            # The session was refused (a token without write scope, a run name taken): final,
+            # like the records pending when it came, and as the node sidecar reports it.
+            self.counters.drop(d.fatal, len(records))
+            return
+        if d is None:
             if self._spool_write(msg):
                 self.spilled += len(records)
             else:
-                self.counters.drop("no_auditor" if d is None else d.fatal, len(records))
+                self.counters.drop("no_auditor", len(records))
                 return
         else:
             if self.config.spool_mode == "always" and not self._spool_write(msg):

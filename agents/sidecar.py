@@ -80,16 +80,13 @@ class Session:
 
     def outcome(self) -> dict:
         """What became of the session's records upstream, as a rank is told at its close."""
-        d = self.delivery
-        if d is None:
-            acked, pending = 0, self.spooled_records
-        else:
-            acked = d.acked_records
-            pending = 0 if d.fatal is not None else d.pending_records
-        return {"session_id": self.register.session_id, "acked": acked, "held": pending,
+        acked = self.delivery.acked_records if self.delivery is not None else 0
+        # In the spool and neither stored nor dropped: delivered later, or by `auditor ingest`.
+        held = max(0, self.spooled_records - acked - sum(self.dropped.values()))
+        return {"session_id": self.register.session_id, "acked": acked, "held": held,
                 "dropped_by_reason": dict(self.dropped), "done": self.done,
                 "forwarded": self.forwarded, "spool": str(self.spool.path),
-                "auditor": bool(d is not None)}
+                "auditor": self.delivery is not None}
 
 
 class Sidecar:
@@ -218,11 +215,14 @@ class Sidecar:
     def _offer(s: Session, batch: pb.RecordBatch) -> None:
         """Hand a spooled batch to the session's delivery; count it if it cannot be taken."""
         d = s.delivery
-        if not d.offer(batch, len(batch.records), batch.ByteSize()):
-            reason = d.fatal or "buffer_full"
-            s.dropped[reason] += len(batch.records)
-            log.warning("session %s: batch %d not delivered upstream (%s)",
-                        s.register.session_id, batch.seq, reason)
+        if d.offer(batch, len(batch.records), batch.ByteSize()):
+            return
+        if d.fatal is not None:  # final, as in direct mode (the spool is kept for inspection)
+            s.dropped[d.fatal] += len(batch.records)
+            return
+        s.dropped["buffer_full"] += len(batch.records)
+        log.warning("session %s: batch %d not delivered upstream (buffer_full)",
+                    s.register.session_id, batch.seq)
 
     # -- forwarding ---------------------------------------------------------------------------
 
