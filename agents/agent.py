@@ -185,8 +185,9 @@ class Agent:
             log.warning("rank %d: numaudit close failed: %r", self.ident.rank, exc)
         s = self.summary()
         if self.active:
-            # At WARNING when anything did not reach the auditor: where it went is then news.
-            level = logging.WARNING if s["spooled"] or s["dropped"] else logging.INFO
+            # At WARNING when anything did not reach the auditor, or the process is ending
+            # without having closed the agent: where the records went is then news.
+            level = logging.WARNING if s["spooled"] or s["dropped"] or reason else logging.INFO
             where = f" in {s['spool']}" if s["spooled"] and s["spool"] else ""
             drops = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
             log.log(level, "rank %d: numaudit run=%s%s: captured %d: acked by the auditor %d, "

@@ -88,8 +88,9 @@ class AgentConfig:
     """Records per batch on the wire (FIELD-NOTES: gRPC pays per message)."""
     batch_interval_s: float = 0.05
     """A partial batch is sent after this long."""
-    flush_timeout_s: float = 10.0
-    """close() waits at most this long for acks (plus 1 s for the session close)."""
+    flush_timeout_s: float = 5.0
+    """close() (also at exit and on SIGTERM) waits at most this long for acks, plus 1 s for the
+    session close; what is still unacked then is spilled to the spool."""
     connect_timeout_s: float = 5.0
     """Deadline of each unary call (Register, CloseSession)."""
     ack_timeout_s: float = 10.0
