@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +37,9 @@ ROLE_IDS = {
     "grad_input": pb.ROLE_GRAD_INPUT, "value": pb.ROLE_VALUE,
 }
 STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param)
+MAX_NO_GRAD_CALLS = 64
+"""No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
+NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
 
 
 @dataclass(slots=True)
@@ -81,10 +84,14 @@ class Counters:
     """Thread-safe counts the agent reports at close."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a SIGTERM handler may close the agent on the training thread while that
+        # thread is inside one of these methods.
+        self._lock = threading.RLock()
         self.captured = 0
         self.errors = 0
         self.dropped: Counter[str] = Counter()
+        self.not_captured: Counter[str] = Counter()
+        """Captures that could not be made at all, by reason (not part of `captured`)."""
 
     def add_captured(self, n: int) -> None:
         with self._lock:
@@ -98,6 +105,14 @@ class Counters:
     def error(self) -> None:
         with self._lock:
             self.errors += 1
+
+    def miss(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.not_captured[reason] += n
+
+    def not_captured_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.not_captured)
 
     def snapshot(self) -> tuple[int, int, dict[str, int]]:
         with self._lock:
@@ -132,6 +147,9 @@ class Capturer:
         self.stage = -1
         self._calls: Counter[tuple[int, str]] = Counter()
         self._bwd_seen: set[tuple] = set()
+        self._no_grad_calls: dict[tuple, deque] = {}
+        """(step, microbatch, site) → calls of forwards run without grad (reentrant checkpoint)."""
+        self._ambiguous: set[tuple] = set()
         self.in_chunk = 0
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
         self.loss_microbatch: int | None = None
@@ -178,7 +196,10 @@ class Capturer:
     def _forward_hook(self, site: str, stage: int, pipelined: bool = False):
         def hook(module, inputs, output):
             try:
-                if in_backward() or not (self.wants("fwd") or self.wants("bwd")):
+                if in_backward():
+                    self._replayed(site, stage, output)
+                    return
+                if not (self.wants("fwd") or self.wants("bwd")):
                     return
                 if pipelined and not self.in_chunk:
                     return
@@ -192,10 +213,43 @@ class Capturer:
                                      call=call, microbatch=mb, stage=st)
                     if self.wants("bwd") and t.requires_grad:
                         t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
+                if self.wants("bwd") and tensors and not torch.is_grad_enabled():
+                    # Maybe a reentrant checkpoint: its forward runs without grad and is run
+                    # again in backward; remember the call so the replay keys its gradients.
+                    key = (self.step, mb, site)
+                    calls = self._no_grad_calls.setdefault(key, deque(maxlen=MAX_NO_GRAD_CALLS))
+                    calls.append((call, st))
             except Exception as exc:  # never into training
                 self._failed("forward hook", exc)
 
         return hook
+
+    def _replayed(self, site: str, stage: int, output) -> None:
+        """A forward run again during backward: a checkpoint's recomputation, not a new call.
+
+        A non-reentrant checkpoint's original outputs carry the gradient hooks already. A
+        reentrant one (use_reentrant=True) ran its forward without grad, so the gradients flow
+        only through this replay: hook its outputs under the original call's key. Which call a
+        replay belongs to is known when the site ran once (without grad) in this microbatch;
+        with several such calls the segments may replay in any order, so those are counted as
+        not captured (NOT_CAPTURED_AMBIGUOUS) rather than keyed by a guess.
+        """
+        if not self.wants("bwd") or not torch.is_grad_enabled():
+            return
+        key = (self.step, self.microbatch, site)
+        calls = self._no_grad_calls.get(key)
+        if not calls:
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        if len(calls) > 1 or key in self._ambiguous:
+            self._ambiguous.add(key)
+            calls.popleft()
+            self.counters.miss(NOT_CAPTURED_AMBIGUOUS, sum(t.requires_grad for t in tensors))
+            return
+        call, st = calls.popleft()
+        for index, t in enumerate(tensors):  # indexed as in the original forward
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
         key = (step, mb, site, index, call)
@@ -231,6 +285,8 @@ class Capturer:
         self.microbatch = 0
         self._calls.clear()
         self._bwd_seen.clear()
+        self._no_grad_calls.clear()
+        self._ambiguous.clear()
 
     # -- captures -------------------------------------------------------------------------------
 
