@@ -121,6 +121,21 @@ class Agent:
             self.capturer._failed("watch", exc)
             return 0
 
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer, *, updates: bool = True):
+        """Capture gradients as `optimizer.step()` consumes them (phase optim_grad: after
+        clipping, unscaling, any gradient transformation) and, with `updates`, the change it
+        applies to each parameter (phase update). Returns the hooks' handle (`.remove()`),
+        or None when the agent is off. See agents/optimizer.py for the cost."""
+        if not self.active:
+            return None
+        try:
+            from agents.optimizer import OptimizerWatch
+
+            return OptimizerWatch(self, optimizer, updates=updates)
+        except Exception as exc:
+            self.capturer._failed("watch_optimizer", exc)
+            return None
+
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Key captures inside the block by `step`; capture parameter gradients at its end."""
@@ -236,9 +251,11 @@ def attach(
     dtype: str = "",
     seed: int = 0,
     labels: dict[str, str] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     **options,
 ) -> Agent:
-    """Hook `model` (or each pipeline-stage module, with `stages` giving their indices).
+    """Hook `model` (or each pipeline-stage module, with `stages` giving their indices), and
+    `optimizer.step()` when an optimizer is given (`Agent.watch_optimizer`).
 
     Arguments set the configuration; NUMAUDIT_* variables override them (docs/agent.md). Raises
     ValueError for a configuration that cannot work — the one moment the agent may raise.
@@ -259,6 +276,8 @@ def attach(
         raise ValueError(f"stages: {len(stage_ids)} indices for {len(modules)} stage modules")
     for module, stage in zip(modules, stage_ids):
         agent.watch(module, stage=stage)
+    if optimizer is not None:
+        agent.watch_optimizer(optimizer)
     return agent
 
 

@@ -31,12 +31,15 @@ log = logging.getLogger(__name__)
 PHASE_IDS = {
     "fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
     "param": pb.PHASE_PARAM, "loss": pb.PHASE_LOSS, "input": pb.PHASE_INPUT,
+    "optim_grad": pb.PHASE_OPTIM_GRAD, "update": pb.PHASE_UPDATE,
 }
 ROLE_IDS = {
     "output": pb.ROLE_OUTPUT, "input": pb.ROLE_INPUT, "grad_output": pb.ROLE_GRAD_OUTPUT,
     "grad_input": pb.ROLE_GRAD_INPUT, "value": pb.ROLE_VALUE,
 }
-STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param)
+STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param, optim_grad, update)
+PER_STEP_PHASES = ("grad", "param", "optim_grad", "update")
+"""Phases captured once per step, of parameters: full tensors (replicas over dp) unless DTensors."""
 MAX_NO_GRAD_CALLS = 64
 """No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
@@ -327,7 +330,7 @@ class Capturer:
             if _is_dtensor(t):
                 layout = dtensor_layout(t)
                 local = t.to_local()
-            elif phase in ("grad", "param"):
+            elif phase in PER_STEP_PHASES:
                 layout = PieceLayout.full(tuple(t.shape))
                 if self.ident.dp_size > 1:
                     layout = PieceLayout(layout.logical_shape, layout.offsets, layout.shape,

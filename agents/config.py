@@ -33,7 +33,7 @@ ENV_SPOOL = "NUMAUDIT_SPOOL"          # spool directory
 ENV_SPOOL_MODE = "NUMAUDIT_SPOOL_MODE"  # spill | always | off
 SPOOL_MODES = ("spill", "always", "off")
 
-PHASES = ("fwd", "bwd", "grad", "param", "loss", "input")
+PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update")
 
 
 @dataclass

@@ -31,6 +31,8 @@ def cause(comp: Comparison, i: int) -> F.Cause:
         return _param_cause(comp, i, step)
     if phase == PHASE_IDS["grad"]:
         return _grad_cause(comp, i, step)
+    if phase in (PHASE_IDS["optim_grad"], PHASE_IDS["update"]):
+        return _optimizer_cause(comp, i, step, phase)
     key = comp.key(i)
     if key.role == "output":
         site_id = int(comp.B[i] >> 32)
@@ -107,6 +109,12 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     role = int((comp.B[i] >> 28) & 0xF)
     g = comp.find(step - 1, -1, PHASE_IDS["grad"], site_id, role)
     p = comp.find(step - 1, -1, PHASE_IDS["param"], site_id, role)
+    for phase, what in (("update", "the update applied to it"),
+                        ("optim_grad", "the gradient the optimizer consumed")):
+        j = comp.find(step - 1, -1, PHASE_IDS[phase], site_id, role)
+        if j >= 0 and comp.breach[j]:
+            return F.Cause("inherited", f"{what} at step {step - 1} differs ({phase})",
+                           comp.key(j))
     if g >= 0 and comp.breach[g]:
         return F.Cause("inherited", f"its gradient at step {step - 1} differs", comp.key(g))
     if p >= 0 and comp.breach[p]:
@@ -115,6 +123,30 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
         return F.Cause("introduced", f"its value and gradient matched at step {step - 1}: the "
                                      "optimizer update differs", comp.key(g))
     return F.Cause("unknown", f"its gradient or value at step {step - 1} was not captured")
+
+
+def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
+    """optim_grad against the gradient after backward; update against what the optimizer got."""
+    site_id = int(comp.B[i] >> 32)
+    role = int((comp.B[i] >> 28) & 0xF)
+    if phase == PHASE_IDS["optim_grad"]:
+        before, name = PHASE_IDS["grad"], "grad"
+        differs = ("and differs as the optimizer consumed it: gradient clipping, unscaling or a "
+                   "gradient transformation treated the runs differently")
+    else:
+        before, name = PHASE_IDS["optim_grad"], "optim_grad"
+        differs = ("but the update applied differs: learning rate, optimizer state or the "
+                   "update rule")
+    j = comp.find(step, -1, before, site_id, role)
+    if j < 0 or comp.verdict[j] == F.IGNORED:
+        return F.Cause("unknown", f"phase {name} of this parameter was not captured in both "
+                                  f"runs: capture it to tell where the difference arises")
+    v = int(comp.verdict[j])
+    if comp.breach[j]:
+        return F.Cause("inherited", f"its {name} already differs ({F.VERDICT_NAMES[v]})",
+                       comp.key(j))
+    return F.Cause("introduced", f"its {name} matched ({F.VERDICT_NAMES[v]}) {differs}",
+                   comp.key(j))
 
 
 # -- graph breaks ------------------------------------------------------------------------------------
