@@ -8,7 +8,8 @@ A *finding* is the auditor's verdict on one aligned key. Verdicts:
 - ``grad_none``: None in one run, a tensor in the other (a backward-graph break);
 - ``nonfinite``: NaN/Inf in one run and not the other, or in both where the policy forbids it;
 - ``incomplete``: a run's pieces do not tile the logical tensor;
-- ``replica_divergence``: copies that must be identical differ within one run.
+- ``replica_divergence``: copies that must be identical differ within one run;
+- ``conflict``: a rank sent the same key twice with different content (the store kept the first).
 
 A finding *breaches* the policy unless it is identical, close, or an expected absence.
 """
@@ -25,9 +26,10 @@ from auditor.compare.align import Key
 from auditor.compare.ranges import format_ranges
 
 IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, \
-    INCOMPLETE, REPLICA_DIVERGENCE, IGNORED = range(10)
+    INCOMPLETE, REPLICA_DIVERGENCE, CONFLICT, IGNORED = range(11)
 VERDICT_NAMES = ("identical", "close", "diverged", "missing_in_ref", "missing_in_cand",
-                 "grad_none", "nonfinite", "incomplete", "replica_divergence", "ignored")
+                 "grad_none", "nonfinite", "incomplete", "replica_divergence", "conflict",
+                 "ignored")
 VERDICTS = VERDICT_NAMES[:IGNORED]
 """Verdicts a finding can have (ignored keys produce no finding, only a count)."""
 PASSING = frozenset({IDENTICAL, CLOSE, IGNORED})
