@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from auditor.compare.comparison import Comparison
+from auditor.compare.segments import segment_reduce
 from auditor.compare.metrics import (FLOAT_DTYPES, ITEMSIZE, PayloadUnavailable, bits_to_values,
                                      decode_payload, payload_metrics)
 
@@ -23,7 +24,6 @@ def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:
         return np.zeros(n, bool)
     hr = np.isin(rid_r, list(have))
     hc = np.isin(rid_c, list(have))
-    from auditor.compare.slow import segment_reduce
     ok_r = segment_reduce(np.logical_and, hr, R["offsets"], len(hr), True)
     ok_c = segment_reduce(np.logical_and, hc, C["offsets"], len(hc), True)
     return ok_r & ok_c
