@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare.merge import (INCOMPLETE, NONE, OK, REDUCE_MEAN, REDUCE_SUM,
-                                   REPLICA_DIVERGENCE, TilingPlan, plan_tiling)
+from auditor.compare.merge import INCOMPLETE, NONE, REPLICA_DIVERGENCE, TilingPlan, plan_tiling
 from auditor.compare.ranges import format_ranges
 
 

@@ -73,7 +73,7 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
     coefs = lk.taken_coef[start:end]
     dtype = cat.dtypes[lk.dtype[g]]
     shape = cat.shapes[lk.shape[g]][0]
-    if math.prod(shape) * _itemsize(dtype) > budget:
+    if math.prod(shape) * ITEMSIZE[dtype] > budget:
         raise PayloadUnavailable(f"logical tensor of {math.prod(shape)} elements exceeds "
                                  f"payload_max_bytes {budget}")
     partial = bool(lk.partial[g]) or bool(lk.reduced[g])
@@ -99,10 +99,6 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
             bits[box] = b
     if bits is not None:
         bits = bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[
-            _itemsize(dtype)])
+            ITEMSIZE[dtype]])
     return values, bits, dtype
 
-
-def _itemsize(dtype: str) -> int:
-    from auditor.compare.metrics import ITEMSIZE
-    return ITEMSIZE[dtype]
