@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_leaves
 from agents.config import AgentConfig
 from agents.digest import digest_batch_to_host, digest_piece, has_moments
 from agents.identity import RankIdentity
-from agents.layout import PieceLayout, batch_layout, complex_real_layout, dtensor_layout
+from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
+                           ragged_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -254,7 +255,8 @@ class Capturer:
             if t.requires_grad:
                 t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
-    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
+    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
+                   layout: PieceLayout | None = None):
         key = (step, mb, site, index, call)
 
         def hook(grad):
@@ -267,7 +269,8 @@ class Capturer:
                     self.step = step
                     try:
                         self.capture(grad, phase="bwd", site=site, role="grad_output",
-                                     index=index, call=call, microbatch=mb, stage=stage)
+                                     index=index, call=call, microbatch=mb, stage=stage,
+                                     layout=layout)
                     finally:
                         self.step = saved
             except Exception as exc:
@@ -305,12 +308,25 @@ class Capturer:
         microbatch: int | None = None,
         stage: int | None = None,
         layout: PieceLayout | None = None,
+        rows=None,
+        backward: bool = False,
     ) -> None:
-        """Digest one tensor (or record that it is None). Never raises."""
+        """Digest one tensor (or record that it is None). Never raises.
+
+        `rows` (agents.ragged.RaggedRows) makes it a ragged piece; `backward` also captures the
+        gradient reaching `t` under phase bwd with the same layout.
+        """
         try:
-            self._capture(t, phase, site, role, index, call,
-                          self.microbatch if microbatch is None else microbatch,
-                          self.stage if stage is None else stage, layout)
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            if rows is not None and t is not None:
+                layout = ragged_layout(tuple(t.shape), rows.offset, rows.total, part=rows.part,
+                                       parts=rows.parts, span=rows.span)
+            self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
+            if (backward and phase == "fwd" and self.wants("bwd") and t is not None
+                    and t.requires_grad):
+                t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
+                                                layout))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 

@@ -43,7 +43,9 @@ _SELECT = (
     "  | ((nan + posinf + neginf > 0) << 1) | (zeros = numel AND numel > 0)"
     f"  | ((step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
     f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646) << 39),"
-    " dtype || logical_shape || offsets || shape,"
+    " dtype || logical_shape || offsets || shape"
+    "  || CASE WHEN ragged_parts > 0 THEN '[' || ragged_first || ',' || ragged_span || ','"
+    "     || ragged_parts || ']' ELSE '' END,"
     " fingerprint, record_id"
     " FROM records"
 )
@@ -217,9 +219,9 @@ class Catalog:
         code = self._layout_ids.get(k)
         if code is None:
             code = self._layout_ids[k] = len(self.pieces)
-            dtype, logical, offsets, shape = _split_layout(text)
+            dtype, logical, offsets, shape, ragged = _split_layout(text)
             self.pieces.append(Piece(
-                dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape,
+                dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape, ragged=ragged,
                 replica=bool(bits & 16), partial=bool(bits & 8), complex_as_real=bool(bits & 4),
                 is_none=bool(bits & 32)))
             self.seeds_ok.append(bool(bits & 1))
@@ -328,14 +330,16 @@ class Catalog:
         return found
 
 
-def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple]:
-    """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists)."""
+def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, tuple | None]:
+    """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists), and
+    the ragged parts ``(first, span, parts)`` when a fourth list ``[1,1,2]`` follows."""
     i = text.index("[")
     parts = text[i + 1:-1].split("][")
-    if len(parts) != 3:
-        raise ValueError(f"layout {text!r} is not dtype + three JSON lists")
-    logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts)
-    return text[:i], logical, offsets, shape
+    if len(parts) not in (3, 4):
+        raise ValueError(f"layout {text!r} is not dtype + three JSON lists (+ ragged parts)")
+    logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts[:3])
+    ragged = tuple(json.loads(f"[{parts[3]}]")) if len(parts) == 4 else None
+    return text[:i], logical, offsets, shape, ragged
 
 
 def _columns(cat: Catalog, rows: list[tuple], run: str, side: str) -> RunColumns:
