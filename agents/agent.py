@@ -180,6 +180,23 @@ class Agent:
                                   microbatch=microbatch, stage=stage, rows=rows,
                                   backward=backward)
 
+    def capture_segments(self, tensor: torch.Tensor, counts, rows, *, site: str,
+                         phase: str = "fwd", role: str = "output",
+                         microbatch: int | None = None, stage: int | None = None,
+                         backward: bool = False) -> None:
+        """Capture `tensor.split(counts)` as ragged pieces, segment e under index e.
+
+        The shape of a grouped-experts computation: `tensor` holds every expert's rows one
+        expert after the other, `counts[e]` of them for expert e, and `rows[e]` (from
+        `agents.ragged.ragged_rows(counts, dp_group)`) places them in expert e's logical tensor.
+        `backward`: also capture the gradient reaching `tensor`, split the same way (phase bwd,
+        role grad_output).
+        """
+        if self.active:
+            self.capturer.capture_segments(tensor, counts, rows, phase=phase, site=site,
+                                           role=role, microbatch=microbatch, stage=stage,
+                                           backward=backward)
+
     def capture_gradients(self) -> None:
         """Capture every watched parameter's gradient now (None recorded explicitly)."""
         if not self.active:

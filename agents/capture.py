@@ -330,6 +330,51 @@ class Capturer:
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
+    def capture_segments(self, t: torch.Tensor, counts, rows, *, phase: str, site: str,
+                         role: str, microbatch: int | None = None, stage: int | None = None,
+                         backward: bool = False) -> None:
+        """Capture ``t.split(counts)`` as ragged pieces, segment e under index e. Never raises.
+
+        `backward`: one hook on `t` itself (the segments are views autograd never reaches)
+        splits the gradient the same way and captures each segment under phase bwd.
+        """
+        try:
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            counts = [int(c) for c in counts]
+            layouts = [ragged_layout((n, *t.shape[1:]), r.offset, r.total, part=r.part,
+                                     parts=r.parts, span=r.span) for n, r in zip(counts, rows)]
+            if len(layouts) != len(counts):
+                raise ValueError(f"rows: {len(layouts)} places for {len(counts)} segments")
+            for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
+                self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+            if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
+                t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
+                                                         stage, self.step))
+        except Exception as exc:
+            self._failed(f"capture of {phase}:{site}", exc)
+
+    def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
+                            mb: int, stage: int, step: int):
+        key = (step, mb, site, "segments", 0)
+
+        def hook(grad):
+            try:
+                if grad is not None and key not in self._bwd_seen:
+                    self._bwd_seen.add(key)
+                    saved = self.step
+                    self.step = step
+                    try:
+                        for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
+                            self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                    finally:
+                        self.step = saved
+            except Exception as exc:
+                self._failed("backward hook", exc)
+            return None
+
+        return hook
+
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
             step=self.step, microbatch=microbatch, phase=PHASE_IDS[phase], site=site,
