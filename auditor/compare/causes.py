@@ -40,20 +40,34 @@ def cause(comp: Comparison, i: int) -> F.Cause:
         if j < 0 and key.index:
             j = comp.find(step, key.microbatch, phase, site_id, 2, 0, key.call)
         if j >= 0 and comp.verdict[j] != F.IGNORED:
-            return _judged(comp, j, "its input")
+            return _judged(comp, j, "its input", i)
     p = int(comp.pred[i])
     if p >= 0:
-        return _judged(comp, p, "the previous capture in execution order")
+        return _judged(comp, p, "the previous capture in execution order", i)
     return _block_start_cause(comp, step)
 
-def _judged(comp: Comparison, j: int, what: str) -> F.Cause:
+ROUNDING_AMPLIFICATION = 100.0
+"""A module 'amplifies a rounding difference' only while its own difference stays within this
+many times its predecessor's; beyond, the evidence says the module itself computes otherwise."""
+
+
+def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Cause:
     prev = comp.key(j)
     v = int(comp.verdict[j])
     if v == F.IDENTICAL:
         return F.Cause("introduced", f"{what} ({prev}) is identical", prev)
     if v == F.CLOSE:
-        return F.Cause("introduced", f"{what} ({prev}) is within tolerance but not identical: "
-                                     "the module may amplify a rounding difference", prev)
+        before, after = float(comp.rel_l2[j]), float(comp.rel_l2[i]) if i is not None else np.nan
+        if np.isfinite(before) and np.isfinite(after) and \
+                after > ROUNDING_AMPLIFICATION * max(before, 1e-12):
+            return F.Cause("introduced", f"{what} ({prev}) is within tolerance (rel_l2 "
+                                         f"{F.format_float(before)}) and this capture differs by "
+                                         f"rel_l2 {F.format_float(after)}: far beyond an amplified "
+                                         "rounding difference, the module computes otherwise", prev)
+        return F.Cause("introduced", f"{what} ({prev}) is within tolerance but not identical "
+                                     f"(rel_l2 {F.format_float(before)}; this capture "
+                                     f"{F.format_float(after)}): the module may amplify a "
+                                     "rounding difference", prev)
     if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND, F.INCOMPLETE):
         return F.Cause("unknown", f"{what} ({prev}) could not be compared "
                                   f"({F.VERDICT_NAMES[v]})", prev)
@@ -97,9 +111,27 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
             j = int(bad[np.argmin(comp.rank_in_order[bad])])
             return F.Cause("inherited", f"activations of the step already differ (first: "
                                         f"{comp.key(j)})", comp.key(j))
-        return F.Cause("introduced", "every captured activation and activation gradient of "
-                                     "the step matched")
-    return F.Cause("unknown", "no activation or activation gradient of the step was captured")
+        bwd_n = int(np.count_nonzero((comp.A[act] & 0xF) == PHASE_IDS["bwd"]))
+        fwd_n = len(act) - bwd_n
+        close_n = int(np.count_nonzero(comp.verdict[act] == F.CLOSE))
+        if bwd_n == 0:
+            return F.Cause("unknown", f"the {fwd_n} captured activations of the step match but "
+                                      "no activation gradient was captured: capture phase bwd "
+                                      f"around {module or 'the model'} to tell a backward "
+                                      "difference from one in reduction, accumulation or "
+                                      "scaling")
+        if close_n:
+            return F.Cause("introduced", f"{fwd_n} activations and {bwd_n} activation gradients "
+                                         f"of the step are within tolerance ({close_n} only "
+                                         "close, not identical), parameter gradients are not: "
+                                         "reduction, accumulation or scaling, or a small "
+                                         "difference the gradient sums up")
+        return F.Cause("introduced", f"forward and backward activations match, gradients do "
+                                     f"not: all {fwd_n} activations and {bwd_n} activation "
+                                     "gradients of the step are identical, so the difference "
+                                     "arises in gradient reduction, accumulation or scaling")
+    return F.Cause("unknown", "no activation or activation gradient of the step was captured: "
+                              "capture phases fwd and bwd to locate it")
 
 def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     if step == 0:

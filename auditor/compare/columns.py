@@ -45,7 +45,9 @@ _SELECT = (
     f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646) << 39),"
     " dtype || logical_shape || offsets || shape"
     "  || CASE WHEN ragged_parts > 0 THEN '[' || ragged_first || ',' || ragged_span || ','"
-    "     || ragged_parts || ']' ELSE '' END,"
+    "     || ragged_parts || ']' ELSE '' END"
+    "  || CASE WHEN reduce THEN '|' || reduce"
+    "  || ',' || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
     " fingerprint, record_id"
     " FROM records"
 )
@@ -78,6 +80,8 @@ NONFINITE_FLAG = 2
 """flags bit: the piece holds NaN or Inf."""
 ALL_ZERO_FLAG = 1
 """flags bit: every element of the piece is zero (and it has elements)."""
+CONFLICT_FLAG = 4
+"""flags bit: the key was resent for this rank with other content (the `conflicts` table)."""
 
 
 @dataclass
@@ -92,7 +96,7 @@ class RunColumns:
     rank: np.ndarray
     stage: np.ndarray
     flags: np.ndarray
-    """NONFINITE_FLAG | ALL_ZERO_FLAG bits per piece."""
+    """NONFINITE_FLAG | ALL_ZERO_FLAG | CONFLICT_FLAG bits per piece."""
     layout: np.ndarray
     """Index into `Catalog.pieces`."""
     fp: np.ndarray
@@ -219,11 +223,11 @@ class Catalog:
         code = self._layout_ids.get(k)
         if code is None:
             code = self._layout_ids[k] = len(self.pieces)
-            dtype, logical, offsets, shape, ragged = _split_layout(text)
+            dtype, logical, offsets, shape, extra = _split_layout(text)
             self.pieces.append(Piece(
-                dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape, ragged=ragged,
+                dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape,
                 replica=bool(bits & 16), partial=bool(bits & 8), complex_as_real=bool(bits & 4),
-                is_none=bool(bits & 32)))
+                is_none=bool(bits & 32), **extra))
             self.seeds_ok.append(bool(bits & 1))
             self.has_moments.append(bool(bits & 2))
         return code
@@ -259,8 +263,19 @@ class Catalog:
             cols = _columns(self, rows, run, side)
         if after_rid:
             cols.sort()
+        conflicted = self.conflicted_rids(run_id, after_rid)
+        if len(conflicted) and len(cols):
+            cols.flags[np.isin(cols.rid, conflicted)] |= CONFLICT_FLAG
         cols.max_rid = int(cols.rid.max(initial=after_rid))
         return cols
+
+    def conflicted_rids(self, run_id: int, after_rid: int = 0) -> np.ndarray:
+        """Record ids of the run whose key was resent by its rank with other content."""
+        rows = self.reader.conn.execute(
+            "SELECT DISTINCT c.record_id FROM conflicts c JOIN records r"
+            " ON r.record_id = c.record_id WHERE r.run_id = ? AND r.record_id > ?",
+            (run_id, after_rid)).fetchall()
+        return np.array([r for (r,) in rows], np.int64)
 
     def seeds(self, run_id: int) -> tuple[int, int]:
         """The (fingerprint, sketch) seeds fingerprints must share to be compared: those of the
@@ -330,16 +345,24 @@ class Catalog:
         return found
 
 
-def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, tuple | None]:
+def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
     """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists), and
-    the ragged parts ``(first, span, parts)`` when a fourth list ``[1,1,2]`` follows."""
+    further `Piece` fields: ``ragged`` (first, span, parts) from a fourth list ``[1,1,2]``, the
+    reduction fields from a ``|reduce,index,count,weight`` suffix."""
+    extra: dict = {}
+    if "|" in text:
+        text, tail = text.split("|", 1)
+        kind, index, count, weight = tail.split(",")
+        extra = dict(reduce=int(kind), reduce_index=int(index), reduce_count=int(count),
+                     reduce_weight=float(weight))
     i = text.index("[")
     parts = text[i + 1:-1].split("][")
     if len(parts) not in (3, 4):
         raise ValueError(f"layout {text!r} is not dtype + three JSON lists (+ ragged parts)")
     logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts[:3])
-    ragged = tuple(json.loads(f"[{parts[3]}]")) if len(parts) == 4 else None
-    return text[:i], logical, offsets, shape, ragged
+    if len(parts) == 4:
+        extra["ragged"] = tuple(json.loads(f"[{parts[3]}]"))
+    return text[:i], logical, offsets, shape, extra
 
 
 def _columns(cat: Catalog, rows: list[tuple], run: str, side: str) -> RunColumns:

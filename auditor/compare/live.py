@@ -10,8 +10,9 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.keys import LogicalKeys
 from auditor.compare.policy import Policy
-from auditor.compare.slow import ranges_index
+from auditor.compare.segments import ranges_index
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
 
@@ -45,6 +46,8 @@ class LiveComparison:
         reader.run_id(ref)
         reader.run_id(cand)
         self.catalog = Catalog(reader, self.policy.renames)
+        from auditor.compare.engine import bwd_factor
+        self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
         self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
         self.done = {side: np.zeros(0, bool) for side in self.names}
         self.reported: set[tuple[int, int]] = set()
@@ -127,7 +130,8 @@ class LiveComparison:
         cc, cidx = self._pending("cand")
         if not len(rc) and not len(cc):
             return []
-        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader)
+        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
+                        bwd_factor=self.bwd_factor)
         rk, ck = comp.ref_keys, comp.cand_keys
         step = comp.A >> 24
         if everything:
@@ -178,7 +182,7 @@ class LiveComparison:
         return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
 
 
-def _has_copies(lk: M.LogicalKeys, catalog: Catalog, cols: RunColumns) -> np.ndarray:
+def _has_copies(lk: LogicalKeys, catalog: Catalog, cols: RunColumns) -> np.ndarray:
     """Keys whose pieces include replicas or Partial addends (more copies may still arrive)."""
     if not len(lk):
         return np.zeros(0, bool)

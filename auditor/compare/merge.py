@@ -19,13 +19,13 @@ A box held by pieces flagged both ``replica`` and ``partial`` (a Partial placeme
 Replicate on another) cannot be told apart from its layouts alone: such copies are deduplicated
 by fingerprint, so identical addends count once (docs/comparison.md states the caveat).
 
-Pure functions; the vectorized application over many keys is in `auditor.compare.verdicts` and `auditor.compare.slow`.
+Pure functions; the vectorized application over many keys is `auditor.compare.keys`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -37,6 +37,8 @@ MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
 
 OK, NONE, INCOMPLETE, REPLICA_DIVERGENCE = 0, 1, 2, 3
+REDUCE_NONE, REDUCE_MEAN, REDUCE_SUM = 0, 1, 2
+REDUCE_NAMES = {REDUCE_MEAN: "mean", REDUCE_SUM: "sum"}
 STATUS_NAMES = {OK: "ok", NONE: "none", INCOMPLETE: "incomplete",
                 REPLICA_DIVERGENCE: "replica_divergence"}
 
@@ -53,6 +55,14 @@ class Piece:
     partial: bool = False
     complex_as_real: bool = False
     is_none: bool = False
+    reduce: int = REDUCE_NONE
+    """REDUCE_MEAN / REDUCE_SUM: the piece is one addend of a reduction over the batch."""
+    reduce_index: int = 0
+    """The addend (dp rank) this piece holds."""
+    reduce_count: int = 1
+    """Addends that make the whole (dp size)."""
+    reduce_weight: float = 1.0
+    """Weight of the addend in a mean (its batch elements)."""
     ragged: tuple[int, int, int] | None = None
     """(first, span, parts): the ragged parts this piece holds (proto Layout.ragged_*)."""
 
@@ -104,6 +114,11 @@ class TilingPlan:
     logical_shape: tuple[int, ...] = ()
     complex_as_real: bool = False
     problems: tuple[Problem, ...] = ()
+    reduce: int = REDUCE_NONE
+    """A reduction over the batch: `take` holds one addend per dp rank."""
+    coef: tuple[float, ...] = ()
+    """Per position of `take`: the factor its digest's linear parts (sum, sketch, payload
+    values) are multiplied by before adding (a mean's normalized weight; 1 otherwise)."""
 
     @property
     def numel(self) -> int:
@@ -144,6 +159,8 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
                                     f"shape {list(shape)}"))
     if problems:
         return TilingPlan(status=INCOMPLETE, problems=tuple(problems))
+    if any(pieces[i].reduce for i in present):
+        return _plan_reduction(pieces, present, nones)
     problems = _ragged_problems(pieces, present)
     if problems:
         return TilingPlan(status=INCOMPLETE, problems=tuple(problems), dtype=first.dtype,
@@ -282,6 +299,72 @@ def _fmt_parts(first: int, span: int, parts: int) -> str:
     return f"{which} of {parts}"
 
 
+def _plan_reduction(pieces: Sequence[Piece], present: list[int],
+                    nones: tuple[int, ...]) -> TilingPlan:
+    """Pieces that are addends of a reduction over the batch (a per-rank loss or mean).
+
+    Each covers the whole logical tensor; pieces with the same reduce_index are replicas of one
+    addend (the same dp rank seen from several tp/pp ranks) and must agree; every addend index
+    0..reduce_count-1 must be present. A mean weights its addends by reduce_weight.
+    """
+    first = pieces[present[0]]
+    shape = first.logical_shape
+    base = dict(dtype=first.dtype, logical_shape=shape, complex_as_real=first.complex_as_real)
+    kinds = {(pieces[i].reduce, pieces[i].reduce_count) for i in present}
+    if len(kinds) > 1:
+        groups: dict = {}
+        for i in present:
+            groups.setdefault((pieces[i].reduce, pieces[i].reduce_count), []).append(i)
+        parts = [f"{_reduce_text(*k)} on ranks {{r{n}}}" for n, k in enumerate(groups)]
+        return TilingPlan(status=INCOMPLETE, **base, problems=(_multi_problem(
+            "disagree", list(groups.values()),
+            "ranks disagree on the reduction over the batch: " + ", ".join(parts)),))
+    kind, count = next(iter(kinds))
+    if kind not in REDUCE_NAMES:
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "disagree", tuple(present), f"unknown reduction {kind} on ranks {{ranks}}"),))
+    not_whole = tuple(i for i in present if pieces[i].offsets != (0,) * len(shape)
+                      or pieces[i].shape != shape)
+    if not_whole:
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "bounds", not_whole, "ranks {ranks} hold only part of a reduced value (an addend of "
+                                 "a reduction over the batch must cover the whole tensor)"),))
+    by_index: dict[int, list[int]] = {}
+    for i in present:
+        by_index.setdefault(pieces[i].reduce_index, []).append(i)
+    missing = sorted(set(range(count)) - set(by_index))
+    outside = tuple(i for idx, m in by_index.items() if not 0 <= idx < count for i in m)
+    if missing or outside:
+        what = []
+        if missing:
+            what.append(f"the addends of dp ranks {format_ranges(missing)} (of {count}) are "
+                        "missing")
+        if outside:
+            what.append("some addend indices lie outside the dp size")
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "gap", tuple(present), f"{_reduce_text(kind, count)} from ranks {{ranks}}: "
+                                   + "; ".join(what)),))
+    take = sorted(m[0] for m in by_index.values())
+    replica_sets = tuple(tuple(m) for m in by_index.values() if len(m) > 1)
+    if kind == REDUCE_MEAN:
+        total = math.fsum(pieces[i].reduce_weight for i in take)
+        coef = tuple(pieces[i].reduce_weight / total if total > 0 else 1.0 / len(take)
+                     for i in take)
+    else:
+        coef = (1.0,) * len(take)
+    if nones:  # a None addend next to values: that dp rank's piece is missing
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "none_mixed", nones, "the reduced value is None on ranks {ranks} but not on the "
+                                 "others"),))
+    return TilingPlan(status=OK, take=tuple(take), replica_sets=replica_sets,
+                      partial=count > 1, reduce=kind, coef=coef, **base)
+
+
+def _reduce_text(kind: int, count: int) -> str:
+    return f"a {REDUCE_NAMES.get(kind, str(kind))} over {count} dp rank" + \
+        ("s" if count != 1 else "")
+
+
 def _multi_problem(kind: str, groups: list[list[int]], detail: str) -> Problem:
     """A problem whose text names several rank groups ({r0}, {r1}, ...)."""
     return _MultiProblem(kind, tuple(i for g in groups for i in g), detail,
@@ -401,6 +484,9 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
     if plan.status == REPLICA_DIVERGENCE:
         return LogicalDigest(REPLICA_DIVERGENCE, None, plan, plan.describe(ranks),
                              tuple(ranks[i] for i in plan.problems[0].positions))
+    if plan.reduce:
+        return LogicalDigest(OK, _merge_reduction([digests[i] for i in plan.take], plan.coef),
+                             plan)
     boxes: dict[tuple, list[DigestValues]] = {}
     taken = list(plan.take)
     for ds in plan.dedupe_sets:
@@ -420,199 +506,13 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
     return LogicalDigest(OK, merged, plan)
 
 
+def _merge_reduction(addends: Sequence[DigestValues], coef: Sequence[float]) -> DigestValues:
+    """The digest of sum(coef_i * addend_i): exact for one addend, else like a Partial sum."""
+    if len(addends) == 1 and coef[0] == 1.0:
+        return addends[0]
+    scaled = [replace(a, sum=a.sum * c, sketch=a.sketch * c) for a, c in zip(addends, coef)]
+    return merge_partial(scaled)
+
+
 def _is_partial(pieces: Sequence[tuple[Piece, DigestValues | None]], box: tuple) -> bool:
     return any(p.partial for p, _ in pieces if not p.is_none and p.box == box)
-
-
-# -- many keys at once -------------------------------------------------------------------------------
-
-@dataclass
-class LogicalKeys:
-    """Every key of one run, merged: one entry per key, in (A, B) order.
-
-    ``taken_row[taken_start[g]:taken_start[g + 1]]`` are the rows (of the run's columns) whose
-    digests make up key g's logical digest.
-    """
-
-    A: np.ndarray
-    B: np.ndarray
-    first: np.ndarray
-    """Row of the key's first piece (lowest rank)."""
-    count: np.ndarray
-    status: np.ndarray
-    dtype: np.ndarray
-    """Code into Catalog.dtypes (-1 when unknown)."""
-    shape: np.ndarray
-    """Code into Catalog.shapes (-1 when unknown)."""
-    numel: np.ndarray
-    nonfinite: np.ndarray
-    """Pieces that hold NaN or Inf (0: the logical tensor is finite)."""
-    all_zero: np.ndarray
-    """1 when every element is zero, 0 when not, -1 when unknown (Partial keys)."""
-    fp: np.ndarray
-    exact: np.ndarray
-    """The fingerprint describes the logical tensor (no Partial box, known seeds)."""
-    partial: np.ndarray
-    has_moments: np.ndarray
-    stage: np.ndarray
-    pos: np.ndarray
-    """Capture position: record id of the first piece."""
-    taken_start: np.ndarray
-    taken_row: np.ndarray
-    messages: dict[int, str]
-    """Why a key is incomplete or its replicas diverge."""
-    bad_ranks: dict[int, tuple[int, ...]]
-
-    def __len__(self) -> int:
-        return len(self.A)
-
-    def ranks(self, cols, g: int) -> list[int]:
-        s = int(self.first[g])
-        return [int(r) for r in cols.rank[s:s + int(self.count[g])]]
-
-
-def build_keys(cols, catalog) -> LogicalKeys:
-    """Merge every key of a run's columns (`auditor.compare.columns.RunColumns`) using tiling plans."""
-    n = len(cols)
-    if n:
-        new = np.empty(n, dtype=bool)
-        new[0] = True
-        np.not_equal(cols.A[1:], cols.A[:-1], out=new[1:])
-        new[1:] |= cols.B[1:] != cols.B[:-1]
-        starts = np.flatnonzero(new)
-    else:
-        starts = np.zeros(0, np.int64)
-    G = len(starts)
-    counts = np.diff(np.append(starts, n)).astype(np.int64)
-    status = np.zeros(G, np.int8)
-    dtype = np.full(G, -1, np.int32)
-    shape = np.full(G, -1, np.int32)
-    numel = np.zeros(G, np.int64)
-    nonfinite = np.zeros(G, np.int64)
-    zeros = np.zeros(G, np.int8)
-    fp = np.zeros(G, np.uint64)
-    exact = np.zeros(G, bool)
-    partial = np.zeros(G, bool)
-    has_moments = np.zeros(G, bool)
-    messages: dict[int, str] = {}
-    bad_ranks: dict[int, tuple[int, ...]] = {}
-    taken_keys: list[np.ndarray] = []
-    taken_rows: list[np.ndarray] = []
-    plans: dict[tuple, TilingPlan] = catalog.__dict__.setdefault("_plans", {})
-
-    for size in np.unique(counts):
-        gsel = np.flatnonzero(counts == size)
-        idx = starts[gsel][:, None] + np.arange(size)
-        codes = cols.layout[idx]
-        if size == 1:
-            uniq, inv = np.unique(codes[:, 0], return_inverse=True)
-            uniq = uniq[:, None]
-        else:
-            uniq, inv = np.unique(codes, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
-        order = np.argsort(inv, kind="stable")
-        bounds = np.searchsorted(inv[order], np.arange(len(uniq) + 1))
-        for u in range(len(uniq)):
-            pick = order[bounds[u]:bounds[u + 1]]
-            sig = tuple(int(c) for c in uniq[u])
-            plan = plans.get(sig)
-            if plan is None:
-                plan = plans[sig] = plan_tiling([catalog.pieces[c] for c in sig])
-            _apply(plan, sig, gsel[pick], idx[pick], cols, catalog, status, dtype, shape, numel,
-                   nonfinite, zeros, fp, exact, partial, has_moments, messages, bad_ranks,
-                   taken_keys, taken_rows)
-
-    if taken_keys:
-        tk = np.concatenate(taken_keys)
-        tr = np.concatenate(taken_rows)
-        order = np.argsort(tk, kind="stable")
-        tk, tr = tk[order], tr[order]
-    else:
-        tk = tr = np.zeros(0, np.int64)
-    taken_start = np.searchsorted(tk, np.arange(G + 1))
-    return LogicalKeys(
-        A=cols.A[starts], B=cols.B[starts], first=starts, count=counts, status=status,
-        dtype=dtype, shape=shape, numel=numel, nonfinite=nonfinite, all_zero=zeros, fp=fp,
-        exact=exact, partial=partial, has_moments=has_moments, stage=cols.stage[starts],
-        pos=cols.rid[starts], taken_start=taken_start, taken_row=tr, messages=messages,
-        bad_ranks=bad_ranks,
-    )
-
-
-def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.ndarray, cols,
-           catalog, status, dtype, shape, numel, nonfinite, zeros, fp, exact, partial,
-           has_moments, messages, bad_ranks, taken_keys, taken_rows) -> None:
-    """Apply one plan to every key (``groups``) sharing its signature; ``rows`` is [g, n]."""
-    if plan.status == NONE:
-        status[groups] = NONE
-        return
-    if plan.dtype:
-        dtype[groups] = catalog.dtype_code(plan.dtype)
-        shape[groups] = catalog.shape_code(plan.logical_shape, plan.complex_as_real)
-    if plan.status == INCOMPLETE:
-        status[groups] = INCOMPLETE
-        _describe(plan, groups, rows, cols, messages)
-        return
-    take = rows[:, list(plan.take)] if plan.take else np.zeros((len(groups), 0), np.int64)
-    if plan.dedupe_sets:
-        extra = []
-        for r in rows:
-            chosen: list[int] = []
-            for ds in plan.dedupe_sets:
-                seen: set[int] = set()
-                for pos in ds:
-                    f = int(cols.fp[r[pos]])
-                    if f not in seen:
-                        seen.add(f)
-                        chosen.append(int(r[pos]))
-            extra.append(chosen)
-        for g, r_take, more in zip(groups, take, extra):
-            taken_keys.append(np.full(len(r_take) + len(more), g, np.int64))
-            taken_rows.append(np.concatenate([r_take, np.array(more, np.int64)]))
-        flat = [np.concatenate([t, np.array(m, np.int64)]) for t, m in zip(take, extra)]
-        fp[groups] = [int(cols.fp[f].sum(dtype=np.uint64)) for f in flat]
-        nonfinite[groups] = [int((cols.flags[f] & 2).astype(bool).sum()) for f in flat]
-    else:
-        taken_keys.append(np.repeat(groups, take.shape[1]))
-        taken_rows.append(take.reshape(-1))
-        fp[groups] = cols.fp[take].sum(axis=1, dtype=np.uint64)
-        nonfinite[groups] = ((cols.flags[take] & 2) != 0).sum(axis=1)
-    numel[groups] = plan.numel
-    if plan.partial or take.shape[1] == 0:
-        zeros[groups] = -1
-    else:
-        zeros[groups] = ((cols.flags[take] & 1) != 0).all(axis=1)
-    partial[groups] = plan.partial
-    exact[groups] = (not plan.partial) and all(catalog.seeds_ok[c] for c in sig
-                                               if not catalog.pieces[c].is_none)
-    has_moments[groups] = any(catalog.has_moments[c] for c in sig if not catalog.pieces[c].is_none)
-    if plan.status == REPLICA_DIVERGENCE:
-        status[groups] = REPLICA_DIVERGENCE
-        _describe(plan, groups, rows, cols, messages)
-        for g, r in zip(groups, rows):
-            bad_ranks[int(g)] = tuple(int(cols.rank[r[p]]) for p in plan.problems[0].positions)
-        return
-    for rs in plan.replica_sets:
-        f = cols.fp[rows[:, list(rs)]]
-        bad = np.flatnonzero((f != f[:, :1]).any(axis=1))
-        for b in bad:
-            g = int(groups[b])
-            r = rows[b]
-            ranks = [int(cols.rank[r[p]]) for p in rs]
-            odd = [rk for rk, fv in zip(ranks, f[b]) if fv != f[b, 0]]
-            status[g] = REPLICA_DIVERGENCE
-            bad_ranks[g] = tuple(odd)
-            messages[g] = (f"replicas differ: ranks {format_ranges(odd)} disagree with rank "
-                           f"{ranks[0]} (replicas on ranks {format_ranges(ranks)})")
-
-
-def _describe(plan: TilingPlan, groups: np.ndarray, rows: np.ndarray, cols,
-              messages: dict[int, str]) -> None:
-    cache: dict[bytes, str] = {}
-    for g, r in zip(groups, rows):
-        ranks = cols.rank[r]
-        k = ranks.tobytes()
-        text = cache.get(k)
-        if text is None:
-            text = cache[k] = plan.describe([int(x) for x in ranks])
-        messages[int(g)] = text

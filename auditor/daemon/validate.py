@@ -22,7 +22,6 @@ Contracts checked here that a sender must know (docs/protocol.md has the full li
 from __future__ import annotations
 
 import math
-import re
 import zlib
 from typing import Sequence
 
