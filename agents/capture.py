@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_leaves
 from agents.config import AgentConfig
 from agents.digest import digest_batch_to_host, digest_piece, has_moments
 from agents.identity import RankIdentity
-from agents.layout import PieceLayout, batch_layout, complex_real_layout, dtensor_layout
+from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
+                           ragged_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -254,7 +255,8 @@ class Capturer:
             if t.requires_grad:
                 t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
-    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
+    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
+                   layout: PieceLayout | None = None):
         key = (step, mb, site, index, call)
 
         def hook(grad):
@@ -267,7 +269,8 @@ class Capturer:
                     self.step = step
                     try:
                         self.capture(grad, phase="bwd", site=site, role="grad_output",
-                                     index=index, call=call, microbatch=mb, stage=stage)
+                                     index=index, call=call, microbatch=mb, stage=stage,
+                                     layout=layout)
                     finally:
                         self.step = saved
             except Exception as exc:
@@ -305,14 +308,72 @@ class Capturer:
         microbatch: int | None = None,
         stage: int | None = None,
         layout: PieceLayout | None = None,
+        rows=None,
+        backward: bool = False,
     ) -> None:
-        """Digest one tensor (or record that it is None). Never raises."""
+        """Digest one tensor (or record that it is None). Never raises.
+
+        `rows` (agents.ragged.RaggedRows) makes it a ragged piece; `backward` also captures the
+        gradient reaching `t` under phase bwd with the same layout.
+        """
         try:
-            self._capture(t, phase, site, role, index, call,
-                          self.microbatch if microbatch is None else microbatch,
-                          self.stage if stage is None else stage, layout)
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            if rows is not None and t is not None:
+                layout = ragged_layout(tuple(t.shape), rows.offset, rows.total, part=rows.part,
+                                       parts=rows.parts, span=rows.span)
+            self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
+            if (backward and phase == "fwd" and self.wants("bwd") and t is not None
+                    and t.requires_grad):
+                t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
+                                                layout))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
+
+    def capture_segments(self, t: torch.Tensor, counts, rows, *, phase: str, site: str,
+                         role: str, microbatch: int | None = None, stage: int | None = None,
+                         backward: bool = False) -> None:
+        """Capture ``t.split(counts)`` as ragged pieces, segment e under index e. Never raises.
+
+        `backward`: one hook on `t` itself (the segments are views autograd never reaches)
+        splits the gradient the same way and captures each segment under phase bwd.
+        """
+        try:
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            counts = [int(c) for c in counts]
+            layouts = [ragged_layout((n, *t.shape[1:]), r.offset, r.total, part=r.part,
+                                     parts=r.parts, span=r.span) for n, r in zip(counts, rows)]
+            if len(layouts) != len(counts):
+                raise ValueError(f"rows: {len(layouts)} places for {len(counts)} segments")
+            for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
+                self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+            if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
+                t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
+                                                         stage, self.step))
+        except Exception as exc:
+            self._failed(f"capture of {phase}:{site}", exc)
+
+    def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
+                            mb: int, stage: int, step: int):
+        key = (step, mb, site, "segments", 0)
+
+        def hook(grad):
+            try:
+                if grad is not None and key not in self._bwd_seen:
+                    self._bwd_seen.add(key)
+                    saved = self.step
+                    self.step = step
+                    try:
+                        for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
+                            self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                    finally:
+                        self.step = saved
+            except Exception as exc:
+                self._failed("backward hook", exc)
+            return None
+
+        return hook
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
