@@ -204,7 +204,7 @@ class Capturer:
                 self._failed("forward hook", exc)
             self._drain()
 
-        return hook
+        return _not_traced(hook)
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
         key = (step, mb, site, index, call)
@@ -226,7 +226,7 @@ class Capturer:
                 self._failed("backward hook", exc)
             return None
 
-        return hook
+        return _not_traced(hook)
 
     def _next_call(self, site: str) -> int:
         key = (self.microbatch, site)
@@ -244,6 +244,7 @@ class Capturer:
 
     # -- captures -------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def capture(
         self,
         t: torch.Tensor | None,
@@ -377,6 +378,14 @@ class Capturer:
             self._logged.add(what)
             log.warning("rank %d: numaudit %s failed (further failures counted silently): %r",
                         self.ident.rank, what, exc)
+
+
+def _not_traced(hook):
+    """Hooks run eagerly even inside a ``torch.compile``d model: traced, the agent's code would
+    put guards on its own state (site names, data pointers, whether this step is captured) into
+    the model's graphs, and turning capture on or off would recompile them. A disabled hook is a
+    graph break at each hooked module instead (docs/agent.md, torch.compile)."""
+    return torch.compiler.disable(hook)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
