@@ -45,6 +45,7 @@ constexpr int N_MOMENTS = 5;
 constexpr int64_t BLOCK = 512;
 constexpr int MAX_DIMS = 16;
 constexpr int64_t SKETCH_COPIES = 4;
+constexpr int64_t SMALL_PIECE = 16384;  // elements below which the sketch has one copy
 
 // Dtype codes: keep in step with agents/kernels/cpu.py DTYPE_CODES.
 enum Dtype : int64_t {
@@ -138,6 +139,7 @@ struct Acc {
   double hi = -std::numeric_limits<double>::infinity();
   double* sketch2 = nullptr;  // SKETCH_COPIES x 2k buckets: sign + in [0, k), - in [k, 2k)
   int64_t k = 0;
+  int64_t copies = 1;  // 1 for small pieces: zeroing and summing 4 copies costs more there
   uint32_t mask2k = 0;
 };
 
@@ -286,7 +288,7 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
     double* sk = a.sketch2;
     const int64_t stride = 2 * a.k;
     int64_t j = 0;
-    for (; j + 4 <= m; j += 4) {
+    for (; a.copies == SKETCH_COPIES && j + 4 <= m; j += 4) {
       sk[buckets[j]] += vals[j];
       sk[stride + buckets[j + 1]] += vals[j + 1];
       sk[2 * stride + buckets[j + 2]] += vals[j + 2];
@@ -413,7 +415,8 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
   const double inf = std::numeric_limits<double>::infinity();
   Acc a;
   if (moments) {
-    std::memset(sketch2, 0, sizeof(double) * SKETCH_COPIES * 2 * k);
+    a.copies = numel >= SMALL_PIECE ? SKETCH_COPIES : 1;
+    std::memset(sketch2, 0, sizeof(double) * a.copies * 2 * k);
     a.sketch2 = sketch2;
     a.k = k;
     a.mask2k = (uint32_t)(2 * k - 1);
@@ -450,9 +453,13 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
     double v = 0.0;
     if (moments) {
       const double* sk = a.sketch2;
-      const double pos = (sk[b] + sk[2 * k + b]) + (sk[4 * k + b] + sk[6 * k + b]);
-      const double neg = (sk[k + b] + sk[3 * k + b]) + (sk[5 * k + b] + sk[7 * k + b]);
-      v = pos - neg;
+      if (a.copies == 1) {
+        v = sk[b] - sk[k + b];
+      } else {
+        const double pos = (sk[b] + sk[2 * k + b]) + (sk[4 * k + b] + sk[6 * k + b]);
+        const double neg = (sk[k + b] + sk[3 * k + b]) + (sk[5 * k + b] + sk[7 * k + b]);
+        v = pos - neg;
+      }
     }
     f64[N_MOMENTS + b] = v;
   }
