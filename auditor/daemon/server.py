@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from wire import limits
 from auditor.store import summary
+from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBusy
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
 from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
 from wire.tls import ServerTLS
@@ -83,6 +84,15 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.UNIMPLEMENTED, str(exc)
     if isinstance(exc, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE, "auditor: shutting down; reconnect and resend"
+    if isinstance(exc, TooBusy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, IdleStream):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    from auditor.daemon.compare_service import CompareTimeout, WorkerLost  # engine-free module
+    if isinstance(exc, CompareTimeout):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, WorkerLost):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (sqlite3.Error, OSError, WriterClosed)):
         log.error("%s: store error: %s: %s", method, type(exc).__name__, exc)
         return grpc.StatusCode.UNAVAILABLE, f"store: {type(exc).__name__}: {exc}; retry later"
@@ -163,6 +173,13 @@ def _rpc(kind: str) -> Callable:
 
 # -- The service ---------------------------------------------------------------------------------
 
+def _abandon(task: asyncio.Future) -> None:
+    """Cancel a task nobody will await, and retrieve its outcome so that asyncio does not log
+    "Task exception was never retrieved" (StopAsyncIteration of a stream that ended meanwhile)."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 def _validate_and_hash(batch: pb.RecordBatch) -> list[bytes]:
     validate_batch(batch)
     return [content_hash(r) for r in batch.records]
@@ -172,11 +189,28 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     """numaudit.v1.Auditor over one store. Register it with `add_auditor_service`."""
 
     def __init__(self, writer: StoreWriter, db_path: str | Path,
-                 pool: concurrent.futures.Executor) -> None:
+                 pool: concurrent.futures.Executor, *,
+                 limits: ServerLimits | None = None) -> None:
+        """`pool` validates batches (the ingest path only); reads, watches and comparisons get
+        their own threads and processes, so that they can never delay an ack."""
         self._writer = writer
         self._db_path = Path(db_path)
         self._pool = pool
+        self._limits = limits or ServerLimits()
+        self._admission = Admission(self._limits)
+        self._read_pool = concurrent.futures.ThreadPoolExecutor(
+            self._limits.read_threads, thread_name_prefix="numaudit-read")
         self._stopping = asyncio.Event()
+
+    def close(self) -> None:
+        """Stops the read threads, watch threads and comparison workers."""
+        self._read_pool.shutdown(wait=False, cancel_futures=True)
+        workers = getattr(self, "_compare_workers", None)
+        if workers is not None:
+            workers.close()
+        watch_pool = getattr(self, "_watch_pool", None)
+        if watch_pool is not None:
+            watch_pool.shutdown(wait=False, cancel_futures=True)
 
     def begin_shutdown(self) -> None:
         """Ingest streams end (UNAVAILABLE) after the batch they are committing."""
@@ -189,27 +223,40 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         """Runs `work` in the writer's next transaction; returns once it has committed."""
         return await asyncio.wrap_future(self._writer.submit(work))
 
-    async def _read(self, fn: Callable[[Reader], Any]) -> Any:
+    async def _read(self, fn: Callable[[Reader], Any], *, ingest_path: bool = False) -> Any:
+        """`fn(reader)` on the read threads; `ingest_path` lookups (the auth check of an Ingest
+        stream's session, one indexed row) use the validation threads instead, so that slow
+        reads never stand between a batch and its ack."""
         def run() -> Any:
             reader = Reader(self._db_path)
             try:
                 return fn(reader)
             finally:
                 reader.close()
-        return await self._offload(run)
+        pool = self._pool if ingest_path else self._read_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, run)
 
     async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch]) -> pb.RecordBatch:
+        """The next batch; ShuttingDown when the daemon stops first, IdleStream after the idle
+        timeout, StopAsyncIteration at the end of the stream."""
         if self._stopping.is_set():
             raise ShuttingDown()
         nxt = asyncio.ensure_future(batches.__anext__())
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
-            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED,
+                               timeout=self._limits.idle_stream_s or None)
+        except BaseException:  # the call was cancelled (the agent closed it) while we waited
+            _abandon(nxt)
+            raise
         finally:
             stop.cancel()
         if not nxt.done():
-            nxt.cancel()
-            raise ShuttingDown()
+            _abandon(nxt)
+            if self._stopping.is_set():
+                raise ShuttingDown()
+            raise IdleStream(f"Ingest: no batch for {self._limits.idle_stream_s:g} s; the stream "
+                             "is closed (reconnect to send more)")
         return nxt.result()  # StopAsyncIteration at the end of the stream
 
     @_rpc("unary_unary")
@@ -223,18 +270,21 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
                      context: Any) -> AsyncIterator[pb.Ack]:
-        while True:
-            try:
-                batch = await self._next_or_stop(request_iterator)
-            except StopAsyncIteration:
-                return
-            hashes = await self._offload(_validate_and_hash, batch)
-            result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
-            log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d", batch.session_id,
-                      batch.seq, result.stored, result.duplicates, result.conflicts)
-            yield pb.Ack(session_id=batch.session_id, acked_seq=result.acked_seq,
-                         stored=result.stored, duplicates=result.duplicates,
-                         conflicts=result.conflicts)
+        with self._admission.ingest_stream():
+            while True:
+                try:
+                    batch = await self._next_or_stop(request_iterator)
+                except StopAsyncIteration:
+                    return
+                async with self._admission.bytes_in_flight(batch.ByteSize()):
+                    hashes = await self._offload(_validate_and_hash, batch)
+                    result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
+                log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d",
+                          batch.session_id, batch.seq, result.stored, result.duplicates,
+                          result.conflicts)
+                yield pb.Ack(session_id=batch.session_id, acked_seq=result.acked_seq,
+                             stored=result.stored, duplicates=result.duplicates,
+                             conflicts=result.conflicts)
 
     @_rpc("unary_unary")
     async def CloseSession(self, request: pb.CloseSessionRequest,
@@ -260,13 +310,13 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
         from auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
 
-        return await rpc_compare.compare(self, request)
+        return await rpc_compare.compare(self, request, context)
 
     @_rpc("unary_stream")
     async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
         from auditor.daemon import compare_service as rpc_compare
 
-        async for event in rpc_compare.watch(self, request):
+        async for event in rpc_compare.watch(self, request, context):
             yield event
 
 
@@ -303,8 +353,8 @@ def _check_synchronous(synchronous: str) -> str:
 @contextlib.asynccontextmanager
 async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numaudit.db", *,
                 synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
-                tokens: Tokens | None = None,
-                tls: ServerTLS | None = None) -> AsyncIterator[str]:
+                tokens: Tokens | None = None, tls: ServerTLS | None = None,
+                server_limits: ServerLimits | None = None) -> AsyncIterator[str]:
     """Runs the daemon while the block runs; yields the bound address ("HOST:PORT").
 
     `listen` may use port 0 (the yielded address has the real port). With `tokens` every Auditor
@@ -319,11 +369,12 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
     writer = await asyncio.to_thread(StoreWriter, db_path, synchronous=level)
     pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
                                                  thread_name_prefix="numaudit-validate")
-    service = AuditorService(writer, db_path, pool)
+    service = AuditorService(writer, db_path, pool, limits=server_limits)
     interceptors = []
     if tokens is not None:
         async def session_run(session_id: str) -> str:
-            return await service._read(lambda reader: reader.session_run(session_id))
+            return await service._read(lambda reader: reader.session_run(session_id),
+                                       ingest_path=True)
         interceptors.append(AuthInterceptor(tokens, service=SERVICE_NAME, session_run=session_run,
                                             status_for=status_for))
     server = grpc.aio.server(options=limits.server_options(), interceptors=interceptors)
@@ -369,6 +420,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
             await health_servicer.enter_graceful_shutdown()
         await server.stop(grace)
         await asyncio.to_thread(writer.close)
+        service.close()
         pool.shutdown(wait=True)
         log.info("stopped; store flushed and closed")
 
@@ -382,9 +434,11 @@ class BackgroundServer:
 
     def __init__(self, listen: str = "127.0.0.1:0", db_path: str | Path = "numaudit.db", *,
                  synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
-                 tokens: Tokens | None = None, tls: ServerTLS | None = None) -> None:
+                 tokens: Tokens | None = None, tls: ServerTLS | None = None,
+                 server_limits: ServerLimits | None = None) -> None:
         self.listen, self.db_path = listen, Path(db_path)
-        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls)
+        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls,
+                            server_limits=server_limits)
         self.address = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None
