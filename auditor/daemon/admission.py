@@ -41,10 +41,8 @@ class ServerLimits:
     """Longest a comparison may run; its worker process is killed after (DEADLINE_EXCEEDED)."""
     compare_processes: int = 1
     """Worker processes that run comparisons (outside the daemon's process and its GIL)."""
-    read_threads: int = 2
-    """Threads for DescribeRun and ListRuns (never the validation threads)."""
-    watch_threads: int = 2
-    """Threads that poll the store for Watch streams."""
+    read_processes: int = 1
+    """Worker processes that answer DescribeRun and ListRuns."""
 
 
 class TooBusy(Exception):

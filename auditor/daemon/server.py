@@ -31,9 +31,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from wire import limits
-from auditor.store import summary
 from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBusy
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
+from auditor.daemon import reads
+from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
 from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
@@ -88,8 +89,7 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, IdleStream):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
-    from auditor.daemon.compare_service import CompareTimeout, WorkerLost  # engine-free module
-    if isinstance(exc, CompareTimeout):
+    if isinstance(exc, BudgetExceeded):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, WorkerLost):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
@@ -198,19 +198,15 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         self._pool = pool
         self._limits = limits or ServerLimits()
         self._admission = Admission(self._limits)
-        self._read_pool = concurrent.futures.ThreadPoolExecutor(
-            self._limits.read_threads, thread_name_prefix="numaudit-read")
+        self._read_workers = Workers("Read", self._limits.read_processes)
         self._stopping = asyncio.Event()
 
     def close(self) -> None:
-        """Stops the read threads, watch threads and comparison workers."""
-        self._read_pool.shutdown(wait=False, cancel_futures=True)
-        workers = getattr(self, "_compare_workers", None)
-        if workers is not None:
-            workers.close()
-        watch_pool = getattr(self, "_watch_pool", None)
-        if watch_pool is not None:
-            watch_pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the worker processes of reads, watches and comparisons."""
+        for kind in ("read", "compare", "watch"):
+            workers = getattr(self, f"_{kind}_workers", None)
+            if workers is not None:
+                workers.close()
 
     def begin_shutdown(self) -> None:
         """Ingest streams end (UNAVAILABLE) after the batch they are committing."""
@@ -223,18 +219,17 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         """Runs `work` in the writer's next transaction; returns once it has committed."""
         return await asyncio.wrap_future(self._writer.submit(work))
 
-    async def _read(self, fn: Callable[[Reader], Any], *, ingest_path: bool = False) -> Any:
-        """`fn(reader)` on the read threads; `ingest_path` lookups (the auth check of an Ingest
-        stream's session, one indexed row) use the validation threads instead, so that slow
-        reads never stand between a batch and its ack."""
+    async def _read(self, fn: Callable[[Reader], Any]) -> Any:
+        """`fn(reader)` on the validation threads: only for the ingest path's own one-row
+        lookups (the auth check of an Ingest stream's session). Client reads run in the read
+        worker processes (`_read_workers`), never here."""
         def run() -> Any:
             reader = Reader(self._db_path)
             try:
                 return fn(reader)
             finally:
                 reader.close()
-        pool = self._pool if ingest_path else self._read_pool
-        return await asyncio.get_running_loop().run_in_executor(pool, run)
+        return await self._offload(run)
 
     async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch]) -> pb.RecordBatch:
         """The next batch; ShuttingDown when the daemon stops first, IdleStream after the idle
@@ -297,13 +292,13 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
 
     @_rpc("unary_unary")
     async def ListRuns(self, request: pb.ListRunsRequest, context: Any) -> pb.ListRunsResponse:
-        return await self._read(summary.list_runs)
+        return await self._read_workers.run(None, reads.list_runs, self._db_path)
 
     @_rpc("unary_unary")
     async def DescribeRun(self, request: pb.DescribeRunRequest,
                           context: Any) -> pb.DescribeRunResponse:
         validate_describe(request)
-        return await self._read(lambda reader: summary.describe_run(reader, request.run))
+        return await self._read_workers.run(None, reads.describe_run, self._db_path, request.run)
 
     # The comparison engine wires these two; the decorator already maps its errors.
     @_rpc("unary_unary")
@@ -373,8 +368,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
     interceptors = []
     if tokens is not None:
         async def session_run(session_id: str) -> str:
-            return await service._read(lambda reader: reader.session_run(session_id),
-                                       ingest_path=True)
+            return await service._read(lambda reader: reader.session_run(session_id))
         interceptors.append(AuthInterceptor(tokens, service=SERVICE_NAME, session_run=session_run,
                                             status_for=status_for))
     server = grpc.aio.server(options=limits.server_options(), interceptors=interceptors)
