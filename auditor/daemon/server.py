@@ -36,10 +36,12 @@ from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticat
 from auditor.daemon import reads
 from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
 from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
+from wire.checksum import received_records_checksum
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
 from auditor.daemon.validate import (
-    ValidationError, validate_batch, validate_close, validate_describe, validate_register,
+    CorruptedInTransit, ValidationError, validate_batch, validate_close, validate_describe,
+    validate_register,
 )
 from auditor.store.writer import StoreWriter, WriterClosed
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
@@ -110,14 +112,34 @@ class MalformedRequest:
         self.type_name = type_name
 
 
+class CorruptBatch:
+    """What our deserializer returns for a RecordBatch whose `records_crc32` does not match the
+    bytes received: corrupted in transit (ABORTED, the agent resends)."""
+
+    __slots__ = ()
+
+
 def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
     type_name = cls.DESCRIPTOR.full_name
+    is_batch = cls is pb.RecordBatch
 
     def parse(data: bytes) -> Any:
         try:
-            return cls.FromString(data)
+            message = cls.FromString(data)
         except Exception:  # DecodeError, recursion limits: the peer's fault, reported in the handler
             return MalformedRequest(type_name)
+        if is_batch and message.HasField("records_crc32"):
+            # Checked on the bytes as received (wire/checksum.py), not on a re-encoding: any
+            # valid encoding passes. Cleared once checked, so validation does not redo it.
+            try:
+                if received_records_checksum(data) != message.records_crc32:
+                    return CorruptBatch()
+            except ValueError:
+                return MalformedRequest(type_name)
+            message.ClearField("records_crc32")
+        # Fields this build does not know are ignored: dropped here, never stored or hashed.
+        message.DiscardUnknownFields()
+        return message
 
     return parse
 
@@ -125,6 +147,9 @@ def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
 def _parsed(message: Any) -> Any:
     if isinstance(message, MalformedRequest):
         raise ValidationError("request", f"not a valid {message.type_name}")
+    if isinstance(message, CorruptBatch):
+        raise CorruptedInTransit("records_crc32", "does not match the records as received "
+                                                  "(corrupted in transit); resend the batch")
     return message
 
 
