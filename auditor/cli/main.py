@@ -38,7 +38,7 @@ from wire import limits
 from auditor.store import summary
 from auditor.compare.ranges import format_ranges
 from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
-from auditor.store import Reader, UnknownRun
+from auditor.store import Reader, StoreError, UnknownRun, check_store_file
 from wire.tls import ServerTLS, TLSConfig, TLSError
 from auditor.daemon.admission import ServerLimits
 from auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
@@ -95,6 +95,8 @@ class StoreSource:
             self.reader.conn.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
         except FileNotFoundError:
             raise InputError(f"db: no store at {db}") from None
+        except StoreError as exc:  # NotAStore: another application's file, a FIFO, random bytes
+            raise InputError(str(exc)) from None
         except sqlite3.Error as exc:
             raise InputError(f"db: {db} is not a numaudit store ({exc})") from None
 
@@ -260,8 +262,10 @@ def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float
         compare_budget_s=compare_budget)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not db.parent.is_dir():
-        raise InputError(f"db: directory {db.parent} does not exist")
+    try:
+        check_store_file(db, create=True)
+    except StoreError as exc:
+        raise InputError(str(exc)) from None
     if bool(tls_cert) != bool(tls_key):
         raise InputError("tls-cert/tls-key: give both to serve TLS")
     if tls_client_ca and not tls_cert:

@@ -7,6 +7,7 @@ comparison and no CLI.
 """
 
 from auditor.store.sqlite import (  # noqa: F401  (the store's public names)
-    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Reader, Store, StoreError, UnknownRun,
-    UnknownSession, connect, content_hash, from_int64, to_int64, unpack_sketch,
+    APPLICATION_ID, RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, NotAStore, Reader, Store,
+    StoreError, UnknownRun, UnknownSession, check_store_file, connect, content_hash, from_int64,
+    to_int64, unpack_sketch,
 )

@@ -23,6 +23,11 @@ from typing import Iterator, Sequence
 
 from protos import numaudit_pb2 as pb
 
+APPLICATION_ID = 0x6E756D61  # "numa"
+"""`PRAGMA application_id` of every numaudit store. A SQLite file with another id, or with none
+and no numaudit schema, belongs to another application and is refused untouched."""
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
 SCHEMA_VERSION = 2
 """2 added the reduction columns of records and the job and gradient scale of sessions; a store
 of version 1 is upgraded in place when opened for writing (`_upgrade`)."""
@@ -136,6 +141,58 @@ class UnknownSession(StoreError):
     pass
 
 
+class NotAStore(StoreError):
+    """A path that is not a numaudit store (and, for writing, not a place to create one); the
+    message is one line naming the path."""
+
+
+def check_store_file(path: str | Path, *, create: bool) -> None:
+    """NotAStore unless `path` is a numaudit store, or (`create`) a new file in an existing
+    directory. Reads at most the header and two pragmas: never changes the file, never opens
+    anything but a regular file (a FIFO or a device would block or lie)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        if not create:
+            raise NotAStore(f"db: no store at {path}") from None
+        if not p.parent.is_dir():
+            raise NotAStore(f"db: directory {p.parent} does not exist") from None
+        return
+    except OSError as exc:
+        raise NotAStore(f"db: cannot use {path} ({exc.strerror or exc})") from None
+    import stat as stat_mod
+
+    if not stat_mod.S_ISREG(st.st_mode):
+        raise NotAStore(f"db: {path} is not a regular file")
+    if st.st_size == 0:
+        if create:
+            return
+        raise NotAStore(f"db: {path} is empty, not a numaudit store")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise NotAStore(f"db: cannot read {path} ({exc.strerror or exc})") from None
+    if magic != _SQLITE_MAGIC:
+        raise NotAStore(f"db: {path} is not a SQLite file, so not a numaudit store")
+    try:
+        conn = sqlite3.connect(f"file:{p.resolve()}?mode=ro", uri=True, timeout=30)
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            has_meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND"
+                                    " name = 'meta'").fetchone() is not None
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise NotAStore(f"db: {path} cannot be read as SQLite ({exc})") from None
+    if app_id == APPLICATION_ID or (app_id == 0 and has_meta):  # 0: a store from before ids
+        return
+    owner = f"application_id {app_id:#x}" if app_id else "no numaudit schema"
+    raise NotAStore(f"db: {path} is another application's SQLite file ({owner}); "
+                    "refusing to touch it")
+
+
 class UnknownRun(StoreError):
     pass
 
@@ -173,11 +230,13 @@ def content_hash(record: pb.Record) -> bytes:
 
 def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
     """Open the store (creating the schema on first write) with the pragmas numaudit relies on."""
+    check_store_file(path, create=not readonly)
     if readonly:
         uri = f"file:{Path(path).resolve()}?mode=ro"
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
     else:
         conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30, isolation_level=None)
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         _upgrade(conn)
@@ -408,7 +467,7 @@ class Reader:
     def __init__(self, path: str | Path) -> None:
         if not Path(path).exists():
             raise FileNotFoundError(f"no store at {path}")
-        self.conn = connect(path, readonly=True)
+        self.conn = connect(path, readonly=True)  # NotAStore for anything but a numaudit store
 
     def close(self) -> None:
         self.conn.close()
