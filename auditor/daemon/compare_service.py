@@ -227,6 +227,7 @@ async def _watch(service: Any, request: pb.WatchRequest) -> AsyncIterator[pb.Wat
     stopping = getattr(service, "_stopping", None)
     workers = _workers(service, "watch")
     key = next(_watch_ids)
+    generation = workers.generation
     await workers.run(None, _live_open, key, _db_path(service), request.ref, request.cand,
                       request.policy_toml, request.preset)
     try:
@@ -255,7 +256,8 @@ async def _watch(service: Any, request: pb.WatchRequest) -> AsyncIterator[pb.Wat
             spent = time.monotonic() - started
             await asyncio.sleep(max(poll, 2 * spent))
     finally:
-        try:
-            await asyncio.shield(workers.run(None, _live_close, key))
-        except BaseException:  # the worker is gone (its state with it) or the daemon stops
-            pass
+        if workers.generation == generation and not workers.closed:  # else its state is gone
+            try:
+                await asyncio.shield(workers.run(None, _live_close, key))
+            except BaseException:  # the daemon stops meanwhile
+                pass

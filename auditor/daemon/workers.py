@@ -54,6 +54,7 @@ class Workers:
         self._expired: set[concurrent.futures.Future] = set()
         self.generation = 0
         """Bumped whenever the pool is replaced (state held in old workers is gone)."""
+        self.closed = False
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
@@ -65,6 +66,8 @@ class Workers:
     async def run(self, budget_s: float | None, fn: Callable, *args: Any) -> Any:
         """`fn(*args)` in a worker. With a budget, `BudgetExceeded` after `budget_s`, enforced
         even when the caller goes away (a cancelled call leaves nothing running unbounded)."""
+        if self.closed:
+            raise WorkerLost(f"{self.name}: the daemon is stopping")
         try:
             pool = self._executor()
             fut = pool.submit(fn, *args)
@@ -109,4 +112,5 @@ class Workers:
         pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
+        self.closed = True
         self._replace(self._pool)

@@ -1,13 +1,16 @@
 """The durable store: what was ingested, and how the comparison and the daemon read it.
 
-Owns the SQLite schema and its single writer (`sqlite`: `Store`, `Reader`, `connect`), the
+Owns which files are stores (`files`: application id, checks before opening), the SQLite
+schema and its single writer (`sqlite`: `Store`, `Reader`, `connect`), the
 group-commit writer thread (`writer`) and run summaries (`store.summary`). It may import the wire
 contract (`protos`, `wire`) and nothing else of numaudit: the store knows no service, no
 comparison and no CLI.
 """
 
+from auditor.store.files import (  # noqa: F401
+    APPLICATION_ID, NotAStore, StoreError, check_store_file,
+)
 from auditor.store.sqlite import (  # noqa: F401  (the store's public names)
-    APPLICATION_ID, RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, NotAStore, Reader, Store,
-    StoreError, UnknownRun, UnknownSession, check_store_file, connect, content_hash, from_int64,
-    to_int64, unpack_sketch,
+    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Reader, Store, UnknownRun, UnknownSession,
+    connect, content_hash, from_int64, to_int64, unpack_sketch,
 )
