@@ -9,6 +9,10 @@ Ingest: each batch is validated whole (off the event loop), handed to the single
 and acked only when the transaction holding it has committed. One stream is processed in order,
 one batch at a time, so `acked_seq` never runs ahead of a batch that failed.
 
+Isolation: the event loop and the validation threads serve ingest only; DescribeRun, ListRuns,
+Compare and Watch run in spawned worker processes, and what a client may make the daemon hold
+(streams, watches, comparisons, bytes in flight) is capped by `admission.ServerLimits`.
+
 Access control (`tokens`) is an interceptor (auditor/daemon/auth.py) whose refusals go through the same
 `status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
 """
@@ -216,8 +220,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     def __init__(self, writer: StoreWriter, db_path: str | Path,
                  pool: concurrent.futures.Executor, *,
                  limits: ServerLimits | None = None) -> None:
-        """`pool` validates batches (the ingest path only); reads, watches and comparisons get
-        their own threads and processes, so that they can never delay an ack."""
+        """`pool` validates batches (the ingest path only); reads, watches and comparisons run
+        in worker processes (`auditor.daemon.workers`), so that they can never delay an ack."""
         self._writer = writer
         self._db_path = Path(db_path)
         self._pool = pool
