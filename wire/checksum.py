@@ -1,17 +1,65 @@
 """The batch checksum both ends compute: what `RecordBatch.records_crc32` holds.
 
-The agent fills it when it builds a batch; the daemon checks it before anything else, so a batch
-corrupted on a link without TLS is answered ABORTED and resent instead of stored.
+Definition (docs/protocol.md): the CRC-32 (zlib), chained in order, of the bytes of every
+`records` entry (field 4) exactly as they appear in the serialized RecordBatch. The daemon
+computes it from the bytes it received, before parsing them into anything else
+(`received_records_checksum`), so any valid encoding a client chooses (field order, packed or
+unpacked repeated fields) checks as long as the client summed what it sent.
+
+The agent fills it with `records_checksum(records)`: a protobuf serializer embeds each record's
+own serialization, so summing each record's `SerializeToString()` is the same value.
 """
 
 from __future__ import annotations
 
 import zlib
 
+RECORDS_FIELD = 4
+"""Field number of `RecordBatch.records`."""
+
 
 def records_checksum(records) -> int:
-    """CRC-32 of each record's deterministic bytes, chained in batch order."""
+    """CRC-32 of each record's serialization, chained in batch order (the sender's side)."""
     crc = 0
     for r in records:
         crc = zlib.crc32(r.SerializeToString(deterministic=True), crc)
+    return crc
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def received_records_checksum(data: bytes) -> int:
+    """The checksum of the `records` entries of a serialized RecordBatch, from its bytes as
+    received (the daemon's side). ValueError when the bytes are not protobuf wire format."""
+    view = memoryview(data)
+    crc, i, n = 0, 0, len(data)
+    while i < n:
+        tag, i = _varint(data, i)
+        wire_type = tag & 7
+        if wire_type == 0:
+            _, i = _varint(data, i)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        elif wire_type == 2:
+            length, i = _varint(data, i)
+            if tag >> 3 == RECORDS_FIELD:
+                crc = zlib.crc32(view[i:i + length], crc)
+            i += length
+        else:
+            raise ValueError(f"wire type {wire_type} at top level")
+        if i > n:
+            raise ValueError("field runs past the end")
     return crc

@@ -62,6 +62,20 @@ MAX_TEXT_CHARS = 256
 MAX_STAGES = 4096
 MAX_DROP_REASONS = 64
 
+# Key ranges: the comparison engine packs a key into two int64s (auditor/compare/columns.py:
+# step << 24 | (microbatch + 1) << 4 | phase, and site << 32 | role << 28 | index << 14 | call),
+# so the daemon refuses (INVALID_ARGUMENT) any record it could store but never compare.
+MAX_KEY_STEP = (1 << 39) - 1
+"""Largest `Key.step`."""
+MAX_KEY_MICROBATCH = (1 << 20) - 2
+"""Largest `Key.microbatch` (microbatch + 1 takes 20 bits)."""
+MAX_KEY_INDEX = (1 << 14) - 1
+"""Largest `Key.index`."""
+MAX_KEY_CALL = (1 << 14) - 1
+"""Largest `Key.call`."""
+MAX_RECORD_STAGE = (1 << 31) - 2
+"""Largest `Record.stage` (stage + 1 takes 31 bits)."""
+
 # -- Keepalive and timing ------------------------------------------------------------------------
 
 CLIENT_KEEPALIVE_TIME_MS = 30_000

@@ -30,6 +30,25 @@ def read_pem(path: str | Path, what: str) -> bytes:
     return data
 
 
+def check_key_pair(cert: str | Path, key: str | Path, what: str) -> None:
+    """TLSError when `key` is not the private key of `cert` (or either is unusable), found by
+    Python's ssl before gRPC sees the files: gRPC's C core would print its own error lines to
+    stderr first."""
+    import ssl
+
+    read_pem(cert, f"{what}-cert")
+    read_pem(key, f"{what}-key")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as exc:
+        why = "does not match the certificate" if "MISMATCH" in str(exc).upper() \
+            else f"cannot be used with it ({exc.reason or exc})"
+        raise TLSError(f"{what}-key: {key} {why} {cert}") from None
+    except OSError as exc:
+        raise TLSError(f"{what}-cert/{what}-key: cannot load {cert} and {key}: "
+                       f"{exc.strerror or exc}") from None
+
+
 @dataclass(frozen=True)
 class TLSConfig:
     """How a client dials the daemon over TLS."""
@@ -55,6 +74,8 @@ class TLSConfig:
 
     def credentials(self) -> grpc.ChannelCredentials:
         """gRPC channel credentials from the files (read now)."""
+        if self.cert and self.key:
+            check_key_pair(self.cert, self.key, "tls")
         return grpc.ssl_channel_credentials(
             root_certificates=read_pem(self.ca, "tls-ca") if self.ca else None,
             private_key=read_pem(self.key, "tls-key") if self.key else None,
@@ -79,6 +100,7 @@ class ServerTLS:
 
     def credentials(self) -> grpc.ServerCredentials:
         """gRPC server credentials from the files (read now)."""
+        check_key_pair(self.cert, self.key, "tls")
         return grpc.ssl_server_credentials(
             [(read_pem(self.key, "tls-key"), read_pem(self.cert, "tls-cert"))],
             root_certificates=read_pem(self.client_ca, "tls-client-ca") if self.client_ca else None,

@@ -10,6 +10,7 @@ import click
 from wire.channels import token_from_env
 from auditor.cli.main import ENV_ADDR, ENV_DB, InputError, client_tls, main, tls_options
 from auditor.daemon.replay import replay, replay_into_db
+from auditor.store import StoreError, check_store_file
 from wire.spool import spool_files
 
 
@@ -45,6 +46,10 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, tls_c
     if db is None and address is None:
         raise InputError("give --db PATH or --address HOST:PORT")
     if db is not None:
+        try:
+            check_store_file(db, create=True)
+        except StoreError as exc:
+            raise InputError(str(exc)) from None
         results = replay_into_db(files, db)
     else:
         results = replay(files, address, token=token_from_env(),

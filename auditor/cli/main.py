@@ -38,8 +38,9 @@ from wire import limits
 from auditor.store import summary
 from auditor.compare.ranges import format_ranges
 from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
-from auditor.store import Reader, UnknownRun
+from auditor.store import Reader, StoreError, UnknownRun, check_store_file
 from wire.tls import ServerTLS, TLSConfig, TLSError
+from auditor.daemon.admission import ServerLimits
 from auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
@@ -94,6 +95,8 @@ class StoreSource:
             self.reader.conn.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
         except FileNotFoundError:
             raise InputError(f"db: no store at {db}") from None
+        except StoreError as exc:  # NotAStore: another application's file, a FIFO, random bytes
+            raise InputError(str(exc)) from None
         except sqlite3.Error as exc:
             raise InputError(f"db: {db} is not a numaudit store ({exc})") from None
 
@@ -229,14 +232,40 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
 @click.option("--tls-key", metavar="KEY", help="PEM private key of --tls-cert.")
 @click.option("--tls-client-ca", metavar="CA",
               help="Require client certificates signed by this PEM CA (mutual TLS).")
+@click.option("--max-streams", type=click.IntRange(min=1), default=ServerLimits.max_ingest_streams,
+              show_default=True, help="Ingest streams open at once (one per rank).")
+@click.option("--max-watches", type=click.IntRange(min=0), default=ServerLimits.max_watches,
+              show_default=True, help="Watch streams open at once.")
+@click.option("--max-watches-per-caller", type=click.IntRange(min=0),
+              default=ServerLimits.max_watches_per_caller, show_default=True,
+              help="Watch streams per token (per host without tokens).")
+@click.option("--max-compares", type=click.IntRange(min=1), default=ServerLimits.max_compares,
+              show_default=True, help="Compare calls running or queued at once.")
+@click.option("--max-inflight-mib", type=click.IntRange(min=64),
+              default=ServerLimits.max_inflight_bytes >> 20, show_default=True,
+              help="MiB of received batches not yet committed, all streams together.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0), default=ServerLimits.idle_stream_s,
+              show_default=True, help="End an Ingest stream idle this many seconds (0 = never).")
+@click.option("--compare-budget", type=click.FloatRange(min=0.01),
+              default=ServerLimits.compare_budget_s, show_default=True,
+              help="Seconds a comparison may run before it is stopped (DEADLINE_EXCEEDED).")
 def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
           log_level: str, tokens_file: Path | None, tls_cert: str | None, tls_key: str | None,
-          tls_client_ca: str | None) -> None:
+          tls_client_ca: str | None, max_streams: int, max_watches: int,
+          max_watches_per_caller: int, max_compares: int, max_inflight_mib: int,
+          idle_timeout: float, compare_budget: float) -> None:
     """Run the auditor daemon until SIGTERM or SIGINT."""
+    server_limits = ServerLimits(
+        max_ingest_streams=max_streams, max_watches=max_watches,
+        max_watches_per_caller=max_watches_per_caller, max_compares=max_compares,
+        max_inflight_bytes=max_inflight_mib << 20, idle_stream_s=idle_timeout,
+        compare_budget_s=compare_budget)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not db.parent.is_dir():
-        raise InputError(f"db: directory {db.parent} does not exist")
+    try:
+        check_store_file(db, create=True)
+    except StoreError as exc:
+        raise InputError(str(exc)) from None
     if bool(tls_cert) != bool(tls_key):
         raise InputError("tls-cert/tls-key: give both to serve TLS")
     if tls_client_ca and not tls_cert:
@@ -252,7 +281,7 @@ def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float
             log.warning("tokens: %s holds plaintext tokens and is readable by other users "
                         "(chmod 600 it, or give sha256 digests instead)", tokens_file)
     try:
-        asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls))
+        asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls, server_limits))
     except TLSError as exc:
         raise InputError(str(exc)) from None
     except (RuntimeError, OSError, sqlite3.Error) as exc:
@@ -260,7 +289,8 @@ def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float
 
 
 async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
-                 tokens: Tokens | None, tls: ServerTLS | None) -> None:
+                 tokens: Tokens | None, tls: ServerTLS | None,
+                 server_limits: ServerLimits | None = None) -> None:
     from auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
 
     stop = asyncio.Event()
@@ -268,7 +298,7 @@ async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with serve_daemon(listen, db, synchronous=sync, grace=grace, tokens=tokens,
-                            tls=tls) as address:
+                            tls=tls, server_limits=server_limits) as address:
         if port_file is not None:
             tmp = port_file.with_name(port_file.name + ".tmp")
             tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")

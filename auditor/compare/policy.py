@@ -21,6 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import functools
+
+import re2
+
 from auditor.compare.align import PHASE_IDS, ROLE_IDS, RenameRule, glob_to_regex
 
 # torch.testing.assert_close defaults; float8 types have none there: their machine epsilon.
@@ -72,6 +76,18 @@ DEFAULT_SIGMAS = 3.0
 DEFAULT_PAYLOAD_MAX_BYTES = 64 << 20
 """Raw bytes of one logical tensor, per run, that exact payload metrics decompress (memory is
 about 8/itemsize + 1 times that)."""
+
+MAX_POLICY_CHARS = 256 << 10
+"""Policy text longer than this is refused before it is parsed (a Compare request carries it)."""
+MAX_POLICY_DEPTH = 8
+"""Deepest nesting of tables and arrays a policy may use (real policies use 3); deeper text,
+including text deep enough to exhaust the TOML parser's recursion, is refused."""
+MAX_POLICY_RULES = 4096
+MAX_POLICY_RENAMES = 256
+MAX_PATTERN_CHARS = 1024
+"""Longest rename regex or glob."""
+RE2_MAX_MEM = 8 << 20
+"""Memory RE2 may use for one compiled rename pattern."""
 
 _TOP_FIELDS = {"version", "name", "preset", "sigmas", "on_uncertain", "nonfinite",
                "payload_max_bytes", "tolerances", "rename", "rule"}
@@ -291,12 +307,56 @@ def resolve_policy(text: str = "", preset: str = "", source: str = "policy") -> 
 
 
 def parse_policy(text: str, source: str = "policy", *, preset: str | None = None) -> Policy:
-    """Parse a policy file's text; errors name ``source``, the rule and the field."""
+    """Parse a policy file's text; errors name ``source``, the rule and the field.
+
+    Size and nesting are bounded (`MAX_POLICY_CHARS`, `MAX_POLICY_DEPTH`), so text from a
+    request cannot exhaust memory or the parser's recursion."""
+    if len(text) > MAX_POLICY_CHARS:
+        raise PolicyError(f"{source}: {len(text)} characters exceed the limit of "
+                          f"{MAX_POLICY_CHARS}")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise PolicyError(f"{source}: nested deeper than {MAX_POLICY_DEPTH} levels") from None
+    if _depth(doc) > MAX_POLICY_DEPTH:
+        raise PolicyError(f"{source}: nested deeper than {MAX_POLICY_DEPTH} levels")
     return _build(doc, source, preset)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed TOML (iterative: the value may be deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d)
+            if d > MAX_POLICY_DEPTH:
+                return d
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_linear(pattern: str) -> Any:
+    """A rename pattern compiled by RE2: matching takes time linear in the site name, whatever
+    the pattern (Python's `re` backtracks: ``^(.|.)*!$`` froze a daemon for 36 s). RE2 has no
+    backreferences or lookaround; `re2.error` says so."""
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = RE2_MAX_MEM
+    return re2.compile(pattern, options)
+
+
+@dataclass(frozen=True)
+class LinearRenameRule(RenameRule):
+    """A `RenameRule` applied with RE2 (same ``\\1`` / ``\\g<name>`` replacement syntax)."""
+
+    def apply(self, site: str) -> str:
+        return compile_linear(self.pattern).sub(self.replace, site)
 
 
 class _Ctx:
@@ -351,9 +411,15 @@ def _build(doc: Mapping[str, Any], source: str, preset_override: str | None) -> 
         rtol = _number(ctx, where, table, "rtol") if "rtol" in table else base[0]
         atol = _number(ctx, where, table, "atol") if "atol" in table else base[1]
         pol.tolerances[dtype] = (rtol, atol)
-    for i, table in enumerate(_array_of_tables(ctx, doc, "rename"), start=1):
+    renames, rules = _array_of_tables(ctx, doc, "rename"), _array_of_tables(ctx, doc, "rule")
+    if len(renames) > MAX_POLICY_RENAMES:
+        raise ctx.err("", "rename", f"{len(renames)} entries exceed the limit of "
+                                    f"{MAX_POLICY_RENAMES}")
+    if len(rules) > MAX_POLICY_RULES:
+        raise ctx.err("", "rule", f"{len(rules)} entries exceed the limit of {MAX_POLICY_RULES}")
+    for i, table in enumerate(renames, start=1):
         pol.renames.append(_rename(ctx, i, table))
-    for i, table in enumerate(_array_of_tables(ctx, doc, "rule"), start=1):
+    for i, table in enumerate(rules, start=1):
         pol.rules.append(_rule(ctx, i, table))
     return pol
 
@@ -374,26 +440,34 @@ def _rename(ctx: _Ctx, i: int, t: dict) -> RenameRule:
     if "replace" not in t:
         raise ctx.err(where, "replace", "missing")
     replace = _string(ctx, where, t, "replace")
-    if "regex" in t:
-        pattern = _string(ctx, where, t, "regex")
-        try:
-            compiled = re.compile(pattern)
-        except re.error as exc:
-            raise ctx.err(where, "regex", f"{pattern!r} is not a regular expression ({exc})") from None
-    else:
-        pattern = glob_to_regex(_string(ctx, where, t, "glob"))
-        compiled = re.compile(pattern)
+    kind = "regex" if "regex" in t else "glob"
+    text = _string(ctx, where, t, kind)
+    if len(text) > MAX_PATTERN_CHARS:
+        raise ctx.err(where, kind, f"{len(text)} characters exceed the limit of "
+                                   f"{MAX_PATTERN_CHARS}")
+    pattern = text if kind == "regex" else glob_to_regex(text)
+    try:
+        compiled = compile_linear(pattern)
+    except re2.error as exc:
+        raise ctx.err(where, kind, f"{text!r} is not a regular expression RE2 accepts "
+                                   f"({_re2_reason(exc)})") from None
     try:
         compiled.sub(replace, "")  # a bad group reference fails on the first match only...
         for probe in ("x", "a.b"):
             compiled.sub(replace, probe)
         _check_group_refs(compiled, replace)
-    except (re.error, IndexError) as exc:
+    except (re.error, re2.error, IndexError) as exc:
         raise ctx.err(where, "replace", f"{replace!r} does not fit the pattern ({exc})") from None
-    return RenameRule(pattern=pattern, replace=replace, side=side, source=f"{ctx.source} {where}")
+    return LinearRenameRule(pattern=pattern, replace=replace, side=side,
+                            source=f"{ctx.source} {where}")
 
 
-def _check_group_refs(compiled: re.Pattern, replace: str) -> None:
+def _re2_reason(exc: Exception) -> str:
+    reason = exc.args[0] if exc.args else exc
+    return reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+
+
+def _check_group_refs(compiled: Any, replace: str) -> None:
     for m in re.finditer(r"\\(\d+)|\\g<(\w+)>", replace):
         ref = m.group(1) or m.group(2)
         if ref.isdigit() and int(ref) > compiled.groups:

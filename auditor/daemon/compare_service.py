@@ -1,44 +1,42 @@
 """Bodies of the Compare and Watch RPCs (wired into `auditor.daemon.server.AuditorService`).
 
     async def Compare(self, request, context):
-        return await rpc_compare.compare(self, request)
+        return await rpc_compare.compare(self, request, context)
 
     async def Watch(self, request, context):
-        async for event in rpc_compare.watch(self, request):
+        async for event in rpc_compare.watch(self, request, context):
             yield event
 
 Both validate first (run names, policy text, intervals) and raise `ValidationError`s naming the
 field, which the server's `_rpc` decorator maps to INVALID_ARGUMENT; an unknown run is
-NOT_FOUND. The comparison itself runs on its own thread pool so that a long compare never
-occupies the threads that validate ingest batches.
+NOT_FOUND. A comparison runs in a worker process (`CompareWorkers`): it never holds the daemon's
+GIL, its threads or its memory, so it cannot delay an Ingest ack, and a comparison past its time
+budget is killed and answered DEADLINE_EXCEEDED. Every live comparison (Watch) sits in one watch
+worker process. Both are capped by `admission`; the engine never loads in the daemon itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import hashlib
 import json
 import logging
-import threading
+import itertools
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from wire import limits
-from auditor.compare.columns import KeyRangeError
-from auditor.compare.engine import compare_runs
-from auditor.compare.live import LiveComparison, LiveEvent
 from auditor.compare.policy import Policy, PolicyError, resolve_policy
-from auditor.compare.result import Report
-from auditor.report.json_report import to_json
 from auditor.store import Reader, StoreError
+from auditor.daemon.admission import Admission, ServerLimits
+from auditor.daemon.auth import Unauthenticated, bearer_token
 from auditor.daemon.validate import ValidationError, check_run_name
+from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-COMPARE_THREADS = 2
-"""Comparisons and watches that read the store at the same time."""
 RESPONSE_BUDGET_BYTES = limits.MAX_MESSAGE_BYTES - (1 << 20)
 """Largest report_json the Compare RPC returns; bigger reports drop identical findings first,
 then passing ones (the JSON says which, in `findings_included`)."""
@@ -47,23 +45,43 @@ DEFAULT_POLL_S = 1.0
 MIN_POLL_S = 0.05
 MAX_WAIT_S = 24 * 3600.0
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(COMPARE_THREADS,
-                                                      thread_name_prefix="numaudit-compare")
-    return _pool
-
-
-async def _run(fn: Callable, *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(_executor(), fn, *args)
+# Kept for callers that catch the old names.
+CompareTimeout = BudgetExceeded
 
 
 def _db_path(service: Any) -> Path:
     return Path(service._db_path)
+
+
+def _admission(service: Any) -> Admission:
+    adm = getattr(service, "_admission", None)
+    if adm is None:
+        adm = service._admission = Admission(ServerLimits())
+    return adm
+
+
+def _workers(service: Any, kind: str) -> Workers:
+    """The service's worker pool for "compare" or "watch" (created on first use)."""
+    attr = f"_{kind}_workers"
+    w = getattr(service, attr, None)
+    if w is None:
+        n = _admission(service).limits.compare_processes if kind == "compare" else 1
+        w = Workers(kind.capitalize(), n)
+        setattr(service, attr, w)
+    return w
+
+
+def caller_of(context: Any) -> str:
+    """Who a call counts against for per-caller caps: its token (by digest), else its host."""
+    if context is None:
+        return ""
+    try:
+        return "token:" + hashlib.sha256(
+            bearer_token(context.invocation_metadata()).encode()).hexdigest()[:16]
+    except Unauthenticated:
+        peer = context.peer() or ""
+        return "peer:" + peer.rsplit(":", 1)[0]
 
 
 def request_policy(request: pb.CompareRequest | pb.WatchRequest) -> Policy:
@@ -79,8 +97,10 @@ def request_policy(request: pb.CompareRequest | pb.WatchRequest) -> Policy:
         raise ValidationError("preset", text.removeprefix("preset: ")) from None
 
 
-def report_json_within(report: Report, budget: int = RESPONSE_BUDGET_BYTES) -> str:
+def report_json_within(report: Any, budget: int = RESPONSE_BUDGET_BYTES) -> str:
     """The JSON report, dropping identical then passing findings until it fits ``budget``."""
+    from auditor.report.json_report import to_json
+
     text = to_json(report, include_identical=True) if len(report.comparison) < 200_000 else ""
     if text and len(text.encode()) <= budget:
         return text
@@ -100,7 +120,12 @@ def report_json_within(report: Report, budget: int = RESPONSE_BUDGET_BYTES) -> s
     return text
 
 
-def _compare(db: Path, ref: str, cand: str, policy: Policy) -> tuple[str, int]:
+def _compare(db: Path, ref: str, cand: str, policy_toml: str, preset: str) -> tuple[str, int]:
+    """Runs in a worker process: the policy travels as text (compiled patterns do not pickle)."""
+    from auditor.compare.columns import KeyRangeError
+    from auditor.compare.engine import compare_runs
+
+    policy = resolve_policy(policy_toml, preset, source="policy_toml")
     reader = Reader(db)
     try:
         report = compare_runs(reader, ref, cand, policy)
@@ -111,65 +136,118 @@ def _compare(db: Path, ref: str, cand: str, policy: Policy) -> tuple[str, int]:
     return report_json_within(report), report.exit_code
 
 
-async def compare(service: Any, request: pb.CompareRequest) -> pb.CompareResponse:
+async def compare(service: Any, request: pb.CompareRequest,
+                  context: Any = None) -> pb.CompareResponse:
     """Compare two stored runs; the JSON report and the exit code (0 within policy, 1 not)."""
-    policy = request_policy(request)
+    request_policy(request)  # refuse a bad policy here, with the field named
     started = time.monotonic()
-    text, code = await _run(_compare, _db_path(service), request.ref, request.cand, policy)
+    adm = _admission(service)
+    with adm.compare():
+        text, code = await _workers(service, "compare").run(
+            adm.limits.compare_budget_s, _compare, _db_path(service), request.ref, request.cand,
+            request.policy_toml, request.preset)
     log.info("compare %s vs %s: exit %d, %d bytes in %.2fs", request.ref, request.cand, code,
              len(text), time.monotonic() - started)
     return pb.CompareResponse(report_json=text, exit_code=code)
 
 
-def to_event(ev: LiveEvent) -> pb.WatchEvent:
+# -- Watch: every live comparison of the daemon sits in one worker process ---------------------
+# (LiveComparison keeps state between polls, so its polls must reach the same process.)
+
+_LIVE: dict[int, tuple[Reader, Any]] = {}
+_watch_ids = itertools.count(1)
+
+
+def _event_tuple(ev: Any) -> tuple[str, bool, str]:
     if ev.finding is None:
-        return pb.WatchEvent(status=ev.status)
-    return pb.WatchEvent(finding_json=json.dumps(ev.finding.as_dict(), allow_nan=False),
-                         first_divergence=ev.first_divergence)
+        return "", False, ev.status
+    return json.dumps(ev.finding.as_dict(), allow_nan=False), ev.first_divergence, ""
 
 
-async def watch(service: Any, request: pb.WatchRequest) -> AsyncIterator[pb.WatchEvent]:
+def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset: str) -> None:
+    """In the watch worker."""
+    from auditor.compare.columns import KeyRangeError
+    from auditor.compare.live import LiveComparison
+
+    policy = resolve_policy(policy_toml, preset, source="policy_toml")
+    reader = Reader(db)
+    try:
+        live = LiveComparison(reader, ref, cand, policy)
+    except KeyRangeError as exc:
+        reader.close()
+        raise StoreError(str(exc)) from None
+    except BaseException:
+        reader.close()
+        raise
+    _LIVE[key] = (reader, live)
+
+
+def _live_poll(key: int, flush: bool) -> tuple[list[tuple[str, bool, str]], bool, int]:
+    """In the watch worker: (events, finished, emitted)."""
+    from auditor.compare.columns import KeyRangeError
+
+    if key not in _LIVE:
+        raise WorkerLost("Watch: the watch worker was restarted; watch again")
+    _, live = _LIVE[key]
+    try:
+        events = live.flush() if flush else live.poll()
+    except KeyRangeError as exc:
+        raise StoreError(str(exc)) from None
+    return [_event_tuple(ev) for ev in events], live.finished, live.emitted
+
+
+def _live_close(key: int) -> None:
+    entry = _LIVE.pop(key, None)
+    if entry is not None:
+        entry[0].close()
+
+
+def to_event(ev: tuple[str, bool, str]) -> pb.WatchEvent:
+    finding_json, first, status = ev
+    if not finding_json:
+        return pb.WatchEvent(status=status)
+    return pb.WatchEvent(finding_json=finding_json, first_divergence=first)
+
+
+async def watch(service: Any, request: pb.WatchRequest,
+                context: Any = None) -> AsyncIterator[pb.WatchEvent]:
     """Stream findings while the runs are written; ends when both are finished or on timeout."""
-    policy = request_policy(request)
+    with _admission(service).watch(caller_of(context)):
+        async for event in _watch(service, request):
+            yield event
+
+
+async def _watch(service: Any, request: pb.WatchRequest) -> AsyncIterator[pb.WatchEvent]:
+    request_policy(request)
     for name in ("poll_interval_s", "timeout_s"):
         v = getattr(request, name)
         if not (v >= 0 and v < MAX_WAIT_S):  # also refuses NaN
             raise ValidationError(name, f"{v} is not in [0, {MAX_WAIT_S:.0f}) seconds")
     poll = max(MIN_POLL_S, request.poll_interval_s or DEFAULT_POLL_S)
     stopping = getattr(service, "_stopping", None)
-    lock = threading.Lock()  # the reader is used by one pool thread at a time, closed last
-
-    def locked(fn: Callable) -> Callable:
-        def run(*args: Any) -> Any:
-            with lock:
-                return fn(*args)
-        return run
-
-    reader = await _run(Reader, _db_path(service))
+    workers = _workers(service, "watch")
+    key = next(_watch_ids)
+    generation = workers.generation
+    await workers.run(None, _live_open, key, _db_path(service), request.ref, request.cand,
+                      request.policy_toml, request.preset)
     try:
-        live = await _run(locked(LiveComparison), reader, request.ref, request.cand, policy)
         yield pb.WatchEvent(status=f"watching {request.ref} vs {request.cand}")
         last_news = time.monotonic()
         while True:
             started = time.monotonic()
-            try:
-                events = await _run(locked(live.poll))
-            except KeyRangeError as exc:
-                raise StoreError(str(exc)) from None
+            events, finished, emitted = await workers.run(None, _live_poll, key, False)
             for ev in events:
                 yield to_event(ev)
-            if any(ev.finding is not None for ev in events):
+            if any(ev[0] for ev in events):
                 last_news = time.monotonic()
-            if live.finished:
-                for ev in await _run(locked(live.flush)):
+            timed_out = request.timeout_s and time.monotonic() - last_news > request.timeout_s
+            if finished or timed_out:
+                events, _, emitted = await workers.run(None, _live_poll, key, True)
+                for ev in events:
                     yield to_event(ev)
-                yield pb.WatchEvent(status=f"done: both runs finished, {live.emitted} findings")
-                return
-            if request.timeout_s and time.monotonic() - last_news > request.timeout_s:
-                for ev in await _run(locked(live.flush)):
-                    yield to_event(ev)
-                yield pb.WatchEvent(status=f"timed out: no new keys for {request.timeout_s:g}s, "
-                                           f"{live.emitted} findings")
+                yield pb.WatchEvent(
+                    status=f"done: both runs finished, {emitted} findings" if finished else
+                    f"timed out: no new keys for {request.timeout_s:g}s, {emitted} findings")
                 return
             if stopping is not None and stopping.is_set():
                 yield pb.WatchEvent(status="auditor shutting down")
@@ -178,4 +256,8 @@ async def watch(service: Any, request: pb.WatchRequest) -> AsyncIterator[pb.Watc
             spent = time.monotonic() - started
             await asyncio.sleep(max(poll, 2 * spent))
     finally:
-        _executor().submit(locked(reader.close))
+        if workers.generation == generation and not workers.closed:  # else its state is gone
+            try:
+                await asyncio.shield(workers.run(None, _live_close, key))
+            except BaseException:  # the daemon stops meanwhile
+                pass

@@ -10,6 +10,8 @@ that file for the replay.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -74,6 +76,9 @@ def replay_into_db(paths: Iterable[str | Path], db_path: str | Path) -> list[Rep
 def _replay_file(stub, path: Path, metadata) -> ReplayResult:
     result = ReplayResult(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
+            result.error = f"{path}: not a regular file"
+            return result
         spool = read_spool(path)
     except (OSError, SpoolError) as exc:
         result.error = str(exc)

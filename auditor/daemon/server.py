@@ -9,6 +9,10 @@ Ingest: each batch is validated whole (off the event loop), handed to the single
 and acked only when the transaction holding it has committed. One stream is processed in order,
 one batch at a time, so `acked_seq` never runs ahead of a batch that failed.
 
+Isolation: the event loop and the validation threads serve ingest only; DescribeRun, ListRuns,
+Compare and Watch run in spawned worker processes, and what a client may make the daemon hold
+(streams, watches, comparisons, bytes in flight) is capped by `admission.ServerLimits`.
+
 Access control (`tokens`) is an interceptor (auditor/daemon/auth.py) whose refusals go through the same
 `status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
 """
@@ -31,13 +35,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from wire import limits
-from auditor.store import summary
+from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBusy
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
+from auditor.daemon import reads
+from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
 from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
+from wire.checksum import received_records_checksum
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
 from auditor.daemon.validate import (
-    ValidationError, validate_batch, validate_close, validate_describe, validate_register,
+    CorruptedInTransit, ValidationError, validate_batch, validate_close, validate_describe,
+    validate_register,
 )
 from auditor.store.writer import StoreWriter, WriterClosed
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
@@ -83,6 +91,14 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.UNIMPLEMENTED, str(exc)
     if isinstance(exc, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE, "auditor: shutting down; reconnect and resend"
+    if isinstance(exc, TooBusy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, IdleStream):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, BudgetExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, WorkerLost):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (sqlite3.Error, OSError, WriterClosed)):
         log.error("%s: store error: %s: %s", method, type(exc).__name__, exc)
         return grpc.StatusCode.UNAVAILABLE, f"store: {type(exc).__name__}: {exc}; retry later"
@@ -100,14 +116,34 @@ class MalformedRequest:
         self.type_name = type_name
 
 
+class CorruptBatch:
+    """What our deserializer returns for a RecordBatch whose `records_crc32` does not match the
+    bytes received: corrupted in transit (ABORTED, the agent resends)."""
+
+    __slots__ = ()
+
+
 def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
     type_name = cls.DESCRIPTOR.full_name
+    is_batch = cls is pb.RecordBatch
 
     def parse(data: bytes) -> Any:
         try:
-            return cls.FromString(data)
+            message = cls.FromString(data)
         except Exception:  # DecodeError, recursion limits: the peer's fault, reported in the handler
             return MalformedRequest(type_name)
+        if is_batch and message.HasField("records_crc32"):
+            # Checked on the bytes as received (wire/checksum.py), not on a re-encoding: any
+            # valid encoding passes. Cleared once checked, so validation does not redo it.
+            try:
+                if received_records_checksum(data) != message.records_crc32:
+                    return CorruptBatch()
+            except ValueError:
+                return MalformedRequest(type_name)
+            message.ClearField("records_crc32")
+        # Fields this build does not know are ignored: dropped here, never stored or hashed.
+        message.DiscardUnknownFields()
+        return message
 
     return parse
 
@@ -115,6 +151,9 @@ def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
 def _parsed(message: Any) -> Any:
     if isinstance(message, MalformedRequest):
         raise ValidationError("request", f"not a valid {message.type_name}")
+    if isinstance(message, CorruptBatch):
+        raise CorruptedInTransit("records_crc32", "does not match the records as received "
+                                                  "(corrupted in transit); resend the batch")
     return message
 
 
@@ -163,6 +202,13 @@ def _rpc(kind: str) -> Callable:
 
 # -- The service ---------------------------------------------------------------------------------
 
+def _abandon(task: asyncio.Future) -> None:
+    """Cancel a task nobody will await, and retrieve its outcome so that asyncio does not log
+    "Task exception was never retrieved" (StopAsyncIteration of a stream that ended meanwhile)."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 def _validate_and_hash(batch: pb.RecordBatch) -> list[bytes]:
     validate_batch(batch)
     return [content_hash(r) for r in batch.records]
@@ -172,11 +218,24 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     """numaudit.v1.Auditor over one store. Register it with `add_auditor_service`."""
 
     def __init__(self, writer: StoreWriter, db_path: str | Path,
-                 pool: concurrent.futures.Executor) -> None:
+                 pool: concurrent.futures.Executor, *,
+                 limits: ServerLimits | None = None) -> None:
+        """`pool` validates batches (the ingest path only); reads, watches and comparisons run
+        in worker processes (`auditor.daemon.workers`), so that they can never delay an ack."""
         self._writer = writer
         self._db_path = Path(db_path)
         self._pool = pool
+        self._limits = limits or ServerLimits()
+        self._admission = Admission(self._limits)
+        self._read_workers = Workers("Read", self._limits.read_processes)
         self._stopping = asyncio.Event()
+
+    def close(self) -> None:
+        """Stops the worker processes of reads, watches and comparisons."""
+        for kind in ("read", "compare", "watch"):
+            workers = getattr(self, f"_{kind}_workers", None)
+            if workers is not None:
+                workers.close()
 
     def begin_shutdown(self) -> None:
         """Ingest streams end (UNAVAILABLE) after the batch they are committing."""
@@ -190,6 +249,9 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         return await asyncio.wrap_future(self._writer.submit(work))
 
     async def _read(self, fn: Callable[[Reader], Any]) -> Any:
+        """`fn(reader)` on the validation threads: only for the ingest path's own one-row
+        lookups (the auth check of an Ingest stream's session). Client reads run in the read
+        worker processes (`_read_workers`), never here."""
         def run() -> Any:
             reader = Reader(self._db_path)
             try:
@@ -199,17 +261,26 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         return await self._offload(run)
 
     async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch]) -> pb.RecordBatch:
+        """The next batch; ShuttingDown when the daemon stops first, IdleStream after the idle
+        timeout, StopAsyncIteration at the end of the stream."""
         if self._stopping.is_set():
             raise ShuttingDown()
         nxt = asyncio.ensure_future(batches.__anext__())
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
-            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED,
+                               timeout=self._limits.idle_stream_s or None)
+        except BaseException:  # the call was cancelled (the agent closed it) while we waited
+            _abandon(nxt)
+            raise
         finally:
             stop.cancel()
         if not nxt.done():
-            nxt.cancel()
-            raise ShuttingDown()
+            _abandon(nxt)
+            if self._stopping.is_set():
+                raise ShuttingDown()
+            raise IdleStream(f"Ingest: no batch for {self._limits.idle_stream_s:g} s; the stream "
+                             "is closed (reconnect to send more)")
         return nxt.result()  # StopAsyncIteration at the end of the stream
 
     @_rpc("unary_unary")
@@ -223,18 +294,21 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
                      context: Any) -> AsyncIterator[pb.Ack]:
-        while True:
-            try:
-                batch = await self._next_or_stop(request_iterator)
-            except StopAsyncIteration:
-                return
-            hashes = await self._offload(_validate_and_hash, batch)
-            result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
-            log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d", batch.session_id,
-                      batch.seq, result.stored, result.duplicates, result.conflicts)
-            yield pb.Ack(session_id=batch.session_id, acked_seq=result.acked_seq,
-                         stored=result.stored, duplicates=result.duplicates,
-                         conflicts=result.conflicts)
+        with self._admission.ingest_stream():
+            while True:
+                try:
+                    batch = await self._next_or_stop(request_iterator)
+                except StopAsyncIteration:
+                    return
+                async with self._admission.bytes_in_flight(batch.ByteSize()):
+                    hashes = await self._offload(_validate_and_hash, batch)
+                    result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
+                log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d",
+                          batch.session_id, batch.seq, result.stored, result.duplicates,
+                          result.conflicts)
+                yield pb.Ack(session_id=batch.session_id, acked_seq=result.acked_seq,
+                             stored=result.stored, duplicates=result.duplicates,
+                             conflicts=result.conflicts)
 
     @_rpc("unary_unary")
     async def CloseSession(self, request: pb.CloseSessionRequest,
@@ -247,26 +321,26 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
 
     @_rpc("unary_unary")
     async def ListRuns(self, request: pb.ListRunsRequest, context: Any) -> pb.ListRunsResponse:
-        return await self._read(summary.list_runs)
+        return await self._read_workers.run(None, reads.list_runs, self._db_path)
 
     @_rpc("unary_unary")
     async def DescribeRun(self, request: pb.DescribeRunRequest,
                           context: Any) -> pb.DescribeRunResponse:
         validate_describe(request)
-        return await self._read(lambda reader: summary.describe_run(reader, request.run))
+        return await self._read_workers.run(None, reads.describe_run, self._db_path, request.run)
 
     # The comparison engine wires these two; the decorator already maps its errors.
     @_rpc("unary_unary")
     async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
         from auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
 
-        return await rpc_compare.compare(self, request)
+        return await rpc_compare.compare(self, request, context)
 
     @_rpc("unary_stream")
     async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
         from auditor.daemon import compare_service as rpc_compare
 
-        async for event in rpc_compare.watch(self, request):
+        async for event in rpc_compare.watch(self, request, context):
             yield event
 
 
@@ -303,8 +377,8 @@ def _check_synchronous(synchronous: str) -> str:
 @contextlib.asynccontextmanager
 async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numaudit.db", *,
                 synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
-                tokens: Tokens | None = None,
-                tls: ServerTLS | None = None) -> AsyncIterator[str]:
+                tokens: Tokens | None = None, tls: ServerTLS | None = None,
+                server_limits: ServerLimits | None = None) -> AsyncIterator[str]:
     """Runs the daemon while the block runs; yields the bound address ("HOST:PORT").
 
     `listen` may use port 0 (the yielded address has the real port). With `tokens` every Auditor
@@ -319,7 +393,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
     writer = await asyncio.to_thread(StoreWriter, db_path, synchronous=level)
     pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
                                                  thread_name_prefix="numaudit-validate")
-    service = AuditorService(writer, db_path, pool)
+    service = AuditorService(writer, db_path, pool, limits=server_limits)
     interceptors = []
     if tokens is not None:
         async def session_run(session_id: str) -> str:
@@ -369,6 +443,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
             await health_servicer.enter_graceful_shutdown()
         await server.stop(grace)
         await asyncio.to_thread(writer.close)
+        service.close()
         pool.shutdown(wait=True)
         log.info("stopped; store flushed and closed")
 
@@ -382,9 +457,11 @@ class BackgroundServer:
 
     def __init__(self, listen: str = "127.0.0.1:0", db_path: str | Path = "numaudit.db", *,
                  synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
-                 tokens: Tokens | None = None, tls: ServerTLS | None = None) -> None:
+                 tokens: Tokens | None = None, tls: ServerTLS | None = None,
+                 server_limits: ServerLimits | None = None) -> None:
         self.listen, self.db_path = listen, Path(db_path)
-        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls)
+        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls,
+                            server_limits=server_limits)
         self.address = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None

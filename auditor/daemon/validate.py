@@ -236,8 +236,8 @@ def validate_batch(batch: pb.RecordBatch) -> None:
 
 def validate_record(r: pb.Record, where: str = "record") -> None:
     _check_key(r.key, f"{where}.key")
-    if r.stage < -1:
-        raise ValidationError(f"{where}.stage", f"{r.stage} is not >= -1")
+    if not -1 <= r.stage <= limits.MAX_RECORD_STAGE:
+        raise ValidationError(f"{where}.stage", f"{r.stage} is not in [-1, {limits.MAX_RECORD_STAGE}]")
     if r.is_none:
         for name in ("layout", "digest"):
             if getattr(r, name).ByteSize():
@@ -252,19 +252,20 @@ def validate_record(r: pb.Record, where: str = "record") -> None:
 
 
 def _check_key(k: pb.Key, where: str) -> None:
-    if k.step < 0:
-        raise ValidationError(f"{where}.step", f"{k.step} is negative")
-    if k.microbatch < -1:
-        raise ValidationError(f"{where}.microbatch", f"{k.microbatch} is not >= -1")
+    if not 0 <= k.step <= limits.MAX_KEY_STEP:
+        raise ValidationError(f"{where}.step", f"{k.step} is not in [0, {limits.MAX_KEY_STEP}]")
+    if not -1 <= k.microbatch <= limits.MAX_KEY_MICROBATCH:
+        raise ValidationError(f"{where}.microbatch",
+                              f"{k.microbatch} is not in [-1, {limits.MAX_KEY_MICROBATCH}]")
     if k.phase not in _PHASES:
         raise ValidationError(f"{where}.phase", f"{k.phase} is not a known Phase")
     if k.role not in _ROLES:
         raise ValidationError(f"{where}.role", f"{k.role} is not a known Role")
     _check_text(k.site, f"{where}.site", limit=limits.MAX_SITE_CHARS, required=True)
-    if k.index < 0:
-        raise ValidationError(f"{where}.index", f"{k.index} is negative")
-    if k.call < 0:
-        raise ValidationError(f"{where}.call", f"{k.call} is negative")
+    if not 0 <= k.index <= limits.MAX_KEY_INDEX:
+        raise ValidationError(f"{where}.index", f"{k.index} is not in [0, {limits.MAX_KEY_INDEX}]")
+    if not 0 <= k.call <= limits.MAX_KEY_CALL:
+        raise ValidationError(f"{where}.call", f"{k.call} is not in [0, {limits.MAX_KEY_CALL}]")
 
 
 def _check_layout(lay: pb.Layout, where: str) -> int:

@@ -1,17 +1,19 @@
 """The durable store: what was ingested, and how the comparison and the daemon read it.
 
-Owns the SQLite schema and its single writer (`sqlite`: `Store`, `Reader`, `connect`), the
-group-commit writer thread (`writer`), the read side (`reader`) and run summaries (`store.summary`). It may import the wire
+Owns which files are stores (`files`: application id, checks before opening), the SQLite
+schema and its single writer (`sqlite`: `Store`, `connect`), the read side (`reader`), the
+group-commit writer thread (`writer`) and run summaries (`summary`). It may import the wire
 contract (`protos`, `wire`) and nothing else of numaudit: the store knows no service, no
 comparison and no CLI.
 """
 
+from auditor.store.files import APPLICATION_ID, NotAStore, StoreError, check_store_file
 from auditor.store.reader import Reader
 from auditor.store.sqlite import (
-    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Store, StoreError, UnknownRun, UnknownSession,
+    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Store, UnknownRun, UnknownSession,
     connect, content_hash, from_int64, to_int64, unpack_sketch,
 )
 
-__all__ = ["RECORD_COLUMNS", "SCHEMA_VERSION", "IngestResult", "Reader", "Store", "StoreError",
-           "UnknownRun", "UnknownSession", "connect", "content_hash", "from_int64", "to_int64",
-           "unpack_sketch"]
+__all__ = ["APPLICATION_ID", "NotAStore", "check_store_file", "RECORD_COLUMNS", "SCHEMA_VERSION",
+           "IngestResult", "Reader", "Store", "StoreError", "UnknownRun", "UnknownSession",
+           "connect", "content_hash", "from_int64", "to_int64", "unpack_sketch"]

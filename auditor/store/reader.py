@@ -20,7 +20,7 @@ class Reader:
     def __init__(self, path: str | Path) -> None:
         if not Path(path).exists():
             raise FileNotFoundError(f"no store at {path}")
-        self.conn = connect(path, readonly=True)
+        self.conn = connect(path, readonly=True)  # NotAStore for anything but a numaudit store
 
     def close(self) -> None:
         self.conn.close()

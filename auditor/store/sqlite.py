@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from protos import numaudit_pb2 as pb
+from auditor.store.files import APPLICATION_ID, StoreError, check_store_file
 
 SCHEMA_VERSION = 2
 """2 added the reduction columns of records and the job and gradient scale of sessions; a store
@@ -134,10 +135,6 @@ RECORD_COLUMNS = (
 )
 
 
-class StoreError(Exception):
-    """A request the store refuses; the message names the field."""
-
-
 class UnknownSession(StoreError):
     pass
 
@@ -179,11 +176,13 @@ def content_hash(record: pb.Record) -> bytes:
 
 def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
     """Open the store (creating the schema on first write) with the pragmas numaudit relies on."""
+    check_store_file(path, create=not readonly)
     if readonly:
         uri = f"file:{Path(path).resolve()}?mode=ro"
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
     else:
         conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30, isolation_level=None)
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         _upgrade(conn)

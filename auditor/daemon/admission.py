@@ -1,0 +1,127 @@
+"""What the daemon admits at once: its limits, and the counters that enforce them.
+
+Every resource a client can make the daemon hold has a cap (docs/reliability.md, "Limits and
+isolation"): open Ingest streams, Watch streams (in all and per caller), comparisons, and the bytes
+of batches between receipt and commit. A call over a cap is answered RESOURCE_EXHAUSTED naming the
+limit (`TooBusy`); a batch waits up to `inflight_wait_s` for bytes to free before it is refused.
+An Ingest stream that sends nothing for `idle_stream_s` is ended (`IdleStream`, UNAVAILABLE: the
+agent reconnects when it has something to send), so idle connections cannot pile up.
+
+Pure bookkeeping on the event loop: no locks, no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Caps on what clients can make the daemon hold (`auditor serve --max-*` options)."""
+
+    max_ingest_streams: int = 4096
+    """Ingest streams open at once (one per rank: raise it for jobs of more ranks)."""
+    max_watches: int = 64
+    """Watch streams open at once, all callers together."""
+    max_watches_per_caller: int = 8
+    """Watch streams open at once per token (per peer host when the daemon has no tokens)."""
+    max_compares: int = 8
+    """Compare calls running or queued at once."""
+    max_inflight_bytes: int = 512 << 20
+    """Serialized bytes of batches received but not yet committed, all streams together."""
+    inflight_wait_s: float = 10.0
+    """How long a batch waits for in-flight bytes to free before RESOURCE_EXHAUSTED."""
+    idle_stream_s: float = 600.0
+    """An Ingest stream with no batch for this long is ended (0 = never)."""
+    compare_budget_s: float = 300.0
+    """Longest a comparison may run; its worker process is killed after (DEADLINE_EXCEEDED)."""
+    compare_processes: int = 1
+    """Worker processes that run comparisons (outside the daemon's process and its GIL)."""
+    read_processes: int = 1
+    """Worker processes that answer DescribeRun and ListRuns."""
+
+
+class TooBusy(Exception):
+    """A cap of `ServerLimits` is reached (RESOURCE_EXHAUSTED); the message names it."""
+
+
+class IdleStream(Exception):
+    """An Ingest stream sent nothing for `idle_stream_s` (UNAVAILABLE: reconnect to send more)."""
+
+
+class Admission:
+    """The live counts behind `ServerLimits`; use from the event loop only."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.streams = 0
+        self.watches: Counter[str] = Counter()
+        self.compares = 0
+        self.inflight_bytes = 0
+        self._freed: asyncio.Condition | None = None
+
+    @contextlib.contextmanager
+    def ingest_stream(self) -> Iterator[None]:
+        if self.streams >= self.limits.max_ingest_streams:
+            raise TooBusy(f"Ingest: {self.streams} streams open, the limit is "
+                          f"{self.limits.max_ingest_streams} (max_ingest_streams)")
+        self.streams += 1
+        try:
+            yield
+        finally:
+            self.streams -= 1
+
+    @contextlib.contextmanager
+    def watch(self, caller: str) -> Iterator[None]:
+        total = sum(self.watches.values())
+        if total >= self.limits.max_watches:
+            raise TooBusy(f"Watch: {total} watches open, the limit is {self.limits.max_watches} "
+                          "(max_watches)")
+        if self.watches[caller] >= self.limits.max_watches_per_caller:
+            raise TooBusy(f"Watch: this caller has {self.watches[caller]} watches open, the limit "
+                          f"is {self.limits.max_watches_per_caller} (max_watches_per_caller)")
+        self.watches[caller] += 1
+        try:
+            yield
+        finally:
+            self.watches[caller] -= 1
+            if not self.watches[caller]:
+                del self.watches[caller]
+
+    @contextlib.contextmanager
+    def compare(self) -> Iterator[None]:
+        if self.compares >= self.limits.max_compares:
+            raise TooBusy(f"Compare: {self.compares} comparisons running or queued, the limit is "
+                          f"{self.limits.max_compares} (max_compares)")
+        self.compares += 1
+        try:
+            yield
+        finally:
+            self.compares -= 1
+
+    @contextlib.asynccontextmanager
+    async def bytes_in_flight(self, n: int):
+        """Hold `n` bytes of the in-flight budget while the block runs (waits for room)."""
+        n = min(n, self.limits.max_inflight_bytes)  # one batch alone always fits
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        fits = lambda: self.inflight_bytes + n <= self.limits.max_inflight_bytes  # noqa: E731
+        if not fits():
+            async with self._freed:
+                try:
+                    await asyncio.wait_for(self._freed.wait_for(fits), self.limits.inflight_wait_s)
+                except asyncio.TimeoutError:
+                    raise TooBusy(f"Ingest: {self.inflight_bytes} bytes of batches in flight, the "
+                                  f"limit is {self.limits.max_inflight_bytes} "
+                                  "(max_inflight_bytes); retry later") from None
+        self.inflight_bytes += n
+        try:
+            yield
+        finally:
+            self.inflight_bytes -= n
+            async with self._freed:
+                self._freed.notify_all()
