@@ -9,9 +9,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from agents.capture import Capturer, Counters, HostBatch
+from agents.capture import AUTO, Capturer, Counters, HostBatch
 from agents.config import AgentConfig, apply_env, check
-from agents.identity import RankIdentity, rank_identity
+from agents.identity import RankIdentity, job_identity, rank_identity
+from agents.normalization import grad_scale
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,22 @@ class Agent:
 
     def capture(self, tensor: torch.Tensor | None, *, site: str, phase: str = "fwd",
                 role: str = "value", index: int = 0, microbatch: int | None = None,
-                stage: int | None = None) -> None:
-        """Capture a tensor the hooks cannot see (the loss, the input batch, a custom value)."""
+                stage: int | None = None, reduce: str | None = AUTO,
+                weight: float | None = None, replicate: bool | None = None) -> None:
+        """Capture a tensor the hooks cannot see (the loss, the input batch, a custom value).
+
+        `reduce`: "mean" or "sum" when the tensor is this rank's reduction over its batch share
+        (the auditor combines the dp ranks' values into the whole batch's); None when it is not.
+        The default is "mean" for phase "loss" (a per-rank mean loss) and None otherwise.
+        `weight`: batch elements a mean averaged over (default: microbatch_size, else dim 0 of
+        this microbatch's `input` capture, else 1). `replicate`: whether the same value is held
+        by the other ranks of this dp rank (tp, cp, ep); default from replicate_sites /
+        shard_sites, else inferred from the mesh.
+        """
         if self.active:
             self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
-                                  microbatch=microbatch, stage=stage)
+                                  microbatch=microbatch, stage=stage, reduce=reduce,
+                                  weight=weight, replicate=replicate)
 
     def capture_gradients(self) -> None:
         """Capture every watched parameter's gradient now (None recorded explicitly)."""
@@ -125,9 +137,14 @@ class Agent:
         s = self.summary()
         if self.active:
             log.info("rank %d: numaudit run=%s captured=%d sent=%d acked=%d spooled=%d "
-                     "dropped=%d errors=%d in %.2fs", self.ident.rank, self.config.run,
+                     "dropped=%d errors=%d conflicts=%d in %.2fs", self.ident.rank, s["run"],
                      s["captured"], s["sent"], s["acked"], s["spooled"], s["dropped"],
-                     s["errors"], time.monotonic() - started)
+                     s["errors"], s["conflicts"], time.monotonic() - started)
+            if s["conflicts"]:
+                log.error("rank %d: numaudit: %d records conflict with what run %s already "
+                          "stored under the same key (a rerun or another job under this run "
+                          "name?): `auditor show %s` lists them", self.ident.rank,
+                          s["conflicts"], s["run"], s["run"])
         return s
 
     def summary(self) -> dict:
@@ -142,6 +159,8 @@ class Agent:
             "dropped_by_reason": dropped,
             "errors": errors,
             "reconnects": snd.reconnects if snd else 0,
+            "conflicts": snd.conflicts if snd else 0,
+            "run": snd.run if snd else self.config.run,
         }
 
     def __enter__(self) -> "Agent":
@@ -177,9 +196,13 @@ def attach(
     overrides = {k: v for k, v in dict(run=run, address=address, token=token).items() if v}
     cfg = apply_env(_replace(base, **overrides, **options))
     check(cfg)
-    ident = rank_identity(mesh, dp_dim=dp_dim or cfg.dp_dim, dp_rank=dp_rank or cfg.dp_rank,
-                          dp_size=dp_size or cfg.dp_size, stages=tuple(stages))
+    ident = rank_identity(mesh, dp_dim=_given(dp_dim, cfg.dp_dim),
+                          dp_rank=_given(dp_rank, cfg.dp_rank),
+                          dp_size=_given(dp_size, cfg.dp_size), stages=tuple(stages))
     ident.dtype, ident.seed, ident.labels = dtype, seed, dict(labels or {})
+    ident.grad_scale, ident.grad_scale_source = grad_scale(cfg, ident)
+    if cfg.enabled and cfg.run:
+        ident.job_id, ident.job_id_source = job_identity(cfg.job_id)
     if cfg.sidecar and cfg.start_sidecar and cfg.enabled:
         ensure_sidecar(cfg, ident)
     agent = Agent(cfg, ident)
@@ -190,6 +213,11 @@ def attach(
     for module, stage in zip(modules, stage_ids):
         agent.watch(module, stage=stage)
     return agent
+
+
+def _given(value, default):
+    """`value` unless it is None: 0 and "" are values (`x or default` would drop dp_rank=0)."""
+    return default if value is None else value
 
 
 def _replace(config: AgentConfig, **changes) -> AgentConfig:

@@ -7,6 +7,7 @@ comparison and no CLI.
 """
 
 from auditor.store.sqlite import (  # noqa: F401  (the store's public names)
-    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Reader, Store, StoreError, UnknownRun,
+    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Reader, RunNameTaken, Store, StoreError,
+    UnknownRun,
     UnknownSession, connect, content_hash, from_int64, to_int64, unpack_sketch,
 )
