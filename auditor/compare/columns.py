@@ -43,7 +43,8 @@ _SELECT = (
     "  | ((nan + posinf + neginf > 0) << 1) | (zeros = numel AND numel > 0)"
     f"  | ((step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
     f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646) << 39),"
-    " dtype || logical_shape || offsets || shape,"
+    " dtype || logical_shape || offsets || shape || CASE WHEN reduce THEN '|' || reduce || ','"
+    "  || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
     " fingerprint, record_id"
     " FROM records"
 )
@@ -76,6 +77,8 @@ NONFINITE_FLAG = 2
 """flags bit: the piece holds NaN or Inf."""
 ALL_ZERO_FLAG = 1
 """flags bit: every element of the piece is zero (and it has elements)."""
+CONFLICT_FLAG = 4
+"""flags bit: the key was resent for this rank with other content (the `conflicts` table)."""
 
 
 @dataclass
@@ -90,7 +93,7 @@ class RunColumns:
     rank: np.ndarray
     stage: np.ndarray
     flags: np.ndarray
-    """NONFINITE_FLAG | ALL_ZERO_FLAG bits per piece."""
+    """NONFINITE_FLAG | ALL_ZERO_FLAG | CONFLICT_FLAG bits per piece."""
     layout: np.ndarray
     """Index into `Catalog.pieces`."""
     fp: np.ndarray
@@ -217,11 +220,11 @@ class Catalog:
         code = self._layout_ids.get(k)
         if code is None:
             code = self._layout_ids[k] = len(self.pieces)
-            dtype, logical, offsets, shape = _split_layout(text)
+            dtype, logical, offsets, shape, reduce = _split_layout(text)
             self.pieces.append(Piece(
                 dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape,
                 replica=bool(bits & 16), partial=bool(bits & 8), complex_as_real=bool(bits & 4),
-                is_none=bool(bits & 32)))
+                is_none=bool(bits & 32), **reduce))
             self.seeds_ok.append(bool(bits & 1))
             self.has_moments.append(bool(bits & 2))
         return code
@@ -257,8 +260,19 @@ class Catalog:
             cols = _columns(self, rows, run, side)
         if after_rid:
             cols.sort()
+        conflicted = self.conflicted_rids(run_id, after_rid)
+        if len(conflicted) and len(cols):
+            cols.flags[np.isin(cols.rid, conflicted)] |= CONFLICT_FLAG
         cols.max_rid = int(cols.rid.max(initial=after_rid))
         return cols
+
+    def conflicted_rids(self, run_id: int, after_rid: int = 0) -> np.ndarray:
+        """Record ids of the run whose key was resent by its rank with other content."""
+        rows = self.reader.conn.execute(
+            "SELECT DISTINCT c.record_id FROM conflicts c JOIN records r"
+            " ON r.record_id = c.record_id WHERE r.run_id = ? AND r.record_id > ?",
+            (run_id, after_rid)).fetchall()
+        return np.array([r for (r,) in rows], np.int64)
 
     def seeds(self, run_id: int) -> tuple[int, int]:
         """The (fingerprint, sketch) seeds fingerprints must share to be compared: those of the
@@ -328,14 +342,21 @@ class Catalog:
         return found
 
 
-def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple]:
-    """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists)."""
+def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
+    """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists), and
+    the reduction fields of `Piece` (from a ``|reduce,index,count,weight`` suffix)."""
+    reduce: dict = {}
+    if "|" in text:
+        text, tail = text.split("|", 1)
+        kind, index, count, weight = tail.split(",")
+        reduce = dict(reduce=int(kind), reduce_index=int(index), reduce_count=int(count),
+                      reduce_weight=float(weight))
     i = text.index("[")
     parts = text[i + 1:-1].split("][")
     if len(parts) != 3:
         raise ValueError(f"layout {text!r} is not dtype + three JSON lists")
     logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts)
-    return text[:i], logical, offsets, shape
+    return text[:i], logical, offsets, shape, reduce
 
 
 def _columns(cat: Catalog, rows: list[tuple], run: str, side: str) -> RunColumns:

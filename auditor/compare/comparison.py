@@ -18,7 +18,7 @@ import numpy as np
 from auditor.compare import causes
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.align import Key, phase_name, role_name
+from auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.policy import METRICS, Policy
 
@@ -76,6 +76,14 @@ class Comparison:
     nonfinite_counts: np.ndarray | None = None
     """[K, 6]: NaN, +Inf, -Inf of ref then cand, where read (-1 elsewhere)."""
     timings: dict[str, float] = field(default_factory=dict)
+    bwd_factor: float = 1.0
+    """The reference's activation gradients (phase bwd) are compared scaled by this: the
+    candidate's grad_scale over the reference's (their loss normalizations)."""
+    scaled_by: np.ndarray | None = None
+    """Norm ratio of keys that breach as a pure rescaling of the reference (NaN elsewhere)."""
+    scaled_resid: np.ndarray | None = None
+    """||cand - a*ref|| / ||cand|| with a = ||cand||/||ref||, where measured: how far the
+    candidate is from a pure rescaling of the reference."""
 
     def __len__(self) -> int:
         return len(self.A)
@@ -160,7 +168,12 @@ class Comparison:
         if d is not None:
             out["nonfinite"] = d
         if i in self.payload:
-            out["payload"] = self.payload[i]
+            out["payload"] = {k: v for k, v in self.payload[i].items() if not k.startswith("_")}
+        if self.scaled_by is not None and not math.isnan(self.scaled_by[i]):
+            out["scaled_by"] = _jf(self.scaled_by[i])
+        if self.bwd_factor != 1.0 and (int(self.A[i]) & 0xF) == PHASE_IDS["bwd"] \
+                and not math.isnan(self.rel_l2[i]):
+            out["ref_scaled_by"] = self.bwd_factor
         return out
 
     def _detail(self, i: int, v: int, ri: int, ci: int) -> str:

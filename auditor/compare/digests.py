@@ -243,9 +243,15 @@ def sketch_l2_estimate(a: DigestValues, b: DigestValues) -> tuple[float, float]:
     for differences spread over many elements; a difference confined to a handful of elements
     can collide in one bucket and be badly under- or over-estimated (docs/digests.md).
     """
+    from auditor.compare.metrics import sketch_band  # the one definition of the band
     sa, sb = _sketches(a, b)
     est = float(np.sqrt(np.sum((sa - sb) ** 2)))
-    return est, est / math.sqrt(2 * sa.shape[0])
+    return est, est * float(sketch_band(sa.shape[0]))
+
+
+def _band(k: int) -> float:
+    from auditor.compare.metrics import sketch_band
+    return float(sketch_band(k))
 
 
 def sketch_rel_error(a_ref: DigestValues, b_cand: DigestValues) -> tuple[float, float]:
@@ -280,6 +286,6 @@ def sketch_cosine(a: DigestValues, b: DigestValues) -> tuple[float, float]:
     if denom == 0.0:
         return (1.0, 0.0) if na2 == nb2 == 0.0 else (0.0, 0.0)
     d2 = dist * dist
-    sigma = d2 * math.sqrt(2.0 / a.sketch_k) / denom
+    sigma = 2.0 * d2 * _band(a.sketch_k) / denom
     cos = (na2 + nb2 - d2) / denom
     return min(1.0, max(-1.0, cos)), sigma

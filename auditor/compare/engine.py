@@ -55,9 +55,11 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         cc = catalog.load(cand, "cand")
         ref_info["records"], cand_info["records"] = len(rc), len(cc)
         t1 = time.perf_counter()
-        comp = evaluate(rc, cc, catalog, policy, reader)
+        factor, scale_warnings = bwd_factor(ref_info, cand_info)
+        comp = evaluate(rc, cc, catalog, policy, reader, bwd_factor=factor)
         comp.timings["load"] = t1 - t0
         report = Report.build(comp, ref_info, cand_info, policy)
+        report.warnings.extend(scale_warnings)
         comp.timings["total"] = time.perf_counter() - t0
         return report
     finally:
@@ -65,6 +67,21 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
             # Findings read payloads and sites lazily only through the comparison's arrays, so the
             # reader may close; the report keeps no cursor.
             reader.close()
+
+
+def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
+    """What the runs' loss normalizations make cand's activation gradients relative to ref's
+    (cand grad_scale / ref grad_scale), and warnings when a run's scale is unknown."""
+    warnings = []
+    for info in (ref_info, cand_info):
+        if info.get("grad_scale", 1.0) is None:
+            warnings.append(f"{info['name']}: its ranks declared different gradient scales "
+                            f"({', '.join(info.get('grad_scale_sources') or []) or 'no source'}):"
+                            " activation gradients (phase bwd) are compared unscaled")
+    r, c = ref_info.get("grad_scale", 1.0), cand_info.get("grad_scale", 1.0)
+    if r is None or c is None or not r or not c:
+        return 1.0, warnings
+    return float(c) / float(r), warnings
 
 
 def _run_info(reader: Reader, name: str) -> dict:
@@ -83,4 +100,6 @@ def _run_info(reader: Reader, name: str) -> dict:
         "records": 0,
         "dropped": sum(d or 0 for _, _, _, d in sessions),
         "conflicts": reader.conflicts(name),
+        "grad_scale": info.get("grad_scale", 1.0),
+        "grad_scale_sources": info.get("grad_scale_sources", []),
     }

@@ -8,7 +8,8 @@ A *finding* is the auditor's verdict on one aligned key. Verdicts:
 - ``grad_none``: None in one run, a tensor in the other (a backward-graph break);
 - ``nonfinite``: NaN/Inf in one run and not the other, or in both where the policy forbids it;
 - ``incomplete``: a run's pieces do not tile the logical tensor;
-- ``replica_divergence``: copies that must be identical differ within one run.
+- ``replica_divergence``: copies that must be identical differ within one run;
+- ``conflict``: a rank sent the same key twice with different content (the store kept the first).
 
 A finding *breaches* the policy unless it is identical, close, or an expected absence.
 """
@@ -25,9 +26,10 @@ from auditor.compare.align import Key
 from auditor.compare.ranges import format_ranges
 
 IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, \
-    INCOMPLETE, REPLICA_DIVERGENCE, IGNORED = range(10)
+    INCOMPLETE, REPLICA_DIVERGENCE, CONFLICT, IGNORED = range(11)
 VERDICT_NAMES = ("identical", "close", "diverged", "missing_in_ref", "missing_in_cand",
-                 "grad_none", "nonfinite", "incomplete", "replica_divergence", "ignored")
+                 "grad_none", "nonfinite", "incomplete", "replica_divergence", "conflict",
+                 "ignored")
 VERDICTS = VERDICT_NAMES[:IGNORED]
 """Verdicts a finding can have (ignored keys produce no finding, only a count)."""
 PASSING = frozenset({IDENTICAL, CLOSE, IGNORED})
@@ -171,9 +173,12 @@ def _jf(v: float | None) -> float | str | None:
 
 
 def measure_text(f: dict, *, compact: bool = False) -> str:
-    """The metric's value (± its sigma) against the threshold: "rel_l2 0.886 ± 0.0391 vs 0".
+    """The metric that explains the finding, then the deciding metric against its threshold.
 
-    `compact` is the text report's column form; "" when the finding has no measured value.
+    A pure rescaling (cosine ~ 1) reads "scaled by 4.00 (rel_l2 3 vs 1.3e-06)"; a diverged
+    direction adds the cosine ("rel_l2 0.69 vs 1.3e-06; cosine 0.72"); exact data adds max-abs,
+    ULP and the elements failing assert_close. `compact` is the text report's column form;
+    "" when the finding has no measured value.
     """
     value = f.get("value")
     if not f.get("metric") or value is None:
@@ -185,7 +190,32 @@ def measure_text(f: dict, *, compact: bool = False) -> str:
         text += f" vs {format_float(f['threshold'])}"
     if f.get("uncertain"):
         text += " (within noise)" if compact else " (within noise of the threshold)"
-    return text
+    metrics = f.get("metrics") or {}
+    scaled = metrics.get("scaled_by")
+    if scaled is not None:
+        return f"scaled by {_fixed(scaled)} ({text})"
+    extra = []
+    payload = metrics.get("payload")
+    if f.get("verdict") in ("diverged", "close") and payload:
+        if f["metric"] != "max_abs" and payload.get("max_abs") is not None:
+            extra.append(f"max_abs {format_float(payload['max_abs'])}")
+        if payload.get("ulp") not in (None, 0, 0.0) and f["metric"] != "ulp":
+            extra.append(f"{format_float(payload['ulp'])} ulp")
+        if payload.get("mismatched") and f.get("numel"):
+            extra.append(f"{payload['mismatched']} of {f['numel']} elements fail assert_close")
+    cos = (payload or {}).get("cosine_distance")
+    if cos is None:
+        cos = (metrics.get("cosine_distance") or {}).get("estimate")
+    if f.get("verdict") == "diverged" and f["metric"] in ("rel_l2", "allclose", "max_abs") \
+            and isinstance(cos, (int, float)) and cos > 1e-3:
+        extra.append(f"cosine {format_float(1.0 - cos)}")
+    return text + ("; " + ", ".join(extra) if extra else "")
+
+
+def _fixed(v) -> str:
+    if isinstance(v, str):
+        return v
+    return f"{v:.2f}" if 0.01 <= abs(v) < 1000 else f"{v:.3g}"
 
 
 def format_float(v: float | str | None) -> str:

@@ -45,6 +45,8 @@ class LiveComparison:
         reader.run_id(ref)
         reader.run_id(cand)
         self.catalog = Catalog(reader, self.policy.renames)
+        from auditor.compare.engine import bwd_factor
+        self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
         self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
         self.done = {side: np.zeros(0, bool) for side in self.names}
         self.reported: set[tuple[int, int]] = set()
@@ -127,7 +129,8 @@ class LiveComparison:
         cc, cidx = self._pending("cand")
         if not len(rc) and not len(cc):
             return []
-        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader)
+        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
+                        bwd_factor=self.bwd_factor)
         rk, ck = comp.ref_keys, comp.cand_keys
         step = comp.A >> 24
         if everything:

@@ -25,7 +25,7 @@ Pure functions; the vectorized application over many keys is in `auditor.compare
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -37,6 +37,8 @@ MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
 
 OK, NONE, INCOMPLETE, REPLICA_DIVERGENCE = 0, 1, 2, 3
+REDUCE_NONE, REDUCE_MEAN, REDUCE_SUM = 0, 1, 2
+REDUCE_NAMES = {REDUCE_MEAN: "mean", REDUCE_SUM: "sum"}
 STATUS_NAMES = {OK: "ok", NONE: "none", INCOMPLETE: "incomplete",
                 REPLICA_DIVERGENCE: "replica_divergence"}
 
@@ -53,6 +55,14 @@ class Piece:
     partial: bool = False
     complex_as_real: bool = False
     is_none: bool = False
+    reduce: int = REDUCE_NONE
+    """REDUCE_MEAN / REDUCE_SUM: the piece is one addend of a reduction over the batch."""
+    reduce_index: int = 0
+    """The addend (dp rank) this piece holds."""
+    reduce_count: int = 1
+    """Addends that make the whole (dp size)."""
+    reduce_weight: float = 1.0
+    """Weight of the addend in a mean (its batch elements)."""
 
     @property
     def numel(self) -> int:
@@ -102,6 +112,11 @@ class TilingPlan:
     logical_shape: tuple[int, ...] = ()
     complex_as_real: bool = False
     problems: tuple[Problem, ...] = ()
+    reduce: int = REDUCE_NONE
+    """A reduction over the batch: `take` holds one addend per dp rank."""
+    coef: tuple[float, ...] = ()
+    """Per position of `take`: the factor its digest's linear parts (sum, sketch, payload
+    values) are multiplied by before adding (a mean's normalized weight; 1 otherwise)."""
 
     @property
     def numel(self) -> int:
@@ -142,6 +157,8 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
                                     f"shape {list(shape)}"))
     if problems:
         return TilingPlan(status=INCOMPLETE, problems=tuple(problems))
+    if any(pieces[i].reduce for i in present):
+        return _plan_reduction(pieces, present, nones)
 
     boxes: dict[tuple, list[int]] = {}
     for i in present:
@@ -201,6 +218,72 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
                           partial=partial, dtype=first.dtype, logical_shape=shape,
                           complex_as_real=first.complex_as_real, problems=(problem,))
     return plan
+
+
+def _plan_reduction(pieces: Sequence[Piece], present: list[int],
+                    nones: tuple[int, ...]) -> TilingPlan:
+    """Pieces that are addends of a reduction over the batch (a per-rank loss or mean).
+
+    Each covers the whole logical tensor; pieces with the same reduce_index are replicas of one
+    addend (the same dp rank seen from several tp/pp ranks) and must agree; every addend index
+    0..reduce_count-1 must be present. A mean weights its addends by reduce_weight.
+    """
+    first = pieces[present[0]]
+    shape = first.logical_shape
+    base = dict(dtype=first.dtype, logical_shape=shape, complex_as_real=first.complex_as_real)
+    kinds = {(pieces[i].reduce, pieces[i].reduce_count) for i in present}
+    if len(kinds) > 1:
+        groups: dict = {}
+        for i in present:
+            groups.setdefault((pieces[i].reduce, pieces[i].reduce_count), []).append(i)
+        parts = [f"{_reduce_text(*k)} on ranks {{r{n}}}" for n, k in enumerate(groups)]
+        return TilingPlan(status=INCOMPLETE, **base, problems=(_multi_problem(
+            "disagree", list(groups.values()),
+            "ranks disagree on the reduction over the batch: " + ", ".join(parts)),))
+    kind, count = next(iter(kinds))
+    if kind not in REDUCE_NAMES:
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "disagree", tuple(present), f"unknown reduction {kind} on ranks {{ranks}}"),))
+    not_whole = tuple(i for i in present if pieces[i].offsets != (0,) * len(shape)
+                      or pieces[i].shape != shape)
+    if not_whole:
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "bounds", not_whole, "ranks {ranks} hold only part of a reduced value (an addend of "
+                                 "a reduction over the batch must cover the whole tensor)"),))
+    by_index: dict[int, list[int]] = {}
+    for i in present:
+        by_index.setdefault(pieces[i].reduce_index, []).append(i)
+    missing = sorted(set(range(count)) - set(by_index))
+    outside = tuple(i for idx, m in by_index.items() if not 0 <= idx < count for i in m)
+    if missing or outside:
+        what = []
+        if missing:
+            what.append(f"the addends of dp ranks {format_ranges(missing)} (of {count}) are "
+                        "missing")
+        if outside:
+            what.append("some addend indices lie outside the dp size")
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "gap", tuple(present), f"{_reduce_text(kind, count)} from ranks {{ranks}}: "
+                                   + "; ".join(what)),))
+    take = sorted(m[0] for m in by_index.values())
+    replica_sets = tuple(tuple(m) for m in by_index.values() if len(m) > 1)
+    if kind == REDUCE_MEAN:
+        total = math.fsum(pieces[i].reduce_weight for i in take)
+        coef = tuple(pieces[i].reduce_weight / total if total > 0 else 1.0 / len(take)
+                     for i in take)
+    else:
+        coef = (1.0,) * len(take)
+    if nones:  # a None addend next to values: that dp rank's piece is missing
+        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+            "none_mixed", nones, "the reduced value is None on ranks {ranks} but not on the "
+                                 "others"),))
+    return TilingPlan(status=OK, take=tuple(take), replica_sets=replica_sets,
+                      partial=count > 1, reduce=kind, coef=coef, **base)
+
+
+def _reduce_text(kind: int, count: int) -> str:
+    return f"a {REDUCE_NAMES.get(kind, str(kind))} over {count} dp rank" + \
+        ("s" if count != 1 else "")
 
 
 def _multi_problem(kind: str, groups: list[list[int]], detail: str) -> Problem:
@@ -322,6 +405,9 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
     if plan.status == REPLICA_DIVERGENCE:
         return LogicalDigest(REPLICA_DIVERGENCE, None, plan, plan.describe(ranks),
                              tuple(ranks[i] for i in plan.problems[0].positions))
+    if plan.reduce:
+        return LogicalDigest(OK, _merge_reduction([digests[i] for i in plan.take], plan.coef),
+                             plan)
     boxes: dict[tuple, list[DigestValues]] = {}
     taken = list(plan.take)
     for ds in plan.dedupe_sets:
@@ -339,6 +425,14 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
     else:
         merged = merge_disjoint(parts)
     return LogicalDigest(OK, merged, plan)
+
+
+def _merge_reduction(addends: Sequence[DigestValues], coef: Sequence[float]) -> DigestValues:
+    """The digest of sum(coef_i * addend_i): exact for one addend, else like a Partial sum."""
+    if len(addends) == 1 and coef[0] == 1.0:
+        return addends[0]
+    scaled = [replace(a, sum=a.sum * c, sketch=a.sketch * c) for a, c in zip(addends, coef)]
+    return merge_partial(scaled)
 
 
 def _is_partial(pieces: Sequence[tuple[Piece, DigestValues | None]], box: tuple) -> bool:
@@ -380,6 +474,12 @@ class LogicalKeys:
     """Capture position: record id of the first piece."""
     taken_start: np.ndarray
     taken_row: np.ndarray
+    taken_coef: np.ndarray
+    """Per taken row: the factor of its linear digest parts (a mean's weight; 1 otherwise)."""
+    reduced: np.ndarray
+    """The key is a reduction over dp ranks (REDUCE_MEAN / REDUCE_SUM; 0 when not)."""
+    conflict: np.ndarray
+    """Ranks whose stored record of this key was contradicted by a resend (0: none)."""
     messages: dict[int, str]
     """Why a key is incomplete or its replicas diverge."""
     bad_ranks: dict[int, tuple[int, ...]]
@@ -419,6 +519,8 @@ def build_keys(cols, catalog) -> LogicalKeys:
     bad_ranks: dict[int, tuple[int, ...]] = {}
     taken_keys: list[np.ndarray] = []
     taken_rows: list[np.ndarray] = []
+    taken_coefs: list[np.ndarray] = []
+    reduced = np.zeros(G, np.int8)
     plans: dict[tuple, TilingPlan] = catalog.__dict__.setdefault("_plans", {})
 
     for size in np.unique(counts):
@@ -441,28 +543,33 @@ def build_keys(cols, catalog) -> LogicalKeys:
                 plan = plans[sig] = plan_tiling([catalog.pieces[c] for c in sig])
             _apply(plan, sig, gsel[pick], idx[pick], cols, catalog, status, dtype, shape, numel,
                    nonfinite, zeros, fp, exact, partial, has_moments, messages, bad_ranks,
-                   taken_keys, taken_rows)
+                   taken_keys, taken_rows, taken_coefs)
+            reduced[gsel[pick]] = plan.reduce
 
     if taken_keys:
         tk = np.concatenate(taken_keys)
         tr = np.concatenate(taken_rows)
+        tc = np.concatenate(taken_coefs)
         order = np.argsort(tk, kind="stable")
-        tk, tr = tk[order], tr[order]
+        tk, tr, tc = tk[order], tr[order], tc[order]
     else:
         tk = tr = np.zeros(0, np.int64)
+        tc = np.zeros(0)
     taken_start = np.searchsorted(tk, np.arange(G + 1))
+    conflict = (np.add.reduceat(((cols.flags & 4) != 0).astype(np.int64), starts)
+                if G else np.zeros(0, np.int64))
     return LogicalKeys(
         A=cols.A[starts], B=cols.B[starts], first=starts, count=counts, status=status,
         dtype=dtype, shape=shape, numel=numel, nonfinite=nonfinite, all_zero=zeros, fp=fp,
         exact=exact, partial=partial, has_moments=has_moments, stage=cols.stage[starts],
-        pos=cols.rid[starts], taken_start=taken_start, taken_row=tr, messages=messages,
-        bad_ranks=bad_ranks,
+        pos=cols.rid[starts], taken_start=taken_start, taken_row=tr, taken_coef=tc,
+        reduced=reduced, conflict=conflict, messages=messages, bad_ranks=bad_ranks,
     )
 
 
 def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.ndarray, cols,
            catalog, status, dtype, shape, numel, nonfinite, zeros, fp, exact, partial,
-           has_moments, messages, bad_ranks, taken_keys, taken_rows) -> None:
+           has_moments, messages, bad_ranks, taken_keys, taken_rows, taken_coefs) -> None:
     """Apply one plan to every key (``groups``) sharing its signature; ``rows`` is [g, n]."""
     if plan.status == NONE:
         status[groups] = NONE
@@ -490,12 +597,15 @@ def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.
         for g, r_take, more in zip(groups, take, extra):
             taken_keys.append(np.full(len(r_take) + len(more), g, np.int64))
             taken_rows.append(np.concatenate([r_take, np.array(more, np.int64)]))
+            taken_coefs.append(np.ones(len(r_take) + len(more)))
         flat = [np.concatenate([t, np.array(m, np.int64)]) for t, m in zip(take, extra)]
         fp[groups] = [int(cols.fp[f].sum(dtype=np.uint64)) for f in flat]
         nonfinite[groups] = [int((cols.flags[f] & 2).astype(bool).sum()) for f in flat]
     else:
         taken_keys.append(np.repeat(groups, take.shape[1]))
         taken_rows.append(take.reshape(-1))
+        coef = np.array(plan.coef if plan.coef else (1.0,) * take.shape[1], np.float64)
+        taken_coefs.append(np.tile(coef, len(groups)))
         fp[groups] = cols.fp[take].sum(axis=1, dtype=np.uint64)
         nonfinite[groups] = ((cols.flags[take] & 2) != 0).sum(axis=1)
     numel[groups] = plan.numel

@@ -23,20 +23,25 @@ def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:
         return np.zeros(n, bool)
     hr = np.isin(rid_r, list(have))
     hc = np.isin(rid_c, list(have))
-    ok_r = np.logical_and.reduceat(hr, R["offsets"]) if len(hr) else np.zeros(n, bool)
-    ok_c = np.logical_and.reduceat(hc, C["offsets"]) if len(hc) else np.zeros(n, bool)
+    from auditor.compare.slow import segment_reduce
+    ok_r = segment_reduce(np.logical_and, hr, R["offsets"], len(hr), True)
+    ok_c = segment_reduce(np.logical_and, hc, C["offsets"], len(hc), True)
     return ok_r & ok_c
 
 
 def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
-                 atol: float) -> None:
-    """Exact metrics of key i from both runs' bytes (bounded by policy.payload_max_bytes)."""
+                atol: float, ref_scale: float = 1.0) -> None:
+    """Exact metrics of key i from both runs' bytes (bounded by policy.payload_max_bytes);
+    the reference's values are multiplied by ``ref_scale`` first (activation gradients)."""
     try:
         ref_vals, ref_bits, dt_r = _assemble(comp, "ref", int(comp.ri[i]), R, j)
         cand_vals, cand_bits, dt_c = _assemble(comp, "cand", int(comp.ci[i]), C, j)
     except PayloadUnavailable as exc:
         comp.notes.setdefault(i, []).append(f"payload not used: {exc}")
         return
+    if ref_scale != 1.0:
+        ref_vals = ref_vals * ref_scale
+        ref_bits = None
     pm = payload_metrics(ref_vals, cand_vals, rtol=rtol, atol=atol, ref_bits=ref_bits,
                          cand_bits=cand_bits,
                          ulp_ok=dt_r == dt_c and dt_r in FLOAT_DTYPES and ref_bits is not None
@@ -45,6 +50,10 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
     rz = np.where(np.isfinite(ref_vals), ref_vals, 0.0).reshape(-1)
     cz = np.where(np.isfinite(cand_vals), cand_vals, 0.0).reshape(-1)
     d["_l2"] = float(np.linalg.norm(cz - rz))
+    rn, cn = float(np.linalg.norm(rz)), float(np.linalg.norm(cz))
+    d["cosine_distance"] = (1.0 - float(rz @ cz) / (rn * cn)) if rn > 0 and cn > 0 else None
+    d["_scaled_resid"] = (float(np.linalg.norm(cz - (cn / rn) * rz)) / cn
+                          if rn > 0 and cn > 0 else float("nan"))
     comp.payload[i] = d
     comp.payload[i]["rel_l2"] = pm.rel_l2
     comp.payload[i]["allclose"] = pm.allclose
@@ -61,16 +70,17 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
     budget = comp.policy.payload_max_bytes
     start, end = int(lk.taken_start[g]), int(lk.taken_start[g + 1])
     rows = lk.taken_row[start:end]
+    coefs = lk.taken_coef[start:end]
     dtype = cat.dtypes[lk.dtype[g]]
     shape = cat.shapes[lk.shape[g]][0]
     if math.prod(shape) * _itemsize(dtype) > budget:
         raise PayloadUnavailable(f"logical tensor of {math.prod(shape)} elements exceeds "
                                  f"payload_max_bytes {budget}")
-    partial = bool(lk.partial[g])
+    partial = bool(lk.partial[g]) or bool(lk.reduced[g])
     values = np.zeros(shape, np.float64)
     bits = None if partial else np.zeros(shape, np.uint64)
     used = 0
-    for r in rows:
+    for r, coef in zip(rows, coefs):
         piece = cat.pieces[cols.layout[r]]
         got = cat.reader.payload(int(cols.rid[r]))
         if got is None:
@@ -83,7 +93,7 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
         box = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))
         v = bits_to_values(b, dtype).reshape(piece.shape)
         if partial:
-            values[box] += v
+            values[box] += v * coef if coef != 1.0 else v
         else:
             values[box] = v
             bits[box] = b

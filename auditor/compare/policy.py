@@ -161,6 +161,13 @@ class Check:
     rtol: float
     atol: float
     nonfinite: str
+    elementwise: bool = False
+    """The preset's default test (fp32, bf16): assert_close's elementwise test where both runs
+    sent payloads, and a bound on the extremes where they did not, besides rel_l2."""
+
+
+ELEMENTWISE_PRESETS = frozenset({"fp32", "bf16"})
+"""Presets whose default test is elementwise (docs/policy.md, "Presets")."""
 
 
 @dataclass
@@ -230,10 +237,16 @@ class Policy:
             rtol = rule.rtol if rule.rtol is not None else (tol[0] if tol else 0.0)
             atol = rule.atol if rule.atol is not None else (tol[1] if tol else 0.0)
             return Check(rule.label, rule.action, metric, rule.threshold, rtol, atol,
-                         rule.nonfinite or self.nonfinite)
+                         rule.nonfinite or self.nonfinite,
+                         elementwise=self._elementwise(rule.metric or metric, rule.metric is None
+                                                       and rule.threshold is None))
         rtol, atol = tol if tol else (0.0, 0.0)
-        return Check("default", "compare", self._default_metric(tol), None, rtol, atol,
-                     self.nonfinite)
+        metric = self._default_metric(tol)
+        return Check("default", "compare", metric, None, rtol, atol, self.nonfinite,
+                     elementwise=self._elementwise(metric, True))
+
+    def _elementwise(self, metric: str, defaulted: bool) -> bool:
+        return defaulted and metric == "rel_l2" and self.preset in ELEMENTWISE_PRESETS
 
     def key_tolerance(self, dtype_ref: str | None, dtype_cand: str | None):
         """Tolerance of a key: the looser of the two runs' dtypes (None: compare exactly)."""

@@ -15,6 +15,8 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare.columns import Catalog
 from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
+from auditor.compare.align import PHASE_IDS
+from auditor.compare.findings import format_float
 from auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
 from auditor.compare.payloads import payload_for, payload_keys
 from auditor.compare.policy import METRICS, PAYLOAD_METRICS
@@ -39,6 +41,21 @@ def ranges_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.n
     return idx, offsets
 
 
+def segment_reduce(ufunc: np.ufunc, values: np.ndarray, offsets: np.ndarray, n_rows: int,
+                   identity: float) -> np.ndarray:
+    """``ufunc.reduceat`` over segments that may be empty (a key whose pieces hold no elements
+    takes no rows): an empty segment gets ``identity``, never its neighbour's value, and an
+    offset at the end of ``values`` is not an error."""
+    lengths = np.diff(np.append(offsets, n_rows))
+    out_shape = (len(offsets),) + values.shape[1:]
+    out = np.full(out_shape, identity, dtype=np.result_type(values, np.float64)
+                  if values.dtype.kind == "f" else values.dtype)
+    full = lengths > 0
+    if full.any():
+        out[full] = ufunc.reduceat(values, offsets[full], axis=0)
+    return out
+
+
 def store_nonfinite(comp: Comparison, keys: np.ndarray, R: dict, C: dict) -> None:
     if comp.nonfinite_counts is None:
         comp.nonfinite_counts = np.full((len(comp), 6), -1, np.int64)
@@ -53,13 +70,16 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     cols = comp.ref if which == "ref" else comp.cand
     rows_idx, offsets = ranges_index(lk.taken_start[keys_idx], lk.taken_start[keys_idx + 1])
     rows = lk.taken_row[rows_idx]
+    coef = lk.taken_coef[rows_idx]
     d = catalog.fetch_digests(cols.rid[rows])
+    n = len(rows)
+    d["sum"] = d["sum"] * coef  # a mean over dp ranks: weighted addends (1 elsewhere)
     out = {}
     for c in ("nan", "posinf", "neginf", "sum", "sum_sq"):
-        out[c] = np.add.reduceat(d[c], offsets)
-    out["min"] = np.minimum.reduceat(d["min"], offsets)
-    out["max"] = np.maximum.reduceat(d["max"], offsets)
-    out["abs_max"] = np.maximum.reduceat(d["abs_max"], offsets)
+        out[c] = segment_reduce(np.add, d[c], offsets, n, 0.0)
+    out["min"] = segment_reduce(np.minimum, d["min"], offsets, n, math.inf)
+    out["max"] = segment_reduce(np.maximum, d["max"], offsets, n, -math.inf)
+    out["abs_max"] = segment_reduce(np.maximum, d["abs_max"], offsets, n, 0.0)
     partial = lk.partial[keys_idx]
     for c in ("sum_sq", "min", "max", "abs_max"):
         out[c] = np.where(partial, np.nan, out[c])
@@ -69,11 +89,12 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     k = int(ks.max(initial=0))
     seg = np.repeat(np.arange(len(keys_idx)), np.diff(np.append(offsets, len(rows))))
     ok = np.ones(len(keys_idx), bool)
+    ok[np.diff(np.append(offsets, len(rows))) == 0] = k > 0  # no elements: a zero sketch
     bad_rows = ks != k
     if bad_rows.any():
         ok[np.unique(seg[bad_rows])] = False
-    out["sketch"] = np.add.reduceat(d["sketch"], offsets, axis=0) if k else \
-        np.zeros((len(keys_idx), 0))
+    out["sketch"] = segment_reduce(np.add, d["sketch"] * coef[:, None], offsets, n, 0.0) if k \
+        else np.zeros((len(keys_idx), 0))
     out["sketch_ok"] = ok & (k > 0)
     out["k"] = k
     out["rows"] = rows
@@ -81,8 +102,33 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     return out
 
 
+def scale_bwd(comp: Comparison, keys: np.ndarray, R: dict) -> np.ndarray:
+    """Scale the reference's merged activation gradients (phase bwd) by the factor the runs' loss
+    normalizations imply (`Comparison.bwd_factor`); returns each key's factor (1 elsewhere)."""
+    f = comp.bwd_factor
+    fs = np.ones(len(keys))
+    if f == 1.0:
+        return fs
+    bwd = (comp.A[keys] & 0xF) == PHASE_IDS["bwd"]
+    if not bwd.any():
+        return fs
+    fs[bwd] = f
+    R["sum"] = R["sum"] * fs
+    R["sum_sq"] = R["sum_sq"] * fs * fs
+    lo, hi = R["min"] * fs, R["max"] * fs
+    R["min"], R["max"] = np.minimum(lo, hi), np.maximum(lo, hi)
+    R["abs_max"] = R["abs_max"] * np.abs(fs)
+    if "sketch" in R and R["sketch"].size:
+        R["sketch"] = R["sketch"] * fs[:, None]
+    text = (f"compared after the x{format_float(f)} the runs' loss normalizations imply "
+            f"(gradient scale of {comp.cand.name} over {comp.ref.name})")
+    for j in np.flatnonzero(bwd):
+        comp.notes.setdefault(int(keys[j]), []).append(text)
+    return fs
+
+
 def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rtol_all, atol_all,
-                reader: Reader) -> None:
+               reader: Reader, elementwise_all: np.ndarray | None = None) -> None:
     """Metrics and verdicts for keys whose fingerprints could not decide."""
     cat, pol = comp.catalog, comp.policy
     ri, ci = comp.ri[keys], comp.ci[keys]
@@ -91,6 +137,7 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     numel = comp.cand_keys.numel[ci].astype(np.float64)
     n = len(keys)
     store_nonfinite(comp, keys, R, C)
+    ref_scale = scale_bwd(comp, keys, R)
     sketch_ok = R["sketch_ok"] & C["sketch_ok"] & (R["k"] == C["k"])
     if R["k"] == C["k"] and R["k"] > 0:
         sm = sketch_metrics(R["sketch"], C["sketch"], R["sum_sq"], C["sum_sq"], numel)
@@ -132,6 +179,15 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     comp.norm_ratio[keys] = ratio(cn, rn)
     comp.abs_max_ratio[keys] = ratio(C["abs_max"], R["abs_max"])
     comp.lower_bound[keys] = rel_lb
+    # distance from a pure rescaling: ||cand - a ref|| / ||cand||, a = ||cand|| / ||ref||
+    if comp.scaled_resid is None:
+        comp.scaled_resid = np.full(len(comp), np.nan)
+    if sm is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            alpha = np.where(rn > 0, cn / rn, np.nan)
+            resid = C["sketch"] - alpha[:, None] * R["sketch"]
+            comp.scaled_resid[keys] = np.where(
+                sketch_ok & (cn > 0), np.sqrt(np.einsum("ij,ij->i", resid, resid)) / cn, np.nan)
     for j in np.flatnonzero(~sketch_ok):
         comp.notes.setdefault(int(keys[j]), []).append(
             "sketches not comparable (different bucket counts or seeds): rel_l2 is only a lower "
@@ -141,13 +197,20 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     rtol, atol = rtol_all[keys], atol_all[keys]
     has_payload = payload_keys(comp, R, C, n)
     for j in np.flatnonzero(has_payload):
-        payload_for(comp, int(keys[j]), R, C, j, float(rtol[j]), float(atol[j]))
+        payload_for(comp, int(keys[j]), R, C, j, float(rtol[j]), float(atol[j]),
+                    ref_scale=float(ref_scale[j]))
     pm_ok = np.array([int(i) in comp.payload for i in keys], bool) if comp.payload else \
         np.zeros(n, bool)
+    for j in np.flatnonzero(pm_ok):
+        comp.scaled_resid[int(keys[j])] = comp.payload[int(keys[j])].get("_scaled_resid", np.nan)
 
     requested = metric_all[keys]
     eff = requested.copy()
     explicit = explicit_all[keys].copy()
+    elementwise = (elementwise_all[keys] if elementwise_all is not None
+                   else np.zeros(n, bool)) & (requested == REL_L2)
+    # the preset's elementwise test: assert_close's own where both runs' bytes are here
+    eff[elementwise & pm_ok] = METRIC_CODES["allclose"]
     for code in PAYLOAD_CODES:
         fall = (eff == code) & ~pm_ok
         for j in np.flatnonzero(fall):
@@ -225,8 +288,44 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             else:
                 value[j] = pm["ulp"]
                 thr[j] = e if has_explicit[j] else 0.0
+    # without bytes, the extremes bound what assert_close allows any element:
+    # |max|c| - max|r||, |max c - max r|, |min c - min r| <= max|c - r| <= atol + rtol max|r|
+    ext_keys = elementwise & ~pm_ok & (eff == REL_L2)
+    if ext_keys.any():
+        with np.errstate(invalid="ignore"):
+            ext = np.nanmax(np.stack([
+                np.nan_to_num(np.abs(C["abs_max"] - R["abs_max"]), nan=0.0, posinf=0.0),
+                np.nan_to_num(np.abs(C["max"] - R["max"]), nan=0.0, posinf=0.0),
+                np.nan_to_num(np.abs(C["min"] - R["min"]), nan=0.0, posinf=0.0)]), axis=0)
+            ext_thr = atol + rtol * R["abs_max"]
+        over = ext_keys & (ext > ext_thr) & ~(value > thr) & np.isfinite(ext_thr)
+        for j in np.flatnonzero(over):
+            comp.notes.setdefault(int(keys[j]), []).append(
+                f"rel_l2 {format_float(value[j])} is within {format_float(thr[j])}, but the "
+                f"extremes differ by {format_float(ext[j])}, more than assert_close allows any "
+                f"element (atol + rtol·max|ref| = {format_float(ext_thr[j])}): max_abs is at "
+                "least that (no payloads to measure it)")
+            value[j], thr[j], sig[j], certain[j] = ext[j], ext_thr[j], 0.0, True
+            code_out[j] = METRIC_CODES["max_abs"]
     comp.metric[keys] = code_out
     breach, unc = F.judge(value, sig, thr, pol.sigmas, pol.on_uncertain, certain)
+    # a pure rescaling (cosine ~ 1, norm ratio != 1) is said as such: "scaled by 4.00"
+    if comp.scaled_by is None:
+        comp.scaled_by = np.full(len(comp), np.nan)
+    tol = np.where(has_explicit & (eff == REL_L2), explicit, rel_thr)
+    resid = comp.scaled_resid[keys]
+    nr = comp.norm_ratio[keys]
+    with np.errstate(invalid="ignore"):
+        pure = breach & (resid <= tol) & (np.abs(nr - 1.0) > tol) & np.isfinite(nr) & (nr > 0)
+    for j in np.flatnonzero(pure):
+        i = int(keys[j])
+        comp.scaled_by[i] = nr[j]
+        explained = " beyond the factor the runs' loss normalizations imply" \
+            if ref_scale[j] != 1.0 else ""
+        comp.notes.setdefault(i, []).append(
+            f"{comp.cand.name} is {comp.ref.name} scaled by {nr[j]:.3g}{explained} (away from a "
+            f"pure rescaling by {format_float(resid[j])} relative): a uniform factor no declared "
+            "loss normalization explains")
     comp.value[keys] = value
     comp.sigma[keys] = np.where(sig > 0, sig, np.nan)
     comp.threshold[keys] = thr

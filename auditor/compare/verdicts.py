@@ -14,12 +14,13 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.align import PHASE_NAMES, ROLE_NAMES
+from auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
 from auditor.compare.metrics import FLOAT_DTYPES
 from auditor.compare.order import order_keys
 from auditor.compare.policy import Check, Policy
+from auditor.compare.ranges import format_ranges
 from auditor.compare.slow import SLOW_CHUNK, merge_side, slow_chunk, store_nonfinite
 from auditor.store import Reader
 
@@ -51,8 +52,13 @@ def align_keys(r: M.LogicalKeys, c: M.LogicalKeys):
 
 
 def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy,
-             reader: Reader) -> Comparison:
-    """Verdicts and metrics for every key of two runs' columns."""
+             reader: Reader, bwd_factor: float = 1.0) -> Comparison:
+    """Verdicts and metrics for every key of two runs' columns.
+
+    ``bwd_factor`` (cand grad_scale / ref grad_scale) is what the runs' loss normalizations make
+    the candidate's activation gradients (phase bwd) relative to the reference's: those keys are
+    compared against the reference scaled by it.
+    """
     t0 = time.perf_counter()
     rk = M.build_keys(ref, catalog)
     ck = M.build_keys(cand, catalog)
@@ -84,6 +90,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     rtol = np.array([ch.rtol for ch in checks])[inv]
     atol = np.array([ch.atol for ch in checks])[inv]
     nfmode = np.array([_NONFINITE[ch.nonfinite] for ch in checks], np.int8)[inv]
+    elementwise = np.array([ch.elementwise for ch in checks], bool)[inv]
     rule = rule_u[inv] if len(uniq) else np.zeros(0, np.int16)
 
     verdict = np.full(K, -1, np.int8)
@@ -100,6 +107,20 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         return m
 
     assign(action == 1, F.IGNORED)
+    cf_r, cf_c = side(rk.conflict, ck.conflict, 0)
+    m = assign((cf_r > 0) | (cf_c > 0), F.CONFLICT)
+    for i in np.flatnonzero(m):
+        parts = []
+        for name, cols, keys, idx, n in ((ref.name, ref, rk, ri[i], cf_r[i]),
+                                         (cand.name, cand, ck, ci[i], cf_c[i])):
+            if n > 0:
+                s0, cnt = int(keys.first[idx]), int(keys.count[idx])
+                bad = [int(r) for r, f in zip(cols.rank[s0:s0 + cnt], cols.flags[s0:s0 + cnt])
+                       if f & 4]
+                parts.append(f"{name}: rank{'s' if len(bad) > 1 else ''} {format_ranges(bad)} "
+                             "sent this key again with other content (the first stored is kept; "
+                             "two jobs under one run name, or a rank that reran a step)")
+        notes.setdefault(int(i), []).append("; ".join(parts))
     assign((st_r == M.INCOMPLETE) | (st_c == M.INCOMPLETE), F.INCOMPLETE)
     assign((st_r == M.REPLICA_DIVERGENCE) | (st_c == M.REPLICA_DIVERGENCE), F.REPLICA_DIVERGENCE)
     expected |= assign(~hr, F.MISSING_IN_REF) & (action == 2)
@@ -109,6 +130,10 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     assign(none_r ^ none_c, F.GRAD_NONE)
     # from here on both sides hold an OK logical digest
     sh_r, sh_c = side(rk.shape, ck.shape, -1)
+    n_r, n_c = side(rk.numel, ck.numel, -1)
+    # tensors without elements: equal when their logical shapes are (nothing else to compare)
+    out_metric[assign((n_r == 0) & (n_c == 0) & (sh_r == sh_c), F.IDENTICAL)] = \
+        METRIC_CODES["exact"]
     m = assign(sh_r != sh_c, F.DIVERGED)
     out_metric[m] = M_SHAPE
     for i in np.flatnonzero(m):
@@ -126,6 +151,11 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     klass = np.array([classes.setdefault(d if d in FLOAT_DTYPES else "integer", len(classes))
                       for d in catalog.dtypes] + [-1], np.int64)
     same = ex_r & ex_c & (fp_r == fp_c) & (klass[dt_r] == klass[dt_c])
+    if bwd_factor != 1.0:
+        # activation gradients must equal the reference's times the factor: equal bits are a
+        # difference (unless both are all zero)
+        z_r, z_c = side(rk.all_zero, ck.all_zero, 0)
+        same &= ((A & 0xF) != PHASE_IDS["bwd"]) | ((z_r == 1) & (z_c == 1))
     out_metric[assign(same, F.IDENTICAL)] = METRIC_CODES["exact"]
     hm_r, hm_c = side(rk.has_moments, ck.has_moments, False)
     exact_metric = metric == METRIC_CODES["exact"]
@@ -156,7 +186,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         cos_dist=nan.copy(), cos_sigma=nan.copy(), norm_ratio=nan.copy(),
         abs_max_ratio=nan.copy(), lower_bound=nan.copy(), order=np.arange(K),
         rank_in_order=np.arange(K), pred=np.full(K, -1, np.int64),
-        order_stage=np.zeros(K, np.int64), notes=notes,
+        order_stage=np.zeros(K, np.int64), notes=notes, bwd_factor=bwd_factor,
     )
     nf_keys = np.flatnonzero(verdict == F.NONFINITE)
     for s0 in range(0, len(nf_keys), SLOW_CHUNK):
@@ -166,7 +196,8 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         store_nonfinite(comp, chunk, R, C)
     slow = np.flatnonzero(verdict < 0)
     for s in range(0, len(slow), SLOW_CHUNK):
-        slow_chunk(comp, slow[s:s + SLOW_CHUNK], metric, explicit, rtol, atol, reader)
+        slow_chunk(comp, slow[s:s + SLOW_CHUNK], metric, explicit, rtol, atol, reader,
+                   elementwise)
     t3 = time.perf_counter()
     comp.breach = ~np.isin(comp.verdict, (F.IDENTICAL, F.CLOSE, F.IGNORED)) & ~expected
     order_keys(comp)

@@ -88,6 +88,10 @@ class RunBuilder:
     sketch_k: int = 64
     close: bool = True
     records: dict[int, list[pb.Record]] = field(default_factory=dict)
+    register: dict = field(default_factory=dict)
+    """Extra RegisterRequest fields for every rank (grad_scale, mesh_shape, ...)."""
+    mesh: dict[int, list[int]] = field(default_factory=dict)
+    """Mesh coordinate per rank."""
 
     def add(self, rank: int, t: torch.Tensor, layout: PieceLayout | None = None, **key) -> None:
         layout = layout or PieceLayout.full(tuple(t.shape))
@@ -119,7 +123,7 @@ class RunBuilder:
                     schema_version=limits.CURRENT_SCHEMA_VERSION, run=self.name, session_id=sid,
                     rank=rank, world_size=self.world_size, stages=self.stages.get(rank, []),
                     torch_version=torch.__version__, dtype=self.dtype, host="synth",
-                    local_rank=rank)
+                    local_rank=rank, mesh_coordinate=self.mesh.get(rank, []), **self.register)
                 writer.submit(lambda s, r=req: s.register(r)).result()
                 recs = self.records.get(rank, [])
                 for seq, start in enumerate(range(0, len(recs), batch_size), start=1):

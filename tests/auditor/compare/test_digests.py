@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import numpy as np
+
+from auditor.compare.metrics import sketch_band
 import pytest
 
 from auditor.compare import digests as A
@@ -174,7 +176,8 @@ def _pairs(count: int, seed: int):
 
 
 def test_rel_error_within_documented_band(one_thread):
-    """|estimate / true - 1| <= 4 sigma (sigma = 1/sqrt(2k)) on >= 99% of 300 pairs."""
+    """|estimate / true - 1| <= 4 nominal sigmas (1/sqrt(2k)) on >= 99% of 300 pairs; the band
+    reported is wider (`sketch_band`: read off the estimate, it allows for a low one)."""
     k = 256
     sigma_rel = 1 / math.sqrt(2 * k)
     ratios, inside = [], 0
@@ -182,7 +185,7 @@ def test_rel_error_within_documented_band(one_thread):
     for a, b in pairs:
         true = float((b - a).norm() / a.norm())
         est, sigma = sketch_rel_error(_digest(a), _digest(b))
-        assert sigma == pytest.approx(est * sigma_rel)
+        assert sigma == pytest.approx(est * sketch_band(k))
         ratio = est / true
         ratios.append(ratio)
         inside += abs(ratio - 1) <= 4 * sigma_rel

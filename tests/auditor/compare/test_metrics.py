@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from agents.digest import digest_piece
 from agents.layout import PieceLayout
 from auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload, ordered_bits,
-                             payload_metrics, ratio, sketch_metrics)
+                             payload_metrics, ratio, sketch_band,
+                                     sketch_metrics)
 
 
 def sketch_of(t: torch.Tensor, k: int = 256) -> np.ndarray:
@@ -24,10 +25,7 @@ def sketch_of(t: torch.Tensor, k: int = 256) -> np.ndarray:
     return f64[5:].numpy()
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2 ** 31), st.floats(1e-7, 0.5), st.sampled_from([64, 256]),
-       st.sampled_from(["spread", "sparse"]))
-def test_sketch_rel_error_within_its_band_of_the_exact_one(seed, eps, k, kind):
+def _band_case(seed: int, eps: float, k: int, kind: str) -> None:
     g = torch.Generator().manual_seed(seed)
     ref = torch.randn(4096, generator=g, dtype=torch.float64)
     if kind == "spread":
@@ -43,9 +41,35 @@ def test_sketch_rel_error_within_its_band_of_the_exact_one(seed, eps, k, kind):
                        np.array([4096]))
     est, sigma = m.rel_l2[0], m.rel_sigma[0]
     assert abs(est - exact) <= 4 * sigma + 1e-12, (est, exact, sigma)
-    assert sigma == pytest.approx(est / math.sqrt(2 * k), rel=0.01, abs=1e-12)
+    assert sigma >= est * sketch_band(k) * 0.99 - 1e-12  # never narrower than the variance's
+    if kind == "spread":  # and not needlessly wide where the variance describes the error
+        assert sigma <= est * sketch_band(k) * 1.5 + 1e-12
     cos_exact = 1 - float(ref @ cand / (ref.norm() * cand.norm()))
-    assert abs(m.cos_dist[0] - cos_exact) <= 4 * m.cos_sigma[0] + 1e-12
+    assert abs(m.cos_dist[0] - cos_exact) <= 4 * m.cos_sigma[0] + 1e-12, (
+        m.cos_dist[0], cos_exact, m.cos_sigma[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 31), st.floats(1e-7, 2.0), st.sampled_from([64, 256, 1024, 4096]),
+       st.sampled_from(["spread", "sparse"]))
+def test_sketch_rel_error_within_its_band_of_the_exact_one(seed, eps, k, kind):
+    _band_case(seed, eps, k, kind)
+
+
+@pytest.mark.parametrize("seed,eps,k,kind", [(450, 0.5, 64, "spread"), (450, 0.5, 64, "sparse")])
+def test_band_holds_where_the_nominal_one_failed(seed, eps, k, kind):
+    """issue 9: cosine error 0.047 against a nominal 4-sigma band of 0.046."""
+    _band_case(seed, eps, k, kind)
+
+
+def test_band_coverage_over_many_fixed_seeds():
+    """Over 400 fixed cases (relative errors 1e-3 .. 2, k 64 .. 4096) no estimate leaves its
+    4-sigma band; the nominal band 1/sqrt(2k) read off the estimate did at k = 64."""
+    rng = np.random.default_rng(9)
+    for j in range(400):
+        k = int(rng.choice([64, 256, 1024, 4096]))
+        eps = float(10 ** rng.uniform(-3, math.log10(2.0)))
+        _band_case(int(rng.integers(0, 2 ** 31)), eps, k, "spread" if j % 2 else "sparse")
 
 
 def test_identical_sketches_give_zero_and_zero_reference_is_absolute():
