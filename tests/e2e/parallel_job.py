@@ -3,7 +3,7 @@
     python tests/e2e/parallel_job.py single:ref                       # the reference, one process
     torchrun --standalone --nproc-per-node 2 tests/e2e/parallel_job.py ddp:ddp fsdp:fsdp ...
 
-Each argument is CASE:RUN; the cases of one job run one after another in the same process group,
+Each argument is CASE:RUN (CASE+rename: with NUMAUDIT_RENAME_IF_TAKEN=1); the cases of one job run one after another in the same process group,
 each with a fresh model (same seed), its own agent and run name. Every non-pipelined case runs
 the README's snippet verbatim (per-rank mean loss, DDP/FSDP averaging, `bwd` captured, every rank
 attached); pipelined cases use agents.pipeline as the README says. Planted bugs are cases too.
@@ -236,6 +236,9 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group("gloo")
     for case, run in cases:
+        case, _, option = case.partition("+")
+        if option == "rename":  # as an operator would: NUMAUDIT_RENAME_IF_TAKEN=1 for this run
+            os.environ["NUMAUDIT_RENAME_IF_TAKEN"] = "1"
         if case == "single":
             run_single(run)
         elif case in DP_CASES:
