@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
+import signal
+import threading
 import time
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -15,6 +20,55 @@ from agents.identity import RankIdentity, job_identity, rank_identity
 from agents.normalization import grad_scale
 
 log = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[Agent]" = weakref.WeakSet()
+"""Agents not closed yet: closed at interpreter exit and on SIGTERM, so no queue is lost."""
+_EXIT_HOOKS = threading.Lock()
+_exit_hooks_installed = False
+
+
+def _close_live_agents(why: str) -> None:
+    for agent in list(_LIVE):
+        try:
+            agent.close(reason=why)
+        except Exception:  # pragma: no cover - close never raises; belt and braces at exit
+            pass
+
+
+def _on_sigterm(previous):
+    def handler(signum, frame):
+        _close_live_agents("SIGTERM")
+        if callable(previous):
+            previous(signum, frame)
+            return
+        # Die of SIGTERM as the process would have, so torchrun sees the same exit status.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handler
+
+
+def _install_exit_hooks() -> None:
+    """Once per process: close live agents at exit, and on SIGTERM (torchrun stopping a job).
+
+    The SIGTERM handler is installed only from the main thread and only over the default or a
+    Python handler (which it then calls); a handler set to ignore SIGTERM is left alone.
+    """
+    global _exit_hooks_installed
+    with _EXIT_HOOKS:
+        if _exit_hooks_installed:
+            return
+        _exit_hooks_installed = True
+        atexit.register(_close_live_agents, "interpreter exit")
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous is signal.SIG_DFL or (callable(previous) and previous is not
+                                              signal.default_int_handler):
+                signal.signal(signal.SIGTERM, _on_sigterm(previous))
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            pass
 
 
 class Agent:
@@ -42,6 +96,8 @@ class Agent:
             from agents.sender import Sender  # grpc only where auditing is on
 
             self._sender = Sender(config, ident, self.counters)
+            _LIVE.add(self)
+            _install_exit_hooks()
         self.capturer = Capturer(config, ident, self._sink, self.counters)
 
     def _sink(self, batch: HostBatch) -> None:
@@ -65,6 +121,21 @@ class Agent:
         except Exception as exc:
             self.capturer._failed("watch", exc)
             return 0
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer, *, updates: bool = True):
+        """Capture gradients as `optimizer.step()` consumes them (phase optim_grad: after
+        clipping, unscaling, any gradient transformation) and, with `updates`, the change it
+        applies to each parameter (phase update). Returns the hooks' handle (`.remove()`),
+        or None when the agent is off. See agents/optimizer.py for the cost."""
+        if not self.active:
+            return None
+        try:
+            from agents.optimizer import OptimizerWatch
+
+            return OptimizerWatch(self, optimizer, updates=updates)
+        except Exception as exc:
+            self.capturer._failed("watch_optimizer", exc)
+            return None
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -121,11 +192,16 @@ class Agent:
             self.capturer.capture_parameters(module, grads=True, stage=stage)
             self.capturer.capture_parameters(module, grads=False, stage=stage)
 
-    def close(self, timeout: float | None = None) -> dict:
-        """Flush within `timeout` (default config.flush_timeout_s) + 1 s; returns the counts."""
+    def close(self, timeout: float | None = None, *, reason: str = "") -> dict:
+        """Flush within `timeout` (default config.flush_timeout_s) + 1 s; returns the counts.
+
+        Also called at interpreter exit and on SIGTERM for an agent not closed yet (`reason`
+        says which): what is queued is delivered within the timeout or spilled to the spool.
+        """
         if self._closed:
             return self.summary()
         self._closed = True
+        _LIVE.discard(self)
         started = time.monotonic()
         try:
             self.capturer.flush()
@@ -136,10 +212,17 @@ class Agent:
             log.warning("rank %d: numaudit close failed: %r", self.ident.rank, exc)
         s = self.summary()
         if self.active:
-            log.info("rank %d: numaudit run=%s captured=%d sent=%d acked=%d spooled=%d "
-                     "dropped=%d errors=%d conflicts=%d in %.2fs", self.ident.rank, s["run"],
-                     s["captured"], s["sent"], s["acked"], s["spooled"], s["dropped"],
-                     s["errors"], s["conflicts"], time.monotonic() - started)
+            # At WARNING when anything did not reach the auditor, or the process is ending
+            # without having closed the agent: where the records went is then news.
+            level = logging.WARNING if s["spooled"] or s["dropped"] or reason else logging.INFO
+            where = f" in {s['spool']}" if s["spooled"] and s["spool"] else ""
+            drops = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
+            log.log(level, "rank %d: numaudit run=%s%s: captured %d: acked by the auditor %d, "
+                    "spooled %d%s, dropped %d%s; errors %d; conflicts %d; closed in %.2fs",
+                    self.ident.rank, s["run"], f" (at {reason})" if reason else "", s["captured"],
+                    s["acked"], s["spooled"], where, s["dropped"],
+                    f" ({drops})" if drops else "", s["errors"], s["conflicts"],
+                    time.monotonic() - started)
             if s["conflicts"]:
                 log.error("rank %d: numaudit: %d records conflict with what run %s already "
                           "stored under the same key (a rerun or another job under this run "
@@ -155,9 +238,12 @@ class Agent:
             "sent": snd.sent if snd else 0,
             "acked": snd.acked if snd else 0,
             "spooled": snd.spooled if snd else 0,
+            "held_by_sidecar": snd.held_by_sidecar if snd else 0,
+            "spool": snd.spool_path if snd else None,
             "dropped": sum(dropped.values()),
             "dropped_by_reason": dropped,
             "errors": errors,
+            "not_captured": self.counters.not_captured_snapshot(),
             "reconnects": snd.reconnects if snd else 0,
             "conflicts": snd.conflicts if snd else 0,
             "run": snd.run if snd else self.config.run,
@@ -185,9 +271,11 @@ def attach(
     dtype: str = "",
     seed: int = 0,
     labels: dict[str, str] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     **options,
 ) -> Agent:
-    """Hook `model` (or each pipeline-stage module, with `stages` giving their indices).
+    """Hook `model` (or each pipeline-stage module, with `stages` giving their indices), and
+    `optimizer.step()` when an optimizer is given (`Agent.watch_optimizer`).
 
     Arguments set the configuration; NUMAUDIT_* variables override them (docs/agent.md). Raises
     ValueError for a configuration that cannot work — the one moment the agent may raise.
@@ -212,6 +300,8 @@ def attach(
         raise ValueError(f"stages: {len(stage_ids)} indices for {len(modules)} stage modules")
     for module, stage in zip(modules, stage_ids):
         agent.watch(module, stage=stage)
+    if optimizer is not None:
+        agent.watch_optimizer(optimizer)
     return agent
 
 

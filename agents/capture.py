@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,12 +33,18 @@ log = logging.getLogger(__name__)
 PHASE_IDS = {
     "fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
     "param": pb.PHASE_PARAM, "loss": pb.PHASE_LOSS, "input": pb.PHASE_INPUT,
+    "optim_grad": pb.PHASE_OPTIM_GRAD, "update": pb.PHASE_UPDATE,
 }
 ROLE_IDS = {
     "output": pb.ROLE_OUTPUT, "input": pb.ROLE_INPUT, "grad_output": pb.ROLE_GRAD_OUTPUT,
     "grad_input": pb.ROLE_GRAD_INPUT, "value": pb.ROLE_VALUE,
 }
-STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param)
+STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param, optim_grad, update)
+PER_STEP_PHASES = ("grad", "param", "optim_grad", "update")
+"""Phases captured once per step, of parameters: full tensors (replicas over dp) unless DTensors."""
+MAX_NO_GRAD_CALLS = 64
+"""No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
+NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
 AUTO = "auto"
 """`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
 
@@ -85,10 +91,14 @@ class Counters:
     """Thread-safe counts the agent reports at close."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a SIGTERM handler may close the agent on the training thread while that
+        # thread is inside one of these methods.
+        self._lock = threading.RLock()
         self.captured = 0
         self.errors = 0
         self.dropped: Counter[str] = Counter()
+        self.not_captured: Counter[str] = Counter()
+        """Captures that could not be made at all, by reason (not part of `captured`)."""
 
     def add_captured(self, n: int) -> None:
         with self._lock:
@@ -102,6 +112,14 @@ class Counters:
     def error(self) -> None:
         with self._lock:
             self.errors += 1
+
+    def miss(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.not_captured[reason] += n
+
+    def not_captured_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.not_captured)
 
     def snapshot(self) -> tuple[int, int, dict[str, int]]:
         with self._lock:
@@ -136,6 +154,9 @@ class Capturer:
         self.stage = -1
         self._calls: Counter[tuple[int, str]] = Counter()
         self._bwd_seen: set[tuple] = set()
+        self._no_grad_calls: dict[tuple, deque] = {}
+        """(step, microbatch, site) → calls of forwards run without grad (reentrant checkpoint)."""
+        self._ambiguous: set[tuple] = set()
         self.in_chunk = 0
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
         self.loss_microbatch: int | None = None
@@ -189,7 +210,10 @@ class Capturer:
     def _forward_hook(self, site: str, stage: int, pipelined: bool = False):
         def hook(module, inputs, output):
             try:
-                if in_backward() or not (self.wants("fwd") or self.wants("bwd")):
+                if in_backward():
+                    self._replayed(site, stage, output)
+                    return
+                if not (self.wants("fwd") or self.wants("bwd")):
                     return
                 if pipelined and not self.in_chunk:
                     return
@@ -203,10 +227,43 @@ class Capturer:
                                      call=call, microbatch=mb, stage=st)
                     if self.wants("bwd") and t.requires_grad:
                         t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
+                if self.wants("bwd") and tensors and not torch.is_grad_enabled():
+                    # Maybe a reentrant checkpoint: its forward runs without grad and is run
+                    # again in backward; remember the call so the replay keys its gradients.
+                    key = (self.step, mb, site)
+                    calls = self._no_grad_calls.setdefault(key, deque(maxlen=MAX_NO_GRAD_CALLS))
+                    calls.append((call, st))
             except Exception as exc:  # never into training
                 self._failed("forward hook", exc)
 
         return hook
+
+    def _replayed(self, site: str, stage: int, output) -> None:
+        """A forward run again during backward: a checkpoint's recomputation, not a new call.
+
+        A non-reentrant checkpoint's original outputs carry the gradient hooks already. A
+        reentrant one (use_reentrant=True) ran its forward without grad, so the gradients flow
+        only through this replay: hook its outputs under the original call's key. Which call a
+        replay belongs to is known when the site ran once (without grad) in this microbatch;
+        with several such calls the segments may replay in any order, so those are counted as
+        not captured (NOT_CAPTURED_AMBIGUOUS) rather than keyed by a guess.
+        """
+        if not self.wants("bwd") or not torch.is_grad_enabled():
+            return
+        key = (self.step, self.microbatch, site)
+        calls = self._no_grad_calls.get(key)
+        if not calls:
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        if len(calls) > 1 or key in self._ambiguous:
+            self._ambiguous.add(key)
+            calls.popleft()
+            self.counters.miss(NOT_CAPTURED_AMBIGUOUS, sum(t.requires_grad for t in tensors))
+            return
+        call, st = calls.popleft()
+        for index, t in enumerate(tensors):  # indexed as in the original forward
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
         key = (step, mb, site, index, call)
@@ -243,6 +300,8 @@ class Capturer:
         self._calls.clear()
         self._bwd_seen.clear()
         self._local_batch.clear()
+        self._no_grad_calls.clear()
+        self._ambiguous.clear()
 
     # -- captures -------------------------------------------------------------------------------
 
@@ -309,7 +368,7 @@ class Capturer:
     def _plain_layout(self, t: torch.Tensor, phase: str, site: str,
                       replicate: bool | None) -> PieceLayout:
         shape = tuple(t.shape)
-        if phase in ("grad", "param"):
+        if phase in PER_STEP_PHASES:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)

@@ -42,7 +42,7 @@ ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (defaul
 ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
 SPOOL_MODES = ("spill", "always", "off")
 
-PHASES = ("fwd", "bwd", "grad", "param", "loss", "input")
+PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update")
 REDUCTIONS = ("mean", "sum")
 LOSS_NORMALIZATIONS = ("per_rank_mean", "global_mean", "sum")
 """How a rank's loss is normalized (docs/parallelisms.md): the mean over this rank's share of the
@@ -102,8 +102,9 @@ class AgentConfig:
     """Records per batch on the wire (FIELD-NOTES: gRPC pays per message)."""
     batch_interval_s: float = 0.05
     """A partial batch is sent after this long."""
-    flush_timeout_s: float = 10.0
-    """close() waits at most this long for acks (plus 1 s for the session close)."""
+    flush_timeout_s: float = 5.0
+    """close() (also at exit and on SIGTERM) waits at most this long for acks, plus 1 s for the
+    session close; what is still unacked then is spilled to the spool."""
     connect_timeout_s: float = 5.0
     """Deadline of each unary call (Register, CloseSession)."""
     ack_timeout_s: float = 10.0
@@ -224,6 +225,10 @@ def check(config: AgentConfig) -> None:
         raise ValueError(f"sketch_k: {k} is not a power of two")
     if (config.address or config.sidecar) and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
+    if config.run:  # the auditor's rule; spool file names are built from it
+        from wire.names import check_run_name
+
+        check_run_name(config.run)
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("tls_cert/tls_key: a client certificate needs its key, and a key its "
                          f"certificate ({ENV_TLS_CERT}, {ENV_TLS_KEY})")

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 RECONNECT_BACKOFF_MIN_S = 0.05
 RECONNECT_BACKOFF_MAX_S = 1.0
 
+UNREACHABLE_WARN_S = 1.0
+"""A peer that cannot be reached for this long (no ack since) is reported once at WARNING."""
+
 REFUSAL_RETRIES = 2
 """Times a refused registration or batch is tried again before it is believed (and dropped)."""
 
@@ -72,7 +75,11 @@ class Delivery:
         ack_timeout_s: float = 10.0,
         max_unacked_bytes: int = 256 << 20,
         name: str = "",
+        target: str = "",
+        fallback: str = "",
     ) -> None:
+        """`target` (the peer's address) and `fallback` (where records go instead) make the
+        one WARNING logged when the peer cannot be reached."""
         self.transport = transport
         self._register_request = register
         self._on_drop = on_drop
@@ -97,6 +104,10 @@ class Delivery:
         """Records the peer acked as conflicting with content it stored under the same key."""
         self.registered_run = ""
         """The run name the peer registered this session under (renamed when taken)."""
+        self.target, self.fallback = target, fallback
+        self.unreachable_warned = False
+        self._down_since: float | None = None
+        self._last_error = ""
 
     # -- owner's calls ------------------------------------------------------------------------
 
@@ -173,6 +184,15 @@ class Delivery:
         self._drop_stream()
         self.transport.close()
 
+    def warn_if_unreachable(self, force: bool = False) -> None:
+        """Log the one WARNING when the peer has been unreachable long enough (or now: `force`)."""
+        if self.unreachable_warned or self._down_since is None or self.fatal is not None:
+            return
+        if force or time.monotonic() - self._down_since >= UNREACHABLE_WARN_S:
+            self.unreachable_warned = True
+            log.warning("%s: cannot reach %s (%s); %s", self.name, self.target or "the peer",
+                        self._last_error, self.fallback or "records are kept until it is back")
+
     # -- internals ----------------------------------------------------------------------------
 
     def _connect(self, deadline: Callable[[], float]) -> None:
@@ -200,6 +220,7 @@ class Delivery:
             except queue.Empty:
                 return
             if isinstance(item, pb.Ack):
+                self._down_since = None
                 self._last_progress = time.monotonic()
                 self._refusals = 0
                 self._backoff = RECONNECT_BACKOFF_MIN_S  # progress, not just a registration
@@ -252,6 +273,10 @@ class Delivery:
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             self.registered = False  # an unknown session (a wiped store): register again
         self.reconnects += 1
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self._last_error = f"{code.name}: {err.details()[:200]}"
+        self.warn_if_unreachable()
         self._next_attempt = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, RECONNECT_BACKOFF_MAX_S)
         log.debug("%s: connection failed (%s); retrying", self.name, code.name)

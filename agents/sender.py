@@ -46,7 +46,7 @@ class Sender:
         self.counters = counters
         self.session_id = uuid.uuid4().hex
         self._in: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: close() may run in a SIGTERM handler
         self._queued = 0
         self._next_seq = 1
         self._records: list[pb.Record] = []
@@ -57,7 +57,10 @@ class Sender:
         self._zstd = zstandard.ZstdCompressor(level=1, write_content_size=True)
         self._spool: SpoolWriter | None = None
         self.sent = 0
-        self.spooled = 0
+        self.spilled = 0
+        """Records this rank wrote to its own spool file."""
+        self.relay: dict | None = None
+        """In sidecar mode, the sidecar's outcome of this session (SidecarTransport.outcome)."""
         self.delivery: Delivery | None = None
         target = config.sidecar or config.address
         if target:
@@ -65,18 +68,51 @@ class Sender:
                          else GrpcTransport(config.address, config.token,
                                             TLSConfig.from_files(config.tls_ca, config.tls_cert,
                                                                  config.tls_key)))
+            fallback = {"spill": f"records are kept in memory (up to {config.max_unacked_bytes} "
+                                 f"bytes) and spilled to {config.spool_dir} at close",
+                        "always": f"records are written ahead to {config.spool_dir}",
+                        "off": "records are kept in memory and dropped at close (spool_mode "
+                               "off)"}[config.spool_mode]
             self.delivery = Delivery(
                 transport, self._register_request, on_drop=counters.drop,
                 connect_timeout_s=config.connect_timeout_s, ack_timeout_s=config.ack_timeout_s,
                 max_unacked_bytes=config.max_unacked_bytes,
                 name=f"rank {ident.rank}: numaudit {'sidecar' if config.sidecar else 'auditor'}",
+                target=(f"the node sidecar at {config.sidecar}" if config.sidecar
+                        else f"the auditor at {config.address}"),
+                fallback=fallback,
             )
         self._thread = threading.Thread(target=self._run, name="numaudit-sender", daemon=True)
         self._thread.start()
 
     @property
     def acked(self) -> int:
-        return self.delivery.acked_records if self.delivery else 0
+        """Records the auditor acked (in sidecar mode: as the sidecar reported at close)."""
+        if self.delivery is None:
+            return 0
+        if self.config.sidecar:
+            return int(self.relay["acked"]) if self.relay else 0
+        return self.delivery.acked_records
+
+    @property
+    def held_by_sidecar(self) -> int:
+        """Records durably in the sidecar's spool but not (yet) acked by the auditor."""
+        if self.delivery is None or not self.config.sidecar:
+            return 0
+        if self.relay is None:  # the sidecar did not say: all it acked is in its spool
+            return self.delivery.acked_records
+        return int(self.relay["held"])
+
+    @property
+    def spooled(self) -> int:
+        """Records in a spool instead of the store: this rank's own, and the sidecar's."""
+        return self.spilled + self.held_by_sidecar
+
+    @property
+    def spool_path(self) -> str | None:
+        if self.relay and self.relay.get("held"):
+            return str(self.relay.get("spool"))
+        return str(self._spool.path) if self._spool is not None else None
 
     @property
     def reconnects(self) -> int:
@@ -236,15 +272,16 @@ class Sender:
                              seq=self._next_seq, records_crc32=records_checksum(records))
         msg.records.extend(records)
         d = self.delivery
-        if d is not None and d.fatal == "run_name_taken":
-            # Replaying a spool would be refused the same way: count them, do not keep them.
+        if d is not None and d.fatal is not None:
+            # The session was refused (a token without write scope, a run name taken): final,
+            # like the records pending when it came, and as the node sidecar reports it.
             self.counters.drop(d.fatal, len(records))
             return
-        if d is None or d.fatal is not None:
+        if d is None:
             if self._spool_write(msg):
-                self.spooled += len(records)
+                self.spilled += len(records)
             else:
-                self.counters.drop("no_auditor" if d is None else d.fatal, len(records))
+                self.counters.drop("no_auditor", len(records))
                 return
         else:
             if self.config.spool_mode == "always" and not self._spool_write(msg):
@@ -292,12 +329,14 @@ class Sender:
             self._spool_close(self._close_request())
             return
         unacked = d.pending_records
+        if unacked:
+            d.warn_if_unreachable(force=True)
         if unacked and self.config.spool_mode == "spill":
             if all(self._spool_write(b.message) for b in d.pending):
-                self.spooled += unacked
+                self.spilled += unacked
                 unacked = 0
         elif unacked and self.config.spool_mode == "always":
-            self.spooled += unacked  # already written ahead
+            self.spilled += unacked  # already written ahead
             unacked = 0
         self.counters.drop("unacked_at_close", unacked)
         if (not d.registered and d.fatal is None and self.counters.snapshot()[0]
@@ -306,8 +345,22 @@ class Sender:
             d.register_only(max(0.05, min(1.0, self._deadline - time.monotonic())))
         req = self._close_request()
         self._spool_close(req)
-        d.close_session(req, timeout=0.9)
+        closed = d.close_session(req, timeout=0.9)
+        if closed and self.config.sidecar:
+            self._ask_sidecar(d)
         d.shutdown()
+
+    def _ask_sidecar(self, d: Delivery) -> None:
+        """Learn what the sidecar did upstream: the rank's counts then match direct mode."""
+        wait = max(0.0, self._deadline - time.monotonic() - 0.3)
+        try:
+            self.relay = d.transport.outcome(self.session_id, wait)
+        except Exception as exc:  # an older or hung sidecar: its acks stand as "held"
+            log.warning("rank %d: numaudit sidecar did not report the session's outcome (%s); "
+                        "%d records are in its spool", self.ident.rank, exc, d.acked_records)
+            return
+        for reason, n in self.relay.get("dropped_by_reason", {}).items():
+            self.counters.drop(reason, int(n))
 
     # -- spool ----------------------------------------------------------------------------------
 

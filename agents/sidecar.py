@@ -4,12 +4,20 @@
 
 Ranks in sidecar mode (`NUMAUDIT_SIDECAR=unix:///...`) hand their batches over a Unix socket
 (framed like the spool, no gRPC in the training process). The sidecar appends each batch to the
-session's spool file before acknowledging it to the rank, so an ack from the sidecar means the
-batch survives a crash of the training process and of the sidecar (it is flushed to the OS per
-batch and fsynced every SYNC_INTERVAL_S and at session close). It then delivers every session
+session's spool file and fdatasyncs it before acknowledging it to the rank, so an ack from the
+sidecar means the batch is on stable storage: it survives a crash of the training process, of
+the sidecar and of the machine; a write that fails (disk full) is truncated back to the last
+complete frame and answered UNAVAILABLE, and the rank resends. It then delivers every session
 to the auditor with the same acked-resend logic as a rank (agents/delivery.py), keeping the
 rank's session id and sequence numbers, so the auditor's idempotence covers every path: live,
 sidecar resend after restart, and `auditor ingest` of a spool.
+
+An ack from the sidecar is not an ack from the auditor. What became of a session upstream
+(records acked by the auditor, still held in the spool, dropped: a batch the auditor rejected,
+a session it refused) is counted per session; the CloseSession the sidecar forwards adds those
+drops to the rank's, and a rank that asks (an outcome frame, at its close) is told them, so its
+summary says what the auditor stored, as in direct mode. Run names and session ids are checked
+as the daemon checks them (wire/names.py) before any path is built from them.
 
 A restarted sidecar reads its spool directory and resumes every session it had not finished.
 Without `--auditor` it only spools; `auditor ingest DIR` loads the files later. A delivered
@@ -26,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,8 +42,10 @@ from agents.delivery import Delivery
 from agents.transport import GrpcTransport, unix_path
 from wire.channels import tls_from_env
 from wire.tls import TLSConfig, TLSError
-from wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_REGISTER, SpoolError, SpoolWriter,
-                           decode, encode, encode_error, read_frame, read_spool, spool_files)
+from wire.names import BadName, check_run_name, check_session_id
+from wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_OUTCOME, KIND_REGISTER, SpoolError,
+                        SpoolWriter, decode, encode, encode_error, encode_outcome, read_frame,
+                        read_spool, spool_files)
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger("agents.sidecar")
@@ -45,6 +56,8 @@ PUMP_INTERVAL_S = 0.005
 DEFAULT_MAX_SPOOL_BYTES = 4 << 30
 RELAY_TAG = ".relay"
 """Suffix of the sidecar's spool files, apart from any spill file of the agent's own."""
+MAX_OUTCOME_WAIT_S = 60.0
+"""Longest a rank may ask the sidecar to wait for its session's upstream outcome."""
 
 
 @dataclass
@@ -58,7 +71,22 @@ class Session:
     close: pb.CloseSessionRequest | None = None
     done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-    dropped: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    """Records dropped upstream, by reason (rejected, refused, buffer_full)."""
+    spooled_records: int = 0
+    """Records of the session in the spool file."""
+    forwarded: bool = False
+    """The session's close reached the auditor (and with it the drop counts)."""
+
+    def outcome(self) -> dict:
+        """What became of the session's records upstream, as a rank is told at its close."""
+        acked = self.delivery.acked_records if self.delivery is not None else 0
+        # In the spool and neither stored nor dropped: delivered later, or by `auditor ingest`.
+        held = max(0, self.spooled_records - acked - sum(self.dropped.values()))
+        return {"session_id": self.register.session_id, "acked": acked, "held": held,
+                "dropped_by_reason": dict(self.dropped), "done": self.done,
+                "forwarded": self.forwarded, "spool": str(self.spool.path),
+                "auditor": self.delivery is not None}
 
 
 class Sidecar:
@@ -142,16 +170,26 @@ class Sidecar:
                 log.warning("unreadable spool %s left in place: %s", path, exc)
                 continue
             reg = contents.register
-            session = self._new_session(reg, SpoolWriter.reopen(path))
+            try:
+                check_run_name(reg.run)
+                check_session_id(reg.session_id)
+            except BadName as exc:
+                log.warning("spool %s left in place: %s", path, exc)
+                continue
+            # a torn tail (killed mid-write) is cut off so new frames follow the last good one
+            session = self._new_session(reg, SpoolWriter.reopen(path, truncate_to=contents.end))
             for batch in contents.batches:
                 session.spooled_seq = batch.seq
+                session.spooled_records += len(batch.records)
                 if session.delivery is not None:
-                    session.delivery.offer(batch, len(batch.records), batch.ByteSize())
+                    self._offer(session, batch)
             session.close = contents.close
             self.sessions[reg.session_id] = session
             log.info("resuming session %s (run %s rank %d): %d batches spooled%s",
                      reg.session_id, reg.run, reg.rank, len(contents.batches),
-                     f"; torn tail: {contents.torn}" if contents.torn else "")
+                     f"; skipped {contents.skipped_frames} unreadable frames "
+                     f"({contents.skipped_bytes} bytes): {contents.torn}"
+                     if contents.torn else "")
 
     def _new_session(self, reg: pb.RegisterRequest, spool: SpoolWriter) -> Session:
         delivery = None
@@ -170,8 +208,21 @@ class Sidecar:
     @staticmethod
     def _count_drop(box: list[Session], reason: str, n: int) -> None:
         if box:
-            box[0].dropped += n
+            box[0].dropped[reason] += n
         log.warning("dropped %d records upstream (%s)", n, reason)
+
+    @staticmethod
+    def _offer(s: Session, batch: pb.RecordBatch) -> None:
+        """Hand a spooled batch to the session's delivery; count it if it cannot be taken."""
+        d = s.delivery
+        if d.offer(batch, len(batch.records), batch.ByteSize()):
+            return
+        if d.fatal is not None:  # final, as in direct mode (the spool is kept for inspection)
+            s.dropped[d.fatal] += len(batch.records)
+            return
+        s.dropped["buffer_full"] += len(batch.records)
+        log.warning("session %s: batch %d not delivered upstream (buffer_full)",
+                    s.register.session_id, batch.seq)
 
     # -- forwarding ---------------------------------------------------------------------------
 
@@ -206,12 +257,22 @@ class Sidecar:
             return
         if not d.registered and not d.register_only(1.0):
             return  # try again on the next pump
-        if d.close_session(s.close, timeout=2.0):
-            s.done = True
+        if d.close_session(self._forwarded_close(s), timeout=2.0):
+            s.done = s.forwarded = True
             s.spool.close()
             s.spool.path.unlink(missing_ok=True)
             d.shutdown()
             log.info("session %s delivered", s.register.session_id)
+
+    @staticmethod
+    def _forwarded_close(s: Session) -> pb.CloseSessionRequest:
+        """The rank's close with what was dropped upstream added to its drop counts."""
+        req = pb.CloseSessionRequest()
+        req.CopyFrom(s.close)
+        for reason, n in s.dropped.items():
+            req.dropped_by_reason[reason] = req.dropped_by_reason.get(reason, 0) + n
+            req.records_dropped += n
+        return req
 
     @staticmethod
     def _safe_sync(s: Session) -> None:
@@ -263,6 +324,8 @@ class Sidecar:
             return encode_error("INVALID_ARGUMENT", "frame: undecodable message"), session
         if kind == KIND_REGISTER:
             return self._on_register(message)
+        if kind == KIND_OUTCOME:
+            return self._on_outcome(message), session
         if session is None or message.session_id != session.register.session_id:
             with self._lock:
                 session = self.sessions.get(message.session_id)
@@ -272,24 +335,56 @@ class Sidecar:
             return self._on_batch(session, message), session
         if kind == KIND_CLOSE:
             with session.lock:
+                try:
+                    session.spool.append(message, durable=True)
+                except (OSError, ValueError) as exc:
+                    return encode_error("UNAVAILABLE", f"sidecar spool: {exc}"), session
                 session.close = message
-                session.spool.append(message)
-                self._safe_sync(session)
             return encode(pb.Ack(session_id=session.register.session_id,
                                  acked_seq=session.spooled_seq)), session
         return encode_error("INVALID_ARGUMENT", f"frame: unexpected kind {kind}"), session
 
+    def _on_outcome(self, query: dict) -> bytes:
+        """Answer a rank's outcome query once its session is finished, or after `wait_s`."""
+        try:
+            sid = str(query["session_id"])
+            wait = min(max(float(query.get("wait_s", 0.0)), 0.0), MAX_OUTCOME_WAIT_S)
+        except (KeyError, TypeError, ValueError):
+            return encode_error("INVALID_ARGUMENT", "outcome: session_id and wait_s required")
+        with self._lock:
+            session = self.sessions.get(sid)
+        if session is None:
+            return encode_error("FAILED_PRECONDITION", "session_id: register first")
+        deadline = time.monotonic() + wait
+        # An auditor the sidecar cannot reach will not answer within a rank's close: say so now
+        # (the sidecar keeps the records and goes on trying).
+        while (not (session.done or session.delivery is None or session.delivery.unreachable_warned)
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        with session.lock:
+            return encode_outcome(session.outcome())
+
     def _on_register(self, reg: pb.RegisterRequest) -> tuple[bytes, Session | None]:
-        if not reg.session_id or not reg.run:
-            return encode_error("INVALID_ARGUMENT", "session_id/run: required"), None
+        try:  # before any path is built from them: refused as the daemon refuses them
+            check_run_name(reg.run)
+            check_session_id(reg.session_id)
+        except BadName as exc:
+            return encode_error("INVALID_ARGUMENT", str(exc)), None
         with self._lock:
             session = self.sessions.get(reg.session_id)
             if session is None:
                 try:
                     writer = SpoolWriter(self.spool_dir, reg.run, reg.rank, reg.session_id,
                                          tag=RELAY_TAG)
-                    writer.append(reg)
+                except BadName as exc:
+                    return encode_error("INVALID_ARGUMENT", str(exc)), None
+                except OSError as exc:
+                    return encode_error("UNAVAILABLE", f"sidecar spool: {exc}"), None
+                try:
+                    writer.append(reg, durable=True)
                 except (OSError, ValueError) as exc:
+                    writer.close()
+                    writer.path.unlink(missing_ok=True)
                     return encode_error("UNAVAILABLE", f"sidecar spool: {exc}"), None
                 session = self._new_session(reg, writer)
                 self.sessions[reg.session_id] = session
@@ -302,13 +397,14 @@ class Sidecar:
                 if self._spool_bytes() + batch.ByteSize() > self.max_spool_bytes:
                     return encode_error("RESOURCE_EXHAUSTED",
                                         f"sidecar spool over its budget ({self.max_spool_bytes} bytes)")
-                try:
-                    s.spool.append(batch)
+                try:  # acked only once on stable storage; a failed write leaves no partial frame
+                    s.spool.append(batch, durable=True)
                 except (OSError, ValueError) as exc:
                     return encode_error("UNAVAILABLE", f"sidecar spool: {exc}")
                 s.spooled_seq = batch.seq
+                s.spooled_records += len(batch.records)
                 if s.delivery is not None:
-                    s.delivery.offer(batch, len(batch.records), batch.ByteSize())
+                    self._offer(s, batch)
             return encode(pb.Ack(session_id=s.register.session_id, acked_seq=s.spooled_seq))
 
     def _spool_bytes(self) -> int:

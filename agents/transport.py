@@ -22,7 +22,8 @@ from typing import Any, Callable, Protocol
 import grpc
 
 from wire.channels import open_channel
-from wire.spool import KIND_ACK, KIND_ERROR, decode, encode, read_frame, SpoolError
+from wire.spool import (KIND_ACK, KIND_ERROR, KIND_OUTCOME, SpoolError, decode, encode,
+                        encode_outcome, read_frame)
 from wire.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 from protos import numaudit_pb2_grpc
@@ -210,8 +211,8 @@ class _SocketStream:
 
 
 def _reply(kind: int, body: bytes) -> Any:
-    """An Ack, or the TransportError the sidecar sent back."""
-    if kind == KIND_ACK:
+    """An Ack (or an outcome dict), or the TransportError the sidecar sent back."""
+    if kind in (KIND_ACK, KIND_OUTCOME):
         return decode(kind, body)
     if kind == KIND_ERROR:
         name, _, details = body.decode("utf-8", "replace").partition(":")
@@ -228,14 +229,14 @@ class SidecarTransport:
         self._sock: socket.socket | None = None
 
     def _call(self, message, timeout: float,
-              abort: Callable[[], bool] = lambda: False) -> pb.Ack:
+              abort: Callable[[], bool] = lambda: False) -> Any:
         """One request/reply on a fresh connection (Register opens the stream's connection)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         deadline = time.monotonic() + timeout
         try:
             sock.connect(self.path)
-            sock.sendall(encode(message))
+            sock.sendall(message if isinstance(message, bytes) else encode(message))
             while not select.select([sock], [], [], ABORT_POLL_S)[0]:  # a hung sidecar
                 if abort() or time.monotonic() >= deadline:
                     raise OSError("no reply (timed out or given up at close)")
@@ -268,6 +269,20 @@ class SidecarTransport:
     def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None:
         self._call(req, timeout)
         self.close()
+
+    def outcome(self, session_id: str, wait_s: float) -> dict:
+        """What the sidecar did with the session upstream, once it is done or after `wait_s`.
+
+        Keys: acked (records the auditor acked), held (still in the sidecar's spool, to be
+        delivered later or loaded with `auditor ingest`), dropped_by_reason, done, forwarded
+        (the close with the drop counts reached the auditor), spool (the sidecar's file).
+        Raises TransportError (a sidecar that does not answer within wait_s + 0.5 s).
+        """
+        query = encode_outcome({"session_id": session_id, "wait_s": wait_s})
+        try:
+            return self._call(query, wait_s + 0.5)
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._sock is not None:

@@ -27,6 +27,8 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_PARAM: _ClassVar[Phase]
     PHASE_LOSS: _ClassVar[Phase]
     PHASE_INPUT: _ClassVar[Phase]
+    PHASE_OPTIM_GRAD: _ClassVar[Phase]
+    PHASE_UPDATE: _ClassVar[Phase]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +50,8 @@ PHASE_GRAD: Phase
 PHASE_PARAM: Phase
 PHASE_LOSS: Phase
 PHASE_INPUT: Phase
+PHASE_OPTIM_GRAD: Phase
+PHASE_UPDATE: Phase
 ROLE_UNSPECIFIED: Role
 ROLE_OUTPUT: Role
 ROLE_INPUT: Role

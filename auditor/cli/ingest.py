@@ -24,8 +24,10 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, tls_c
     """Replay spool files (or every *.spool under a directory) through the ingest path.
 
     Idempotent: batches the auditor already stored are counted as duplicates, so a spool may be
-    loaded after a partly successful live delivery, or twice. Exit 0 when every file loaded,
-    1 when a file was unreadable or a batch was refused, 2 on usage errors.
+    loaded after a partly successful live delivery, or twice. An unreadable frame (torn by a crash
+    mid-write, or corrupted) is skipped and the frames after it are still loaded. Exit 0 when
+    every frame of every file loaded, 1 when a frame or a file was unreadable or a batch was
+    refused, 2 on usage errors.
     """
     import os
 
@@ -51,12 +53,15 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, tls_c
     for r in results:
         line = (f"{r.path}: run {r.run or '?'} rank {r.rank}: {r.batches} batches, {r.records} "
                 f"records: {r.stored} stored, {r.duplicates} already stored, {r.conflicts} conflicts")
-        if r.torn:
-            line += f"; torn tail ({r.torn}) ignored"
+        if r.skipped_frames:
+            line += (f"; {r.skipped_frames} unreadable frames ({r.skipped_bytes} bytes) "
+                     "skipped")
         click.echo(line)
+        for why in r.problems:
+            click.echo(f"  unreadable: {why}", err=True)
         for why in r.rejected:
             click.echo(f"  refused: {why}", err=True)
         if r.error:
             click.echo(f"  not loaded: {r.error}", err=True)
-        failed |= bool(r.rejected or r.error)
+        failed |= bool(r.rejected or r.error or r.skipped_frames)
     sys.exit(1 if failed else 0)

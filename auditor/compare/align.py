@@ -28,6 +28,7 @@ from protos import numaudit_pb2 as pb
 PHASE_NAMES: dict[int, str] = {
     pb.PHASE_FWD: "fwd", pb.PHASE_BWD: "bwd", pb.PHASE_GRAD: "grad",
     pb.PHASE_PARAM: "param", pb.PHASE_LOSS: "loss", pb.PHASE_INPUT: "input",
+    pb.PHASE_OPTIM_GRAD: "optim_grad", pb.PHASE_UPDATE: "update",
 }
 PHASE_IDS: dict[str, int] = {v: k for k, v in PHASE_NAMES.items()}
 ROLE_NAMES: dict[int, str] = {
@@ -39,9 +40,11 @@ ROLE_IDS: dict[str, int] = {v: k for k, v in ROLE_NAMES.items()}
 # Rank of each phase inside a microbatch (per-microbatch phases) or a step (per-step phases).
 PHASE_RANK: dict[int, int] = {
     pb.PHASE_PARAM: 0, pb.PHASE_INPUT: 1, pb.PHASE_FWD: 2, pb.PHASE_LOSS: 3, pb.PHASE_BWD: 4,
-    pb.PHASE_GRAD: 5,
+    pb.PHASE_GRAD: 5, pb.PHASE_OPTIM_GRAD: 6, pb.PHASE_UPDATE: 7,
 }
-PER_STEP_PHASES = frozenset({pb.PHASE_PARAM, pb.PHASE_GRAD})
+PER_STEP_PHASES = frozenset({pb.PHASE_PARAM, pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE})
+AFTER_BACKWARD_PHASES = (pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE)
+"""Per-step phases that come after every microbatch of the step, in this order."""
 
 # Wrapper components dropped wherever they appear (agents/sites.py does the same on capture).
 _WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -173,7 +176,7 @@ def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stag
     phase_rank = _lookup(phase, PHASE_RANK, 9)
     mb = microbatch.astype(np.int64).copy()
     mb[phase == pb.PHASE_PARAM] = MB_PARAM
-    mb[phase == pb.PHASE_GRAD] = MB_GRAD
+    mb[np.isin(phase, AFTER_BACKWARD_PHASES)] = MB_GRAD
     stage_rank = stage.astype(np.int64).copy()
     bwd = phase == pb.PHASE_BWD
     stage_rank[bwd] = -stage_rank[bwd]

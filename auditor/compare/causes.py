@@ -31,6 +31,8 @@ def cause(comp: Comparison, i: int) -> F.Cause:
         return _param_cause(comp, i, step)
     if phase == PHASE_IDS["grad"]:
         return _grad_cause(comp, i, step)
+    if phase in (PHASE_IDS["optim_grad"], PHASE_IDS["update"]):
+        return _optimizer_cause(comp, i, step, phase)
     key = comp.key(i)
     if key.role == "output":
         site_id = int(comp.B[i] >> 32)
@@ -38,20 +40,34 @@ def cause(comp: Comparison, i: int) -> F.Cause:
         if j < 0 and key.index:
             j = comp.find(step, key.microbatch, phase, site_id, 2, 0, key.call)
         if j >= 0 and comp.verdict[j] != F.IGNORED:
-            return _judged(comp, j, "its input")
+            return _judged(comp, j, "its input", i)
     p = int(comp.pred[i])
     if p >= 0:
-        return _judged(comp, p, "the previous capture in execution order")
+        return _judged(comp, p, "the previous capture in execution order", i)
     return _block_start_cause(comp, step)
 
-def _judged(comp: Comparison, j: int, what: str) -> F.Cause:
+ROUNDING_AMPLIFICATION = 100.0
+"""A module 'amplifies a rounding difference' only while its own difference stays within this
+many times its predecessor's; beyond, the evidence says the module itself computes otherwise."""
+
+
+def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Cause:
     prev = comp.key(j)
     v = int(comp.verdict[j])
     if v == F.IDENTICAL:
         return F.Cause("introduced", f"{what} ({prev}) is identical", prev)
     if v == F.CLOSE:
-        return F.Cause("introduced", f"{what} ({prev}) is within tolerance but not identical: "
-                                     "the module may amplify a rounding difference", prev)
+        before, after = float(comp.rel_l2[j]), float(comp.rel_l2[i]) if i is not None else np.nan
+        if np.isfinite(before) and np.isfinite(after) and \
+                after > ROUNDING_AMPLIFICATION * max(before, 1e-12):
+            return F.Cause("introduced", f"{what} ({prev}) is within tolerance (rel_l2 "
+                                         f"{F.format_float(before)}) and this capture differs by "
+                                         f"rel_l2 {F.format_float(after)}: far beyond an amplified "
+                                         "rounding difference, the module computes otherwise", prev)
+        return F.Cause("introduced", f"{what} ({prev}) is within tolerance but not identical "
+                                     f"(rel_l2 {F.format_float(before)}; this capture "
+                                     f"{F.format_float(after)}): the module may amplify a "
+                                     "rounding difference", prev)
     if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND, F.INCOMPLETE):
         return F.Cause("unknown", f"{what} ({prev}) could not be compared "
                                   f"({F.VERDICT_NAMES[v]})", prev)
@@ -95,9 +111,27 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
             j = int(bad[np.argmin(comp.rank_in_order[bad])])
             return F.Cause("inherited", f"activations of the step already differ (first: "
                                         f"{comp.key(j)})", comp.key(j))
-        return F.Cause("introduced", "every captured activation and activation gradient of "
-                                     "the step matched")
-    return F.Cause("unknown", "no activation or activation gradient of the step was captured")
+        bwd_n = int(np.count_nonzero((comp.A[act] & 0xF) == PHASE_IDS["bwd"]))
+        fwd_n = len(act) - bwd_n
+        close_n = int(np.count_nonzero(comp.verdict[act] == F.CLOSE))
+        if bwd_n == 0:
+            return F.Cause("unknown", f"the {fwd_n} captured activations of the step match but "
+                                      "no activation gradient was captured: capture phase bwd "
+                                      f"around {module or 'the model'} to tell a backward "
+                                      "difference from one in reduction, accumulation or "
+                                      "scaling")
+        if close_n:
+            return F.Cause("introduced", f"{fwd_n} activations and {bwd_n} activation gradients "
+                                         f"of the step are within tolerance ({close_n} only "
+                                         "close, not identical), parameter gradients are not: "
+                                         "reduction, accumulation or scaling, or a small "
+                                         "difference the gradient sums up")
+        return F.Cause("introduced", f"forward and backward activations match, gradients do "
+                                     f"not: all {fwd_n} activations and {bwd_n} activation "
+                                     "gradients of the step are identical, so the difference "
+                                     "arises in gradient reduction, accumulation or scaling")
+    return F.Cause("unknown", "no activation or activation gradient of the step was captured: "
+                              "capture phases fwd and bwd to locate it")
 
 def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     if step == 0:
@@ -107,6 +141,12 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     role = int((comp.B[i] >> 28) & 0xF)
     g = comp.find(step - 1, -1, PHASE_IDS["grad"], site_id, role)
     p = comp.find(step - 1, -1, PHASE_IDS["param"], site_id, role)
+    for phase, what in (("update", "the update applied to it"),
+                        ("optim_grad", "the gradient the optimizer consumed")):
+        j = comp.find(step - 1, -1, PHASE_IDS[phase], site_id, role)
+        if j >= 0 and comp.breach[j]:
+            return F.Cause("inherited", f"{what} at step {step - 1} differs ({phase})",
+                           comp.key(j))
     if g >= 0 and comp.breach[g]:
         return F.Cause("inherited", f"its gradient at step {step - 1} differs", comp.key(g))
     if p >= 0 and comp.breach[p]:
@@ -115,6 +155,30 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
         return F.Cause("introduced", f"its value and gradient matched at step {step - 1}: the "
                                      "optimizer update differs", comp.key(g))
     return F.Cause("unknown", f"its gradient or value at step {step - 1} was not captured")
+
+
+def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
+    """optim_grad against the gradient after backward; update against what the optimizer got."""
+    site_id = int(comp.B[i] >> 32)
+    role = int((comp.B[i] >> 28) & 0xF)
+    if phase == PHASE_IDS["optim_grad"]:
+        before, name = PHASE_IDS["grad"], "grad"
+        differs = ("and differs as the optimizer consumed it: gradient clipping, unscaling or a "
+                   "gradient transformation treated the runs differently")
+    else:
+        before, name = PHASE_IDS["optim_grad"], "optim_grad"
+        differs = ("but the update applied differs: learning rate, optimizer state or the "
+                   "update rule")
+    j = comp.find(step, -1, before, site_id, role)
+    if j < 0 or comp.verdict[j] == F.IGNORED:
+        return F.Cause("unknown", f"phase {name} of this parameter was not captured in both "
+                                  f"runs: capture it to tell where the difference arises")
+    v = int(comp.verdict[j])
+    if comp.breach[j]:
+        return F.Cause("inherited", f"its {name} already differs ({F.VERDICT_NAMES[v]})",
+                       comp.key(j))
+    return F.Cause("introduced", f"its {name} matched ({F.VERDICT_NAMES[v]}) {differs}",
+                   comp.key(j))
 
 
 # -- graph breaks ------------------------------------------------------------------------------------

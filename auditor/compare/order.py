@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS, exec_order, fill_positions
+from auditor.compare.align import AFTER_BACKWARD_PHASES, PHASE_IDS, exec_order, fill_positions
 from auditor.compare.columns import unpack_a
 from auditor.compare.comparison import Comparison
 
@@ -53,7 +53,7 @@ def order_keys(comp: Comparison) -> None:
     seq = order[comp.verdict[order] != F.IGNORED]
     blk_mb = mb[seq].copy()
     blk_mb[phase[seq] == PHASE_IDS["param"]] = -(1 << 40)
-    blk_mb[phase[seq] == PHASE_IDS["grad"]] = 1 << 40
+    blk_mb[np.isin(phase[seq], AFTER_BACKWARD_PHASES)] = 1 << 40
     same = np.zeros(len(seq), bool)
     if len(seq) > 1:
         same[1:] = (step[seq][1:] == step[seq][:-1]) & (blk_mb[1:] == blk_mb[:-1])

@@ -40,8 +40,11 @@ class ReplayResult:
     conflicts: int = 0
     rejected: list[str] = field(default_factory=list)
     """One line per batch the auditor refused (status and message)."""
-    torn: str | None = None
-    """Why the file's tail was unreadable (a crash mid-write), if it was."""
+    skipped_frames: int = 0
+    """Frames that could not be read (torn by a crash mid-write, or corrupted) and were skipped."""
+    skipped_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    """Why each skipped frame was unreadable, and where (wire.spool.SpoolContents.problems)."""
     error: str | None = None
     """Why the file could not be replayed at all."""
 
@@ -75,7 +78,8 @@ def _replay_file(stub, path: Path, metadata) -> ReplayResult:
     except (OSError, SpoolError) as exc:
         result.error = str(exc)
         return result
-    result.torn = spool.torn
+    result.skipped_frames, result.skipped_bytes = spool.skipped_frames, spool.skipped_bytes
+    result.problems = list(spool.problems)
     result.run, result.rank = spool.register.run, spool.register.rank
     try:
         stub.Register(spool.register, timeout=CALL_TIMEOUT_S, metadata=metadata)

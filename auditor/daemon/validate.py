@@ -28,7 +28,7 @@ from typing import Sequence
 
 import zstandard
 
-from wire import limits
+from wire import limits, names
 from protos import numaudit_pb2 as pb
 from wire.checksum import records_checksum
 
@@ -86,7 +86,6 @@ CODECS = ("zstd", "raw")
 _PHASES = frozenset(v for v in pb.Phase.values() if v != pb.PHASE_UNSPECIFIED)
 _ROLES = frozenset(v for v in pb.Role.values() if v != pb.ROLE_UNSPECIFIED)
 _REDUCTIONS = frozenset(pb.Reduction.values())
-_RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % limits.MAX_RUN_NAME_CHARS)
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -103,20 +102,18 @@ def check_schema_version(version: int, field: str = "schema_version") -> None:
 
 
 def check_run_name(name: str, field: str = "run") -> None:
-    if not _RUN_NAME.fullmatch(name):
-        raise ValidationError(
-            field, f"{_short(name)} is not a run name ([A-Za-z0-9._-], 1 to "
-                   f"{limits.MAX_RUN_NAME_CHARS} characters)"
-        )
+    """The rules of `wire.names` (the sidecar builds paths from the same checked names)."""
+    try:
+        names.check_run_name(name, field)
+    except names.BadName as exc:
+        raise ValidationError(exc.field, exc.why) from None
 
 
 def check_session_id(session_id: str, field: str = "session_id") -> None:
-    if not session_id:
-        raise ValidationError(field, "missing")
-    if len(session_id) > limits.MAX_SESSION_ID_CHARS or not session_id.isprintable():
-        raise ValidationError(
-            field, f"must be printable and at most {limits.MAX_SESSION_ID_CHARS} characters"
-        )
+    try:
+        names.check_session_id(session_id, field)
+    except names.BadName as exc:
+        raise ValidationError(exc.field, exc.why) from None
 
 
 def _check_text(value: str, field: str, *, limit: int = limits.MAX_TEXT_CHARS,

@@ -83,7 +83,7 @@ def test_no_grpc_channel_is_created_in_sidecar_mode(tmp_path):
             "with a.step(0), a.microbatch(0):\n"
             "    a.capture(torch.ones(3), site='x', phase='input')\n"
             "s = a.close()\n"
-            "assert s['acked'] == 1, s\n"
+            "assert (s['acked'], s['held_by_sidecar']) == (0, 1), s\n"
             "assert not made, 'a gRPC channel was created in the training process'\n"
         )
         subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
@@ -108,7 +108,7 @@ def test_sidecar_killed_and_restarted_with_its_spool_loses_nothing(auditor_serve
     agent = agents.attach(None, run="ref", sidecar=sock, batch_records=5, flush_timeout_s=20,
                           spool_dir=str(tmp_path / "agent-spool"))
     _capture(agent, 20)
-    assert _wait(lambda: agent._sender.acked == 20)  # durable at the sidecar
+    assert _wait(lambda: agent._sender.delivery.acked_records == 20)  # durable at the sidecar
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     # the rank keeps capturing while the sidecar is down; its sender reconnects later
@@ -131,7 +131,8 @@ def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
     try:
         agent = agents.attach(None, run="offline", sidecar=sock)
         _capture(agent, 7)
-        assert agent.close()["acked"] == 7
+        s = agent.close()  # spool only: the sidecar holds them, the auditor has none
+        assert (s["acked"], s["held_by_sidecar"], s["spooled"], s["dropped"]) == (0, 7, 7, 0), s
     finally:
         sidecar.stop(grace=1)
     (result,) = replay_into_db([tmp_path / "relay"], tmp_path / "late.db")

@@ -52,13 +52,34 @@ def test_ingest_loads_a_spool_directory_once(tmp_path):
     assert Reader(db).sessions("offline")[0]["closed"]
 
 
-def test_torn_tail_is_reported_and_the_intact_part_loaded(tmp_path):
+def test_torn_tail_is_reported_the_intact_part_loaded_and_the_exit_is_1(tmp_path):
     path = _spool(tmp_path / "spool")
     data = path.read_bytes()
     path.write_bytes(data[:-7])  # the process died mid-write of the close frame
     out = _ingest(str(path), "--db", str(tmp_path / "a.db"))
-    assert out.returncode == 0, out.stderr
-    assert "torn tail" in out.stdout and "3 stored" in out.stdout
+    assert out.returncode == 1, out.stderr
+    assert "1 unreadable frames" in out.stdout and "3 stored" in out.stdout
+    assert "unreadable:" in out.stderr
+
+
+def test_a_flipped_byte_mid_file_costs_only_its_frame(tmp_path):
+    from wire.spool import read_spool
+
+    path = _spool(tmp_path / "spool")
+    whole = read_spool(path)
+    assert whole.clean and len(whole.batches) >= 2
+    data = bytearray(path.read_bytes())
+    # a byte inside the first batch frame's body: its session id (the register frame, which
+    # holds the first copy of the session id, comes before it)
+    sid = whole.register.session_id.encode()
+    first_batch = data.find(sid, data.find(sid) + 1)
+    data[first_batch + 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out = _ingest(str(path), "--db", str(tmp_path / "a.db"))
+    assert out.returncode == 1
+    assert "1 unreadable frames" in out.stdout
+    stored = len(list(Reader(tmp_path / "a.db").records("offline")))
+    assert stored == sum(len(b.records) for b in whole.batches[1:])
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path):

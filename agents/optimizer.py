@@ -1,0 +1,101 @@
+"""Gradients as the optimizer sees them, and the update it applies (phases optim_grad, update).
+
+Parameter gradients (phase `grad`) are captured when a step block exits: after backward, before
+anything the training loop does to them. What the optimizer consumes can differ — gradient
+clipping, unscaling, a gradient transformation — and a bug there (each pipeline stage clipping by
+its local norm instead of the global one) would otherwise show only one step later, as weights
+that differ with no cause. `OptimizerWatch` hooks `optimizer.step`:
+
+- a step pre-hook captures every parameter's `.grad` as phase `optim_grad` (None recorded
+  explicitly, as for `grad`), and, when updates are captured, keeps a copy of each parameter;
+- a step post-hook captures `parameter - copy` as phase `update` and frees the copies.
+
+Both are keyed by the agent's current step (the last `agent.step(i)` block entered, so calling
+`optimizer.step()` after the block is fine) and by the parameter's normalized name in the watched
+model. Cost: one digest per parameter per phase; capturing updates holds one copy of the
+parameters on their device during `optimizer.step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from agents.capture import STEP_LEVEL
+from agents.sites import normalize_site
+
+if TYPE_CHECKING:
+    from agents.agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class OptimizerWatch:
+    """Hooks on one optimizer; `remove()` takes them off. Never raises into training."""
+
+    def __init__(self, agent: Agent, optimizer: torch.optim.Optimizer, *, updates: bool) -> None:
+        self.agent = agent
+        self.optimizer = optimizer
+        self.updates = updates
+        self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._handles = [optimizer.register_step_pre_hook(self._pre),
+                         optimizer.register_step_post_hook(self._post)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _named(self) -> list[tuple[str, int, torch.Tensor]]:
+        """(site, stage, parameter) of every parameter the optimizer holds, in its order."""
+        names: dict[int, tuple[str, int]] = {}
+        for module, stage in self.agent._models:
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), (normalize_site(name), stage))
+        out = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            for k, p in enumerate(group["params"]):
+                site, stage = names.get(id(p), (f"optimizer.param_groups.{g}.{k}", -1))
+                out.append((site, stage, p))
+        return out
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        capturer = self.agent.capturer
+        self._before.clear()
+        try:
+            if not self._stepping():
+                return
+            for site, stage, p in self._named():
+                capturer.capture(p.grad, phase="optim_grad", site=site, role="value",
+                                 microbatch=STEP_LEVEL, stage=stage)
+                if self.updates:
+                    self._before.append((p, p.detach().clone()))
+            capturer.flush()
+        except Exception as exc:
+            self._before.clear()
+            capturer._failed("optimizer step pre-hook", exc)
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        capturer = self.agent.capturer
+        try:
+            if not self._before:
+                return
+            names = {id(p): (site, stage) for site, stage, p in self._named()}
+            for p, before in self._before:
+                site, stage = names[id(p)]
+                capturer.capture(p.detach() - before, phase="update", site=site, role="value",
+                                 microbatch=STEP_LEVEL, stage=stage)
+            capturer.flush()
+        except Exception as exc:
+            capturer._failed("optimizer step post-hook", exc)
+        finally:
+            self._before.clear()
+
+    def _stepping(self) -> bool:
+        """Whether this step is captured at all (the agent is on and the step is selected)."""
+        if not self.agent.active:
+            return False
+        steps = self.agent.config.steps
+        return steps is None or self.agent.capturer.step in steps
