@@ -177,8 +177,9 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
                if "ERROR" in line and "ALREADY_EXISTS" in line and "'ddp' belongs to another job"
                in line]
     assert len(refused) == 2, log[-3000:]  # one clear error per rank
-    assert re.search(r"rank [01]: numaudit run=ddp .*dropped=370 ", log)
-    assert len(re.findall(r"numaudit run=ddp\.2 captured=370 sent=370 acked=370", log)) == 2
+    assert len(re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, spooled 0, "
+                          r"dropped 370 \(run_name_taken 370\)", log)) == 2
+    assert len(re.findall(r"numaudit run=ddp\.2: captured 370: acked by the auditor 370,", log)) == 2
     shown = matrix.show("ddp")
     assert "2 ranks registered" in shown and "740 records" in shown  # the first job's, untouched
     assert "conflicts: 0" in shown
