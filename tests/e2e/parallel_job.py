@@ -204,7 +204,6 @@ def run_pp(case: str, run: str) -> None:
         stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"),
                                     group=mesh.get_group("pp")))
     agent = agents.attach(None, run=run, mesh=mesh, dp_dim="dp")
-    watch_stages(agent, stages)
     # Each microbatch's loss is its mean; gradients are summed over microbatches, as the
     # reference's loop does (loss.backward() per microbatch): scale_grads=False.
     pp_loss = agent_loss(agent, lambda out, target: loss_fn(out))
@@ -213,6 +212,7 @@ def run_pp(case: str, run: str) -> None:
     else:
         kind = Schedule1F1B if case in ("pp_1f1b", "pp_detach") else ScheduleGPipe
         schedule = kind(stages[0], MICROBATCHES, loss_fn=pp_loss, scale_grads=False)
+    watch_stages(agent, stages, schedule=schedule)
     optimizer = torch.optim.SGD(params, lr=0.1)
     for step in range(STEPS):
         order = list(range(MICROBATCHES))

@@ -93,6 +93,7 @@ def test_clean_pairs_pass_the_fp32_preset(matrix, cand):
     assert summary["keys"] == 370  # every key of the reference aligned
     if cand.startswith("pp_"):
         assert summary["verdicts"]["identical"] == summary["keys"]  # pipelining is bitwise
+        assert report["runs"]["cand"]["labels"]["pp_param_grads"] == "summed"
 
 
 def test_activation_gradient_scale_is_inferred_per_run(matrix):
@@ -143,6 +144,27 @@ def test_detach_at_a_stage_boundary(matrix):
     assert _key(first) == ("bwd", "layers.1", 0, 0) and first["stage"] == 0
     assert first["metrics"]["payload"]["rel_l2"] == pytest.approx(1.0)  # all zero in cand
     assert any(b["kind"] == "zero" and b["stage"] == 0 for b in report["graph_breaks"])
+
+
+@pytest.mark.xfail(strict=True, reason="causes from evidence (issue 9 item 7) not in i9-compare "
+                   "yet for a frozen parameter: the graph break says 'gradients stop at the model "
+                   "... gradients reached the stage but its parameters received none' though 28 "
+                   "of 29 parameters received gradients")
+def test_one_parameter_frozen_is_explained_as_frozen_or_unused(matrix):
+    (brk,) = matrix.compare("ddp_frozen")[1]["graph_breaks"]
+    text = brk["message"] + " " + (brk["boundary"] or "")
+    assert "gradients stop at the model" not in text
+    assert re.search(r"frozen|unused|requires_grad", text), text
+
+
+@pytest.mark.xfail(strict=True, reason="causes from evidence (issue 9 item 7) not in i9-compare "
+                   "yet for a detach: the stage's break is explained as 'a skipped weight-gradient "
+                   "step' though the activation gradients reaching stage 0 are all zero")
+def test_detach_at_a_stage_boundary_is_explained_by_zero_activation_gradients(matrix):
+    breaks = [b for b in matrix.compare("pp_detach")[1]["graph_breaks"] if b["stage"] == 0]
+    text = " ".join(b["message"] + " " + (b["boundary"] or "") for b in breaks)
+    assert "skipped weight-gradient step" not in text
+    assert re.search(r"detach|activation gradients[^.]*zero", text), text
 
 
 def test_rowwise_output_left_partial(matrix):
