@@ -126,6 +126,8 @@ class Sender:
     def run(self) -> str | None:
         """The run name the auditor registered this session under (NAME.2 ... when renamed)."""
         d = self.delivery
+        if self.relay and self.relay.get("run"):  # sidecar mode: the name it registered upstream
+            return self.relay["run"]
         return (d.registered_run if d is not None and d.registered_run else self.config.run)
 
     # -- training thread ----------------------------------------------------------------------

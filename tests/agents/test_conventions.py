@@ -199,3 +199,28 @@ def test_job_id_precedence(monkeypatch):
     assert job_identity(None) == job_identity(None)  # one process, one job
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
     assert job_identity(None) == ("abc", "torchrun")
+
+
+def test_through_the_sidecar_a_taken_name_is_renamed_or_refused(auditor_server, tmp_path):
+    from agents.sidecar import Sidecar
+
+    first = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
+    _one_step(first)
+    first.close()
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay", auditor=auditor_server.address)
+    sidecar.start()
+    try:
+        renamed = agents.attach(None, run="ref", sidecar=sock, job_id="job-b",
+                                rename_if_taken=True)
+        _one_step(renamed)
+        s = renamed.close(timeout=10.0)
+        assert s["run"] == "ref.2" and s["acked"] == 2
+        refused = agents.attach(None, run="ref", sidecar=sock, job_id="job-c")
+        _one_step(refused)
+        s = refused.close(timeout=10.0)
+        assert s["acked"] == 0 and s["dropped_by_reason"] == {"run_name_taken": 2}
+    finally:
+        sidecar.stop(grace=5)
+    assert len(_rows(auditor_server.db_path, "ref")) == 2
+    assert len(_rows(auditor_server.db_path, "ref.2")) == 2
