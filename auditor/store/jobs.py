@@ -11,6 +11,7 @@ import sqlite3
 from typing import Sequence
 
 from auditor.store.errors import RunNameTaken
+from wire import limits
 from protos import numaudit_pb2 as pb
 
 
@@ -38,6 +39,10 @@ def run_for_job(conn: sqlite3.Connection, req: pb.RegisterRequest) -> tuple[str,
                 f"{req.run}.2, {req.run}.3, ...")
         n += 1
         name = f"{req.run}.{n}"
+        if len(name) > limits.MAX_RUN_NAME_CHARS:
+            raise RunNameTaken(f"run: {req.run!r} belongs to another job and {name!r} would be "
+                               f"longer than {limits.MAX_RUN_NAME_CHARS} characters: choose "
+                               "another (shorter) run name")
 
 
 def resent(conn: sqlite3.Connection, site_ids: dict[str, int], batch: pb.RecordBatch,

@@ -56,3 +56,10 @@ def test_a_resent_batch_with_other_content_is_a_conflict(writer, tmp_path):
         assert len(list(reader.records("ref"))) == 3  # nothing merged
     finally:
         reader.close()
+
+
+def test_a_rename_that_would_be_too_long_is_refused(writer):
+    long = "r" * 128
+    register(writer, run=long, session_id="a0", job_id="A")
+    with pytest.raises(RunNameTaken, match="longer than 128"):
+        register(writer, run=long, session_id="b0", job_id="B", rename_if_taken=True)
