@@ -24,7 +24,7 @@ from agents.config import AgentConfig
 from agents.digest import digest_batch_to_host, digest_piece, has_moments
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
-                           last_dim_shard_layout, reduction_layout)
+                           last_dim_shard_layout, ragged_layout, reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -265,7 +265,8 @@ class Capturer:
             if t.requires_grad:
                 t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
-    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
+    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
+                   layout: PieceLayout | None = None):
         key = (step, mb, site, index, call)
 
         def hook(grad):
@@ -278,7 +279,8 @@ class Capturer:
                     self.step = step
                     try:
                         self.capture(grad, phase="bwd", site=site, role="grad_output",
-                                     index=index, call=call, microbatch=mb, stage=stage)
+                                     index=index, call=call, microbatch=mb, stage=stage,
+                                     layout=layout)
                     finally:
                         self.step = saved
             except Exception as exc:
@@ -317,29 +319,41 @@ class Capturer:
         microbatch: int | None = None,
         stage: int | None = None,
         layout: PieceLayout | None = None,
+        rows=None,
+        backward: bool = False,
         reduce: str | None = AUTO,
         weight: float | None = None,
         replicate: bool | None = None,
     ) -> None:
         """Digest one tensor (or record that it is None). Never raises.
 
-        `reduce` ("mean" | "sum" | None; AUTO = "mean" for phase loss) says the tensor is this
-        rank's reduction over its batch share, `weight` the elements a mean averaged over
-        (default: microbatch_size, else dim 0 of this microbatch's input capture, else 1).
-        `replicate` overrides whether a plain tensor is a replica over the non-dp mesh dims.
+        `rows` (agents.ragged.RaggedRows) makes it a ragged piece; `backward` also captures the
+        gradient reaching `t` under phase bwd with the same layout. `reduce` ("mean" | "sum" |
+        None; AUTO = "mean" for phase loss) says the tensor is this rank's reduction over its
+        batch share, `weight` the elements a mean averaged over (default: microbatch_size, else
+        dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
+        tensor is a replica over the non-dp mesh dims.
         """
         try:
-            mb = self.microbatch if microbatch is None else microbatch
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
             if reduce == AUTO:
                 reduce = "mean" if phase == "loss" else None
-            if layout is None and reduce is not None and t is not None and not _is_dtensor(t):
+            plain = layout is None and t is not None and not _is_dtensor(t)
+            if rows is not None and t is not None:
+                layout = ragged_layout(tuple(t.shape), rows.offset, rows.total, part=rows.part,
+                                       parts=rows.parts, span=rows.span)
+            elif plain and reduce is not None:
                 layout = reduction_layout(
-                    tuple(t.shape), reduce, self._weight(weight, mb), self.ident.dp_rank,
+                    tuple(t.shape), reduce, self._weight(weight, microbatch), self.ident.dp_rank,
                     self.ident.dp_size, replica=self.replicated(phase, site, replicate))
-            elif layout is None and t is not None and not _is_dtensor(t):
+            elif plain:
                 layout = self._plain_layout(t, phase, site, replicate)
-            self._capture(t, phase, site, role, index, call, mb,
-                          self.stage if stage is None else stage, layout)
+            self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
+            if (backward and phase == "fwd" and self.wants("bwd") and t is not None
+                    and t.requires_grad):
+                t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
+                                                layout))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
@@ -379,6 +393,51 @@ class Capturer:
         if shards is not None and replicate is None:
             return last_dim_shard_layout(layout, *shards)
         return dataclasses.replace(layout, replica=self.replicated(phase, site, replicate))
+
+    def capture_segments(self, t: torch.Tensor, counts, rows, *, phase: str, site: str,
+                         role: str, microbatch: int | None = None, stage: int | None = None,
+                         backward: bool = False) -> None:
+        """Capture ``t.split(counts)`` as ragged pieces, segment e under index e. Never raises.
+
+        `backward`: one hook on `t` itself (the segments are views autograd never reaches)
+        splits the gradient the same way and captures each segment under phase bwd.
+        """
+        try:
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            counts = [int(c) for c in counts]
+            layouts = [ragged_layout((n, *t.shape[1:]), r.offset, r.total, part=r.part,
+                                     parts=r.parts, span=r.span) for n, r in zip(counts, rows)]
+            if len(layouts) != len(counts):
+                raise ValueError(f"rows: {len(layouts)} places for {len(counts)} segments")
+            for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
+                self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+            if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
+                t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
+                                                         stage, self.step))
+        except Exception as exc:
+            self._failed(f"capture of {phase}:{site}", exc)
+
+    def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
+                            mb: int, stage: int, step: int):
+        key = (step, mb, site, "segments", 0)
+
+        def hook(grad):
+            try:
+                if grad is not None and key not in self._bwd_seen:
+                    self._bwd_seen.add(key)
+                    saved = self.step
+                    self.step = step
+                    try:
+                        for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
+                            self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                    finally:
+                        self.step = saved
+            except Exception as exc:
+                self._failed("backward hook", exc)
+            return None
+
+        return hook
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(

@@ -20,6 +20,7 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
 from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.keys import LogicalKeys
 from auditor.compare.policy import METRICS, Policy
 
 METRIC_CODES = {m: i for i, m in enumerate(METRICS)}
@@ -39,8 +40,8 @@ class Comparison:
 
     ref: RunColumns
     cand: RunColumns
-    ref_keys: M.LogicalKeys
-    cand_keys: M.LogicalKeys
+    ref_keys: LogicalKeys
+    cand_keys: LogicalKeys
     catalog: Catalog
     policy: Policy
     A: np.ndarray

@@ -5,7 +5,7 @@
 Pipeline, vectorized over keys (numpy columns, no Python object per record on the hot path):
 
 1. read each run's records as columns (`auditor.compare.columns`), sites normalized and renamed;
-2. merge each key's pieces into a logical digest (`auditor.compare.merge.build_keys`): tiling, replica
+2. merge each key's pieces into a logical digest (`auditor.compare.keys.build_keys`): tiling, replica
    and Partial checks, once per distinct layout signature;
 3. align the two runs on the key;
 4. decide the cheap verdicts from the columns: missing, None, incomplete, replica divergence,

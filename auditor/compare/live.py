@@ -10,8 +10,9 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.keys import LogicalKeys
 from auditor.compare.policy import Policy
-from auditor.compare.slow import ranges_index
+from auditor.compare.segments import ranges_index
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
 
@@ -181,7 +182,7 @@ class LiveComparison:
         return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
 
 
-def _has_copies(lk: M.LogicalKeys, catalog: Catalog, cols: RunColumns) -> np.ndarray:
+def _has_copies(lk: LogicalKeys, catalog: Catalog, cols: RunColumns) -> np.ndarray:
     """Keys whose pieces include replicas or Partial addends (more copies may still arrive)."""
     if not len(lk):
         return np.zeros(0, bool)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from auditor.compare.comparison import Comparison
+from auditor.compare.segments import segment_reduce
 from auditor.compare.metrics import (FLOAT_DTYPES, ITEMSIZE, PayloadUnavailable, bits_to_values,
                                      decode_payload, payload_metrics)
 
@@ -23,7 +24,6 @@ def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:
         return np.zeros(n, bool)
     hr = np.isin(rid_r, list(have))
     hc = np.isin(rid_c, list(have))
-    from auditor.compare.slow import segment_reduce
     ok_r = segment_reduce(np.logical_and, hr, R["offsets"], len(hr), True)
     ok_c = segment_reduce(np.logical_and, hc, C["offsets"], len(hc), True)
     return ok_r & ok_c
@@ -73,7 +73,7 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
     coefs = lk.taken_coef[start:end]
     dtype = cat.dtypes[lk.dtype[g]]
     shape = cat.shapes[lk.shape[g]][0]
-    if math.prod(shape) * _itemsize(dtype) > budget:
+    if math.prod(shape) * ITEMSIZE[dtype] > budget:
         raise PayloadUnavailable(f"logical tensor of {math.prod(shape)} elements exceeds "
                                  f"payload_max_bytes {budget}")
     partial = bool(lk.partial[g]) or bool(lk.reduced[g])
@@ -99,10 +99,6 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
             bits[box] = b
     if bits is not None:
         bits = bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[
-            _itemsize(dtype)])
+            ITEMSIZE[dtype]])
     return values, bits, dtype
 
-
-def _itemsize(dtype: str) -> int:
-    from auditor.compare.metrics import ITEMSIZE
-    return ITEMSIZE[dtype]

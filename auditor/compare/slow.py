@@ -18,6 +18,7 @@ from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
 from auditor.compare.align import PHASE_IDS
 from auditor.compare.findings import format_float
 from auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
+from auditor.compare.segments import ranges_index, segment_reduce
 from auditor.compare.payloads import payload_for, payload_keys
 from auditor.compare.policy import METRICS, PAYLOAD_METRICS
 from auditor.store import Reader
@@ -30,30 +31,6 @@ LOWER_BOUND_SLACK = 16.0
 METRIC_LIST = list(METRICS)
 REL_L2, EXACT = METRIC_CODES["rel_l2"], METRIC_CODES["exact"]
 PAYLOAD_CODES = tuple(METRIC_CODES[m] for m in PAYLOAD_METRICS)
-
-
-def ranges_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated aranges [starts[i], ends[i]) and the segment offsets."""
-    lengths = ends - starts
-    total = int(lengths.sum())
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
-    idx = np.repeat(starts - offsets, lengths) + np.arange(total)
-    return idx, offsets
-
-
-def segment_reduce(ufunc: np.ufunc, values: np.ndarray, offsets: np.ndarray, n_rows: int,
-                   identity: float) -> np.ndarray:
-    """``ufunc.reduceat`` over segments that may be empty (a key whose pieces hold no elements
-    takes no rows): an empty segment gets ``identity``, never its neighbour's value, and an
-    offset at the end of ``values`` is not an error."""
-    lengths = np.diff(np.append(offsets, n_rows))
-    out_shape = (len(offsets),) + values.shape[1:]
-    out = np.full(out_shape, identity, dtype=np.result_type(values, np.float64)
-                  if values.dtype.kind == "f" else values.dtype)
-    full = lengths > 0
-    if full.any():
-        out[full] = ufunc.reduceat(values, offsets[full], axis=0)
-    return out
 
 
 def store_nonfinite(comp: Comparison, keys: np.ndarray, R: dict, C: dict) -> None:

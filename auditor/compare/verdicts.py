@@ -16,6 +16,7 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
 from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.keys import LogicalKeys, build_keys
 from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
 from auditor.compare.metrics import FLOAT_DTYPES
 from auditor.compare.order import order_keys
@@ -28,7 +29,7 @@ _ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
 _NONFINITE = {"match": 0, "forbid": 1, "allow": 2}
 
 
-def align_keys(r: M.LogicalKeys, c: M.LogicalKeys):
+def align_keys(r: LogicalKeys, c: LogicalKeys):
     """(A, B, ref index, cand index) of the union of both runs' keys, in key order."""
     if len(r) == len(c) and np.array_equal(r.A, c.A) and np.array_equal(r.B, c.B):
         idx = np.arange(len(r))
@@ -60,8 +61,8 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     compared against the reference scaled by it.
     """
     t0 = time.perf_counter()
-    rk = M.build_keys(ref, catalog)
-    ck = M.build_keys(cand, catalog)
+    rk = build_keys(ref, catalog)
+    ck = build_keys(cand, catalog)
     t1 = time.perf_counter()
     A, B, ri, ci = align_keys(rk, ck)
     K = len(A)

@@ -6,8 +6,12 @@ contract (`protos`, `wire`) and nothing else of numaudit: the store knows no ser
 comparison and no CLI.
 """
 
-from auditor.store.sqlite import (  # noqa: F401  (the store's public names)
+from auditor.store.sqlite import (
     RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, Reader, RunNameTaken, Store, StoreError,
-    UnknownRun,
-    UnknownSession, connect, content_hash, from_int64, to_int64, unpack_sketch,
+    UnknownRun, UnknownSession, connect, content_hash, from_int64, to_int64, unpack_sketch,
 )
+
+__all__ = ["RECORD_COLUMNS", "SCHEMA_VERSION", "IngestResult", "Reader", "RunNameTaken", "Store",
+           "StoreError",
+           "UnknownRun", "UnknownSession", "connect", "content_hash", "from_int64", "to_int64",
+           "unpack_sketch"]

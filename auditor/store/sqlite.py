@@ -84,7 +84,9 @@ CREATE TABLE IF NOT EXISTS records (
     content_hash BLOB NOT NULL,
     session_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL,
     reduce INTEGER NOT NULL DEFAULT 0, reduce_weight REAL NOT NULL DEFAULT 1,
-    reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1
+    reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1,
+    ragged_parts INTEGER NOT NULL DEFAULT 0, ragged_first INTEGER NOT NULL DEFAULT 0,
+    ragged_span INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
@@ -119,6 +121,9 @@ _ADDED_COLUMNS = (
     ("records", "reduce_weight", "REAL NOT NULL DEFAULT 1"),
     ("records", "reduce_index", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "reduce_count", "INTEGER NOT NULL DEFAULT 1"),
+    ("records", "ragged_parts", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "ragged_first", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "ragged_span", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # Columns of `records` as read by the comparison engine, in this order.
@@ -128,6 +133,7 @@ RECORD_COLUMNS = (
     "numel", "nan", "posinf", "neginf", "zeros", "has_moments",
     "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "sketch", "record_id", "has_payload",
     "reduce", "reduce_weight", "reduce_index", "reduce_count",
+    "ragged_parts", "ragged_first", "ragged_span",
 )
 
 
@@ -356,15 +362,17 @@ class Store:
             chash, batch.session_id, batch.seq, now,
             lay.reduce, lay.reduce_weight if lay.reduce else 1.0, lay.reduce_index,
             lay.reduce_count if lay.reduce else 1,
+            lay.ragged_parts, lay.ragged_first, lay.ragged_span,
         )
         cur = self.conn.execute(
             "INSERT INTO records (run_id, step, microbatch, phase, site_id, role, idx, call, rank,"
             " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial,"
             " complex_as_real, numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min,"
             " max, abs_max, fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash,"
-            " session_id, seq, received, reduce, reduce_weight, reduce_index, reduce_count)"
+            " session_id, seq, received, reduce, reduce_weight, reduce_index, reduce_count,"
+            " ragged_parts, ragged_first, ragged_span)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-            "?,?,?,?)"
+            "?,?,?,?,?,?,?)"
             " ON CONFLICT DO NOTHING",
             params,
         )
@@ -486,7 +494,8 @@ class Reader:
             " r.complex_as_real, r.numel, r.nan, r.posinf, r.neginf, r.zeros, r.has_moments,"
             " r.sum, r.sum_sq, r.min, r.max, r.abs_max, r.fingerprint, r.sketch, r.record_id,"
             " EXISTS (SELECT 1 FROM payload_chunks p WHERE p.record_id = r.record_id),"
-            " r.reduce, r.reduce_weight, r.reduce_index, r.reduce_count"
+            " r.reduce, r.reduce_weight, r.reduce_index, r.reduce_count,"
+            " r.ragged_parts, r.ragged_first, r.ragged_span"
             f" FROM records r JOIN sites s ON s.site_id = r.site_id WHERE {where}"
             " ORDER BY r.step, r.microbatch, r.phase, r.site_id, r.role, r.idx, r.call, r.rank",
             params,

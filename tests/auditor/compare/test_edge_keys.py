@@ -72,7 +72,7 @@ def test_empty_against_a_tensor_is_a_shape_difference(db):
 def test_merge_side_with_an_empty_key_last_does_not_crash():
     import numpy as np
 
-    from auditor.compare.slow import segment_reduce
+    from auditor.compare.segments import segment_reduce
     v = np.arange(5.0)
     out = segment_reduce(np.add, v, np.array([0, 2, 5, 5]), 5, 0.0)
     assert out.tolist() == [1.0, 9.0, 0.0, 0.0]

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from wire import limits
 from auditor.daemon.server import BackgroundServer
-from auditor.store import Reader
+from auditor.store import RECORD_COLUMNS, Reader
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import (
     batch, float32_bytes, none_record, payload_for, record, register_request, zstd_header,
@@ -107,7 +107,8 @@ def test_round_trip(auditor_server, auditor_stub):
 
     reader = Reader(auditor_server.db_path)
     try:
-        rid = next(r[-2] for r in reader.records("ref") if r[3] == "layers.2")
+        rid = next(r[RECORD_COLUMNS.index("record_id")] for r in reader.records("ref")
+                   if r[3] == "layers.2")
         header, data = reader.payload(rid)
         assert zstandard.ZstdDecompressor().decompress(data) == payload
     finally:
