@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from agents.config import AgentConfig
-from agents.digest import digest_batch_to_host, digest_piece, has_moments
+from agents.config import AgentConfig, step_selected
+from agents.digest import digest_batch_to_host, has_moments
+from agents.fastpath import Digester
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
@@ -170,12 +171,19 @@ class Capturer:
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
         self._column_shards: dict[str, tuple[int, int]] = {}
         """Module site -> (shards, coordinate) of a tensor-parallel output split by columns."""
+        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout]] = []
+        """Captures of the running hook (or parameter sweep) whose digests are not computed
+        yet: :meth:`_drain` digests them in one call before the hook returns to training."""
+        self._digester = Digester(config.digest)
+        self._phases = frozenset(config.phases)
+        self._step_on = step_selected(config, self.step)
 
     # -- what to capture ----------------------------------------------------------------------
 
     def wants(self, phase: str) -> bool:
-        steps = self.config.steps
-        return phase in self.config.phases and (steps is None or self.step in steps)
+        """Whether this phase is captured in the current step (cached per step: hooks ask
+        this on every module call)."""
+        return self._step_on and phase in self._phases
 
     def _wants_payload(self, phase: str, site: str, role: str) -> bool:
         globs = self.config.payload
@@ -223,8 +231,8 @@ class Capturer:
                 tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
                 for index, t in enumerate(tensors):
                     if self.wants("fwd"):
-                        self.capture(t, phase="fwd", site=site, role="output", index=index,
-                                     call=call, microbatch=mb, stage=st)
+                        self._capture_one(t, phase="fwd", site=site, role="output",
+                                          index=index, call=call, microbatch=mb, stage=st)
                     if self.wants("bwd") and t.requires_grad:
                         t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
                 if self.wants("bwd") and tensors and not torch.is_grad_enabled():
@@ -235,8 +243,9 @@ class Capturer:
                     calls.append((call, st))
             except Exception as exc:  # never into training
                 self._failed("forward hook", exc)
+            self._drain()
 
-        return hook
+        return _not_traced(hook)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.
@@ -287,7 +296,7 @@ class Capturer:
                 self._failed("backward hook", exc)
             return None
 
-        return hook
+        return _not_traced(hook)
 
     def _next_call(self, site: str) -> int:
         key = (self.microbatch, site)
@@ -298,6 +307,7 @@ class Capturer:
     def start_step(self, step: int) -> None:
         """Calls are numbered per (microbatch, site) within a step; a new step starts afresh."""
         self.step = step
+        self._step_on = step_selected(self.config, step)
         self.microbatch = 0
         self._calls.clear()
         self._bwd_seen.clear()
@@ -307,6 +317,7 @@ class Capturer:
 
     # -- captures -------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def capture(
         self,
         t: torch.Tensor | None,
@@ -334,6 +345,15 @@ class Capturer:
         dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
         tensor is a replica over the non-dp mesh dims.
         """
+        self._capture_one(t, phase=phase, site=site, role=role, index=index, call=call,
+                          microbatch=microbatch, stage=stage, layout=layout, rows=rows,
+                          backward=backward, reduce=reduce, weight=weight, replicate=replicate)
+        self._drain()
+
+    def _capture_one(self, t, *, phase, site, role="value", index=0, call=0, microbatch=None,
+                     stage=None, layout=None, rows=None, backward=False, reduce=AUTO,
+                     weight=None, replicate=None) -> None:
+        """Queue one capture for :meth:`_drain`. Never raises."""
         try:
             microbatch = self.microbatch if microbatch is None else microbatch
             stage = self.stage if stage is None else stage
@@ -412,6 +432,7 @@ class Capturer:
                 raise ValueError(f"rows: {len(layouts)} places for {len(counts)} segments")
             for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
                 self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+            self._drain()
             if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
                 t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
                                                          stage, self.step))
@@ -431,6 +452,7 @@ class Capturer:
                     try:
                         for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
                             self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                        self._drain()
                     finally:
                         self.step = saved
             except Exception as exc:
@@ -467,7 +489,6 @@ class Capturer:
             cap.dtype = _dtype_name(local.dtype)
         cap.layout = layout
         cap.moments = has_moments(local.dtype)
-        f64, i64 = digest_piece(local, layout, sketch_k=self.config.sketch_k)
         nbytes = local.numel() * local.element_size()
         if ((0 < nbytes <= self.config.payload_max_bytes)
                 or (self.config.payload and self._wants_payload(phase, site, role))):
@@ -475,10 +496,36 @@ class Capturer:
             # accelerator the copy stays on the device (no sync here); the sender moves it.
             cap.payload = (local.to("cpu", copy=True).contiguous() if local.device.type == "cpu"
                            else local.detach().clone(memory_format=torch.contiguous_format))
-        cap.row = len(self._f64)
-        self._f64.append(f64)
-        self._i64.append(i64)
-        self._captures.append(cap)
+        self._pending.append((cap, local, layout))
+
+    def _drain(self) -> None:
+        """Digest the pending captures in one call and queue their rows. Never raises.
+
+        Runs before the hook that queued them returns, so no tensor can have been changed in
+        place in between (an in-place ReLU after the module, the optimizer after the sweep).
+        """
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        try:
+            rows = self._digester.digest([(t, layout) for _, t, layout in pending],
+                                         self.config.sketch_k)
+        except Exception:
+            # One bad piece must not cost its neighbours: digest them one at a time.
+            rows = []
+            for cap, t, layout in pending:
+                try:
+                    rows.extend(self._digester.digest([(t, layout)], self.config.sketch_k))
+                except Exception as exc:
+                    rows.append(None)
+                    self._failed(f"capture of {cap.site}", exc)
+        for (cap, _, _), row in zip(pending, rows):
+            if row is None:
+                continue
+            cap.row = len(self._f64)
+            self._f64.append(row[0])
+            self._i64.append(row[1])
+            self._captures.append(cap)
         if len(self._f64) >= self.config.device_batch:
             self.flush()
 
@@ -490,12 +537,14 @@ class Capturer:
         for name, p in model.named_parameters():
             site = normalize_site(name)
             t = p.grad if grads else p
-            self.capture(t, phase=phase, site=site, role="value", microbatch=STEP_LEVEL,
-                         stage=stage)
+            self._capture_one(t, phase=phase, site=site, role="value", microbatch=STEP_LEVEL,
+                              stage=stage)
+        self._drain()
         self.flush()
 
     def flush(self) -> None:
         """Start one host transfer for the pending digests and hand the batch to the sender."""
+        self._drain()
         if not self._captures:
             return
         captures, f64, i64 = self._captures, self._f64, self._i64
@@ -543,6 +592,14 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
         if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
             return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
     return None
+
+
+def _not_traced(hook):
+    """Hooks run eagerly even inside a ``torch.compile``d model: traced, the agent's code would
+    put guards on its own state (site names, data pointers, whether this step is captured) into
+    the model's graphs, and turning capture on or off would recompile them. A disabled hook is a
+    graph break at each hooked module instead (docs/agent.md, torch.compile)."""
+    return torch.compiler.disable(hook)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

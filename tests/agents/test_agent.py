@@ -206,7 +206,7 @@ def test_hooks_never_raise_into_training(auditor_server, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("digest exploded")
 
-    monkeypatch.setattr(capture, "digest_piece", broken)
+    monkeypatch.setattr(capture.Digester, "digest", broken)
     model = Net()
     agent = agents.attach(model, run="ref", address=auditor_server.address)
     _train(agent, model)  # must not raise
