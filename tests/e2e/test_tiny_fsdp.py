@@ -48,7 +48,7 @@ def tiny_store(tmp_path_factory):
 
 def test_store_holds_expected_keys_and_summary_counts(tiny_store):
     db, proc = tiny_store
-    assert "dropped=0" in proc.stdout + proc.stderr
+    assert "dropped 0; errors 0" in proc.stdout + proc.stderr
     reader = Reader(db)
     rows = list(reader.records("tiny"))
     keys = {(r[1], r[2], r[3]) for r in rows}
