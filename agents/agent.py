@@ -14,9 +14,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from agents.capture import Capturer, Counters, HostBatch
+from agents.capture import AUTO, Capturer, Counters, HostBatch
 from agents.config import AgentConfig, apply_env, check
-from agents.identity import RankIdentity, rank_identity
+from agents.identity import RankIdentity, job_identity, rank_identity
+from agents.normalization import grad_scale
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,18 @@ class Agent:
 
     def capture(self, tensor: torch.Tensor | None, *, site: str, phase: str = "fwd",
                 role: str = "value", index: int = 0, microbatch: int | None = None,
-                stage: int | None = None, rows=None, backward: bool = False) -> None:
+                stage: int | None = None, rows=None, backward: bool = False,
+                reduce: str | None = AUTO, weight: float | None = None,
+                replicate: bool | None = None) -> None:
         """Capture a tensor the hooks cannot see (the loss, the input batch, a custom value).
 
+        `reduce`: "mean" or "sum" when the tensor is this rank's reduction over its batch share
+        (the auditor combines the dp ranks' values into the whole batch's); None when it is not.
+        The default is "mean" for phase "loss" (a per-rank mean loss) and None otherwise.
+        `weight`: batch elements a mean averaged over (default: microbatch_size, else dim 0 of
+        this microbatch's `input` capture, else 1). `replicate`: whether the same value is held
+        by the other ranks of this dp rank (tp, cp, ep); default from replicate_sites /
+        shard_sites, else inferred from the mesh.
         `rows` (an `agents.ragged.RaggedRows`) declares a ragged piece: the tensor's rows are a
         slice of a logical tensor concatenated from parts with different row counts (the tokens
         each dp rank routed to one expert); see agents/ragged.py for getting the offsets.
@@ -178,7 +188,8 @@ class Agent:
         if self.active:
             self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
                                   microbatch=microbatch, stage=stage, rows=rows,
-                                  backward=backward)
+                                  backward=backward, reduce=reduce, weight=weight,
+                                  replicate=replicate)
 
     def capture_segments(self, tensor: torch.Tensor, counts, rows, *, site: str,
                          phase: str = "fwd", role: str = "output",
@@ -231,10 +242,16 @@ class Agent:
             where = f" in {s['spool']}" if s["spooled"] and s["spool"] else ""
             drops = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
             log.log(level, "rank %d: numaudit run=%s%s: captured %d: acked by the auditor %d, "
-                    "spooled %d%s, dropped %d%s; errors %d; closed in %.2fs", self.ident.rank,
-                    self.config.run, f" (at {reason})" if reason else "", s["captured"],
+                    "spooled %d%s, dropped %d%s; errors %d; conflicts %d; closed in %.2fs",
+                    self.ident.rank, s["run"], f" (at {reason})" if reason else "", s["captured"],
                     s["acked"], s["spooled"], where, s["dropped"],
-                    f" ({drops})" if drops else "", s["errors"], time.monotonic() - started)
+                    f" ({drops})" if drops else "", s["errors"], s["conflicts"],
+                    time.monotonic() - started)
+            if s["conflicts"]:
+                log.error("rank %d: numaudit: %d records conflict with what run %s already "
+                          "stored under the same key (a rerun or another job under this run "
+                          "name?): `auditor show %s` lists them", self.ident.rank,
+                          s["conflicts"], s["run"], s["run"])
         return s
 
     def summary(self) -> dict:
@@ -252,6 +269,8 @@ class Agent:
             "errors": errors,
             "not_captured": self.counters.not_captured_snapshot(),
             "reconnects": snd.reconnects if snd else 0,
+            "conflicts": snd.conflicts if snd else 0,
+            "run": snd.run if snd else self.config.run,
         }
 
     def __enter__(self) -> "Agent":
@@ -289,9 +308,13 @@ def attach(
     overrides = {k: v for k, v in dict(run=run, address=address, token=token).items() if v}
     cfg = apply_env(_replace(base, **overrides, **options))
     check(cfg)
-    ident = rank_identity(mesh, dp_dim=dp_dim or cfg.dp_dim, dp_rank=dp_rank or cfg.dp_rank,
-                          dp_size=dp_size or cfg.dp_size, stages=tuple(stages))
+    ident = rank_identity(mesh, dp_dim=_given(dp_dim, cfg.dp_dim),
+                          dp_rank=_given(dp_rank, cfg.dp_rank),
+                          dp_size=_given(dp_size, cfg.dp_size), stages=tuple(stages))
     ident.dtype, ident.seed, ident.labels = dtype, seed, dict(labels or {})
+    ident.grad_scale, ident.grad_scale_source = grad_scale(cfg, ident)
+    if cfg.enabled and cfg.run:
+        ident.job_id, ident.job_id_source = job_identity(cfg.job_id)
     if cfg.sidecar and cfg.start_sidecar and cfg.enabled:
         ensure_sidecar(cfg, ident)
     agent = Agent(cfg, ident)
@@ -304,6 +327,11 @@ def attach(
     if optimizer is not None:
         agent.watch_optimizer(optimizer)
     return agent
+
+
+def _given(value, default):
+    """`value` unless it is None: 0 and "" are values (`x or default` would drop dp_rank=0)."""
+    return default if value is None else value
 
 
 def _replace(config: AgentConfig, **changes) -> AgentConfig:

@@ -10,6 +10,7 @@ are counted, logged once per kind with the rank, and the capture is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter, deque
@@ -24,7 +25,7 @@ from agents.digest import digest_batch_to_host, has_moments
 from agents.fastpath import Digester
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
-                           ragged_layout)
+                           last_dim_shard_layout, ragged_layout, reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -45,6 +46,8 @@ PER_STEP_PHASES = ("grad", "param", "optim_grad", "update")
 MAX_NO_GRAD_CALLS = 64
 """No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
+AUTO = "auto"
+"""`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
 
 
 @dataclass(slots=True)
@@ -164,6 +167,10 @@ class Capturer:
         self._i64: list[torch.Tensor] = []
         self._logged: set[str] = set()
         self._handles: list = []
+        self._local_batch: dict[tuple[int, int], int] = {}
+        """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
+        self._column_shards: dict[str, tuple[int, int]] = {}
+        """Module site -> (shards, coordinate) of a tensor-parallel output split by columns."""
         self._pending: list[tuple[Capture, torch.Tensor, PieceLayout]] = []
         """Captures of the running hook (or parameter sweep) whose digests are not computed
         yet: :meth:`_drain` digests them in one call before the hook returns to training."""
@@ -195,6 +202,9 @@ class Capturer:
         n = 0
         cfg = self.config
         for site, module in select_modules(model, cfg.modules, cfg.exclude, cfg.max_depth):
+            shards = column_sharded_output(module, self.ident)
+            if shards is not None:
+                self._column_shards[site] = shards
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -301,6 +311,7 @@ class Capturer:
         self.microbatch = 0
         self._calls.clear()
         self._bwd_seen.clear()
+        self._local_batch.clear()
         self._no_grad_calls.clear()
         self._ambiguous.clear()
 
@@ -321,26 +332,43 @@ class Capturer:
         layout: PieceLayout | None = None,
         rows=None,
         backward: bool = False,
+        reduce: str | None = AUTO,
+        weight: float | None = None,
+        replicate: bool | None = None,
     ) -> None:
         """Digest one tensor (or record that it is None). Never raises.
 
         `rows` (agents.ragged.RaggedRows) makes it a ragged piece; `backward` also captures the
-        gradient reaching `t` under phase bwd with the same layout.
+        gradient reaching `t` under phase bwd with the same layout. `reduce` ("mean" | "sum" |
+        None; AUTO = "mean" for phase loss) says the tensor is this rank's reduction over its
+        batch share, `weight` the elements a mean averaged over (default: microbatch_size, else
+        dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
+        tensor is a replica over the non-dp mesh dims.
         """
         self._capture_one(t, phase=phase, site=site, role=role, index=index, call=call,
                           microbatch=microbatch, stage=stage, layout=layout, rows=rows,
-                          backward=backward)
+                          backward=backward, reduce=reduce, weight=weight, replicate=replicate)
         self._drain()
 
     def _capture_one(self, t, *, phase, site, role="value", index=0, call=0, microbatch=None,
-                     stage=None, layout=None, rows=None, backward=False) -> None:
+                     stage=None, layout=None, rows=None, backward=False, reduce=AUTO,
+                     weight=None, replicate=None) -> None:
         """Queue one capture for :meth:`_drain`. Never raises."""
         try:
             microbatch = self.microbatch if microbatch is None else microbatch
             stage = self.stage if stage is None else stage
+            if reduce == AUTO:
+                reduce = "mean" if phase == "loss" else None
+            plain = layout is None and t is not None and not _is_dtensor(t)
             if rows is not None and t is not None:
                 layout = ragged_layout(tuple(t.shape), rows.offset, rows.total, part=rows.part,
                                        parts=rows.parts, span=rows.span)
+            elif plain and reduce is not None:
+                layout = reduction_layout(
+                    tuple(t.shape), reduce, self._weight(weight, microbatch), self.ident.dp_rank,
+                    self.ident.dp_size, replica=self.replicated(phase, site, replicate))
+            elif plain:
+                layout = self._plain_layout(t, phase, site, replicate)
             self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
             if (backward and phase == "fwd" and self.wants("bwd") and t is not None
                     and t.requires_grad):
@@ -348,6 +376,43 @@ class Capturer:
                                                 layout))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
+
+    def _weight(self, weight: float | None, microbatch: int) -> float:
+        if weight is not None:
+            return float(weight)
+        if self.config.microbatch_size is not None:
+            return float(self.config.microbatch_size)
+        return float(self._local_batch.get((self.step, microbatch), 1))
+
+    def replicated(self, phase: str, site: str, override: bool | None = None) -> bool:
+        """Whether a plain tensor captured here is a replica of the same box on other ranks.
+
+        Per capture `replicate=`, then `shard_sites` / `replicate_sites` globs on "phase:site";
+        else inferred: every rank holding the same dp rank (tp, cp, ep ranks) captures it too.
+        """
+        if override is not None:
+            return override
+        key = f"{phase}:{site}"
+        if self.config.shard_sites and matches(key, self.config.shard_sites):
+            return False
+        if self.config.replicate_sites and matches(key, self.config.replicate_sites):
+            return True
+        return self.ident.ranks_per_dp_rank > 1
+
+    def _plain_layout(self, t: torch.Tensor, phase: str, site: str,
+                      replicate: bool | None) -> PieceLayout:
+        shape = tuple(t.shape)
+        if phase in PER_STEP_PHASES:
+            layout = PieceLayout.full(shape)
+            replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
+            return dataclasses.replace(layout, replica=replica)
+        if phase == "input" and shape:
+            self._local_batch[(self.step, self.microbatch)] = shape[0]
+        layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size)
+        shards = self._column_shards.get(site) if phase in ("fwd", "bwd") else None
+        if shards is not None and replicate is None:
+            return last_dim_shard_layout(layout, *shards)
+        return dataclasses.replace(layout, replica=self.replicated(phase, site, replicate))
 
     def capture_segments(self, t: torch.Tensor, counts, rows, *, phase: str, site: str,
                          role: str, microbatch: int | None = None, stage: int | None = None,
@@ -412,13 +477,8 @@ class Capturer:
             if _is_dtensor(t):
                 layout = dtensor_layout(t)
                 local = t.to_local()
-            elif phase in PER_STEP_PHASES:
-                layout = PieceLayout.full(tuple(t.shape))
-                if self.ident.dp_size > 1:
-                    layout = PieceLayout(layout.logical_shape, layout.offsets, layout.shape,
-                                         replica=True)
             else:
-                layout = batch_layout(tuple(t.shape), self.ident.dp_rank, self.ident.dp_size)
+                layout = self._plain_layout(t, phase, site, None)
         elif _is_dtensor(t):
             local = t.to_local()
         cap.dtype = _dtype_name(local.dtype)
@@ -429,9 +489,13 @@ class Capturer:
             cap.dtype = _dtype_name(local.dtype)
         cap.layout = layout
         cap.moments = has_moments(local.dtype)
-        if self.config.payload and self._wants_payload(phase, site, role):
-            # A host copy taken now: the tensor may be changed in place after the hook returns.
-            cap.payload = local.to("cpu", copy=True).contiguous()
+        nbytes = local.numel() * local.element_size()
+        if ((0 < nbytes <= self.config.payload_max_bytes)
+                or (self.config.payload and self._wants_payload(phase, site, role))):
+            # A copy taken now: the tensor may be changed in place after the hook returns. On an
+            # accelerator the copy stays on the device (no sync here); the sender moves it.
+            cap.payload = (local.to("cpu", copy=True).contiguous() if local.device.type == "cpu"
+                           else local.detach().clone(memory_format=torch.contiguous_format))
         self._pending.append((cap, local, layout))
 
     def _drain(self) -> None:
@@ -501,6 +565,33 @@ class Capturer:
             self._logged.add(what)
             log.warning("rank %d: numaudit %s failed (further failures counted silently): %r",
                         self.ident.rank, what, exc)
+
+
+def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple[int, int] | None:
+    """(shards, coordinate) when `module`'s output is split by columns over a non-dp mesh dim.
+
+    A ColwiseParallel Linear (weight Shard(0)) or Embedding (weight Shard(1)) hands each rank a
+    plain tensor holding its block of the last dim (use_local_output=True): such an output is a
+    piece of the logical output, not a replica. Anything else: None.
+    """
+    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return None
+    weight = getattr(module, "weight", None)
+    if not _is_dtensor(weight):
+        return None
+    from torch.distributed.tensor.placement_types import Shard
+
+    col_dim = 0 if isinstance(module, torch.nn.Linear) else 1
+    mesh = weight.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for mesh_dim, p in enumerate(weight.placements):
+        name = names[mesh_dim] if mesh_dim < len(names) else ""
+        if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
+            return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
+    return None
 
 
 def _not_traced(hook):

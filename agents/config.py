@@ -8,6 +8,7 @@ touching its code. Every variable is named once here; docs/agent.md lists them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -34,9 +35,22 @@ ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
 ENV_SIDECAR = "NUMAUDIT_SIDECAR"      # node sidecar socket, unix:///PATH (then no gRPC in-process)
 ENV_SPOOL = "NUMAUDIT_SPOOL"          # spool directory
 ENV_SPOOL_MODE = "NUMAUDIT_SPOOL_MODE"  # spill | always | off
+ENV_PAYLOAD_MAX = "NUMAUDIT_PAYLOAD_MAX_BYTES"  # pieces up to this size carry a payload; 0 = off
+ENV_REPLICATE = "NUMAUDIT_REPLICATE_SITES"  # "phase:site" globs of plain tensors that are replicas
+ENV_SHARD = "NUMAUDIT_SHARD_SITES"    # "phase:site" globs of plain tensors that are not replicas
+ENV_GRAD_SCALE = "NUMAUDIT_GRAD_SCALE"  # activation-gradient scale of this run (docs/parallelisms.md)
+ENV_LOSS_NORM = "NUMAUDIT_LOSS_NORMALIZATION"  # per_rank_mean | global_mean | sum
+ENV_MICROBATCH_SIZE = "NUMAUDIT_MICROBATCH_SIZE"  # this rank's batch elements per microbatch
+ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (default: torchrun's)
+ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
 SPOOL_MODES = ("spill", "always", "off")
 
 PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update")
+REDUCTIONS = ("mean", "sum")
+LOSS_NORMALIZATIONS = ("per_rank_mean", "global_mean", "sum")
+"""How a rank's loss is normalized (docs/parallelisms.md): the mean over this rank's share of the
+microbatch with gradients averaged over dp ranks (DDP/FSDP default); already divided by the whole
+microbatch across dp ranks; or a sum over the rank's elements."""
 
 
 @dataclass
@@ -112,6 +126,22 @@ class AgentConfig:
     spool_mode: str = "spill"
     """"spill": only what is unacked at close (or everything, without an address); "always":
     every batch is written ahead of sending (survives a killed training process); "off"."""
+    payload_max_bytes: int = 16 << 10
+    """Pieces of at most this many bytes carry their raw bytes (exact verdicts); 0 = only `payload`."""
+    replicate_sites: tuple[str, ...] = ()
+    """Globs on "phase:site" of plain tensors that are replicas over the non-dp mesh dims."""
+    shard_sites: tuple[str, ...] = ()
+    """Globs on "phase:site" of plain tensors that are not replicas (each rank's own values)."""
+    grad_scale: float | None = None
+    """Declared activation-gradient scale (docs/parallelisms.md); None = from loss_normalization."""
+    loss_normalization: str | None = None
+    """"per_rank_mean" | "global_mean" | "sum"; None = inferred ("per_rank_mean")."""
+    microbatch_size: int | None = None
+    """This rank's batch elements per microbatch: the weight of its mean reductions."""
+    job_id: str | None = None
+    """The job's id, the same on every rank; default TORCHELASTIC_RUN_ID (docs/agent.md)."""
+    rename_if_taken: bool = False
+    """A run name registered by another job becomes NAME.2, NAME.3, ... instead of refused."""
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -181,6 +211,22 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["spool_mode"] = env[ENV_SPOOL_MODE].strip()
     if env.get(ENV_FLUSH_TIMEOUT):
         changes["flush_timeout_s"] = float(env[ENV_FLUSH_TIMEOUT])
+    if env.get(ENV_PAYLOAD_MAX):
+        changes["payload_max_bytes"] = int(env[ENV_PAYLOAD_MAX])
+    if ENV_REPLICATE in env:
+        changes["replicate_sites"] = _split(env[ENV_REPLICATE])
+    if ENV_SHARD in env:
+        changes["shard_sites"] = _split(env[ENV_SHARD])
+    if env.get(ENV_GRAD_SCALE):
+        changes["grad_scale"] = float(env[ENV_GRAD_SCALE])
+    if env.get(ENV_LOSS_NORM):
+        changes["loss_normalization"] = env[ENV_LOSS_NORM].strip()
+    if env.get(ENV_MICROBATCH_SIZE):
+        changes["microbatch_size"] = int(env[ENV_MICROBATCH_SIZE])
+    if env.get(ENV_JOB_ID):
+        changes["job_id"] = env[ENV_JOB_ID].strip()
+    if ENV_RENAME in env:
+        changes["rename_if_taken"] = env[ENV_RENAME].strip() in ("1", "true", "yes")
     return dataclasses.replace(config, **changes)
 
 
@@ -217,6 +263,17 @@ def check(config: AgentConfig) -> None:
         raise ValueError("max_depth: must be >= 1")
     if config.batch_records < 1 or config.queue_records < 1:
         raise ValueError("batch_records/queue_records: must be >= 1")
+    if config.payload_max_bytes < 0:
+        raise ValueError(f"payload_max_bytes: {config.payload_max_bytes} is negative (0 = off)")
+    if config.grad_scale is not None and not (math.isfinite(config.grad_scale)
+                                              and config.grad_scale > 0):
+        raise ValueError(f"grad_scale: {config.grad_scale} is not a finite number > 0")
+    if (config.loss_normalization is not None
+            and config.loss_normalization not in LOSS_NORMALIZATIONS):
+        raise ValueError(f"loss_normalization: {config.loss_normalization!r} is not one of "
+                         f"{', '.join(LOSS_NORMALIZATIONS)}")
+    if config.microbatch_size is not None and config.microbatch_size < 1:
+        raise ValueError(f"microbatch_size: {config.microbatch_size} < 1")
 
 
 def step_selected(config: AgentConfig, step: int) -> bool:

@@ -49,7 +49,9 @@ _REJECTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
 }
 _FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-          grpc.StatusCode.UNIMPLEMENTED}
+          grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.ALREADY_EXISTS}
+_DROP_REASON = {grpc.StatusCode.ALREADY_EXISTS: "run_name_taken"}
+"""Reason a refused session's records are counted under, where more telling than `refused`."""
 
 
 @dataclass
@@ -98,6 +100,10 @@ class Delivery:
         self._backoff = RECONNECT_BACKOFF_MIN_S
         self._next_attempt = 0.0
         self._refusals = 0
+        self.conflicts = 0
+        """Records the peer acked as conflicting with content it stored under the same key."""
+        self.registered_run = ""
+        """The run name the peer registered this session under (renamed when taken)."""
         self.target, self.fallback = target, fallback
         self.unreachable_warned = False
         self._down_since: float | None = None
@@ -154,6 +160,7 @@ class Delivery:
             return False
         try:
             self._ack(self.transport.register(self._register_request(), timeout))
+            self._note_run()
             self.registered = True
             return True
         except Exception as exc:
@@ -195,10 +202,16 @@ class Delivery:
         acked = self.transport.register(self._register_request(), timeout,
                                         lambda: time.monotonic() >= deadline())
         self._ack(acked)
+        self._note_run()
         self.registered = True
         self._stream = self.transport.open_stream()
         self._sent_upto = self.acked_seq
         self._last_progress = time.monotonic()
+
+    def _note_run(self) -> None:
+        run = getattr(self.transport, "registered_run", "")
+        if run and run != self.registered_run:
+            self.registered_run = run
 
     def _drain_acks(self) -> None:
         while self._stream is not None:
@@ -211,6 +224,7 @@ class Delivery:
                 self._last_progress = time.monotonic()
                 self._refusals = 0
                 self._backoff = RECONNECT_BACKOFF_MIN_S  # progress, not just a registration
+                self.conflicts += item.conflicts
                 self._ack(item.acked_seq)
             elif item is EOF_MARK:
                 self._drop_stream()
@@ -240,11 +254,11 @@ class Delivery:
             log.debug("%s: refused (%s); retry %d", self.name, code.name, self._refusals)
             return
         if code in _FATAL or (registering and refused_for_content):
-            self.fatal = "refused"
+            self.fatal = _DROP_REASON.get(code, "refused")
             log.error("%s: refused (%s: %s); records are dropped", self.name, code.name,
                       err.details())
             while self.pending:
-                self._on_drop("refused", self.pending.popleft().records)
+                self._on_drop(self.fatal, self.pending.popleft().records)
             self.pending_bytes = 0
             return
         if code in _REJECTED and self.pending and self.registered:

@@ -14,6 +14,7 @@ torch is imported lazily so that this module stays importable where torch is not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -44,6 +45,14 @@ class PieceLayout:
     """Identical copies of this box exist on other ranks (a Replicate mesh dim)."""
     partial: bool = False
     """This piece is one addend of its box (a Partial placement): addends sum to the values."""
+    reduce: str = ""
+    """"mean" | "sum": this piece is this dp rank's reduction over its batch share; "" = not one."""
+    reduce_weight: float = 1.0
+    """MEAN: batch elements this addend averages over."""
+    reduce_index: int = 0
+    """The addend (the dp rank); pieces with the same index are replicas of one addend."""
+    reduce_count: int = 1
+    """Addends that make the whole (the dp size)."""
     ragged: RaggedParts | None = None
     """The logical tensor is a concatenation of parts on dim 0 and this piece holds some of them
     (:func:`ragged_layout`); None for every other piece."""
@@ -99,6 +108,7 @@ class PieceLayout:
         pb.partial = self.partial
         pb.dtype = dtype
         pb.complex_as_real = complex_as_real
+        fill_reduction(pb, self)
         if self.ragged is not None:
             pb.ragged_first, pb.ragged_span, pb.ragged_parts = self.ragged
         return pb
@@ -184,15 +194,53 @@ def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int) -> Piec
     )
 
 
+def reduction_layout(local_shape: Sequence[int], reduce: str, weight: float, dp_rank: int,
+                     dp_size: int, *, replica: bool = False) -> PieceLayout:
+    """Layout of a value that is this dp rank's reduction (mean or sum) over its batch share.
+
+    The piece is the whole logical tensor; the auditor combines the dp ranks' addends by `reduce`
+    (a mean weighted by `weight`), so a per-rank scalar loss rebuilds as the global-batch loss.
+    """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce: {reduce!r} is not 'mean', 'sum' or None")
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"weight: {weight} is not a finite number > 0")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank: {dp_rank} not in [0, {dp_size})")
+    full = PieceLayout.full(local_shape)
+    return dataclasses.replace(full, replica=replica, reduce=reduce, reduce_weight=float(weight),
+                               reduce_index=dp_rank, reduce_count=dp_size)
+
+
+def last_dim_shard_layout(layout: PieceLayout, shards: int, coordinate: int) -> PieceLayout:
+    """`layout` with its last dim one of `shards` equal column blocks (a ColwiseParallel output)."""
+    if not layout.shape or shards <= 1:
+        return layout
+    cols = layout.shape[-1]
+    return dataclasses.replace(
+        layout, logical_shape=(*layout.logical_shape[:-1], cols * shards),
+        offsets=(*layout.offsets[:-1], cols * coordinate), replica=False)
+
+
+def fill_reduction(msg: Any, layout: PieceLayout) -> None:
+    """Set a ``numaudit.v1.Layout`` message's reduction fields from `layout` (none: untouched)."""
+    if not layout.reduce:
+        return
+    from protos import numaudit_pb2 as pb
+
+    msg.reduce = pb.REDUCTION_MEAN if layout.reduce == "mean" else pb.REDUCTION_SUM
+    msg.reduce_weight = layout.reduce_weight
+    msg.reduce_index = layout.reduce_index
+    msg.reduce_count = layout.reduce_count
+
+
 def complex_real_layout(layout: PieceLayout) -> PieceLayout:
     """Layout of ``torch.view_as_real`` of a complex piece: a trailing dim of 2, taken whole."""
-    return PieceLayout(
+    return dataclasses.replace(
+        layout,
         logical_shape=(*layout.logical_shape, 2),
         offsets=(*layout.offsets, 0),
         shape=(*layout.shape, 2),
-        replica=layout.replica,
-        partial=layout.partial,
-        ragged=layout.ragged,
     )
 
 

@@ -25,16 +25,24 @@ from typing import Any, Callable, Sequence
 import torch
 
 from agents.agent import Agent
+from agents.normalization import note_schedule
 
 log = logging.getLogger(__name__)
 
 _CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-def watch_stages(agent: Agent, stages: Sequence[Any]) -> None:
-    """Hook each stage's module and key its captures by the schedule's microbatch ids."""
+def watch_stages(agent: Agent, stages: Sequence[Any], *, schedule: Any = None) -> None:
+    """Hook each stage's module and key its captures by the schedule's microbatch ids.
+
+    With `schedule`, the run's labels record what it does to parameter gradients (scale_grads
+    divides them by n_microbatches); activation gradients keep the loss function's scale, so the
+    run's grad_scale is unchanged (agents/normalization.py).
+    """
     stages = list(stages)
     agent.ident.stages = tuple(sorted(int(s.stage_index) for s in stages))
+    if schedule is not None:
+        note_schedule(agent.ident, schedule)
     for stage in stages:
         agent.watch(stage.submod, stage=int(stage.stage_index), pipelined=True)
         for name in _CHUNK_METHODS:

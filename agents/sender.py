@@ -24,6 +24,7 @@ from agents.config import AgentConfig
 from agents.delivery import Delivery
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from agents.identity import RankIdentity
+from agents.layout import fill_reduction
 from agents.transport import GrpcTransport, SidecarTransport
 from wire import limits
 from wire.spool import SpoolWriter
@@ -116,6 +117,18 @@ class Sender:
     @property
     def reconnects(self) -> int:
         return self.delivery.reconnects if self.delivery else 0
+
+    @property
+    def conflicts(self) -> int:
+        return self.delivery.conflicts if self.delivery else 0
+
+    @property
+    def run(self) -> str | None:
+        """The run name the auditor registered this session under (NAME.2 ... when renamed)."""
+        d = self.delivery
+        if self.relay and self.relay.get("run"):  # sidecar mode: the name it registered upstream
+            return self.relay["run"]
+        return (d.registered_run if d is not None and d.registered_run else self.config.run)
 
     # -- training thread ----------------------------------------------------------------------
 
@@ -219,6 +232,7 @@ class Sender:
         r.layout.shape.extend(lay.shape)
         r.layout.replica, r.layout.partial = lay.replica, lay.partial
         r.layout.dtype, r.layout.complex_as_real = cap.dtype, cap.complex_as_real
+        fill_reduction(r.layout, lay)
         if lay.ragged is not None:
             r.layout.ragged_first, r.layout.ragged_span, r.layout.ragged_parts = lay.ragged
         ints, floats = i64[cap.row], f64[cap.row]
@@ -237,7 +251,7 @@ class Sender:
         return self._with_payload(r, cap)
 
     def _with_payload(self, r: pb.Record, cap: Capture) -> list[pb.Record]:
-        raw = cap.payload.reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = cap.payload.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
         data = self._zstd.compress(raw)
         chunk = limits.PAYLOAD_CHUNK_BYTES
         n = max(1, -(-len(data) // chunk))
@@ -286,9 +300,11 @@ class Sender:
     def _register_request(self) -> pb.RegisterRequest:
         i = self.ident
         req = pb.RegisterRequest(
-            schema_version=pb.SCHEMA_VERSION_1, run=self.config.run, session_id=self.session_id,
+            schema_version=pb.SCHEMA_VERSION_1, run=self.run, session_id=self.session_id,
             rank=i.rank, world_size=i.world_size, torch_version=i.torch_version,
             host=i.host, local_rank=i.local_rank, dtype=i.dtype, seed=i.seed,
+            job_id=i.job_id, rename_if_taken=self.config.rename_if_taken,
+            grad_scale=i.grad_scale, grad_scale_source=i.grad_scale_source[:256],
         )
         req.mesh_shape.extend(i.mesh_shape)
         req.mesh_dim_names.extend(i.mesh_dim_names)

@@ -86,7 +86,8 @@ class Session:
         return {"session_id": self.register.session_id, "acked": acked, "held": held,
                 "dropped_by_reason": dict(self.dropped), "done": self.done,
                 "forwarded": self.forwarded, "spool": str(self.spool.path),
-                "auditor": self.delivery is not None}
+                "auditor": self.delivery is not None,
+                "run": self.delivery.registered_run if self.delivery is not None else ""}
 
 
 class Sidecar:

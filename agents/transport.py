@@ -118,6 +118,8 @@ class GrpcTransport:
         self.address, self._token, self._tls = address, token, tls
         self._channel = None
         self._stub = None
+        self.registered_run = ""
+        """The run name the auditor registered last (RegisterResponse.run; differs when renamed)."""
 
     def _connect(self):
         if self._stub is None:
@@ -131,7 +133,9 @@ class GrpcTransport:
         future = self._connect().Register.future(req, timeout=timeout)
         while True:
             try:
-                return future.result(timeout=ABORT_POLL_S).acked_seq
+                response = future.result(timeout=ABORT_POLL_S)
+                self.registered_run = response.run
+                return response.acked_seq
             except grpc.FutureTimeoutError:
                 if abort():
                     future.cancel()

@@ -97,8 +97,13 @@ def isa_level() -> int | None:
 
 
 def supports(t: torch.Tensor) -> bool:
-    """The kernel can digest this (detached, local) piece: a CPU tensor of a known dtype."""
-    if t.device.type != "cpu" or t.dim() > MAX_DIMS:
+    """The kernel can digest this (detached, local) piece: a CPU tensor of a known dtype.
+
+    Only a plain tensor: a subclass may not own its bytes yet (the AsyncCollectiveTensor a
+    RowwiseParallel output is, until its all-reduce is waited on: reading its data pointer
+    crashed the process), so subclasses take the eager path, whose torch ops resolve them.
+    """
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() > MAX_DIMS:
         return False
     if t.is_complex():
         return t.dtype in (torch.complex64, torch.complex128, torch.complex32)

@@ -1,7 +1,7 @@
 """The comparison: two stored runs in, a report model out (docs/comparison.md).
 
 Owns the vocabulary of keys (`align`), the run columns read from the store (`columns`), digest
-merging (`digests`, `merge`), metrics and policies (`metrics`, `policy`), and the engine's stages:
+merging (`digests`, `merge`), metrics and policies (`metrics`, `policy_model`, and `policy` which reads them), and the engine's stages:
 `verdicts` (cheap verdicts from the columns), `slow` and `payloads` (metrics where fingerprints
 cannot decide), `order` (execution order), `causes` (why, and graph breaks), `comparison` (the
 columnar result), `result` (the `Report` model that `auditor.report` renders), `engine`

@@ -39,7 +39,7 @@ from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBus
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
 from auditor.daemon import reads
 from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
-from auditor.store import Reader, Store, StoreError, UnknownRun, content_hash
+from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun, content_hash
 from wire.checksum import received_records_checksum
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
@@ -85,6 +85,8 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, UnknownRun):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, RunNameTaken):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, StoreError):  # unknown session, or contradicts what is stored
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, Unimplemented):
@@ -286,10 +288,12 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     @_rpc("unary_unary")
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         validate_register(request)
-        acked = await self._commit(lambda store: store.register(request))
-        log.info("registered run=%s rank=%d/%d session=%s acked_seq=%d", request.run, request.rank,
-                 request.world_size, request.session_id, acked)
-        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=request.run)
+        acked, run = await self._commit(lambda store: store.register_session(request))
+        log.info("registered run=%s rank=%d/%d session=%s job=%s acked_seq=%d%s", run,
+                 request.rank, request.world_size, request.session_id, request.job_id, acked,
+                 f" (renamed from {request.run}: the name belongs to another job)"
+                 if run != request.run else "")
+        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=run)
 
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],

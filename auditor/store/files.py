@@ -12,14 +12,12 @@ import sqlite3
 import stat
 from pathlib import Path
 
+from auditor.store.errors import StoreError
+
 APPLICATION_ID = 0x6E756D61  # "numa"
 """`PRAGMA application_id` of every numaudit store. A SQLite file with another id, or with none
 and no numaudit schema, belongs to another application and is refused untouched."""
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
-class StoreError(Exception):
-    """A request the store refuses; the message names the field."""
 
 
 class NotAStore(StoreError):

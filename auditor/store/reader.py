@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from auditor.store.sqlite import UnknownRun, UnknownSession, connect
+from auditor.store.errors import UnknownRun, UnknownSession
+from auditor.store.sqlite import connect
 
 
 class Reader:

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from auditor.store.errors import (  # noqa: F401  (re-exported)
+    RunNameTaken, StoreError, UnknownRun, UnknownSession)
+from auditor.store.jobs import resent, run_for_job
 from protos import numaudit_pb2 as pb
-from auditor.store.files import APPLICATION_ID, StoreError, check_store_file
+from auditor.store.files import APPLICATION_ID, check_store_file
 
 SCHEMA_VERSION = 2
 """2 added the reduction columns of records and the job and gradient scale of sessions; a store
@@ -135,14 +138,6 @@ RECORD_COLUMNS = (
 )
 
 
-class UnknownSession(StoreError):
-    pass
-
-
-class UnknownRun(StoreError):
-    pass
-
-
 @dataclass
 class IngestResult:
     acked_seq: int
@@ -252,23 +247,25 @@ class Store:
 
     def register(self, req: pb.RegisterRequest) -> int:
         """Create the run on its first rank, add or resume the session; returns its acked seq."""
-        row = self.conn.execute(
-            "SELECT run_id, world_size FROM runs WHERE name = ?", (req.run,)
-        ).fetchone()
+        return self.register_session(req)[0]
+
+    def register_session(self, req: pb.RegisterRequest) -> tuple[int, str]:
+        """Like `register`; returns (acked seq, the run name registered: renamed when taken)."""
+        name, row = run_for_job(self.conn, req)
         if row is None:
             cur = self.conn.execute(
                 "INSERT INTO runs (name, created, world_size, mesh_shape, mesh_dim_names,"
                 " torch_version, dtype, seed, labels, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (req.run, time.time(), req.world_size, json.dumps(list(req.mesh_shape)),
+                (name, time.time(), req.world_size, json.dumps(list(req.mesh_shape)),
                  json.dumps(list(req.mesh_dim_names)), req.torch_version, req.dtype, req.seed,
                  json.dumps(dict(req.labels), sort_keys=True), req.job_id),
             )
             run_id = cur.lastrowid
         else:
-            run_id, world_size = row
+            run_id, world_size, _ = row
             if world_size != req.world_size:
                 raise StoreError(
-                    f"world_size: {req.world_size} differs from run {req.run!r}'s {world_size}"
+                    f"world_size: {req.world_size} differs from run {name!r}'s {world_size}"
                 )
         existing = self.conn.execute(
             "SELECT run_id, rank, acked_seq FROM sessions WHERE session_id = ?", (req.session_id,)
@@ -276,7 +273,7 @@ class Store:
         if existing is not None:
             if (existing[0], existing[1]) != (run_id, req.rank):
                 raise StoreError("session_id: already registered for another run or rank")
-            return existing[2]
+            return existing[2], name
         self.conn.execute(
             "INSERT INTO sessions (session_id, run_id, rank, local_rank, host, mesh_coordinate,"
             " stages, registered, job_id, grad_scale, grad_scale_source)"
@@ -285,7 +282,7 @@ class Store:
              json.dumps(list(req.mesh_coordinate)), json.dumps(list(req.stages)), time.time(),
              req.job_id, req.grad_scale, req.grad_scale_source),
         )
-        return 0
+        return 0, name
 
     def session(self, session_id: str) -> tuple[int, int, int]:
         """(run_id, rank, acked_seq) of a session; UnknownSession if none."""
@@ -306,12 +303,15 @@ class Store:
     def ingest(self, batch: pb.RecordBatch, hashes: Sequence[bytes] | None = None) -> IngestResult:
         """Store one validated batch. A resent batch (seq <= acked) stores nothing."""
         run_id, rank, acked = self.session(batch.session_id)
-        if batch.seq <= acked:
-            return IngestResult(acked_seq=acked, duplicates=len(batch.records), resent_batch=True)
-        result = IngestResult(acked_seq=batch.seq)
         now = time.time()
         if hashes is None:
             hashes = [content_hash(r) for r in batch.records]
+        if batch.seq <= acked:
+            duplicates, conflicts = resent(self.conn, self._site_ids, batch, hashes, run_id,
+                                           rank, now)
+            return IngestResult(acked_seq=acked, duplicates=duplicates, conflicts=conflicts,
+                                resent_batch=True)
+        result = IngestResult(acked_seq=batch.seq)
         for record, chash in zip(batch.records, hashes):
             k = record.key
             site_id = self._site_id(k.site)

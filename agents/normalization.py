@@ -1,0 +1,65 @@
+"""How this run's loss is normalized, as the scale of its activation gradients (docs/parallelisms.md).
+
+`grad_scale` is what the agent sends at Register: this run's activation gradients (phase `bwd`)
+relative to one process that runs the same microbatches with each microbatch's loss averaged over
+the whole microbatch (all dp ranks' shares). The auditor compares activation gradients of two
+runs after applying the ratio of their scales; parameter gradients are compared as they are.
+
+- `per_rank_mean` (what ordinary DDP/FSDP code does, and the default): each rank's loss is the
+  mean over its own share and the gradient reduction averages, so activation gradients are
+  dp_size times the reference's while parameter gradients agree: scale dp_size.
+- `global_mean`: each rank divides its summed loss by the whole microbatch's element count
+  (then gradients are summed across ranks): scale 1.
+- `sum`: the loss is a sum over the rank's elements: scale = elements of the whole microbatch
+  (microbatch_size x dp_size; needs `microbatch_size`).
+- `grad_scale=` declares the number itself (e.g. 1/n for a loss divided by n accumulation steps).
+
+Pipeline schedules (torch.distributed.pipelining) call the loss function per microbatch and run
+backward from that loss unscaled; `scale_grads=True` (their default) divides *parameter*
+gradients by n_microbatches after the last backward (`PipelineStage.scale_grads`), which leaves
+activation gradients alone. So a schedule changes no activation-gradient scale; `note_schedule`
+records what it does to parameter gradients so a reader of `auditor show` can see it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agents.config import AgentConfig
+from agents.identity import RankIdentity
+
+
+def grad_scale(config: AgentConfig, ident: RankIdentity) -> tuple[float, str]:
+    """(grad_scale, grad_scale_source) for this rank; ValueError names a field that cannot work."""
+    if config.grad_scale is not None:
+        return float(config.grad_scale), "declared: grad_scale"
+    dp = ident.dp_size
+    norm = config.loss_normalization
+    if norm is None:
+        if dp > 1:
+            return float(dp), (f"inferred: per-rank mean loss with gradients averaged over {dp} "
+                               "dp ranks (DDP/FSDP default)")
+        return 1.0, "inferred: one data-parallel rank"
+    if norm == "per_rank_mean":
+        return float(dp), f"declared: per_rank_mean over {dp} dp ranks"
+    if norm == "global_mean":
+        return 1.0, "declared: global_mean"
+    if norm == "sum":
+        if config.microbatch_size is None:
+            raise ValueError("microbatch_size: loss_normalization='sum' needs this rank's batch "
+                             "elements per microbatch (or declare grad_scale=)")
+        n = config.microbatch_size * dp
+        return float(n), f"declared: sum over {n} elements per microbatch"
+    raise ValueError(f"loss_normalization: {norm!r} is not known")
+
+
+def note_schedule(ident: RankIdentity, schedule: Any) -> None:
+    """Record a pipeline schedule's parameter-gradient scaling in the run's labels."""
+    n = getattr(schedule, "_n_microbatches", None)
+    scale_grads = getattr(schedule, "scale_grads", None)
+    if n is None or scale_grads is None:
+        return
+    ident.labels.setdefault("pp_schedule", type(schedule).__name__)
+    ident.labels.setdefault("pp_microbatches", str(n))
+    ident.labels.setdefault(
+        "pp_param_grads", f"divided by {n} (scale_grads=True)" if scale_grads else "summed")

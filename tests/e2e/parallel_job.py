@@ -1,0 +1,259 @@
+"""One job of the parallelism matrix (issue 9): a small model, trained as users write it.
+
+    python tests/e2e/parallel_job.py single:ref                       # the reference, one process
+    torchrun --standalone --nproc-per-node 2 tests/e2e/parallel_job.py ddp:ddp fsdp:fsdp ...
+
+Each argument is CASE:RUN (CASE+rename: with NUMAUDIT_RENAME_IF_TAKEN=1); the cases of one job run one after another in the same process group,
+each with a fresh model (same seed), its own agent and run name. Every non-pipelined case runs
+the README's snippet verbatim (per-rank mean loss, DDP/FSDP averaging, `bwd` captured, every rank
+attached); pipelined cases use agents.pipeline as the README says. Planted bugs are cases too.
+Environment: NUMAUDIT_ADDR (the shared daemon), NUMAUDIT_PHASES (bwd added by the test).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import agents  # noqa: E402
+from agents.pipeline import agent_loss, watch_stages  # noqa: E402
+
+VOCAB, DIM, HIDDEN, LAYERS = 16, 8, 16, 4
+MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
+"""4 microbatches of 4 sequences (the global batch of each microbatch) of 4 tokens, 2 steps."""
+
+DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
+            "ddp_wrong_data"}
+TP_CASES = {"tp", "tp_partial"}
+PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap"}
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.w1 = torch.nn.Linear(DIM, HIDDEN)
+        self.w2 = torch.nn.Linear(HIDDEN, DIM)
+        self.detach_input = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.detach_input:  # planted: gradients stop here (exactly zero upstream)
+            x = x.detach() + 0 * x
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))
+
+
+class Model(torch.nn.Module):
+    """Embedding, LAYERS blocks, norm, head; a pipeline stage keeps a subset (others None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.out = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) if self.tok is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.out(self.norm(h)) if self.out is not None else h
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    """Per-rank mean loss over this rank's share of the microbatch."""
+    return out.square().mean()
+
+
+def microbatch_tokens(step: int, j: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + j)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn) -> None:
+    """The README's snippet, verbatim but for where the microbatches and loss_fn come from."""
+    n = STEPS
+    for step in range(n):
+        microbatches = microbatches_of(step)
+        loss_fn = loss_of
+        with agent.step(step):                 # parameter gradients captured when the block exits
+            for j, x in enumerate(microbatches):
+                with agent.microbatch(j):
+                    loss = loss_fn(model(x))
+                    agent.capture(loss, site="loss", phase="loss")
+                    loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+
+
+def run_single(run: str) -> None:
+    model = Model()
+    mesh = None
+    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    readme_loop(agent, model, optimizer,
+                lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)])
+    agent.close()
+
+
+def run_dp(case: str, run: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = Model()
+    if case == "ddp_frozen":
+        model.layers["1"].w1.weight.requires_grad_(False)
+    if case == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(model)
+        if case == "ddp_skip_allreduce":
+            model.register_comm_hook(None, _allreduce_skipped_on_rank(1))
+    share = BATCH // world
+    reader = 0 if case == "ddp_wrong_data" else rank  # planted: rank 1 reads rank 0's rows
+    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
+    readme_loop(agent, model, optimizer,
+                lambda step: [microbatch_tokens(step, j)[reader * share:(reader + 1) * share]
+                              for j in range(MICROBATCHES)], loss_of)
+    agent.close()
+
+
+def _allreduce_skipped_on_rank(bad: int):
+    """A DDP comm hook: every rank joins the all-reduce, but rank `bad` keeps its own gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def hook(state, bucket):
+        local = bucket.buffer()
+        reduced = local.clone().div_(world)
+        fut = dist.all_reduce(reduced, async_op=True).get_future()
+        if rank == bad:
+            return fut.then(lambda f: local)
+        return fut.then(lambda f: f.value()[0])
+
+    return hook
+
+
+def run_tp(case: str, run: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    model = Model()
+    plan = {}
+    for i in range(LAYERS):
+        plan[f"layers.{i}.w1"] = ColwiseParallel()
+        partial = case == "tp_partial" and i == 1  # planted: the all-reduce is missing
+        plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Partial() if partial else None)
+    parallelize_module(model, mesh["tp"], plan)
+    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    readme_loop(agent, model, optimizer,
+                lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)])
+    agent.close()
+
+
+def stage_module(model: Model, layers: list[int], first: bool, last: bool) -> Model:
+    """A stage built from the full model: the full model's names, other parts removed."""
+    stage = copy.deepcopy(model)
+    for i in range(LAYERS):
+        if i not in layers:
+            del stage.layers[str(i)]
+    if not first:
+        stage.tok = None
+    if not last:
+        stage.norm = stage.out = None
+    return stage
+
+
+def run_pp(case: str, run: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    model = Model()
+    interleaved = case == "pp_interleaved"
+    n_stages = 2 * world if interleaved else world
+    per_stage = LAYERS // n_stages
+    mine = [rank, rank + world] if interleaved else [rank]
+    stages, params = [], []
+    for s in mine:
+        module = stage_module(model, list(range(s * per_stage, (s + 1) * per_stage)),
+                              s == 0, s == n_stages - 1)
+        if case == "pp_detach" and s == 1:
+            module.layers[str(per_stage)].detach_input = True  # planted: the boundary is cut
+        params += list(module.parameters())
+        stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"),
+                                    group=mesh.get_group("pp")))
+    agent = agents.attach(None, run=run, mesh=mesh, dp_dim="dp")
+    # Each microbatch's loss is its mean; gradients are summed over microbatches, as the
+    # reference's loop does (loss.backward() per microbatch): scale_grads=False.
+    pp_loss = agent_loss(agent, lambda out, target: loss_fn(out))
+    if interleaved:
+        schedule = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=pp_loss, scale_grads=False)
+    else:
+        kind = Schedule1F1B if case in ("pp_1f1b", "pp_detach") else ScheduleGPipe
+        schedule = kind(stages[0], MICROBATCHES, loss_fn=pp_loss, scale_grads=False)
+    watch_stages(agent, stages, schedule=schedule)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    for step in range(STEPS):
+        order = list(range(MICROBATCHES))
+        if case == "pp_swap":
+            order[1], order[2] = order[2], order[1]  # planted: microbatches 1 and 2 swapped
+        x = torch.cat([microbatch_tokens(step, j) for j in order])
+        target = torch.zeros(MICROBATCHES * BATCH)
+        with agent.step(step):
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=target)
+        optimizer.step(); optimizer.zero_grad()
+    agent.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    cases = [arg.split(":", 1) for arg in sys.argv[1:]]
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        dist.init_process_group("gloo")
+    for case, run in cases:
+        case, _, option = case.partition("+")
+        if option == "rename":  # as an operator would: NUMAUDIT_RENAME_IF_TAKEN=1 for this run
+            os.environ["NUMAUDIT_RENAME_IF_TAKEN"] = "1"
+        if case == "single":
+            run_single(run)
+        elif case in DP_CASES:
+            run_dp(case, run)
+        elif case in TP_CASES:
+            run_tp(case, run)
+        elif case in PP_CASES:
+            run_pp(case, run)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
