@@ -1,10 +1,11 @@
 """The comparison: two stored runs in, a report model out (docs/comparison.md).
 
 Owns the vocabulary of keys (`align`), the run columns read from the store (`columns`), digest
-merging (`digests`, `merge`), metrics and policies (`metrics`, `policy_model`, and `policy` which reads them), and the engine's stages:
-`verdicts` (cheap verdicts from the columns), `slow` and `payloads` (metrics where fingerprints
-cannot decide), `order` (execution order), `causes` (why, and graph breaks), `comparison` (the
-columnar result), `result` (the `Report` model that `auditor.report` renders), `engine`
-(`compare_runs`) and `live` (`auditor watch`). It reads the store and imports no service, CLI or
-renderer.
+merging (`digests`, `merge`, `keys`, `segments`), metrics (`metrics`), policies (`policy_model`,
+read from TOML by `policy`), and the engine's stages: `verdicts` (cheap verdicts from the
+columns), `slow` and `payloads` (metrics where fingerprints cannot decide), `order` (execution
+order), `causes` (why, and graph breaks), `localize` and `ranks` (which ranks' pieces differ),
+`comparison` (the columnar result), `result` (the `Report` model that `auditor.report` renders),
+`engine` (`compare_runs`) and `live` (`auditor watch`). It reads the store and imports no
+service, CLI or renderer.
 """
