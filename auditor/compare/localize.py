@@ -9,7 +9,10 @@ order of cost:
   factor between the runs) agrees; the others are measured from both pieces' payloads where both
   runs sent them, else from the pieces' moments and sketches (a piece's sketch is that of its
   elements at their global positions, so two runs' sketches of one box compare), against the
-  key's policy tolerance; a box that cannot be measured differs by its fingerprint;
+  key's policy tolerance, so a box off by a rounding error is not named; a box that cannot be
+  measured differs by its fingerprint. The method says what decided: ``payload`` (bytes of the
+  differing boxes), ``fingerprint`` (fingerprints, confirmed by the sketches) or ``moments``
+  (no comparable fingerprints: the sketches alone);
 - one run's boxes inside the other's (a single-process reference against DDP pieces): a sub-box
   has no digest of its own, so both logical tensors are rebuilt from payloads and compared box by
   box of the finer run; without payloads in both runs it says what would be needed;
@@ -100,10 +103,9 @@ def localize(comp, i: int) -> dict:
             "runs (capture this site's payload, e.g. NUMAUDIT_PAYLOAD or the automatic payload of "
             "small tensors, within the policy's payload_max_bytes); the pieces of one run against "
             "each other are no evidence")
-    all_rows = np.array([r for rs in rb.values() for r in rs] + [r for rs in cb.values() for r in rs])
     rids = np.concatenate([comp.ref.rid[[r for rs in rb.values() for r in rs]],
                            comp.cand.rid[[r for rs in cb.values() for r in rs]]])
-    if len(all_rows) == 0 or len(comp.catalog.payload_rids(rids)) < len(set(rids.tolist())):
+    if not len(rids) or len(comp.catalog.payload_rids(rids)) < len(set(rids.tolist())):
         return _cannot(need)
     try:
         ref_vals, _, _ = logical_values(comp, "ref", ri)
@@ -193,7 +195,8 @@ def _equal_boxes(comp, i, rb: dict, cb: dict, scale: float, check) -> dict:
         got = _sketched(comp, measured, scale, check)
         if got is not None:
             results.extend(got)
-            method = "moments" if method == "fingerprint" else method
+            # without comparable fingerprints the sketches alone decided
+            method = "moments" if method == "fingerprint" and not exact else method
         else:
             results.extend((box, crows, True, math.nan) for box, crows, _ in measured)
     return _result(comp, "cand", method, results)

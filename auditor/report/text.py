@@ -156,7 +156,7 @@ def _row_texts(f: dict) -> tuple[tuple[str, str, str, str], str]:
     cause = f.get("cause")
     extra = f"{cause['kind']}: {cause['reason']}" if cause else f.get("detail", "")
     where_ranks = F.pieces_text(f.get("pieces"), short=True)
-    if where_ranks:
+    if where_ranks and where_ranks not in extra:
         extra = where_ranks + ("; " + extra if extra else "")
     if f.get("notes"):
         extra = (extra + "; " if extra else "") + "; ".join(f["notes"])
