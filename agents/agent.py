@@ -166,11 +166,36 @@ class Agent:
 
     def capture(self, tensor: torch.Tensor | None, *, site: str, phase: str = "fwd",
                 role: str = "value", index: int = 0, microbatch: int | None = None,
-                stage: int | None = None) -> None:
-        """Capture a tensor the hooks cannot see (the loss, the input batch, a custom value)."""
+                stage: int | None = None, rows=None, backward: bool = False) -> None:
+        """Capture a tensor the hooks cannot see (the loss, the input batch, a custom value).
+
+        `rows` (an `agents.ragged.RaggedRows`) declares a ragged piece: the tensor's rows are a
+        slice of a logical tensor concatenated from parts with different row counts (the tokens
+        each dp rank routed to one expert); see agents/ragged.py for getting the offsets.
+        `backward`: also capture the gradient that reaches this tensor (phase bwd, role
+        grad_output, same layout) when the bwd phase is on.
+        """
         if self.active:
             self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
-                                  microbatch=microbatch, stage=stage)
+                                  microbatch=microbatch, stage=stage, rows=rows,
+                                  backward=backward)
+
+    def capture_segments(self, tensor: torch.Tensor, counts, rows, *, site: str,
+                         phase: str = "fwd", role: str = "output",
+                         microbatch: int | None = None, stage: int | None = None,
+                         backward: bool = False) -> None:
+        """Capture `tensor.split(counts)` as ragged pieces, segment e under index e.
+
+        The shape of a grouped-experts computation: `tensor` holds every expert's rows one
+        expert after the other, `counts[e]` of them for expert e, and `rows[e]` (from
+        `agents.ragged.ragged_rows(counts, dp_group)`) places them in expert e's logical tensor.
+        `backward`: also capture the gradient reaching `tensor`, split the same way (phase bwd,
+        role grad_output).
+        """
+        if self.active:
+            self.capturer.capture_segments(tensor, counts, rows, phase=phase, site=site,
+                                           role=role, microbatch=microbatch, stage=stage,
+                                           backward=backward)
 
     def capture_gradients(self) -> None:
         """Capture every watched parameter's gradient now (None recorded explicitly)."""

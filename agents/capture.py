@@ -19,10 +19,12 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from agents.config import AgentConfig
-from agents.digest import digest_batch_to_host, digest_piece, has_moments
+from agents.config import AgentConfig, step_selected
+from agents.digest import digest_batch_to_host, has_moments
+from agents.fastpath import Digester
 from agents.identity import RankIdentity
-from agents.layout import PieceLayout, batch_layout, complex_real_layout, dtensor_layout
+from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
+                           ragged_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -162,12 +164,19 @@ class Capturer:
         self._i64: list[torch.Tensor] = []
         self._logged: set[str] = set()
         self._handles: list = []
+        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout]] = []
+        """Captures of the running hook (or parameter sweep) whose digests are not computed
+        yet: :meth:`_drain` digests them in one call before the hook returns to training."""
+        self._digester = Digester(config.digest)
+        self._phases = frozenset(config.phases)
+        self._step_on = step_selected(config, self.step)
 
     # -- what to capture ----------------------------------------------------------------------
 
     def wants(self, phase: str) -> bool:
-        steps = self.config.steps
-        return phase in self.config.phases and (steps is None or self.step in steps)
+        """Whether this phase is captured in the current step (cached per step: hooks ask
+        this on every module call)."""
+        return self._step_on and phase in self._phases
 
     def _wants_payload(self, phase: str, site: str, role: str) -> bool:
         globs = self.config.payload
@@ -212,8 +221,8 @@ class Capturer:
                 tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
                 for index, t in enumerate(tensors):
                     if self.wants("fwd"):
-                        self.capture(t, phase="fwd", site=site, role="output", index=index,
-                                     call=call, microbatch=mb, stage=st)
+                        self._capture_one(t, phase="fwd", site=site, role="output",
+                                          index=index, call=call, microbatch=mb, stage=st)
                     if self.wants("bwd") and t.requires_grad:
                         t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
                 if self.wants("bwd") and tensors and not torch.is_grad_enabled():
@@ -224,8 +233,9 @@ class Capturer:
                     calls.append((call, st))
             except Exception as exc:  # never into training
                 self._failed("forward hook", exc)
+            self._drain()
 
-        return hook
+        return _not_traced(hook)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.
@@ -254,7 +264,8 @@ class Capturer:
             if t.requires_grad:
                 t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
-    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int):
+    def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
+                   layout: PieceLayout | None = None):
         key = (step, mb, site, index, call)
 
         def hook(grad):
@@ -267,14 +278,15 @@ class Capturer:
                     self.step = step
                     try:
                         self.capture(grad, phase="bwd", site=site, role="grad_output",
-                                     index=index, call=call, microbatch=mb, stage=stage)
+                                     index=index, call=call, microbatch=mb, stage=stage,
+                                     layout=layout)
                     finally:
                         self.step = saved
             except Exception as exc:
                 self._failed("backward hook", exc)
             return None
 
-        return hook
+        return _not_traced(hook)
 
     def _next_call(self, site: str) -> int:
         key = (self.microbatch, site)
@@ -285,6 +297,7 @@ class Capturer:
     def start_step(self, step: int) -> None:
         """Calls are numbered per (microbatch, site) within a step; a new step starts afresh."""
         self.step = step
+        self._step_on = step_selected(self.config, step)
         self.microbatch = 0
         self._calls.clear()
         self._bwd_seen.clear()
@@ -293,6 +306,7 @@ class Capturer:
 
     # -- captures -------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def capture(
         self,
         t: torch.Tensor | None,
@@ -305,14 +319,82 @@ class Capturer:
         microbatch: int | None = None,
         stage: int | None = None,
         layout: PieceLayout | None = None,
+        rows=None,
+        backward: bool = False,
     ) -> None:
-        """Digest one tensor (or record that it is None). Never raises."""
+        """Digest one tensor (or record that it is None). Never raises.
+
+        `rows` (agents.ragged.RaggedRows) makes it a ragged piece; `backward` also captures the
+        gradient reaching `t` under phase bwd with the same layout.
+        """
+        self._capture_one(t, phase=phase, site=site, role=role, index=index, call=call,
+                          microbatch=microbatch, stage=stage, layout=layout, rows=rows,
+                          backward=backward)
+        self._drain()
+
+    def _capture_one(self, t, *, phase, site, role="value", index=0, call=0, microbatch=None,
+                     stage=None, layout=None, rows=None, backward=False) -> None:
+        """Queue one capture for :meth:`_drain`. Never raises."""
         try:
-            self._capture(t, phase, site, role, index, call,
-                          self.microbatch if microbatch is None else microbatch,
-                          self.stage if stage is None else stage, layout)
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            if rows is not None and t is not None:
+                layout = ragged_layout(tuple(t.shape), rows.offset, rows.total, part=rows.part,
+                                       parts=rows.parts, span=rows.span)
+            self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
+            if (backward and phase == "fwd" and self.wants("bwd") and t is not None
+                    and t.requires_grad):
+                t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
+                                                layout))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
+
+    def capture_segments(self, t: torch.Tensor, counts, rows, *, phase: str, site: str,
+                         role: str, microbatch: int | None = None, stage: int | None = None,
+                         backward: bool = False) -> None:
+        """Capture ``t.split(counts)`` as ragged pieces, segment e under index e. Never raises.
+
+        `backward`: one hook on `t` itself (the segments are views autograd never reaches)
+        splits the gradient the same way and captures each segment under phase bwd.
+        """
+        try:
+            microbatch = self.microbatch if microbatch is None else microbatch
+            stage = self.stage if stage is None else stage
+            counts = [int(c) for c in counts]
+            layouts = [ragged_layout((n, *t.shape[1:]), r.offset, r.total, part=r.part,
+                                     parts=r.parts, span=r.span) for n, r in zip(counts, rows)]
+            if len(layouts) != len(counts):
+                raise ValueError(f"rows: {len(layouts)} places for {len(counts)} segments")
+            for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
+                self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+            self._drain()
+            if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
+                t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
+                                                         stage, self.step))
+        except Exception as exc:
+            self._failed(f"capture of {phase}:{site}", exc)
+
+    def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
+                            mb: int, stage: int, step: int):
+        key = (step, mb, site, "segments", 0)
+
+        def hook(grad):
+            try:
+                if grad is not None and key not in self._bwd_seen:
+                    self._bwd_seen.add(key)
+                    saved = self.step
+                    self.step = step
+                    try:
+                        for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
+                            self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                        self._drain()
+                    finally:
+                        self.step = saved
+            except Exception as exc:
+                self._failed("backward hook", exc)
+            return None
+
+        return hook
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
@@ -347,14 +429,39 @@ class Capturer:
             cap.dtype = _dtype_name(local.dtype)
         cap.layout = layout
         cap.moments = has_moments(local.dtype)
-        f64, i64 = digest_piece(local, layout, sketch_k=self.config.sketch_k)
         if self.config.payload and self._wants_payload(phase, site, role):
             # A host copy taken now: the tensor may be changed in place after the hook returns.
             cap.payload = local.to("cpu", copy=True).contiguous()
-        cap.row = len(self._f64)
-        self._f64.append(f64)
-        self._i64.append(i64)
-        self._captures.append(cap)
+        self._pending.append((cap, local, layout))
+
+    def _drain(self) -> None:
+        """Digest the pending captures in one call and queue their rows. Never raises.
+
+        Runs before the hook that queued them returns, so no tensor can have been changed in
+        place in between (an in-place ReLU after the module, the optimizer after the sweep).
+        """
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        try:
+            rows = self._digester.digest([(t, layout) for _, t, layout in pending],
+                                         self.config.sketch_k)
+        except Exception:
+            # One bad piece must not cost its neighbours: digest them one at a time.
+            rows = []
+            for cap, t, layout in pending:
+                try:
+                    rows.extend(self._digester.digest([(t, layout)], self.config.sketch_k))
+                except Exception as exc:
+                    rows.append(None)
+                    self._failed(f"capture of {cap.site}", exc)
+        for (cap, _, _), row in zip(pending, rows):
+            if row is None:
+                continue
+            cap.row = len(self._f64)
+            self._f64.append(row[0])
+            self._i64.append(row[1])
+            self._captures.append(cap)
         if len(self._f64) >= self.config.device_batch:
             self.flush()
 
@@ -366,12 +473,14 @@ class Capturer:
         for name, p in model.named_parameters():
             site = normalize_site(name)
             t = p.grad if grads else p
-            self.capture(t, phase=phase, site=site, role="value", microbatch=STEP_LEVEL,
-                         stage=stage)
+            self._capture_one(t, phase=phase, site=site, role="value", microbatch=STEP_LEVEL,
+                              stage=stage)
+        self._drain()
         self.flush()
 
     def flush(self) -> None:
         """Start one host transfer for the pending digests and hand the batch to the sender."""
+        self._drain()
         if not self._captures:
             return
         captures, f64, i64 = self._captures, self._f64, self._i64
@@ -392,6 +501,14 @@ class Capturer:
             self._logged.add(what)
             log.warning("rank %d: numaudit %s failed (further failures counted silently): %r",
                         self.ident.rank, what, exc)
+
+
+def _not_traced(hook):
+    """Hooks run eagerly even inside a ``torch.compile``d model: traced, the agent's code would
+    put guards on its own state (site names, data pointers, whether this step is captured) into
+    the model's graphs, and turning capture on or off would recompile them. A disabled hook is a
+    graph break at each hooked module instead (docs/agent.md, torch.compile)."""
+    return torch.compiler.disable(hook)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -24,6 +24,9 @@ ENV_EXCLUDE = "NUMAUDIT_EXCLUDE"      # comma-separated globs of module sites ne
 ENV_DEPTH = "NUMAUDIT_DEPTH"          # deepest module level hooked (layers.0.moe is depth 3)
 ENV_PHASES = "NUMAUDIT_PHASES"        # comma-separated phases: fwd,bwd,grad,param,loss,input
 ENV_STEPS = "NUMAUDIT_STEPS"          # steps captured: "0-3,10"; empty = all
+ENV_STEP_EVERY = "NUMAUDIT_STEP_EVERY"  # capture only steps divisible by N; empty = every step
+ENV_STEP_FIRST = "NUMAUDIT_STEP_FIRST"  # capture only steps numbered below K; empty = no limit
+ENV_DIGEST = "NUMAUDIT_DIGEST"        # "auto" (fused kernel where it applies) | "eager"
 ENV_RANKS = "NUMAUDIT_RANKS"          # ranks that capture: "0,4-7"; empty = all
 ENV_PAYLOAD = "NUMAUDIT_PAYLOAD"      # comma-separated "phase:site" globs that carry raw payloads
 ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
@@ -68,6 +71,10 @@ class AgentConfig:
     """Phases captured; add "bwd" for gradients at module outputs, "param" for weights."""
     steps: frozenset[int] | None = None
     """Steps captured; None = every step."""
+    step_every: int | None = None
+    """Capture only steps whose number is divisible by this; None = no such filter."""
+    step_first: int | None = None
+    """Capture only steps numbered below this (the first K when steps count from 0)."""
     ranks: frozenset[int] | None = None
     """Global ranks that capture; None = all. Other ranks attach as no-ops."""
     payload: tuple[str, ...] = ()
@@ -97,6 +104,9 @@ class AgentConfig:
     """A stream with unacked batches and no ack for this long is treated as hung and reopened."""
     device_batch: int = 64
     """Captures digested on the device before one host transfer."""
+    digest: str = "auto"
+    """"auto": the fused digest kernel where it applies (CPU tensors); "eager": the torch
+    reference everywhere (agents/fastpath.py)."""
     spool_dir: str = "numaudit-spool"
     """Where records the auditor did not take are written (`auditor ingest` replays them)."""
     spool_mode: str = "spill"
@@ -154,6 +164,11 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["phases"] = _split(env[ENV_PHASES])
     if ENV_STEPS in env:
         changes["steps"] = parse_int_set(env[ENV_STEPS])
+    for name, key in ((ENV_STEP_EVERY, "step_every"), (ENV_STEP_FIRST, "step_first")):
+        if name in env:
+            changes[key] = int(env[name]) if env[name].strip() else None
+    if env.get(ENV_DIGEST):
+        changes["digest"] = env[ENV_DIGEST].strip()
     if ENV_RANKS in env:
         changes["ranks"] = parse_int_set(env[ENV_RANKS])
     if ENV_PAYLOAD in env:
@@ -192,7 +207,23 @@ def check(config: AgentConfig) -> None:
             raise ValueError(f"{key}: cannot read {path}")
     if config.spool_mode not in SPOOL_MODES:
         raise ValueError(f"spool_mode: {config.spool_mode!r} is not one of {', '.join(SPOOL_MODES)}")
+    if config.step_every is not None and config.step_every < 1:
+        raise ValueError(f"step_every: {config.step_every} < 1 ({ENV_STEP_EVERY})")
+    if config.step_first is not None and config.step_first < 0:
+        raise ValueError(f"step_first: {config.step_first} < 0 ({ENV_STEP_FIRST})")
+    if config.digest not in ("auto", "eager"):
+        raise ValueError(f"digest: {config.digest!r} is not auto or eager ({ENV_DIGEST})")
     if config.max_depth < 1:
         raise ValueError("max_depth: must be >= 1")
     if config.batch_records < 1 or config.queue_records < 1:
         raise ValueError("batch_records/queue_records: must be >= 1")
+
+
+def step_selected(config: AgentConfig, step: int) -> bool:
+    """Whether `step` is captured: a pure function of the step number and the settings, so two
+    runs with the same settings capture the same steps (all filters must agree)."""
+    if config.steps is not None and step not in config.steps:
+        return False
+    if config.step_every is not None and step % config.step_every:
+        return False
+    return config.step_first is None or step < config.step_first

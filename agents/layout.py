@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -44,6 +44,9 @@ class PieceLayout:
     """Identical copies of this box exist on other ranks (a Replicate mesh dim)."""
     partial: bool = False
     """This piece is one addend of its box (a Partial placement): addends sum to the values."""
+    ragged: RaggedParts | None = None
+    """The logical tensor is a concatenation of parts on dim 0 and this piece holds some of them
+    (:func:`ragged_layout`); None for every other piece."""
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> PieceLayout:
@@ -96,6 +99,8 @@ class PieceLayout:
         pb.partial = self.partial
         pb.dtype = dtype
         pb.complex_as_real = complex_as_real
+        if self.ragged is not None:
+            pb.ragged_first, pb.ragged_span, pb.ragged_parts = self.ragged
         return pb
 
     @classmethod
@@ -107,7 +112,52 @@ class PieceLayout:
             shape=tuple(pb.shape),
             replica=pb.replica,
             partial=pb.partial,
+            ragged=(RaggedParts(pb.ragged_first, pb.ragged_span, pb.ragged_parts)
+                    if pb.ragged_parts else None),
         )
+
+
+class RaggedParts(NamedTuple):
+    """Which parts of a ragged logical tensor a piece holds (proto ``Layout.ragged_*``)."""
+
+    first: int
+    """First part held: the piece's position in the concatenation order (e.g. its dp rank)."""
+    span: int
+    """Consecutive parts held (1, or the source ranks an all-to-all delivered to this rank)."""
+    parts: int
+    """Parts the logical tensor is the concatenation of (e.g. the dp size)."""
+
+
+def ragged_layout(local_shape: Sequence[int], row_offset: int, total_rows: int, *, part: int,
+                  parts: int, span: int = 1, replica: bool = False) -> PieceLayout:
+    """Layout of a piece whose rows are a slice of a concatenation with per-part row counts.
+
+    The logical tensor is parts ``0 .. parts - 1`` concatenated on dim 0 (the tokens each dp rank
+    routed to one expert, in dp-rank order); this piece holds parts ``part .. part + span - 1``,
+    which start at logical row ``row_offset`` of ``total_rows``. A piece with no rows is valid
+    (an expert that got no tokens on this rank): its part must still be declared, so the auditor
+    knows the part is empty rather than missing. Offsets come from every part's row count:
+    :func:`agents.ragged.ragged_rows` gathers them with one collective.
+    """
+    local_shape = tuple(int(s) for s in local_shape)
+    if not local_shape:
+        raise ValueError("local_shape: a ragged piece has rows (at least one dim)")
+    if parts < 1:
+        raise ValueError(f"parts: {parts} < 1")
+    if span < 1 or not 0 <= part or part + span > parts:
+        raise ValueError(f"part: parts {part} .. {part + span - 1} not within [0, {parts})")
+    if row_offset < 0 or row_offset + local_shape[0] > total_rows:
+        raise ValueError(f"row_offset: rows {row_offset} + {local_shape[0]} exceed total_rows "
+                         f"{total_rows}")
+    layout = PieceLayout(
+        logical_shape=(int(total_rows), *local_shape[1:]),
+        offsets=(int(row_offset),) + (0,) * (len(local_shape) - 1),
+        shape=local_shape,
+        replica=replica,
+        ragged=RaggedParts(int(part), int(span), int(parts)),
+    )
+    layout.validate()
+    return layout
 
 
 def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int) -> PieceLayout:
@@ -142,6 +192,7 @@ def complex_real_layout(layout: PieceLayout) -> PieceLayout:
         shape=(*layout.shape, 2),
         replica=layout.replica,
         partial=layout.partial,
+        ragged=layout.ragged,
     )
 
 

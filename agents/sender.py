@@ -219,6 +219,8 @@ class Sender:
         r.layout.shape.extend(lay.shape)
         r.layout.replica, r.layout.partial = lay.replica, lay.partial
         r.layout.dtype, r.layout.complex_as_real = cap.dtype, cap.complex_as_real
+        if lay.ragged is not None:
+            r.layout.ragged_first, r.layout.ragged_span, r.layout.ragged_parts = lay.ragged
         ints, floats = i64[cap.row], f64[cap.row]
         d = r.digest
         d.numel, d.nan_count, d.posinf_count, d.neginf_count, d.zero_count = ints[:5]

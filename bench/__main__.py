@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from bench import compare, digest
+from bench import compare, digest, overhead
 
-BENCHES: list[Callable[[Sequence[str]], int]] = [digest.main, compare.main]
+BENCHES: list[Callable[[Sequence[str]], int]] = [digest.main, overhead.main, compare.main]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

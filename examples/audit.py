@@ -30,7 +30,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "examples" / "policies" / "ds3_vs_pp.toml"
 INJECTIONS = ("reshard-after-forward", "break-backward", "last-microbatch-only", "grad-scale",
-              "swap-microbatches", "ulp-shared-expert")
+              "swap-microbatches", "ulp-shared-expert", "drop-expert-tokens")
 """`--inject` names; the faults themselves live in examples/dsv3_pp.py (INJECTIONS)."""
 REF_RANKS, CAND_RANKS = 4, 8
 JOB_TIMEOUT_S = 300

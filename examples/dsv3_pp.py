@@ -48,7 +48,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 import agents
 from agents.pipeline import agent_loss, watch_stages
 from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
-                                    capture_input_tokens, close_agent)
+                                    capture_experts, capture_input_tokens, close_agent)
 from examples.dsv3.data import batches, local_batch
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
 from examples.dsv3_spmd import full_grads
@@ -205,6 +205,19 @@ def _inject_ulp_shared_expert(run: PipelineRun) -> None:
                 local[0, 0] = torch.nextafter(local[0, 0], torch.tensor(float("inf")))
 
 
+DROP_LAYER, DROP_EXPERT = "2", 1
+"""`drop-expert-tokens` drops the tokens routed to this expert of this layer ..."""
+
+
+def _inject_drop_expert_tokens(run: PipelineRun) -> None:
+    """... in the candidate only, as a capacity or dispatch bug would: the expert receives no
+    rows and its top-k slot adds nothing. The router is untouched, so the audit should find the
+    layer's experts first (that expert's input and output rows), then everything downstream."""
+    for module in run.modules:
+        if DROP_LAYER in module.layers:
+            module.layers[DROP_LAYER].moe.drop_expert = DROP_EXPERT
+
+
 INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
     "reshard-after-forward": _inject_reshard_after_forward,
     "break-backward": _inject_break_backward,
@@ -212,6 +225,7 @@ INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
     "grad-scale": _inject_grad_scale,
     "swap-microbatches": _inject_swap_microbatches,
     "ulp-shared-expert": _inject_ulp_shared_expert,
+    "drop-expert-tokens": _inject_drop_expert_tokens,
 }
 """Faults `--inject NAME` plants after the run is built, to show what an audit catches."""
 
@@ -327,6 +341,7 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     watch_stages(agent, run.stages)  # captures keyed by the schedule's microbatch and stage ids
     for module in run.modules:
         capture_input_tokens(agent, module)  # on the first stage only
+        capture_experts(agent, module, run.mesh["dp"].get_group())
     dp_rank = run.mesh["dp"].get_local_rank()
     margs = run.modules[0].args
     data = batches(args.seed, dp_rank, args.microbatches, args.microbatch_size, margs.max_seq_len,

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 import agents
 from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
-                                    capture_input_tokens, close_agent)
+                                    capture_experts, capture_input_tokens, close_agent)
 from examples.dsv3.data import batches
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn
 
@@ -81,6 +81,7 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     # $NUMAUDIT_ADDR; without one the agent counts its captures as dropped and training goes on.
     agent = agents.attach(model, run=args.name, mesh=dp_mesh, dp_dim="dp", **agent_options(args))
     capture_input_tokens(agent, model)
+    capture_experts(agent, model, dp_mesh.get_group())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     margs = model.args
     data = batches(args.seed, dp_rank, args.microbatches, args.microbatch_size, margs.max_seq_len,

@@ -43,8 +43,11 @@ _SELECT = (
     "  | ((nan + posinf + neginf > 0) << 1) | (zeros = numel AND numel > 0)"
     f"  | ((step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
     f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646) << 39),"
-    " dtype || logical_shape || offsets || shape || CASE WHEN reduce THEN '|' || reduce || ','"
-    "  || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
+    " dtype || logical_shape || offsets || shape"
+    "  || CASE WHEN ragged_parts > 0 THEN '[' || ragged_first || ',' || ragged_span || ','"
+    "     || ragged_parts || ']' ELSE '' END"
+    "  || CASE WHEN reduce THEN '|' || reduce"
+    "  || ',' || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
     " fingerprint, record_id"
     " FROM records"
 )
@@ -220,11 +223,11 @@ class Catalog:
         code = self._layout_ids.get(k)
         if code is None:
             code = self._layout_ids[k] = len(self.pieces)
-            dtype, logical, offsets, shape, reduce = _split_layout(text)
+            dtype, logical, offsets, shape, extra = _split_layout(text)
             self.pieces.append(Piece(
                 dtype=dtype, logical_shape=logical, offsets=offsets, shape=shape,
                 replica=bool(bits & 16), partial=bool(bits & 8), complex_as_real=bool(bits & 4),
-                is_none=bool(bits & 32), **reduce))
+                is_none=bool(bits & 32), **extra))
             self.seeds_ok.append(bool(bits & 1))
             self.has_moments.append(bool(bits & 2))
         return code
@@ -344,19 +347,22 @@ class Catalog:
 
 def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
     """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists), and
-    the reduction fields of `Piece` (from a ``|reduce,index,count,weight`` suffix)."""
-    reduce: dict = {}
+    further `Piece` fields: ``ragged`` (first, span, parts) from a fourth list ``[1,1,2]``, the
+    reduction fields from a ``|reduce,index,count,weight`` suffix."""
+    extra: dict = {}
     if "|" in text:
         text, tail = text.split("|", 1)
         kind, index, count, weight = tail.split(",")
-        reduce = dict(reduce=int(kind), reduce_index=int(index), reduce_count=int(count),
-                      reduce_weight=float(weight))
+        extra = dict(reduce=int(kind), reduce_index=int(index), reduce_count=int(count),
+                     reduce_weight=float(weight))
     i = text.index("[")
     parts = text[i + 1:-1].split("][")
-    if len(parts) != 3:
-        raise ValueError(f"layout {text!r} is not dtype + three JSON lists")
-    logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts)
-    return text[:i], logical, offsets, shape, reduce
+    if len(parts) not in (3, 4):
+        raise ValueError(f"layout {text!r} is not dtype + three JSON lists (+ ragged parts)")
+    logical, offsets, shape = (tuple(json.loads(f"[{p}]")) for p in parts[:3])
+    if len(parts) == 4:
+        extra["ragged"] = tuple(json.loads(f"[{parts[3]}]"))
+    return text[:i], logical, offsets, shape, extra
 
 
 def _columns(cat: Catalog, rows: list[tuple], run: str, side: str) -> RunColumns:

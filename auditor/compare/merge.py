@@ -63,6 +63,8 @@ class Piece:
     """Addends that make the whole (dp size)."""
     reduce_weight: float = 1.0
     """Weight of the addend in a mean (its batch elements)."""
+    ragged: tuple[int, int, int] | None = None
+    """(first, span, parts): the ragged parts this piece holds (proto Layout.ragged_*)."""
 
     @property
     def numel(self) -> int:
@@ -83,7 +85,7 @@ class Problem:
     """Why a key's pieces do not make one logical tensor; positions index the key's pieces."""
 
     kind: str
-    """"none_mixed", "disagree", "bounds", "overlap", "mixed_flags", "gap"."""
+    """"none_mixed", "disagree", "bounds", "overlap", "mixed_flags", "gap", "ragged", "order"."""
     positions: tuple[int, ...]
     detail: str
     """Text with ``{ranks}`` where the ranks of ``positions`` go."""
@@ -159,6 +161,10 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
         return TilingPlan(status=INCOMPLETE, problems=tuple(problems))
     if any(pieces[i].reduce for i in present):
         return _plan_reduction(pieces, present, nones)
+    problems = _ragged_problems(pieces, present)
+    if problems:
+        return TilingPlan(status=INCOMPLETE, problems=tuple(problems), dtype=first.dtype,
+                          logical_shape=shape)
 
     boxes: dict[tuple, list[int]] = {}
     for i in present:
@@ -218,6 +224,79 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
                           partial=partial, dtype=first.dtype, logical_shape=shape,
                           complex_as_real=first.complex_as_real, problems=(problem,))
     return plan
+
+
+def _ragged_problems(pieces: Sequence[Piece], present: list[int]) -> list[Problem]:
+    """Ragged pieces: their parts cover 0 .. parts - 1 exactly once, rows in part order.
+
+    Pieces declaring the same parts are copies (replicas, addends) and must hold the same rows.
+    Runs after the bounds check, before the box tiling (which would report the same faults less
+    precisely: a missing part as a gap, parts out of order not at all).
+    """
+    ragged = [i for i in present if pieces[i].ragged is not None]
+    if not ragged:
+        return []
+    plain = [i for i in present if pieces[i].ragged is None]
+    if plain:
+        return [_multi_problem("ragged", [ragged, plain], "ranks {r0} send ragged parts of the "
+                               "tensor and ranks {r1} plain pieces of it")]
+    counts: dict[int, list[int]] = {}
+    for i in ragged:
+        counts.setdefault(pieces[i].ragged[2], []).append(i)
+    if len(counts) > 1:
+        detail = "ranks disagree on the number of ragged parts: " + ", ".join(
+            f"{n} on ranks {{r{k}}}" for k, n in enumerate(counts))
+        return [_multi_problem("disagree", list(counts.values()), detail)]
+    n_parts = pieces[ragged[0]].ragged[2]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in ragged:
+        first, span, _ = pieces[i].ragged
+        groups.setdefault((first, span), []).append(i)
+    problems: list[Problem] = []
+    for (first, span), members in groups.items():
+        if len({pieces[i].box for i in members}) > 1:
+            problems.append(Problem("overlap", tuple(members), f"ranks {{ranks}} all hold "
+                                    f"{_fmt_parts(first, span, n_parts)} but different rows"))
+    holders: list[list[tuple[int, int]]] = [[] for _ in range(n_parts)]
+    for first, span in groups:
+        for p in range(first, first + span):
+            holders[p].append((first, span))
+    missing = [p for p in range(n_parts) if not holders[p]]
+    if missing:
+        problems.append(Problem("gap", (), f"no rank sent ragged part {format_ranges(missing)} of "
+                                           f"{n_parts} (parts are concatenated in order)"))
+    clashes = sorted({tuple(sorted(h)) for h in holders if len(h) > 1})
+    for clash in clashes[:3]:
+        both = [groups[g] for g in clash]
+        shared = [p for p in range(n_parts) if all(g[0] <= p < g[0] + g[1] for g in clash)]
+        problems.append(_multi_problem(
+            "overlap", both, " and ".join(f"ranks {{r{k}}} ({_fmt_parts(*g, n_parts)})"
+                                          for k, g in enumerate(clash))
+            + f" both hold part {format_ranges(shared)}"))
+    if problems:
+        return problems
+    row = 0
+    for first, span in sorted(groups):
+        lead = groups[(first, span)]
+        offset, rows = pieces[lead[0]].offsets[0], pieces[lead[0]].shape[0]
+        if offset != row:
+            problems.append(Problem("order", tuple(lead), f"ranks {{ranks}} hold "
+                                    f"{_fmt_parts(first, span, n_parts)} at rows "
+                                    f"{offset}:{offset + rows}, but the parts before it end at "
+                                    f"row {row}"))
+            break
+        row = offset + rows
+    else:
+        total = pieces[ragged[0]].logical_shape[0]
+        if row != total:
+            problems.append(Problem("gap", tuple(ragged), f"the ragged parts of ranks {{ranks}} "
+                                    f"end at row {row} of {total}"))
+    return problems
+
+
+def _fmt_parts(first: int, span: int, parts: int) -> str:
+    which = f"part {first}" if span == 1 else f"parts {first}-{first + span - 1}"
+    return f"{which} of {parts}"
 
 
 def _plan_reduction(pieces: Sequence[Piece], present: list[int],

@@ -302,7 +302,32 @@ def _check_layout(lay: pb.Layout, where: str) -> int:
                                                     "(real, imaginary) in logical_shape and shape")
     if lay.reduce != pb.REDUCTION_NONE:
         _check_reduction(lay, where)
+    if lay.ragged_parts or lay.ragged_first or lay.ragged_span:
+        _check_ragged(lay, where)
     return math.prod(shape)
+
+
+def _check_ragged(lay: pb.Layout, where: str) -> None:
+    """A ragged piece holds consecutive parts of a concatenation on dim 0, whole other dims."""
+    if not 1 <= lay.ragged_parts <= limits.MAX_WORLD_SIZE:
+        raise ValidationError(f"{where}.ragged_parts",
+                              f"{lay.ragged_parts} is not in [1, {limits.MAX_WORLD_SIZE}] "
+                              "(ragged_first and ragged_span need it)")
+    if not 0 <= lay.ragged_first < lay.ragged_parts:
+        raise ValidationError(f"{where}.ragged_first",
+                              f"{lay.ragged_first} is not in [0, ragged_parts {lay.ragged_parts})")
+    if not 1 <= lay.ragged_span <= lay.ragged_parts - lay.ragged_first:
+        raise ValidationError(f"{where}.ragged_span",
+                              f"{lay.ragged_span} is not in [1, ragged_parts - ragged_first = "
+                              f"{lay.ragged_parts - lay.ragged_first}]")
+    if not lay.logical_shape:
+        raise ValidationError(f"{where}.logical_shape", "a ragged piece has rows (at least one dim)")
+    if list(lay.offsets[1:]) != [0] * (len(lay.offsets) - 1) or \
+            list(lay.shape[1:]) != list(lay.logical_shape[1:]):
+        raise ValidationError(f"{where}.shape", "a ragged piece is a slice of rows: offsets 0 and "
+                                                "shape = logical_shape beyond dim 0")
+    if lay.reduce != pb.REDUCTION_NONE:
+        raise ValidationError(f"{where}.reduce", "a ragged piece is not a reduction over the batch")
 
 
 def _check_reduction(lay: pb.Layout, where: str) -> None:

@@ -1,7 +1,7 @@
 """The auditor's durable store: one SQLite file in WAL mode.
 
-Only one thread writes (see `auditor.store.writer.StoreWriter`); any number read, each with its own
-connection. Records are unique on (run, key, rank): a resent record is counted as a duplicate and
+Only one thread writes (see `auditor.store.writer.StoreWriter`); any number read, each with its
+own connection (`auditor.store.reader`). Records are unique on (run, key, rank): a resent record is counted as a duplicate and
 stored once; the same key with different content is kept as first stored and the newcomer goes to
 the `conflicts` table. Batches are unique on (session, seq): a batch at or below the session's
 acked sequence is a resend and is not stored again.
@@ -19,7 +19,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from protos import numaudit_pb2 as pb
 
@@ -81,7 +81,9 @@ CREATE TABLE IF NOT EXISTS records (
     content_hash BLOB NOT NULL,
     session_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL,
     reduce INTEGER NOT NULL DEFAULT 0, reduce_weight REAL NOT NULL DEFAULT 1,
-    reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1
+    reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1,
+    ragged_parts INTEGER NOT NULL DEFAULT 0, ragged_first INTEGER NOT NULL DEFAULT 0,
+    ragged_span INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
@@ -116,6 +118,9 @@ _ADDED_COLUMNS = (
     ("records", "reduce_weight", "REAL NOT NULL DEFAULT 1"),
     ("records", "reduce_index", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "reduce_count", "INTEGER NOT NULL DEFAULT 1"),
+    ("records", "ragged_parts", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "ragged_first", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "ragged_span", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # Columns of `records` as read by the comparison engine, in this order.
@@ -125,6 +130,7 @@ RECORD_COLUMNS = (
     "numel", "nan", "posinf", "neginf", "zeros", "has_moments",
     "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "sketch", "record_id", "has_payload",
     "reduce", "reduce_weight", "reduce_index", "reduce_count",
+    "ragged_parts", "ragged_first", "ragged_span",
 )
 
 
@@ -360,15 +366,17 @@ class Store:
             chash, batch.session_id, batch.seq, now,
             lay.reduce, lay.reduce_weight if lay.reduce else 1.0, lay.reduce_index,
             lay.reduce_count if lay.reduce else 1,
+            lay.ragged_parts, lay.ragged_first, lay.ragged_span,
         )
         cur = self.conn.execute(
             "INSERT INTO records (run_id, step, microbatch, phase, site_id, role, idx, call, rank,"
             " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial,"
             " complex_as_real, numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min,"
             " max, abs_max, fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash,"
-            " session_id, seq, received, reduce, reduce_weight, reduce_index, reduce_count)"
+            " session_id, seq, received, reduce, reduce_weight, reduce_index, reduce_count,"
+            " ragged_parts, ragged_first, ragged_span)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-            "?,?,?,?)"
+            "?,?,?,?,?,?,?)"
             " ON CONFLICT DO NOTHING",
             params,
         )
@@ -400,143 +408,3 @@ def unpack_sketch(blob: bytes) -> list[float]:
     a = array.array("d")
     a.frombytes(blob)
     return a.tolist()
-
-
-class Reader:
-    """Read side of the store; safe to use from any thread with its own instance."""
-
-    def __init__(self, path: str | Path) -> None:
-        if not Path(path).exists():
-            raise FileNotFoundError(f"no store at {path}")
-        self.conn = connect(path, readonly=True)
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def run_id(self, name: str) -> int:
-        row = self.conn.execute("SELECT run_id FROM runs WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            raise UnknownRun(f"run: no run named {name!r} in the store")
-        return row[0]
-
-    def session_run(self, session_id: str) -> str:
-        """The name of the run a session belongs to; UnknownSession if none."""
-        row = self.conn.execute(
-            "SELECT r.name FROM sessions s JOIN runs r ON r.run_id = s.run_id"
-            " WHERE s.session_id = ?", (session_id,)
-        ).fetchone()
-        if row is None:
-            raise UnknownSession(f"session_id: {session_id!r} is not registered")
-        return row[0]
-
-    def run_names(self) -> list[str]:
-        return [r[0] for r in self.conn.execute("SELECT name FROM runs ORDER BY created")]
-
-    def run_info(self, name: str) -> dict:
-        """Run-level metadata as registered by its first rank."""
-        row = self.conn.execute(
-            "SELECT run_id, name, created, world_size, mesh_shape, mesh_dim_names, torch_version,"
-            " dtype, seed, labels FROM runs WHERE name = ?", (name,)
-        ).fetchone()
-        if row is None:
-            raise UnknownRun(f"run: no run named {name!r} in the store")
-        keys = ("run_id", "name", "created", "world_size", "mesh_shape", "mesh_dim_names",
-                "torch_version", "dtype", "seed", "labels")
-        info = dict(zip(keys, row))
-        for k in ("mesh_shape", "mesh_dim_names", "labels"):
-            info[k] = json.loads(info[k])
-        info["job_id"] = self.conn.execute("SELECT job_id FROM runs WHERE run_id = ?",
-                                           (info["run_id"],)).fetchone()[0]
-        scales = self.conn.execute(
-            "SELECT DISTINCT grad_scale, grad_scale_source FROM sessions WHERE run_id = ?"
-            " ORDER BY grad_scale", (info["run_id"],)).fetchall()
-        values = sorted({g for g, _ in scales})
-        # activation-gradient scale of the run (0 = undeclared, taken as 1); None when its
-        # sessions disagree (the comparison says so and does not rescale)
-        info["grad_scale"] = (values[0] or 1.0) if len(values) == 1 else None
-        info["grad_scale_sources"] = sorted({src for _, src in scales if src})
-        info["grad_scale_declared"] = bool(values) and all(g > 0 for g in values)
-        return info
-
-    def sessions(self, run: str) -> list[dict]:
-        run_id = self.run_id(run)
-        cur = self.conn.execute(
-            "SELECT s.session_id, s.rank, s.local_rank, s.host, s.mesh_coordinate, s.stages,"
-            " s.registered, s.acked_seq, s.closed, s.records_sent, s.records_dropped,"
-            " s.capture_errors, s.dropped_by_reason,"
-            " (SELECT COUNT(*) FROM records r WHERE r.session_id = s.session_id)"
-            " FROM sessions s WHERE s.run_id = ? ORDER BY s.rank, s.registered", (run_id,)
-        )
-        keys = ("session_id", "rank", "local_rank", "host", "mesh_coordinate", "stages",
-                "registered", "acked_seq", "closed", "records_sent", "records_dropped",
-                "capture_errors", "dropped_by_reason", "records_stored")
-        out = []
-        for row in cur:
-            s = dict(zip(keys, row))
-            s["mesh_coordinate"] = json.loads(s["mesh_coordinate"])
-            s["stages"] = json.loads(s["stages"])
-            s["dropped_by_reason"] = json.loads(s["dropped_by_reason"] or "{}")
-            out.append(s)
-        return out
-
-    def records(self, run: str, *, phase: int | None = None) -> Iterator[tuple]:
-        """Every record of a run as a tuple in RECORD_COLUMNS order, sorted by key then rank."""
-        run_id = self.run_id(run)
-        where = "r.run_id = ?" + (" AND r.phase = ?" if phase is not None else "")
-        params: tuple = (run_id,) if phase is None else (run_id, phase)
-        return self.conn.execute(
-            "SELECT r.step, r.microbatch, r.phase, s.name, r.role, r.idx, r.call, r.rank, r.stage,"
-            " r.is_none, r.dtype, r.logical_shape, r.offsets, r.shape, r.replica, r.partial,"
-            " r.complex_as_real, r.numel, r.nan, r.posinf, r.neginf, r.zeros, r.has_moments,"
-            " r.sum, r.sum_sq, r.min, r.max, r.abs_max, r.fingerprint, r.sketch, r.record_id,"
-            " EXISTS (SELECT 1 FROM payload_chunks p WHERE p.record_id = r.record_id),"
-            " r.reduce, r.reduce_weight, r.reduce_index, r.reduce_count"
-            f" FROM records r JOIN sites s ON s.site_id = r.site_id WHERE {where}"
-            " ORDER BY r.step, r.microbatch, r.phase, r.site_id, r.role, r.idx, r.call, r.rank",
-            params,
-        )
-
-    def payload(self, record_id: int) -> tuple[dict, bytes] | None:
-        """(header, compressed bytes) of a record's payload, or None if absent or incomplete."""
-        rows = self.conn.execute(
-            "SELECT chunk_index, chunk_count, codec, raw_nbytes, compressed_nbytes, crc32, data"
-            " FROM payload_chunks WHERE record_id = ? ORDER BY chunk_index", (record_id,)
-        ).fetchall()
-        if not rows or len(rows) != rows[0][1]:
-            return None
-        data = b"".join(r[6] for r in rows)
-        header = dict(codec=rows[0][2], raw_nbytes=rows[0][3], compressed_nbytes=rows[0][4],
-                      crc32=rows[0][5])
-        return header, data
-
-    def conflicts(self, run: str) -> int:
-        run_id = self.run_id(run)
-        return self.conn.execute(
-            "SELECT COUNT(*) FROM conflicts c JOIN records r ON r.record_id = c.record_id"
-            " WHERE r.run_id = ?", (run_id,)
-        ).fetchone()[0]
-
-    def phase_counts(self, run: str) -> list[tuple[int, int, int, int]]:
-        """(phase, distinct sites, records, none records) per phase."""
-        run_id = self.run_id(run)
-        return self.conn.execute(
-            "SELECT phase, COUNT(DISTINCT site_id), COUNT(*), SUM(is_none) FROM records"
-            " WHERE run_id = ? GROUP BY phase ORDER BY phase", (run_id,)
-        ).fetchall()
-
-    def steps(self, run: str) -> list[int]:
-        run_id = self.run_id(run)
-        return [r[0] for r in self.conn.execute(
-            "SELECT DISTINCT step FROM records WHERE run_id = ? ORDER BY step", (run_id,))]
-
-    def microbatch_count(self, run: str) -> int:
-        run_id = self.run_id(run)
-        return self.conn.execute(
-            "SELECT COUNT(DISTINCT microbatch) FROM records WHERE run_id = ? AND microbatch >= 0",
-            (run_id,)).fetchone()[0]
-
-    def none_grad_sites(self, run: str) -> list[str]:
-        run_id = self.run_id(run)
-        return [r[0] for r in self.conn.execute(
-            "SELECT DISTINCT s.name FROM records r JOIN sites s ON s.site_id = r.site_id"
-            " WHERE r.run_id = ? AND r.is_none = 1 ORDER BY s.name", (run_id,))]

@@ -10,15 +10,21 @@ Default captures (docs/dsv3.md, "What is audited"):
   its `attention_norm`, `attention`, `ffn_norm`, `moe`, their children (`attention.wq` ...
   `attention.wo`, `moe.router`, `moe.shared_experts`), `norm` and `output` — per microbatch.
   Depth 4 is what localizes a fault inside a block to the attention projection or the MoE part
-  (router / shared experts) that introduced it. `moe.experts` is left out: its output holds the
-  token copies routed to each expert, a different number of rows on every data-parallel rank, so
-  the ranks' pieces do not tile one logical tensor.
+  (router / shared experts) that introduced it. The router's output is its top-k expert indices
+  (int64, index 0) and combine weights (index 1).
+- `fwd` of the routed experts, site `layers.N.moe.experts`, one key per expert (index = expert):
+  role `input` (the token copies routed to it) and `output`. A dp rank routes its own number of
+  tokens to each expert, so these are ragged pieces (`capture_experts`): the logical tensor is
+  every dp rank's rows for that expert in dp-rank order, which is what one process running the
+  whole batch would hold. Not through a module hook: the hook would see all experts' rows as one
+  tensor, whose ranks' pieces interleave.
 - `output` (the logits) also travels as a zstd payload, so the report has exact max-abs,
   max-relative and ULP differences for it.
 - `input`: the token ids as `tok_embeddings` receives them (site `tokens`).
 - `loss`: each microbatch's unscaled mean cross-entropy (site `loss`).
 - `grad`: every parameter gradient when the step ends, with `grad is None` recorded.
-- `bwd` (with `--bwd`): the gradient arriving at each of those module outputs.
+- `bwd` (with `--bwd`): the gradient arriving at each of those module outputs, the experts'
+  outputs included.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ LOSS_SITE = "loss"
 CAPTURE_DEPTH = 4
 """Deepest module level captured: `layers.0.moe.shared_experts` is 4."""
 EXCLUDE = ("layers.*.moe.experts",)
-"""Module sites never captured (see the module docstring)."""
+"""Module sites the hooks leave alone: `capture_experts` captures the experts per expert."""
 PAYLOAD = ("fwd:output",)
 """`phase:site` globs whose raw bytes travel with the digests: the final logits."""
 DTYPE = "float32"
@@ -75,6 +81,29 @@ def capture_input_tokens(agent, model: torch.nn.Module) -> None:
         agent.capture(inputs[0], site=INPUT_SITE, phase="input")
 
     embed.register_forward_pre_hook(hook)
+
+
+def capture_experts(agent, model: torch.nn.Module, group) -> None:
+    """Capture each routed expert's input and output rows as ragged pieces, in every MoE layer.
+
+    The pieces' places come from one all_gather of the layer's per-expert token counts over
+    `group` (the data-parallel group, whose ranks' tokens are concatenated in rank order) per
+    layer and microbatch. That collective runs in the model's forward on every rank of `group`
+    alike (the same layers in the same order in both example runs), so it cannot deadlock.
+    Experts that got no tokens on a rank still send their empty piece.
+    """
+    from agents.ragged import ragged_rows
+
+    for name, layer in getattr(model, "layers", {}).items():
+        site = f"layers.{name}.moe.experts"
+
+        def on_experts(moe, expert_in, expert_out, counts, _site=site) -> None:
+            rows = ragged_rows(counts, group)
+            agent.capture_segments(expert_in, counts, rows, site=_site, role="input")
+            agent.capture_segments(expert_out, counts, rows, site=_site, role="output",
+                                   backward=True)
+
+        layer.moe.on_experts = on_experts
 
 
 def close_agent(agent, name: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +206,11 @@ class MoE(nn.Module):
         self.router = Router(args)
         self.experts = GroupedExperts(args)
         self.shared_experts = FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim)
+        self.on_experts: Callable[[MoE, torch.Tensor, torch.Tensor, list[int]], None] | None = None
+        """Called with (self, expert inputs, expert outputs, rows per expert) after the experts
+        ran: the audit path (examples/dsv3/auditing.py `capture_experts`). None: nothing."""
+        self.drop_expert: int | None = None
+        """Fault injection only: the tokens routed to this expert are dropped (their slot adds 0)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -214,7 +220,18 @@ class MoE(nn.Module):
         # and gathers (not scatter-adds) move rows, so the result does not depend on thread timing.
         order = torch.argsort(indices.flatten(), stable=True)
         counts = torch.bincount(indices.flatten(), minlength=self.n_experts).tolist()
-        routed_sorted = self.experts(flat[order // self.top_k], counts)
+        kept = None
+        if self.drop_expert is not None:
+            kept = indices.flatten()[order] != self.drop_expert
+            counts[self.drop_expert] = 0
+        expert_in = flat[(order if kept is None else order[kept]) // self.top_k]
+        routed_sorted = self.experts(expert_in, counts)
+        if self.on_experts is not None:
+            self.on_experts(self, expert_in, routed_sorted, counts)
+        if kept is not None:
+            full = routed_sorted.new_zeros(len(order), shape[-1])
+            full[kept] = routed_sorted
+            routed_sorted = full
         routed = routed_sorted[torch.argsort(order)].view(-1, self.top_k, shape[-1])
         combined = (routed * weights.unsqueeze(-1)).sum(dim=1)
         return (combined + self.shared_experts(flat)).view(shape)

@@ -206,7 +206,7 @@ def test_hooks_never_raise_into_training(auditor_server, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("digest exploded")
 
-    monkeypatch.setattr(capture, "digest_piece", broken)
+    monkeypatch.setattr(capture.Digester, "digest", broken)
     model = Net()
     agent = agents.attach(model, run="ref", address=auditor_server.address)
     _train(agent, model)  # must not raise
@@ -248,7 +248,7 @@ def test_without_auditor_records_are_spooled_and_ingest_replays_them_once(tmp_pa
     assert s["dropped"] == 0 and s["spooled"] == s["captured"] > 0
     db = tmp_path / "replay.db"
     (first,) = replay_into_db([spool], db)
-    assert (first.run, first.stored, first.rejected, first.torn) == ("offline", s["captured"], [], None)
+    assert (first.run, first.stored, first.rejected, first.skipped_frames) == ("offline", s["captured"], [], 0)
     (again,) = replay_into_db([spool], db)
     assert again.stored == 0 and again.duplicates == s["captured"]
     rows = _records(db, "offline")

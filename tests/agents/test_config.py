@@ -40,3 +40,35 @@ def test_bad_ranges_are_named(spec, why):
 def test_check_names_the_field(changes, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         check(AgentConfig(**changes))
+
+
+def test_step_selection_every_first_and_list_compose():
+    from agents.config import AgentConfig, apply_env, check, step_selected
+
+    cfg = apply_env(AgentConfig(step_every=5), {"NUMAUDIT_STEP_FIRST": "21"})
+    assert [s for s in range(40) if step_selected(cfg, s)] == [0, 5, 10, 15, 20]
+    cfg = apply_env(AgentConfig(), {"NUMAUDIT_STEPS": "0-3,10", "NUMAUDIT_STEP_EVERY": "2"})
+    assert [s for s in range(40) if step_selected(cfg, s)] == [0, 2, 10]
+    cleared = apply_env(AgentConfig(step_every=3), {"NUMAUDIT_STEP_EVERY": ""})
+    assert cleared.step_every is None and step_selected(cleared, 7)
+    for bad in (AgentConfig(step_every=0), AgentConfig(step_first=-1), AgentConfig(digest="x")):
+        with pytest.raises(ValueError):
+            check(bad)
+
+
+def test_capturer_captures_only_selected_steps():
+    import torch
+
+    from agents.capture import Capturer, Counters
+    from agents.config import AgentConfig
+    from agents.identity import RankIdentity
+
+    batches = []
+    cap = Capturer(AgentConfig(step_every=2, step_first=5, phases=("input",)), RankIdentity(),
+                   batches.append, Counters())
+    for step in range(8):
+        cap.start_step(step)
+        if cap.wants("input"):
+            cap.capture(torch.ones(4), phase="input", site="x")
+        cap.flush()
+    assert [c.step for b in batches for c in b.captures] == [0, 2, 4]

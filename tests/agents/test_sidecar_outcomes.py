@@ -12,9 +12,9 @@ import torch
 
 import agents
 from agents.sidecar import Sidecar
-from auditor.server import BackgroundServer
+from auditor.daemon.server import BackgroundServer
 from auditor.store import Reader, UnknownRun
-from auditor.tokens import Tokens
+from auditor.daemon.tokens import Tokens
 
 pytestmark = pytest.mark.timeout(120)
 

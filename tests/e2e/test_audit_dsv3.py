@@ -86,8 +86,11 @@ def test_clean_audit_passes_the_shipped_policy(audits):
     assert report["schema"] == "numaudit.report"
     summary = report["summary"]
     assert summary["exit_code"] == 0 and summary["breaches"] == 0
-    # per dp rank: 16 microbatches x (57 forward-side + 51 bwd captures) + 59 grads
-    assert summary["keys"] == 16 * (57 + 51) + N_PARAMS
+    # per dp rank: 16 microbatches x (57 forward-side + 51 bwd captures, plus the routed
+    # experts: 4 layers x 4 experts x (input, output, output gradient)) + 59 grads
+    assert summary["keys"] == 16 * (57 + 51 + 4 * 4 * 3) + N_PARAMS
+    experts = [f for f in report["findings"] if f["key"]["site"].endswith(".moe.experts")]
+    assert len(experts) == 16 * 4 * 4 * 3 and all(f["verdict"] == "identical" for f in experts)
     bad = {v: n for v, n in summary["verdicts"].items() if v not in ("identical", "close") and n}
     assert not bad
     assert report["first_divergence"] is None
@@ -185,3 +188,22 @@ def test_last_microbatch_only_diverges_every_gradient_and_no_activation(audits):
     assert report["graph_breaks"] == []
     assert report["first_divergence"]["key"]["phase"] == "grad"
     assert report["first_divergence"]["cause"]["kind"] == "introduced"
+
+
+def test_dropped_expert_tokens_are_localized_to_that_layers_experts(audits):
+    from examples.dsv3_pp import DROP_EXPERT, DROP_LAYER
+
+    outcome, report = audits.run("drop-expert-tokens")
+    assert outcome.rc == 1
+    first = report["first_divergence"]
+    site = f"layers.{DROP_LAYER}.moe.experts"
+    assert (first["key"]["phase"], first["key"]["site"]) == ("fwd", site), first["key"]
+    assert first["key"]["index"] == DROP_EXPERT and first["cause"]["kind"] == "introduced"
+    # the router and everything upstream match; of the layer's experts only that one differs
+    diverged = _diverged(report, FORWARD)
+    upstream = [f for f in diverged if f["key"]["site"].startswith(
+        tuple(f"layers.{i}." for i in range(int(DROP_LAYER))) + ("tokens", "tok_embeddings"))]
+    assert upstream == []
+    assert not [f for f in diverged if f["key"]["site"] == f"layers.{DROP_LAYER}.moe.router"]
+    experts = {f["key"]["index"] for f in diverged if f["key"]["site"] == site}
+    assert experts == {DROP_EXPERT}

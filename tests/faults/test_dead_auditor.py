@@ -24,7 +24,7 @@ def test_never_started_training_not_blocked_close_bounded_spill_replayed_once(tm
 
     db = tmp_path / "replayed.db"
     (first,) = replay_into_file(w.spool_files(), db)
-    assert (first.stored, first.rejected, first.torn, first.error) == (n, [], None, None)
+    assert (first.stored, first.rejected, first.skipped_frames, first.error) == (n, [], 0, None)
     view = StoreView.read(db)
     view.check_clean(w.manifest())
     assert set(view.rows) == w.expected_keys(n)

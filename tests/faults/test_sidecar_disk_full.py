@@ -19,7 +19,7 @@ import torch
 
 import agents
 from agents.transport import wait_for_socket
-from auditor.ingest import replay_into_db
+from auditor.daemon.replay import replay_into_db
 from wire.spool import read_spool
 
 pytestmark = pytest.mark.timeout(120)

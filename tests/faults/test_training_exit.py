@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from auditor.server import BackgroundServer
+from auditor.daemon.server import BackgroundServer
 from auditor.store import Reader
 from tests.faults.harness import figure, free_port
 from wire.spool import read_spool

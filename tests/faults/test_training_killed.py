@@ -51,7 +51,7 @@ def test_killed_training_process_spool_replayed_once(tmp_path):
     figure("training_killed.spooled", n_spooled)
     figure("training_killed.stored_live", live.count)
     figure("training_killed.replay", dict(stored=result.stored, duplicates=result.duplicates,
-                                          torn=result.torn))
+                                          skipped_frames=result.skipped_frames))
     assert contents.close is None  # it really died before closing
     assert result.rejected == [] and result.error is None
     assert n_spooled == len(spooled) > 0

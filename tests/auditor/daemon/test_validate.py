@@ -234,6 +234,27 @@ def test_reduction_fields():
     assert "whole logical tensor" in str(refused(validate_record, r))
 
 
+def _ragged(first=1, span=1, parts=2, logical=(32, 3), offsets=(12, 0), shape=(20, 3)):
+    r = _piece(logical=logical, offsets=offsets, shape=shape)
+    r.layout.ragged_first, r.layout.ragged_span, r.layout.ragged_parts = first, span, parts
+    return r
+
+
+def test_ragged_fields():
+    validate_record(_ragged())
+    validate_record(_ragged(first=0, span=2))
+    validate_record(_ragged(offsets=(32, 0), shape=(0, 3)))  # an empty part
+    for bad, field in ((dict(parts=0), "ragged_parts"), (dict(first=2), "ragged_first"),
+                       (dict(span=0), "ragged_span"), (dict(span=2), "ragged_span"),
+                       (dict(offsets=(12, 1), shape=(20, 2)), "shape"),
+                       (dict(logical=(), offsets=(), shape=()), "logical_shape")):
+        assert str(refused(validate_record, _ragged(**bad))).startswith(
+            f"record.layout.{field}"), bad
+    r = _ragged()
+    r.layout.reduce, r.layout.reduce_count = pb.REDUCTION_SUM, 2
+    assert str(refused(validate_record, r)).startswith("record.layout.")
+
+
 def test_register_identity_and_grad_scale_fields():
     validate_register(register_request(job_id="torchelastic-123", grad_scale=2.0,
                                        grad_scale_source="inferred: dp_size 2"))

@@ -118,11 +118,22 @@ def test_reduction_fields_and_grad_scale_are_stored(writer, tmp_path):
     writer.submit(lambda s: s.ingest(batch(1, [r, record(0, 1)]))).result(10)
     reader = Reader(tmp_path / "audit.db")
     try:
-        rows = [row[-4:] for row in reader.records("ref")]
+        rows = [row[-7:-3] for row in reader.records("ref")]
         assert rows == [(1, 6.0, 1, 2), (0, 1.0, 0, 1)]
         info = reader.run_info("ref")
         # one session declared 2, the other nothing: the run's scale is ambiguous
         assert info["grad_scale"] is None and info["grad_scale_sources"] == ["declared"]
+    finally:
+        reader.close()
+
+
+def test_ragged_parts_are_stored(writer, tmp_path):
+    r = record(0, 0)
+    r.layout.ragged_first, r.layout.ragged_span, r.layout.ragged_parts = 1, 1, 2
+    writer.submit(lambda s: s.ingest(batch(1, [r]))).result(10)
+    reader = Reader(tmp_path / "audit.db")
+    try:
+        assert [row[-3:] for row in reader.records("ref")] == [(2, 1, 1)]
     finally:
         reader.close()
 
@@ -149,6 +160,6 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
     reader = Reader(db)
     try:
         assert reader.run_info("ref")["grad_scale"] == 4.0
-        assert [row[-4:] for row in reader.records("ref")] == [(0, 1.0, 0, 1)]
+        assert [row[-7:] for row in reader.records("ref")] == [(0, 1.0, 0, 1, 0, 0, 0)]
     finally:
         reader.close()

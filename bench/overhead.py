@@ -1,0 +1,138 @@
+"""Agent step overhead on the DS3-style model of examples/dsv3, in one process.
+
+Two identical models (same init) train side by side; one has an agent attached, the other not.
+Steps alternate off, on, off, on ... so that machine load drifts into both sides alike, and each
+step's CPU time (the whole process: the sender thread's work counts) is recorded. The printed
+ratio is median(on) / median(off) per configuration: scale 1 and scale 8, each with the
+`fwd,grad,loss,input` captures of examples/dsv3 (depth 4, logits payload) and with `bwd` added.
+
+The agent has no auditor address (spooling off): digests, host transfer and record building run,
+network I/O does not. One intra-op thread, as in bench/digest.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+import agents
+from examples.dsv3.auditing import CAPTURE_DEPTH, EXCLUDE, LOSS_SITE, PAYLOAD, capture_input_tokens
+from examples.dsv3.data import batches
+from examples.dsv3.model import ModelArgs, Transformer
+
+MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN = 8, 4, 63
+
+
+def _model(scale: int) -> Transformer:
+    model = Transformer(ModelArgs().scaled(scale))
+    model.init_weights(0)
+    return model
+
+
+def _step(model: torch.nn.Module, agent, step: int, microbatches) -> float:
+    """One training step (no optimizer: the weights stay put so every step costs the same);
+    returns its process CPU seconds."""
+    start = time.process_time()
+    ctx = agent.step(step) if agent is not None else _null()
+    with ctx:
+        for j, (tokens, targets) in enumerate(microbatches):
+            mb = agent.microbatch(j) if agent is not None else _null()
+            with mb:
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                if agent is not None:
+                    agent.capture(loss, site=LOSS_SITE, phase="loss")
+                (loss / MICROBATCHES).backward()
+    model.zero_grad(set_to_none=True)
+    return time.process_time() - start
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
+    """Median step CPU seconds with and without the agent, interleaved."""
+    off, on = _model(scale), _model(scale)
+    phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
+    agent = agents.attach(on, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
+                          exclude=EXCLUDE, payload=PAYLOAD, spool_mode="off")
+    capture_input_tokens(agent, on)
+    data = batches(0, 0, MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN, ModelArgs().vocab_size)
+    mbs = next(data)
+    _step(off, None, 0, mbs)  # warm-up both sides
+    _step(on, agent, 0, mbs)
+    t_off, t_on = [], []
+    for i in range(repeats):
+        t_off.append(_step(off, None, i + 1, mbs))
+        t_on.append(_step(on, agent, i + 1, mbs))
+    summary = agent.close(timeout=5.0)
+    params = sum(p.numel() for p in on.parameters())
+    return {"off": statistics.median(t_off), "on": statistics.median(t_on), "params": params,
+            "captured": summary["captured"] / (repeats + 1), "errors": summary["errors"]}
+
+
+def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]:
+    """Median CPU microseconds of one capture of a float32 tensor of `nbytes` (hook to rows
+    ready: layout, digest, row queued), with the fused kernel and with the eager digest."""
+    from agents.capture import Capturer, Counters
+    from agents.config import AgentConfig
+    from agents.identity import RankIdentity
+
+    t = torch.randn(nbytes // 4)
+    out = []
+    for mode in ("auto", "eager"):
+        cap = Capturer(AgentConfig(digest=mode, device_batch=1 << 30), RankIdentity(),
+                       lambda batch: None, Counters())
+        times = []
+        for i in range(repeats):
+            start = time.thread_time_ns()
+            cap.capture(t, phase="fwd", site="x", index=i)
+            times.append(time.thread_time_ns() - start)
+            if len(cap._f64) >= 512:
+                cap.flush()
+        out.append(statistics.median(times) / 1e3)
+    return out[0], out[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--scales", default="1,8")
+    parser.add_argument("--repeats", type=int, default=None)
+    args, _ = parser.parse_known_args(argv)
+    torch.set_num_threads(1)
+    repeats = args.repeats or (3 if args.quick else 7)
+    from agents.config import AgentConfig, apply_env
+    from agents.kernels import cpu
+
+    fused = apply_env(AgentConfig()).digest == "auto" and cpu.load() is not None
+    print(f"## Agent step overhead (torch {torch.__version__}, 1 thread, {MICROBATCHES} "
+          f"microbatches of {MICROBATCH_SIZE}x{SEQ_LEN} tokens, {repeats} interleaved repeats, "
+          f"fused kernel: {'yes' if fused else 'no (NUMAUDIT_DIGEST=eager or not built)'})")
+    fused_us, eager_us = capture_cost()
+    print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
+          f"{fused_us:.1f} us, eager {eager_us:.1f} us")
+    print("| scale | params | phases | captures/step | off (s) | on (s) | on/off |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    for scale in (int(s) for s in args.scales.split(",")):
+        for bwd in (False, True):
+            r = measure(scale, bwd, repeats)
+            phases = "fwd,grad,loss,input" + (",bwd" if bwd else "")
+            print(f"| {scale} | {r['params'] / 1e6:.1f}M | {phases} | {r['captured']:.0f} | "
+                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Issue 11 end to end: expert activations as ragged pieces, one process vs DDP-2 vs EP-2.
+
+`examples/tiny_moe.py` (a small MoE of its own, 8 experts, top-2, 6 tokens per rank, so most
+experts get no tokens on some rank) runs once per configuration against one `auditor serve`:
+a single process (the reference), DDP on 2 ranks, expert parallel on 2 ranks (all-to-all), and
+expert parallel with a routing bug in layer 2. Every run captures every expert's input and output
+rows; `auditor compare --preset fp32` must pass the clean pairs and put the bug in layer 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import ROOT, Daemon, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+BUG_LAYER = 2
+
+
+@pytest.fixture(scope="module")
+def moe_store(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe")
+    daemon = Daemon(tmp)
+    env = {"NUMAUDIT_ADDR": daemon.address}
+    try:
+        import os
+
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_moe.py"), "--name",
+                               "single"], cwd=ROOT, env=dict(os.environ, **env, OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        torchrun("tiny_moe.py", 2, "--name", "ddp", env=env)
+        torchrun("tiny_moe.py", 2, "--name", "ep", "--ep", env=env)
+        torchrun("tiny_moe.py", 2, "--name", "ep_bug", "--ep", "--skip-renorm-layer",
+                 str(BUG_LAYER), env=env)
+    finally:
+        assert daemon.stop() == 0
+    return daemon.db, tmp
+
+
+def compare(db, tmp, ref: str, cand: str) -> tuple[int, dict]:
+    out = tmp / f"{ref}-{cand}.json"
+    rc = subprocess.call([sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
+                          "--preset", "fp32", "--format", "json", "-o", str(out)], cwd=ROOT)
+    return rc, json.loads(out.read_text())
+
+
+def expert_findings(report: dict) -> list[dict]:
+    return [f for f in report["findings"] if f["key"]["site"].endswith(".experts")]
+
+
+@pytest.mark.parametrize("cand", ["ddp", "ep"])
+def test_clean_pairs_pass_with_every_expert_captured(moe_store, cand):
+    db, tmp = moe_store
+    rc, report = compare(db, tmp, "single", cand)
+    bad = [(f["key"], f["verdict"], f.get("message")) for f in report["findings"]
+           if f["verdict"] not in ("identical", "close")]
+    assert rc == 0 and not bad, bad
+    experts = expert_findings(report)
+    # 4 layers x 8 experts x (input, output), all present in both runs
+    assert len(experts) == 4 * 8 * 2
+    assert report["first_divergence"] is None
+
+
+def test_some_experts_have_no_tokens_on_some_rank(moe_store):
+    """The clean pairs above include zero-row pieces next to non-empty ones (and empty experts)."""
+    from auditor.store import RECORD_COLUMNS, Reader
+
+    db, _ = moe_store
+    col = {c: i for i, c in enumerate(RECORD_COLUMNS)}
+    reader = Reader(db)
+    try:
+        rows: dict[tuple, list[int]] = {}
+        for r in reader.records("ddp"):
+            if r[col["site"]].endswith(".experts") and r[col["ragged_parts"]] == 2:
+                rows.setdefault((r[col["site"]], r[col["role"]], r[col["idx"]]), []).append(
+                    json.loads(r[col["shape"]])[0])
+    finally:
+        reader.close()
+    assert len(rows) == 4 * 8 * 2 and all(len(v) == 2 for v in rows.values())
+    assert any(0 in v and sum(v) > 0 for v in rows.values())
+
+
+def test_routing_bug_is_localized_to_its_layer(moe_store):
+    db, tmp = moe_store
+    rc, report = compare(db, tmp, "single", "ep_bug")
+    assert rc == 1
+    first = report["first_divergence"]
+    assert first["key"]["site"].startswith(f"layers.{BUG_LAYER}."), first["key"]
+    assert first["cause"]["kind"] == "introduced"
+    breaching = {f["key"]["site"] for f in report["findings"] if f["breach"]}
+    assert not any(s.startswith(tuple(f"layers.{i}." for i in range(BUG_LAYER)))
+                   or s in {f"layers.{i}" for i in range(BUG_LAYER)} for s in breaching)
