@@ -59,8 +59,12 @@ def _input_cause(comp: Comparison, i: int) -> F.Cause:
              else f"step {key.step}")
     text = (f"the captured input batch ({key.site}, {where}) differs: data loading, sampler or "
             "microbatch split")
-    pieces = F.pieces_text(comp.pieces.get(i))
-    return F.Cause("introduced", text + (f"; {pieces}" if pieces else ""))
+    p = comp.pieces.get(i)
+    if p and p.get("differ"):
+        text += "; " + F.pieces_text(p)
+    elif p and p.get("cannot_localize"):
+        text += "; which ranks' rows differ cannot be told (the finding's pieces say why)"
+    return F.Cause("introduced", text)
 
 
 def _replica_cause(comp: Comparison, i: int) -> F.Cause:

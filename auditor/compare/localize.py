@@ -58,9 +58,11 @@ def localize_breaches(comp) -> None:
             continue
         taken[group] = n + 1
         try:
-            comp.pieces[i] = localize(comp, i)
+            got = localize(comp, i)
         except PayloadUnavailable as exc:
-            comp.pieces[i] = _cannot(f"payloads could not be read ({exc})")
+            got = _cannot(f"payloads could not be read ({exc})")
+        if got is not None:
+            comp.pieces[i] = got
 
 
 def _cannot(why: str) -> dict:
@@ -68,8 +70,9 @@ def _cannot(why: str) -> dict:
             "cannot_localize": why}
 
 
-def localize(comp, i: int) -> dict:
-    """The ``pieces`` field of finding ``i`` (both runs hold the key)."""
+def localize(comp, i: int) -> dict | None:
+    """The ``pieces`` field of finding ``i`` (both runs hold the key); None when each run holds
+    the tensor as one piece (the finding's ranks already say all there is)."""
     ri, ci = int(comp.ri[i]), int(comp.ci[i])
     rk, ck = comp.ref_keys, comp.cand_keys
     if rk.status[ri] != M.OK or ck.status[ci] != M.OK:
@@ -80,6 +83,8 @@ def localize(comp, i: int) -> dict:
     if rk.partial[ri] or ck.partial[ci]:
         return _cannot("Partial addends: no rank holds a piece of the logical tensor by itself")
     rb, cb = key_boxes(comp, "ref", ri), key_boxes(comp, "cand", ci)
+    if len(rb) <= 1 and len(cb) <= 1:
+        return None  # one piece (or its replicas) in each run: nothing to tell apart
     scale = comp.bwd_factor if (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
     check = _check(comp, i)
     if set(rb) == set(cb):

@@ -8,6 +8,8 @@ rank 1) and `varying_dims` the dims they spread over (the dim a collective must 
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from typing import Sequence
 
 from auditor.compare import merge as M
@@ -17,14 +19,19 @@ def mesh_of(reader, run: str) -> dict:
     """``{"dims": [name, ...], "coords": {rank: (c0, c1, ...)}}`` of a run (a rank's latest
     session wins; ranks that registered no coordinate are absent)."""
     try:
-        names = list(reader.run_info(run).get("mesh_dim_names") or [])
+        run_id = reader.run_id(run)
+        row = reader.conn.execute("SELECT mesh_dim_names FROM runs WHERE run_id = ?",
+                                  (run_id,)).fetchone()
+        names = list(json.loads(row[0]) if row and row[0] else [])
         coords: dict[int, tuple[int, ...]] = {}
-        for s in reader.sessions(run):
-            c = s.get("mesh_coordinate") or []
+        for rank, text in reader.conn.execute(
+                "SELECT rank, mesh_coordinate FROM sessions WHERE run_id = ?"
+                " ORDER BY rank, registered", (run_id,)):
+            c = json.loads(text) if text else []
             if c:
-                coords[int(s["rank"])] = tuple(int(x) for x in c)
-    except Exception:  # an old store without these columns: no mesh to name
-        return {"dims": [], "coords": {}}
+                coords[int(rank)] = tuple(int(x) for x in c)
+    except (sqlite3.Error, ValueError, TypeError, LookupError):
+        return {"dims": [], "coords": {}}  # a store without these columns: no mesh to name
     return {"dims": names, "coords": coords}
 
 

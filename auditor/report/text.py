@@ -63,8 +63,9 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         para(f"ranks: {runs['ref']['name']} {_ranks_text(first['ranks']['ref'])}; "
              f"{runs['cand']['name']} {_ranks_text(first['ranks']['cand'])}; "
              f"rule: {first['rule']}", 2)
-        if first.get("pieces"):
-            para(F.pieces_text(first["pieces"]), 2)
+        where_ranks = F.pieces_text(first.get("pieces"))
+        if where_ranks and where_ranks not in (first.get("cause") or {}).get("reason", ""):
+            para(where_ranks, 2)
         payload = first.get("metrics", {}).get("payload")
         if payload and payload.get("worst"):
             w = payload["worst"]
