@@ -161,3 +161,22 @@ def test_replicas_that_disagree_name_the_mesh_dim_of_the_missing_collective(tmp_
     assert f.cause is not None
     assert "disagree across ranks 2-3 in cand (mesh tp)" in f.cause.reason
     assert "collective over tp is missing or wrong" in f.cause.reason
+
+
+def test_one_parameter_without_gradient_in_an_unpipelined_model_is_not_a_cut(tmp_path):
+    """The issue's case: one frozen parameter of many, no pipeline: never 'gradients stop at the
+    model'; its module's activation gradients were captured, so it is frozen or unused."""
+    from tests.auditor.synth import mlp_run
+
+    def freeze(kind, step, mb, site, t):
+        return None if kind == "grad" and site == "layers.1.weight" else t
+
+    ref = mlp_run("ref", layers=4)
+    cand = mlp_run("cand", layers=4, perturb=freeze)
+    write_runs(tmp_path / "a.db", ref, cand)
+    report = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32"))
+    [gb] = report.graph_breaks
+    assert gb.scope == "module" and gb.module == "layers.1"
+    assert "gradients stop" not in gb.boundary
+    assert "activation gradients reached layers.1" in gb.boundary
+    assert "frozen (requires_grad=False) or unused" in gb.boundary

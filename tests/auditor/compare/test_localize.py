@@ -102,3 +102,33 @@ def test_reductions_over_the_batch_are_not_localized(tmp_path):
     write_runs(tmp_path / "a.db", ref, cand)
     p = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32")).first.pieces
     assert p["method"] is None and "reduction over the batch" in p["cannot_localize"]
+
+
+def test_rescaled_activation_gradients_are_localized_by_their_sketches(tmp_path):
+    """DDP-2 with per-rank mean loss (grad_scale 2) against DDP-2 (grad_scale 1 declared as 2
+    would hide it): equal boxes, no comparable fingerprints, so the pieces' sketches decide."""
+    g = torch.Generator().manual_seed(5)
+    gy = torch.randn(8, 64, generator=g)
+    ref = RunBuilder("ref", **DP2)
+    cand = RunBuilder("cand", **{**DP2, "register": {**DP2["register"], "grad_scale": 2.0}})
+    key = dict(step=0, microbatch=0, phase="bwd", site="layers.0", role="grad_output")
+    ref.add_sharded(gy, [0, 1], **key)
+    bad = gy * 2
+    bad[0:4] *= 1.5  # rank 0's rows are off beyond the x2 the conventions explain
+    cand.add_sharded(bad, [0, 1], **key)
+    write_runs(tmp_path / "a.db", ref, cand)
+    p = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32")).first.pieces
+    assert p["method"] == "moments" and p["agree"] == 1
+    [d] = p["differ"]
+    assert d["ranks"] == [0] and d["mesh"] == {"dp": 0} and d["box"] == "[0:4, 0:64]"
+
+
+def test_mesh_helpers_name_shared_and_varying_dims():
+    from auditor.compare.ranks import fixed_dims, varying_dims
+
+    mesh = {"dims": ["dp", "tp"], "coords": {r: (r // 2, r % 2) for r in range(4)}}
+    assert fixed_dims(mesh, [2, 3]) == {"dp": 1}
+    assert varying_dims(mesh, [2, 3]) == ["tp"]
+    assert varying_dims(mesh, [0, 3]) == ["dp", "tp"]
+    assert fixed_dims({"dims": [], "coords": {}}, [0]) == {}
+    assert varying_dims(mesh, [0, 7]) == []  # rank 7 registered no coordinate
