@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agents.capture import STEP_LEVEL
+from agents.config import step_selected
 from agents.sites import normalize_site
 
 if TYPE_CHECKING:
@@ -95,7 +96,4 @@ class OptimizerWatch:
 
     def _stepping(self) -> bool:
         """Whether this step is captured at all (the agent is on and the step is selected)."""
-        if not self.agent.active:
-            return False
-        steps = self.agent.config.steps
-        return steps is None or self.agent.capturer.step in steps
+        return self.agent.active and step_selected(self.agent.config, self.agent.capturer.step)
