@@ -29,7 +29,7 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS
+from auditor.compare.align import PHASE_IDS, phase_name, role_name
 from auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload,
                                      sketch_metrics)
 from auditor.compare.payloads import logical_values
@@ -134,7 +134,6 @@ def _inside(small: dict, big: dict) -> bool:
 
 
 def _check(comp, i: int):
-    from auditor.compare.align import phase_name, role_name
     rk, ck = comp.ref_keys, comp.cand_keys
     dts = comp.catalog.dtypes
     site = comp.catalog.site_names.get(int(comp.B[i] >> 32), "")
@@ -160,10 +159,11 @@ def _measure(r: np.ndarray, c: np.ndarray, check) -> tuple[bool, float]:
 def _beyond(rel: float, dist: float, rn: float, n: int, check) -> bool:
     explicit = check.threshold if check.metric == "rel_l2" and check.threshold is not None \
         else None
+    # written as "not within" so that NaN (a non-finite piece) differs
     if rn > 0:
         thr = explicit if explicit is not None else check.rtol + check.atol * math.sqrt(n) / rn
-        return rel > thr
-    return dist > (explicit if explicit is not None else check.atol * math.sqrt(n))
+        return not rel <= thr
+    return not dist <= (explicit if explicit is not None else check.atol * math.sqrt(n))
 
 
 def _equal_boxes(comp, i, rb: dict, cb: dict, scale: float, check) -> dict:
