@@ -14,7 +14,7 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS
+from auditor.compare.align import PHASE_IDS, site_module
 
 if TYPE_CHECKING:
     from auditor.compare.comparison import Comparison
@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 def cause(comp: Comparison, i: int) -> F.Cause:
     step = int(comp.A[i] >> 24)
     phase = int(comp.A[i] & 0xF)
+    if int(comp.verdict[i]) == F.REPLICA_DIVERGENCE:
+        return _replica_cause(comp, i)
     if phase == PHASE_IDS["input"]:
-        return F.Cause("introduced", "the input batch itself differs (data loading, sampler "
-                                     "or microbatch split)")
+        return _input_cause(comp, i)
     if phase == PHASE_IDS["param"]:
         return _param_cause(comp, i, step)
     if phase == PHASE_IDS["grad"]:
@@ -42,9 +43,79 @@ def cause(comp: Comparison, i: int) -> F.Cause:
         if j >= 0 and comp.verdict[j] != F.IGNORED:
             return _judged(comp, j, "its input", i)
     p = int(comp.pred[i])
+    if phase == PHASE_IDS["bwd"]:
+        zero = _zero_cut(comp, i, p)
+        if zero is not None:
+            return zero
     if p >= 0:
         return _judged(comp, p, "the previous capture in execution order", i)
     return _block_start_cause(comp, step)
+
+
+def _input_cause(comp: Comparison, i: int) -> F.Cause:
+    """The batch fed to the model: name the microbatch and, when localized, the ranks."""
+    key = comp.key(i)
+    where = (f"microbatch {key.microbatch} of step {key.step}" if key.microbatch >= 0
+             else f"step {key.step}")
+    text = (f"the captured input batch ({key.site}, {where}) differs: data loading, sampler or "
+            "microbatch split")
+    p = comp.pieces.get(i)
+    if p and p.get("differ"):
+        text += "; " + F.pieces_text(p)
+    elif p and p.get("cannot_localize"):
+        text += "; which ranks' rows differ cannot be told (the finding's pieces say why)"
+    return F.Cause("introduced", text)
+
+
+def _replica_cause(comp: Comparison, i: int) -> F.Cause:
+    """Copies that must be identical disagree: name the ranks and the mesh dim they span."""
+    from auditor.compare.ranges import format_ranges
+    from auditor.compare.ranks import key_boxes, varying_dims
+
+    key = comp.key(i)
+    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    on_cand = ci >= 0 and comp.cand_keys.status[ci] == M.REPLICA_DIVERGENCE
+    side, g = ("cand", ci) if on_cand else ("ref", ri)
+    lk = comp.cand_keys if on_cand else comp.ref_keys
+    cols = comp.cand if on_cand else comp.ref
+    bad = [int(r) for r in lk.bad_ranks.get(g, ())]
+    holders = next((rows for rows in key_boxes(comp, side, g).values()
+                    if len(rows) > 1 and any(int(cols.rank[r]) in bad for r in rows)), None)
+    ranks = sorted({int(cols.rank[r]) for r in holders} if holders else set(lk.ranks(cols, g)))
+    dims = varying_dims(comp.mesh.get(side), ranks)
+    text = f"replicas of {key} disagree across ranks {format_ranges(ranks)} in {cols.name}"
+    if dims:
+        dim = "/".join(dims)
+        text += (f" (mesh {dim}): ranks {format_ranges(bad)} differ from the others, so a "
+                 f"collective over {dim} is missing or wrong (an all-reduce left out, or a "
+                 "tensor left Partial)")
+    else:
+        text += (f": ranks {format_ranges(bad)} differ from the others, so a collective among "
+                 "them is missing or wrong (an all-reduce); the ranks registered no mesh "
+                 "coordinates, so the mesh dim cannot be named (pass the device mesh to attach)")
+    p = int(comp.pred[i])
+    if p >= 0 and int(comp.verdict[p]) == F.REPLICA_DIVERGENCE:
+        return F.Cause("inherited", f"{text}; the previous capture in execution order "
+                                    f"({comp.key(p)}) already has diverging replicas",
+                       comp.key(p))
+    return F.Cause("introduced", text, comp.key(p) if p >= 0 else None)
+
+
+def _zero_cut(comp: Comparison, i: int, p: int) -> F.Cause | None:
+    """An activation gradient that is all zero in one run only: backward was cut before it."""
+    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    if ri < 0 or ci < 0:
+        return None
+    zr, zc = int(comp.ref_keys.all_zero[ri]), int(comp.cand_keys.all_zero[ci])
+    if zr < 0 or zc < 0 or zr == zc:
+        return None
+    run, other = (comp.cand.name, comp.ref.name) if zc == 1 else (comp.ref.name, comp.cand.name)
+    text = (f"this activation gradient is all zero in {run} and not in {other}: backward is cut "
+            "before it (a detach or a no_grad")
+    if p >= 0 and not comp.breach[p]:
+        return F.Cause("introduced", f"{text} between {comp.key(p)}, which matched, and this "
+                                     "capture)", comp.key(p))
+    return F.Cause("introduced", text + ")", comp.key(p) if p >= 0 else None)
 
 ROUNDING_AMPLIFICATION = 100.0
 """A module 'amplifies a rounding difference' only while its own difference stays within this
@@ -100,38 +171,45 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
             j = int(bad[np.argmin(comp.rank_in_order[bad])])
             return F.Cause("inherited", f"its module's activation gradient differs "
                                         f"({comp.key(j)})", comp.key(j))
-        return F.Cause("introduced", f"every activation gradient of {module} matched in this "
-                                     "step: the difference arises in gradient accumulation, "
-                                     "reduction or scaling", comp.key(int(mine[0])))
     act = comp.step_keys(step, (PHASE_IDS["fwd"], PHASE_IDS["bwd"], PHASE_IDS["loss"],
                                  PHASE_IDS["input"]))
-    if len(act):
-        bad = act[comp.breach[act]]
-        if len(bad):
-            j = int(bad[np.argmin(comp.rank_in_order[bad])])
-            return F.Cause("inherited", f"activations of the step already differ (first: "
-                                        f"{comp.key(j)})", comp.key(j))
-        bwd_n = int(np.count_nonzero((comp.A[act] & 0xF) == PHASE_IDS["bwd"]))
-        fwd_n = len(act) - bwd_n
-        close_n = int(np.count_nonzero(comp.verdict[act] == F.CLOSE))
-        if bwd_n == 0:
-            return F.Cause("unknown", f"the {fwd_n} captured activations of the step match but "
-                                      "no activation gradient was captured: capture phase bwd "
-                                      f"around {module or 'the model'} to tell a backward "
-                                      "difference from one in reduction, accumulation or "
-                                      "scaling")
-        if close_n:
-            return F.Cause("introduced", f"{fwd_n} activations and {bwd_n} activation gradients "
-                                         f"of the step are within tolerance ({close_n} only "
-                                         "close, not identical), parameter gradients are not: "
-                                         "reduction, accumulation or scaling, or a small "
-                                         "difference the gradient sums up")
-        return F.Cause("introduced", f"forward and backward activations match, gradients do "
-                                     f"not: all {fwd_n} activations and {bwd_n} activation "
-                                     "gradients of the step are identical, so the difference "
-                                     "arises in gradient reduction, accumulation or scaling")
-    return F.Cause("unknown", "no activation or activation gradient of the step was captured: "
-                              "capture phases fwd and bwd to locate it")
+    if not len(act):
+        return F.Cause("unknown", "no activation or activation gradient of the step was "
+                                  "captured: capture phases fwd and bwd to locate it")
+    bad = act[comp.breach[act]]
+    if len(bad):
+        j = int(bad[np.argmin(comp.rank_in_order[bad])])
+        return F.Cause("inherited", f"activations of the step already differ (first: "
+                                    f"{comp.key(j)})", comp.key(j))
+    is_bwd = (comp.A[act] & 0xF) == PHASE_IDS["bwd"]
+    bwd_n = int(np.count_nonzero(is_bwd))
+    fwd_n = len(act) - bwd_n
+    close_fwd = int(np.count_nonzero(comp.verdict[act[~is_bwd]] == F.CLOSE))
+    close_bwd = int(np.count_nonzero(comp.verdict[act[is_bwd]] == F.CLOSE))
+    if bwd_n == 0:
+        return F.Cause("unknown", f"the {fwd_n} captured activations of the step match but "
+                                  "no activation gradient was captured: capture phase bwd "
+                                  f"around {module or 'the model'} to tell a backward "
+                                  "difference from one in reduction, accumulation or "
+                                  "scaling")
+    prev = comp.key(int(mine[0])) if len(mine) else None
+    own = (f", {len(mine)} of them at {module} itself" if len(mine) else
+           f" (none at {module or 'its module'} itself)")
+    if close_fwd or close_bwd:
+        scaled = (f" (activation gradients compared after the x{F.format_float(comp.bwd_factor)}"
+                  " the loss normalizations imply: equal only within tolerance)"
+                  if comp.bwd_factor != 1.0 else "")
+        return F.Cause("introduced", f"forward and backward activations match within "
+                                     f"tolerance, gradients do not: {fwd_n} activations "
+                                     f"({close_fwd} close, the rest identical) and {bwd_n} "
+                                     f"activation gradients ({close_bwd} close){own} of the "
+                                     f"step{scaled}: reduction, accumulation or scaling, or a "
+                                     "small difference the gradient sums up", prev)
+    return F.Cause("introduced", f"forward and backward activations match, gradients do "
+                                 f"not: all {fwd_n} activations and {bwd_n} activation "
+                                 f"gradients{own} of the step are identical, so the "
+                                 "difference arises in gradient reduction, accumulation or "
+                                 "scaling", prev)
 
 def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     if step == 0:
@@ -204,6 +282,7 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
     entries: list[tuple] = []
     totals_stage: dict[tuple, set[str]] = {}
     totals_run: dict[str, set[str]] = {"ref": set(), "cand": set()}
+    totals_module: dict[tuple[str, str], set[str]] = {}
     for i, r, c, is_none, zd, z_ref in zip(idx.tolist(), ri.tolist(), ci.tolist(),
                                             none.tolist(), zero_diff.tolist(), zr.tolist()):
         site = site_names.get(int(comp.B[i] >> 32), "")
@@ -212,61 +291,104 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
             if present:
                 totals_run[side].add(site)
                 totals_stage.setdefault((side, stage), set()).add(site)
+                totals_module.setdefault((side, site_module(site)), set()).add(site)
         step = int(comp.A[i] >> 24)
         if is_none:
             side = "cand" if ck.status[c] == M.NONE else "ref"
             entries.append((side, "none", stage, site, step))
         elif zd:
             entries.append(("ref" if z_ref == 1 else "cand", "zero", stage, site, step))
-    breaks = F.group_graph_breaks(entries, totals_stage, totals_run, names)
+    breaks = F.group_graph_breaks(entries, totals_stage, totals_run, names, totals_module)
     _add_boundary(comp, breaks)
     return breaks
 
 
 def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
-    """Name where gradients stop: the first stage (in pipeline order) without parameter
-    gradients, and whether its input activation's backward was captured."""
+    """Name where gradients stop, from the captured evidence.
+
+    A break of a whole run or stage: the first stage (in pipeline order) without parameter
+    gradients, and what its activation gradients show (all zero: a cut at its boundary; its
+    input activation's backward captured: backward reached it; none captured). A break of some
+    modules only, while other parameters got gradients: those modules' own evidence (frozen or
+    unused, or a cut before them when their activation gradients are all zero)."""
     for side, kind in (("cand", "none"), ("cand", "zero"), ("ref", "none"), ("ref", "zero")):
         mine = [b for b in breaks if b.side == side and b.kind == kind]
         if not mine:
             continue
-        what = "parameter gradients" if kind == "none" else "non-zero parameter gradients"
         keys = comp.cand_keys if side == "cand" else comp.ref_keys
         run = (comp.cand if side == "cand" else comp.ref).name
-        stages = sorted({b.stage for b in mine if b.stage is not None and b.stage >= 0})
-        in_stage = keys.stage == stages[0] if stages else np.ones(len(keys), bool)
-        where = f"stage {stages[0]}" if stages else "the model"
-        phase = keys.A & 0xF
-        bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
-        fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
-        text = f"gradients stop at {where} (the first without {what} in {run})"
-        later = stages[0] + 1 if stages else None
-        if later is not None and later not in stages and (keys.stage == later).any():
-            text += (f", at the stage {stages[0]} -> {later} boundary (stage {later}'s parameters "
-                     "received gradients)")
-        any_bwd = ((keys.A & 0xF) == PHASE_IDS["bwd"]).any()
-        if not any_bwd:
-            text += (f"; {run} captured no activation gradients (phase bwd), so whether backward "
-                     "reached the stage cannot be told: capture bwd to locate the cut")
-        elif len(fwd):
-            # the stage's input activation: its earliest forward capture
-            first = fwd[np.argmin(keys.pos[fwd])]
-            site_id = int(keys.B[first] >> 32)
-            site = comp.catalog.site_names.get(site_id, "?")
-            back = bwd & ((keys.B >> 32) == site_id)
-            if back.any():
-                text += (f": the backward of its input activation ({site}) was captured, so "
-                         "gradients reached the stage but its parameters received none (a skipped "
-                         "weight-gradient step, or gradients dropped or freed before capture)")
-            elif bwd.any():
-                text += (f": {int(bwd.sum())} activation gradients were captured in it but not the "
-                         f"backward of its input activation ({site})")
-            else:
-                text += (f": no activation gradient was captured in it, not even for its input "
-                         f"activation ({site}): backward never reached it")
-        elif bwd.any():
-            text += f": {int(bwd.sum())} activation gradients were captured in it"
-        else:
-            text += ": no activation gradient was captured in it either"
-        target = next((b for b in mine if b.scope in ("run", "stage")), mine[0])
-        target.boundary = text
+        for b in mine:
+            if b.scope == "module":
+                b.boundary = _module_boundary(comp, b, keys, run)
+        cut = [b for b in mine if b.scope in ("run", "stage")]
+        if cut:
+            cut[0].boundary = _stage_boundary(comp, cut, keys, run, kind)
+
+
+def _bwd_of(comp, keys, sites_mask: np.ndarray) -> tuple[int, int]:
+    """(captured, all zero) activation gradients (phase bwd, merged) among the masked keys."""
+    bwd = sites_mask & ((keys.A & 0xF) == PHASE_IDS["bwd"]) & (keys.status == M.OK)
+    return int(bwd.sum()), int((bwd & (keys.all_zero == 1)).sum())
+
+
+def _module_boundary(comp, b: F.GraphBreak, keys, run: str) -> str:
+    module = b.module or "(root)"
+    if b.total_params > b.params:
+        return (f"the other {b.total_params - b.params} parameters of {module} received "
+                f"gradients in {run}, so backward reached the module: the {b.params} without "
+                "are frozen (requires_grad=False) or unused in its forward, not a cut of the "
+                "graph")
+    site_ids = np.array([sid for sid, name in comp.catalog.site_names.items()
+                         if name == b.module or name.startswith(b.module + ".")], np.int64)
+    n, zero = _bwd_of(comp, keys, np.isin(keys.B >> 32, site_ids))
+    if n == 0:
+        return (f"{run} captured no activation gradient (phase bwd) of {module}: capture bwd to "
+                "tell frozen parameters from a graph cut before the module")
+    if zero == n:
+        return (f"activation gradients arriving at {module} are all zero ({zero} of {n} bwd "
+                f"captures in {run}): the graph is cut before it (a detach or a no_grad)")
+    return (f"activation gradients reached {module} ({n - zero} of {n} bwd captures in {run} "
+            "are not all zero): its parameters are frozen (requires_grad=False) or unused")
+
+
+def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) -> str:
+    what = "parameter gradients" if kind == "none" else "non-zero parameter gradients"
+    stages = sorted({b.stage for b in cut if b.stage is not None and b.stage >= 0})
+    in_stage = keys.stage == stages[0] if stages else np.ones(len(keys), bool)
+    where = f"stage {stages[0]}" if stages else "the model"
+    phase = keys.A & 0xF
+    bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
+    fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
+    text = f"gradients stop at {where} (the first without {what} in {run})"
+    later = stages[0] + 1 if stages else None
+    if later is not None and later not in stages and (keys.stage == later).any():
+        text += (f", at the stage {stages[0]} -> {later} boundary (stage {later}'s parameters "
+                 "received gradients)")
+    n_bwd, n_zero = _bwd_of(comp, keys, in_stage)
+    if not ((keys.A & 0xF) == PHASE_IDS["bwd"]).any():
+        return text + (f"; {run} captured no activation gradients (phase bwd), so whether "
+                       "backward reached the stage cannot be told: capture bwd to locate the cut")
+    if n_bwd and n_zero == n_bwd:
+        return text + (f": activation gradients arriving at {where} are all zero ({n_zero} of "
+                       f"{n_bwd} bwd captures): the graph is cut at the boundary (a detach or a "
+                       "no_grad)")
+    if len(fwd):
+        # the stage's input activation: its earliest forward capture
+        first = fwd[np.argmin(keys.pos[fwd])]
+        site_id = int(keys.B[first] >> 32)
+        site = comp.catalog.site_names.get(site_id, "?")
+        back = bwd & ((keys.B >> 32) == site_id)
+        if back.any():
+            zeros = f"; {n_zero} of them all zero" if n_zero else ", none all zero"
+            return text + (f": the backward of its input activation ({site}) was captured "
+                           f"({n_bwd} activation gradients in the stage{zeros}), so gradients "
+                           "reached the stage but its parameters received none (a skipped "
+                           "weight-gradient step, or gradients dropped or freed before capture)")
+        if bwd.any():
+            return text + (f": {n_bwd} activation gradients were captured in it but not the "
+                           f"backward of its input activation ({site})")
+        return text + (f": no activation gradient was captured in it, not even for its input "
+                       f"activation ({site}): backward never reached it")
+    if bwd.any():
+        return text + f": {n_bwd} activation gradients were captured in it"
+    return text + ": no activation gradient was captured in it either"

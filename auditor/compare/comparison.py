@@ -82,6 +82,11 @@ class Comparison:
     candidate's grad_scale over the reference's (their loss normalizations)."""
     scaled_by: np.ndarray | None = None
     """Norm ratio of keys that breach as a pure rescaling of the reference (NaN elsewhere)."""
+    pieces: dict[int, dict] = field(default_factory=dict)
+    """Which ranks' pieces differ, for the localized breaching keys (`localize`)."""
+    mesh: dict[str, dict] = field(default_factory=dict)
+    """Per side ("ref", "cand"): the run's mesh dim names and each rank's coordinate
+    (`ranks.mesh_of`), read while the store was open."""
     scaled_resid: np.ndarray | None = None
     """||cand - a*ref|| / ||cand|| with a = ||cand||/||ref||, where measured: how far the
     candidate is from a pure rescaling of the reference."""
@@ -139,8 +144,9 @@ class Comparison:
             metrics=self._metrics(i, ri, ci), rule=self.rule_labels[int(self.rule[i])],
             expected=bool(self.expected[i]), detail=self._detail(i, v, ri, ci),
             notes=list(self.notes.get(i, ())), order=int(self.rank_in_order[i]),
+            pieces=self.pieces.get(i),
         )
-        if with_cause and f.breach and v in (F.DIVERGED, F.NONFINITE):
+        if with_cause and f.breach and v in (F.DIVERGED, F.NONFINITE, F.REPLICA_DIVERGENCE):
             f.cause = self.cause(i)
         return f
 

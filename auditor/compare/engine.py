@@ -13,7 +13,9 @@ Pipeline, vectorized over keys (numpy columns, no Python object per record on th
    the same thing never get further;
 5. for the rest, read moments and sketches (and payloads where both runs sent them) in chunks and
    compute the policy's metric against its threshold (`auditor.compare.metrics`, `findings.judge`);
-6. order everything by execution order, find the first divergence, group graph breaks.
+6. order everything by execution order, find the first divergence, group graph breaks;
+7. for the breaching keys a report lists, say which ranks' pieces differ
+   (`auditor.compare.localize`), while the store is still open.
 
 `auditor.compare.live.LiveComparison` runs the same pipeline incrementally for `watch`.
 """
@@ -26,7 +28,9 @@ from pathlib import Path
 
 from auditor.compare.columns import Catalog
 from auditor.compare.comparison import CompareError
+from auditor.compare.localize import localize_breaches
 from auditor.compare.policy import Policy
+from auditor.compare.ranks import mesh_of
 from auditor.compare.result import Report
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
@@ -58,6 +62,11 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         factor, scale_warnings = bwd_factor(ref_info, cand_info)
         comp = evaluate(rc, cc, catalog, policy, reader, bwd_factor=factor)
         comp.timings["load"] = t1 - t0
+        # the store is open only until this returns: read what findings name ranks by now
+        comp.mesh = {"ref": mesh_of(reader, ref), "cand": mesh_of(reader, cand)}
+        t2 = time.perf_counter()
+        localize_breaches(comp)
+        comp.timings["localize"] = time.perf_counter() - t2
         report = Report.build(comp, ref_info, cand_info, policy)
         report.warnings.extend(scale_warnings)
         comp.timings["total"] = time.perf_counter() - t0

@@ -111,6 +111,8 @@ class Finding:
     detail: str = ""
     notes: list[str] = field(default_factory=list)
     cause: Cause | None = None
+    pieces: dict | None = None
+    """Which ranks' pieces differ (`auditor.compare.localize`); None when not localized."""
     order: int = 0
     """Position in execution order (0 = earliest)."""
 
@@ -136,6 +138,7 @@ class Finding:
             "detail": self.detail,
             "notes": self.notes,
             "cause": None if self.cause is None else self.cause.as_dict(),
+            "pieces": self.pieces,
             "order": self.order,
         }
 
@@ -212,6 +215,32 @@ def measure_text(f: dict, *, compact: bool = False) -> str:
     return text + ("; " + ", ".join(extra) if extra else "")
 
 
+def pieces_text(p: dict | None, *, short: bool = False) -> str:
+    """A finding's ``pieces`` in words: "ranks differ: dp=1 (rank 1 [4:8, 0:16]); 1 of 2 agree
+    (payload)"; `short` keeps the first part ("ranks differ: dp=1"). "" when not localized."""
+    if not p:
+        return ""
+    if p.get("cannot_localize"):
+        return "ranks: cannot localize" + ("" if short else f": {p['cannot_localize']}")
+    differ = p.get("differ") or []
+    total = p.get("differ_count", len(differ)) + p.get("agree", 0)
+    if not differ:
+        return "" if short else (f"ranks: no single piece differs beyond tolerance ({total} "
+                                 f"pieces, {p.get('method')})")
+    side = "" if p.get("side") in (None, "cand") else f" (in {p['side']})"
+    where = []
+    for d in differ[:8]:
+        mesh = ", ".join(f"{k}={v}" for k, v in (d.get("mesh") or {}).items())
+        where.append(mesh or f"rank {format_ranges(d['ranks'])}")
+    more = p.get("differ_count", len(differ)) - len(where)
+    head = "ranks differ: " + "; ".join(where) + (f"; +{more} more" if more > 0 else "") + side
+    if short:
+        return head
+    boxes = "; ".join(f"rank {format_ranges(d['ranks'])} {d['box']}" for d in differ[:8])
+    return (f"{head} ({boxes}); {p.get('agree', 0)} of {total} pieces agree "
+            f"(by {p.get('method')})")
+
+
 def _fixed(v) -> str:
     if isinstance(v, str):
         return v
@@ -264,12 +293,16 @@ class GraphBreak:
 def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
                        totals_by_stage: dict[tuple[str, int | None], set[str]],
                        totals_run: dict[str, set[str]],
-                       run_names: dict[str, str]) -> list[GraphBreak]:
+                       run_names: dict[str, str],
+                       totals_module: dict[tuple[str, str], set[str]] | None = None
+                       ) -> list[GraphBreak]:
     """Group per-key breaks into one line per run, stage or module.
 
     ``entries``: (side, kind, stage, site, step) of every gradient that is None (kind "none")
     or all zeros (kind "zero") in one run only; ``totals_*``: every parameter site compared,
-    per (side, stage) and per side, so "all parameters of stage 1" can be recognised.
+    per (side, stage) and per side, so "all parameters of stage 1" can be recognised;
+    ``totals_module`` per (side, module), so a module where only some parameters lack a
+    gradient reads "K of N parameters of M received no gradient (frozen or unused)".
     """
     from auditor.compare.align import common_prefix, site_module
 
@@ -319,10 +352,18 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
                                       f"under {prefix}, steps {format_ranges(steps)}"))
                 continue
             for module, msites in sorted(by_module.items()):
+                mtotal = len((totals_module or {}).get((side, module), msites) | msites)
+                names = ", ".join(sorted(s.rsplit(".", 1)[-1] for s in msites))
+                if mtotal > len(msites):
+                    did = ("received no gradient (frozen or unused)" if kind == "none" else
+                           "have all-zero gradients while the others do not (unused)")
+                    text = (f"{label}: {len(msites)} of {mtotal} parameters of "
+                            f"{module or '(root)'} {did}: {names}{tail}, "
+                            f"steps {format_ranges(steps)}")
+                else:
+                    text = (f"{label}: {module or '(root)'}: {len(msites)} parameter "
+                            f"{what[kind]}{tail} ({names}), steps {format_ranges(steps)}")
                 out.append(GraphBreak(side, kind, "module", stage, module, len(msites),
-                                      len(msites), steps, sorted(msites),
-                                      f"{label}: {module or '(root)'}: {len(msites)} parameter "
-                                      f"{what[kind]}{tail} ({', '.join(sorted(s.rsplit('.', 1)[-1] for s in msites))}), "
-                                      f"steps {format_ranges(steps)}"))
+                                      mtotal, steps, sorted(msites), text))
     return out
 

@@ -11,7 +11,10 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.keys import LogicalKeys
+from auditor.compare.localize import localize
+from auditor.compare.metrics import PayloadUnavailable
 from auditor.compare.policy import Policy
+from auditor.compare.ranks import mesh_of
 from auditor.compare.segments import ranges_index
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
@@ -125,6 +128,11 @@ class LiveComparison:
         idx = np.flatnonzero(~self.done[side])
         return self.cols[side].take(idx), idx
 
+    def _mesh(self) -> dict:
+        """Both runs' mesh coordinates (read each poll: ranks may register late)."""
+        return {"ref": mesh_of(self.reader, self.names["ref"]),
+                "cand": mesh_of(self.reader, self.names["cand"])}
+
     def _emit(self, past: float, *, everything: bool) -> list[LiveEvent]:
         rc, ridx = self._pending("ref")
         cc, cidx = self._pending("cand")
@@ -132,6 +140,7 @@ class LiveComparison:
             return []
         comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
                         bwd_factor=self.bwd_factor)
+        comp.mesh = self._mesh()
         rk, ck = comp.ref_keys, comp.cand_keys
         step = comp.A >> 24
         if everything:
@@ -175,9 +184,18 @@ class LiveComparison:
             c = self.cols[side]
             parts[side] = c.take(np.flatnonzero((c.A >> 24) <= step))
         comp = evaluate(parts["ref"], parts["cand"], self.catalog, self.policy, self.reader)
+        comp.mesh = self._mesh()
         fd = comp.first_divergence()
         if fd < 0:
             return []
+        if comp.verdict[fd] in (F.DIVERGED, F.NONFINITE) and comp.ri[fd] >= 0 \
+                and comp.ci[fd] >= 0:
+            try:
+                got = localize(comp, fd)
+            except PayloadUnavailable:
+                got = None
+            if got is not None:
+                comp.pieces[fd] = got
         self.announced = True
         return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
 

@@ -62,6 +62,12 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
     comp.payload[i]["ulp"] = pm.ulp
 
 
+def logical_values(comp: Comparison, which: str, g: int):
+    """(float64 values, raw bits or None, dtype) of logical key ``g`` of one side, rebuilt
+    from its pieces' payloads (raises PayloadUnavailable)."""
+    return _assemble(comp, which, g, {}, 0)
+
+
 def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
     """(float64 values, raw bits or None, dtype) of one side's logical tensor from payloads."""
     lk = comp.ref_keys if which == "ref" else comp.cand_keys

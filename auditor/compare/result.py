@@ -19,7 +19,7 @@ from auditor.compare.comparison import Comparison
 from auditor.compare.policy import Policy
 
 SCHEMA = "numaudit.report"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any change that could break a reader of the JSON report (docs/report-schema.md)."""
 
 

@@ -109,7 +109,7 @@ class _IdenticalWriter:
                     f'"ranks": {{"ref": {rr[r_first[j]:r_first[j] + r_count[j]]}, '
                     f'"cand": {cr[c_first[j]:c_first[j] + c_count[j]]}}}, {body}, '
                     f'"rule": {rules[rule[j]]}, "expected": false, "detail": "", '
-                    f'"notes": [], "cause": null, "order": {order[j]}}}')
+                    f'"notes": [], "cause": null, "pieces": null, "order": {order[j]}}}')
                 continue
             if none[j]:
                 body = ('"dtype": {"ref": null, "cand": null}, "shape": null, "numel": null, '
@@ -133,7 +133,7 @@ class _IdenticalWriter:
                 f'"ranks": {{"ref": {rr[r_first[j]:r_first[j] + r_count[j]]}, '
                 f'"cand": {cr[c_first[j]:c_first[j] + c_count[j]]}}}, {body}, '
                 f'"rule": {rules[rule[j]]}, "expected": false, "detail": "{detail}", '
-                f'"notes": [], "cause": null, "order": {order[j]}}}'
+                f'"notes": [], "cause": null, "pieces": null, "order": {order[j]}}}'
             )
         return out
 

@@ -63,6 +63,9 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         para(f"ranks: {runs['ref']['name']} {_ranks_text(first['ranks']['ref'])}; "
              f"{runs['cand']['name']} {_ranks_text(first['ranks']['cand'])}; "
              f"rule: {first['rule']}", 2)
+        where_ranks = F.pieces_text(first.get("pieces"))
+        if where_ranks and where_ranks not in (first.get("cause") or {}).get("reason", ""):
+            para(where_ranks, 2)
         payload = first.get("metrics", {}).get("payload")
         if payload and payload.get("worst"):
             w = payload["worst"]
@@ -153,6 +156,9 @@ def _row_texts(f: dict) -> tuple[tuple[str, str, str, str], str]:
         line = f["metric"]  # exact, shape: no number to show
     cause = f.get("cause")
     extra = f"{cause['kind']}: {cause['reason']}" if cause else f.get("detail", "")
+    where_ranks = F.pieces_text(f.get("pieces"), short=True)
+    if where_ranks and where_ranks not in extra:
+        extra = where_ranks + ("; " + extra if extra else "")
     if f.get("notes"):
         extra = (extra + "; " if extra else "") + "; ".join(f["notes"])
     return (where, f"{k['site']} {role}", f["verdict"], line), extra

@@ -8,7 +8,7 @@ import torch
 
 from auditor.compare.engine import compare_runs
 from auditor.compare.policy import preset_policy
-from tests.auditor.synth import RunBuilder, write_runs
+from tests.auditor.synth import RunBuilder, one_ulp, write_runs
 
 
 def _runs(db: Path, *, bwd: bool, fwd_delta: float = 0.0, out_delta: float = 0.0):
@@ -45,3 +45,138 @@ def test_a_close_predecessor_does_not_excuse_a_large_divergence(tmp_path):
     assert f.key.site == "head"
     assert "may amplify a rounding difference" not in f.cause.reason
     assert "the module computes otherwise" in f.cause.reason
+
+
+def test_gradients_differ_while_the_modules_own_activation_gradients_match(tmp_path):
+    """The module's own bwd capture is identical: the cause says which facts match."""
+    g = torch.Generator().manual_seed(1)
+    x, gy, gw = (torch.randn(8, 16, generator=g) for _ in range(3))
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b, k in ((ref, 1), (cand, 3)):
+        b.add_full(x, step=0, microbatch=0, phase="fwd", site="head", role="output")
+        b.add_full(gy, step=0, microbatch=0, phase="bwd", site="head", role="grad_output")
+        b.add_full(gw * k, step=0, microbatch=-1, phase="grad", site="head.weight", role="value")
+    write_runs(tmp_path / "a.db", ref, cand)
+    f = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32")).first
+    assert f.cause.reason.startswith("forward and backward activations match, gradients do not")
+    assert "1 of them at head itself" in f.cause.reason
+
+
+def test_activation_gradients_only_close_are_said_to_be_close(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    x, gy, gw = (torch.randn(8, 16, generator=g) for _ in range(3))
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b, is_cand in ((ref, False), (cand, True)):
+        b.add_full(x, step=0, microbatch=0, phase="fwd", site="head", role="output")
+        b.add_full(one_ulp(gy, 3) if is_cand else gy, step=0, microbatch=0, phase="bwd",
+                   site="head", role="grad_output")
+        b.add_full(gw * (2 if is_cand else 1), step=0, microbatch=-1, phase="grad",
+                   site="head.weight", role="value")
+    write_runs(tmp_path / "a.db", ref, cand)
+    f = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32")).first
+    assert f.key.phase == "grad"
+    assert f.cause.reason.startswith("forward and backward activations match within tolerance")
+    assert "1 activation gradients (1 close)" in f.cause.reason
+
+
+def _two_stage_runs(db: Path, *, detach: bool = False, frozen: str | None = None):
+    """Two pipeline stages (ranks 0, 1); the candidate cut at the 0 -> 1 boundary (stage 0's
+    activation and parameter gradients all zero) or with one parameter frozen."""
+    g = torch.Generator().manual_seed(3)
+    ref = RunBuilder("ref", world_size=2, stages={0: [0], 1: [1]})
+    cand = RunBuilder("cand", world_size=2, stages={0: [0], 1: [1]})
+    mods = {0: ["layers.0", "layers.1"], 1: ["layers.2", "layers.3"]}
+    acts = {m: torch.randn(4, 8, generator=g) for st in mods.values() for m in st}
+    grads = {f"{m}.{p}": torch.randn(8, 8, generator=g) for st in mods.values() for m in st
+             for p in ("weight", "bias")}
+    for b, is_cand in ((ref, False), (cand, True)):
+        for st, ms in mods.items():
+            for m in ms:
+                b.add(st, acts[m], step=0, microbatch=0, phase="fwd", site=m, role="output",
+                      stage=st)
+            for m in reversed(ms):
+                gy = acts[m] * 0.5
+                if is_cand and detach and st == 0:
+                    gy = torch.zeros_like(gy)
+                b.add(st, gy, step=0, microbatch=0, phase="bwd", site=m, role="grad_output",
+                      stage=st)
+            for m in ms:
+                for p in ("weight", "bias"):
+                    site = f"{m}.{p}"
+                    if is_cand and site == frozen:
+                        b.add_none(st, step=0, site=site, stage=st)
+                        continue
+                    gw = grads[site]
+                    if is_cand and detach and st == 0:
+                        gw = torch.zeros_like(gw)
+                    b.add(st, gw, step=0, microbatch=-1, phase="grad", site=site, role="value",
+                          stage=st)
+    write_runs(db, ref, cand)
+    return compare_runs(db, "ref", "cand", preset_policy("fp32"))
+
+
+def test_all_zero_activation_gradients_at_a_stage_boundary_are_a_detach(tmp_path):
+    report = _two_stage_runs(tmp_path / "a.db", detach=True)
+    [gb] = report.graph_breaks
+    assert (gb.kind, gb.scope, gb.stage) == ("zero", "stage", 0)
+    assert "activation gradients arriving at stage 0 are all zero (2 of 2 bwd captures): the " \
+           "graph is cut at the boundary (a detach or a no_grad)" in gb.boundary
+    assert "skipped weight-gradient" not in gb.boundary
+    # the first divergence is the first all-zero activation gradient, and it says so
+    f = report.first
+    assert f.key.phase == "bwd" and f.key.site == "layers.1"
+    assert "all zero in cand and not in ref" in f.cause.reason
+
+
+def test_one_frozen_parameter_is_not_a_graph_cut(tmp_path):
+    report = _two_stage_runs(tmp_path / "a.db", frozen="layers.1.bias")
+    [gb] = report.graph_breaks
+    assert gb.scope == "module" and (gb.params, gb.total_params) == (1, 2)
+    assert "1 of 2 parameters of layers.1 received no gradient (frozen or unused): bias" \
+        in gb.message
+    assert "gradients stop" not in gb.boundary
+    assert "frozen (requires_grad=False) or unused" in gb.boundary
+
+
+def test_replicas_that_disagree_name_the_mesh_dim_of_the_missing_collective(tmp_path):
+    """dp=2 x tp=2: the output of a Rowwise layer left unreduced differs across tp ranks."""
+    from agents.layout import PieceLayout
+    from tests.auditor.synth import shards
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(8, 16, generator=g)
+    mesh = dict(world_size=4, mesh={r: [r // 2, r % 2] for r in range(4)},
+                register={"mesh_shape": [2, 2], "mesh_dim_names": ["dp", "tp"]})
+    ref, cand = RunBuilder("ref"), RunBuilder("cand", **mesh)
+    key = dict(step=0, microbatch=0, phase="fwd", site="layers.0.ffn", role="output")
+    ref.add_full(h, **key)
+    for half, (piece, lay) in enumerate(shards(h, 2)):
+        for r in (2 * half, 2 * half + 1):
+            t = piece * 0.5 if r == 3 else piece
+            cand.add(r, t, PieceLayout(lay.logical_shape, lay.offsets, lay.shape, replica=True),
+                     **key)
+    write_runs(tmp_path / "a.db", ref, cand)
+    f = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32")).first
+    assert f.verdict == "replica_divergence"
+    assert f.cause is not None
+    assert "disagree across ranks 2-3 in cand (mesh tp)" in f.cause.reason
+    assert "collective over tp is missing or wrong" in f.cause.reason
+
+
+def test_one_parameter_without_gradient_in_an_unpipelined_model_is_not_a_cut(tmp_path):
+    """The issue's case: one frozen parameter of many, no pipeline: never 'gradients stop at the
+    model'; its module's activation gradients were captured, so it is frozen or unused."""
+    from tests.auditor.synth import mlp_run
+
+    def freeze(kind, step, mb, site, t):
+        return None if kind == "grad" and site == "layers.1.weight" else t
+
+    ref = mlp_run("ref", layers=4)
+    cand = mlp_run("cand", layers=4, perturb=freeze)
+    write_runs(tmp_path / "a.db", ref, cand)
+    report = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32"))
+    [gb] = report.graph_breaks
+    assert gb.scope == "module" and gb.module == "layers.1"
+    assert "gradients stop" not in gb.boundary
+    assert "activation gradients reached layers.1" in gb.boundary
+    assert "frozen (requires_grad=False) or unused" in gb.boundary
