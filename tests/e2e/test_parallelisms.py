@@ -146,10 +146,6 @@ def test_detach_at_a_stage_boundary(matrix):
     assert any(b["kind"] == "zero" and b["stage"] == 0 for b in report["graph_breaks"])
 
 
-@pytest.mark.xfail(strict=True, reason="causes from evidence (issue 9 item 7) not in i9-compare "
-                   "yet for a frozen parameter: the graph break says 'gradients stop at the model "
-                   "... gradients reached the stage but its parameters received none' though 28 "
-                   "of 29 parameters received gradients")
 def test_one_parameter_frozen_is_explained_as_frozen_or_unused(matrix):
     (brk,) = matrix.compare("ddp_frozen")[1]["graph_breaks"]
     text = brk["message"] + " " + (brk["boundary"] or "")
@@ -157,9 +153,6 @@ def test_one_parameter_frozen_is_explained_as_frozen_or_unused(matrix):
     assert re.search(r"frozen|unused|requires_grad", text), text
 
 
-@pytest.mark.xfail(strict=True, reason="causes from evidence (issue 9 item 7) not in i9-compare "
-                   "yet for a detach: the stage's break is explained as 'a skipped weight-gradient "
-                   "step' though the activation gradients reaching stage 0 are all zero")
 def test_detach_at_a_stage_boundary_is_explained_by_zero_activation_gradients(matrix):
     breaks = [b for b in matrix.compare("pp_detach")[1]["graph_breaks"] if b["stage"] == 0]
     text = " ".join(b["message"] + " " + (b["boundary"] or "") for b in breaks)
@@ -183,9 +176,6 @@ def test_one_rank_reads_another_ranks_data(matrix):
     assert _key(first) == ("fwd", "tok", 0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="rank localization (issue 9 item 6) is not in i9-compare "
-                   "yet: the first divergence names the candidate's ranks 0-1, not that only "
-                   "rank 1's piece [2:4] differs")
 def test_one_rank_reads_another_ranks_data_is_localized_to_that_rank(matrix):
     text = matrix.compare("ddp_wrong_data", "text")[1]
     section = text.split("First divergence", 1)[1].split("\n\n", 1)[0]
