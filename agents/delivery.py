@@ -11,6 +11,8 @@ Failure policy, by status code:
   DATA_LOSS, RESOURCE_EXHAUSTED, OUT_OF_RANGE): after REFUSAL_RETRIES resends (bytes corrupted
   in transit look the same) that batch is dropped and counted as `rejected`, the rest are resent;
 - ABORTED (the batch checksum did not match: corrupted in transit): resent;
+- RESOURCE_EXHAUSTED whose details start with `wire.limits.BUSY_PREFIX` (the daemon is at a
+  capacity cap: streams, bytes in flight): not a refusal; reconnect with backoff and resend;
 - the peer refused the session (UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, or a
   registration refused for what it says): give up, everything pending is counted `refused`;
 - anything else (UNAVAILABLE, DEADLINE_EXCEEDED, a hung peer caught by the ack watchdog):
@@ -28,6 +30,7 @@ from typing import Callable
 
 import grpc
 
+from wire import limits
 from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
 from protos import numaudit_pb2 as pb
 
@@ -244,8 +247,10 @@ class Delivery:
         # A fresh connection next time: one whose bytes were corrupted or that hangs can stay
         # "up" while every call on it times out, so reusing the channel would never recover.
         self.transport.close()
-        refused_for_content = code in _REJECTED or (registering and
-                                                    code == grpc.StatusCode.FAILED_PRECONDITION)
+        busy = (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and err.details().startswith(limits.BUSY_PREFIX))
+        refused_for_content = not busy and (code in _REJECTED or (
+            registering and code == grpc.StatusCode.FAILED_PRECONDITION))
         if refused_for_content and self._refusals < REFUSAL_RETRIES:
             # Bytes corrupted in transit are refused like bad content: try again before
             # believing it. A real refusal repeats and costs REFUSAL_RETRIES round trips.
@@ -261,7 +266,7 @@ class Delivery:
                 self._on_drop(self.fatal, self.pending.popleft().records)
             self.pending_bytes = 0
             return
-        if code in _REJECTED and self.pending and self.registered:
+        if refused_for_content and self.pending and self.registered:
             bad = self.pending.popleft()
             self.pending_bytes -= bad.nbytes
             self._on_drop("rejected", bad.records)

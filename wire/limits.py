@@ -76,6 +76,13 @@ MAX_KEY_CALL = (1 << 14) - 1
 MAX_RECORD_STAGE = (1 << 31) - 2
 """Largest `Record.stage` (stage + 1 takes 31 bits)."""
 
+# -- Status details both sides read ------------------------------------------------------------
+
+BUSY_PREFIX = "busy: "
+"""Starts the details of a RESOURCE_EXHAUSTED that means "the daemon is at a capacity cap, try
+again later" (streams, watches, compares, bytes in flight), as opposed to "this batch is too
+large", which is final for that batch. Senders back off and resend; they never drop for it."""
+
 # -- Keepalive and timing ------------------------------------------------------------------------
 
 CLIENT_KEEPALIVE_TIME_MS = 30_000

@@ -94,7 +94,7 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
     if isinstance(exc, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE, "auditor: shutting down; reconnect and resend"
     if isinstance(exc, TooBusy):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, limits.BUSY_PREFIX + str(exc)
     if isinstance(exc, IdleStream):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, BudgetExceeded):
