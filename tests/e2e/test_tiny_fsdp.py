@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from auditor.store import Reader
+from auditor.store import RECORD_COLUMNS, Reader
 from protos import numaudit_pb2 as pb
 
 from .helpers import Daemon, torchrun
@@ -71,15 +71,24 @@ def test_store_holds_expected_keys_and_summary_counts(tiny_store):
 def test_layouts_tile_every_logical_tensor(tiny_store):
     db, _ = tiny_store
     groups = defaultdict(list)
+    col = {name: i for i, name in enumerate(RECORD_COLUMNS)}
     for r in Reader(db).records("tiny"):
         if r[9]:  # None records carry no layout
             continue
         groups[r[:7]].append(dict(logical=json.loads(r[11]), offsets=json.loads(r[12]),
-                                  shape=json.loads(r[13]), replica=bool(r[14]), rank=r[7]))
+                                  shape=json.loads(r[13]), replica=bool(r[14]), rank=r[7],
+                                  reduce=r[col["reduce"]], addend=r[col["reduce_index"]],
+                                  addends=r[col["reduce_count"]]))
     assert groups
     for key, pieces in groups.items():
         assert len({p["rank"] for p in pieces}) == 2, key  # both ranks hold a piece
+        if pieces[0]["reduce"]:  # the per-rank loss: one addend per dp rank, not a tiling
+            assert sorted(p["addend"] for p in pieces) == [0, 1], (key, pieces)
+            assert {p["addends"] for p in pieces} == {2}, (key, pieces)
+            continue
         assert _tiles(pieces), (key, pieces)
+    loss = groups[(0, 0, pb.PHASE_LOSS, "loss", pb.ROLE_VALUE, 0, 0)]
+    assert loss and all(p["reduce"] == pb.REDUCTION_MEAN for p in loss)
     # activations: the batch of 4 per rank is one logical batch of 8
     fwd = groups[(0, 0, pb.PHASE_FWD, "head.out", pb.ROLE_OUTPUT, 0, 0)]
     assert sorted(p["offsets"][0] for p in fwd) == [0, 4]
@@ -95,7 +104,13 @@ def test_parameter_outside_the_graph_is_an_explicit_none_record(tiny_store):
 
 
 def test_payload_stored_for_selected_site(tiny_store):
+    """`--payload fwd:head` sends head's bytes; other pieces carry theirs only when they are
+    small enough to travel whole (payload_max_bytes, 16 KiB by default)."""
     db, _ = tiny_store
     reader = Reader(db)
-    with_payload = {r[3] for r in reader.records("tiny") if r[31]}
-    assert with_payload == {"head"}
+    col = {name: i for i, name in enumerate(RECORD_COLUMNS)}
+    rows = [r for r in reader.records("tiny") if r[col["has_payload"]]]
+    assert "head" in {r[3] for r in rows}
+    for r in rows:
+        if r[3] != "head":
+            assert r[col["numel"]] * 4 <= 16 << 10, r[:8]
