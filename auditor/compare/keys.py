@@ -189,8 +189,14 @@ def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.
     else:
         zeros[groups] = ((cols.flags[take] & 1) != 0).all(axis=1)
     partial[groups] = plan.partial
-    exact[groups] = (not plan.partial) and all(catalog.seeds_ok[c] for c in sig
-                                               if not catalog.pieces[c].is_none)
+    seeds_ok = all(catalog.seeds_ok[c] for c in sig if not catalog.pieces[c].is_none)
+    exact[groups] = (not plan.partial) and seeds_ok
+    if plan.reduce and plan.partial and seeds_ok and not plan.dedupe_sets:
+        # Addends of a reduction over the batch: their sum's fingerprint cannot be rebuilt, but
+        # the tuple (addend index, weight, addend fingerprint) can be: two runs whose addends are
+        # pairwise bitwise equal, with equal weights, combine to bitwise-equal values.
+        fp[groups] = _addends_fingerprint(plan, sig, catalog, cols.fp[take])
+        exact[groups] = True
     has_moments[groups] = any(catalog.has_moments[c] for c in sig if not catalog.pieces[c].is_none)
     if plan.status == REPLICA_DIVERGENCE:
         status[groups] = REPLICA_DIVERGENCE
@@ -222,3 +228,29 @@ def _describe(plan: TilingPlan, groups: np.ndarray, rows: np.ndarray, cols,
         if text is None:
             text = cache[k] = plan.describe([int(x) for x in ranks])
         messages[int(g)] = text
+
+
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_ADDENDS_DOMAIN = np.uint64(0x6E756D6164646E64)
+"""Keeps an addend-tuple fingerprint apart from any plain tensor fingerprint."""
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def _addends_fingerprint(plan: TilingPlan, sig: tuple[int, ...], catalog,
+                         addend_fps: np.ndarray) -> np.ndarray:
+    """[g] fingerprints of each key's reduction as a tuple of addends (``addend_fps`` is [g, n])."""
+    pieces = [catalog.pieces[sig[pos]] for pos in plan.take]
+    tags = np.array([(p.reduce << 56) ^ (p.reduce_count << 32) ^ p.reduce_index for p in pieces],
+                    np.uint64)
+    weights = np.array([p.reduce_weight for p in pieces], np.float64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        mixed = _splitmix(_splitmix(addend_fps.astype(np.uint64) ^ _ADDENDS_DOMAIN)
+                          ^ _splitmix(tags ^ _splitmix(weights)))
+        return mixed.sum(axis=1, dtype=np.uint64)

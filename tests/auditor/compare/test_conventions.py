@@ -233,3 +233,28 @@ def test_fp32_preset_catches_what_rel_l2_lets_through(db, payload):
     # the same pair under the rel_l2-only defaults passes: the preset is what catches it
     assert compare_runs(db, "ref", "cand").exit_code == 0
     to_json(report)
+
+
+def _two_dp_runs(db: Path, cand_addends, cand_weights=(4.0, 4.0)):
+    ref, cand = RunBuilder("ref", world_size=2), RunBuilder("cand", world_size=2)
+    key = dict(step=0, microbatch=0, phase="loss", site="loss", role="value")
+    for r, v in enumerate((1.25, 2.5)):
+        _reduced(ref, r, torch.tensor(v), index=r, count=2, weight=4.0, **key)
+    for r, (v, w) in enumerate(zip(cand_addends, cand_weights)):
+        _reduced(cand, r, torch.tensor(v), index=r, count=2, weight=w, **key)
+    write_runs(db, ref, cand)
+    return next(compare_runs(db, "ref", "cand", preset_policy("bitwise")).findings())
+
+
+def test_reductions_with_bitwise_equal_addends_are_identical(db):
+    """Both runs reduce over 2 dp ranks: pairwise-equal addends and weights combine to equal
+    bits, so the key is identical (exact), not merely close."""
+    f = _two_dp_runs(db, (1.25, 2.5))
+    assert f.verdict == "identical" and f.metrics["exact"] is True
+
+
+@pytest.mark.parametrize("addends, weights", [((2.5, 1.25), (4.0, 4.0)),   # swapped dp ranks
+                                              ((1.25, 2.5), (3.0, 5.0))])  # other batch split
+def test_reductions_whose_addends_differ_are_not_identical(db, addends, weights):
+    f = _two_dp_runs(db.with_name(f"{addends[0]}-{weights[0]}.db"), addends, weights)
+    assert f.verdict != "identical"
