@@ -335,9 +335,10 @@ def _module_boundary(comp, b: F.GraphBreak, keys, run: str) -> str:
     module = b.module or "(root)"
     if b.total_params > b.params:
         return (f"the other {b.total_params - b.params} parameters of {module} received "
-                f"gradients in {run}, so backward reached the module: the {b.params} without "
-                "are frozen (requires_grad=False) or unused in its forward, not a cut of the "
-                "graph")
+                f"gradients in {run}, so backward reached the module and the graph is not cut "
+                f"there: the {b.params} without were frozen (requires_grad=False) or unused in "
+                f"{run}'s forward, or their weight gradients were never computed or were "
+                "dropped (a split backward's weight step); the captures cannot tell which")
     site_ids = np.array([sid for sid, name in comp.catalog.site_names.items()
                          if name == b.module or name.startswith(b.module + ".")], np.int64)
     n, zero = _bwd_of(comp, keys, np.isin(keys.B >> 32, site_ids))
