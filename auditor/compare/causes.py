@@ -193,7 +193,7 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
                                   "difference from one in reduction, accumulation or "
                                   "scaling")
     prev = comp.key(int(mine[0])) if len(mine) else None
-    own = (f", {len(mine)} of them at {module} itself" if len(mine) else
+    own = (f" ({len(mine)} of them at {module} itself)" if len(mine) else
            f" (none at {module or 'its module'} itself)")
     if close_fwd or close_bwd:
         scaled = (f" (activation gradients compared after the x{F.format_float(comp.bwd_factor)}"
@@ -202,14 +202,15 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
         return F.Cause("introduced", f"forward and backward activations match within "
                                      f"tolerance, gradients do not: {fwd_n} activations "
                                      f"({close_fwd} close, the rest identical) and {bwd_n} "
-                                     f"activation gradients ({close_bwd} close){own} of the "
-                                     f"step{scaled}: reduction, accumulation or scaling, or a "
+                                     f"activation gradients ({close_bwd} close) of the "
+                                     f"step{own}{scaled}: reduction, accumulation or scaling, or a "
                                      "small difference the gradient sums up", prev)
     return F.Cause("introduced", f"forward and backward activations match, gradients do "
                                  f"not: all {fwd_n} activations and {bwd_n} activation "
-                                 f"gradients{own} of the step are identical, so the "
+                                 f"gradients of the step{own} are identical, so the "
                                  "difference arises in gradient reduction, accumulation or "
                                  "scaling", prev)
+
 
 def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     if step == 0:
