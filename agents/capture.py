@@ -276,20 +276,26 @@ class Capturer:
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
                    layout: PieceLayout | None = None):
-        key = (step, mb, site, index, call)
+        def capture(grad):
+            self.capture(grad, phase="bwd", site=site, role="grad_output", index=index,
+                         call=call, microbatch=mb, stage=stage, layout=layout)
 
+        return self._backward_hook((step, mb, site, index, call), step, capture)
+
+    def _backward_hook(self, key: tuple, step: int, capture: Callable[[torch.Tensor], None]):
+        """A tensor hook that captures the gradient once per key, keyed by the forward's step.
+
+        Split backward (ZBV, DualPipeV) can run a tensor's hooks in both the input-gradient and
+        the weight-gradient action: one capture per key. Never raises into backward.
+        """
         def hook(grad):
             try:
-                # Split backward (ZBV, DualPipeV) can run a tensor's hooks in both the
-                # input-gradient and the weight-gradient action: one capture per key.
                 if grad is not None and key not in self._bwd_seen:
                     self._bwd_seen.add(key)
                     saved = self.step
                     self.step = step
                     try:
-                        self.capture(grad, phase="bwd", site=site, role="grad_output",
-                                     index=index, call=call, microbatch=mb, stage=stage,
-                                     layout=layout)
+                        capture(grad)
                     finally:
                         self.step = saved
             except Exception as exc:
@@ -441,25 +447,12 @@ class Capturer:
 
     def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
                             mb: int, stage: int, step: int):
-        key = (step, mb, site, "segments", 0)
+        def capture(grad):
+            for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
+                self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+            self._drain()
 
-        def hook(grad):
-            try:
-                if grad is not None and key not in self._bwd_seen:
-                    self._bwd_seen.add(key)
-                    saved = self.step
-                    self.step = step
-                    try:
-                        for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
-                            self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
-                        self._drain()
-                    finally:
-                        self.step = saved
-            except Exception as exc:
-                self._failed("backward hook", exc)
-            return None
-
-        return hook
+        return self._backward_hook((step, mb, site, "segments", 0), step, capture)
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
