@@ -443,12 +443,22 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_TEXT_WORDS: dict[str, int] = {}
+
+
 def _text_words(names: list[str]) -> np.ndarray:
     """A 64-bit word per table entry (site or dtype name), from blake2b of its UTF-8."""
     import hashlib
 
-    return np.array([int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
-                     for s in names] or [0], np.uint64)
+    words = []
+    for s in names:
+        w = _TEXT_WORDS.get(s)
+        if w is None:
+            w = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+            if len(_TEXT_WORDS) < 1 << 20:  # site names are few; a bound all the same
+                _TEXT_WORDS[s] = w
+        words.append(w)
+    return np.array(words or [0], np.uint64)
 
 
 def _segment_sums(words: np.ndarray, starts: np.ndarray, n: int, lane: int) -> np.ndarray:

@@ -1,0 +1,252 @@
+"""Benchmark: end-to-end ingest into a real `auditor serve`, acked after commit.
+
+    python -m bench.ingest [--quick] [--store PATH_OR_URL] [--sessions 8] [--clients 2]
+                           [--k 64 256] [--batch 512] [--format packed records]
+                           [--server-root DIR]
+
+Simulated ranks: `--sessions` sessions (one gRPC stream each, like one rank's agent) spread over
+`--clients` client processes. Each session registers as one rank of run "bench-kK-FORMAT", then
+streams its batches, pipelined as the agent does (up to `--window` batches unacked). Batches
+are built and serialized before the clock starts (realistic digests: site names of a transformer,
+2-D shapes, float32 moments, random fingerprints and normal sketches of k buckets), so the
+figures are the daemon's: gRPC receive, checksum, validation, hashing, SQLite commit, ack.
+
+`--format packed` sends packed batches (RecordBatch.packed); `records` sends the same records
+one message each (an agent of an earlier build). `--server-root` runs the daemon from another
+checkout (e.g. /work/main, the build before packed batches) for a before/after comparison.
+`--store` is a store file path (default: a fresh file in a temporary directory) or a database
+URL (`postgresql://...`, passed to `auditor serve --store`).
+
+Printed per configuration: records/s and MB/s of record bytes (the serialized records on the
+wire) from the first send to the last ack, and ack latency p50/p99 (send of a batch to its ack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sites(n: int) -> list[str]:
+    kinds = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm")
+    return [f"model.layers.{i // len(kinds)}.{kinds[i % len(kinds)]}" for i in range(n)]
+
+
+def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
+                  session_id: str, seed: int = 0) -> tuple[list[bytes], int]:
+    """Serialized RecordBatches of one session, and the records' bytes on the wire."""
+    from protos import numaudit_pb2 as pb
+    from wire.checksum import records_checksum
+    from wire.packed import (HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns, packed_batch,
+                             to_records)
+
+    rng = np.random.default_rng(seed + rank)
+    sites = _sites(256)
+    out, record_bytes = [], 0
+    dt = dict(SCALAR_COLUMNS)
+    for b in range(n_batches):
+        n = per_batch
+        g = b * n + np.arange(n)  # global record number within the session
+        cols = {name: np.zeros(n, t) for name, t in SCALAR_COLUMNS}
+        cols["site"][:] = g % len(sites)
+        cols["step"][:] = g // (len(sites) * 32)
+        cols["microbatch"][:] = (g // len(sites)) % 32
+        cols["phase"][:] = 1 + (g // (len(sites) * 16)) % 2  # fwd, bwd
+        cols["role"][:] = np.where(cols["phase"] == 1, 1, 3)
+        cols["stage"][:] = -1
+        cols["flags"][:] = HAS_MOMENTS
+        cols["ndim"][:] = 3
+        numel = 4 * 4096 * 2
+        cols["numel"][:] = numel
+        cols["zero_count"][:] = rng.integers(0, 8, n)
+        sums = rng.normal(0, 50, n)
+        cols["sum"][:] = sums
+        cols["sum_sq"][:] = rng.uniform(1e3, 1e4, n)
+        cols["min"][:] = -rng.uniform(3, 6, n)
+        cols["max"][:] = rng.uniform(3, 6, n)
+        cols["abs_max"][:] = np.maximum(-cols["min"], cols["max"])
+        cols["fingerprint"][:] = rng.integers(0, 1 << 63, n, dtype=np.int64).astype(np.uint64) * 2 + 1
+        cols["fingerprint_seed"][:] = 0x5EED
+        cols["sketch_seed"][:] = 0x5CE7
+        cols["sketch_len"][:] = k
+        dims = np.tile(np.array([4, 4096 * 8, 2, 0, (4096 * rank) % (4096 * 8), 0, 4, 4096, 2],
+                                np.int64), n)
+        c = RecordColumns(n, {name: a.astype(dt[name]) for name, a in cols.items()},
+                          sites, ["bfloat16"], dims,
+                          rng.normal(0, 30, n * k).astype("<f8"))
+        c.cols["dtype"][:] = 0
+        if fmt == "packed":
+            msg = packed_batch(session_id, b + 1, c)
+            record_bytes += msg.packed.ByteSize()
+        else:
+            msg = pb.RecordBatch(schema_version=1, session_id=session_id, seq=b + 1)
+            msg.records.extend(to_records(c))
+            msg.records_crc32 = records_checksum(msg.records)
+            record_bytes += sum(r.ByteSize() for r in msg.records)
+        out.append(msg.SerializeToString())
+    return out, record_bytes
+
+
+def _session(address: str, run: str, rank: int, world: int, batches: list[bytes],
+             window: int, start: threading.Barrier, out: dict) -> None:
+    import grpc
+
+    from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+    from wire import limits
+
+    channel = grpc.insecure_channel(address, options=limits.client_options())
+    stub = numaudit_pb2_grpc.AuditorStub(channel)
+    sid = out["session_id"]
+    stub.Register(pb.RegisterRequest(schema_version=1, run=run, session_id=sid, rank=rank,
+                                     world_size=world, job_id=run), timeout=60)
+    call = channel.stream_stream("/numaudit.v1.Auditor/Ingest",
+                                 request_serializer=None, response_deserializer=pb.Ack.FromString)
+    sent_at: dict[int, float] = {}
+    slots = threading.Semaphore(window)
+
+    def requests():
+        for i, data in enumerate(batches):
+            slots.acquire()
+            sent_at[i + 1] = time.perf_counter()
+            yield data
+
+    start.wait()
+    t0 = time.perf_counter()
+    latencies, stored = [], 0
+    for ack in call(requests(), timeout=600):
+        now = time.perf_counter()
+        latencies.append(now - sent_at.pop(ack.acked_seq))
+        stored += ack.stored
+        slots.release()
+    out.update(t0=t0, t1=time.perf_counter(), latencies=latencies, stored=stored)
+    channel.close()
+
+
+def _client(address: str, run: str, ranks: list[int], world: int, args: dict,
+            ready: mp.Barrier, results: mp.Queue) -> None:
+    """One client process: builds its sessions' batches, then streams them (one thread each)."""
+    sys.path.insert(0, str(ROOT))
+    built = {}
+    for r in ranks:
+        sid = f"bench{os.getpid():x}r{r:06d}"
+        built[r] = (sid, *build_batches(r, args["batches"], args["batch"], args["k"],
+                                        args["format"], sid))
+    start = threading.Barrier(len(ranks) + 1)
+    outs = {r: {"session_id": built[r][0]} for r in ranks}
+    threads = [threading.Thread(target=_session, args=(address, run, r, world, built[r][1],
+                                                       args["window"], start, outs[r]))
+               for r in ranks]
+    for t in threads:
+        t.start()
+    ready.wait()  # every client has built its batches
+    start.wait()
+    for t in threads:
+        t.join()
+    for r in ranks:
+        o = outs[r]
+        results.put(dict(rank=r, t0=o["t0"], t1=o["t1"], latencies=o["latencies"],
+                         stored=o["stored"], records=args["batches"] * args["batch"],
+                         record_bytes=built[r][2]))
+
+
+def _serve(store: str, tmp: Path, server_root: Path) -> tuple[subprocess.Popen, str]:
+    port_file = tmp / "port"
+    port_file.unlink(missing_ok=True)
+    target = (["--store", store] if "://" in store else ["--db", store])
+    env = dict(os.environ, PYTHONPATH=str(server_root), PYTHONUNBUFFERED="1")
+    log = open(tmp / "auditor.log", "a")
+    proc = subprocess.Popen([sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0",
+                             *target, "--port-file", str(port_file), "--log-level", "warning"],
+                            cwd=server_root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"auditor serve did not start: {(tmp / 'auditor.log').read_text()}")
+        time.sleep(0.02)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def run_one(k: int, fmt: str, args: argparse.Namespace, tmp: Path) -> dict:
+    store = args.store or str(tmp / f"ingest-k{k}-{fmt}.db")
+    proc, address = _serve(store, tmp, Path(args.server_root).resolve())
+    try:
+        run = f"bench-k{k}-{fmt}-{os.getpid()}-{int(time.time())}"
+        clients = max(1, min(args.clients, args.sessions))
+        ranks = [list(range(c, args.sessions, clients)) for c in range(clients)]
+        ctx = mp.get_context("spawn")
+        ready, results = ctx.Barrier(clients), ctx.Queue()
+        per = dict(batches=args.batches, batch=args.batch, k=k, format=fmt, window=args.window)
+        procs = [ctx.Process(target=_client, args=(address, run, rs, args.sessions, per, ready,
+                                                   results)) for rs in ranks]
+        for p in procs:
+            p.start()
+        outs = []
+        while len(outs) < args.sessions:
+            try:
+                outs.append(results.get(timeout=1.0))
+            except Exception:  # queue.Empty: is every client still there?
+                if any(p.exitcode not in (None, 0) for p in procs) or proc.poll() is not None:
+                    raise RuntimeError("a client or the daemon failed; see the output above")
+        for p in procs:
+            p.join(60)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
+    lat = np.array([x for o in outs for x in o["latencies"]]) * 1e3
+    records = sum(o["records"] for o in outs)
+    stored = sum(o["stored"] for o in outs)
+    nbytes = sum(o["record_bytes"] for o in outs)
+    return dict(k=k, format=fmt, sessions=args.sessions, records=records, stored=stored,
+                seconds=t1 - t0, records_s=records / (t1 - t0), mb_s=nbytes / (t1 - t0) / 1e6,
+                bytes_per_record=nbytes / records, p50_ms=float(np.percentile(lat, 50)),
+                p99_ms=float(np.percentile(lat, 99)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ingest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer batches")
+    parser.add_argument("--store", default=None, help="store file or postgresql:// URL "
+                        "(default: a fresh file per configuration)")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--k", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--batch", type=int, default=512, help="records per batch (the "
+                        "agent's default batch_records)")
+    parser.add_argument("--batches", type=int, default=None, help="batches per session")
+    parser.add_argument("--window", type=int, default=8, help="unacked batches per session")
+    parser.add_argument("--format", nargs="+", default=["packed"], choices=["packed", "records"])
+    parser.add_argument("--server-root", default=str(ROOT))
+    args, _ = parser.parse_known_args(argv)
+    if args.batches is None:
+        args.batches = 10 if args.quick else 40
+    print(f"bench.ingest: {args.sessions} sessions over {args.clients} client processes, "
+          f"{args.batches} batches x {args.batch} records each, acked after commit "
+          f"(server {args.server_root})")
+    with tempfile.TemporaryDirectory(prefix="numaudit-ingest-") as d:
+        for k in args.k:
+            for fmt in args.format:
+                r = run_one(k, fmt, args, Path(d))
+                print(f"  k={r['k']:<4} {r['format']:<8} {r['records']:>8} records in "
+                      f"{r['seconds']:6.2f} s: {r['records_s']:>9,.0f} records/s "
+                      f"{r['mb_s']:7.1f} MB/s ({r['bytes_per_record']:.0f} B/record)  "
+                      f"ack p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms  "
+                      f"stored {r['stored']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
