@@ -227,7 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=512, help="records per batch (the "
                         "agent's default batch_records)")
     parser.add_argument("--batches", type=int, default=None, help="batches per session")
-    parser.add_argument("--window", type=int, default=8, help="unacked batches per session")
+    parser.add_argument("--window", type=int, default=2, help="unacked batches per session "
+                        "(ack latency grows with it: batches wait in the daemon's queue)")
     parser.add_argument("--format", nargs="+", default=["packed"], choices=["packed", "records"])
     parser.add_argument("--server-root", default=str(ROOT))
     args, _ = parser.parse_known_args(argv)
