@@ -1,0 +1,138 @@
+"""Packed batches end to end: an agent sends them to a real daemon; a peer that does not say
+`packed_batches` gets per-record batches; spools of either kind replay into the same rows."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import grpc
+import pytest
+import torch
+
+import agents
+from agents.delivery import Delivery
+from agents.transport import GrpcTransport
+from auditor.daemon.replay import replay_into_db
+from auditor.daemon.server import BackgroundServer
+from protos import numaudit_pb2 as pb
+from tests.auditor.builders import record, register_request
+from wire import packed as P
+from wire.checksum import batch_checksum, received_records_checksum
+from wire.spool import SpoolWriter, read_spool
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _capture(agent, steps: int = 2) -> None:
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        with agent.step(step), agent.microbatch(0):
+            for i in range(5):
+                agent.capture(torch.randn(4, 3, generator=g), site=f"m{i}", phase="fwd")
+            agent.capture(torch.arange(6), site="ids", phase="input")
+            agent.capture(None, site="none", phase="input")
+            agent.capture(torch.randn(2, 2, generator=g), site="pay", phase="input")
+
+
+def _stored(db) -> list[tuple]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(
+            "SELECT s.name, r.step, r.microbatch, r.phase, r.role, r.is_none, r.dtype, r.shape,"
+            " r.numel, r.sum, r.fingerprint, r.sketch, r.content_hash FROM records r JOIN sites s"
+            " USING (site_id) ORDER BY s.name, r.step, r.phase").fetchall()
+    finally:
+        conn.close()
+
+
+def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
+    agent = agents.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
+                          spool_mode="always", phases=("input", "fwd"), payload=("input:pay",),
+                          sketch_k=32, batch_records=8)
+    _capture(agent)
+    agent.close(timeout=5.0)
+    (path,) = sorted((tmp_path / "spool").glob("*.spool"))
+    contents = read_spool(path)
+    assert any(b.HasField("packed") for b in contents.batches)
+    assert any(len(b.records) for b in contents.batches)  # the payload records
+    for b in contents.batches:
+        assert received_records_checksum(b.SerializeToString()) == b.records_crc32
+    total = sum(P.batch_record_count(b) for b in contents.batches)
+    assert total == 2 * 8
+    # the same session written as a spool of an earlier build: per-record batches only
+    old = SpoolWriter(tmp_path / "old", contents.register.run, 0, contents.register.session_id)
+    old.append(contents.register)
+    for b in contents.batches:
+        old.append(P.unpacked_batch(b))
+    old.append(contents.close)
+    old.close()
+    (new_result,) = replay_into_db([path], tmp_path / "new.db")
+    (old_result,) = replay_into_db([old.path], tmp_path / "old.db")
+    assert new_result.stored == old_result.stored == total and not new_result.rejected
+    assert _stored(tmp_path / "new.db") == _stored(tmp_path / "old.db")
+    # replaying the old spool into the store of the new one: all duplicates (same hashes)
+    (again,) = replay_into_db([old.path], tmp_path / "new.db")
+    assert (again.stored, again.duplicates, again.conflicts) == (0, total, 0)
+
+
+def test_agent_to_a_real_daemon_stores_every_record(tmp_path):
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        agent = agents.attach(None, address=srv.address, run="live", phases=("input", "fwd"),
+                              payload=("input:pay",), sketch_k=16, batch_records=8)
+        _capture(agent, steps=3)
+        agent.close(timeout=10.0)
+        assert agent._sender.delivery.transport.packed_batches
+    rows = _stored(tmp_path / "audit.db")
+    assert len(rows) == 3 * 8
+    assert sum(1 for r in rows if r[5]) == 3  # the None captures
+
+
+class _OldPeer:
+    """A Transport to a daemon of an earlier build: the real gRPC transport, whose Register
+    answer lacks packed_batches (as an old daemon's would)."""
+
+    def __init__(self, address: str) -> None:
+        self.inner = GrpcTransport(address)
+        self.sent: list[pb.RecordBatch] = []
+        self.packed_batches = False
+
+    def register(self, req, timeout, abort=lambda: False):
+        acked = self.inner.register(req, timeout, abort)
+        self.packed_batches = False
+        return acked
+
+    def open_stream(self):
+        stream = self.inner.open_stream()
+        send = stream.send
+
+        def recording_send(batch):
+            self.sent.append(batch)
+            send(batch)
+        stream.send = recording_send
+        return stream
+
+    def close_session(self, req, timeout):
+        self.inner.close_session(req, timeout)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_peer_without_packed_batches_gets_per_record_batches(tmp_path):
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _OldPeer(srv.address)
+        req = register_request(run="old", session_id="old-0")
+        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: None)
+        records = [record(0, j) for j in range(5)]
+        packed = P.packed_batch("old-0", 1, P.from_records(records))
+        assert d.offer(packed, 5, packed.ByteSize())
+        import time
+        deadline = time.monotonic() + 20
+        while d.pending and time.monotonic() < deadline:
+            d.service()
+            time.sleep(0.01)
+        d.shutdown()
+        assert not d.pending and d.acked_records == 5
+        assert peer.sent and not any(b.HasField("packed") for b in peer.sent)
+        assert list(peer.sent[0].records) == records
+        assert peer.sent[0].records_crc32 == batch_checksum(peer.sent[0])
