@@ -6,7 +6,7 @@ What the SQLite store gets from its single writer thread comes here from the dat
   replicas given the same session's batches store one and see the other as a resend;
 - run names and renames, session ids, site ids: unique constraints; a transaction that loses a
   race (unique violation, serialization failure, deadlock) is rolled back and run again
-  (`PgWriter`), and then sees the winner's row;
+  (`auditor.store.postgres_writer.PgWriter`), and then sees the winner's row;
 - records unique on (run, key, rank): a batch is COPYed into a per-connection staging table and
   inserted with ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in
   SQL, and differing ones flagged in `conflicts`.
@@ -20,19 +20,16 @@ the same SQL on both backends: it rewrites SQLite's ``?`` and ``:name`` placehol
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import logging
 import re
-import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import psycopg
-from psycopg import errors as pg_errors
 
-from auditor.store.backend import is_postgres_url  # noqa: F401  (re-exported)
+from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
 from auditor.store.errors import StoreError, UnknownSession
 from auditor.store.files import NotAStore
 from auditor.store.jobs import run_for_job
@@ -132,15 +129,6 @@ _INSERT_PAYLOADS = (
     f" s.p_compressed, s.p_crc, s.p_data FROM {_KEY_JOIN}"
     " WHERE s.p_count IS NOT NULL AND r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
 
-RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
-             pg_errors.UniqueViolation)
-"""A transaction that lost a race to another replica; run again, it sees the winner's rows."""
-MAX_ATTEMPTS = 8
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
 
 
 # -- SQL written for SQLite, run on PostgreSQL ------------------------------------------------------
@@ -413,94 +401,3 @@ def _record_row(pos: int, r: pb.Record, site_id: int, chash: bytes) -> tuple:
 def _pack(values: Sequence[float]) -> bytes:
     import struct
     return struct.pack(f"={len(values)}d", *values)
-
-
-class PgWriter:
-    """The `StoreWriter` interface over PostgreSQL: `submit(work)` runs `work(store)` in a
-    transaction of its own on one of `connections` connections; the future resolves after the
-    commit. Transactions that lose a race to another replica run again (`RETRYABLE`); a broken
-    connection is reopened and the work run again (each work item is idempotent: ingest by
-    (session, seq) and (run, key, rank), register by session id)."""
-
-    def __init__(self, url: str, *, synchronous: str = "FULL", connections: int = 4) -> None:
-        from auditor.store.writer import WriterClosed
-
-        self._closed_error = WriterClosed
-        self.url, self._synchronous = url, synchronous
-        pg_connect(url, synchronous=synchronous).close()  # reachable, schema in place
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            connections, thread_name_prefix="numaudit-pg-writer")
-        self._local = threading.local()
-        self._stores: list[PgStore] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, work: Callable[[PgStore], Any]) -> concurrent.futures.Future:
-        with self._lock:
-            if self._closed:
-                raise self._closed_error("the store writer is closed")
-            return self._pool.submit(self._run, work)
-
-    def close(self, timeout: float = 30.0) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._pool.shutdown(wait=True)
-        for store in self._stores:
-            try:
-                store.close()
-            except Exception:  # already broken
-                pass
-
-    def _store(self) -> PgStore:
-        store = getattr(self._local, "store", None)
-        if store is None or store.raw.closed:
-            store = PgStore(self.url, synchronous=self._synchronous)
-            self._local.store = store
-            with self._lock:
-                self._stores.append(store)
-        return store
-
-    def _run(self, work: Callable[[PgStore], Any]) -> Any:
-        delay = 0.01
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            try:
-                store = self._store()
-            except NotAStore as exc:  # the server is down or restarting
-                if attempt == MAX_ATTEMPTS:
-                    raise ConnectionError(str(exc)) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            try:
-                store.begin()
-                value = work(store)
-                store.commit()
-                return value
-            except RETRYABLE as exc:
-                store.rollback()
-                if attempt == MAX_ATTEMPTS:
-                    raise ConnectionError(f"store: gave up after {attempt} attempts: {exc}") \
-                        from None
-                log.debug("retrying a transaction that lost a race: %s", exc)
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                # connection lost (server restart, network): the outcome of a commit in flight
-                # is unknown, and running the work again is safe
-                self._local.store = None
-                try:
-                    store.close()
-                except Exception:
-                    pass
-                if attempt == MAX_ATTEMPTS:
-                    raise ConnectionError(f"store: {redact(self.url)}: {exc}") from None
-                log.warning("store connection lost (%s); reconnecting", exc)
-            except BaseException:
-                try:
-                    store.rollback()
-                except psycopg.Error:
-                    self._local.store = None
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")

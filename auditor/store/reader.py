@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from auditor.store.backend import is_postgres_url
+from auditor.store.location import is_postgres_url
 from auditor.store.errors import UnknownRun, UnknownSession
 from auditor.store.sqlite import connect
 
