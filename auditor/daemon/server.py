@@ -39,7 +39,8 @@ from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBus
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
 from auditor.daemon import reads
 from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
-from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun, content_hash
+from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
+from wire.packed import RecordColumns, content_hashes
 from wire.checksum import received_records_checksum
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
@@ -211,9 +212,10 @@ def _abandon(task: asyncio.Future) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def _validate_and_hash(batch: pb.RecordBatch) -> list[bytes]:
-    validate_batch(batch)
-    return [content_hash(r) for r in batch.records]
+def _validate_and_hash(batch: pb.RecordBatch) -> tuple[RecordColumns, list[bytes]]:
+    """The batch's records as columns (packed and per record), validated, and their hashes."""
+    cols = validate_batch(batch)
+    return cols, content_hashes(cols)
 
 
 class AuditorService(numaudit_pb2_grpc.AuditorServicer):
@@ -305,8 +307,10 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                 except StopAsyncIteration:
                     return
                 async with self._admission.bytes_in_flight(batch.ByteSize()):
-                    hashes = await self._offload(_validate_and_hash, batch)
-                    result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
+                    cols, hashes = await self._offload(_validate_and_hash, batch)
+                    result = await self._commit(
+                        lambda store, b=batch, c=cols, h=hashes:
+                        store.ingest_columns(b.session_id, b.seq, c, h))
                 log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d",
                           batch.session_id, batch.seq, result.stored, result.duplicates,
                           result.conflicts)

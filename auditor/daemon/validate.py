@@ -30,6 +30,7 @@ import zstandard
 from wire import limits, names
 from protos import numaudit_pb2 as pb
 from wire.checksum import records_checksum
+from wire.packed import RecordColumns, batch_columns
 
 
 class ValidationError(ValueError):
@@ -207,8 +208,9 @@ def validate_describe(req: pb.DescribeRunRequest) -> None:
 
 # -- Batches and records -----------------------------------------------------------------------------
 
-def validate_batch(batch: pb.RecordBatch) -> None:
-    """Everything about a batch that can be checked without the store; raises on the first fault."""
+def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
+    """Everything about a batch that can be checked without the store; raises on the first fault.
+    Returns the batch's records as columns (packed first, then per record)."""
     if batch.HasField("records_crc32") and records_checksum(batch.records) != batch.records_crc32:
         # First: a corrupted batch must be resent, not refused for what the corruption says.
         raise CorruptedInTransit("records_crc32", "does not match the records (corrupted in "
@@ -232,6 +234,7 @@ def validate_batch(batch: pb.RecordBatch) -> None:
                                   f"limit of {limits.MAX_BATCH_PAYLOAD_BYTES}")
     if has_payload:
         _verify_batch_payloads(records)
+    return batch_columns(batch)
 
 
 def validate_record(r: pb.Record, where: str = "record") -> None:
