@@ -33,8 +33,10 @@ from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-ex
 from auditor.store.errors import StoreError, UnknownSession
 from auditor.store.files import NotAStore
 from auditor.store.jobs import run_for_job
-from auditor.store.sqlite import IngestResult, SCHEMA_VERSION, content_hash, to_int64
+from auditor.store.rows import INSERT_COLUMNS, record_rows
+from auditor.store.sqlite import IngestResult, SCHEMA_VERSION
 from protos import numaudit_pb2 as pb
+from wire.packed import RecordColumns, batch_columns, content_hashes
 
 log = logging.getLogger(__name__)
 
@@ -89,46 +91,37 @@ CREATE TABLE IF NOT EXISTS conflicts (
 CREATE INDEX IF NOT EXISTS conflicts_by_record ON conflicts (record_id);
 """
 
-# The staging table one connection COPYs a batch into (emptied at each commit). Every column of
-# a record that varies within a batch, in `_record_row` order, plus its payload chunk if any.
-_STAGE_COLUMNS = (
-    ("pos", "int8"), ("step", "int8"), ("microbatch", "int8"), ("phase", "int8"),
-    ("site_id", "int8"), ("role", "int8"), ("idx", "int8"), ("call", "int8"),
-    ("stage", "int8"), ("is_none", "int8"), ("dtype", "text"), ("logical_shape", "text"),
-    ("offsets", "text"), ("shape", "text"), ("replica", "int8"), ("partial", "int8"),
-    ("complex_as_real", "int8"), ("numel", "int8"), ("nan", "int8"), ("posinf", "int8"),
-    ("neginf", "int8"), ("zeros", "int8"), ("has_moments", "int8"), ("sum", "float8"),
-    ("sum_sq", "float8"), ("min", "float8"), ("max", "float8"), ("abs_max", "float8"),
-    ("fingerprint", "int8"), ("fingerprint_seed", "int8"), ("sketch", "bytea"),
-    ("sketch_seed", "int8"), ("content_hash", "bytea"), ("reduce", "int8"),
-    ("reduce_weight", "float8"), ("reduce_index", "int8"), ("reduce_count", "int8"),
-    ("ragged_parts", "int8"), ("ragged_first", "int8"), ("ragged_span", "int8"),
-    ("p_index", "int8"), ("p_count", "int8"), ("p_codec", "text"), ("p_raw", "int8"),
-    ("p_compressed", "int8"), ("p_crc", "int8"), ("p_data", "bytea"),
-)
-_STAGE = "numaudit_stage"
-_STAGE_DDL = (f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ("
-              + ", ".join(f"{n} {t}" for n, t in _STAGE_COLUMNS) + ") ON COMMIT DELETE ROWS")
-_COPY = f"COPY {_STAGE} ({', '.join(n for n, _ in _STAGE_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
-_RECORD_FIELDS = [n for n, _ in _STAGE_COLUMNS[1:40]]  # pos and the payload excluded
-_INSERT_RECORDS = (
-    "INSERT INTO records (run_id, rank, session_id, seq, received, "
-    + ", ".join(_RECORD_FIELDS) + ") SELECT %(run)s, %(rank)s, %(sid)s, %(seq)s, %(now)s, "
-    + ", ".join(_RECORD_FIELDS) + f" FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
-_KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = %(run)s AND r.rank = %(rank)s"
+# The staging tables one connection COPYs a batch into (emptied at each commit): the rows of
+# `rows.record_rows` with their position in the batch, and the batch's payload chunks.
+_TYPES = {"dtype": "text", "logical_shape": "text", "offsets": "text", "shape": "text",
+          "session_id": "text", "sketch": "bytea", "content_hash": "bytea", "sum": "float8",
+          "sum_sq": "float8", "min": "float8", "max": "float8", "abs_max": "float8",
+          "received": "float8", "reduce_weight": "float8"}
+_STAGE_COLUMNS = [("pos", "int8")] + [(c, _TYPES.get(c, "int8")) for c in INSERT_COLUMNS]
+_CHUNK_COLUMNS = [("pos", "int8"), ("chunk_index", "int8"), ("chunk_count", "int8"),
+                  ("codec", "text"), ("raw_nbytes", "int8"), ("compressed_nbytes", "int8"),
+                  ("crc32", "int8"), ("data", "bytea")]
+_STAGE, _CHUNKS = "numaudit_stage", "numaudit_stage_chunks"
+_STAGE_DDL = [f"CREATE TEMP TABLE IF NOT EXISTS {name} ("
+              + ", ".join(f"{n} {t}" for n, t in columns) + ") ON COMMIT DELETE ROWS"
+              for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))]
+_COPY = {name: f"COPY {name} ({', '.join(n for n, _ in columns)}) FROM STDIN (FORMAT BINARY)"
+         for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))}
+_INSERT_RECORDS = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) SELECT "
+                   f"{', '.join(INSERT_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
+_KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = s.run_id AND r.rank = s.rank"
              " AND r.step = s.step AND r.microbatch = s.microbatch AND r.phase = s.phase"
              " AND r.site_id = s.site_id AND r.role = s.role AND r.idx = s.idx"
              " AND r.call = s.call")
 _FLAG_CONFLICTS = (
     "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
-    f" SELECT r.record_id, %(sid)s, %(seq)s, s.content_hash, %(now)s FROM {_KEY_JOIN}"
+    f" SELECT r.record_id, s.session_id, s.seq, s.content_hash, s.received FROM {_KEY_JOIN}"
     " WHERE r.content_hash <> s.content_hash")
 _COUNT_SAME = f"SELECT COUNT(*) FROM {_KEY_JOIN} WHERE r.content_hash = s.content_hash"
-_INSERT_PAYLOADS = (
-    "INSERT INTO payload_chunks SELECT r.record_id, s.p_index, s.p_count, s.p_codec, s.p_raw,"
-    f" s.p_compressed, s.p_crc, s.p_data FROM {_KEY_JOIN}"
-    " WHERE s.p_count IS NOT NULL AND r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
-
+_INSERT_CHUNKS = (
+    "INSERT INTO payload_chunks SELECT r.record_id, c.chunk_index, c.chunk_count, c.codec,"
+    f" c.raw_nbytes, c.compressed_nbytes, c.crc32, c.data FROM {_CHUNKS} c JOIN {_KEY_JOIN}"
+    " ON s.pos = c.pos WHERE r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
 
 
 # -- SQL written for SQLite, run on PostgreSQL ------------------------------------------------------
@@ -226,7 +219,8 @@ class PgStore:
         self.url = url
         self.raw = pg_connect(url, synchronous=synchronous)
         self.conn = QmarkConnection(self.raw)  # for run_for_job, shared with the SQLite store
-        self.raw.execute(_STAGE_DDL)
+        for ddl in _STAGE_DDL:
+            self.raw.execute(ddl)
         self._site_ids: dict[str, int] = {}
         """Sites known committed (a site inserted by a transaction that rolls back is not)."""
         self._new_sites: dict[str, int] = {}
@@ -333,36 +327,47 @@ class PgStore:
         return ids
 
     def ingest(self, batch: pb.RecordBatch, hashes: Sequence[bytes] | None = None) -> IngestResult:
-        """Store one validated batch. A resent batch (seq <= acked) stores nothing."""
-        run_id, rank, acked = self.session(batch.session_id, lock=True)
-        if hashes is None:
-            hashes = [content_hash(r) for r in batch.records]
-        fresh = batch.seq > acked
-        sites = self.site_ids([r.key.site for r in batch.records], create=fresh)
-        rows = (_record_row(pos, r, sites.get(r.key.site, -1), h)
-                for pos, (r, h) in enumerate(zip(batch.records, hashes)))
-        return self._ingest_rows(rows, len(batch.records), batch.session_id, batch.seq,
-                                 run_id, rank, acked)
+        """Store one validated batch (packed, per record, or both). See `ingest_columns`."""
+        return self.ingest_columns(batch.session_id, batch.seq, batch_columns(batch), hashes)
 
-    def _ingest_rows(self, rows: Any, n: int, session_id: str, seq: int, run_id: int,
-                     rank: int, acked: int) -> IngestResult:
-        params = dict(run=run_id, rank=rank, sid=session_id, seq=seq, now=time.time())
+    def ingest_columns(self, session_id: str, seq: int, cols: RecordColumns,
+                       hashes: Sequence[bytes] | None = None) -> IngestResult:
+        """Store one validated batch of records given as columns: COPY into the staging table,
+        one INSERT ... SELECT ... ON CONFLICT DO NOTHING, then keys already stored are compared
+        by content hash in SQL (equal: a duplicate; different: flagged in `conflicts`). A
+        resent batch (seq <= acked) stores nothing and is checked the same way."""
+        run_id, rank, acked = self.session(session_id, lock=True)
+        if hashes is None:
+            hashes = content_hashes(cols)
+        fresh = seq > acked
+        ids = self.site_ids(cols.sites, create=fresh)
+        rows = record_rows(cols, [ids.get(name, -1) for name in cols.sites], run_id, rank,
+                           hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
-        with cur.copy(_COPY) as copy:
-            copy.set_types([t for _, t in _STAGE_COLUMNS])
-            for row in rows:
-                copy.write_row(row)
-        if seq <= acked:
-            same = cur.execute(_COUNT_SAME, params).fetchone()[0]
-            cur.execute(_FLAG_CONFLICTS, params)
+        self._copy(cur, _STAGE, _STAGE_COLUMNS, ((pos,) + row for pos, row in enumerate(rows)))
+        n = cols.n
+        if not fresh:
+            same = cur.execute(_COUNT_SAME).fetchone()[0]
+            cur.execute(_FLAG_CONFLICTS)
             return IngestResult(acked_seq=acked, duplicates=same, conflicts=n - same,
                                 resent_batch=True)
-        stored = cur.execute(_INSERT_RECORDS, params).rowcount
-        conflicts = cur.execute(_FLAG_CONFLICTS, params).rowcount
-        cur.execute(_INSERT_PAYLOADS, params)
+        stored = cur.execute(_INSERT_RECORDS).rowcount
+        conflicts = cur.execute(_FLAG_CONFLICTS).rowcount if stored < n else 0
+        if cols.payloads:
+            self._copy(cur, _CHUNKS, _CHUNK_COLUMNS, (
+                (pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes, p.compressed_nbytes,
+                 p.crc32, p.data) for pos, p in sorted(cols.payloads.items())))
+            cur.execute(_INSERT_CHUNKS)
         cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s", (seq, session_id))
         return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
                             conflicts=conflicts)
+
+    @staticmethod
+    def _copy(cur: psycopg.Cursor, table: str, columns: list, rows: Any) -> None:
+        with cur.copy(_COPY[table]) as copy:
+            copy.set_types([t for _, t in columns])
+            for row in rows:
+                copy.write_row(row)
 
     def close_session(self, req: pb.CloseSessionRequest) -> int:
         self.session(req.session_id, lock=True)
@@ -373,31 +378,3 @@ class PgStore:
              json.dumps(dict(req.dropped_by_reason), sort_keys=True), req.session_id))
         return self.raw.execute("SELECT COUNT(*) FROM records WHERE session_id = %s",
                                 (req.session_id,)).fetchone()[0]
-
-
-def _record_row(pos: int, r: pb.Record, site_id: int, chash: bytes) -> tuple:
-    k, lay, d = r.key, r.layout, r.digest
-    m = d.has_moments
-    row = (pos, k.step, k.microbatch, k.phase, site_id, k.role, k.index, k.call,
-           r.stage, int(r.is_none), lay.dtype,
-           json.dumps(list(lay.logical_shape)), json.dumps(list(lay.offsets)),
-           json.dumps(list(lay.shape)), int(lay.replica), int(lay.partial),
-           int(lay.complex_as_real),
-           d.numel, d.nan_count, d.posinf_count, d.neginf_count, d.zero_count, int(m),
-           d.sum if m else None, d.sum_sq if m else None, d.min if m else None,
-           d.max if m else None, d.abs_max if m else None,
-           to_int64(d.fingerprint), to_int64(d.fingerprint_seed),
-           _pack(d.sketch), to_int64(d.sketch_seed), chash,
-           lay.reduce, lay.reduce_weight if lay.reduce else 1.0, lay.reduce_index,
-           lay.reduce_count if lay.reduce else 1,
-           lay.ragged_parts, lay.ragged_first, lay.ragged_span)
-    if r.HasField("payload"):
-        p = r.payload
-        return row + (p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes, p.compressed_nbytes,
-                      p.crc32, p.data)
-    return row + (None,) * 7
-
-
-def _pack(values: Sequence[float]) -> bytes:
-    import struct
-    return struct.pack(f"={len(values)}d", *values)
