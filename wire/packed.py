@@ -67,6 +67,10 @@ class RecordColumns:
     """Row -> its payload chunk, for the records that carry one."""
     parts: list[tuple[int, str]] = field(default_factory=lambda: [(0, "records")])
     """(first row, name) of each part, for naming a row in errors: "packed", "records"."""
+    unfit: dict[int, pb.Record] = field(default_factory=dict)
+    """Row -> the per-record message, for records that columns cannot hold as sent (layout
+    lists of different lengths; a dtype on an is_none record): their row has no dims;
+    validation refuses them from this message."""
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
@@ -250,8 +254,13 @@ def _u64(x: int) -> int:
 def from_records(records: Iterable[pb.Record], label: str = "records") -> RecordColumns:
     """Columns of per-record messages (older agents, spools, payload records)."""
     b = ColumnsBuilder()
+    unfit: dict[int, pb.Record] = {}
     for r in records:
         k, lay, d = r.key, r.layout, r.digest
+        logical, offsets, shape = lay.logical_shape, lay.offsets, lay.shape
+        if not len(logical) == len(offsets) == len(shape) or (r.is_none and lay.dtype):
+            unfit[b.n] = r
+            logical = offsets = shape = ()
         flags = ((IS_NONE if r.is_none else 0) | (REPLICA if lay.replica else 0)
                  | (PARTIAL if lay.partial else 0) | (COMPLEX_AS_REAL if lay.complex_as_real else 0)
                  | (HAS_MOMENTS if d.has_moments else 0))
@@ -265,10 +274,11 @@ def from_records(records: Iterable[pb.Record], label: str = "records") -> Record
                "zero_count": d.zero_count, "sum": d.sum, "sum_sq": d.sum_sq, "min": d.min,
                "max": d.max, "abs_max": d.abs_max, "fingerprint": d.fingerprint,
                "fingerprint_seed": d.fingerprint_seed, "sketch_seed": d.sketch_seed},
-              lay.logical_shape, lay.offsets, lay.shape, d.sketch,
+              logical, offsets, shape, d.sketch,
               r.payload if r.HasField("payload") else None)
     c = b.build()
     c.parts = [(0, label)]
+    c.unfit = unfit
     return c
 
 
@@ -285,22 +295,28 @@ def to_records(c: RecordColumns) -> list[pb.Record]:
         k.site, k.role = c.sites[cols["site"][i]], cols["role"][i]
         k.index, k.call = cols["index"][i], cols["call"][i]
         f = cols["flags"][i]
+        # An is_none record's layout and digest are filled too (zeros leave them empty), so
+        # that a packed record that breaks "empty when is_none" is refused as a Record would be.
+        lay, d = r.layout, r.digest
+        nd, s = cols["ndim"][i], starts[i]
+        lay.logical_shape.extend(dims[s:s + nd])
+        lay.offsets.extend(dims[s + nd:s + 2 * nd])
+        lay.shape.extend(dims[s + 2 * nd:s + 3 * nd])
+        lay.replica, lay.partial = bool(f & REPLICA), bool(f & PARTIAL)
+        lay.complex_as_real = bool(f & COMPLEX_AS_REAL)
         if not f & IS_NONE:
-            lay, d = r.layout, r.digest
-            nd, s = cols["ndim"][i], starts[i]
-            lay.logical_shape.extend(dims[s:s + nd])
-            lay.offsets.extend(dims[s + nd:s + 2 * nd])
-            lay.shape.extend(dims[s + 2 * nd:s + 3 * nd])
-            lay.replica, lay.partial = bool(f & REPLICA), bool(f & PARTIAL)
-            lay.complex_as_real = bool(f & COMPLEX_AS_REAL)
             lay.dtype = c.dtypes[cols["dtype"][i]] if c.dtypes else ""
-            for name in ("reduce", "reduce_weight", "reduce_index", "reduce_count",
-                         "ragged_parts", "ragged_first", "ragged_span"):
-                setattr(lay, name, cols[name][i])
-            for name in COUNTS + MOMENTS + ("fingerprint", "fingerprint_seed", "sketch_seed"):
-                setattr(d, name, cols[name][i])
-            d.has_moments = bool(f & HAS_MOMENTS)
-            d.sketch.extend(sketch[sk[i]:sk[i + 1]].tolist())
+        for name in ("reduce", "reduce_weight", "reduce_index", "reduce_count",
+                     "ragged_parts", "ragged_first", "ragged_span"):
+            setattr(lay, name, cols[name][i])
+        for name in COUNTS + MOMENTS + ("fingerprint", "fingerprint_seed", "sketch_seed"):
+            setattr(d, name, cols[name][i])
+        d.has_moments = bool(f & HAS_MOMENTS)
+        d.sketch.extend(sketch[sk[i]:sk[i + 1]].tolist())
+        if f & IS_NONE:
+            for name in ("layout", "digest"):
+                if not getattr(r, name).ByteSize():
+                    r.ClearField(name)
         if i in c.payloads:
             r.payload.CopyFrom(c.payloads[i])
         out.append(r)
@@ -316,6 +332,7 @@ def concat(parts: Sequence[RecordColumns]) -> RecordColumns:
     dtypes: dict[str, int] = {}
     cols: dict[str, list[np.ndarray]] = {name: [] for name, _ in SCALAR_COLUMNS}
     payloads: dict[int, pb.Payload] = {}
+    unfit: dict[int, pb.Record] = {}
     names: list[tuple[int, str]] = []
     base = 0
     for p in parts:
@@ -329,12 +346,13 @@ def concat(parts: Sequence[RecordColumns]) -> RecordColumns:
                 a = dmap[np.clip(a, 0, len(dmap) - 1)] if p.dtypes else a
             cols[name].append(a)
         payloads.update({base + i: v for i, v in p.payloads.items()})
+        unfit.update({base + i: v for i, v in p.unfit.items()})
         names.extend((base + s, label) for s, label in p.parts)
         base += p.n
     return RecordColumns(base, {name: np.concatenate(v).astype(_DTYPES[name], copy=False)
                                 for name, v in cols.items()},
                          list(sites), list(dtypes), np.concatenate([p.dims for p in parts]),
-                         np.concatenate([p.sketch for p in parts]), payloads, names)
+                         np.concatenate([p.sketch for p in parts]), payloads, names, unfit)
 
 
 def batch_columns(batch: pb.RecordBatch) -> RecordColumns:
@@ -357,11 +375,13 @@ def packed_batch(session_id: str, seq: int, cols: RecordColumns) -> pb.RecordBat
     from wire.checksum import batch_checksum
 
     msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
-    if cols.payloads:
+    single = sorted(set(cols.payloads) | set(cols.unfit))
+    if single:
         keep = np.ones(cols.n, bool)
-        keep[list(cols.payloads)] = False
+        keep[single] = False
         rest = take(cols, np.flatnonzero(keep))
-        msg.records.extend(to_records(take(cols, np.array(sorted(cols.payloads)))))
+        rebuilt = to_records(take(cols, np.array(single)))
+        msg.records.extend(cols.unfit.get(row, r) for row, r in zip(single, rebuilt))
     else:
         rest = cols
     if rest.n:
