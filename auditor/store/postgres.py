@@ -28,6 +28,7 @@ import time
 from typing import Any, Sequence
 
 import psycopg
+from psycopg import errors as pg_errors
 
 from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
 from auditor.store.errors import StoreError, UnknownSession
@@ -98,6 +99,7 @@ _TYPES = {"dtype": "text", "logical_shape": "text", "offsets": "text", "shape": 
           "sum_sq": "float8", "min": "float8", "max": "float8", "abs_max": "float8",
           "received": "float8", "reduce_weight": "float8"}
 _STAGE_COLUMNS = [("pos", "int8")] + [(c, _TYPES.get(c, "int8")) for c in INSERT_COLUMNS]
+_RECORD_COLUMNS = _STAGE_COLUMNS[1:]
 _CHUNK_COLUMNS = [("pos", "int8"), ("chunk_index", "int8"), ("chunk_count", "int8"),
                   ("codec", "text"), ("raw_nbytes", "int8"), ("compressed_nbytes", "int8"),
                   ("crc32", "int8"), ("data", "bytea")]
@@ -106,7 +108,8 @@ _STAGE_DDL = [f"CREATE TEMP TABLE IF NOT EXISTS {name} ("
               + ", ".join(f"{n} {t}" for n, t in columns) + ") ON COMMIT DELETE ROWS"
               for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))]
 _COPY = {name: f"COPY {name} ({', '.join(n for n, _ in columns)}) FROM STDIN (FORMAT BINARY)"
-         for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))}
+         for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS),
+                               ("records", _STAGE_COLUMNS[1:]))}
 _INSERT_RECORDS = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) SELECT "
                    f"{', '.join(INSERT_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
 _KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = s.run_id AND r.rank = s.rank"
@@ -344,8 +347,12 @@ class PgStore:
         rows = record_rows(cols, [ids.get(name, -1) for name in cols.sites], run_id, rank,
                            hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
-        self._copy(cur, _STAGE, _STAGE_COLUMNS, ((pos,) + row for pos, row in enumerate(rows)))
         n = cols.n
+        if fresh and n and not cols.payloads and self._copy_direct(cur, rows):
+            cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s",
+                        (seq, session_id))
+            return IngestResult(acked_seq=seq, stored=n)
+        self._copy(cur, _STAGE, _STAGE_COLUMNS, ((pos,) + row for pos, row in enumerate(rows)))
         if not fresh:
             same = cur.execute(_COUNT_SAME).fetchone()[0]
             cur.execute(_FLAG_CONFLICTS)
@@ -361,6 +368,19 @@ class PgStore:
         cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s", (seq, session_id))
         return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
                             conflicts=conflicts)
+
+    def _copy_direct(self, cur: psycopg.Cursor, rows: list[tuple]) -> bool:
+        """COPY the rows straight into `records` (the common case: no key of the batch is
+        stored yet), in a savepoint; False, with nothing written, when some key is (the batch
+        then goes through the staging table)."""
+        cur.execute("SAVEPOINT direct")
+        try:
+            self._copy(cur, "records", _RECORD_COLUMNS, rows)
+        except pg_errors.UniqueViolation:
+            cur.execute("ROLLBACK TO SAVEPOINT direct")
+            return False
+        cur.execute("RELEASE SAVEPOINT direct")
+        return True
 
     @staticmethod
     def _copy(cur: psycopg.Cursor, table: str, columns: list, rows: Any) -> None:
