@@ -296,7 +296,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                  request.rank, request.world_size, request.session_id, request.job_id, acked,
                  f" (renamed from {request.run}: the name belongs to another job)"
                  if run != request.run else "")
-        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=run)
+        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=run,
+                                   packed_batches=True)
 
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
