@@ -90,6 +90,8 @@ class Comparison:
     scaled_resid: np.ndarray | None = None
     """||cand - a*ref|| / ||cand|| with a = ||cand||/||ref||, where measured: how far the
     candidate is from a pure rescaling of the reference."""
+    memo: dict = field(default_factory=dict)
+    """Evidence derived once per comparison and reused by every finding's cause (`causes`)."""
 
     def __len__(self) -> int:
         return len(self.A)
