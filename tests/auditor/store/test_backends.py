@@ -14,7 +14,8 @@ import pytest
 
 from auditor.store import Reader, RunNameTaken, StoreError, UnknownSession, summary
 from auditor.store.backend import open_writer
-from tests.auditor.builders import batch, float32_bytes, payload_for, record, register_request
+from protos import numaudit_pb2 as pb
+from tests.auditor.builders import batch, float32_bytes, record, register_request
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,10 +93,9 @@ def test_close_session_payloads_and_reads(writer, store_location):
     with_payload = record(0, 0, payload=data)
     ingest(writer, batch(1, [with_payload, record(0, 1, "layers.1")]))
     ingest(writer, batch(1, [record(0, 0)], session_id="sess-1"))
-    stored = call(writer, lambda s: s.close_session(
-        __import__("protos.numaudit_pb2", fromlist=["pb"]).CloseSessionRequest(
-            session_id="sess-0", records_sent=2, records_dropped=1,
-            dropped_by_reason={"queue_full": 1})))
+    stored = call(writer, lambda s: s.close_session(pb.CloseSessionRequest(
+        session_id="sess-0", records_sent=2, records_dropped=1,
+        dropped_by_reason={"queue_full": 1})))
     assert stored == 2
 
     def check(r):
