@@ -275,12 +275,12 @@ class Capturer:
                 t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
-                   layout: PieceLayout | None = None):
+                   layout: PieceLayout | None = None, role: str = "grad_output"):
         def capture(grad):
-            self.capture(grad, phase="bwd", site=site, role="grad_output", index=index,
+            self.capture(grad, phase="bwd", site=site, role=role, index=index,
                          call=call, microbatch=mb, stage=stage, layout=layout)
 
-        return self._backward_hook((step, mb, site, index, call), step, capture)
+        return self._backward_hook((step, mb, site, index, call, role), step, capture)
 
     def _backward_hook(self, key: tuple, step: int, capture: Callable[[torch.Tensor], None]):
         """A tensor hook that captures the gradient once per key, keyed by the forward's step.
@@ -379,7 +379,7 @@ class Capturer:
             if (backward and phase == "fwd" and self.wants("bwd") and t is not None
                     and t.requires_grad):
                 t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
-                                                layout))
+                                                layout, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
@@ -441,18 +441,18 @@ class Capturer:
             self._drain()
             if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
                 t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
-                                                         stage, self.step))
+                                                         stage, self.step, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
     def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
-                            mb: int, stage: int, step: int):
+                            mb: int, stage: int, step: int, role: str = "grad_output"):
         def capture(grad):
             for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
-                self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                self._capture(g, "bwd", site, role, e, 0, mb, stage, layout)
             self._drain()
 
-        return self._backward_hook((step, mb, site, "segments", 0), step, capture)
+        return self._backward_hook((step, mb, site, "segments", role), step, capture)
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
@@ -558,6 +558,12 @@ class Capturer:
             self._logged.add(what)
             log.warning("rank %d: numaudit %s failed (further failures counted silently): %r",
                         self.ident.rank, what, exc)
+
+
+def grad_role(role: str) -> str:
+    """Role of the gradient reaching a tensor captured under `role`: an input's is grad_input,
+    anything else's grad_output (so a site's input and output gradients are two keys)."""
+    return "grad_input" if role == "input" else "grad_output"
 
 
 def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple[int, int] | None:
