@@ -107,3 +107,18 @@ def test_failed_bulk_insert_leaves_nothing_and_the_session_unacked(writer, tmp_p
     assert conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 0
     assert conn.execute("SELECT acked_seq FROM sessions WHERE session_id='sess-0'").fetchone() == (0,)
     conn.close()
+
+
+
+def test_page_size_applies_to_new_store_files_only(tmp_path, monkeypatch):
+    from auditor.store import connect
+    from auditor.store import sqlite as store_sqlite
+
+    monkeypatch.setattr(store_sqlite, "PAGE_SIZE", 16384)
+    conn = connect(tmp_path / "a.db")
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == 16384
+    conn.close()
+    monkeypatch.setattr(store_sqlite, "PAGE_SIZE", 4096)
+    conn = connect(tmp_path / "a.db")  # reopened by a build with another page size: kept
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == 16384
+    conn.close()
