@@ -461,26 +461,55 @@ def _text_words(names: list[str]) -> np.ndarray:
     return np.array(words or [0], np.uint64)
 
 
-def _segment_sums(words: np.ndarray, starts: np.ndarray, n: int, lane: int) -> np.ndarray:
-    """Per record (segments of `words` at starts[i]:starts[i+1]), the wrapping sum of
-    mix(word + position key): position-dependent, so order and length matter."""
-    out = np.zeros(n, np.uint64)
+_KEYS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _keys(domain: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position keys of a domain (0 fixed words, 1 dims, 2 sketch): an xor key that makes
+    each word's mix depend on its position, and an odd multiplier for the second lane."""
+    length = max(length, 1)
+    have = _KEYS.get((domain, 0))
+    if have is None or len(have[0]) < length:
+        size = max(length, 64 if have is None else 2 * len(have[0]))
+        with np.errstate(over="ignore"):
+            base = (np.arange(size, dtype=np.uint64) * _LANE_SEEDS[0]
+                    + np.uint64(domain + 1) * _LANE_SEEDS[1])
+            have = (_mix(base.copy()), _mix(base ^ _M2) | np.uint64(1))
+        _KEYS[(domain, 0)] = have
+    return have[0][:length], have[1][:length]
+
+
+def _lanes(words: np.ndarray, starts: np.ndarray, n: int, domain: int) -> tuple[np.ndarray,
+                                                                                 np.ndarray]:
+    """Two 64-bit lanes per record over its segment of `words` (starts[i]:starts[i+1]):
+    lane 0 sums m = mix(word ^ key[position]), lane 1 sums m x odd[position] (wrapping)."""
+    out0, out1 = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
     if not len(words):
-        return out
+        return out0, out1
     lens = np.diff(starts)
-    pos = np.arange(len(words), dtype=np.uint64) - np.repeat(starts[:-1], lens).astype(np.uint64)
+    width = int(lens.max())
+    xk, mk = _keys(domain, width)
     with np.errstate(over="ignore"):
-        m = _mix(words + _mix(pos * _LANE_SEEDS[lane] + _LANE_SEEDS[1 - lane]))
+        if (lens == width).all():  # every record as long: a 2-D array, no gathers
+            m = _mix(words.reshape(n, width) ^ xk)
+            return m.sum(axis=1, dtype=np.uint64), (m * mk).sum(axis=1, dtype=np.uint64)
+        pos = np.arange(len(words), dtype=np.int64) - np.repeat(starts[:-1], lens)
+        m = _mix(words ^ xk[pos])
+        m1 = m * mk[pos]
     nz = lens > 0
-    sums = np.add.reduceat(m, starts[:-1][nz])
-    out[nz] = sums
-    return out
+    out0[nz] = np.add.reduceat(m, starts[:-1][nz])
+    out1[nz] = np.add.reduceat(m1, starts[:-1][nz])
+    return out0, out1
 
 
 def content_hashes(c: RecordColumns) -> list[bytes]:
     """16 bytes per record: what it says (key, stage, layout, digest, sketch, payload header;
     the payload's chunk index and bytes excluded), the same whether it travelled packed or per
-    record. is_none records hash their key and stage only (their layout and digest are empty)."""
+    record. is_none records hash their key and stage only (their layout and digest are empty).
+
+    Each 64-bit word of a record (its fixed fields, its dims, its sketch) is mixed with a key of
+    its position (splitmix64's finalizer, a bijection); lane 0 sums the mixed words, lane 1
+    sums them times odd per-position multipliers, and each lane is mixed again at the end."""
     n = c.n
     if n == 0:
         return []
@@ -502,20 +531,20 @@ def content_hashes(c: RecordColumns) -> list[bytes]:
             w = np.where(none, np.uint64(0), w)
         fixed.append(w)
     fixed.append(_payload_words(c))
-    table = np.stack(fixed, axis=1)  # (n, W)
-    width = table.shape[1]
-    dims_u = c.dims.astype(np.int64, copy=False).view(np.uint64)
-    sketch_u = c.sketch.astype("<f8", copy=False).view(np.uint64)
-    lanes = []
+    table = np.stack(fixed, axis=1).reshape(-1)  # n x W, row-major
+    width = len(fixed)
+    lanes_fixed = _lanes(table, np.arange(n + 1, dtype=np.int64) * width, n, 0)
+    lanes_dims = _lanes(c.dims.astype(np.int64, copy=False).view(np.uint64), c.dim_starts(), n, 1)
+    lanes_sketch = _lanes(c.sketch.astype("<f8", copy=False).view(np.uint64), c.sketch_starts(),
+                          n, 2)
+    out = []
     with np.errstate(over="ignore"):
         for lane in (0, 1):
-            keys = _mix(np.arange(width, dtype=np.uint64) * _LANE_SEEDS[lane] + _LANE_SEEDS[1 - lane])
-            h = _mix(table + keys).sum(axis=1, dtype=np.uint64)
-            h += _mix(_segment_sums(dims_u, c.dim_starts(), n, lane) + np.uint64(1 + lane))
-            h += _mix(_segment_sums(sketch_u, c.sketch_starts(), n, lane) + np.uint64(3 + lane))
-            lanes.append(_mix(h ^ _LANE_SEEDS[lane]))
-    out = np.stack(lanes, axis=1).astype("<u8").tobytes()
-    return [out[i:i + 16] for i in range(0, 16 * n, 16)]
+            h = (lanes_fixed[lane] + _mix(lanes_dims[lane] + np.uint64(1 + lane))
+                 + _mix(lanes_sketch[lane] + np.uint64(3 + lane)))
+            out.append(_mix(h ^ _LANE_SEEDS[lane]))
+    raw = np.stack(out, axis=1).astype("<u8").tobytes()
+    return [raw[i:i + 16] for i in range(0, 16 * n, 16)]
 
 
 def _payload_words(c: RecordColumns) -> np.ndarray:

@@ -122,3 +122,29 @@ def test_page_size_applies_to_new_store_files_only(tmp_path, monkeypatch):
     conn = connect(tmp_path / "a.db")  # reopened by a build with another page size: kept
     assert conn.execute("PRAGMA page_size").fetchone()[0] == 16384
     conn.close()
+
+
+def test_content_hash_tells_apart_what_a_linear_hash_would_not():
+    """Changes that cancel out in a sum or a linear form (two sign flips, two buckets swapped,
+    a value moved between fields or records) still change the hash."""
+    base = record(0, 0, shape=(4, 3))
+    base.digest.sketch[:] = [0.5 * i for i in range(16)]
+    variants = [base]
+    flipped = pb.Record()
+    flipped.CopyFrom(base)
+    flipped.digest.sum, flipped.digest.min = -base.digest.sum, -base.digest.min
+    swapped = pb.Record()
+    swapped.CopyFrom(base)
+    swapped.digest.sketch[1], swapped.digest.sketch[2] = base.digest.sketch[2], base.digest.sketch[1]
+    moved = pb.Record()
+    moved.CopyFrom(base)
+    moved.digest.nan_count, moved.digest.zero_count = base.digest.zero_count, base.digest.nan_count
+    shorter = pb.Record()
+    shorter.CopyFrom(base)
+    del shorter.digest.sketch[-1]
+    variants += [flipped, swapped, moved, shorter]
+    hashes = [content_hash(r) for r in variants]
+    assert len(set(hashes)) == len(variants)
+    many = P.from_records([record(s, m, site=f"l{i}") for s in range(4) for m in range(8)
+                           for i in range(32)])
+    assert len(set(P.content_hashes(many))) == many.n == 1024
