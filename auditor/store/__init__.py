@@ -1,7 +1,9 @@
 """The durable store: what was ingested, and how the comparison and the daemon read it.
 
 Owns which files are stores (`files`: application id, checks before opening), the SQLite
-schema and its single writer (`sqlite`: `Store`, `connect`), the read side (`reader`), the
+schema and its single writer (`sqlite`: `Store`, `connect`; batches arrive as
+`wire.packed.RecordColumns` and are inserted in bulk, `Store.ingest_columns`), the rows of the
+records table built column-wise for any SQL backend (`rows`), the read side (`reader`), the
 group-commit writer thread (`writer`) and run summaries (`summary`). It may import the wire
 contract (`protos`, `wire`) and nothing else of numaudit: the store knows no service, no
 comparison and no CLI.
