@@ -169,7 +169,29 @@ def from_packed(msg: pb.PackedRecords, label: str = "packed") -> RecordColumns:
     if len(c.sketch) != want:
         raise PackedFormatError(f"{label}.sketch", f"{len(c.sketch)} values; sum(sketch_len) = "
                                                    f"{want}")
+    check_tables(c, PackedFormatError)  # before tables of several parts are merged
     return c
+
+
+def check_tables(c: RecordColumns, error: type = PackedFormatError) -> None:
+    """Indices inside the site and dtype tables (dtype: not for is_none records), no unknown
+    flag bits: what only a packed record can get wrong. Raises error(field, why)."""
+    cols = c.cols
+    for name, table, what in (("site", c.sites, "site table"), ("dtype", c.dtypes, "dtype table")):
+        idx = cols[name]
+        bad = (idx < 0) | (idx >= len(table))
+        if name == "dtype":
+            bad &= (cols["flags"] & IS_NONE) == 0
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            field = "key.site" if name == "site" else "layout.dtype"
+            raise error(f"{c.where(i)}.{field}",
+                        f"index {int(idx[i])} is not in the {what} ({len(table)} entries)")
+    bad = (cols["flags"] & ~np.uint8(FLAG_BITS)) != 0
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise error(f"{c.where(i)}.flags", f"{int(cols['flags'][i])} has bits other than "
+                                           f"{FLAG_BITS} set")
 
 
 def _array(raw: bytes, dt: str, where: str) -> np.ndarray:

@@ -236,7 +236,6 @@ def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
         cols = batch_columns(batch)
     except PackedFormatError as exc:
         raise ValidationError(exc.field, exc.why) from None
-    vc.check_tables(cols, ValidationError)
     vc.check_rows(cols, vc.suspects(cols, ITEMSIZE, REAL_FLOAT_DTYPES, _PHASES, _ROLES,
                                     _REDUCTIONS), validate_record)
     if payload_bytes > limits.MAX_BATCH_PAYLOAD_BYTES:

@@ -7,7 +7,8 @@ checked per record) are then checked one by one in batch order by `validate_reco
 the record rebuilt from the columns, so a fault is reported with exactly the per-record message
 and the record's own name (`packed[i]` or `records[i]`), and the first faulty record is the one
 reported. Checks that only a packed record can fail (a site or dtype index outside its table,
-unknown flag bits) have their own messages here.
+unknown flag bits) are made when the packed message is read (`wire.packed.check_tables`), before
+its tables are merged with those of the batch's per-record part.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from wire import limits
-from wire.packed import (COMPLEX_AS_REAL, FLAG_BITS, HAS_MOMENTS, IS_NONE, PARTIAL,
-                         RecordColumns, take, to_records)
+from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, RecordColumns,
+                         check_tables, take, to_records)
 from protos import numaudit_pb2 as pb
 
 
@@ -26,27 +27,6 @@ def _text_ok(value: str, limit: int) -> bool:
 
 def _in(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return (a >= lo) & (a <= hi)
-
-
-def check_tables(c: RecordColumns, error: type) -> None:
-    """Faults only packed records can have: indices outside the site and dtype tables, unknown
-    flag bits."""
-    cols = c.cols
-    for name, table, what in (("site", c.sites, "site table"), ("dtype", c.dtypes, "dtype table")):
-        idx = cols[name]
-        bad = (idx < 0) | (idx >= len(table))
-        if name == "dtype":
-            bad &= (cols["flags"] & IS_NONE) == 0
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            field = "key.site" if name == "site" else "layout.dtype"
-            raise error(f"{c.where(i)}.{field}",
-                        f"index {int(idx[i])} is not in the {what} ({len(table)} entries)")
-    bad = (cols["flags"] & ~np.uint8(FLAG_BITS)) != 0
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise error(f"{c.where(i)}.flags", f"{int(cols['flags'][i])} has bits other than "
-                                           f"{FLAG_BITS} set")
 
 
 def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: frozenset,

@@ -172,6 +172,16 @@ def test_packed_only_faults_name_the_field_and_record():
     assert _outcome(b).startswith("records: 4097 records exceed")
 
 
+def test_a_packed_site_index_cannot_borrow_a_site_of_the_per_record_part():
+    """Tables are checked per part, before they are merged: an index past an empty packed site
+    table is refused, not resolved against the sites of the records that follow it."""
+    b = _packed([record(site="only.packed")])
+    b.packed.ClearField("sites")
+    b.records.append(record(site="per.record"))
+    b.ClearField("records_crc32")
+    assert _outcome(b) == "packed[0].key.site: index 0 is not in the site table (0 entries)"
+
+
 def test_corrupted_packed_bytes_are_a_resend_not_a_refusal():
     b = _packed(_variants())
     sketch = bytearray(b.packed.sketch)
