@@ -34,7 +34,7 @@ from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-ex
 from auditor.store.errors import StoreError, UnknownSession
 from auditor.store.files import NotAStore
 from auditor.store.jobs import run_for_job
-from auditor.store.rows import INSERT_COLUMNS, record_rows
+from auditor.store.pg_copy import COLUMNS as COPY_COLUMNS, SQL_TYPES, STAGE_COLUMNS, copy_buffer
 from auditor.store.sqlite import IngestResult, SCHEMA_VERSION
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes
@@ -93,13 +93,8 @@ CREATE INDEX IF NOT EXISTS conflicts_by_record ON conflicts (record_id);
 """
 
 # The staging tables one connection COPYs a batch into (emptied at each commit): the rows of
-# `rows.record_rows` with their position in the batch, and the batch's payload chunks.
-_TYPES = {"dtype": "text", "logical_shape": "text", "offsets": "text", "shape": "text",
-          "session_id": "text", "sketch": "bytea", "content_hash": "bytea", "sum": "float8",
-          "sum_sq": "float8", "min": "float8", "max": "float8", "abs_max": "float8",
-          "received": "float8", "reduce_weight": "float8"}
-_STAGE_COLUMNS = [("pos", "int8")] + [(c, _TYPES.get(c, "int8")) for c in INSERT_COLUMNS]
-_RECORD_COLUMNS = _STAGE_COLUMNS[1:]
+# `pg_copy.copy_buffer` with their position in the batch, and the batch's payload chunks.
+_STAGE_COLUMNS = [(c, SQL_TYPES[c]) for c in STAGE_COLUMNS]
 _CHUNK_COLUMNS = [("pos", "int8"), ("chunk_index", "int8"), ("chunk_count", "int8"),
                   ("codec", "text"), ("raw_nbytes", "int8"), ("compressed_nbytes", "int8"),
                   ("crc32", "int8"), ("data", "bytea")]
@@ -107,11 +102,11 @@ _STAGE, _CHUNKS = "numaudit_stage", "numaudit_stage_chunks"
 _STAGE_DDL = [f"CREATE TEMP TABLE IF NOT EXISTS {name} ("
               + ", ".join(f"{n} {t}" for n, t in columns) + ") ON COMMIT DELETE ROWS"
               for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))]
-_COPY = {name: f"COPY {name} ({', '.join(n for n, _ in columns)}) FROM STDIN (FORMAT BINARY)"
-         for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS),
-                               ("records", _STAGE_COLUMNS[1:]))}
-_INSERT_RECORDS = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) SELECT "
-                   f"{', '.join(INSERT_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
+_COPY = {name: f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
+         for name, columns in ((_STAGE, STAGE_COLUMNS), (_CHUNKS, [n for n, _ in _CHUNK_COLUMNS]),
+                               ("records", COPY_COLUMNS))}
+_INSERT_RECORDS = (f"INSERT INTO records ({', '.join(COPY_COLUMNS)}) SELECT "
+                   f"{', '.join(COPY_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
 _KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = s.run_id AND r.rank = s.rank"
              " AND r.step = s.step AND r.microbatch = s.microbatch AND r.phase = s.phase"
              " AND r.site_id = s.site_id AND r.role = s.role AND r.idx = s.idx"
@@ -344,15 +339,15 @@ class PgStore:
             hashes = content_hashes(cols)
         fresh = seq > acked
         ids = self.site_ids(cols.sites, create=fresh)
-        rows = record_rows(cols, [ids.get(name, -1) for name in cols.sites], run_id, rank,
-                           hashes, session_id, seq, time.time())
+        site_ids = [ids.get(name, -1) for name in cols.sites]
+        args = (cols, site_ids, run_id, rank, hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
         n = cols.n
-        if fresh and n and not cols.payloads and self._copy_direct(cur, rows):
+        if fresh and n and not cols.payloads and self._copy_direct(cur, copy_buffer(*args)):
             cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s",
                         (seq, session_id))
             return IngestResult(acked_seq=seq, stored=n)
-        self._copy(cur, _STAGE, _STAGE_COLUMNS, ((pos,) + row for pos, row in enumerate(rows)))
+        self._write(cur, _STAGE, copy_buffer(*args, pos=True))
         if not fresh:
             same = cur.execute(_COUNT_SAME).fetchone()[0]
             cur.execute(_FLAG_CONFLICTS)
@@ -361,21 +356,23 @@ class PgStore:
         stored = cur.execute(_INSERT_RECORDS).rowcount
         conflicts = cur.execute(_FLAG_CONFLICTS).rowcount if stored < n else 0
         if cols.payloads:
-            self._copy(cur, _CHUNKS, _CHUNK_COLUMNS, (
-                (pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes, p.compressed_nbytes,
-                 p.crc32, p.data) for pos, p in sorted(cols.payloads.items())))
+            with cur.copy(_COPY[_CHUNKS]) as copy:
+                copy.set_types([t for _, t in _CHUNK_COLUMNS])
+                for pos, p in sorted(cols.payloads.items()):
+                    copy.write_row((pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
+                                    p.compressed_nbytes, p.crc32, p.data))
             cur.execute(_INSERT_CHUNKS)
         cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s", (seq, session_id))
         return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
                             conflicts=conflicts)
 
-    def _copy_direct(self, cur: psycopg.Cursor, rows: list[tuple]) -> bool:
+    def _copy_direct(self, cur: psycopg.Cursor, data: bytes) -> bool:
         """COPY the rows straight into `records` (the common case: no key of the batch is
         stored yet), in a savepoint; False, with nothing written, when some key is (the batch
         then goes through the staging table)."""
         cur.execute("SAVEPOINT direct")
         try:
-            self._copy(cur, "records", _RECORD_COLUMNS, rows)
+            self._write(cur, "records", data)
         except pg_errors.UniqueViolation:
             cur.execute("ROLLBACK TO SAVEPOINT direct")
             return False
@@ -383,11 +380,10 @@ class PgStore:
         return True
 
     @staticmethod
-    def _copy(cur: psycopg.Cursor, table: str, columns: list, rows: Any) -> None:
+    def _write(cur: psycopg.Cursor, table: str, data: bytes) -> None:
+        """One binary COPY of a prepared buffer (`pg_copy.copy_buffer`)."""
         with cur.copy(_COPY[table]) as copy:
-            copy.set_types([t for _, t in columns])
-            for row in rows:
-                copy.write_row(row)
+            copy.write(data)
 
     def close_session(self, req: pb.CloseSessionRequest) -> int:
         self.session(req.session_id, lock=True)
