@@ -222,6 +222,8 @@ class PgStore:
         self._site_ids: dict[str, int] = {}
         """Sites known committed (a site inserted by a transaction that rolls back is not)."""
         self._new_sites: dict[str, int] = {}
+        self._staged: set[tuple[str, int]] = set()
+        """(session, seq) of batches whose direct COPY met a stored key: the staging path next."""
 
     def close(self) -> None:
         self.raw.close()
@@ -330,22 +332,41 @@ class PgStore:
 
     def ingest_columns(self, session_id: str, seq: int, cols: RecordColumns,
                        hashes: Sequence[bytes] | None = None) -> IngestResult:
-        """Store one validated batch of records given as columns: COPY into the staging table,
-        one INSERT ... SELECT ... ON CONFLICT DO NOTHING, then keys already stored are compared
-        by content hash in SQL (equal: a duplicate; different: flagged in `conflicts`). A
-        resent batch (seq <= acked) stores nothing and is checked the same way."""
-        run_id, rank, acked = self.session(session_id, lock=True)
+        """Store one validated batch of records given as columns. A fresh batch (seq > acked)
+        advances its session's acked seq and is COPYed straight into `records` (two statements);
+        if some key of it is stored already, that COPY fails, the transaction is run again and
+        the batch goes through the staging table: one INSERT ... SELECT ... ON CONFLICT DO
+        NOTHING, then keys already stored are compared by content hash in SQL (equal: a
+        duplicate; different: flagged in `conflicts`). A resent batch (seq <= acked) stores
+        nothing and is checked the same way."""
+        n = cols.n
         if hashes is None:
             hashes = content_hashes(cols)
-        fresh = seq > acked
+        direct = (session_id, seq) not in self._staged
+        self._staged.discard((session_id, seq))
+        row = self.raw.execute(  # a fresh batch: advance its session (row locked till commit)
+            "UPDATE sessions SET acked_seq = %s WHERE session_id = %s AND acked_seq < %s"
+            " RETURNING run_id, rank", (seq, session_id, seq)).fetchone()
+        if row is not None:
+            (run_id, rank), acked, fresh = row, seq - 1, True
+        else:  # a resend (or an unknown session)
+            run_id, rank, acked = self.session(session_id, lock=True)
+            fresh = False
         ids = self.site_ids(cols.sites, create=fresh)
         site_ids = [ids.get(name, -1) for name in cols.sites]
         args = (cols, site_ids, run_id, rank, hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
-        n = cols.n
-        if fresh and n and not cols.payloads and self._copy_direct(cur, copy_buffer(*args)):
-            cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s",
-                        (seq, session_id))
+        if fresh and n and not cols.payloads and direct:
+            # The common case, no key of the batch stored yet: COPY straight into `records`.
+            # When some key is, the COPY fails and `PgWriter` runs the batch again, then
+            # through the staging table.
+            try:
+                self._write(cur, "records", copy_buffer(*args))
+            except pg_errors.UniqueViolation:
+                if len(self._staged) > 1000:
+                    self._staged.clear()
+                self._staged.add((session_id, seq))
+                raise
             return IngestResult(acked_seq=seq, stored=n)
         self._write(cur, _STAGE, copy_buffer(*args, pos=True))
         if not fresh:
@@ -362,22 +383,8 @@ class PgStore:
                     copy.write_row((pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
                                     p.compressed_nbytes, p.crc32, p.data))
             cur.execute(_INSERT_CHUNKS)
-        cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s", (seq, session_id))
         return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
                             conflicts=conflicts)
-
-    def _copy_direct(self, cur: psycopg.Cursor, data: bytes) -> bool:
-        """COPY the rows straight into `records` (the common case: no key of the batch is
-        stored yet), in a savepoint; False, with nothing written, when some key is (the batch
-        then goes through the staging table)."""
-        cur.execute("SAVEPOINT direct")
-        try:
-            self._write(cur, "records", data)
-        except pg_errors.UniqueViolation:
-            cur.execute("ROLLBACK TO SAVEPOINT direct")
-            return False
-        cur.execute("RELEASE SAVEPOINT direct")
-        return True
 
     @staticmethod
     def _write(cur: psycopg.Cursor, table: str, data: bytes) -> None:
