@@ -5,8 +5,8 @@ Binary COPY is a header, then per row a 16-bit field count and, per field, a 32-
 16-bit -1 ends it. Every field of a row is a run of bytes whose width is known per record, so the
 whole buffer is a byte matrix with one row per record, assembled a group of fields at a time:
 
-- the fixed-width fields (every integer and float column that is never NULL) are one numpy
-  structured array with big-endian fields, viewed as bytes;
+- the fixed-width fields (every integer and float column that is never NULL) are one int64
+  matrix of their 8-byte values (floats by their bits), converted to big-endian at once;
 - the moments (NULL without moments) are 60 or 20 bytes;
 - content hash and sketch are length-prefixed blobs (one reshape when all have one length);
 - the texts (dtype and the three JSON layout lists, which readers parse) come from a table of
@@ -53,12 +53,7 @@ SQL_TYPES = {**{n: ("float8" if t == "f8" else "int8") for n, t in FIXED}, "pos"
              **{t: "text" for t in TEXTS}}
 
 
-def _fixed_dtype(fields: tuple) -> np.dtype:
-    return np.dtype([("count", ">i2")] + [(part + name, dt) for name, t in fields
-                                          for part, dt in (("l_", ">i4"), ("v_", ">" + t))])
-
-
-_FIXED_DTYPES = {False: _fixed_dtype(FIXED), True: _fixed_dtype((("pos", "i8"),) + FIXED)}
+_FIELD = np.dtype([("length", ">i4"), ("value", ">i8")])  # an 8-byte field, its bits as >i8
 _MOMENT_DTYPE = np.dtype([(part + m, dt) for m in MOMENTS
                           for part, dt in (("l_", ">i4"), ("v_", ">f8"))])
 
@@ -73,9 +68,7 @@ def _template(dtype: np.dtype, count: int | None) -> np.ndarray:
     return t
 
 
-_TEMPLATES = {False: _template(_FIXED_DTYPES[False], len(COLUMNS)),
-              True: _template(_FIXED_DTYPES[True], len(STAGE_COLUMNS)),
-              "moments": _template(_MOMENT_DTYPE, None)}
+_MOMENTS_TEMPLATE = _template(_MOMENT_DTYPE, None)
 
 
 def _blob_section(flat: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -168,15 +161,20 @@ def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
     }
     if pos:
         values["pos"] = np.arange(n)
-    dtype = _FIXED_DTYPES[pos]
-    fixed = np.empty(n, dtype)
-    fixed[:] = _TEMPLATES[pos]  # field count and every length
-    for name, _ in ((("pos", "i8"),) if pos else ()) + FIXED:
-        fixed["v_" + name] = values[name]
-    sections = [(fixed.view(np.uint8).reshape(n, dtype.itemsize), None)]
+    names = (("pos",) if pos else ()) + tuple(name for name, _ in FIXED)
+    words = np.empty((n, len(names)), np.int64)  # every value as its 8 bytes
+    for j, name in enumerate(names):
+        v = values[name]
+        words[:, j] = v.view(np.int64) if getattr(v, "dtype", None) == np.float64 else \
+            (np.float64(v).view(np.int64) if isinstance(v, float) else v)
+    fields = np.empty((n, len(names)), _FIELD)
+    fields["length"] = 8
+    fields["value"] = words  # one big-endian conversion for all of them
+    count = np.full((n, 1), len(STAGE_COLUMNS if pos else COLUMNS), ">i2").view(np.uint8)
+    sections = [(count, None), (fields.view(np.uint8).reshape(n, 12 * len(names)), None)]
 
     mom = np.empty(n, _MOMENT_DTYPE)
-    mom[:] = _TEMPLATES["moments"]
+    mom[:] = _MOMENTS_TEMPLATE
     for m in MOMENTS:
         mom["v_" + m] = cols[m]
     mom_bytes = mom.view(np.uint8).reshape(n, _MOMENT_DTYPE.itemsize)
