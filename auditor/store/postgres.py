@@ -77,6 +77,10 @@ CREATE TABLE IF NOT EXISTS records (
     reduce_index BIGINT NOT NULL DEFAULT 0, reduce_count BIGINT NOT NULL DEFAULT 1,
     ragged_parts BIGINT NOT NULL DEFAULT 0, ragged_first BIGINT NOT NULL DEFAULT 0,
     ragged_span BIGINT NOT NULL DEFAULT 0);
+-- the transaction that stored the record: `auditor watch` reads new records by it, since with
+-- concurrent writers record ids do not commit in order (auditor.compare.columns.ReadMark)
+ALTER TABLE records ADD COLUMN IF NOT EXISTS xid BIGINT NOT NULL DEFAULT txid_current();
+CREATE INDEX IF NOT EXISTS records_by_xid ON records USING brin (xid);
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
 CREATE INDEX IF NOT EXISTS records_by_session ON records (session_id);
