@@ -2,17 +2,24 @@
 safe for several daemons (stateless replicas) writing one database at once.
 
 What the SQLite store gets from its single writer thread comes here from the database:
-- a session's acked seq: every batch locks its session row (`SELECT ... FOR UPDATE`), so two
-  replicas given the same session's batches store one and see the other as a resend;
+- a session's acked seq: every batch locks its session row (a fresh batch by the conditional
+  ``UPDATE`` that advances it, a resend by ``SELECT ... FOR UPDATE``), so two replicas given
+  the same session's batches store one and see the other as a resend;
 - run names and renames, session ids, site ids: unique constraints; a transaction that loses a
   race (unique violation, serialization failure, deadlock) is rolled back and run again
   (`auditor.store.postgres_writer.PgWriter`), and then sees the winner's row;
-- records unique on (run, key, rank): a batch is COPYed into a per-connection staging table and
-  inserted with ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in
-  SQL, and differing ones flagged in `conflicts`.
-A batch is acked only after its transaction committed (``synchronous_commit = on`` for FULL;
-NORMAL turns it off, which like SQLite's NORMAL survives a crash of the server process but not
-of the machine).
+- records unique on (run, key, rank): a fresh batch is COPYed straight into `records` (binary
+  COPY built with numpy, `auditor.store.pg_copy`); when a key of it is stored already, the COPY
+  fails, the batch is run again and goes through a per-connection staging table, inserted with
+  ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in SQL, and
+  differing ones flagged in `conflicts`;
+- the order in which records commit: each carries its transaction id (`xid`), which
+  `auditor.compare.columns.ReadMark` reads new records by (record ids do not commit in order).
+A batch is acked only after its transaction committed. FULL is ``synchronous_commit = on``
+(the commit's WAL is on disk before the ack). NORMAL turns it off, which is weaker than SQLite's
+NORMAL: the WAL is written and flushed by the server's WAL writer within about 3 x
+``wal_writer_delay`` (0.6 s by default), so a crash of the database server (not only of its
+machine) can lose batches acked in that window; the database stays consistent.
 
 `QmarkConnection` lets the read side (`auditor.store.reader`, `auditor.compare.columns`) run
 the same SQL on both backends: it rewrites SQLite's ``?`` and ``:name`` placeholders.
