@@ -85,9 +85,11 @@ CREATE TABLE IF NOT EXISTS records (
     ragged_parts BIGINT NOT NULL DEFAULT 0, ragged_first BIGINT NOT NULL DEFAULT 0,
     ragged_span BIGINT NOT NULL DEFAULT 0);
 -- the transaction that stored the record: `auditor watch` reads new records by it, since with
--- concurrent writers record ids do not commit in order (auditor.compare.columns.ReadMark)
+-- concurrent writers record ids do not commit in order (auditor.compare.columns.ReadMark); a
+-- btree (appended at its right edge) so a poll reads only the newest rows (a BRIN index leaves
+-- the newest ranges unsummarized until autovacuum gets to them: a scan of the table's tail)
 ALTER TABLE records ADD COLUMN IF NOT EXISTS xid BIGINT NOT NULL DEFAULT txid_current();
-CREATE INDEX IF NOT EXISTS records_by_xid ON records USING brin (xid);
+CREATE INDEX IF NOT EXISTS records_by_xact ON records (xid);
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
 CREATE INDEX IF NOT EXISTS records_by_session ON records (session_id);
