@@ -15,7 +15,7 @@ import gc
 import json
 import sqlite3
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -153,6 +153,25 @@ class RunColumns:
                           max_rid=self.max_rid)
 
 
+@dataclass
+class ReadMark:
+    """Where an incremental read of a run stands (`Catalog.load_new`): what the next read
+    must return is exactly the records committed since.
+
+    SQLite has one writer, and record ids grow in commit order: everything up to `rid` was
+    read. On PostgreSQL, writers (replicas, a replica's connections) commit concurrently, and a
+    transaction that took lower record ids can commit after one that took higher ones, so a
+    read by id would miss it. There each record carries the transaction that stored it (`xid`),
+    and `xmin` is the oldest transaction still in progress when the last read began: every
+    older one had finished, and its records were read then or before. A read takes the records
+    of transactions >= xmin and skips those it already returned (`seen`: what the last read
+    fetched, a superset of what can come back)."""
+
+    rid: int = 0
+    xmin: int = 0
+    seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
 def unpack_a(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """step, microbatch, phase."""
     return A >> 24, ((A >> 4) & 0xFFFFF) - 1, A & 0xF
@@ -288,6 +307,36 @@ class Catalog:
             cols.flags[np.isin(cols.rid, conflicted)] |= CONFLICT_FLAG
         cols.max_rid = int(cols.rid.max(initial=after_rid))
         return cols
+
+    def load_new(self, run: str, side: str, mark: ReadMark) -> tuple[RunColumns, ReadMark]:
+        """The run's records committed since `mark` (see `ReadMark`), and the mark after them."""
+        conn = self.reader.conn
+        if getattr(self.reader, "dialect", "sqlite") != "postgres":
+            cols = self.load(run, side, after_rid=mark.rid)
+            return cols, ReadMark(rid=cols.max_rid)
+        run_id = self.reader.run_id(run)
+        fs, ss = self.seeds(run_id)
+        # first the horizon, then the rows (each statement its own snapshot): a transaction
+        # older than the horizon had finished, so the rows read next include all of its own
+        xmin = max(mark.xmin, int(conn.execute(
+            "SELECT txid_snapshot_xmin(txid_current_snapshot())").fetchone()[0]))
+        params = {"run": run_id, "fs": fs, "ss": ss, "xid": mark.xmin}
+        with no_gc():
+            rows = conn.execute(_SELECT + " WHERE run_id = :run AND xid >= :xid",
+                                params).fetchall()
+            cols = _columns(self, rows, run, side)
+        fetched = cols.rid.copy()
+        if len(mark.seen):
+            cols = cols.take(np.flatnonzero(~np.isin(cols.rid, mark.seen)))
+        cols.sort()
+        conflicted = np.array([r for (r,) in conn.execute(
+            "SELECT DISTINCT c.record_id FROM conflicts c JOIN records r"
+            " ON r.record_id = c.record_id WHERE r.run_id = ? AND r.xid >= ?",
+            (run_id, mark.xmin)).fetchall()], np.int64)
+        if len(conflicted) and len(cols):
+            cols.flags[np.isin(cols.rid, conflicted)] |= CONFLICT_FLAG
+        cols.max_rid = int(cols.rid.max(initial=0))
+        return cols, ReadMark(rid=max(mark.rid, cols.max_rid), xmin=xmin, seen=fetched)
 
     def conflicted_rids(self, run_id: int, after_rid: int = 0) -> np.ndarray:
         """Record ids of the run whose key was resent by its rank with other content."""

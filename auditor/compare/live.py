@@ -9,7 +9,7 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.columns import Catalog, ReadMark, RunColumns
 from auditor.compare.keys import LogicalKeys
 from auditor.compare.localize import localize
 from auditor.compare.metrics import PayloadUnavailable
@@ -52,6 +52,8 @@ class LiveComparison:
         from auditor.compare.engine import bwd_factor
         self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
         self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
+        self.marks = {side: ReadMark() for side in self.names}
+        """How far each run was read (`ReadMark`: never past a record that commits late)."""
         self.done = {side: np.zeros(0, bool) for side in self.names}
         self.reported: set[tuple[int, int]] = set()
         self.breach_steps: set[int] = set()
@@ -86,7 +88,8 @@ class LiveComparison:
         new_rows = 0
         for side in ("ref", "cand"):
             old = self.cols[side]
-            fresh = self.catalog.load(self.names[side], side, after_rid=old.max_rid)
+            fresh, self.marks[side] = self.catalog.load_new(self.names[side], side,
+                                                            self.marks[side])
             if not len(fresh):
                 continue
             new_rows += len(fresh)

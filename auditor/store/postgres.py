@@ -2,17 +2,24 @@
 safe for several daemons (stateless replicas) writing one database at once.
 
 What the SQLite store gets from its single writer thread comes here from the database:
-- a session's acked seq: every batch locks its session row (`SELECT ... FOR UPDATE`), so two
-  replicas given the same session's batches store one and see the other as a resend;
+- a session's acked seq: every batch locks its session row (a fresh batch by the conditional
+  ``UPDATE`` that advances it, a resend by ``SELECT ... FOR UPDATE``), so two replicas given
+  the same session's batches store one and see the other as a resend;
 - run names and renames, session ids, site ids: unique constraints; a transaction that loses a
   race (unique violation, serialization failure, deadlock) is rolled back and run again
   (`auditor.store.postgres_writer.PgWriter`), and then sees the winner's row;
-- records unique on (run, key, rank): a batch is COPYed into a per-connection staging table and
-  inserted with ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in
-  SQL, and differing ones flagged in `conflicts`.
-A batch is acked only after its transaction committed (``synchronous_commit = on`` for FULL;
-NORMAL turns it off, which like SQLite's NORMAL survives a crash of the server process but not
-of the machine).
+- records unique on (run, key, rank): a fresh batch is COPYed straight into `records` (binary
+  COPY built with numpy, `auditor.store.pg_copy`); when a key of it is stored already, the COPY
+  fails, the batch is run again and goes through a per-connection staging table, inserted with
+  ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in SQL, and
+  differing ones flagged in `conflicts`;
+- the order in which records commit: each carries its transaction id (`xid`), which
+  `auditor.compare.columns.ReadMark` reads new records by (record ids do not commit in order).
+A batch is acked only after its transaction committed. FULL is ``synchronous_commit = on``
+(the commit's WAL is on disk before the ack). NORMAL turns it off, which is weaker than SQLite's
+NORMAL: the WAL is written and flushed by the server's WAL writer within about 3 x
+``wal_writer_delay`` (0.6 s by default), so a crash of the database server (not only of its
+machine) can lose batches acked in that window; the database stays consistent.
 
 `QmarkConnection` lets the read side (`auditor.store.reader`, `auditor.compare.columns`) run
 the same SQL on both backends: it rewrites SQLite's ``?`` and ``:name`` placeholders.
@@ -34,7 +41,7 @@ from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-ex
 from auditor.store.errors import StoreError, UnknownSession
 from auditor.store.files import NotAStore
 from auditor.store.jobs import run_for_job
-from auditor.store.rows import INSERT_COLUMNS, record_rows
+from auditor.store.pg_copy import COLUMNS as COPY_COLUMNS, SQL_TYPES, STAGE_COLUMNS, copy_buffer
 from auditor.store.sqlite import IngestResult, SCHEMA_VERSION
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes
@@ -77,6 +84,12 @@ CREATE TABLE IF NOT EXISTS records (
     reduce_index BIGINT NOT NULL DEFAULT 0, reduce_count BIGINT NOT NULL DEFAULT 1,
     ragged_parts BIGINT NOT NULL DEFAULT 0, ragged_first BIGINT NOT NULL DEFAULT 0,
     ragged_span BIGINT NOT NULL DEFAULT 0);
+-- the transaction that stored the record: `auditor watch` reads new records by it, since with
+-- concurrent writers record ids do not commit in order (auditor.compare.columns.ReadMark); a
+-- btree (appended at its right edge) so a poll reads only the newest rows (a BRIN index leaves
+-- the newest ranges unsummarized until autovacuum gets to them: a scan of the table's tail)
+ALTER TABLE records ADD COLUMN IF NOT EXISTS xid BIGINT NOT NULL DEFAULT txid_current();
+CREATE INDEX IF NOT EXISTS records_by_xact ON records (xid);
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
 CREATE INDEX IF NOT EXISTS records_by_session ON records (session_id);
@@ -93,13 +106,8 @@ CREATE INDEX IF NOT EXISTS conflicts_by_record ON conflicts (record_id);
 """
 
 # The staging tables one connection COPYs a batch into (emptied at each commit): the rows of
-# `rows.record_rows` with their position in the batch, and the batch's payload chunks.
-_TYPES = {"dtype": "text", "logical_shape": "text", "offsets": "text", "shape": "text",
-          "session_id": "text", "sketch": "bytea", "content_hash": "bytea", "sum": "float8",
-          "sum_sq": "float8", "min": "float8", "max": "float8", "abs_max": "float8",
-          "received": "float8", "reduce_weight": "float8"}
-_STAGE_COLUMNS = [("pos", "int8")] + [(c, _TYPES.get(c, "int8")) for c in INSERT_COLUMNS]
-_RECORD_COLUMNS = _STAGE_COLUMNS[1:]
+# `pg_copy.copy_buffer` with their position in the batch, and the batch's payload chunks.
+_STAGE_COLUMNS = [(c, SQL_TYPES[c]) for c in STAGE_COLUMNS]
 _CHUNK_COLUMNS = [("pos", "int8"), ("chunk_index", "int8"), ("chunk_count", "int8"),
                   ("codec", "text"), ("raw_nbytes", "int8"), ("compressed_nbytes", "int8"),
                   ("crc32", "int8"), ("data", "bytea")]
@@ -107,11 +115,11 @@ _STAGE, _CHUNKS = "numaudit_stage", "numaudit_stage_chunks"
 _STAGE_DDL = [f"CREATE TEMP TABLE IF NOT EXISTS {name} ("
               + ", ".join(f"{n} {t}" for n, t in columns) + ") ON COMMIT DELETE ROWS"
               for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))]
-_COPY = {name: f"COPY {name} ({', '.join(n for n, _ in columns)}) FROM STDIN (FORMAT BINARY)"
-         for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS),
-                               ("records", _STAGE_COLUMNS[1:]))}
-_INSERT_RECORDS = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) SELECT "
-                   f"{', '.join(INSERT_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
+_COPY = {name: f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
+         for name, columns in ((_STAGE, STAGE_COLUMNS), (_CHUNKS, [n for n, _ in _CHUNK_COLUMNS]),
+                               ("records", COPY_COLUMNS))}
+_INSERT_RECORDS = (f"INSERT INTO records ({', '.join(COPY_COLUMNS)}) SELECT "
+                   f"{', '.join(COPY_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
 _KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = s.run_id AND r.rank = s.rank"
              " AND r.step = s.step AND r.microbatch = s.microbatch AND r.phase = s.phase"
              " AND r.site_id = s.site_id AND r.role = s.role AND r.idx = s.idx"
@@ -227,6 +235,8 @@ class PgStore:
         self._site_ids: dict[str, int] = {}
         """Sites known committed (a site inserted by a transaction that rolls back is not)."""
         self._new_sites: dict[str, int] = {}
+        self._staged: set[tuple[str, int]] = set()
+        """(session, seq) of batches whose direct COPY met a stored key: the staging path next."""
 
     def close(self) -> None:
         self.raw.close()
@@ -335,24 +345,43 @@ class PgStore:
 
     def ingest_columns(self, session_id: str, seq: int, cols: RecordColumns,
                        hashes: Sequence[bytes] | None = None) -> IngestResult:
-        """Store one validated batch of records given as columns: COPY into the staging table,
-        one INSERT ... SELECT ... ON CONFLICT DO NOTHING, then keys already stored are compared
-        by content hash in SQL (equal: a duplicate; different: flagged in `conflicts`). A
-        resent batch (seq <= acked) stores nothing and is checked the same way."""
-        run_id, rank, acked = self.session(session_id, lock=True)
+        """Store one validated batch of records given as columns. A fresh batch (seq > acked)
+        advances its session's acked seq and is COPYed straight into `records` (two statements);
+        if some key of it is stored already, that COPY fails, the transaction is run again and
+        the batch goes through the staging table: one INSERT ... SELECT ... ON CONFLICT DO
+        NOTHING, then keys already stored are compared by content hash in SQL (equal: a
+        duplicate; different: flagged in `conflicts`). A resent batch (seq <= acked) stores
+        nothing and is checked the same way."""
+        n = cols.n
         if hashes is None:
             hashes = content_hashes(cols)
-        fresh = seq > acked
+        direct = (session_id, seq) not in self._staged
+        self._staged.discard((session_id, seq))
+        row = self.raw.execute(  # a fresh batch: advance its session (row locked till commit)
+            "UPDATE sessions SET acked_seq = %s WHERE session_id = %s AND acked_seq < %s"
+            " RETURNING run_id, rank", (seq, session_id, seq)).fetchone()
+        if row is not None:
+            (run_id, rank), acked, fresh = row, seq - 1, True
+        else:  # a resend (or an unknown session)
+            run_id, rank, acked = self.session(session_id, lock=True)
+            fresh = False
         ids = self.site_ids(cols.sites, create=fresh)
-        rows = record_rows(cols, [ids.get(name, -1) for name in cols.sites], run_id, rank,
-                           hashes, session_id, seq, time.time())
+        site_ids = [ids.get(name, -1) for name in cols.sites]
+        args = (cols, site_ids, run_id, rank, hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
-        n = cols.n
-        if fresh and n and not cols.payloads and self._copy_direct(cur, rows):
-            cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s",
-                        (seq, session_id))
+        if fresh and n and not cols.payloads and direct:
+            # The common case, no key of the batch stored yet: COPY straight into `records`.
+            # When some key is, the COPY fails and `PgWriter` runs the batch again, then
+            # through the staging table.
+            try:
+                self._write(cur, "records", copy_buffer(*args))
+            except pg_errors.UniqueViolation:
+                if len(self._staged) > 1000:
+                    self._staged.clear()
+                self._staged.add((session_id, seq))
+                raise
             return IngestResult(acked_seq=seq, stored=n)
-        self._copy(cur, _STAGE, _STAGE_COLUMNS, ((pos,) + row for pos, row in enumerate(rows)))
+        self._write(cur, _STAGE, copy_buffer(*args, pos=True))
         if not fresh:
             same = cur.execute(_COUNT_SAME).fetchone()[0]
             cur.execute(_FLAG_CONFLICTS)
@@ -361,33 +390,20 @@ class PgStore:
         stored = cur.execute(_INSERT_RECORDS).rowcount
         conflicts = cur.execute(_FLAG_CONFLICTS).rowcount if stored < n else 0
         if cols.payloads:
-            self._copy(cur, _CHUNKS, _CHUNK_COLUMNS, (
-                (pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes, p.compressed_nbytes,
-                 p.crc32, p.data) for pos, p in sorted(cols.payloads.items())))
+            with cur.copy(_COPY[_CHUNKS]) as copy:
+                copy.set_types([t for _, t in _CHUNK_COLUMNS])
+                for pos, p in sorted(cols.payloads.items()):
+                    copy.write_row((pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
+                                    p.compressed_nbytes, p.crc32, p.data))
             cur.execute(_INSERT_CHUNKS)
-        cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s", (seq, session_id))
         return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
                             conflicts=conflicts)
 
-    def _copy_direct(self, cur: psycopg.Cursor, rows: list[tuple]) -> bool:
-        """COPY the rows straight into `records` (the common case: no key of the batch is
-        stored yet), in a savepoint; False, with nothing written, when some key is (the batch
-        then goes through the staging table)."""
-        cur.execute("SAVEPOINT direct")
-        try:
-            self._copy(cur, "records", _RECORD_COLUMNS, rows)
-        except pg_errors.UniqueViolation:
-            cur.execute("ROLLBACK TO SAVEPOINT direct")
-            return False
-        cur.execute("RELEASE SAVEPOINT direct")
-        return True
-
     @staticmethod
-    def _copy(cur: psycopg.Cursor, table: str, columns: list, rows: Any) -> None:
+    def _write(cur: psycopg.Cursor, table: str, data: bytes) -> None:
+        """One binary COPY of a prepared buffer (`pg_copy.copy_buffer`)."""
         with cur.copy(_COPY[table]) as copy:
-            copy.set_types([t for _, t in columns])
-            for row in rows:
-                copy.write_row(row)
+            copy.write(data)
 
     def close_session(self, req: pb.CloseSessionRequest) -> int:
         self.session(req.session_id, lock=True)

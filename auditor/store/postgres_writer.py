@@ -1,17 +1,22 @@
-"""The `StoreWriter` interface over PostgreSQL: a transaction per work item, on a few
-connections, with the races between replicas retried.
+"""The `StoreWriter` interface over PostgreSQL: group commit on a few connections, with the
+races between replicas retried.
 
 Unlike SQLite's single writer, work items run concurrently (PostgreSQL serializes what must be:
 a session's batches by its row lock, names and ids by unique constraints; see
-`auditor.store.postgres`). A transaction that loses a race to another replica is rolled back and
-run again; so is one whose connection broke (a database restart): every work item the daemon
-submits is idempotent (ingest by (session, seq) and by (run, key, rank), register by session id).
+`auditor.store.postgres`). Each connection's thread takes what is queued (up to
+`MAX_ITEMS_PER_TRANSACTION` items) and commits it as one transaction, each item in a savepoint of
+its own, so one failing item rolls back alone, as the SQLite writer does; futures resolve after
+the commit. A transaction that loses a race to another replica, or whose connection broke (a
+database restart), is rolled back and its items run again, one transaction each: every work item
+the daemon submits is idempotent (ingest by (session, seq) and by (run, key, rank), register by
+session id).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -27,64 +32,155 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
              pg_errors.UniqueViolation)
-"""A transaction that lost a race to another replica; run again, it sees the winner's rows."""
+"""A transaction that lost a race to another replica (or a batch whose direct COPY met a stored
+key, `PgStore.ingest_columns`); run again, it sees the winner's rows."""
+LOST = (psycopg.OperationalError, psycopg.InterfaceError)
+"""The connection broke: the outcome of a commit in flight is unknown; running again is safe."""
 MAX_ATTEMPTS = 8
-CONNECTIONS = 4
-"""Connections (and threads) per daemon: batches of different sessions commit in parallel."""
+CONNECTIONS = 2
+"""Connections (and threads) per daemon: groups of batches commit in parallel. Two keep a
+commit in flight while the next group is built; more only add processes to a small machine."""
+MAX_ITEMS_PER_TRANSACTION = 16
+
+
+class _Rerun(Exception):
+    """A group's transaction must be abandoned and its items run one by one."""
 
 
 class PgWriter:
-    """The `StoreWriter` interface over PostgreSQL: `submit(work)` runs `work(store)` in a
-    transaction of its own on one of `connections` connections; the future resolves after the
-    commit. Transactions that lose a race to another replica run again (`RETRYABLE`); a broken
-    connection is reopened and the work run again (each work item is idempotent: ingest by
-    (session, seq) and (run, key, rank), register by session id)."""
+    """The `StoreWriter` interface over PostgreSQL: `submit(work)` queues `work(store)`; the
+    future resolves after the transaction holding it committed."""
 
     def __init__(self, url: str, *, synchronous: str = "FULL", connections: int = CONNECTIONS) -> None:
         self.url, self._synchronous = url, synchronous
         pg_connect(url, synchronous=synchronous).close()  # reachable, schema in place
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            connections, thread_name_prefix="numaudit-pg-writer")
-        self._local = threading.local()
+        self._queue: queue.Queue = queue.Queue()
         self._stores: list[PgStore] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._threads = [threading.Thread(target=self._serve, name=f"numaudit-pg-writer-{i}",
+                                          daemon=True) for i in range(connections)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, work: Callable[[PgStore], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed:
                 raise WriterClosed("the store writer is closed")
-            return self._pool.submit(self._run, work)
+            self._queue.put((work, fut))
+        return fut
 
     def close(self, timeout: float = 30.0) -> None:
+        """Commit what is queued, then stop the threads and close the connections."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._pool.shutdown(wait=True)
+            for _ in self._threads:
+                self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         for store in self._stores:
             try:
                 store.close()
             except Exception:  # already broken
                 pass
 
-    def _store(self) -> PgStore:
-        store = getattr(self._local, "store", None)
-        if store is None or store.raw.closed:
-            store = PgStore(self.url, synchronous=self._synchronous)
-            self._local.store = store
-            with self._lock:
-                self._stores.append(store)
+    # -- the connection threads ---------------------------------------------------------------
+
+    def _serve(self) -> None:
+        store: PgStore | None = None
+        while True:
+            items = [self._queue.get()]
+            while items[-1] is not None and len(items) < MAX_ITEMS_PER_TRANSACTION:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = items[-1] is None
+            items = [(w, f) for w, f in (i for i in items if i is not None)
+                     if f.set_running_or_notify_cancel()]
+            if len(items) > 1:
+                store = self._group(store, items)
+            elif items:
+                store = self._one(store, *items[0])
+            if stop:
+                return
+
+    def _connect(self, store: PgStore | None) -> PgStore:
+        if store is not None and not store.raw.closed:
+            return store
+        store = PgStore(self.url, synchronous=self._synchronous)
+        with self._lock:
+            self._stores.append(store)
         return store
 
-    def _run(self, work: Callable[[PgStore], Any]) -> Any:
+    def _group(self, store: PgStore | None, items: list) -> PgStore | None:
+        """One transaction for several items, each in a savepoint; on a race or a lost
+        connection, the items run again one transaction each."""
+        results = []
+        try:
+            store = self._connect(store)
+            store.begin()
+            for n, (work, fut) in enumerate(items):
+                sp = f"item{n}"
+                store.savepoint(sp)
+                try:
+                    value = work(store)
+                except RETRYABLE + LOST:
+                    raise _Rerun
+                except Exception as exc:  # this item only: its savepoint rolls back
+                    store.rollback_to(sp)
+                    results.append((fut, False, exc))
+                else:
+                    store.release(sp)
+                    results.append((fut, True, value))
+            store.commit()
+        except (_Rerun, NotAStore) + RETRYABLE + LOST:
+            store = self._abandon(store)
+            for work, fut in items:
+                store = self._one(store, work, fut)
+            return store
+        except BaseException as exc:
+            store = self._abandon(store)
+            for _, fut in items:
+                fut.set_exception(exc)
+            return store
+        for fut, ok, value in results:
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+        return store
+
+    @staticmethod
+    def _abandon(store: PgStore | None) -> PgStore | None:
+        """Roll back what the store's connection holds; None when it is unusable."""
+        if store is None:
+            return None
+        try:
+            store.rollback()
+            return store
+        except Exception:
+            try:
+                store.close()
+            except Exception:
+                pass
+            return None
+
+    def _one(self, store: PgStore | None, work: Callable[[PgStore], Any],
+             fut: concurrent.futures.Future) -> PgStore | None:
+        """`work` in a transaction of its own, run again after a race or a lost connection."""
         delay = 0.01
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                store = self._store()
+                store = self._connect(store)
             except NotAStore as exc:  # the server is down or restarting
                 if attempt == MAX_ATTEMPTS:
-                    raise ConnectionError(str(exc)) from None
+                    fut.set_exception(ConnectionError(str(exc)))
+                    return None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -92,30 +188,32 @@ class PgWriter:
                 store.begin()
                 value = work(store)
                 store.commit()
-                return value
             except RETRYABLE as exc:
-                store.rollback()
+                store = self._abandon(store)
                 if attempt == MAX_ATTEMPTS:
-                    raise ConnectionError(f"store: gave up after {attempt} attempts: {exc}") \
-                        from None
+                    fut.set_exception(ConnectionError(
+                        f"store: gave up after {attempt} attempts: {exc}"))
+                    return store
                 log.debug("retrying a transaction that lost a race: %s", exc)
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                # connection lost (server restart, network): the outcome of a commit in flight
-                # is unknown, and running the work again is safe
-                self._local.store = None
-                try:
-                    store.close()
-                except Exception:
-                    pass
+            except LOST as exc:
+                store = self._abandon(store) if not store.raw.closed else None
+                if store is not None:
+                    try:
+                        store.close()
+                    except Exception:
+                        pass
+                    store = None
                 if attempt == MAX_ATTEMPTS:
-                    raise ConnectionError(f"store: {redact(self.url)}: {exc}") from None
+                    fut.set_exception(ConnectionError(f"store: {redact(self.url)}: {exc}"))
+                    return None
                 log.warning("store connection lost (%s); reconnecting", exc)
-            except BaseException:
-                try:
-                    store.rollback()
-                except psycopg.Error:
-                    self._local.store = None
-                raise
-            time.sleep(delay)
+            except BaseException as exc:
+                store = self._abandon(store)
+                fut.set_exception(exc)
+                return store
+            else:
+                fut.set_result(value)
+                return store
+            time.sleep(delay if attempt > 1 else 0)
             delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
