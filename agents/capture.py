@@ -1,9 +1,11 @@
 """Capture: module and parameter hooks → digests on the tensor's device → batched host transfer.
 
 Everything here runs on the training thread, so it is bounded and cheap: a hook computes the
-digest of each tensor it sees on that tensor's device (vectorized, no host sync on CUDA), keeps
-the two small result rows, and every `device_batch` captures (or at a microbatch or step
-boundary) stacks them and starts one asynchronous copy to the host. The sender thread waits for
+digest of each tensor it sees on that tensor's device (vectorized, no host sync on CUDA). CPU
+pieces go through the fused kernel, which writes their rows straight into the host batch's
+buffers (agents/rows.py) and copies small pieces' payload bytes in the same pass; rows computed
+on an accelerator are kept, and every `device_batch` captures (or at a microbatch or step
+boundary) stacked and sent to the host in one asynchronous copy. The sender thread waits for
 that copy, builds records and does all network I/O. No hook ever raises into training: failures
 are counted, logged once per kind with the rank, and the capture is dropped.
 """
@@ -23,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from agents.config import AgentConfig, step_selected
 from agents.digest import digest_batch_to_host, has_moments
 from agents.fastpath import Digester
+from agents.rows import RowBatch
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
@@ -48,6 +51,9 @@ MAX_NO_GRAD_CALLS = 64
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
 AUTO = "auto"
 """`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
+MAX_BATCH_ROWS = 1024
+"""Host rows per batch at most (2 MiB at k = 256), whatever `device_batch` says."""
+MAX_CACHED_LAYOUTS = 8192
 
 
 @dataclass(slots=True)
@@ -127,8 +133,14 @@ class Counters:
             return self.captured, self.errors, dict(self.dropped)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def in_backward() -> bool:
@@ -163,15 +175,22 @@ class Capturer:
         self.loss_microbatch: int | None = None
         """Microbatch of the last forward chunk whose loss has not been captured yet."""
         self._captures: list[Capture] = []
-        self._f64: list[torch.Tensor] = []
-        self._i64: list[torch.Tensor] = []
+        """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
+        self._rows: RowBatch | None = None
+        self._dev_captures: list[Capture] = []
+        """Captures whose rows are on an accelerator (`_dev_f64`, `_dev_i64`)."""
+        self._dev_f64: list[torch.Tensor] = []
+        self._dev_i64: list[torch.Tensor] = []
+        self._layouts: dict[tuple, PieceLayout] = {}
+        """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
+        capture of a site and shape (invalidated when hook_modules learns column shards)."""
         self._logged: set[str] = set()
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
         self._column_shards: dict[str, tuple[int, int]] = {}
         """Module site -> (shards, coordinate) of a tensor-parallel output split by columns."""
-        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout]] = []
+        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int]] = []
         """Captures of the running hook (or parameter sweep) whose digests are not computed
         yet: :meth:`_drain` digests them in one call before the hook returns to training."""
         self._digester = Digester(config.digest)
@@ -205,6 +224,7 @@ class Capturer:
             shards = column_sharded_output(module, self.ident)
             if shards is not None:
                 self._column_shards[site] = shards
+                self._layouts.clear()
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -408,12 +428,22 @@ class Capturer:
     def _plain_layout(self, t: torch.Tensor, phase: str, site: str,
                       replicate: bool | None) -> PieceLayout:
         shape = tuple(t.shape)
+        if phase == "input" and shape:
+            self._local_batch[(self.step, self.microbatch)] = shape[0]
+        key = (phase, site, shape, replicate)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._new_plain_layout(shape, phase, site, replicate)
+        return layout
+
+    def _new_plain_layout(self, shape: tuple[int, ...], phase: str, site: str,
+                          replicate: bool | None) -> PieceLayout:
         if phase in PER_STEP_PHASES:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
-        if phase == "input" and shape:
-            self._local_batch[(self.step, self.microbatch)] = shape[0]
         layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size)
         shards = self._column_shards.get(site) if phase in ("fwd", "bwd") else None
         if shards is not None and replicate is None:
@@ -464,32 +494,41 @@ class Capturer:
             cap.is_none, cap.moments = True, False
             self._captures.append(cap)
             return
-        t = t.detach()
+        if type(t) is not torch.Tensor:
+            t = t.detach()  # a Parameter becomes a plain tensor, which the fused kernel reads
         local = t
-        if layout is None:
-            if _is_dtensor(t):
-                layout = dtensor_layout(t)
-                local = t.to_local()
-            else:
-                layout = self._plain_layout(t, phase, site, None)
-        elif _is_dtensor(t):
+        if _is_dtensor(t):
             local = t.to_local()
+            if layout is None:
+                layout = dtensor_layout(t)
+        elif layout is None:
+            layout = self._plain_layout(t, phase, site, None)
         cap.dtype = _dtype_name(local.dtype)
         if local.is_complex():
-            local = torch.view_as_real(local)
+            local = torch.view_as_real(local.detach())
             layout = complex_real_layout(layout)
             cap.complex_as_real = True
             cap.dtype = _dtype_name(local.dtype)
         cap.layout = layout
         cap.moments = has_moments(local.dtype)
-        nbytes = local.numel() * local.element_size()
+        fused = self._digester.takes(local)
+        if not fused:
+            local = local.detach()  # the fused kernel reads the bytes; eager ops need no graph
+        payload_at = 0
+        nbytes = local.nbytes
         if ((0 < nbytes <= self.config.payload_max_bytes)
                 or (self.config.payload and self._wants_payload(phase, site, role))):
-            # A copy taken now: the tensor may be changed in place after the hook returns. On an
-            # accelerator the copy stays on the device (no sync here); the sender moves it.
-            cap.payload = (local.to("cpu", copy=True).contiguous() if local.device.type == "cpu"
-                           else local.detach().clone(memory_format=torch.contiguous_format))
-        self._pending.append((cap, local, layout))
+            # A copy taken now: the tensor may be changed in place after the hook returns. The
+            # fused kernel copies the bytes while it digests them; on an accelerator the copy
+            # stays on the device (no sync here) and the sender moves it.
+            if fused:
+                cap.payload = torch.empty(nbytes, dtype=torch.uint8)
+                payload_at = cap.payload.data_ptr()
+            elif local.is_cpu:
+                cap.payload = local.to("cpu", copy=True).contiguous()
+            else:
+                cap.payload = local.clone(memory_format=torch.contiguous_format)
+        self._pending.append((cap, local, layout, payload_at))
 
     def _drain(self) -> None:
         """Digest the pending captures in one call and queue their rows. Never raises.
@@ -501,25 +540,29 @@ class Capturer:
             return
         pending, self._pending = self._pending, []
         try:
-            rows = self._digester.digest([(t, layout) for _, t, layout in pending],
-                                         self.config.sketch_k)
-        except Exception:
-            # One bad piece must not cost its neighbours: digest them one at a time.
-            rows = []
-            for cap, t, layout in pending:
-                try:
-                    rows.extend(self._digester.digest([(t, layout)], self.config.sketch_k))
-                except Exception as exc:
-                    rows.append(None)
-                    self._failed(f"capture of {cap.site}", exc)
-        for (cap, _, _), row in zip(pending, rows):
-            if row is None:
-                continue
-            cap.row = len(self._f64)
-            self._f64.append(row[0])
-            self._i64.append(row[1])
-            self._captures.append(cap)
-        if len(self._f64) >= self.config.device_batch:
+            rows = self._rows
+            if rows is None or rows.room() < len(pending):
+                self._flush_host()
+                capacity = max(len(pending), min(self.config.device_batch, MAX_BATCH_ROWS))
+                rows = self._rows = RowBatch(capacity, self.config.sketch_k)
+            results = self._digester.digest([p[1:] for p in pending], self.config.sketch_k, rows)
+        except Exception as exc:
+            for cap, *_ in pending:
+                self._failed(f"capture of {cap.site}", exc)
+            return
+        for (cap, *_), res in zip(pending, results):
+            if type(res) is int:
+                cap.row = res
+                self._captures.append(cap)
+            elif isinstance(res, Exception):
+                self._failed(f"capture of {cap.site}", res)
+            else:  # rows on an accelerator
+                cap.row = len(self._dev_f64)
+                self._dev_f64.append(res[0])
+                self._dev_i64.append(res[1])
+                self._dev_captures.append(cap)
+        batch = min(self.config.device_batch, MAX_BATCH_ROWS)
+        if rows.n >= batch or len(self._dev_f64) >= batch:
             self.flush()
 
     def capture_parameters(self, model: torch.nn.Module, *, grads: bool, stage: int = -1) -> None:
@@ -536,18 +579,29 @@ class Capturer:
         self.flush()
 
     def flush(self) -> None:
-        """Start one host transfer for the pending digests and hand the batch to the sender."""
+        """Hand the pending digests to the sender: the host batch as it is, and the rows kept
+        on an accelerator after starting their one transfer to the host."""
         self._drain()
-        if not self._captures:
+        self._flush_host()
+        if not self._dev_captures:
             return
-        captures, f64, i64 = self._captures, self._f64, self._i64
-        self._captures, self._f64, self._i64 = [], [], []
+        captures, f64, i64 = self._dev_captures, self._dev_f64, self._dev_i64
+        self._dev_captures, self._dev_f64, self._dev_i64 = [], [], []
         try:
-            if f64:
-                host_f64, host_i64, event = digest_batch_to_host(f64, i64)
-            else:
-                host_f64 = host_i64 = event = None
+            host_f64, host_i64, event = digest_batch_to_host(f64, i64)
             self._sink(HostBatch(captures, host_f64, host_i64, event))
+        except Exception as exc:
+            self.counters.drop("transfer_error", len(captures))
+            self._failed("host transfer", exc)
+
+    def _flush_host(self) -> None:
+        captures, rows = self._captures, self._rows
+        self._captures, self._rows = [], None
+        if not captures:
+            return
+        try:
+            f64, i64 = rows.rows() if rows is not None and rows.n else (None, None)
+            self._sink(HostBatch(captures, f64, i64, None))
         except Exception as exc:
             self.counters.drop("transfer_error", len(captures))
             self._failed("host transfer", exc)
@@ -595,9 +649,16 @@ def _not_traced(hook):
     return torch.compiler.disable(hook)
 
 
+_DTENSOR: list = []
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
+    if type(t) is torch.Tensor:  # the common case, without the isinstance below
         return False
-    return isinstance(t, DTensor)
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without distributed
+            DTensor = ()
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])

@@ -383,23 +383,42 @@ void split_run(RunFn fn, const char* p, int64_t ts, int64_t itemsz, int64_t n, u
   }
 }
 
-// Digest one piece described by `desc`: [data, dtype, ndim, gbase, (size, tstride, gstride) x
-// ndim], strides in elements, dims outermost first. Returns the number of int64s consumed, or
-// -1 for a bad descriptor (the row is then left untouched).
+// Copy one run of n elements at p[j * ts] to dst, packed (the piece's payload bytes).
+void copy_run(const char* p, int64_t ts, int64_t itemsz, int64_t n, char* dst) {
+  if (ts == 1) {
+    std::memcpy(dst, p, n * itemsz);
+    return;
+  }
+  const int64_t step = ts * itemsz;
+  switch (itemsz) {
+    case 1: for (int64_t j = 0; j < n; ++j) dst[j] = p[j * step]; break;
+    case 2: for (int64_t j = 0; j < n; ++j) std::memcpy(dst + 2 * j, p + j * step, 2); break;
+    case 4: for (int64_t j = 0; j < n; ++j) std::memcpy(dst + 4 * j, p + j * step, 4); break;
+    default: for (int64_t j = 0; j < n; ++j) std::memcpy(dst + 8 * j, p + j * step, 8); break;
+  }
+}
+
+// Digest one piece described by `desc`: [data, dtype, ndim, gbase, payload, (size, tstride,
+// gstride) x ndim], strides in elements, dims outermost first. `payload`, when not 0, is where
+// the piece's elements are also copied to, packed in C order (the bytes of a contiguous copy).
+// Returns the number of int64s consumed, or -1 for a bad descriptor (the row is then left
+// untouched).
 int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
                    double* sketch2) {
   const char* data = reinterpret_cast<const char*>(desc[0]);
   const int64_t dtype = desc[1];
   const int64_t ndim_in = desc[2];
   const uint64_t gbase = (uint64_t)desc[3];
-  const int64_t used = 4 + 3 * ndim_in;
+  char* payload = reinterpret_cast<char*>(desc[4]);
+  constexpr int64_t HEAD = 5;
+  const int64_t used = HEAD + 3 * ndim_in;
   const RunFn fn = run_for(dtype);
   if (!fn || ndim_in < 0 || ndim_in > MAX_DIMS) return -1;
   // Merge dims that are contiguous in both the tensor and the logical tensor; drop size 1.
   int64_t size[MAX_DIMS], ts[MAX_DIMS], gs[MAX_DIMS];
   int64_t nd = 0, numel = 1;
   for (int64_t d = 0; d < ndim_in; ++d) {
-    const int64_t s = desc[4 + 3 * d], t = desc[5 + 3 * d], g = desc[6 + 3 * d];
+    const int64_t s = desc[HEAD + 3 * d], t = desc[HEAD + 1 + 3 * d], g = desc[HEAD + 2 + 3 * d];
     numel *= s;
     if (s == 1) continue;
     if (nd && ts[nd - 1] == s * t && gs[nd - 1] == s * g) {
@@ -425,6 +444,7 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
     const int64_t itemsz = itemsize(dtype);
     if (nd == 0) {  // one element
       split_run(fn, data, 1, itemsz, 1, gbase, 1, a);
+      if (payload) std::memcpy(payload, data, itemsz);
     } else {
       // Odometer over the outer dims; the innermost dim is one run.
       int64_t coord[MAX_DIMS] = {0};
@@ -438,6 +458,10 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
         }
         split_run(fn, data + off * itemsz, ts[inner], itemsz, size[inner], g,
                   (uint64_t)gs[inner], a);
+        if (payload) {
+          copy_run(data + off * itemsz, ts[inner], itemsz, size[inner], payload);
+          payload += size[inner] * itemsz;
+        }
         int64_t d = inner - 1;
         while (d >= 0 && ++coord[d] == size[d]) coord[d--] = 0;
         if (d < 0) break;
