@@ -283,7 +283,8 @@ inline uint64_t hsum64(__m256i v) {
 template <int64_t D>
 inline uint64_t narrow_block_avx2(const typename Elem<D>::T* xb, int64_t m, uint64_t kb,
                                   uint64_t key_step, uint32_t hb, uint32_t h_step,
-                                  uint32_t mask2k, double* vals, uint32_t* buckets, Moments& r) {
+                                  uint32_t mask2k, uint32_t copy_stride, double* vals,
+                                  uint32_t* buckets, Moments& r) {
   using E = Elem<D>;
   const Mix4 c;
   __m256i key0 = _mm256_set_epi64x((int64_t)(kb + 3 * key_step), (int64_t)(kb + 2 * key_step),
@@ -296,6 +297,8 @@ inline uint64_t narrow_block_avx2(const typename Elem<D>::T* xb, int64_t m, uint
                          _mm256_set1_epi32((int32_t)h_step)));
   const __m256i h_step8 = _mm256_set1_epi32((int32_t)(8 * h_step));
   const __m256i mask = _mm256_set1_epi32((int32_t)mask2k);
+  const int32_t cs = (int32_t)copy_stride;
+  const __m256i copy_at = _mm256_set_epi32(3 * cs, 2 * cs, cs, 0, 3 * cs, 2 * cs, cs, 0);
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -327,7 +330,7 @@ inline uint64_t narrow_block_avx2(const typename Elem<D>::T* xb, int64_t m, uint
     key0 = _mm256_add_epi64(key0, key_step8);
     key1 = _mm256_add_epi64(key1, key_step8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + j),
-                        _mm256_and_si256(fmix32x8(h), mask));
+                        _mm256_add_epi32(_mm256_and_si256(fmix32x8(h), mask), copy_at));
     h = _mm256_add_epi32(h, h_step8);
     const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), inf, _CMP_LT_OQ);
     allfinite = _mm256_and_ps(allfinite, fin);
@@ -364,7 +367,7 @@ inline uint64_t narrow_block_avx2(const typename Elem<D>::T* xb, int64_t m, uint
   uint64_t key = kb + (uint64_t)j * key_step;
   for (int64_t t = j; t < m; ++t, key += key_step) {
     fp += mix64(key ^ E::bits(xb[t]));
-    buckets[t] = fmix32(hb + (uint32_t)t * h_step) & mask2k;
+    buckets[t] = (fmix32(hb + (uint32_t)t * h_step) & mask2k) + (uint32_t)(t & 3) * copy_stride;
   }
   moments_block<D, true>(xb + j, 1, m - j, vals + j, r);
   return fp;
@@ -381,6 +384,7 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
   alignas(64) double vals[BLOCK];
   alignas(64) uint32_t buckets[BLOCK];
   const double inf = std::numeric_limits<double>::infinity();
+  const uint32_t copy_stride = a.copies == SKETCH_COPIES ? (uint32_t)(2 * a.k) : 0;
   for (int64_t b = 0; b < n; b += BLOCK) {
     const int64_t m = n - b < BLOCK ? n - b : BLOCK;
     const typename E::T* xb = x + (CONTIG ? b : b * ts);
@@ -389,9 +393,12 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
     uint64_t fp = 0;
     const uint32_t mask2k = a.mask2k;
     Moments r;
+    // Element j adds into copy j % 4 of the sketch (one copy for small pieces): the copy's
+    // offset is folded into buckets[j], so the scatter is one load-add-store per element.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if constexpr (CONTIG && D != F64) {
-      fp = narrow_block_avx2<D>(xb, m, kb, key_step, hb, h_step, mask2k, vals, buckets, r);
+      fp = narrow_block_avx2<D>(xb, m, kb, key_step, hb, h_step, mask2k, copy_stride, vals,
+                                buckets, r);
     } else
 #endif
     {
@@ -406,7 +413,8 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
         key += key_step;
       }
 #pragma omp simd
-      for (int64_t j = 0; j < m; ++j) buckets[j] = fmix32(hb + (uint32_t)j * h_step) & mask2k;
+      for (int64_t j = 0; j < m; ++j)
+        buckets[j] = (fmix32(hb + (uint32_t)j * h_step) & mask2k) + (uint32_t)(j & 3) * copy_stride;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
       if (CONTIG)
         moments_block_avx2<D>(xb, m, vals, r);
@@ -431,13 +439,12 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
     // SKETCH_COPIES interleaved copies of the buckets: consecutive adds that hit one bucket
     // would otherwise wait on each other's store; all copies together stay in L1.
     double* sk = a.sketch2;
-    const int64_t stride = 2 * a.k;
     int64_t j = 0;
-    for (; a.copies == SKETCH_COPIES && j + 4 <= m; j += 4) {
+    for (; j + 4 <= m; j += 4) {
       sk[buckets[j]] += vals[j];
-      sk[stride + buckets[j + 1]] += vals[j + 1];
-      sk[2 * stride + buckets[j + 2]] += vals[j + 2];
-      sk[3 * stride + buckets[j + 3]] += vals[j + 3];
+      sk[buckets[j + 1]] += vals[j + 1];
+      sk[buckets[j + 2]] += vals[j + 2];
+      sk[buckets[j + 3]] += vals[j + 3];
     }
     for (; j < m; ++j) sk[buckets[j]] += vals[j];
   }
