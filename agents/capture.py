@@ -13,6 +13,7 @@ are counted, logged once per kind with the rank, and the capture is dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections import Counter, deque
@@ -181,6 +182,8 @@ class Capturer:
         """Captures whose rows are on an accelerator (`_dev_f64`, `_dev_i64`)."""
         self._dev_f64: list[torch.Tensor] = []
         self._dev_i64: list[torch.Tensor] = []
+        self._payload_sites: dict[tuple[str, str, str], bool] = {}
+        """(phase, site, role) -> whether the `payload` globs ask for its bytes."""
         self._layouts: dict[tuple, PieceLayout] = {}
         """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
         capture of a site and shape (invalidated when hook_modules learns column shards)."""
@@ -205,8 +208,15 @@ class Capturer:
         return self._step_on and phase in self._phases
 
     def _wants_payload(self, phase: str, site: str, role: str) -> bool:
-        globs = self.config.payload
-        return matches(f"{phase}:{site}", globs) or matches(f"{phase}:{site}:{role}", globs)
+        key = (phase, site, role)
+        wanted = self._payload_sites.get(key)
+        if wanted is None:
+            globs = self.config.payload
+            wanted = matches(f"{phase}:{site}", globs) or matches(f"{phase}:{site}:{role}", globs)
+            if len(self._payload_sites) >= MAX_CACHED_LAYOUTS:
+                self._payload_sites.clear()
+            self._payload_sites[key] = wanted
+        return wanted
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -296,33 +306,37 @@ class Capturer:
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
                    layout: PieceLayout | None = None):
-        def capture(grad):
-            self.capture(grad, phase="bwd", site=site, role="grad_output", index=index,
-                         call=call, microbatch=mb, stage=stage, layout=layout)
-
+        capture = functools.partial(self._capture_grad, site, index, call, mb, stage, layout)
         return self._backward_hook((step, mb, site, index, call), step, capture)
+
+    def _capture_grad(self, site: str, index: int, call: int, mb: int, stage: int,
+                      layout: PieceLayout | None, grad: torch.Tensor) -> None:
+        self._capture_one(grad, phase="bwd", site=site, role="grad_output", index=index,
+                          call=call, microbatch=mb, stage=stage, layout=layout)
+        self._drain()
 
     def _backward_hook(self, key: tuple, step: int, capture: Callable[[torch.Tensor], None]):
         """A tensor hook that captures the gradient once per key, keyed by the forward's step.
 
         Split backward (ZBV, DualPipeV) can run a tensor's hooks in both the input-gradient and
-        the weight-gradient action: one capture per key. Never raises into backward.
+        the weight-gradient action: one capture per key. Never raises into backward. (A
+        partial of one function disabled for torch.compile once: wrapping a closure per
+        registration cost tens of microseconds per hooked tensor.)
         """
-        def hook(grad):
-            try:
-                if grad is not None and key not in self._bwd_seen:
-                    self._bwd_seen.add(key)
-                    saved = self.step
-                    self.step = step
-                    try:
-                        capture(grad)
-                    finally:
-                        self.step = saved
-            except Exception as exc:
-                self._failed("backward hook", exc)
-            return None
+        return functools.partial(_run_backward_hook, self, key, step, capture)
 
-        return _not_traced(hook)
+    def _backward_hook_body(self, key: tuple, step: int, capture, grad) -> None:
+        try:
+            if grad is not None and key not in self._bwd_seen:
+                self._bwd_seen.add(key)
+                saved = self.step
+                self.step = step
+                try:
+                    capture(grad)
+                finally:
+                    self.step = saved
+        except Exception as exc:
+            self._failed("backward hook", exc)
 
     def _next_call(self, site: str) -> int:
         key = (self.microbatch, site)
@@ -639,6 +653,12 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
         if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
             return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
     return None
+
+
+@torch.compiler.disable
+def _run_backward_hook(capturer: Capturer, key: tuple, step: int, capture, grad) -> None:
+    """Tensor hooks run eagerly (see _not_traced); returns None: the gradient is unchanged."""
+    capturer._backward_hook_body(key, step, capture, grad)
 
 
 def _not_traced(hook):
