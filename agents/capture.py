@@ -518,7 +518,7 @@ class Capturer:
         elif layout is None:
             layout = self._plain_layout(t, phase, site, None)
         cap.dtype = _dtype_name(local.dtype)
-        if local.is_complex():
+        if local.dtype.is_complex:  # the dtype attribute: Tensor.is_complex() is a dispatched call
             local = torch.view_as_real(local.detach())
             layout = complex_real_layout(layout)
             cap.complex_as_real = True

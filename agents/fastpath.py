@@ -55,7 +55,7 @@ class Digester:
 
     def takes(self, t: torch.Tensor) -> bool:
         """The fused kernel digests this piece (and can copy its payload bytes while at it)."""
-        return self._cpu is not None and self._cpu.supports(t) and not t.is_complex()
+        return self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex
 
     def digest(self, pieces: list[Piece], sketch_k: int, rows: RowBatch) -> list:
         """Digest each piece; returns per piece the row of ``rows`` that holds its digest (an

@@ -106,7 +106,7 @@ def supports(t: torch.Tensor) -> bool:
     """
     if type(t) is not torch.Tensor or not t.is_cpu or t.dim() > MAX_DIMS:
         return False
-    if t.is_complex():
+    if t.dtype.is_complex:
         return t.dtype in (torch.complex64, torch.complex128, torch.complex32)
     return t.dtype in DTYPE_CODES
 
