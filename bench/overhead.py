@@ -7,7 +7,10 @@ ratio is median(on) / median(off) per configuration: scale 1 and scale 8, each w
 `fwd,grad,loss,input` captures of examples/dsv3 (depth 4, logits payload) and with `bwd` added.
 
 The agent has no auditor address (spooling off): digests, host transfer and record building run,
-network I/O does not. One intra-op thread, as in bench/digest.py.
+network I/O does not. A third model with an agent whose batches are dropped before the sender
+(its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts, digests and row
+batches, without the sender thread's record building (agents/sender.py). One intra-op thread,
+as in bench/digest.py.
 """
 
 from __future__ import annotations
@@ -60,24 +63,35 @@ class _null:
         return False
 
 
-def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
-    """Median step CPU seconds with and without the agent, interleaved."""
-    off, on = _model(scale), _model(scale)
-    phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
-    agent = agents.attach(on, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
+def _attach(model: torch.nn.Module, phases: tuple[str, ...]):
+    agent = agents.attach(model, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
                           exclude=EXCLUDE, payload=PAYLOAD, spool_mode="off")
-    capture_input_tokens(agent, on)
+    capture_input_tokens(agent, model)
+    return agent
+
+
+def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
+    """Median step CPU seconds without the agent, with it, and with its batches dropped before
+    the sender ("capture only"), interleaved."""
+    off, on, capture_only = _model(scale), _model(scale), _model(scale)
+    phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
+    agent, quiet = _attach(on, phases), _attach(capture_only, phases)
+    quiet.capturer._sink = lambda batch: None
     data = batches(0, 0, MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN, ModelArgs().vocab_size)
     mbs = next(data)
-    _step(off, None, 0, mbs)  # warm-up both sides
+    _step(off, None, 0, mbs)  # warm-up every side
     _step(on, agent, 0, mbs)
-    t_off, t_on = [], []
+    _step(capture_only, quiet, 0, mbs)
+    t_off, t_on, t_capture = [], [], []
     for i in range(repeats):
         t_off.append(_step(off, None, i + 1, mbs))
         t_on.append(_step(on, agent, i + 1, mbs))
+        t_capture.append(_step(capture_only, quiet, i + 1, mbs))
     summary = agent.close(timeout=5.0)
+    quiet.close(timeout=5.0)
     params = sum(p.numel() for p in on.parameters())
-    return {"off": statistics.median(t_off), "on": statistics.median(t_on), "params": params,
+    return {"off": statistics.median(t_off), "on": statistics.median(t_on),
+            "capture_only": statistics.median(t_capture), "params": params,
             "captured": summary["captured"] / (repeats + 1), "errors": summary["errors"]}
 
 
@@ -122,14 +136,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     fused_us, eager_us = capture_cost()
     print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
           f"{fused_us:.1f} us, eager {eager_us:.1f} us")
-    print("| scale | params | phases | captures/step | off (s) | on (s) | on/off |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print("| scale | params | phases | captures/step | off (s) | on (s) | on/off | "
+          "capture only/off |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for scale in (int(s) for s in args.scales.split(",")):
         for bwd in (False, True):
             r = measure(scale, bwd, repeats)
             phases = "fwd,grad,loss,input" + (",bwd" if bwd else "")
             print(f"| {scale} | {r['params'] / 1e6:.1f}M | {phases} | {r['captured']:.0f} | "
-                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x |", flush=True)
+                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x | "
+                  f"{r['capture_only'] / r['off']:.2f}x |", flush=True)
     return 0
 
 
