@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 BUILD   := build
 INJECT  ?=
 
-.PHONY: audit test test-fast bench proto clean kernels
+.PHONY: audit test test-fast bench proto clean kernels postgres
 
 # The fused CPU digest kernel (agents/kernels/): built here, never inside training. If it cannot
 # be built the agent warns once and uses the eager digest.
@@ -23,13 +23,31 @@ $(KERNEL): $(STAMP) agents/kernels/digest_cpu.cpp agents/kernels/dispatch.cpp ag
 
 kernels: $(KERNEL)
 
+# PostgreSQL server binaries for the tests of the PostgreSQL store (tests/pgserver.py starts a
+# throwaway server with initdb + pg_ctl; nothing is configured system-wide). Installed from the
+# distribution's packages when initdb is missing; the PG tests fail, saying why, when it still
+# cannot start (NUMAUDIT_PG=skip skips them explicitly).
+PG_INITDB := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb) $(shell command -v initdb 2>/dev/null))
+
+postgres:
+ifeq ($(PG_INITDB),)
+	@if [ "$$NUMAUDIT_PG" = skip ]; then echo "make: NUMAUDIT_PG=skip: not installing PostgreSQL"; \
+	elif command -v apt-get >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q postgresql \
+	  || echo "make: could not install postgresql; the PostgreSQL tests will fail saying so"; \
+	else echo "make: no initdb and no apt-get: install PostgreSQL server binaries for the PG tests"; fi
+else
+	@true
+endif
+
 audit: $(STAMP) $(KERNEL)
 	$(PY) -m examples.audit --build $(BUILD) $(if $(INJECT),--inject $(INJECT))
 
-test: $(STAMP) $(KERNEL)
+test: $(STAMP) $(KERNEL) postgres
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP) $(KERNEL)
+test-fast: $(STAMP) $(KERNEL) postgres
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP) $(KERNEL)

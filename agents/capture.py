@@ -3,9 +3,9 @@
 Everything here runs on the training thread, so it is bounded and cheap: a hook computes the
 digest of each tensor it sees on that tensor's device (vectorized, no host sync on CUDA). CPU
 pieces go through the fused kernel, which writes their rows straight into the host batch's
-buffers (agents/rows.py) and copies small pieces' payload bytes in the same pass; rows computed
-on an accelerator are kept, and every `device_batch` captures (or at a microbatch or step
-boundary) stacked and sent to the host in one asynchronous copy. The sender thread waits for
+buffers and copies small pieces' payload bytes in the same pass; rows computed on an
+accelerator are kept, and every `device_batch` captures (or at a microbatch or step boundary)
+stacked and sent to the host in one asynchronous copy (agents/batching.py). The sender thread waits for
 that copy, builds records and does all network I/O. No hook ever raises into training: failures
 are counted, logged once per kind with the rank, and the capture is dropped.
 """
@@ -15,18 +15,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from agents.config import AgentConfig, step_selected
-from agents.digest import digest_batch_to_host, has_moments
+from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
+from agents.digest import has_moments
 from agents.fastpath import Digester
-from agents.rows import RowBatch
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
@@ -52,86 +50,7 @@ MAX_NO_GRAD_CALLS = 64
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
 AUTO = "auto"
 """`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
-MAX_BATCH_ROWS = 1024
-"""Host rows per batch at most (2 MiB at k = 256), whatever `device_batch` says."""
 MAX_CACHED_LAYOUTS = 8192
-
-
-@dataclass(slots=True)
-class Capture:
-    """Host-side metadata of one captured piece; its digest rows travel in the HostBatch."""
-
-    step: int
-    microbatch: int
-    phase: int
-    site: str
-    role: int
-    index: int
-    call: int
-    stage: int
-    layout: PieceLayout | None
-    dtype: str
-    is_none: bool = False
-    moments: bool = True
-    complex_as_real: bool = False
-    row: int = -1
-    """Row of this capture's digest in the batch's tensors; -1 for None captures."""
-    payload: torch.Tensor | None = None
-    """A host copy of the piece when its bytes travel too."""
-
-
-@dataclass
-class HostBatch:
-    """Captures whose digests were stacked and sent to the host in one transfer."""
-
-    captures: list[Capture]
-    f64: torch.Tensor | None
-    i64: torch.Tensor | None
-    ready: object = None
-    """A CUDA event to synchronize on before reading f64/i64; None on CPU."""
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-class Counters:
-    """Thread-safe counts the agent reports at close."""
-
-    def __init__(self) -> None:
-        # Re-entrant: a SIGTERM handler may close the agent on the training thread while that
-        # thread is inside one of these methods.
-        self._lock = threading.RLock()
-        self.captured = 0
-        self.errors = 0
-        self.dropped: Counter[str] = Counter()
-        self.not_captured: Counter[str] = Counter()
-        """Captures that could not be made at all, by reason (not part of `captured`)."""
-
-    def add_captured(self, n: int) -> None:
-        with self._lock:
-            self.captured += n
-
-    def drop(self, reason: str, n: int) -> None:
-        if n:
-            with self._lock:
-                self.dropped[reason] += n
-
-    def error(self) -> None:
-        with self._lock:
-            self.errors += 1
-
-    def miss(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.not_captured[reason] += n
-
-    def not_captured_snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.not_captured)
-
-    def snapshot(self) -> tuple[int, int, dict[str, int]]:
-        with self._lock:
-            return self.captured, self.errors, dict(self.dropped)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -161,7 +80,6 @@ class Capturer:
     ) -> None:
         self.config = config
         self.ident = ident
-        self._sink = sink
         self.counters = counters
         self.step = 0
         self.microbatch = 0
@@ -175,13 +93,6 @@ class Capturer:
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
         self.loss_microbatch: int | None = None
         """Microbatch of the last forward chunk whose loss has not been captured yet."""
-        self._captures: list[Capture] = []
-        """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
-        self._rows: RowBatch | None = None
-        self._dev_captures: list[Capture] = []
-        """Captures whose rows are on an accelerator (`_dev_f64`, `_dev_i64`)."""
-        self._dev_f64: list[torch.Tensor] = []
-        self._dev_i64: list[torch.Tensor] = []
         self._payload_sites: dict[tuple[str, str, str], bool] = {}
         """(phase, site, role) -> whether the `payload` globs ask for its bytes."""
         self._layouts: dict[tuple, PieceLayout] = {}
@@ -193,10 +104,10 @@ class Capturer:
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
         self._column_shards: dict[str, tuple[int, int]] = {}
         """Module site -> (shards, coordinate) of a tensor-parallel output split by columns."""
-        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int]] = []
-        """Captures of the running hook (or parameter sweep) whose digests are not computed
-        yet: :meth:`_drain` digests them in one call before the hook returns to training."""
         self._digester = Digester(config.digest)
+        self._batches = Batcher(self._digester, config, sink, counters, self._failed)
+        """Captures of the running hook whose digests are not computed yet, and the batch
+        their rows go to: :meth:`_drain` digests them in one call before the hook returns."""
         self._phases = frozenset(config.phases)
         self._step_on = step_selected(config, self.step)
 
@@ -305,13 +216,14 @@ class Capturer:
                 t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
-                   layout: PieceLayout | None = None):
-        capture = functools.partial(self._capture_grad, site, index, call, mb, stage, layout)
-        return self._backward_hook((step, mb, site, index, call), step, capture)
+                   layout: PieceLayout | None = None, role: str = "grad_output"):
+        capture = functools.partial(self._capture_grad, site, index, call, mb, stage, layout,
+                                    role)
+        return self._backward_hook((step, mb, site, index, call, role), step, capture)
 
     def _capture_grad(self, site: str, index: int, call: int, mb: int, stage: int,
-                      layout: PieceLayout | None, grad: torch.Tensor) -> None:
-        self._capture_one(grad, phase="bwd", site=site, role="grad_output", index=index,
+                      layout: PieceLayout | None, role: str, grad: torch.Tensor) -> None:
+        self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
                           call=call, microbatch=mb, stage=stage, layout=layout)
         self._drain()
 
@@ -413,7 +325,7 @@ class Capturer:
             if (backward and phase == "fwd" and self.wants("bwd") and t is not None
                     and t.requires_grad):
                 t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
-                                                layout))
+                                                layout, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
@@ -485,18 +397,18 @@ class Capturer:
             self._drain()
             if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
                 t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
-                                                         stage, self.step))
+                                                         stage, self.step, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
     def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
-                            mb: int, stage: int, step: int):
+                            mb: int, stage: int, step: int, role: str = "grad_output"):
         def capture(grad):
             for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
-                self._capture(g, "bwd", site, "grad_output", e, 0, mb, stage, layout)
+                self._capture(g, "bwd", site, role, e, 0, mb, stage, layout)
             self._drain()
 
-        return self._backward_hook((step, mb, site, "segments", 0), step, capture)
+        return self._backward_hook((step, mb, site, "segments", role), step, capture)
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
@@ -506,7 +418,7 @@ class Capturer:
         self.counters.add_captured(1)
         if t is None:
             cap.is_none, cap.moments = True, False
-            self._captures.append(cap)
+            self._batches.add_none(cap)
             return
         if type(t) is not torch.Tensor:
             t = t.detach()  # a Parameter becomes a plain tensor, which the fused kernel reads
@@ -542,42 +454,15 @@ class Capturer:
                 cap.payload = local.to("cpu", copy=True).contiguous()
             else:
                 cap.payload = local.clone(memory_format=torch.contiguous_format)
-        self._pending.append((cap, local, layout, payload_at))
+        self._batches.add(cap, local, layout, payload_at)
 
     def _drain(self) -> None:
-        """Digest the pending captures in one call and queue their rows. Never raises.
+        """Digest the pending captures in one call (agents/batching.py). Never raises.
 
         Runs before the hook that queued them returns, so no tensor can have been changed in
         place in between (an in-place ReLU after the module, the optimizer after the sweep).
         """
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        try:
-            rows = self._rows
-            if rows is None or rows.room() < len(pending):
-                self._flush_host()
-                capacity = max(len(pending), min(self.config.device_batch, MAX_BATCH_ROWS))
-                rows = self._rows = RowBatch(capacity, self.config.sketch_k)
-            results = self._digester.digest([p[1:] for p in pending], self.config.sketch_k, rows)
-        except Exception as exc:
-            for cap, *_ in pending:
-                self._failed(f"capture of {cap.site}", exc)
-            return
-        for (cap, *_), res in zip(pending, results):
-            if type(res) is int:
-                cap.row = res
-                self._captures.append(cap)
-            elif isinstance(res, Exception):
-                self._failed(f"capture of {cap.site}", res)
-            else:  # rows on an accelerator
-                cap.row = len(self._dev_f64)
-                self._dev_f64.append(res[0])
-                self._dev_i64.append(res[1])
-                self._dev_captures.append(cap)
-        batch = min(self.config.device_batch, MAX_BATCH_ROWS)
-        if rows.n >= batch or len(self._dev_f64) >= batch:
-            self.flush()
+        self._batches.drain()
 
     def capture_parameters(self, model: torch.nn.Module, *, grads: bool, stage: int = -1) -> None:
         """Capture every parameter's gradient (None recorded explicitly) or value."""
@@ -593,32 +478,8 @@ class Capturer:
         self.flush()
 
     def flush(self) -> None:
-        """Hand the pending digests to the sender: the host batch as it is, and the rows kept
-        on an accelerator after starting their one transfer to the host."""
-        self._drain()
-        self._flush_host()
-        if not self._dev_captures:
-            return
-        captures, f64, i64 = self._dev_captures, self._dev_f64, self._dev_i64
-        self._dev_captures, self._dev_f64, self._dev_i64 = [], [], []
-        try:
-            host_f64, host_i64, event = digest_batch_to_host(f64, i64)
-            self._sink(HostBatch(captures, host_f64, host_i64, event))
-        except Exception as exc:
-            self.counters.drop("transfer_error", len(captures))
-            self._failed("host transfer", exc)
-
-    def _flush_host(self) -> None:
-        captures, rows = self._captures, self._rows
-        self._captures, self._rows = [], None
-        if not captures:
-            return
-        try:
-            f64, i64 = rows.rows() if rows is not None and rows.n else (None, None)
-            self._sink(HostBatch(captures, f64, i64, None))
-        except Exception as exc:
-            self.counters.drop("transfer_error", len(captures))
-            self._failed("host transfer", exc)
+        """Hand the pending digests to the sender (see Batcher.flush)."""
+        self._batches.flush()
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.counters.error()
@@ -626,6 +487,12 @@ class Capturer:
             self._logged.add(what)
             log.warning("rank %d: numaudit %s failed (further failures counted silently): %r",
                         self.ident.rank, what, exc)
+
+
+def grad_role(role: str) -> str:
+    """Role of the gradient reaching a tensor captured under `role`: an input's is grad_input,
+    anything else's grad_output (so a site's input and output gradients are two keys)."""
+    return "grad_input" if role == "input" else "grad_output"
 
 
 def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple[int, int] | None:

@@ -32,6 +32,7 @@ import grpc
 
 from wire import limits
 from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
+from wire.packed import unpacked_batch
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -147,8 +148,13 @@ class Delivery:
         s = self._stream
         if s is None:
             return
+        packed_ok = getattr(self.transport, "packed_batches", False)
         for b in self.pending:
             if b.seq > self._sent_upto:
+                if not packed_ok and b.message.HasField("packed"):
+                    # A peer of an earlier build would drop the packed records and ack an
+                    # empty batch: it gets them per record (converted once, kept for resends).
+                    b.message = unpacked_batch(b.message)
                 s.send(b.message)
                 self._sent_upto = b.seq
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:

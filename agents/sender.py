@@ -1,6 +1,9 @@
 """The sender: a background thread that turns host batches into records and delivers them.
 
-It owns all I/O of the agent. Records are cut into batches by count, size and age and given
+It owns all I/O of the agent. A host batch becomes records as columns (`agents.columns`: numpy
+over the digest rows, no protobuf message per record), sent as packed batches (docs/protocol.md
+"Packed batches"); a peer that does not take them gets them per record (`Delivery`).
+Records are cut into batches by count, size and age and given
 consecutive sequence numbers; a `Delivery` (agents/delivery.py) streams them to the auditor (or
 to the node sidecar) and keeps each until it is acked, resending after reconnects. Records that
 cannot be delivered are written to the spool (wire/spool.py) for `auditor ingest`, or dropped
@@ -14,28 +17,23 @@ import queue
 import threading
 import time
 import uuid
-import zlib
 
-import torch
+import numpy as np
 import zstandard
 
-from agents.capture import Capture, Counters, HostBatch
+from agents.capture import Counters, HostBatch
+from agents.columns import capture_columns, with_payloads
 from agents.config import AgentConfig
 from agents.delivery import Delivery
-from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from agents.identity import RankIdentity
-from agents.layout import fill_reduction
 from agents.transport import GrpcTransport, SidecarTransport
 from wire import limits
+from wire.packed import RecordColumns, concat, packed_batch, take
 from wire.spool import SpoolWriter
-from wire.checksum import records_checksum
 from wire.tls import TLSConfig
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-_MASK64 = (1 << 64) - 1
-
 
 class Sender:
     """Background delivery of one rank's records (to the auditor, or the node sidecar)."""
@@ -49,7 +47,9 @@ class Sender:
         self._lock = threading.RLock()  # re-entrant: close() may run in a SIGTERM handler
         self._queued = 0
         self._next_seq = 1
-        self._records: list[pb.Record] = []
+        self._pending: list[RecordColumns] = []
+        """Records of the open batch, as columns (one part per host batch or payload)."""
+        self._pending_n = 0
         self._records_bytes = 0
         self._batch_started = 0.0
         self._closing = False
@@ -176,12 +176,12 @@ class Sender:
                     self._queued -= len(item.captures)
                 self._add(item)
             now = time.monotonic()
-            if self._records and (draining or now - self._batch_started >= self.config.batch_interval_s):
+            if self._pending and (draining or now - self._batch_started >= self.config.batch_interval_s):
                 self._cut()
             if self.delivery is not None:
                 self.delivery.service(lambda: self._deadline)
             if draining and self._in.empty():
-                if not self._records and not self._deliverable():
+                if not self._pending and not self._deliverable():
                     return
                 if now >= self._deadline:
                     return
@@ -194,108 +194,82 @@ class Sender:
     def _add(self, batch: HostBatch) -> None:
         try:
             batch.wait()
-            f64 = batch.f64.tolist() if batch.f64 is not None else []
-            i64 = batch.i64.tolist() if batch.i64 is not None else []
+            f64 = batch.f64.cpu().numpy() if batch.f64 is not None else None
+            i64 = batch.i64.cpu().numpy() if batch.i64 is not None else None
         except Exception as exc:
             self.counters.drop("transfer_error", len(batch.captures))
             log.warning("rank %d: numaudit host transfer failed: %r", self.ident.rank, exc)
             return
-        for cap in batch.captures:
-            try:
-                records = self._build(cap, f64, i64)
-            except Exception as exc:
-                self.counters.drop("build_error", 1)
-                log.debug("record build failed: %r", exc)
-                continue
-            if not self._records:
+        try:
+            cols = capture_columns(batch.captures, f64, i64)
+            plain, pieces = with_payloads(cols, batch.captures, self._zstd.compress)
+        except Exception as exc:  # one bad capture: build them one by one, drop only it
+            log.debug("record build failed: %r; building captures one by one", exc)
+            plain, pieces = None, []
+            for cap in batch.captures:
+                try:
+                    one = capture_columns([cap], f64, i64)
+                    p, ps = with_payloads(one, [cap], self._zstd.compress)
+                except Exception as exc1:
+                    self.counters.drop("build_error", 1)
+                    log.debug("record build failed: %r", exc1)
+                    continue
+                pieces.extend([p] if p.n else [])
+                pieces.extend(ps)
+        for part in ([plain] if plain is not None and plain.n else []) + pieces:
+            self._append(part)
+
+    def _append(self, cols: RecordColumns) -> None:
+        """Add records to the open batch, cutting it at the record and payload-size limits."""
+        limit = min(self.config.batch_records, limits.MAX_BATCH_RECORDS)
+        nbytes = cols.record_bytes
+        if self._pending and self._records_bytes + nbytes > limits.MAX_BATCH_PAYLOAD_BYTES:
+            self._cut()
+        while cols.n:
+            if not self._pending:
                 self._batch_started = time.monotonic()
-            for r in records:
-                size = r.ByteSize()
-                if self._records and self._records_bytes + size > limits.MAX_BATCH_PAYLOAD_BYTES:
-                    self._cut()
-                    self._batch_started = time.monotonic()
-                self._records.append(r)
-                self._records_bytes += size
-            if len(self._records) >= min(self.config.batch_records, limits.MAX_BATCH_RECORDS):
+            room = limit - self._pending_n
+            if cols.n <= room:
+                head, cols = cols, None
+            else:
+                head, cols = (take(cols, np.arange(room)), take(cols, np.arange(room, cols.n)))
+            self._pending.append(head)
+            self._pending_n += head.n
+            self._records_bytes += head.record_bytes
+            if self._pending_n >= limit:
                 self._cut()
-
-    def _build(self, cap: Capture, f64: list, i64: list) -> list[pb.Record]:
-        r = pb.Record(stage=cap.stage, is_none=cap.is_none)
-        k = r.key
-        k.step, k.microbatch, k.phase, k.site = cap.step, cap.microbatch, cap.phase, cap.site
-        k.role, k.index, k.call = cap.role, cap.index, cap.call
-        if cap.is_none:
-            return [r]
-        lay = cap.layout
-        r.layout.logical_shape.extend(lay.logical_shape)
-        r.layout.offsets.extend(lay.offsets)
-        r.layout.shape.extend(lay.shape)
-        r.layout.replica, r.layout.partial = lay.replica, lay.partial
-        r.layout.dtype, r.layout.complex_as_real = cap.dtype, cap.complex_as_real
-        fill_reduction(r.layout, lay)
-        if lay.ragged is not None:
-            r.layout.ragged_first, r.layout.ragged_span, r.layout.ragged_parts = lay.ragged
-        ints, floats = i64[cap.row], f64[cap.row]
-        d = r.digest
-        d.numel, d.nan_count, d.posinf_count, d.neginf_count, d.zero_count = ints[:5]
-        d.fingerprint = ints[5] & _MASK64
-        d.fingerprint_seed, d.sketch_seed = FINGERPRINT_SEED, SKETCH_SEED
-        d.has_moments = cap.moments
-        if cap.moments:
-            d.sum, d.sum_sq, d.min, d.max, d.abs_max = floats[:5]
-            d.sketch.extend(floats[5:])
-        if cap.payload is None:
-            return [r]
-        if cap.payload.numel() * cap.payload.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
-            return [r]  # the digest still travels; only the bytes are left out
-        return self._with_payload(r, cap)
-
-    def _with_payload(self, r: pb.Record, cap: Capture) -> list[pb.Record]:
-        raw = cap.payload.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        data = self._zstd.compress(raw)
-        chunk = limits.PAYLOAD_CHUNK_BYTES
-        n = max(1, -(-len(data) // chunk))
-        crc = zlib.crc32(data)
-        out = []
-        for i in range(n):
-            piece = pb.Record()
-            piece.CopyFrom(r)
-            p = piece.payload
-            p.codec, p.raw_nbytes, p.compressed_nbytes, p.crc32 = "zstd", len(raw), len(data), crc
-            p.chunk_index, p.chunk_count = i, n
-            p.data = data[i * chunk:(i + 1) * chunk]
-            out.append(piece)
-        return out
+            if cols is None:
+                return
 
     def _cut(self) -> None:
-        records, self._records, nbytes = self._records, [], self._records_bytes
-        self._records_bytes = 0
-        if not records:
+        pending, self._pending = self._pending, []
+        n, nbytes = self._pending_n, self._records_bytes
+        self._pending_n = self._records_bytes = 0
+        if not n:
             return
-        msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=self.session_id,
-                             seq=self._next_seq, records_crc32=records_checksum(records))
-        msg.records.extend(records)
+        msg = packed_batch(self.session_id, self._next_seq, concat(pending))
+        nbytes = msg.ByteSize()
         d = self.delivery
         if d is not None and d.fatal is not None:
             # The session was refused (a token without write scope, a run name taken): final,
             # like the records pending when it came, and as the node sidecar reports it.
-            self.counters.drop(d.fatal, len(records))
+            self.counters.drop(d.fatal, n)
             return
         if d is None:
             if self._spool_write(msg):
-                self.spilled += len(records)
+                self.spilled += n
             else:
-                self.counters.drop("no_auditor", len(records))
+                self.counters.drop("no_auditor", n)
                 return
         else:
             if self.config.spool_mode == "always" and not self._spool_write(msg):
-                self.counters.drop("spool_error", len(records))
+                self.counters.drop("spool_error", n)
                 return
-            if not d.offer(msg, len(records), nbytes):
-                self.counters.drop("buffer_full", len(records))
+            if not d.offer(msg, n, nbytes):
+                self.counters.drop("buffer_full", n)
                 return
         self._next_seq += 1
-        self.sent += len(records)
+        self.sent += n
 
     def _register_request(self) -> pb.RegisterRequest:
         i = self.ident

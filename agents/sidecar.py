@@ -43,6 +43,7 @@ from agents.transport import GrpcTransport, unix_path
 from wire.channels import tls_from_env
 from wire.tls import TLSConfig, TLSError
 from wire.names import BadName, check_run_name, check_session_id
+from wire.packed import batch_record_count
 from wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_OUTCOME, KIND_REGISTER, SpoolError,
                         SpoolWriter, decode, encode, encode_error, encode_outcome, read_frame,
                         read_spool, spool_files)
@@ -181,7 +182,7 @@ class Sidecar:
             session = self._new_session(reg, SpoolWriter.reopen(path, truncate_to=contents.end))
             for batch in contents.batches:
                 session.spooled_seq = batch.seq
-                session.spooled_records += len(batch.records)
+                session.spooled_records += batch_record_count(batch)
                 if session.delivery is not None:
                     self._offer(session, batch)
             session.close = contents.close
@@ -216,12 +217,13 @@ class Sidecar:
     def _offer(s: Session, batch: pb.RecordBatch) -> None:
         """Hand a spooled batch to the session's delivery; count it if it cannot be taken."""
         d = s.delivery
-        if d.offer(batch, len(batch.records), batch.ByteSize()):
+        n = batch_record_count(batch)
+        if d.offer(batch, n, batch.ByteSize()):
             return
         if d.fatal is not None:  # final, as in direct mode (the spool is kept for inspection)
-            s.dropped[d.fatal] += len(batch.records)
+            s.dropped[d.fatal] += n
             return
-        s.dropped["buffer_full"] += len(batch.records)
+        s.dropped["buffer_full"] += n
         log.warning("session %s: batch %d not delivered upstream (buffer_full)",
                     s.register.session_id, batch.seq)
 
@@ -390,7 +392,8 @@ class Sidecar:
                 session = self._new_session(reg, writer)
                 self.sessions[reg.session_id] = session
                 log.info("session %s: run %s rank %d", reg.session_id, reg.run, reg.rank)
-        return encode(pb.Ack(session_id=reg.session_id, acked_seq=session.spooled_seq)), session
+        return encode(pb.Ack(session_id=reg.session_id, acked_seq=session.spooled_seq,
+                             packed_batches=True)), session
 
     def _on_batch(self, s: Session, batch: pb.RecordBatch) -> bytes:
         with s.lock:
@@ -403,7 +406,7 @@ class Sidecar:
                 except (OSError, ValueError) as exc:
                     return encode_error("UNAVAILABLE", f"sidecar spool: {exc}")
                 s.spooled_seq = batch.seq
-                s.spooled_records += len(batch.records)
+                s.spooled_records += batch_record_count(batch)
                 if s.delivery is not None:
                     self._offer(s, batch)
             return encode(pb.Ack(session_id=s.register.session_id, acked_seq=s.spooled_seq))

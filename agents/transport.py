@@ -120,6 +120,8 @@ class GrpcTransport:
         self._stub = None
         self.registered_run = ""
         """The run name the auditor registered last (RegisterResponse.run; differs when renamed)."""
+        self.packed_batches = False
+        """The auditor said it takes packed batches (RegisterResponse.packed_batches)."""
 
     def _connect(self):
         if self._stub is None:
@@ -135,6 +137,7 @@ class GrpcTransport:
             try:
                 response = future.result(timeout=ABORT_POLL_S)
                 self.registered_run = response.run
+                self.packed_batches = response.packed_batches
                 return response.acked_seq
             except grpc.FutureTimeoutError:
                 if abort():
@@ -227,6 +230,8 @@ class SidecarTransport:
     def __init__(self, address: str) -> None:
         self.path = unix_path(address)
         self._sock: socket.socket | None = None
+        self.packed_batches = False
+        """The sidecar said it takes packed batches (its Ack to Register)."""
 
     def _call(self, message, timeout: float,
               abort: Callable[[], bool] = lambda: False) -> Any:
@@ -258,7 +263,9 @@ class SidecarTransport:
     def register(self, req: pb.RegisterRequest, timeout: float,
                  abort: Callable[[], bool] = lambda: False) -> int:
         self.close()
-        return self._call(req, timeout, abort).acked_seq
+        reply = self._call(req, timeout, abort)
+        self.packed_batches = reply.packed_batches
+        return reply.acked_seq
 
     def open_stream(self) -> _SocketStream:
         if self._sock is None:

@@ -1,6 +1,7 @@
 """Benchmark: comparing two stored runs of 100k and 1M logical keys (goal: 1M keys < 10 s).
 
     python -m bench.compare [--quick] [--keys 100000 1000000] [--pieces 1] [--dir DIR]
+                            [--store postgresql://...]
 
 The runs are synthetic and written straight into a store file with the store's own schema
 (`auditor.store.connect`), bypassing the gRPC ingest (which has its own benchmark) so that
@@ -12,6 +13,10 @@ reference), so the tiling merge is measured as well.
 
 Reported per size: time to build the report (engine), time to render text and JSON, keys/s.
 Databases are cached under --dir (default: $TMPDIR/numaudit-bench) by their parameters.
+
+With ``--store postgresql://...`` (an empty database, or one this benchmark loaded before) the
+same runs are also copied into PostgreSQL (COPY, then VACUUM ANALYZE) and compared there, so the
+two backends are measured in one run on the same data.
 """
 
 from __future__ import annotations
@@ -82,7 +87,9 @@ def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
     fs, ss = fingerprint_to_int64(FINGERPRINT_SEED), fingerprint_to_int64(SKETCH_SEED)
     numel = 4096
     for run_id, name, n_pieces in ((1, "ref", 1), (2, "cand", pieces)):
-        conn.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?)",
+        conn.execute("INSERT INTO runs (run_id, name, created, world_size, mesh_shape,"
+                     " mesh_dim_names, torch_version, dtype, seed, labels)"
+                     " VALUES (?,?,?,?,?,?,?,?,?,?)",
                      (run_id, name, time.time(), n_pieces, "[]", "[]", "2.13.0", "float32", 0, "{}"))
         for r in range(n_pieces):
             conn.execute("INSERT INTO sessions (session_id, run_id, rank, local_rank, host,"
@@ -137,8 +144,41 @@ def _insert(conn, rows) -> None:
         "?,?,?)", rows)
 
 
+def copy_to_postgres(db: Path, url: str) -> str:
+    """The runs of store file `db` in a database of the PostgreSQL server of `url` named after
+    the file (created and loaded on first use); returns that database's URL."""
+    import sqlite3
+
+    import psycopg
+
+    from auditor.store.postgres import pg_connect
+
+    name = "bench_" + "".join(c if c.isalnum() else "_" for c in db.stem)
+    target = url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(url, autocommit=True) as admin:
+        if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            return target
+        admin.execute(f'CREATE DATABASE "{name}"')
+    conn = pg_connect(target, synchronous="NORMAL")
+    src = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        for table in ("runs", "sessions", "sites", "records"):
+            cols = [r[1] for r in src.execute(f"PRAGMA table_info({table})")]
+            with conn.cursor().copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN") as copy:
+                for row in src.execute(f"SELECT {', '.join(cols)} FROM {table}"):
+                    copy.write_row(row)
+        for table, key in (("runs", "run_id"), ("sites", "site_id"), ("records", "record_id")):
+            conn.execute(f"SELECT setval(pg_get_serial_sequence('{table}', '{key}'),"
+                         f" (SELECT COALESCE(MAX({key}), 1) FROM {table}))")
+        conn.execute("VACUUM ANALYZE")
+    finally:
+        src.close()
+        conn.close()
+    return target
+
+
 def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
-            close_fraction: float = CLOSE_FRACTION) -> dict:
+            close_fraction: float = CLOSE_FRACTION, store: str | None = None) -> dict:
     from auditor.compare.engine import compare_runs
     from auditor.report.json_report import write_json
     from auditor.report.text import to_text
@@ -155,9 +195,14 @@ def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
         meta["build_s"] = time.perf_counter() - t
         meta_path.write_text(json.dumps(meta))
     meta = json.loads(meta_path.read_text())
+    location: Path | str = db
+    if store:
+        t = time.perf_counter()
+        location = copy_to_postgres(db, store)
+        meta["copy_s"] = time.perf_counter() - t
     t0 = time.perf_counter()
     c0 = time.process_time()
-    report = compare_runs(db, "ref", "cand")
+    report = compare_runs(location, "ref", "cand")
     t1 = time.perf_counter()
     cpu = time.process_time() - c0
     text = to_text(report, width=120)
@@ -182,19 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sketch-k", type=int, default=SKETCH_K, help="sketch buckets per record")
     ap.add_argument("--close-fraction", type=float, default=CLOSE_FRACTION,
                     help="keys that differ by a rounding-size change (1 = all: the bf16 case)")
+    ap.add_argument("--store", default=None, metavar="URL",
+                    help="also compare on PostgreSQL: a postgresql:// URL of the server (the "
+                         "benchmark creates a database per size there)")
     ap.add_argument("--dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "numaudit-bench")
     args, _ = ap.parse_known_args(argv)  # `python -m bench` hands every benchmark the same argv
     sizes = args.keys or ([10_000, 100_000] if args.quick else [100_000, 1_000_000])
     print(f"## Comparison (candidate: {args.pieces} piece(s) per key, sketch k={args.sketch_k}, "
           f"{args.close_fraction:g} of keys close)")
-    print("| keys | compare (wall) | compare (CPU) | keys/s (wall) | text report | "
+    print("| store | keys | compare (wall) | compare (CPU) | keys/s (wall) | text report | "
           "JSON report (all findings) | load average |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     ok = True
-    for n in sizes:
-        r = run_one(args.dir, n, args.pieces, args.sketch_k, args.close_fraction)
-        print(f"| {r['keys']:,} | {r['compare_s']:.2f} s | {r['compare_cpu_s']:.2f} s | "
+    for n, store in ((n, s) for n in sizes for s in [None] + ([args.store] if args.store else [])):
+        r = run_one(args.dir, n, args.pieces, args.sketch_k, args.close_fraction, store)
+        print(f"| {'PostgreSQL' if store else 'SQLite'} "
+              f"| {r['keys']:,} | {r['compare_s']:.2f} s | {r['compare_cpu_s']:.2f} s | "
               f"{r['keys_per_s']:,.0f} | {r['text_s']:.2f} s | {r['json_s']:.2f} s | "
               f"{r['load']:.1f} |", flush=True)
         print(f"<!-- stages: {json.dumps({k: round(v, 3) for k, v in r['timings'].items()})} "

@@ -13,6 +13,10 @@ candidate each under its own name.
 
     python -m examples.audit --build B
     python -m examples.audit --build B --skip-ref --cand-name pp8_break --inject break-backward
+
+`--also NAME:INJECT` (repeatable) adds more candidates to the same 8-rank job, one after another
+under their own run names, each compared against the reference: most of an 8-rank CPU job is its
+start-up, so many faults cost little more than one.
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ class Outcome:
     json_report: Path | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds per phase: daemon, ref, cand, compare, total."""
+    also: dict[str, "Outcome"] = dataclasses.field(default_factory=dict)
+    """The `--also` candidates' outcomes, by run name (rc and reports; timings not split)."""
 
 
 def compare(ref: str, cand: str, db: Path, policy: Path | None, text_report: Path,
@@ -140,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bwd", action=argparse.BooleanOptionalAction, default=True,
                    help="both runs also capture the gradient at every captured module output "
                         "(phase bwd; on by default: it tells where backward goes wrong)")
+    p.add_argument("--also", action="append", default=[], metavar="NAME:INJECT",
+                   help="another candidate in the same job under run name NAME with fault INJECT "
+                        "('none' for none), compared like the first; repeatable")
     p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `auditor compare` (repeatable)")
     return p.parse_args(argv)
@@ -154,7 +163,8 @@ def audit(args: argparse.Namespace) -> Outcome:
     logs.mkdir(exist_ok=True)
     outcome = Outcome(rc=2, db=db)
     if args.skip_ref:
-        _check_kept_database(db, args.ref_name, args.cand_name)
+        _check_kept_database(db, args.ref_name,
+                             [args.cand_name] + [a.partition(":")[0] for a in args.also])
     else:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{db}{suffix}").unlink(missing_ok=True)
@@ -175,6 +185,8 @@ def audit(args: argparse.Namespace) -> Outcome:
                                              capture)
             _say(f"reference done in {outcome.timings['ref']:.1f}s")
         inject = capture + (["--inject", args.inject] if args.inject else [])
+        for also in args.also:
+            inject += ["--also", also]
         label = f", injected fault: {args.inject}" if args.inject else ""
         _say(f"candidate '{args.cand_name}': DeepSeek-V3, {CAND_RANKS} ranks = 2 pipeline x 4 "
              f"FSDP2, ZBV schedule{label} ...")
@@ -188,6 +200,13 @@ def audit(args: argparse.Namespace) -> Outcome:
         outcome.json_report = build / f"report-{args.cand_name}.json"
         outcome.rc = compare(args.ref_name, args.cand_name, db, args.policy,
                              outcome.text_report, outcome.json_report, args.compare_arg)
+        for also in args.also:
+            name = also.partition(":")[0]
+            other = outcome.also[name] = Outcome(rc=2, db=db)
+            other.text_report = build / f"report-{name}.txt"
+            other.json_report = build / f"report-{name}.json"
+            other.rc = compare(args.ref_name, name, db, args.policy, other.text_report,
+                               other.json_report, args.compare_arg, echo=False)
         outcome.timings["compare"] = time.monotonic() - started
     finally:
         daemon.stop()
@@ -201,8 +220,8 @@ def audit(args: argparse.Namespace) -> Outcome:
     return outcome
 
 
-def _check_kept_database(db: Path, ref: str, cand: str) -> None:
-    """--skip-ref: the database must hold the reference and not yet the candidate."""
+def _check_kept_database(db: Path, ref: str, cands: list[str]) -> None:
+    """--skip-ref: the database must hold the reference and not yet the candidates."""
     from auditor.store import Reader
 
     if not db.exists():
@@ -214,9 +233,10 @@ def _check_kept_database(db: Path, ref: str, cand: str) -> None:
         reader.close()
     if ref not in names:
         raise SetupError(f"--skip-ref: {db} holds no run '{ref}'")
-    if cand in names:
-        raise SetupError(f"--skip-ref: {db} already holds a run '{cand}'; choose another "
-                         "--cand-name")
+    for cand in cands:
+        if cand in names:
+            raise SetupError(f"--skip-ref: {db} already holds a run '{cand}'; choose another "
+                             "--cand-name")
 
 
 def _short(path: Path) -> str:

@@ -8,8 +8,15 @@ Each rank routes its own tokens, so every expert sees a different number of rows
 (often none): the experts' activations are ragged pieces (agents/ragged.py). With `--ep` each rank
 owns half of the experts and tokens travel to their expert's owner by all-to-all; the owner's rows
 for an expert arrive in source-rank order, which is the order of the logical tensor, so its one
-piece holds every part. Forward only (the point is the expert activations): phases input and fwd.
+piece holds every part. `--backward` also runs backward: the all-to-alls are autograd-aware
+(torch.distributed._functional_collectives.all_to_all_single_autograd), the loss is a mean over the global batch on
+every rank (loss_normalization="global_mean": each rank's share of one mean), the gradients of
+parameters held by several ranks are summed over them, and the experts' gradients (phase bwd, the
+same ragged pieces as their activations) and every parameter's gradient (phase grad) are captured.
 `--skip-renorm-layer N` plants a routing bug: layer N's top-k weights are not renormalized.
+`--sum-expert-grads` plants a reduction bug of expert parallelism: the experts' gradients are
+summed over the ranks as if every rank held the same experts (rank r's expert e gets the
+gradient of the other rank's expert at the same position added).
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class MoELayer(nn.Module):
     def __init__(self, owned: range) -> None:
         super().__init__()
         self.router = Router()
+        self.backward = False
+        """Exchange tokens with autograd-aware all-to-alls (gradients flow back to the sources)."""
         self.owned = owned
         self.experts = nn.ModuleDict({str(e): Expert() for e in owned})
         self.norm = nn.LayerNorm(DIM)
@@ -101,8 +110,7 @@ class MoELayer(nn.Module):
         by_source = recv_counts.view(ep, n_own).tolist()
         send_rows = [sum(counts[d * n_own:(d + 1) * n_own]) for d in range(ep)]
         recv_rows = [sum(r) for r in by_source]
-        received = routed_in.new_empty(sum(recv_rows), DIM)
-        dist.all_to_all_single(received, routed_in.contiguous(), recv_rows, send_rows)
+        received = self._all_to_all(routed_in.contiguous(), recv_rows, send_rows)
         # regroup by expert: expert e's rows are every source's rows for e, in source order
         chunks = received.split([c for r in by_source for c in r])
         per_expert = [torch.cat([chunks[s * n_own + j] for s in range(ep)]) for j in range(n_own)]
@@ -118,9 +126,20 @@ class MoELayer(nn.Module):
         # back to per-source order, then home
         out_chunks = [o.split([by_source[s][j] for s in range(ep)]) for j, o in enumerate(outs)]
         back = torch.cat([out_chunks[j][s] for s in range(ep) for j in range(n_own)])
-        returned = routed_in.new_empty(routed_in.shape[0], DIM)
-        dist.all_to_all_single(returned, back, send_rows, recv_rows)
-        return returned
+        return self._all_to_all(back, send_rows, recv_rows)
+
+    def _all_to_all(self, rows: torch.Tensor, recv_rows: list[int], send_rows: list[int]
+                    ) -> torch.Tensor:
+        """`send_rows[d]` rows to rank d, `recv_rows[s]` from rank s, in rank order."""
+        if self.backward:  # the functional collective: its backward sends gradients home
+            from torch.distributed._functional_collectives import (all_to_all_single_autograd,
+                                                                   wait_tensor)
+
+            return wait_tensor(all_to_all_single_autograd(rows, recv_rows, send_rows,
+                                                          dist.group.WORLD))
+        out = rows.new_empty(sum(recv_rows), DIM)
+        dist.all_to_all_single(out, rows, recv_rows, send_rows)
+        return out
 
 
 class TinyMoE(nn.Module):
@@ -147,8 +166,9 @@ def init_weights(model: TinyMoE, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def audit_experts(agent, model: TinyMoE, group=None) -> None:
-    """Capture every expert's input and output rows as ragged pieces (site layers.N.experts)."""
+def audit_experts(agent, model: TinyMoE, group=None, backward: bool = False) -> None:
+    """Capture every expert's input and output rows as ragged pieces (site layers.N.experts);
+    with `backward`, also the gradients reaching them (phase bwd, the same pieces)."""
     for i, layer in enumerate(model.layers):
         site = f"layers.{i}.experts"
 
@@ -156,12 +176,24 @@ def audit_experts(agent, model: TinyMoE, group=None) -> None:
             if owner is None:  # every expert local: this rank's rows of each, placed by counts
                 rows = ragged_rows(counts, group) if role == "input" else moe._rows
                 moe._rows = rows
-                agent.capture_segments(t, counts, rows, site=_site, role=role)
+                agent.capture_segments(t, counts, rows, site=_site, role=role,
+                                       backward=backward)
             else:  # an expert-parallel owner: all sources' rows of expert e
                 e, whole = owner
-                agent.capture(t, site=_site, role=role, index=e, rows=whole)
+                agent.capture(t, site=_site, role=role, index=e, rows=whole,
+                              backward=backward)
 
         layer.audit = audit
+
+
+def sum_shared_gradients(model: TinyMoE, owned_by_one: bool) -> None:
+    """Sum the gradients of parameters every rank holds (each rank has its tokens' share).
+
+    An expert-parallel expert lives on one rank and its gradient already covers every source's
+    tokens (the all-to-all's backward brought them home): it is left alone."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and not (owned_by_one and ".experts." in name):
+            dist.all_reduce(p.grad)
 
 
 def main() -> None:
@@ -170,6 +202,9 @@ def main() -> None:
     p.add_argument("--ep", action="store_true", help="shard the experts over the ranks")
     p.add_argument("--skip-renorm-layer", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backward", action="store_true", help="run and audit backward too")
+    p.add_argument("--sum-expert-grads", action="store_true",
+                   help="planted bug: all-reduce the sharded experts' gradients too")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -181,16 +216,24 @@ def main() -> None:
     init_weights(model, args.seed)
     if args.skip_renorm_layer is not None:
         model.layers[args.skip_renorm_layer].router.renormalize = False
-    agent = agents.attach(model, run=args.name, dp_rank=rank, dp_size=world,
-                          phases=("fwd", "input"), exclude=("layers.*.experts*",),
-                          dtype="float32")
-    audit_experts(agent, model)
+    for layer in model.layers:
+        layer.backward = args.backward
+    phases = ("fwd", "input") + (("bwd", "grad") if args.backward else ())
+    agent = agents.attach(model, run=args.name, dp_rank=rank, dp_size=world, phases=phases,
+                          exclude=("layers.*.experts*",), dtype="float32",
+                          loss_normalization="global_mean")
+    audit_experts(agent, model, backward=args.backward)
     g = torch.Generator().manual_seed(args.seed)
     batch = torch.randn(BATCH, SEQ, DIM, generator=g)
     local = batch.tensor_split(world)[rank]
-    with agent.step(0), agent.microbatch(0), torch.no_grad():
+    with agent.step(0), agent.microbatch(0), torch.set_grad_enabled(args.backward):
         agent.capture(local, site="x", phase="input")
-        model(local)
+        out = model(local)
+        if args.backward:
+            # this rank's share of the mean over the global batch: the shares add up to it
+            (out.square().sum() / (BATCH * SEQ * out.shape[-1])).backward()
+            if distributed:
+                sum_shared_gradients(model, owned_by_one=args.ep and not args.sum_expert_grads)
     s = agent.close()
     print(f"[{args.name}] rank {rank}: captured={s['captured']} acked={s['acked']} "
           f"dropped={s['dropped']} errors={s['errors']}", flush=True)

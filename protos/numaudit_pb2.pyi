@@ -227,42 +227,126 @@ class RegisterRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "acked_seq", "run")
+    __slots__ = ("session_id", "acked_seq", "run", "packed_batches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     acked_seq: int
     run: str
-    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ...) -> None: ...
+    packed_batches: bool
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ..., packed_batches: _Optional[bool] = ...) -> None: ...
+
+class PackedRecords(_message.Message):
+    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NDIM_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RAGGED_PARTS_FIELD_NUMBER: _ClassVar[int]
+    RAGGED_FIRST_FIELD_NUMBER: _ClassVar[int]
+    RAGGED_SPAN_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    POSINF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NEGINF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    SUM_SQ_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    ABS_MAX_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_LEN_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    sites: _containers.RepeatedScalarFieldContainer[str]
+    site: bytes
+    step: bytes
+    microbatch: bytes
+    phase: bytes
+    role: bytes
+    index: bytes
+    call: bytes
+    stage: bytes
+    flags: bytes
+    dtypes: _containers.RepeatedScalarFieldContainer[str]
+    dtype: bytes
+    ndim: bytes
+    dims: bytes
+    reduce: bytes
+    reduce_weight: bytes
+    reduce_index: bytes
+    reduce_count: bytes
+    ragged_parts: bytes
+    ragged_first: bytes
+    ragged_span: bytes
+    numel: bytes
+    nan_count: bytes
+    posinf_count: bytes
+    neginf_count: bytes
+    zero_count: bytes
+    sum: bytes
+    sum_sq: bytes
+    min: bytes
+    max: bytes
+    abs_max: bytes
+    fingerprint: bytes
+    fingerprint_seed: bytes
+    sketch_seed: bytes
+    sketch_len: bytes
+    sketch: bytes
+    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ...) -> None: ...
 
 class RecordBatch(_message.Message):
-    __slots__ = ("schema_version", "session_id", "seq", "records", "records_crc32")
+    __slots__ = ("schema_version", "session_id", "seq", "records", "records_crc32", "packed")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     session_id: str
     seq: int
     records: _containers.RepeatedCompositeFieldContainer[Record]
     records_crc32: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., records_crc32: _Optional[int] = ...) -> None: ...
+    packed: PackedRecords
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., records_crc32: _Optional[int] = ..., packed: _Optional[_Union[PackedRecords, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts")
+    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts", "packed_batches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     acked_seq: int
     stored: int
     duplicates: int
     conflicts: int
-    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ...) -> None: ...
+    packed_batches: bool
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ..., packed_batches: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("schema_version", "session_id", "records_sent", "records_dropped", "capture_errors", "dropped_by_reason")

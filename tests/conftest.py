@@ -34,3 +34,41 @@ def auditor_stub(auditor_server: BackgroundServer) -> Iterator[numaudit_pb2_grpc
     """An Auditor stub on a channel to `auditor_server` (pass timeout= on every call)."""
     with grpc.insecure_channel(auditor_server.address, options=limits.client_options()) as channel:
         yield numaudit_pb2_grpc.AuditorStub(channel)
+
+
+# -- A real PostgreSQL server (tests/pgserver.py) ---------------------------------------------------
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator["PgServer"]:
+    """One PostgreSQL 15 cluster for the whole test session, in a temporary directory.
+
+    Fails (never skips) when PostgreSQL cannot start, unless NUMAUDIT_PG=skip says to skip."""
+    from tests.pgserver import ENV_PG, PgServer, PgUnavailable
+
+    if os.environ.get(ENV_PG, "").lower() == "skip":
+        pytest.skip(f"{ENV_PG}=skip: PostgreSQL tests skipped on request")
+    try:
+        server = PgServer().start()
+    except (PgUnavailable, OSError, Exception) as exc:
+        pytest.fail(f"PostgreSQL tests need a PostgreSQL server and none could start: {exc} "
+                    f"(set {ENV_PG}=skip to skip them explicitly)", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> Iterator[str]:
+    """The URL of a fresh, empty database on `pg_server` (dropped after the test)."""
+    url = pg_server.new_database()
+    yield url
+    pg_server.drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_location(request, tmp_path: Path) -> str | Path:
+    """A store location on each backend: a SQLite file path, then a PostgreSQL URL."""
+    if request.param == "sqlite":
+        return tmp_path / "audit.db"
+    return request.getfixturevalue("pg_url")

@@ -41,14 +41,35 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
     return env.get(ENV_TOKEN) or None
 
 
+def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target of `address`, and the channel options it needs.
+
+    "HOST:PORT" is dialed as is. Several replicas of the daemon (on one PostgreSQL store) are
+    listed comma-separated as IP:PORT ("10.0.0.1:50051,10.0.0.2:50051", IPv6 as "[::1]:50051"):
+    the channel resolves all of them and spreads calls round robin (gRPC's client-side load
+    balancing), skipping a replica that is down, so an agent whose stream broke resumes on
+    another. A gRPC target URI ("dns:///auditors.example:50051") also gets round robin.
+    """
+    parts = [p.strip() for p in address.split(",") if p.strip()]
+    round_robin = [("grpc.lb_policy_name", "round_robin")]
+    if len(parts) > 1:
+        scheme = "ipv6" if all(p.startswith("[") for p in parts) else "ipv4"
+        return f"{scheme}:{','.join(parts)}", round_robin
+    if address.startswith(("dns:", "ipv4:", "ipv6:")):
+        return address, round_robin
+    return address, []
+
+
 def open_channel(address: str, *, tls: TLSConfig | None = None, token: str | None = None,
                  options: Sequence[tuple[str, Any]] | None = None) -> grpc.Channel:
-    """A synchronous channel to the daemon at `address` ("HOST:PORT").
+    """A synchronous channel to the daemon at `address` ("HOST:PORT", or several replicas:
+    `channel_target`).
 
     `tls` None = plaintext (keep it on loopback). Raises TLSError when a certificate file cannot
     be read; connection failures show up on the first call, as for any gRPC channel.
     """
-    options = list(limits.client_options() if options is None else options)
+    address, balancing = channel_target(address)
+    options = list(limits.client_options() if options is None else options) + balancing
     if tls is not None:
         creds = tls.credentials()
         if token:

@@ -1,7 +1,8 @@
 """The batch checksum both ends compute: what `RecordBatch.records_crc32` holds.
 
 Definition (docs/protocol.md): the CRC-32 (zlib), chained in order, of the bytes of every
-`records` entry (field 4) exactly as they appear in the serialized RecordBatch. The daemon
+`records` entry (field 4) and of the `packed` message (field 6) exactly as they appear in the
+serialized RecordBatch. The daemon
 computes it from the bytes it received, before parsing them into anything else
 (`received_records_checksum`), so any valid encoding a client chooses (field order, packed or
 unpacked repeated fields) checks as long as the client summed what it sent.
@@ -16,6 +17,9 @@ import zlib
 
 RECORDS_FIELD = 4
 """Field number of `RecordBatch.records`."""
+PACKED_FIELD = 6
+"""Field number of `RecordBatch.packed`."""
+_SUMMED = (RECORDS_FIELD, PACKED_FIELD)
 
 
 def records_checksum(records) -> int:
@@ -23,6 +27,15 @@ def records_checksum(records) -> int:
     crc = 0
     for r in records:
         crc = zlib.crc32(r.SerializeToString(deterministic=True), crc)
+    return crc
+
+
+def batch_checksum(batch) -> int:
+    """The sender's checksum of a whole batch: its records, then its packed records (the order
+    protobuf serializes them in)."""
+    crc = records_checksum(batch.records)
+    if batch.HasField("packed"):
+        crc = zlib.crc32(batch.packed.SerializeToString(deterministic=True), crc)
     return crc
 
 
@@ -40,7 +53,7 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 
 def received_records_checksum(data: bytes) -> int:
-    """The checksum of the `records` entries of a serialized RecordBatch, from its bytes as
+    """The checksum of the `records` entries and `packed` message of a serialized RecordBatch, from its bytes as
     received (the daemon's side). ValueError when the bytes are not protobuf wire format."""
     view = memoryview(data)
     crc, i, n = 0, 0, len(data)
@@ -55,7 +68,7 @@ def received_records_checksum(data: bytes) -> int:
             i += 4
         elif wire_type == 2:
             length, i = _varint(data, i)
-            if tag >> 3 == RECORDS_FIELD:
+            if tag >> 3 in _SUMMED:
                 crc = zlib.crc32(view[i:i + length], crc)
             i += length
         else:

@@ -1,9 +1,9 @@
 """`auditor compare` and `auditor watch` (registered on `auditor.cli.main`).
 
     auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit]
-                             [-o FILE] [--all] [--limit N] [--db PATH | --address HOST:PORT]
+                             [-o FILE] [--all] [--limit N] [--store PATH|URL | --address HOST:PORT]
     auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
-                           [--poll S] [--timeout S] [--db PATH | --address HOST:PORT]
+                           [--poll S] [--timeout S] [--store PATH|URL | --address HOST:PORT]
 
 Exit codes: 0 = every finding within policy, 1 = some finding breaches it, 2 = usage or input
 error (one line on stderr). With --address the daemon compares (the Compare RPC) and the report
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import click
 import grpc
 
-from auditor.cli.main import (ENV_ADDR, ENV_DB, InputError, StoreSource, client_tls, main,
+from auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, StoreSource, client_tls, main,
                          store_or_address, tls_options)
 from auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
 from auditor.store import UnknownRun
@@ -42,8 +42,9 @@ def _sources(fn: Any) -> Any:
                       show_default=True, help="Deadline of the call to --address, seconds.")(fn)
     fn = click.option("--address", metavar="HOST:PORT",
                       help=f"Ask a running auditor (default ${ENV_ADDR}).")(fn)
-    fn = click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
-                      help=f"Read a store file (default ${ENV_DB}).")(fn)
+    fn = click.option("--store", "--db", "db", type=STORE, metavar="PATH|URL",
+                      help=f"Read a store: a SQLite file or a postgresql:// URL (default "
+                           f"${ENV_DB}).")(fn)
     return fn
 
 

@@ -1,10 +1,10 @@
 """`auditor`: the daemon and the commands that read what it stored.
 
-    auditor serve --listen HOST:PORT --db PATH [--sync full|normal] [--port-file PATH]
+    auditor serve --listen HOST:PORT --store PATH|postgresql://... [--sync full|normal] [--port-file PATH]
                   [--tokens FILE] [--tls-cert CERT --tls-key KEY [--tls-client-ca CA]]
-    auditor runs  [--db PATH | --address HOST:PORT [--tls-ca CA --tls-cert C --tls-key K]]
+    auditor runs  [--store PATH|URL | --address HOST:PORT [--tls-ca CA --tls-cert C --tls-key K]]
                   [--format text|json]
-    auditor show RUN [--db PATH | --address HOST:PORT [--tls-...]] [--format text|json]
+    auditor show RUN [--store PATH|URL | --address HOST:PORT [--tls-...]] [--format text|json]
 
 Clients of a daemon that requires tokens take the token from $NUMAUDIT_TOKEN (never an option:
 the command line is visible to every user of the machine); --tls-* default to $NUMAUDIT_TLS_*.
@@ -39,13 +39,14 @@ from auditor.store import summary
 from auditor.compare.ranges import format_ranges
 from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
 from auditor.store import Reader, StoreError, UnknownRun, check_store_file
+from auditor.store.location import describe, is_postgres_url, store_location
 from wire.tls import ServerTLS, TLSConfig, TLSError
 from auditor.daemon.admission import ServerLimits
 from auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
 # Environment (arguments win over the environment):
-ENV_DB = "NUMAUDIT_DB"            # store file for serve/runs/show when --db is not given
+ENV_DB = "NUMAUDIT_DB"            # store (file or postgresql:// URL) when --store/--db is not given
 ENV_ADDR = "NUMAUDIT_ADDR"        # auditor address for runs/show when neither --db nor --address
 DEFAULT_TIMEOUT_S = 10.0          # deadline of each call to a remote auditor
 
@@ -56,6 +57,22 @@ class InputError(click.ClickException):
     """A usage or input error: one line on stderr, exit 2."""
 
     exit_code = 2
+
+
+class StoreParam(click.ParamType):
+    """A store location: a ``postgresql://`` URL stays a string, anything else is a file path."""
+
+    name = "store"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Path | str:
+        if isinstance(value, Path) or is_postgres_url(value):
+            return value
+        if not isinstance(value, str) or not value:
+            self.fail(f"{value!r} is neither a file path nor a postgresql:// URL", param, ctx)
+        return Path(value)
+
+
+STORE = StoreParam()
 
 
 class _Group(click.Group):
@@ -88,8 +105,8 @@ def main() -> None:
 class StoreSource:
     """Runs read straight from a store file (`.reader` for commands that need the records)."""
 
-    def __init__(self, db: Path) -> None:
-        self.label = str(db)
+    def __init__(self, db: Path | str) -> None:
+        self.label = describe(db)
         try:
             self.reader = Reader(db)
             self.reader.conn.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
@@ -98,7 +115,11 @@ class StoreSource:
         except StoreError as exc:  # NotAStore: another application's file, a FIFO, random bytes
             raise InputError(str(exc)) from None
         except sqlite3.Error as exc:
-            raise InputError(f"db: {db} is not a numaudit store ({exc})") from None
+            raise InputError(f"db: {self.label} is not a numaudit store ({exc})") from None
+        except Exception as exc:  # a PostgreSQL store whose server fails the query
+            if not is_postgres_url(db):
+                raise
+            raise InputError(f"db: {self.label}: {type(exc).__name__}: {exc}") from None
 
     def list_runs(self) -> pb.ListRunsResponse:
         return summary.list_runs(self.reader)
@@ -148,7 +169,7 @@ class AddressSource:
         self.channel.close()
 
 
-def store_or_address(db: Path | None, address: str | None,
+def store_or_address(db: Path | str | None, address: str | None,
                      timeout: float = DEFAULT_TIMEOUT_S, *, tls: TLSConfig | None = None,
                      token: str | None = None) -> StoreSource | AddressSource:
     """The run source the user named: --db, else --address, else $NUMAUDIT_DB, $NUMAUDIT_ADDR.
@@ -160,11 +181,11 @@ def store_or_address(db: Path | None, address: str | None,
         raise InputError("give either --db or --address, not both")
     if db is None and address is None:
         if os.environ.get(ENV_DB):
-            db = Path(os.environ[ENV_DB])
+            db = store_location(os.environ[ENV_DB])
         elif os.environ.get(ENV_ADDR):
             address = os.environ[ENV_ADDR]
         else:
-            raise InputError("give --db PATH or --address HOST:PORT")
+            raise InputError("give --store PATH|URL (or --db) or --address HOST:PORT")
     if db is not None:
         return StoreSource(db)
     try:
@@ -179,8 +200,9 @@ def source_options(fn: Any) -> Any:
     fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=DEFAULT_TIMEOUT_S,
                       show_default=True, help="Deadline of each call to --address, seconds.")(fn)
     fn = click.option("--address", metavar="HOST:PORT", help="Ask a running auditor.")(fn)
-    fn = click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
-                      help=f"Read a store file (default ${ENV_DB}).")(fn)
+    fn = click.option("--store", "--db", "db", type=STORE, metavar="PATH|URL",
+                      help=f"Read a store: a SQLite file or a postgresql:// URL (default "
+                           f"${ENV_DB}).")(fn)
     return fn
 
 
@@ -215,10 +237,13 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
 @main.command()
 @click.option("--listen", default=limits.DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
               help="Address to bind; port 0 picks a free port. Plaintext: keep it on loopback.")
-@click.option("--db", type=click.Path(dir_okay=False, path_type=Path), envvar=ENV_DB,
-              default="numaudit.db", show_default=True, help="Store file (created if missing).")
+@click.option("--store", "--db", "db", type=STORE, envvar=ENV_DB, metavar="PATH|URL",
+              default="numaudit.db", show_default=True,
+              help="Store: a SQLite file (created if missing), or a postgresql:// URL (schema "
+                   "created if missing; several daemons may serve one database as replicas).")
 @click.option("--sync", type=click.Choice(["full", "normal"], case_sensitive=False), default="full",
-              show_default=True, help="SQLite synchronous level: full survives an OS crash too.")
+              show_default=True, help="Durability of an acked batch: full survives an OS crash "
+                                      "too (SQLite synchronous, PostgreSQL synchronous_commit).")
 @click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the bound port here once listening (for --listen HOST:0).")
 @click.option("--grace", type=click.FloatRange(min=0), default=limits.SHUTDOWN_GRACE_S,
@@ -249,7 +274,7 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
 @click.option("--compare-budget", type=click.FloatRange(min=0.01),
               default=ServerLimits.compare_budget_s, show_default=True,
               help="Seconds a comparison may run before it is stopped (DEADLINE_EXCEEDED).")
-def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
+def serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
           log_level: str, tokens_file: Path | None, tls_cert: str | None, tls_key: str | None,
           tls_client_ca: str | None, max_streams: int, max_watches: int,
           max_watches_per_caller: int, max_compares: int, max_inflight_mib: int,
@@ -262,10 +287,11 @@ def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float
         compare_budget_s=compare_budget)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        check_store_file(db, create=True)
-    except StoreError as exc:
-        raise InputError(str(exc)) from None
+    if not is_postgres_url(db):
+        try:
+            check_store_file(db, create=True)
+        except StoreError as exc:
+            raise InputError(str(exc)) from None
     if bool(tls_cert) != bool(tls_key):
         raise InputError("tls-cert/tls-key: give both to serve TLS")
     if tls_client_ca and not tls_cert:
@@ -284,11 +310,13 @@ def serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float
         asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls, server_limits))
     except TLSError as exc:
         raise InputError(str(exc)) from None
+    except StoreError as exc:  # NotAStore: a database that cannot be reached or is not a store
+        raise InputError(str(exc)) from None
     except (RuntimeError, OSError, sqlite3.Error) as exc:
-        raise InputError(f"cannot serve on {listen} with db={db}: {exc}") from None
+        raise InputError(f"cannot serve on {listen} with db={describe(db)}: {exc}") from None
 
 
-async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace: float,
+async def _serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
                  tokens: Tokens | None, tls: ServerTLS | None,
                  server_limits: ServerLimits | None = None) -> None:
     from auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
@@ -303,7 +331,7 @@ async def _serve(listen: str, db: Path, sync: str, port_file: Path | None, grace
             tmp = port_file.with_name(port_file.name + ".tmp")
             tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")
             tmp.replace(port_file)  # readers never see a half-written file
-        click.echo(f"numaudit auditor listening on {address} db={db}", err=True)
+        click.echo(f"numaudit auditor listening on {address} db={describe(db)}", err=True)
         await stop.wait()
         log.info("signal received, shutting down")
 

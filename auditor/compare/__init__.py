@@ -4,7 +4,8 @@ Owns the vocabulary of keys (`align`), the run columns read from the store (`col
 merging (`digests`, `merge`, `keys`, `segments`), metrics (`metrics`), policies (`policy_model`,
 read from TOML by `policy`), and the engine's stages: `verdicts` (cheap verdicts from the
 columns), `slow` and `payloads` (metrics where fingerprints cannot decide), `order` (execution
-order), `causes` (why, and graph breaks), `localize` and `ranks` (which ranks' pieces differ),
+order), `causes` (why, and graph breaks), `ragged_hint` (undeclared ragged
+outputs), `localize` and `ranks` (which ranks' pieces differ),
 `comparison` (the columnar result), `result` (the `Report` model that `auditor.report` renders),
 `engine` (`compare_runs`) and `live` (`auditor watch`). It reads the store and imports no
 service, CLI or renderer.

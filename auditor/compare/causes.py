@@ -242,12 +242,8 @@ def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause
     role = int((comp.B[i] >> 28) & 0xF)
     if phase == PHASE_IDS["optim_grad"]:
         before, name = PHASE_IDS["grad"], "grad"
-        differs = ("and differs as the optimizer consumed it: gradient clipping, unscaling or a "
-                   "gradient transformation treated the runs differently")
     else:
         before, name = PHASE_IDS["optim_grad"], "optim_grad"
-        differs = ("but the update applied differs: learning rate, optimizer state or the "
-                   "update rule")
     j = comp.find(step, -1, before, site_id, role)
     if j < 0 or comp.verdict[j] == F.IGNORED:
         return F.Cause("unknown", f"phase {name} of this parameter was not captured in both "
@@ -256,8 +252,71 @@ def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause
     if comp.breach[j]:
         return F.Cause("inherited", f"its {name} already differs ({F.VERDICT_NAMES[v]})",
                        comp.key(j))
-    return F.Cause("introduced", f"its {name} matched ({F.VERDICT_NAMES[v]}) {differs}",
-                   comp.key(j))
+    if phase == PHASE_IDS["update"]:
+        return F.Cause("introduced", f"its optim_grad matched ({F.VERDICT_NAMES[v]}) but the "
+                                     "update applied differs: learning rate, optimizer state or "
+                                     "the update rule", comp.key(j))
+    grads = comp.step_keys(step, (before,))
+    n_bad = int(np.count_nonzero(comp.breach[grads]))
+    every = (f", as did all {len(grads)} parameter gradients of step {step}" if n_bad == 0
+             else "")
+    text = (f"the gradients matched before the optimizer (its grad: {F.VERDICT_NAMES[v]}"
+            f"{every}) and differ as it consumed them")
+    return F.Cause("introduced", f"{text}: {_consumed_scaling(comp, step)}", comp.key(j))
+
+
+SCALE_AGREEMENT = 1e-4
+"""Relative spread within which the optim_grad keys of one stage share one scaling factor."""
+
+
+def _consumed_scaling(comp: Comparison, step: int) -> str:
+    """What the optimizer-side gradients of a step say about how they were transformed: one
+    factor per pipeline stage (clipping by a stage-local norm), one factor for all (a different
+    clipping coefficient or gradient scale), or no pure rescaling. Memoized per step."""
+    memo = comp.memo.setdefault("consumed_scaling", {})
+    if step in memo:
+        return memo[step]
+    keys = comp.step_keys(step, (PHASE_IDS["optim_grad"],))
+    # None or all-zero gradients are identical under any factor: they say nothing about it
+    ri = comp.ri[keys]
+    rk = comp.ref_keys
+    blank = (ri >= 0) & (comp.verdict[keys] == F.IDENTICAL)
+    if len(rk):
+        r = np.maximum(ri, 0)
+        blank &= (rk.status[r] == M.NONE) | (rk.all_zero[r] == 1)
+    keys = keys[~blank]
+    scaled = comp.scaled_by[keys] if comp.scaled_by is not None else np.full(len(keys), np.nan)
+    factor = np.where(comp.verdict[keys] == F.IDENTICAL, 1.0, scaled)
+    stage = comp.order_stage[keys]
+    per_stage: dict[int, float] = {}
+    for s in np.unique(stage).tolist():
+        f = factor[stage == s]
+        if not np.isfinite(f).all() or not len(f):
+            per_stage = {}
+            break
+        mid = float(np.median(f))
+        if np.abs(f - mid).max() > SCALE_AGREEMENT * mid:
+            per_stage = {}
+            break
+        per_stage[int(s)] = mid
+    generic = ("gradient clipping, unscaling or a gradient transformation treated the runs "
+               "differently")
+    distinct = len({round(f, 6) for f in per_stage.values()})
+    if len(per_stage) > 1 and distinct > 1:
+        each = ", ".join(f"stage {s} x{F.format_float(f)}" for s, f in sorted(per_stage.items()))
+        text = (f"each pipeline stage's gradients are scaled by a factor of its own relative to "
+                f"{comp.ref.name} ({each}), so the coefficient was computed per stage: gradients "
+                "clipped by each stage's local norm instead of the global norm over all stages "
+                "(or a per-stage gradient scale)")
+    elif per_stage and distinct == 1 and next(iter(per_stage.values())) != 1.0:
+        f = F.format_float(next(iter(per_stage.values())))
+        text = (f"every gradient the optimizer consumed is scaled by x{f} relative to "
+                f"{comp.ref.name}: a different clipping coefficient (max_norm, or a norm over a "
+                "different set of gradients) or gradient scale")
+    else:
+        text = generic
+    memo[step] = text
+    return text
 
 
 # -- graph breaks ------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ narrow projection of ``records`` (key packed into two integers, the layout as on
 string, the counts, the fingerprint and the record id) and keeps it as arrays. Moments and
 sketches are read later, and only for the keys whose fingerprints differ.
 
-This module reads the store's tables directly (auditor/store.py's schema) through a
-`store.Reader`'s connection; it writes nothing.
+This module reads the store's tables directly (auditor/store/sqlite.py's schema, the same on
+PostgreSQL) through a `store.Reader`'s connection, in SQL both backends run; it writes nothing.
 """
 
 from __future__ import annotations
@@ -34,19 +34,25 @@ MAX_SITE_ID = (1 << 31) - 1
 MAX_INDEX = MAX_CALL = (1 << 14) - 1
 
 _SELECT = (
+    # Portable SQL (SQLite and PostgreSQL): booleans become bits through CASE, not by shifting
+    # a comparison (PostgreSQL has no integer value for a boolean); every shift is in
+    # parentheses (PostgreSQL gives << and | the same precedence).
     "SELECT"
     " (step << 24) | ((microbatch + 1) << 4) | phase,"
     " (site_id << 32) | (role << 28) | (idx << 14) | call,"
     " (rank << 40) | ((stage + 1) << 8)"
     "  | (is_none << 7) | (replica << 6) | (partial << 5) | (complex_as_real << 4)"
-    "  | (has_moments << 3) | ((fingerprint_seed = :fs AND sketch_seed = :ss) << 2)"
-    "  | ((nan + posinf + neginf > 0) << 1) | (zeros = numel AND numel > 0)"
-    f"  | ((step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
-    f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646) << 39),"
+    "  | (has_moments << 3)"
+    "  | CASE WHEN fingerprint_seed = :fs AND sketch_seed = :ss THEN 4 ELSE 0 END"
+    "  | CASE WHEN nan + posinf + neginf > 0 THEN 2 ELSE 0 END"
+    "  | CASE WHEN zeros = numel AND numel > 0 THEN 1 ELSE 0 END"
+    f"  | CASE WHEN step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
+    f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646"
+    "     THEN 549755813888 ELSE 0 END,"  # 1 << 39
     " dtype || logical_shape || offsets || shape"
     "  || CASE WHEN ragged_parts > 0 THEN '[' || ragged_first || ',' || ragged_span || ','"
     "     || ragged_parts || ']' ELSE '' END"
-    "  || CASE WHEN reduce THEN '|' || reduce"
+    "  || CASE WHEN reduce <> 0 THEN '|' || reduce"
     "  || ',' || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
     " fingerprint, record_id"
     " FROM records"
@@ -56,7 +62,21 @@ _KEY_ORDER = " ORDER BY step, microbatch, phase, site_id, role, idx, call, rank"
 DIGEST_COLUMNS = ("nan", "posinf", "neginf", "zeros", "numel", "sum", "sum_sq", "min", "max",
                   "abs_max")
 ID_CHUNK = 50_000
-"""Record ids per json_each() lookup."""
+"""Record ids per lookup (`_ids_in`)."""
+
+
+def _ids_in(reader: Reader, ids: list[int]) -> tuple[str, tuple]:
+    """``record_id IN`` a list of ids, as SQL and its parameter: json_each on SQLite, an array
+    on PostgreSQL."""
+    if getattr(reader, "dialect", "sqlite") == "postgres":
+        return "record_id = ANY(?)", (ids,)
+    return "record_id IN (SELECT value FROM json_each(?))", (json.dumps(ids),)
+
+
+def _infinity(reader: Reader) -> str:
+    """A float +inf literal (SQLite overflows 9e999 to inf; PostgreSQL needs its name)."""
+    return "'Infinity'::float8" if getattr(reader, "dialect", "sqlite") == "postgres" \
+        else "9e999"
 
 
 class KeyRangeError(ValueError):
@@ -305,13 +325,14 @@ class Catalog:
         uniq = np.unique(rids)
         got: list[tuple] = []
         with no_gc():
+            inf = _infinity(self.reader)
             for start in range(0, len(uniq), ID_CHUNK):
+                where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
                 got.extend(self.reader.conn.execute(
                     "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
-                    " COALESCE(sum_sq, 0.0), COALESCE(min, 9e999), COALESCE(max, -9e999),"
-                    " COALESCE(abs_max, 0.0), sketch FROM records"
-                    " WHERE record_id IN (SELECT value FROM json_each(?)) ORDER BY record_id",
-                    (json.dumps(uniq[start:start + ID_CHUNK].tolist()),)).fetchall())
+                    f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
+                    f" COALESCE(abs_max, 0.0), sketch FROM records WHERE {where}"
+                    " ORDER BY record_id", param).fetchall())
             cols = list(zip(*got)) if got else [()] * 12
             got_rid = np.array(cols[0], dtype=np.int64)
             if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
@@ -337,11 +358,10 @@ class Catalog:
         found: set[int] = set()
         uniq = np.unique(rids)
         for start in range(0, len(uniq), ID_CHUNK):
-            chunk = uniq[start:start + ID_CHUNK]
+            where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
             found.update(r for (r,) in self.reader.conn.execute(
-                "SELECT record_id FROM payload_chunks WHERE record_id IN"
-                " (SELECT value FROM json_each(?)) GROUP BY record_id"
-                " HAVING COUNT(*) = MAX(chunk_count)", (json.dumps(chunk.tolist()),)))
+                f"SELECT record_id FROM payload_chunks WHERE {where} GROUP BY record_id"
+                " HAVING COUNT(*) = MAX(chunk_count)", param))
         return found
 
 

@@ -90,6 +90,8 @@ class Comparison:
     scaled_resid: np.ndarray | None = None
     """||cand - a*ref|| / ||cand|| with a = ||cand||/||ref||, where measured: how far the
     candidate is from a pure rescaling of the reference."""
+    memo: dict = field(default_factory=dict)
+    """Evidence derived once per comparison and reused by every finding's cause (`causes`)."""
 
     def __len__(self) -> int:
         return len(self.A)
@@ -175,7 +177,9 @@ class Comparison:
         if d is not None:
             out["nonfinite"] = d
         if i in self.payload:
-            out["payload"] = {k: v for k, v in self.payload[i].items() if not k.startswith("_")}
+            # JSON has no inf/NaN: rel_l2 against an all-zero reference is inf, as elsewhere
+            out["payload"] = {k: _json_floats(v) for k, v in self.payload[i].items()
+                              if not k.startswith("_")}
         if self.scaled_by is not None and not math.isnan(self.scaled_by[i]):
             out["scaled_by"] = _jf(self.scaled_by[i])
         if self.bwd_factor != 1.0 and (int(self.A[i]) & 0xF) == PHASE_IDS["bwd"] \
@@ -265,6 +269,17 @@ class Comparison:
 def _f(v: float) -> float | None:
     v = float(v)
     return None if math.isnan(v) else v
+
+
+def _json_floats(v):
+    """`v` with every float (in dicts and lists too) as `_jf` writes it."""
+    if isinstance(v, float):
+        return _jf(v)
+    if isinstance(v, dict):
+        return {k: _json_floats(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_floats(x) for x in v]
+    return v
 
 
 def _jf(v: float):

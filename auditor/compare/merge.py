@@ -32,6 +32,7 @@ import numpy as np
 
 from auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
 from auditor.compare.ranges import format_ranges
+from auditor.compare.ragged_hint import undeclared_ragged
 
 MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
@@ -85,7 +86,8 @@ class Problem:
     """Why a key's pieces do not make one logical tensor; positions index the key's pieces."""
 
     kind: str
-    """"none_mixed", "disagree", "bounds", "overlap", "mixed_flags", "gap", "ragged", "order"."""
+    """"none_mixed", "disagree", "bounds", "overlap", "mixed_flags", "gap", "ragged", "order",
+    "ragged_undeclared"."""
     positions: tuple[int, ...]
     detail: str
     """Text with ``{ranks}`` where the ranks of ``positions`` go."""
@@ -143,6 +145,10 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
         for i in present:
             values.setdefault(getattr(pieces[i], attr), []).append(i)
         if len(values) > 1:
+            hint = undeclared_ragged(pieces, present) if attr == "logical_shape" else None
+            if hint is not None:
+                problem = _multi_problem("ragged_undeclared", *hint)
+                return TilingPlan(status=INCOMPLETE, problems=(problem,))
             parts = [f"{_fmt_value(v)} on ranks {{r{k}}}" for k, v in enumerate(values)]
             detail = f"ranks disagree on the {what}: " + ", ".join(parts)
             # each group of positions renders its own rank list

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator
 from wire import limits
 from auditor.compare.policy import Policy, PolicyError, resolve_policy
 from auditor.store import Reader, StoreError
+from auditor.store.location import store_location
 from auditor.daemon.admission import Admission, ServerLimits
 from auditor.daemon.auth import Unauthenticated, bearer_token
 from auditor.daemon.validate import ValidationError, check_run_name
@@ -50,8 +51,8 @@ MAX_WAIT_S = 24 * 3600.0
 CompareTimeout = BudgetExceeded
 
 
-def _db_path(service: Any) -> Path:
-    return Path(service._db_path)
+def _db_path(service: Any) -> Path | str:
+    return store_location(service._db_path)  # a SQLite path or a postgresql:// URL
 
 
 def _admission(service: Any) -> Admission:

@@ -19,6 +19,7 @@ from typing import Iterable
 import grpc
 
 from wire.channels import open_channel
+from wire.packed import batch_record_count
 from wire.spool import SpoolError, read_spool, spool_files
 from wire.tls import TLSConfig
 from protos import numaudit_pb2_grpc
@@ -93,7 +94,7 @@ def _replay_file(stub, path: Path, metadata) -> ReplayResult:
         return result
     for batch in spool.batches:
         result.batches += 1
-        result.records += len(batch.records)
+        result.records += batch_record_count(batch)
         try:
             (ack,) = list(stub.Ingest(iter([batch]), timeout=CALL_TIMEOUT_S, metadata=metadata))
         except grpc.RpcError as exc:

@@ -39,7 +39,8 @@ from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBus
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
 from auditor.daemon import reads
 from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
-from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun, content_hash
+from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
+from wire.packed import RecordColumns, content_hashes
 from wire.checksum import received_records_checksum
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
@@ -47,6 +48,7 @@ from auditor.daemon.validate import (
     CorruptedInTransit, ValidationError, validate_batch, validate_close, validate_describe,
     validate_register,
 )
+from auditor.store.backend import describe, open_writer, store_location
 from auditor.store.writer import StoreWriter, WriterClosed
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
@@ -211,9 +213,10 @@ def _abandon(task: asyncio.Future) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def _validate_and_hash(batch: pb.RecordBatch) -> list[bytes]:
-    validate_batch(batch)
-    return [content_hash(r) for r in batch.records]
+def _validate_and_hash(batch: pb.RecordBatch) -> tuple[RecordColumns, list[bytes]]:
+    """The batch's records as columns (packed and per record), validated, and their hashes."""
+    cols = validate_batch(batch)
+    return cols, content_hashes(cols)
 
 
 class AuditorService(numaudit_pb2_grpc.AuditorServicer):
@@ -225,7 +228,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         """`pool` validates batches (the ingest path only); reads, watches and comparisons run
         in worker processes (`auditor.daemon.workers`), so that they can never delay an ack."""
         self._writer = writer
-        self._db_path = Path(db_path)
+        self._db_path = store_location(db_path)  # a SQLite path or a postgresql:// URL
         self._pool = pool
         self._limits = limits or ServerLimits()
         self._admission = Admission(self._limits)
@@ -293,7 +296,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                  request.rank, request.world_size, request.session_id, request.job_id, acked,
                  f" (renamed from {request.run}: the name belongs to another job)"
                  if run != request.run else "")
-        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=run)
+        return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=run,
+                                   packed_batches=True)
 
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
@@ -305,8 +309,10 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                 except StopAsyncIteration:
                     return
                 async with self._admission.bytes_in_flight(batch.ByteSize()):
-                    hashes = await self._offload(_validate_and_hash, batch)
-                    result = await self._commit(lambda store, b=batch, h=hashes: store.ingest(b, h))
+                    cols, hashes = await self._offload(_validate_and_hash, batch)
+                    result = await self._commit(
+                        lambda store, b=batch, c=cols, h=hashes:
+                        store.ingest_columns(b.session_id, b.seq, c, h))
                 log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d",
                           batch.session_id, batch.seq, result.stored, result.duplicates,
                           result.conflicts)
@@ -394,7 +400,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
     level = _check_synchronous(synchronous)
     host = listen.rsplit(":", 1)[0]
     credentials = tls.credentials() if tls is not None else None  # TLSError before anything starts
-    writer = await asyncio.to_thread(StoreWriter, db_path, synchronous=level)
+    writer = await asyncio.to_thread(open_writer, db_path, synchronous=level)
     pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
                                                  thread_name_prefix="numaudit-validate")
     service = AuditorService(writer, db_path, pool, limits=server_limits)
@@ -430,15 +436,15 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
         if tls is not None:
             log.info("listening on %s (%s) access=%s db=%s synchronous=%s", address,
                      "mutual TLS: client certificates required" if tls.mutual else "TLS",
-                     access, db_path, level)
+                     access, describe(db_path), level)
         elif host in _LOOPBACK_HOSTS:
             log.info("listening on %s (plaintext, loopback only) access=%s db=%s synchronous=%s",
-                     address, access, db_path, level)
+                     address, access, describe(db_path), level)
         else:
             log.warning("listening on %s in PLAINTEXT (no TLS) on a non-loopback address%s; "
                         "access=%s db=%s synchronous=%s", address,
                         ": tokens cross the network in clear" if tokens is not None else "",
-                        access, db_path, level)
+                        access, describe(db_path), level)
         yield address
     finally:
         log.info("stopping: no new calls, %.1f s grace for in-flight ones", grace)
@@ -463,7 +469,7 @@ class BackgroundServer:
                  synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
                  tokens: Tokens | None = None, tls: ServerTLS | None = None,
                  server_limits: ServerLimits | None = None) -> None:
-        self.listen, self.db_path = listen, Path(db_path)
+        self.listen, self.db_path = listen, store_location(db_path)
         self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls,
                             server_limits=server_limits)
         self.address = ""

@@ -29,7 +29,9 @@ import zstandard
 
 from wire import limits, names
 from protos import numaudit_pb2 as pb
-from wire.checksum import records_checksum
+from auditor.daemon import validate_columns as vc
+from wire.checksum import batch_checksum
+from wire.packed import PackedFormatError, RecordColumns, batch_columns, batch_record_count
 
 
 class ValidationError(ValueError):
@@ -207,9 +209,14 @@ def validate_describe(req: pb.DescribeRunRequest) -> None:
 
 # -- Batches and records -----------------------------------------------------------------------------
 
-def validate_batch(batch: pb.RecordBatch) -> None:
-    """Everything about a batch that can be checked without the store; raises on the first fault."""
-    if batch.HasField("records_crc32") and records_checksum(batch.records) != batch.records_crc32:
+def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
+    """Everything about a batch that can be checked without the store; raises on the first fault.
+
+    Returns the batch's records as columns (packed first, then per record), checked with the
+    rules of `validate_record` on whole arrays (`validate_columns`): the same messages, naming the
+    record as `packed[i]` or `records[i]`.
+    """
+    if batch.HasField("records_crc32") and batch_checksum(batch) != batch.records_crc32:
         # First: a corrupted batch must be resent, not refused for what the corruption says.
         raise CorruptedInTransit("records_crc32", "does not match the records (corrupted in "
                                                   "transit); resend the batch")
@@ -218,20 +225,26 @@ def validate_batch(batch: pb.RecordBatch) -> None:
     if batch.seq < 1:
         raise ValidationError("seq", f"{batch.seq} is not >= 1 (sequences start at 1)")
     records = batch.records
-    if len(records) > limits.MAX_BATCH_RECORDS:
-        raise TooLarge("records", f"{len(records)} records exceed the per-batch limit of "
+    count = batch_record_count(batch)
+    if batch.HasField("packed") and batch.packed.count < 0:
+        raise ValidationError("packed.count", f"{batch.packed.count} is negative")
+    if count > limits.MAX_BATCH_RECORDS:
+        raise TooLarge("records", f"{count} records exceed the per-batch limit of "
                                   f"{limits.MAX_BATCH_RECORDS}")
-    payload_bytes, has_payload = 0, False
-    for i, record in enumerate(records):
-        validate_record(record, f"records[{i}]")
-        if record.HasField("payload"):
-            payload_bytes += len(record.payload.data)
-            has_payload = True
+    payload_bytes = sum(len(r.payload.data) for r in records if r.HasField("payload"))
+    try:
+        cols = batch_columns(batch)
+    except PackedFormatError as exc:
+        raise ValidationError(exc.field, exc.why) from None
+    vc.check_tables(cols, ValidationError)
+    vc.check_rows(cols, vc.suspects(cols, ITEMSIZE, REAL_FLOAT_DTYPES, _PHASES, _ROLES,
+                                    _REDUCTIONS), validate_record)
     if payload_bytes > limits.MAX_BATCH_PAYLOAD_BYTES:
         raise TooLarge("records", f"payload data of {payload_bytes} bytes exceeds the per-batch "
                                   f"limit of {limits.MAX_BATCH_PAYLOAD_BYTES}")
-    if has_payload:
+    if cols.payloads:
         _verify_batch_payloads(records)
+    return cols
 
 
 def validate_record(r: pb.Record, where: str = "record") -> None:

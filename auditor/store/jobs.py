@@ -13,6 +13,7 @@ from typing import Sequence
 from auditor.store.errors import RunNameTaken
 from wire import limits
 from protos import numaudit_pb2 as pb
+from wire.packed import RecordColumns
 
 
 def run_for_job(conn: sqlite3.Connection, req: pb.RegisterRequest) -> tuple[str, tuple | None]:
@@ -45,8 +46,9 @@ def run_for_job(conn: sqlite3.Connection, req: pb.RegisterRequest) -> tuple[str,
                                "another (shorter) run name")
 
 
-def resent(conn: sqlite3.Connection, site_ids: dict[str, int], batch: pb.RecordBatch,
-           hashes: Sequence[bytes], run_id: int, rank: int, now: float) -> tuple[int, int]:
+def resent(conn: sqlite3.Connection, site_ids: dict[str, int], session_id: str, seq: int,
+           cols: RecordColumns, hashes: Sequence[bytes], run_id: int, rank: int,
+           now: float) -> tuple[int, int]:
     """(duplicates, conflicts) of a batch at or below the session's acked sequence.
 
     A true resend stores nothing. A session id reused with other content (another job that
@@ -55,13 +57,15 @@ def resent(conn: sqlite3.Connection, site_ids: dict[str, int], batch: pb.RecordB
     conflicts too (in the ack; there is no stored record to flag them against).
     """
     duplicates = conflicts = 0
-    for record, chash in zip(batch.records, hashes):
-        k = record.key
-        site_id = site_ids.get(k.site)
+    c = cols.cols
+    keys = zip(c["site"].tolist(), c["step"].tolist(), c["microbatch"].tolist(),
+               c["phase"].tolist(), c["role"].tolist(), c["index"].tolist(), c["call"].tolist())
+    for (site, step, microbatch, phase, role, index, call), chash in zip(keys, hashes):
+        site_id = site_ids.get(cols.sites[site]) if cols.sites else None
         row = None if site_id is None else conn.execute(
             "SELECT record_id, content_hash FROM records WHERE run_id=? AND step=? AND"
             " microbatch=? AND phase=? AND site_id=? AND role=? AND idx=? AND call=? AND rank=?",
-            (run_id, k.step, k.microbatch, k.phase, site_id, k.role, k.index, k.call, rank),
+            (run_id, step, microbatch, phase, site_id, role, index, call, rank),
         ).fetchone()
         if row is not None and row[1] == chash:
             duplicates += 1
@@ -69,6 +73,6 @@ def resent(conn: sqlite3.Connection, site_ids: dict[str, int], batch: pb.RecordB
         if row is not None:
             conn.execute(
                 "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
-                " VALUES (?,?,?,?,?)", (row[0], batch.session_id, batch.seq, chash, now))
+                " VALUES (?,?,?,?,?)", (row[0], session_id, seq, chash, now))
         conflicts += 1
     return duplicates, conflicts

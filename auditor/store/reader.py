@@ -3,6 +3,10 @@
 Any number of readers, each with its own read-only connection (WAL lets them read while the single
 writer commits). The comparison reads the records table directly as columns
 (`auditor.compare.columns`); this class is everything else.
+
+A store location is a SQLite path or a ``postgresql://`` URL (`auditor.store.backend`); on
+PostgreSQL `conn` is a `postgres.QmarkConnection` in autocommit (each query sees what is
+committed), which runs this module's SQLite-style SQL unchanged. `dialect` says which.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from auditor.store.location import is_postgres_url
 from auditor.store.errors import UnknownRun, UnknownSession
 from auditor.store.sqlite import connect
 
@@ -19,8 +24,15 @@ class Reader:
     """Read side of the store; safe to use from any thread with its own instance."""
 
     def __init__(self, path: str | Path) -> None:
+        if is_postgres_url(path):
+            from auditor.store.postgres import QmarkConnection, pg_connect
+
+            self.dialect = "postgres"
+            self.conn = QmarkConnection(pg_connect(str(path), readonly=True))
+            return
         if not Path(path).exists():
             raise FileNotFoundError(f"no store at {path}")
+        self.dialect = "sqlite"
         self.conn = connect(path, readonly=True)  # NotAStore for anything but a numaudit store
 
     def close(self) -> None:
@@ -133,10 +145,10 @@ class Reader:
     def phase_counts(self, run: str) -> list[tuple[int, int, int, int]]:
         """(phase, distinct sites, records, none records) per phase."""
         run_id = self.run_id(run)
-        return self.conn.execute(
+        return [(int(p), int(s), int(n), int(none or 0)) for p, s, n, none in self.conn.execute(
             "SELECT phase, COUNT(DISTINCT site_id), COUNT(*), SUM(is_none) FROM records"
             " WHERE run_id = ? GROUP BY phase ORDER BY phase", (run_id,)
-        ).fetchall()
+        ).fetchall()]
 
     def steps(self, run: str) -> list[int]:
         run_id = self.run_id(run)

@@ -12,10 +12,8 @@ crash; `NORMAL` survives a process crash only (FIELD-NOTES: FULL costs ~28%).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,9 @@ from typing import Sequence
 from auditor.store.errors import (  # noqa: F401  (re-exported)
     RunNameTaken, StoreError, UnknownRun, UnknownSession)
 from auditor.store.jobs import resent, run_for_job
+from auditor.store.rows import INSERT_RECORD as _INSERT_RECORD, record_rows
 from protos import numaudit_pb2 as pb
+from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
 from auditor.store.files import APPLICATION_ID, check_store_file
 
 SCHEMA_VERSION = 2
@@ -157,16 +157,9 @@ def from_int64(i: int) -> int:
 
 
 def content_hash(record: pb.Record) -> bytes:
-    """Hash of what a record says, payload chunking excluded: resends hash the same."""
-    bare = pb.Record()
-    bare.CopyFrom(record)
-    bare.ClearField("payload")
-    if record.HasField("payload"):
-        p = record.payload
-        bare.payload.codec, bare.payload.raw_nbytes = p.codec, p.raw_nbytes
-        bare.payload.compressed_nbytes, bare.payload.crc32 = p.compressed_nbytes, p.crc32
-        bare.payload.chunk_count = p.chunk_count
-    return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
+    """Hash of what a record says, payload chunking excluded: resends hash the same, and a
+    record hashes the same whether it travelled packed or per record (`content_hashes`)."""
+    return content_hashes(from_records([record]))[0]
 
 
 def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
@@ -301,85 +294,81 @@ class Store:
         return sid
 
     def ingest(self, batch: pb.RecordBatch, hashes: Sequence[bytes] | None = None) -> IngestResult:
-        """Store one validated batch. A resent batch (seq <= acked) stores nothing."""
-        run_id, rank, acked = self.session(batch.session_id)
+        """Store one validated batch (packed, per record, or both). See `ingest_columns`."""
+        return self.ingest_columns(batch.session_id, batch.seq, batch_columns(batch), hashes)
+
+    def ingest_columns(self, session_id: str, seq: int, cols: RecordColumns,
+                       hashes: Sequence[bytes] | None = None) -> IngestResult:
+        """Store one validated batch of records given as columns, in bulk.
+
+        A resent batch (seq <= acked) stores nothing (`jobs.resent`). Otherwise every record is
+        inserted with one executemany; when some key is already stored (a record sent again
+        under a new sequence, a key repeated inside the batch) the bulk insert is rolled back to
+        its savepoint and the batch goes row by row, counting duplicates and flagging conflicts.
+        `hashes` are `wire.packed.content_hashes(cols)` (computed here when None).
+        """
+        run_id, rank, acked = self.session(session_id)
         now = time.time()
         if hashes is None:
-            hashes = [content_hash(r) for r in batch.records]
-        if batch.seq <= acked:
-            duplicates, conflicts = resent(self.conn, self._site_ids, batch, hashes, run_id,
-                                           rank, now)
+            hashes = content_hashes(cols)
+        if seq <= acked:
+            duplicates, conflicts = resent(self.conn, self._site_ids, session_id, seq, cols,
+                                           hashes, run_id, rank, now)
             return IngestResult(acked_seq=acked, duplicates=duplicates, conflicts=conflicts,
                                 resent_batch=True)
-        result = IngestResult(acked_seq=batch.seq)
-        for record, chash in zip(batch.records, hashes):
-            k = record.key
-            site_id = self._site_id(k.site)
-            key_params = (run_id, k.step, k.microbatch, k.phase, site_id, k.role, k.index, k.call, rank)
-            record_id = self._insert_record(record, key_params, chash, batch, now)
-            if record_id is not None:
-                result.stored += 1
+        result = IngestResult(acked_seq=seq)
+        if cols.n:
+            rows = record_rows(cols, [self._site_id(name) for name in cols.sites], run_id, rank,
+                               hashes, session_id, seq, now)
+            self.conn.execute("SAVEPOINT bulk")
+            before = self.conn.total_changes
+            self.conn.executemany(_INSERT_RECORD, rows)
+            if self.conn.total_changes - before == cols.n:
+                self.conn.execute("RELEASE bulk")
+                result.stored = cols.n
+                for row in sorted(cols.payloads):
+                    self._store_chunk(self._record_id(rows[row][:9]), cols.payloads[row])
             else:
-                record_id, stored_hash = self.conn.execute(
-                    "SELECT record_id, content_hash FROM records WHERE run_id=? AND step=? AND"
-                    " microbatch=? AND phase=? AND site_id=? AND role=? AND idx=? AND call=?"
-                    " AND rank=?", key_params,
-                ).fetchone()
-                if stored_hash != chash:
-                    self.conn.execute(
-                        "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
-                        " VALUES (?,?,?,?,?)",
-                        (record_id, batch.session_id, batch.seq, chash, now),
-                    )
-                    result.conflicts += 1
-                    continue
-                result.duplicates += 1
-            if record.HasField("payload"):
-                p = record.payload
-                self.conn.execute(
-                    "INSERT OR IGNORE INTO payload_chunks VALUES (?,?,?,?,?,?,?,?)",
-                    (record_id, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
-                     p.compressed_nbytes, p.crc32, p.data),
-                )
+                self.conn.execute("ROLLBACK TO bulk")
+                self.conn.execute("RELEASE bulk")
+                self._ingest_rows(cols, rows, hashes, session_id, seq, now, result)
         self.conn.execute(
-            "UPDATE sessions SET acked_seq = ? WHERE session_id = ?", (batch.seq, batch.session_id)
+            "UPDATE sessions SET acked_seq = ? WHERE session_id = ?", (seq, session_id)
         )
         return result
 
-    def _insert_record(self, r: pb.Record, key_params: tuple, chash: bytes,
-                       batch: pb.RecordBatch, now: float) -> int | None:
-        """Insert a new record; None when its key is already stored."""
-        lay, d = r.layout, r.digest
-        params = key_params + (
-            r.stage, int(r.is_none), lay.dtype,
-            json.dumps(list(lay.logical_shape)), json.dumps(list(lay.offsets)),
-            json.dumps(list(lay.shape)), int(lay.replica), int(lay.partial),
-            int(lay.complex_as_real),
-            d.numel, d.nan_count, d.posinf_count, d.neginf_count, d.zero_count,
-            int(d.has_moments),
-            d.sum if d.has_moments else None, d.sum_sq if d.has_moments else None,
-            d.min if d.has_moments else None, d.max if d.has_moments else None,
-            d.abs_max if d.has_moments else None,
-            to_int64(d.fingerprint), to_int64(d.fingerprint_seed),
-            _pack_sketch(d.sketch), to_int64(d.sketch_seed),
-            chash, batch.session_id, batch.seq, now,
-            lay.reduce, lay.reduce_weight if lay.reduce else 1.0, lay.reduce_index,
-            lay.reduce_count if lay.reduce else 1,
-            lay.ragged_parts, lay.ragged_first, lay.ragged_span,
+    def _record_id(self, key_params: tuple) -> tuple[int, bytes]:
+        return self.conn.execute(
+            "SELECT record_id, content_hash FROM records WHERE run_id=? AND step=? AND"
+            " microbatch=? AND phase=? AND site_id=? AND role=? AND idx=? AND call=?"
+            " AND rank=?", key_params,
+        ).fetchone()
+
+    def _store_chunk(self, found: tuple[int, bytes], p: pb.Payload) -> None:
+        self.conn.execute(
+            "INSERT OR IGNORE INTO payload_chunks VALUES (?,?,?,?,?,?,?,?)",
+            (found[0], p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
+             p.compressed_nbytes, p.crc32, p.data),
         )
-        cur = self.conn.execute(
-            "INSERT INTO records (run_id, step, microbatch, phase, site_id, role, idx, call, rank,"
-            " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial,"
-            " complex_as_real, numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min,"
-            " max, abs_max, fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash,"
-            " session_id, seq, received, reduce, reduce_weight, reduce_index, reduce_count,"
-            " ragged_parts, ragged_first, ragged_span)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-            "?,?,?,?,?,?,?)"
-            " ON CONFLICT DO NOTHING",
-            params,
-        )
-        return cur.lastrowid if cur.rowcount == 1 else None
+
+    def _ingest_rows(self, cols: RecordColumns, rows: list[tuple], hashes: Sequence[bytes],
+                     session_id: str, seq: int, now: float, result: IngestResult) -> None:
+        """One row at a time: for a batch some of whose keys are already stored."""
+        for i, (row, chash) in enumerate(zip(rows, hashes)):
+            cur = self.conn.execute(_INSERT_RECORD, row)
+            found = self._record_id(row[:9])
+            if cur.rowcount == 1:
+                result.stored += 1
+            elif found[1] != chash:
+                self.conn.execute(
+                    "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
+                    " VALUES (?,?,?,?,?)", (found[0], session_id, seq, chash, now))
+                result.conflicts += 1
+                continue
+            else:
+                result.duplicates += 1
+            if i in cols.payloads:
+                self._store_chunk(found, cols.payloads[i])
 
     def close_session(self, req: pb.CloseSessionRequest) -> int:
         """Record what the agent reports at close; returns records stored for the session."""
@@ -393,12 +382,6 @@ class Store:
         return self.conn.execute(
             "SELECT COUNT(*) FROM records WHERE session_id = ?", (req.session_id,)
         ).fetchone()[0]
-
-
-def _pack_sketch(values: Sequence[float]) -> bytes:
-    # Native-order float64, as unpack_sketch reads it. struct over the protobuf container is
-    # ~2.5x faster than array.array(values), which iterates it element by element.
-    return struct.pack(f"={len(values)}d", *values)
 
 
 def unpack_sketch(blob: bytes) -> list[float]:

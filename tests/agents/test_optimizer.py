@@ -33,7 +33,8 @@ class Net(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _job(address: str, run: str, clip: str, *, steps: int = 2, via_attach: bool = False) -> dict:
+def _job(address: str, run: str, clip: str, *, steps: int = 2, via_attach: bool = False,
+         max_norm: float = 0.5) -> dict:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if via_attach:
@@ -49,10 +50,10 @@ def _job(address: str, run: str, clip: str, *, steps: int = 2, via_attach: bool 
                     loss = model(torch.randn(4, 8, generator=gen)).square().mean() * 10
                     loss.backward()
         if clip == "global":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
         else:  # each "stage" by its own norm
-            torch.nn.utils.clip_grad_norm_(model.a.parameters(), max_norm=0.5)
-            torch.nn.utils.clip_grad_norm_(model.b.parameters(), max_norm=0.5)
+            torch.nn.utils.clip_grad_norm_(model.a.parameters(), max_norm=max_norm)
+            torch.nn.utils.clip_grad_norm_(model.b.parameters(), max_norm=max_norm)
         opt.step()
         opt.zero_grad()
     return agent.close()
@@ -67,7 +68,8 @@ def test_local_clipping_breaches_in_its_own_step_at_optim_grad(auditor_server):
     assert first is not None
     assert (first.key.step, first.key.phase) == (0, "optim_grad")
     assert first.cause.kind == "introduced"
-    assert "grad matched" in first.cause.reason and "clipping" in first.cause.reason
+    assert "gradients matched before the optimizer" in first.cause.reason
+    assert "differ as it consumed them" in first.cause.reason and "clipping" in first.cause.reason
     verdicts = {(f.key.step, f.key.phase, f.key.site): f.verdict for f in report.findings()}
     # after backward, every gradient of step 0 is bitwise the same in both runs
     assert all(v == "identical" for (s, ph, _), v in verdicts.items() if (s, ph) == (0, "grad"))
@@ -95,3 +97,17 @@ def test_global_clipping_passes_bitwise_and_attach_takes_the_optimizer(auditor_s
     finally:
         reader.close()
     assert {pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE} <= phases
+
+
+def test_another_max_norm_is_named_as_one_factor_on_every_gradient(auditor_server):
+    """Global clipping with half the threshold: every consumed gradient is scaled by one factor
+    (0.5), which the cause names; the None gradients (spare) say nothing about it."""
+    addr, db = auditor_server.address, auditor_server.db_path
+    _job(addr, "ref3", "global", steps=1)
+    _job(addr, "cand3", "global", steps=1, max_norm=0.25)
+    report = compare_runs(db, "ref3", "cand3", preset_policy("fp32"))
+    first = report.first
+    assert (first.key.step, first.key.phase) == (0, "optim_grad")
+    assert "gradients matched before the optimizer" in first.cause.reason
+    assert "every gradient the optimizer consumed is scaled by x0.5 " in first.cause.reason, \
+        first.cause.reason

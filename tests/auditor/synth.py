@@ -3,7 +3,7 @@
 Tensors are real torch tensors; pieces are digested by the agent's own code
 (`agents.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`), wrapped in
 protobuf records, validated as the daemon does, and stored by `StoreWriter` + `Store.ingest` into
-a real SQLite file.
+a real SQLite file or PostgreSQL database (`open_writer`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from agents.layout import PieceLayout
 from wire import limits
 from auditor.compare.digests import DigestValues
 from auditor.daemon.validate import validate_batch
-from auditor.store.writer import StoreWriter
+from auditor.store.backend import open_writer
 from protos import numaudit_pb2 as pb
 
 PHASES = {"fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
@@ -115,7 +115,7 @@ class RunBuilder:
         self.records.setdefault(rank, []).append(none_record(**key))
 
     def write(self, db: Path, *, batch_size: int = 512) -> None:
-        writer = StoreWriter(db, synchronous="NORMAL")
+        writer = open_writer(db, synchronous="NORMAL")
         try:
             for rank in range(self.world_size):
                 sid = f"{self.name}-{rank}-{next(_session_ids)}"

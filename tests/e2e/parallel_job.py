@@ -8,6 +8,11 @@ each with a fresh model (same seed), its own agent and run name. Every non-pipel
 the README's snippet verbatim (per-rank mean loss, DDP/FSDP averaging, `bwd` captured, every rank
 attached); pipelined cases use agents.pipeline as the README says. Planted bugs are cases too.
 Environment: NUMAUDIT_ADDR (the shared daemon), NUMAUDIT_PHASES (bwd added by the test).
+
+Gradient clipping (issue 11): `single_clip` is the reference (the README loop with
+`torch.nn.utils.clip_grad_norm_` before `optimizer.step()`, the optimizer watched: phases
+optim_grad and update); `pp_clip_global` clips the two stages by the global norm, computed as
+clip_grad_norm_ does; `pp_clip_local` is the bug: each stage clips by its own norm.
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data"}
 TP_CASES = {"tp", "tp_partial"}
-PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap"}
+PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
+            "pp_clip_local"}
+MAX_NORM = 0.5
+"""Clipping threshold of the clip cases: the total gradient norm is ~2.5 in both steps and each
+stage's own norm is above it too (~0.7 and ~2.4), so every clip is active."""
 
 
 class Block(torch.nn.Module):
@@ -78,8 +87,9 @@ def microbatch_tokens(step: int, j: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn) -> None:
-    """The README's snippet, verbatim but for where the microbatches and loss_fn come from."""
+def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=None) -> None:
+    """The README's snippet, verbatim but for where the microbatches and loss_fn come from
+    (and `clip(model)` before the optimizer step, when given)."""
     n = STEPS
     for step in range(n):
         microbatches = microbatches_of(step)
@@ -90,16 +100,22 @@ def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn) -> No
                     loss = loss_fn(model(x))
                     agent.capture(loss, site="loss", phase="loss")
                     loss.backward()
+        if clip is not None:
+            clip(model)
         optimizer.step(); optimizer.zero_grad()
 
 
-def run_single(run: str) -> None:
+def run_single(run: str, clip: bool = False) -> None:
     model = Model()
     mesh = None
-    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # With clip, the optimizer is watched too: phases optim_grad and update.
+    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp",
+                          optimizer=optimizer if clip else None)
     readme_loop(agent, model, optimizer,
-                lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)])
+                lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)],
+                clip=(lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
+                if clip else None)
     agent.close()
 
 
@@ -214,6 +230,8 @@ def run_pp(case: str, run: str) -> None:
         schedule = kind(stages[0], MICROBATCHES, loss_fn=pp_loss, scale_grads=False)
     watch_stages(agent, stages, schedule=schedule)
     optimizer = torch.optim.SGD(params, lr=0.1)
+    if case in ("pp_clip_global", "pp_clip_local"):
+        agent.watch_optimizer(optimizer)
     for step in range(STEPS):
         order = list(range(MICROBATCHES))
         if case == "pp_swap":
@@ -225,8 +243,25 @@ def run_pp(case: str, run: str) -> None:
                 schedule.step(x)
             else:
                 schedule.step(target=target)
+        if case == "pp_clip_global":
+            clip_global(params, MAX_NORM, mesh.get_group("pp"))
+        elif case == "pp_clip_local":  # planted: each stage clips by its own gradient norm
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
         optimizer.step(); optimizer.zero_grad()
     agent.close()
+
+
+def clip_global(params: list, max_norm: float, group) -> torch.Tensor:
+    """Clip a pipeline's gradients by the norm over all stages, bitwise as clip_grad_norm_ of
+    the whole model: every gradient's own norm, gathered from the stages in stage order (the
+    model's parameter order), stacked, and the norm of that vector."""
+    grads = [p.grad for p in params if p.grad is not None]
+    mine = [torch.linalg.vector_norm(g, 2) for g in grads]
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    total = torch.linalg.vector_norm(torch.stack([n for norms in every for n in norms]), 2)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def main() -> None:
@@ -239,8 +274,8 @@ def main() -> None:
         case, _, option = case.partition("+")
         if option == "rename":  # as an operator would: NUMAUDIT_RENAME_IF_TAKEN=1 for this run
             os.environ["NUMAUDIT_RENAME_IF_TAKEN"] = "1"
-        if case == "single":
-            run_single(run)
+        if case in ("single", "single_clip"):
+            run_single(run, clip=case == "single_clip")
         elif case in DP_CASES:
             run_dp(case, run)
         elif case in TP_CASES:

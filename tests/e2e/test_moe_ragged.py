@@ -2,9 +2,13 @@
 
 `examples/tiny_moe.py` (a small MoE of its own, 8 experts, top-2, 6 tokens per rank, so most
 experts get no tokens on some rank) runs once per configuration against one `auditor serve`:
-a single process (the reference), DDP on 2 ranks, expert parallel on 2 ranks (all-to-all), and
-expert parallel with a routing bug in layer 2. Every run captures every expert's input and output
-rows; `auditor compare --preset fp32` must pass the clean pairs and put the bug in layer 2.
+a single process (the reference), DDP on 2 ranks, expert parallel on 2 ranks (all-to-all), expert
+parallel with a routing bug in layer 2, and expert parallel whose experts' gradients are wrongly
+summed over the ranks. Every run runs backward (`--backward`: autograd-aware all-to-alls) and
+captures every expert's input and output rows and the gradients reaching them (grad_input,
+grad_output) as ragged pieces, and every parameter's gradient; `auditor compare --preset fp32`
+must pass the clean pairs (expert parallel bitwise wherever no sum over ranks is involved), put
+the routing bug in layer 2 and the reduction bug at the experts' parameter gradients.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 
 from .helpers import ROOT, Daemon, torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 BUG_LAYER = 2
 
@@ -31,13 +35,15 @@ def moe_store(tmp_path_factory):
         import os
 
         proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_moe.py"), "--name",
-                               "single"], cwd=ROOT, env=dict(os.environ, **env, OMP_NUM_THREADS="1"),
+                               "single", "--backward"], cwd=ROOT, env=dict(os.environ, **env, OMP_NUM_THREADS="1"),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        torchrun("tiny_moe.py", 2, "--name", "ddp", env=env)
-        torchrun("tiny_moe.py", 2, "--name", "ep", "--ep", env=env)
-        torchrun("tiny_moe.py", 2, "--name", "ep_bug", "--ep", "--skip-renorm-layer",
-                 str(BUG_LAYER), env=env)
+        torchrun("tiny_moe.py", 2, "--name", "ddp", "--backward", env=env)
+        torchrun("tiny_moe.py", 2, "--name", "ep", "--ep", "--backward", env=env)
+        torchrun("tiny_moe.py", 2, "--name", "ep_bug", "--ep", "--backward",
+                 "--skip-renorm-layer", str(BUG_LAYER), env=env)
+        torchrun("tiny_moe.py", 2, "--name", "ep_grad_bug", "--ep", "--backward",
+                 "--sum-expert-grads", env=env)
     finally:
         assert daemon.stop() == 0
     return daemon.db, tmp
@@ -62,9 +68,17 @@ def test_clean_pairs_pass_with_every_expert_captured(moe_store, cand):
            if f["verdict"] not in ("identical", "close")]
     assert rc == 0 and not bad, bad
     experts = expert_findings(report)
-    # 4 layers x 8 experts x (input, output), all present in both runs
-    assert len(experts) == 4 * 8 * 2
+    # 4 layers x 8 experts x (input, output, grad_input, grad_output), all present in both runs
+    assert len(experts) == 4 * 8 * 4
+    assert {(f["key"]["phase"], f["key"]["role"]) for f in experts} == {
+        ("fwd", "input"), ("fwd", "output"), ("bwd", "grad_input"), ("bwd", "grad_output")}
     assert report["first_divergence"] is None
+    if cand == "ep":  # each expert's rows meet in one piece, in the reference's order: bitwise
+        assert all(f["verdict"] == "identical" for f in experts)
+        expert_grads = [f for f in report["findings"] if f["key"]["phase"] == "grad"
+                        and ".experts." in f["key"]["site"]]
+        assert len(expert_grads) == 4 * 8 * 4  # up/down weight and bias of every expert
+        assert all(f["verdict"] == "identical" for f in expert_grads)
 
 
 def test_some_experts_have_no_tokens_on_some_rank(moe_store):
@@ -82,7 +96,8 @@ def test_some_experts_have_no_tokens_on_some_rank(moe_store):
                     json.loads(r[col["shape"]])[0])
     finally:
         reader.close()
-    assert len(rows) == 4 * 8 * 2 and all(len(v) == 2 for v in rows.values())
+    # input, output and the gradients reaching them (grad_input, grad_output)
+    assert len(rows) == 4 * 8 * 4 and all(len(v) == 2 for v in rows.values())
     assert any(0 in v and sum(v) > 0 for v in rows.values())
 
 
@@ -93,6 +108,24 @@ def test_routing_bug_is_localized_to_its_layer(moe_store):
     first = report["first_divergence"]
     assert first["key"]["site"].startswith(f"layers.{BUG_LAYER}."), first["key"]
     assert first["cause"]["kind"] == "introduced"
-    breaching = {f["key"]["site"] for f in report["findings"] if f["breach"]}
+    assert first["key"]["phase"] == "fwd"
+    # forward: nothing before the layer breaches (backward carries the difference upstream)
+    breaching = {f["key"]["site"] for f in report["findings"]
+                 if f["breach"] and f["key"]["phase"] == "fwd"}
     assert not any(s.startswith(tuple(f"layers.{i}." for i in range(BUG_LAYER)))
                    or s in {f"layers.{i}" for i in range(BUG_LAYER)} for s in breaching)
+
+
+def test_expert_gradients_summed_over_ranks_breach_at_the_expert_parameters(moe_store):
+    """Activations and activation gradients are untouched by the bug: only the experts'
+    parameter gradients differ, and the cause says the difference arises in the reduction."""
+    db, tmp = moe_store
+    rc, report = compare(db, tmp, "single", "ep_grad_bug")
+    assert rc == 1
+    first = report["first_divergence"]
+    assert first["key"]["phase"] == "grad" and ".experts." in first["key"]["site"], first["key"]
+    assert first["cause"]["kind"] == "introduced"
+    assert "gradient reduction" in first["cause"]["reason"], first["cause"]["reason"]
+    breaching = [f for f in report["findings"] if f["breach"]]
+    assert all(f["key"]["phase"] == "grad" and ".experts." in f["key"]["site"]
+               for f in breaching)

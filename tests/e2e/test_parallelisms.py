@@ -4,6 +4,12 @@ pipelining (GPipe, 1F1B, Interleaved1F1B), each as users write it (tests/e2e/par
 each planted bug is caught where it was planted. One daemon serves the whole matrix; all
 two-rank cases run in one torchrun job (cases in sequence in one process group), so the module
 costs three process starts: the reference, the matrix job, and a rerun under a taken name.
+
+Gradient clipping (issue 11) has its own reference in the reference's process, `ref_clip`: the
+same loop with clip_grad_norm_ and the optimizer watched (phases optim_grad and update), so
+`ref` and the clean pairs against it are unchanged. Against it, a pipeline clipping by the
+global norm is bitwise identical and one clipping each stage by its local norm breaches in
+step 0 at optim_grad.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
 CLEAN = ("ddp", "fsdp", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
 BUGS = ("ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen", "ddp_wrong_data", "tp_partial",
         "pp_detach", "pp_swap")
+CLIP = ("pp_clip_global", "pp_clip_local")
 
 
 def _env(daemon: Daemon, **extra: str) -> dict:
@@ -53,11 +60,11 @@ class Matrix:
     def __init__(self, daemon: Daemon, out: Path, rerun: subprocess.CompletedProcess) -> None:
         self.daemon, self.out, self.rerun = daemon, out, rerun
 
-    def compare(self, cand: str, fmt: str = "json") -> tuple[int, object]:
-        """`auditor compare ref CAND --preset fp32`, as a user runs it: (exit code, report)."""
+    def compare(self, cand: str, fmt: str = "json", ref: str = "ref") -> tuple[int, object]:
+        """`auditor compare REF CAND --preset fp32`, as a user runs it: (exit code, report)."""
         path = self.out / f"{cand}.{fmt}"
         proc = subprocess.run(
-            [sys.executable, "-m", "auditor", "compare", "ref", cand, "--db", str(self.daemon.db),
+            [sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(self.daemon.db),
              "--preset", "fp32", "--format", fmt, "-o", str(path)],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
             text=True, timeout=120)
@@ -76,8 +83,9 @@ def matrix(tmp_path_factory) -> Matrix:
     daemon = Daemon(tmp)
     try:
         env = _env(daemon)
-        _run([sys.executable, str(JOB), "single:ref"], dict(env, WORLD_SIZE="1"))
-        _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS), env=env)
+        _run([sys.executable, str(JOB), "single:ref", "single_clip:ref_clip"],
+             dict(env, WORLD_SIZE="1"))
+        _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP), env=env)
         # A second job under a name the first one owns: refused; then asked to rename.
         rerun = _torchrun("ddp:ddp", "ddp+rename:ddp", env=env)
         yield Matrix(daemon, tmp, rerun)
@@ -197,3 +205,34 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
     assert "conflicts: 0" in shown
     code, report = matrix.compare("ddp.2")
     assert code == 0 and report["runs"]["cand"]["ranks_registered"] == 2
+
+
+CLIP_KEYS = 370 + 2 * 2 * 29
+"""ref's keys plus optim_grad and update of the model's 29 parameters in each of the 2 steps."""
+
+
+def test_pipeline_clipping_by_the_global_norm_passes_bitwise(matrix):
+    code, report = matrix.compare("pp_clip_global", ref="ref_clip")
+    summary = report["summary"]
+    assert (code, summary["breaches"]) == (0, 0), summary
+    assert summary["keys"] == CLIP_KEYS
+    assert summary["verdicts"]["identical"] == CLIP_KEYS  # optim_grad and update included
+    phases = {f["key"]["phase"] for f in report["findings"]}
+    assert {"optim_grad", "update"} <= phases
+
+
+def test_pipeline_clipping_by_each_stages_local_norm_breaches_at_optim_grad(matrix):
+    _, report = matrix.compare("pp_clip_local", ref="ref_clip")
+    first = _first(report)
+    # the step where it happens, at the optimizer-side gradient, not a later forward
+    assert _key(first) == ("optim_grad", "tok.weight", 0, -1) and first["stage"] == 0
+    reason = first["cause"]["reason"]
+    assert first["cause"]["kind"] == "introduced", reason
+    assert "the gradients matched before the optimizer" in reason
+    assert "differ as it consumed them" in reason
+    assert re.search(r"stage 0 x3\.69, stage 1 x1\.04", reason), reason
+    assert "local norm instead of the global norm" in reason
+    verdicts = {_key(f): f["verdict"] for f in report["findings"]}
+    step0 = {k: v for k, v in verdicts.items() if k[2] == 0 and k[0] in ("fwd", "bwd", "grad")}
+    assert len(step0) > 29 and set(step0.values()) == {"identical"}
+    assert verdicts[("optim_grad", "out.weight", 0, -1)] == "diverged"  # stage 1 clipped too

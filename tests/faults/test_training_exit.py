@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from wire.packed import batch_record_count
 from auditor.daemon.server import BackgroundServer
 from auditor.store import Reader
 from tests.faults.harness import figure, free_port
@@ -75,4 +76,4 @@ def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(how, tm
     assert close_s <= FLUSH + 1.0 + 0.5, line  # the documented bound (+ scheduling slack)
     (path,) = (tmp_path / "spool").glob("*.spool")
     c = read_spool(path)
-    assert sum(len(b.records) for b in c.batches) == N and c.clean and c.close is not None
+    assert sum(batch_record_count(b) for b in c.batches) == N and c.clean and c.close is not None

@@ -43,7 +43,7 @@ def _open(path: Path):
 
 def instrument(agent, out: Path) -> None:
     """Log every batch cut, every ack and every connection failure of `agent` under `out`."""
-    from auditor.store import content_hash
+    from wire.packed import concat, content_hashes
 
     sender = agent._sender
     delivery = sender.delivery
@@ -51,16 +51,18 @@ def instrument(agent, out: Path) -> None:
     cut, ack = sender._cut, (delivery._ack if delivery is not None else None)
 
     def logged_cut() -> None:
-        records, seq = list(sender._records), sender._next_seq
+        parts, seq = list(sender._pending), sender._next_seq
         cut()
-        if not records:
+        if not parts:
             return
-        line = {"t": time.monotonic(), "n": len(records)}
+        cols = concat(parts)
+        line = {"t": time.monotonic(), "n": cols.n}
         if sender._next_seq == seq + 1:
             line["seq"] = seq
-            line["k"] = [[r.key.step, r.key.microbatch, r.key.phase, r.key.site, r.key.role,
-                          r.key.index, r.key.call] for r in records]
-            line["h"] = [content_hash(r).hex() for r in records]
+            c = {k: v.tolist() for k, v in cols.cols.items()}
+            line["k"] = [[c["step"][i], c["microbatch"][i], c["phase"][i], cols.sites[c["site"][i]],
+                          c["role"][i], c["index"][i], c["call"][i]] for i in range(cols.n)]
+            line["h"] = [h.hex() for h in content_hashes(cols)]
         else:
             line["dropped"] = True
         batches.write(json.dumps(line) + "\n")

@@ -135,7 +135,7 @@ def test_runs_and_show_from_store_and_address(auditor_server):
     (["runs", "--address", "127.0.0.1:{free}", "--timeout", "3"],
      "auditor: error: cannot reach the auditor at 127.0.0.1:"),
     (["runs", "--db", "{db}", "--address", "{address}"], "auditor: error: give either --db or"),
-    (["runs"], "auditor: error: give --db PATH or --address HOST:PORT"),
+    (["runs"], "auditor: error: give --store PATH|URL (or --db) or --address HOST:PORT"),
     (["show", "ref", "--db", "{db}", "--format", "xml"], "auditor: error: "),
     (["serve", "--db", "{tmp}/no/such/dir/a.db"], "auditor: error: db: directory"),
 ])

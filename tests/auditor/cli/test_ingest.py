@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from wire.packed import batch_record_count
 from wire.spool import SpoolWriter
 from auditor.store import Reader
 from protos import numaudit_pb2 as pb
@@ -79,7 +80,7 @@ def test_a_flipped_byte_mid_file_costs_only_its_frame(tmp_path):
     assert out.returncode == 1
     assert "1 unreadable frames" in out.stdout
     stored = len(list(Reader(tmp_path / "a.db").records("offline")))
-    assert stored == sum(len(b.records) for b in whole.batches[1:])
+    assert stored == sum(batch_record_count(b) for b in whole.batches[1:])
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path):

@@ -137,3 +137,40 @@ def test_replicas_of_a_part_are_copies():
            for n, o, p in ((12, 0, 0), (12, 0, 0), (20, 12, 1), (20, 12, 1))]
     assert plan(rep).status == OK and len(plan(rep).replica_sets) == 2
     assert plan([a, b]).status == OK
+
+
+def _batch_pieces(rows_per_rank: list[int], cols: int = 4) -> list[Piece]:
+    from agents.layout import batch_layout
+
+    n = len(rows_per_rank)
+    return [as_piece(batch_layout((r, cols), k, n)) for k, r in enumerate(rows_per_rank)]
+
+
+@pytest.mark.parametrize("rows", [[12, 20], [0, 7], [3, 3, 5, 0]])
+def test_an_undeclared_ragged_output_is_named_as_such(rows):
+    """Per-rank row counts captured as a batch split: incomplete, and the text says why and
+    how to declare it, naming each row count's ranks."""
+    plan = plan_tiling(_batch_pieces(rows))
+    assert plan.status == INCOMPLETE
+    (problem,) = plan.problems
+    assert problem.kind == "ragged_undeclared"
+    text = plan.describe(list(range(len(rows))))
+    assert "row counts differ" in text and "ragged_rows(counts, dp_group)" in text
+    for k, r in enumerate(rows):
+        assert f"{r} on ranks" in text
+    assert f"{rows[0]} on ranks 0" in text
+
+
+def test_other_shape_disagreements_keep_their_own_text():
+    from agents.layout import batch_layout
+
+    # trailing dims differ: not the ragged signature
+    pieces = [as_piece(batch_layout((4, 3), 0, 2)), as_piece(batch_layout((6, 5), 1, 2))]
+    plan = plan_tiling(pieces)
+    assert plan.status == INCOMPLETE and plan.problems[0].kind == "disagree"
+    # one full tensor against a batch share: not either
+    full = as_piece(PieceLayout.full((8, 4)))
+    plan = plan_tiling([full, as_piece(batch_layout((6, 4), 1, 2))])
+    assert plan.problems[0].kind == "disagree"
+    # equal row counts tile as usual
+    assert plan_tiling(_batch_pieces([5, 5])).status == OK

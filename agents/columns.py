@@ -1,0 +1,129 @@
+"""Records as columns straight from a host batch: the capture metadata and the digest rows.
+
+`capture_columns` turns the captures of one `HostBatch` and its stacked digest rows (f64
+[n, 5 + k]: sum, sum_sq, min, max, abs_max, sketch; i64 [n, 6]: numel, nan, +inf, -inf, zero
+counts, fingerprint) into `wire.packed.RecordColumns` with numpy indexing: no protobuf message per
+record. Captures whose bytes travel too come back separately (`with_payloads`), one row per
+payload chunk, since payload records travel per record.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+from wire import limits
+from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, SCALAR_COLUMNS,
+                         RecordColumns, take)
+from protos import numaudit_pb2 as pb
+
+_REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
+
+
+def capture_columns(captures: Sequence, f64: np.ndarray | None,
+                    i64: np.ndarray | None) -> RecordColumns:
+    """Every capture as one record (payloads not attached)."""
+    n = len(captures)
+    sites: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    cols: dict[str, np.ndarray] = {}
+    cols["site"] = np.array([sites.setdefault(c.site, len(sites)) for c in captures], "<i4")
+    for name, attr in (("step", "step"), ("microbatch", "microbatch"), ("phase", "phase"),
+                       ("role", "role"), ("index", "index"), ("call", "call"),
+                       ("stage", "stage")):
+        cols[name] = np.array([getattr(c, attr) for c in captures], dict(SCALAR_COLUMNS)[name])
+    none = np.array([c.is_none for c in captures], bool)
+    lays = [c.layout if not c.is_none else None for c in captures]
+    cols["dtype"] = np.array([0 if c.is_none else dtypes.setdefault(c.dtype, len(dtypes))
+                              for c in captures], "<i4")
+    flags = np.where(none, IS_NONE, 0).astype(np.uint8)
+    flags |= np.array([bool(lay and lay.replica) for lay in lays], bool) * np.uint8(REPLICA)
+    flags |= np.array([bool(lay and lay.partial) for lay in lays], bool) * np.uint8(PARTIAL)
+    flags |= (np.array([c.complex_as_real and not c.is_none for c in captures], bool)
+              * np.uint8(COMPLEX_AS_REAL))
+    moments = np.array([c.moments and not c.is_none for c in captures], bool)
+    flags |= moments * np.uint8(HAS_MOMENTS)
+    cols["flags"] = flags
+    dims: list[int] = []
+    ndim = []
+    for lay in lays:
+        if lay is None:
+            ndim.append(0)
+            continue
+        ndim.append(len(lay.logical_shape))
+        dims.extend(lay.logical_shape)
+        dims.extend(lay.offsets)
+        dims.extend(lay.shape)
+    cols["ndim"] = np.array(ndim, "<i4")
+    red = [lay if lay is not None and lay.reduce else None for lay in lays]
+    cols["reduce"] = np.array([_REDUCE[r.reduce] if r else 0 for r in red], "<i4")
+    cols["reduce_weight"] = np.array([r.reduce_weight if r else 0.0 for r in red], "<f8")
+    cols["reduce_index"] = np.array([r.reduce_index if r else 0 for r in red], "<i4")
+    cols["reduce_count"] = np.array([r.reduce_count if r else 0 for r in red], "<i4")
+    rag = [lay.ragged if lay is not None and lay.ragged is not None else None for lay in lays]
+    cols["ragged_parts"] = np.array([g.parts if g else 0 for g in rag], "<i4")
+    cols["ragged_first"] = np.array([g.first if g else 0 for g in rag], "<i4")
+    cols["ragged_span"] = np.array([g.span if g else 0 for g in rag], "<i4")
+    rows = np.array([c.row for c in captures], np.int64)
+    live = ~none
+    lr = rows[live]
+    k = (f64.shape[1] - 5) if f64 is not None and f64.ndim == 2 else 0
+    for j, name in enumerate(("numel", "nan_count", "posinf_count", "neginf_count",
+                              "zero_count")):
+        a = np.zeros(n, "<i8")
+        if len(lr):
+            a[live] = i64[lr, j]
+        cols[name] = a
+    fp = np.zeros(n, "<u8")
+    if len(lr):
+        fp[live] = i64[lr, 5].astype(np.int64).view(np.uint64)
+    cols["fingerprint"] = fp
+    cols["fingerprint_seed"] = np.where(live, np.uint64(FINGERPRINT_SEED), np.uint64(0))
+    cols["sketch_seed"] = np.where(live, np.uint64(SKETCH_SEED), np.uint64(0))
+    mr = rows[moments]
+    for j, name in enumerate(("sum", "sum_sq", "min", "max", "abs_max")):
+        a = np.zeros(n, "<f8")
+        if len(mr):
+            a[moments] = f64[mr, j]
+        cols[name] = a
+    cols["sketch_len"] = np.where(moments, k, 0).astype("<i4")
+    sketch = (np.ascontiguousarray(f64[mr, 5:], "<f8").reshape(-1) if len(mr) and k
+              else np.zeros(0, "<f8"))
+    cols = {name: np.ascontiguousarray(cols[name], dt) for name, dt in SCALAR_COLUMNS}
+    return RecordColumns(n, cols, list(sites), list(dtypes), np.array(dims, "<i8"), sketch)
+
+
+def with_payloads(cols: RecordColumns, captures: Sequence,
+                  compress) -> tuple[RecordColumns, list[RecordColumns]]:
+    """(the records without payload, one RecordColumns per payload-carrying capture with a row
+    per chunk). `compress(raw bytes) -> compressed bytes` (zstd). A payload larger than
+    MAX_PAYLOAD_RAW_BYTES is left out: the digest still travels."""
+    import torch
+
+    rows_with = [i for i, c in enumerate(captures) if c.payload is not None and not c.is_none]
+    if not rows_with:
+        return cols, []
+    plain, pieces = [], []
+    with_set = set()
+    for i in rows_with:
+        p = captures[i].payload
+        if p.numel() * p.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
+            continue
+        with_set.add(i)
+        raw = p.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        data = compress(raw)
+        chunk = limits.PAYLOAD_CHUNK_BYTES
+        count = max(1, -(-len(data) // chunk))
+        crc = zlib.crc32(data)
+        piece = take(cols, np.full(count, i))
+        piece.payloads = {
+            j: pb.Payload(codec="zstd", raw_nbytes=len(raw), compressed_nbytes=len(data),
+                          crc32=crc, chunk_index=j, chunk_count=count,
+                          data=data[j * chunk:(j + 1) * chunk])
+            for j in range(count)}
+        pieces.append(piece)
+    plain = [i for i in range(cols.n) if i not in with_set]
+    return (take(cols, np.array(plain, np.int64)) if len(plain) != cols.n else cols), pieces

@@ -1,0 +1,172 @@
+"""Vectorized validation of a batch's records as columns (`wire.packed.RecordColumns`).
+
+The rules are those of `validate.validate_record`, evaluated on whole arrays at once. Each rule
+marks the records it may fail; the marks are a superset of the faults (rounding and overflow
+make a rule mark, never miss). Marked records (and every record with a payload, whose header is
+checked per record) are then checked one by one in batch order by `validate_record` itself, on
+the record rebuilt from the columns, so a fault is reported with exactly the per-record message
+and the record's own name (`packed[i]` or `records[i]`), and the first faulty record is the one
+reported. Checks that only a packed record can fail (a site or dtype index outside its table,
+unknown flag bits) have their own messages here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from wire import limits
+from wire.packed import (COMPLEX_AS_REAL, FLAG_BITS, HAS_MOMENTS, IS_NONE, PARTIAL,
+                         RecordColumns, take, to_records)
+from protos import numaudit_pb2 as pb
+
+
+def _text_ok(value: str, limit: int) -> bool:
+    return bool(value) and len(value) <= limit and value.isprintable()
+
+
+def _in(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return (a >= lo) & (a <= hi)
+
+
+def check_tables(c: RecordColumns, error: type) -> None:
+    """Faults only packed records can have: indices outside the site and dtype tables, unknown
+    flag bits."""
+    cols = c.cols
+    for name, table, what in (("site", c.sites, "site table"), ("dtype", c.dtypes, "dtype table")):
+        idx = cols[name]
+        bad = (idx < 0) | (idx >= len(table))
+        if name == "dtype":
+            bad &= (cols["flags"] & IS_NONE) == 0
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            field = "key.site" if name == "site" else "layout.dtype"
+            raise error(f"{c.where(i)}.{field}",
+                        f"index {int(idx[i])} is not in the {what} ({len(table)} entries)")
+    bad = (cols["flags"] & ~np.uint8(FLAG_BITS)) != 0
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise error(f"{c.where(i)}.flags", f"{int(cols['flags'][i])} has bits other than "
+                                           f"{FLAG_BITS} set")
+
+
+def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: frozenset,
+             roles: frozenset, reductions: frozenset) -> np.ndarray:
+    """Rows that may break a rule of `validate_record` (a superset), in batch order."""
+    n = c.n
+    cols = c.cols
+    flags = cols["flags"]
+    none = (flags & IS_NONE) != 0
+    bad = np.zeros(n, bool)
+    # key and stage
+    bad |= ~_in(cols["step"], 0, limits.MAX_KEY_STEP)
+    bad |= ~_in(cols["microbatch"], -1, limits.MAX_KEY_MICROBATCH)
+    bad |= ~np.isin(cols["phase"], list(phases))
+    bad |= ~np.isin(cols["role"], list(roles))
+    site_ok = np.array([_text_ok(s, limits.MAX_SITE_CHARS) for s in c.sites] or [False])
+    bad |= ~site_ok[np.clip(cols["site"], 0, len(site_ok) - 1)]
+    bad |= ~_in(cols["index"], 0, limits.MAX_KEY_INDEX)
+    bad |= ~_in(cols["call"], 0, limits.MAX_KEY_CALL)
+    bad |= ~_in(cols["stage"], -1, limits.MAX_RECORD_STAGE)
+    # is_none records: layout and digest empty
+    body = np.zeros(n, bool)
+    for name in ("ndim", "reduce", "reduce_weight", "reduce_index", "reduce_count",
+                 "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count",
+                 "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max",
+                 "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len"):
+        a = cols[name]
+        body |= (a.view(np.uint64) if a.dtype.kind == "f" else a) != 0
+    body |= (flags & ~np.uint8(IS_NONE)) != 0
+    bad |= none & body
+    live = ~none
+    # layout
+    dtype_ok = np.array([d in itemsize for d in c.dtypes] or [False])
+    dtype_real = np.array([d in real_floats for d in c.dtypes] or [False])
+    didx = np.clip(cols["dtype"], 0, len(dtype_ok) - 1)
+    bad |= live & ~dtype_ok[didx]
+    ndim = cols["ndim"].astype(np.int64)
+    bad |= ndim > limits.MAX_TENSOR_DIMS
+    starts = c.dim_starts()
+    rec = np.repeat(np.arange(n), ndim)  # record of each dim
+    first = starts[:-1]
+    pos_in = np.arange(len(rec), dtype=np.int64) - np.repeat(
+        np.concatenate(([0], np.cumsum(ndim)[:-1])), ndim)
+    base = np.repeat(first, ndim) + pos_in
+    nd_rep = np.repeat(ndim, ndim)
+    lg, off, sh = c.dims[base], c.dims[base + nd_rep], c.dims[base + 2 * nd_rep]
+    elem_bad = (lg < 0) | (off < 0) | (sh < 0) | (off > lg - sh)
+    bad[rec[elem_bad]] = True
+    has_dims = ndim > 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        logical_f = np.ones(n)
+        shape_f = np.ones(n)
+        if has_dims.any():
+            at = np.flatnonzero(has_dims)
+            seg = np.concatenate(([0], np.cumsum(ndim)))[at]
+            logical_f[at] = np.multiply.reduceat(lg.astype(np.float64), seg)
+            shape_f[at] = np.multiply.reduceat(sh.astype(np.float64), seg)
+            shape_i = np.ones(n, np.int64)
+            shape_i[at] = np.multiply.reduceat(sh, seg)
+        else:
+            shape_i = np.ones(n, np.int64)
+    bad |= logical_f > 2.0 ** 62
+    big = shape_f > 2.0 ** 50  # exact products and float sums of counts are not trusted past here
+    bad |= big
+    # complex_as_real: a real float dtype and a trailing dim of 2
+    car = live & ((flags & COMPLEX_AS_REAL) != 0)
+    last = np.clip(starts[:-1] + 3 * ndim - 1, 0, max(len(c.dims) - 1, 0))
+    last_l = np.clip(starts[:-1] + ndim - 1, 0, max(len(c.dims) - 1, 0))
+    if len(c.dims):
+        trailing_ok = has_dims & (c.dims[last_l] == 2) & (c.dims[last] == 2)
+    else:
+        trailing_ok = np.zeros(n, bool)
+    bad |= car & (~dtype_real[didx] | ~trailing_ok)
+    # reductions and ragged pieces: whole tensors / row slices
+    red = cols["reduce"]
+    reducing = live & (red != 0)
+    whole = np.ones(n, bool)
+    rows_only = np.ones(n, bool)
+    if len(rec):
+        np.logical_and.at(whole, rec, (off == 0) & (sh == lg))
+        np.logical_and.at(rows_only, rec, (pos_in == 0) | ((off == 0) & (sh == lg)))
+    rc, ri = cols["reduce_count"], cols["reduce_index"]
+    w = cols["reduce_weight"]
+    bad |= reducing & (~np.isin(red, list(reductions)) | ((flags & PARTIAL) != 0) | ~whole
+                       | ~_in(rc, 1, limits.MAX_WORLD_SIZE) | (ri < 0) | (ri >= rc)
+                       | ((red == pb.REDUCTION_MEAN) & ~(np.isfinite(w) & (w > 0))))
+    rp, rf, rs = cols["ragged_parts"], cols["ragged_first"], cols["ragged_span"]
+    ragged = live & ((rp != 0) | (rf != 0) | (rs != 0))
+    bad |= ragged & (~_in(rp, 1, limits.MAX_WORLD_SIZE) | (rf < 0) | (rf >= rp) | (rs < 1)
+                     | (rs > rp - rf) | ~has_dims | ~rows_only | (red != 0))
+    # digest
+    numel = cols["numel"]
+    bad |= live & (numel != shape_i)
+    counts = [cols[k] for k in ("nan_count", "posinf_count", "neginf_count", "zero_count")]
+    for a in counts:
+        bad |= live & ((a < 0) | (a > numel))
+    total = sum(a.astype(np.float64) for a in counts)
+    bad |= live & (total > numel.astype(np.float64))
+    moments = (flags & HAS_MOMENTS) != 0
+    sl = cols["sketch_len"]
+    bad |= live & ((sl > limits.MAX_SKETCH_BUCKETS) | (~moments & (sl != 0)))
+    m = live & moments
+    for k in ("sum", "sum_sq", "min", "max", "abs_max"):
+        bad |= m & np.isnan(cols[k])
+    finite_left = numel.astype(np.float64) - sum(a.astype(np.float64) for a in counts[:3])
+    bad |= m & ((cols["sum_sq"] < 0) | (cols["abs_max"] < 0)
+                | ((finite_left > 0) & (cols["min"] > cols["max"])))
+    if len(c.sketch):
+        nan_at = np.flatnonzero(np.isnan(c.sketch))
+        if len(nan_at):
+            owner = np.searchsorted(c.sketch_starts(), nan_at, side="right") - 1
+            bad[owner] = True
+    for row in list(c.payloads) + list(c.unfit):
+        bad[row] = True
+    return np.flatnonzero(bad)
+
+
+def check_rows(c: RecordColumns, rows: np.ndarray, validate_record) -> None:
+    """Per-record validation of the suspect rows, in order: the first fault raises."""
+    for row in rows.tolist():
+        record = c.unfit.get(row) or to_records(take(c, np.array([row])))[0]
+        validate_record(record, c.where(row))
+

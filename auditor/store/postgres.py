@@ -1,0 +1,400 @@
+"""The store on a PostgreSQL server: the same tables and guarantees as `auditor.store.sqlite`,
+safe for several daemons (stateless replicas) writing one database at once.
+
+What the SQLite store gets from its single writer thread comes here from the database:
+- a session's acked seq: every batch locks its session row (`SELECT ... FOR UPDATE`), so two
+  replicas given the same session's batches store one and see the other as a resend;
+- run names and renames, session ids, site ids: unique constraints; a transaction that loses a
+  race (unique violation, serialization failure, deadlock) is rolled back and run again
+  (`auditor.store.postgres_writer.PgWriter`), and then sees the winner's row;
+- records unique on (run, key, rank): a batch is COPYed into a per-connection staging table and
+  inserted with ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in
+  SQL, and differing ones flagged in `conflicts`.
+A batch is acked only after its transaction committed (``synchronous_commit = on`` for FULL;
+NORMAL turns it off, which like SQLite's NORMAL survives a crash of the server process but not
+of the machine).
+
+`QmarkConnection` lets the read side (`auditor.store.reader`, `auditor.compare.columns`) run
+the same SQL on both backends: it rewrites SQLite's ``?`` and ``:name`` placeholders.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import time
+from typing import Any, Sequence
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
+from auditor.store.errors import StoreError, UnknownSession
+from auditor.store.files import NotAStore
+from auditor.store.jobs import run_for_job
+from auditor.store.rows import INSERT_COLUMNS, record_rows
+from auditor.store.sqlite import IngestResult, SCHEMA_VERSION
+from protos import numaudit_pb2 as pb
+from wire.packed import RecordColumns, batch_columns, content_hashes
+
+log = logging.getLogger(__name__)
+
+_SCHEMA_LOCK = 0x6E756D61  # advisory lock id while creating the schema ("numa")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id BIGSERIAL PRIMARY KEY, name TEXT UNIQUE NOT NULL, created DOUBLE PRECISION NOT NULL,
+    world_size BIGINT NOT NULL, mesh_shape TEXT NOT NULL, mesh_dim_names TEXT NOT NULL,
+    torch_version TEXT NOT NULL, dtype TEXT NOT NULL, seed BIGINT NOT NULL, labels TEXT NOT NULL,
+    job_id TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, run_id BIGINT NOT NULL REFERENCES runs(run_id),
+    rank BIGINT NOT NULL, local_rank BIGINT NOT NULL, host TEXT NOT NULL,
+    mesh_coordinate TEXT NOT NULL, stages TEXT NOT NULL, registered DOUBLE PRECISION NOT NULL,
+    acked_seq BIGINT NOT NULL DEFAULT 0, closed DOUBLE PRECISION, records_sent BIGINT,
+    records_dropped BIGINT, capture_errors BIGINT, dropped_by_reason TEXT,
+    job_id TEXT NOT NULL DEFAULT '', grad_scale DOUBLE PRECISION NOT NULL DEFAULT 0,
+    grad_scale_source TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS sites (site_id BIGSERIAL PRIMARY KEY, name TEXT UNIQUE NOT NULL);
+CREATE TABLE IF NOT EXISTS records (
+    record_id BIGSERIAL PRIMARY KEY, run_id BIGINT NOT NULL,
+    step BIGINT NOT NULL, microbatch BIGINT NOT NULL, phase BIGINT NOT NULL,
+    site_id BIGINT NOT NULL, role BIGINT NOT NULL, idx BIGINT NOT NULL, call BIGINT NOT NULL,
+    rank BIGINT NOT NULL, stage BIGINT NOT NULL, is_none BIGINT NOT NULL, dtype TEXT NOT NULL,
+    logical_shape TEXT NOT NULL, offsets TEXT NOT NULL, shape TEXT NOT NULL,
+    replica BIGINT NOT NULL, partial BIGINT NOT NULL, complex_as_real BIGINT NOT NULL,
+    numel BIGINT NOT NULL, nan BIGINT NOT NULL, posinf BIGINT NOT NULL, neginf BIGINT NOT NULL,
+    zeros BIGINT NOT NULL, has_moments BIGINT NOT NULL,
+    sum DOUBLE PRECISION, sum_sq DOUBLE PRECISION, min DOUBLE PRECISION, max DOUBLE PRECISION,
+    abs_max DOUBLE PRECISION,
+    fingerprint BIGINT NOT NULL, fingerprint_seed BIGINT NOT NULL,
+    sketch BYTEA NOT NULL, sketch_seed BIGINT NOT NULL, content_hash BYTEA NOT NULL,
+    session_id TEXT NOT NULL, seq BIGINT NOT NULL, received DOUBLE PRECISION NOT NULL,
+    reduce BIGINT NOT NULL DEFAULT 0, reduce_weight DOUBLE PRECISION NOT NULL DEFAULT 1,
+    reduce_index BIGINT NOT NULL DEFAULT 0, reduce_count BIGINT NOT NULL DEFAULT 1,
+    ragged_parts BIGINT NOT NULL DEFAULT 0, ragged_first BIGINT NOT NULL DEFAULT 0,
+    ragged_span BIGINT NOT NULL DEFAULT 0);
+CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
+    ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
+CREATE INDEX IF NOT EXISTS records_by_session ON records (session_id);
+CREATE TABLE IF NOT EXISTS payload_chunks (
+    record_id BIGINT NOT NULL REFERENCES records(record_id), chunk_index BIGINT NOT NULL,
+    chunk_count BIGINT NOT NULL, codec TEXT NOT NULL, raw_nbytes BIGINT NOT NULL,
+    compressed_nbytes BIGINT NOT NULL, crc32 BIGINT NOT NULL, data BYTEA NOT NULL,
+    PRIMARY KEY (record_id, chunk_index));
+CREATE TABLE IF NOT EXISTS conflicts (
+    conflict_id BIGSERIAL PRIMARY KEY, record_id BIGINT NOT NULL REFERENCES records(record_id),
+    session_id TEXT NOT NULL, seq BIGINT NOT NULL, content_hash BYTEA NOT NULL,
+    received DOUBLE PRECISION NOT NULL);
+CREATE INDEX IF NOT EXISTS conflicts_by_record ON conflicts (record_id);
+"""
+
+# The staging tables one connection COPYs a batch into (emptied at each commit): the rows of
+# `rows.record_rows` with their position in the batch, and the batch's payload chunks.
+_TYPES = {"dtype": "text", "logical_shape": "text", "offsets": "text", "shape": "text",
+          "session_id": "text", "sketch": "bytea", "content_hash": "bytea", "sum": "float8",
+          "sum_sq": "float8", "min": "float8", "max": "float8", "abs_max": "float8",
+          "received": "float8", "reduce_weight": "float8"}
+_STAGE_COLUMNS = [("pos", "int8")] + [(c, _TYPES.get(c, "int8")) for c in INSERT_COLUMNS]
+_RECORD_COLUMNS = _STAGE_COLUMNS[1:]
+_CHUNK_COLUMNS = [("pos", "int8"), ("chunk_index", "int8"), ("chunk_count", "int8"),
+                  ("codec", "text"), ("raw_nbytes", "int8"), ("compressed_nbytes", "int8"),
+                  ("crc32", "int8"), ("data", "bytea")]
+_STAGE, _CHUNKS = "numaudit_stage", "numaudit_stage_chunks"
+_STAGE_DDL = [f"CREATE TEMP TABLE IF NOT EXISTS {name} ("
+              + ", ".join(f"{n} {t}" for n, t in columns) + ") ON COMMIT DELETE ROWS"
+              for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))]
+_COPY = {name: f"COPY {name} ({', '.join(n for n, _ in columns)}) FROM STDIN (FORMAT BINARY)"
+         for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS),
+                               ("records", _STAGE_COLUMNS[1:]))}
+_INSERT_RECORDS = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) SELECT "
+                   f"{', '.join(INSERT_COLUMNS)} FROM {_STAGE} ORDER BY pos ON CONFLICT DO NOTHING")
+_KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = s.run_id AND r.rank = s.rank"
+             " AND r.step = s.step AND r.microbatch = s.microbatch AND r.phase = s.phase"
+             " AND r.site_id = s.site_id AND r.role = s.role AND r.idx = s.idx"
+             " AND r.call = s.call")
+_FLAG_CONFLICTS = (
+    "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
+    f" SELECT r.record_id, s.session_id, s.seq, s.content_hash, s.received FROM {_KEY_JOIN}"
+    " WHERE r.content_hash <> s.content_hash")
+_COUNT_SAME = f"SELECT COUNT(*) FROM {_KEY_JOIN} WHERE r.content_hash = s.content_hash"
+_INSERT_CHUNKS = (
+    "INSERT INTO payload_chunks SELECT r.record_id, c.chunk_index, c.chunk_count, c.codec,"
+    f" c.raw_nbytes, c.compressed_nbytes, c.crc32, c.data FROM {_CHUNKS} c JOIN {_KEY_JOIN}"
+    " ON s.pos = c.pos WHERE r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
+
+
+# -- SQL written for SQLite, run on PostgreSQL ------------------------------------------------------
+
+@functools.lru_cache(maxsize=512)
+def qmark_to_pyformat(sql: str) -> str:
+    """``?`` → ``%s``, ``:name`` → ``%(name)s``, literal ``%`` → ``%%`` (outside quotes)."""
+    out, i, n = [], 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c == "'":
+            j = sql.index("'", i + 1) + 1
+            out.append(sql[i:j].replace("%", "%%"))
+            i = j
+            continue
+        if c == "?":
+            out.append("%s")
+        elif c == "%":
+            out.append("%%")
+        elif c == ":" and i + 1 < n and (sql[i + 1].isalpha() or sql[i + 1] == "_") \
+                and (i == 0 or sql[i - 1] != ":"):
+            m = re.match(r"[A-Za-z_]\w*", sql[i + 1:])
+            out.append(f"%({m.group(0)})s")
+            i += 1 + len(m.group(0))
+            continue
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+class QmarkConnection:
+    """A psycopg connection that takes SQLite-style SQL (`execute` returns the cursor)."""
+
+    dialect = "postgres"
+
+    def __init__(self, raw: psycopg.Connection) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, params: Any = ()) -> psycopg.Cursor:
+        return self.raw.execute(qmark_to_pyformat(sql), params if params else None)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+# -- Connecting -------------------------------------------------------------------------------
+
+def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
+               connect_timeout: float = 10) -> psycopg.Connection:
+    """A connection to the store at `url`; for writing, the schema is created if missing."""
+    try:
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
+    except psycopg.OperationalError as exc:
+        raise NotAStore(f"db: cannot connect to {redact(url)}: "
+                        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
+    try:
+        if readonly:
+            if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is None:
+                raise NotAStore(f"db: {redact(url)} holds no numaudit store (no meta table)")
+            app = conn.execute("SELECT value FROM meta WHERE key = 'application'").fetchone()
+            if app is None or app[0] != "numaudit":
+                raise NotAStore(f"db: {redact(url)} has a meta table but is not a numaudit store")
+        else:
+            conn.execute("SET synchronous_commit = "
+                         + ("off" if synchronous.upper() == "NORMAL" else "on"))
+            _create_schema(conn, url)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _create_schema(conn: psycopg.Connection, url: str) -> None:
+    with conn.transaction():
+        # Replicas starting together must not race on CREATE TABLE IF NOT EXISTS.
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+        if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+            app = conn.execute("SELECT value FROM meta WHERE key = 'application'").fetchone()
+            if app is None or app[0] != "numaudit":
+                raise NotAStore(f"db: {redact(url)} has a meta table of another application; "
+                                "refusing to touch it")
+        conn.execute(_SCHEMA)
+        conn.execute("INSERT INTO meta VALUES ('application', 'numaudit'),"
+                     " ('schema_version', %s) ON CONFLICT (key) DO UPDATE SET value ="
+                     " EXCLUDED.value", (str(SCHEMA_VERSION),))
+
+
+# -- The write side ---------------------------------------------------------------------------
+
+class PgStore:
+    """Write side over one connection; every call runs inside `PgWriter`'s transaction."""
+
+    def __init__(self, url: str, *, synchronous: str = "FULL") -> None:
+        self.url = url
+        self.raw = pg_connect(url, synchronous=synchronous)
+        self.conn = QmarkConnection(self.raw)  # for run_for_job, shared with the SQLite store
+        for ddl in _STAGE_DDL:
+            self.raw.execute(ddl)
+        self._site_ids: dict[str, int] = {}
+        """Sites known committed (a site inserted by a transaction that rolls back is not)."""
+        self._new_sites: dict[str, int] = {}
+
+    def close(self) -> None:
+        self.raw.close()
+
+    # -- transactions: one per work item (`PgWriter`); the savepoint calls exist for symmetry
+    #    with the SQLite Store
+
+    def begin(self) -> None:
+        self.raw.execute("BEGIN")
+
+    def commit(self) -> None:
+        self.raw.execute("COMMIT")
+        self._site_ids.update(self._new_sites)
+        self._new_sites.clear()
+
+    def rollback(self) -> None:
+        self._new_sites.clear()
+        if self.raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            self.raw.execute("ROLLBACK")
+
+    def savepoint(self, name: str) -> None:
+        self.raw.execute(f"SAVEPOINT {name}")
+
+    def release(self, name: str) -> None:
+        self.raw.execute(f"RELEASE SAVEPOINT {name}")
+
+    def rollback_to(self, name: str) -> None:
+        self.raw.execute(f"ROLLBACK TO SAVEPOINT {name}")
+        self.raw.execute(f"RELEASE SAVEPOINT {name}")
+        self._new_sites.clear()
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def register(self, req: pb.RegisterRequest) -> int:
+        return self.register_session(req)[0]
+
+    def register_session(self, req: pb.RegisterRequest) -> tuple[int, str]:
+        """Create the run on its first rank, add or resume the session; (acked seq, run name).
+        Two replicas creating the same run or session: the loser's unique violation makes
+        `PgWriter` run this again, and then it finds the winner's row."""
+        name, row = run_for_job(self.conn, req)
+        if row is None:
+            run_id = self.raw.execute(
+                "INSERT INTO runs (name, created, world_size, mesh_shape, mesh_dim_names,"
+                " torch_version, dtype, seed, labels, job_id) VALUES"
+                " (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING run_id",
+                (name, time.time(), req.world_size, json.dumps(list(req.mesh_shape)),
+                 json.dumps(list(req.mesh_dim_names)), req.torch_version, req.dtype, req.seed,
+                 json.dumps(dict(req.labels), sort_keys=True), req.job_id)).fetchone()[0]
+        else:
+            run_id, world_size, _ = row
+            if world_size != req.world_size:
+                raise StoreError(
+                    f"world_size: {req.world_size} differs from run {name!r}'s {world_size}")
+        existing = self.raw.execute(
+            "SELECT run_id, rank, acked_seq FROM sessions WHERE session_id = %s FOR UPDATE",
+            (req.session_id,)).fetchone()
+        if existing is not None:
+            if (existing[0], existing[1]) != (run_id, req.rank):
+                raise StoreError("session_id: already registered for another run or rank")
+            return existing[2], name
+        self.raw.execute(
+            "INSERT INTO sessions (session_id, run_id, rank, local_rank, host, mesh_coordinate,"
+            " stages, registered, job_id, grad_scale, grad_scale_source)"
+            " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+            (req.session_id, run_id, req.rank, req.local_rank, req.host,
+             json.dumps(list(req.mesh_coordinate)), json.dumps(list(req.stages)), time.time(),
+             req.job_id, req.grad_scale, req.grad_scale_source))
+        return 0, name
+
+    def session(self, session_id: str, *, lock: bool = False) -> tuple[int, int, int]:
+        """(run_id, rank, acked_seq); with `lock`, the row stays locked until commit, so no
+        other replica stores a batch of this session meanwhile."""
+        row = self.raw.execute(
+            "SELECT run_id, rank, acked_seq FROM sessions WHERE session_id = %s"
+            + (" FOR UPDATE" if lock else ""), (session_id,)).fetchone()
+        if row is None:
+            raise UnknownSession(f"session_id: {session_id!r} is not registered")
+        return row
+
+    def site_ids(self, names: Sequence[str], *, create: bool) -> dict[str, int]:
+        """Ids of these site names; with `create`, missing names are added (never burning ids
+        on names that exist: the comparison sizes tables by the largest site id)."""
+        want = set(names)
+        ids = {n: self._site_ids[n] for n in want if n in self._site_ids}
+        missing = sorted(want - ids.keys())
+        if missing:
+            found = dict(self.raw.execute(
+                "SELECT name, site_id FROM sites WHERE name = ANY(%s)", (missing,)).fetchall())
+            self._site_ids.update(found)  # committed by someone: safe to cache
+            ids.update(found)
+            missing = [n for n in missing if n not in found]
+        if missing and create:
+            # sorted, so two replicas adding overlapping names cannot deadlock
+            self.raw.execute("INSERT INTO sites (name) SELECT unnest(%s::text[]) ORDER BY 1"
+                             " ON CONFLICT DO NOTHING", (missing,))
+            added = dict(self.raw.execute(
+                "SELECT name, site_id FROM sites WHERE name = ANY(%s)", (missing,)).fetchall())
+            self._new_sites.update(added)
+            ids.update(added)
+        return ids
+
+    def ingest(self, batch: pb.RecordBatch, hashes: Sequence[bytes] | None = None) -> IngestResult:
+        """Store one validated batch (packed, per record, or both). See `ingest_columns`."""
+        return self.ingest_columns(batch.session_id, batch.seq, batch_columns(batch), hashes)
+
+    def ingest_columns(self, session_id: str, seq: int, cols: RecordColumns,
+                       hashes: Sequence[bytes] | None = None) -> IngestResult:
+        """Store one validated batch of records given as columns: COPY into the staging table,
+        one INSERT ... SELECT ... ON CONFLICT DO NOTHING, then keys already stored are compared
+        by content hash in SQL (equal: a duplicate; different: flagged in `conflicts`). A
+        resent batch (seq <= acked) stores nothing and is checked the same way."""
+        run_id, rank, acked = self.session(session_id, lock=True)
+        if hashes is None:
+            hashes = content_hashes(cols)
+        fresh = seq > acked
+        ids = self.site_ids(cols.sites, create=fresh)
+        rows = record_rows(cols, [ids.get(name, -1) for name in cols.sites], run_id, rank,
+                           hashes, session_id, seq, time.time())
+        cur = self.raw.cursor()
+        n = cols.n
+        if fresh and n and not cols.payloads and self._copy_direct(cur, rows):
+            cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s",
+                        (seq, session_id))
+            return IngestResult(acked_seq=seq, stored=n)
+        self._copy(cur, _STAGE, _STAGE_COLUMNS, ((pos,) + row for pos, row in enumerate(rows)))
+        if not fresh:
+            same = cur.execute(_COUNT_SAME).fetchone()[0]
+            cur.execute(_FLAG_CONFLICTS)
+            return IngestResult(acked_seq=acked, duplicates=same, conflicts=n - same,
+                                resent_batch=True)
+        stored = cur.execute(_INSERT_RECORDS).rowcount
+        conflicts = cur.execute(_FLAG_CONFLICTS).rowcount if stored < n else 0
+        if cols.payloads:
+            self._copy(cur, _CHUNKS, _CHUNK_COLUMNS, (
+                (pos, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes, p.compressed_nbytes,
+                 p.crc32, p.data) for pos, p in sorted(cols.payloads.items())))
+            cur.execute(_INSERT_CHUNKS)
+        cur.execute("UPDATE sessions SET acked_seq = %s WHERE session_id = %s", (seq, session_id))
+        return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
+                            conflicts=conflicts)
+
+    def _copy_direct(self, cur: psycopg.Cursor, rows: list[tuple]) -> bool:
+        """COPY the rows straight into `records` (the common case: no key of the batch is
+        stored yet), in a savepoint; False, with nothing written, when some key is (the batch
+        then goes through the staging table)."""
+        cur.execute("SAVEPOINT direct")
+        try:
+            self._copy(cur, "records", _RECORD_COLUMNS, rows)
+        except pg_errors.UniqueViolation:
+            cur.execute("ROLLBACK TO SAVEPOINT direct")
+            return False
+        cur.execute("RELEASE SAVEPOINT direct")
+        return True
+
+    @staticmethod
+    def _copy(cur: psycopg.Cursor, table: str, columns: list, rows: Any) -> None:
+        with cur.copy(_COPY[table]) as copy:
+            copy.set_types([t for _, t in columns])
+            for row in rows:
+                copy.write_row(row)
+
+    def close_session(self, req: pb.CloseSessionRequest) -> int:
+        self.session(req.session_id, lock=True)
+        self.raw.execute(
+            "UPDATE sessions SET closed=%s, records_sent=%s, records_dropped=%s,"
+            " capture_errors=%s, dropped_by_reason=%s WHERE session_id=%s",
+            (time.time(), req.records_sent, req.records_dropped, req.capture_errors,
+             json.dumps(dict(req.dropped_by_reason), sort_keys=True), req.session_id))
+        return self.raw.execute("SELECT COUNT(*) FROM records WHERE session_id = %s",
+                                (req.session_id,)).fetchone()[0]

@@ -1,0 +1,113 @@
+"""Rows of the `records` table from `RecordColumns`, built column-wise for bulk inserts.
+
+The values are those the per-record path stored (so readers see no difference): layouts as JSON
+lists, uint64 digests as the int64 of the same bits, sketches as native-order float64 blobs,
+moments NULL without moments, reduce_weight 1 and reduce_count 1 when not a reduction. Any SQL
+backend that takes the same columns can use `record_rows` (a list of tuples, one per record, in
+`INSERT_COLUMNS` order).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from wire.packed import HAS_MOMENTS, IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, RecordColumns
+
+INSERT_COLUMNS = (
+    "run_id", "step", "microbatch", "phase", "site_id", "role", "idx", "call", "rank",
+    "stage", "is_none", "dtype", "logical_shape", "offsets", "shape", "replica", "partial",
+    "complex_as_real", "numel", "nan", "posinf", "neginf", "zeros", "has_moments", "sum",
+    "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch",
+    "sketch_seed", "content_hash", "session_id", "seq", "received", "reduce", "reduce_weight",
+    "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span",
+)
+"""Columns of a row of `record_rows`; the first 9 are the unique key (run, key, rank)."""
+
+INSERT_RECORD = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) VALUES "
+                 f"({', '.join('?' * len(INSERT_COLUMNS))}) ON CONFLICT DO NOTHING")
+
+
+def _layout_texts(c: RecordColumns) -> tuple[list[str], list[str], list[str]]:
+    """JSON of logical_shape, offsets and shape per record (as json.dumps writes a list)."""
+    ndim = c.cols["ndim"].tolist()
+    dims = c.dims.tolist()
+    cache: dict[tuple, tuple[str, str, str]] = {}
+    logical, offsets, shape = [], [], []
+    pos = 0
+    for nd in ndim:
+        key = tuple(dims[pos:pos + 3 * nd])
+        pos += 3 * nd
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = ("[" + ", ".join(map(str, key[:nd])) + "]",
+                              "[" + ", ".join(map(str, key[nd:2 * nd])) + "]",
+                              "[" + ", ".join(map(str, key[2 * nd:])) + "]")
+        logical.append(t[0])
+        offsets.append(t[1])
+        shape.append(t[2])
+    return logical, offsets, shape
+
+
+def _sketch_blobs(c: RecordColumns) -> list[bytes]:
+    lens = c.cols["sketch_len"]
+    sk = c.sketch if sys.byteorder == "little" else c.sketch.astype("=f8")
+    raw = sk.tobytes()
+    if c.n and (lens == lens[0]).all():
+        w = int(lens[0]) * 8
+        return [raw[i:i + w] for i in range(0, w * c.n, w)] if w else [b""] * c.n
+    ends = np.cumsum(lens.astype(np.int64) * 8).tolist()
+    out, start = [], 0
+    for e in ends:
+        out.append(raw[start:e])
+        start = e
+    return out
+
+
+def record_rows(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: int,
+                hashes: Sequence[bytes], session_id: str, seq: int, now: float) -> list[tuple]:
+    """One tuple per record, in INSERT_COLUMNS order. `site_ids[j]` is the store's id of
+    `c.sites[j]`."""
+    n = c.n
+    cols = c.cols
+    flags = cols["flags"]
+    none = (flags & IS_NONE) != 0
+    moments = ((flags & HAS_MOMENTS) != 0) & ~none
+    sid = np.asarray(site_ids, np.int64)[cols["site"]].tolist() if n else []
+    dtypes = c.dtypes or [""]
+    dtype_text = [dtypes[i] if not z else "" for i, z in zip(cols["dtype"].tolist(), none.tolist())]
+    logical, offsets, shape = _layout_texts(c)
+    reducing = cols["reduce"] != 0
+    weight = np.where(reducing, cols["reduce_weight"], 1.0).tolist()
+    rcount = np.where(reducing, cols["reduce_count"], 1).tolist()
+
+    def moment(name: str) -> list:
+        values = cols[name].tolist()
+        if not moments.all():
+            for i in np.flatnonzero(~moments).tolist():
+                values[i] = None
+        return values
+
+    def signed(name: str) -> list:
+        return cols[name].astype(np.uint64).view(np.int64).tolist()
+
+    def bit(b: int) -> list:
+        return ((flags & b) != 0).astype(np.int64).tolist()
+
+    return list(zip(
+        [run_id] * n, cols["step"].tolist(), cols["microbatch"].tolist(), cols["phase"].tolist(),
+        sid, cols["role"].tolist(), cols["index"].tolist(), cols["call"].tolist(), [rank] * n,
+        cols["stage"].tolist(), none.astype(np.int64).tolist(), dtype_text, logical, offsets,
+        shape, bit(REPLICA), bit(PARTIAL), bit(COMPLEX_AS_REAL),
+        cols["numel"].tolist(), cols["nan_count"].tolist(), cols["posinf_count"].tolist(),
+        cols["neginf_count"].tolist(), cols["zero_count"].tolist(),
+        moments.astype(np.int64).tolist(),
+        moment("sum"), moment("sum_sq"), moment("min"), moment("max"), moment("abs_max"),
+        signed("fingerprint"), signed("fingerprint_seed"), _sketch_blobs(c),
+        signed("sketch_seed"), list(hashes), [session_id] * n, [seq] * n, [now] * n,
+        cols["reduce"].tolist(), weight, cols["reduce_index"].tolist(), rcount,
+        cols["ragged_parts"].tolist(), cols["ragged_first"].tolist(),
+        cols["ragged_span"].tolist(),
+    ))

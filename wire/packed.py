@@ -1,0 +1,521 @@
+"""Records as columns: the one in-memory form of a batch's records, and its wire form.
+
+`RecordColumns` holds n records as numpy arrays (row i of every column is record i). Every path
+that carries records uses it: the agent builds it from the capture's rows (`ColumnsBuilder`), the
+wire carries it as `PackedRecords` (`to_packed` / `from_packed`: little-endian arrays in `bytes`
+fields, read zero-copy), per-record batches of older agents and spools convert to it
+(`from_records`), and the daemon validates, hashes (`content_hashes`) and stores it.
+
+`content_hashes` is defined on the columns, so a record hashes the same however it travelled
+(packed or per record): 128 bits from two independent 64-bit lanes of a keyed mix over the
+record's words (key fields, layout, digest, sketch, payload header). It tells a resend from a
+conflict; it is not a security boundary (a writer may already store what it likes).
+
+No torch, no auditor imports: wire is shared by both ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from protos import numaudit_pb2 as pb
+
+IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, HAS_MOMENTS = 1, 2, 4, 8, 16
+FLAG_BITS = IS_NONE | REPLICA | PARTIAL | COMPLEX_AS_REAL | HAS_MOMENTS
+
+# Per-record numeric columns: (name, little-endian dtype on the wire and in memory).
+SCALAR_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("site", "<i4"), ("step", "<i8"), ("microbatch", "<i8"), ("phase", "<i4"), ("role", "<i4"),
+    ("index", "<i4"), ("call", "<i4"), ("stage", "<i4"), ("flags", "u1"), ("dtype", "<i4"),
+    ("ndim", "<i4"), ("reduce", "<i4"), ("reduce_weight", "<f8"), ("reduce_index", "<i4"),
+    ("reduce_count", "<i4"), ("ragged_parts", "<i4"), ("ragged_first", "<i4"),
+    ("ragged_span", "<i4"), ("numel", "<i8"), ("nan_count", "<i8"), ("posinf_count", "<i8"),
+    ("neginf_count", "<i8"), ("zero_count", "<i8"), ("sum", "<f8"), ("sum_sq", "<f8"),
+    ("min", "<f8"), ("max", "<f8"), ("abs_max", "<f8"), ("fingerprint", "<u8"),
+    ("fingerprint_seed", "<u8"), ("sketch_seed", "<u8"), ("sketch_len", "<i4"),
+)
+_DTYPES = dict(SCALAR_COLUMNS)
+MOMENTS = ("sum", "sum_sq", "min", "max", "abs_max")
+COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count")
+
+
+class PackedFormatError(ValueError):
+    """A PackedRecords message whose arrays do not fit together. `field`, `why` as validation's."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field, self.why = field, why
+
+
+@dataclass
+class RecordColumns:
+    """n records as columns. Arrays are read-only views when they come from the wire."""
+
+    n: int
+    cols: dict[str, np.ndarray]
+    """The SCALAR_COLUMNS, each of length n."""
+    sites: list[str]
+    dtypes: list[str]
+    dims: np.ndarray
+    """int64, per record logical_shape, offsets, shape (ndim each), concatenated."""
+    sketch: np.ndarray
+    """float64, every record's sketch concatenated (sketch_len each)."""
+    payloads: dict[int, pb.Payload] = field(default_factory=dict)
+    """Row -> its payload chunk, for the records that carry one."""
+    parts: list[tuple[int, str]] = field(default_factory=lambda: [(0, "records")])
+    """(first row, name) of each part, for naming a row in errors: "packed", "records"."""
+    unfit: dict[int, pb.Record] = field(default_factory=dict)
+    """Row -> the per-record message, for records that columns cannot hold as sent (layout
+    lists of different lengths; a dtype on an is_none record): their row has no dims;
+    validation refuses them from this message."""
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self.__dict__["cols"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def where(self, row: int) -> str:
+        """The record's name in errors: `packed[i]` or `records[i]`."""
+        start, name = 0, "records"
+        for s, label in self.parts:
+            if row >= s:
+                start, name = s, label
+        return f"{name}[{row - start}]"
+
+    def flag(self, bit: int) -> np.ndarray:
+        return (self.cols["flags"] & bit) != 0
+
+    def dim_starts(self) -> np.ndarray:
+        """Index in `dims` where each record's logical_shape starts (n + 1 entries)."""
+        out = np.zeros(self.n + 1, np.int64)
+        np.cumsum(self.cols["ndim"].astype(np.int64) * 3, out=out[1:])
+        return out
+
+    def sketch_starts(self) -> np.ndarray:
+        out = np.zeros(self.n + 1, np.int64)
+        np.cumsum(self.cols["sketch_len"].astype(np.int64), out=out[1:])
+        return out
+
+    def layout_of(self, row: int) -> tuple[list[int], list[int], list[int]]:
+        """(logical_shape, offsets, shape) of one record."""
+        nd = int(self.cols["ndim"][row])
+        s = int(self.dim_starts()[row]) if self.n < 64 else int(3 * self.cols["ndim"][:row].sum())
+        d = self.dims[s:s + 3 * nd].tolist()
+        return d[:nd], d[nd:2 * nd], d[2 * nd:]
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of the record columns (what a bench counts as record bytes)."""
+        return (sum(a.nbytes for a in self.cols.values()) + self.dims.nbytes + self.sketch.nbytes
+                + sum(len(p.data) for p in self.payloads.values()))
+
+
+def empty() -> RecordColumns:
+    return RecordColumns(0, {k: np.zeros(0, t) for k, t in SCALAR_COLUMNS}, [], [],
+                         np.zeros(0, "<i8"), np.zeros(0, "<f8"))
+
+
+# -- packed wire form -----------------------------------------------------------------------------
+
+def to_packed(c: RecordColumns) -> pb.PackedRecords:
+    """The wire form (payloads are not included: they travel as per-record `records`)."""
+    msg = pb.PackedRecords(count=c.n)
+    msg.sites.extend(c.sites)
+    msg.dtypes.extend(c.dtypes)
+    for name, dt in SCALAR_COLUMNS:
+        a = c.cols[name]
+        if a.any():  # an all-zero column travels empty
+            setattr(msg, name, np.ascontiguousarray(a, dt).tobytes())
+    msg.dims = np.ascontiguousarray(c.dims, "<i8").tobytes()
+    msg.sketch = np.ascontiguousarray(c.sketch, "<f8").tobytes()
+    return msg
+
+
+def from_packed(msg: pb.PackedRecords, label: str = "packed") -> RecordColumns:
+    """Columns over the message's bytes (no copy). PackedFormatError when arrays do not fit."""
+    n = msg.count
+    if n < 0:
+        raise PackedFormatError(f"{label}.count", f"{n} is negative")
+    cols: dict[str, np.ndarray] = {}
+    for name, dt in SCALAR_COLUMNS:
+        raw = getattr(msg, name)
+        if not raw:
+            cols[name] = np.zeros(n, dt)
+            continue
+        size = np.dtype(dt).itemsize
+        if len(raw) != n * size:
+            raise PackedFormatError(f"{label}.{name}", f"{len(raw)} bytes; count {n} x {size} "
+                                                       f"bytes ({np.dtype(dt).name}) = {n * size}")
+        cols[name] = np.frombuffer(raw, dt)
+    c = RecordColumns(n, cols, list(msg.sites), list(msg.dtypes),
+                      _array(msg.dims, "<i8", f"{label}.dims"),
+                      _array(msg.sketch, "<f8", f"{label}.sketch"), parts=[(0, label)])
+    want = int(cols["ndim"].astype(np.int64).sum()) * 3 if n else 0
+    if (cols["ndim"] < 0).any():
+        i = int(np.flatnonzero(cols["ndim"] < 0)[0])
+        raise PackedFormatError(f"{label}[{i}].layout.logical_shape",
+                                f"ndim {int(cols['ndim'][i])} is negative")
+    if len(c.dims) != want:
+        raise PackedFormatError(f"{label}.dims", f"{len(c.dims)} values; 3 x sum(ndim) = {want}")
+    if (cols["sketch_len"] < 0).any():
+        i = int(np.flatnonzero(cols["sketch_len"] < 0)[0])
+        raise PackedFormatError(f"{label}[{i}].digest.sketch",
+                                f"sketch_len {int(cols['sketch_len'][i])} is negative")
+    want = int(cols["sketch_len"].astype(np.int64).sum())
+    if len(c.sketch) != want:
+        raise PackedFormatError(f"{label}.sketch", f"{len(c.sketch)} values; sum(sketch_len) = "
+                                                   f"{want}")
+    return c
+
+
+def _array(raw: bytes, dt: str, where: str) -> np.ndarray:
+    size = np.dtype(dt).itemsize
+    if len(raw) % size:
+        raise PackedFormatError(where, f"{len(raw)} bytes is not a whole number of "
+                                       f"{size}-byte values")
+    return np.frombuffer(raw, dt)
+
+
+# -- per-record form ------------------------------------------------------------------------------
+
+class ColumnsBuilder:
+    """Appends records one at a time (Python values) and makes `RecordColumns` at the end.
+
+    Used by the legacy converter and by the agent, which appends straight from the capture's
+    rows: no protobuf message per record.
+    """
+
+    def __init__(self) -> None:
+        self.vals: dict[str, list] = {name: [] for name, _ in SCALAR_COLUMNS}
+        self.dims: list[int] = []
+        self.sketch: list[np.ndarray | Sequence[float]] = []
+        self.site_ids: dict[str, int] = {}
+        self.dtype_ids: dict[str, int] = {}
+        self.payloads: dict[int, pb.Payload] = {}
+        self.n = 0
+
+    def site_id(self, site: str) -> int:
+        i = self.site_ids.get(site)
+        if i is None:
+            i = self.site_ids[site] = len(self.site_ids)
+        return i
+
+    def dtype_id(self, dtype: str) -> int:
+        i = self.dtype_ids.get(dtype)
+        if i is None:
+            i = self.dtype_ids[dtype] = len(self.dtype_ids)
+        return i
+
+    def add(self, values: dict, logical: Sequence[int] = (), offsets: Sequence[int] = (),
+            shape: Sequence[int] = (), sketch: Sequence[float] = (),
+            payload: pb.Payload | None = None) -> int:
+        """One record: `values` maps column names (site and dtype as strings) to values; absent
+        columns are 0. Returns its row."""
+        row = self.n
+        v = self.vals
+        for name, col in v.items():
+            if name == "site":
+                col.append(self.site_id(values["site"]))
+            elif name == "dtype":
+                col.append(self.dtype_id(values.get("dtype", "")))
+            elif name == "ndim":
+                col.append(len(logical))
+            elif name == "sketch_len":
+                col.append(len(sketch))
+            else:
+                col.append(values.get(name, 0))
+        self.dims.extend(logical)
+        self.dims.extend(offsets)
+        self.dims.extend(shape)
+        if len(sketch):
+            self.sketch.append(sketch)
+        if payload is not None:
+            self.payloads[row] = payload
+        self.n += 1
+        return row
+
+    def build(self) -> RecordColumns:
+        cols = {name: np.array(self.vals[name], dt) if self.n else np.zeros(0, dt)
+                for name, dt in SCALAR_COLUMNS}
+        sketch = (np.concatenate([np.asarray(s, "<f8") for s in self.sketch]) if self.sketch
+                  else np.zeros(0, "<f8"))
+        return RecordColumns(self.n, cols, list(self.site_ids), list(self.dtype_ids),
+                             np.array(self.dims, "<i8"), sketch, dict(self.payloads))
+
+
+def _u64(x: int) -> int:
+    return x & 0xFFFFFFFFFFFFFFFF
+
+
+def from_records(records: Iterable[pb.Record], label: str = "records") -> RecordColumns:
+    """Columns of per-record messages (older agents, spools, payload records)."""
+    b = ColumnsBuilder()
+    unfit: dict[int, pb.Record] = {}
+    for r in records:
+        k, lay, d = r.key, r.layout, r.digest
+        logical, offsets, shape = lay.logical_shape, lay.offsets, lay.shape
+        if not len(logical) == len(offsets) == len(shape) or (r.is_none and lay.dtype):
+            unfit[b.n] = r
+            logical = offsets = shape = ()
+        flags = ((IS_NONE if r.is_none else 0) | (REPLICA if lay.replica else 0)
+                 | (PARTIAL if lay.partial else 0) | (COMPLEX_AS_REAL if lay.complex_as_real else 0)
+                 | (HAS_MOMENTS if d.has_moments else 0))
+        b.add({"site": k.site, "step": k.step, "microbatch": k.microbatch, "phase": k.phase,
+               "role": k.role, "index": k.index, "call": k.call, "stage": r.stage, "flags": flags,
+               "dtype": lay.dtype, "reduce": lay.reduce, "reduce_weight": lay.reduce_weight,
+               "reduce_index": lay.reduce_index, "reduce_count": lay.reduce_count,
+               "ragged_parts": lay.ragged_parts, "ragged_first": lay.ragged_first,
+               "ragged_span": lay.ragged_span, "numel": d.numel, "nan_count": d.nan_count,
+               "posinf_count": d.posinf_count, "neginf_count": d.neginf_count,
+               "zero_count": d.zero_count, "sum": d.sum, "sum_sq": d.sum_sq, "min": d.min,
+               "max": d.max, "abs_max": d.abs_max, "fingerprint": d.fingerprint,
+               "fingerprint_seed": d.fingerprint_seed, "sketch_seed": d.sketch_seed},
+              logical, offsets, shape, d.sketch,
+              r.payload if r.HasField("payload") else None)
+    c = b.build()
+    c.parts = [(0, label)]
+    c.unfit = unfit
+    return c
+
+
+def to_records(c: RecordColumns) -> list[pb.Record]:
+    """Per-record messages of the columns (for a peer that does not take packed batches)."""
+    out = []
+    cols = {name: a.tolist() for name, a in c.cols.items()}
+    starts, sk = c.dim_starts().tolist(), c.sketch_starts().tolist()
+    dims, sketch = c.dims.tolist(), c.sketch
+    for i in range(c.n):
+        r = pb.Record(stage=cols["stage"][i], is_none=bool(cols["flags"][i] & IS_NONE))
+        k = r.key
+        k.step, k.microbatch, k.phase = cols["step"][i], cols["microbatch"][i], cols["phase"][i]
+        k.site, k.role = c.sites[cols["site"][i]], cols["role"][i]
+        k.index, k.call = cols["index"][i], cols["call"][i]
+        f = cols["flags"][i]
+        # An is_none record's layout and digest are filled too (zeros leave them empty), so
+        # that a packed record that breaks "empty when is_none" is refused as a Record would be.
+        lay, d = r.layout, r.digest
+        nd, s = cols["ndim"][i], starts[i]
+        lay.logical_shape.extend(dims[s:s + nd])
+        lay.offsets.extend(dims[s + nd:s + 2 * nd])
+        lay.shape.extend(dims[s + 2 * nd:s + 3 * nd])
+        lay.replica, lay.partial = bool(f & REPLICA), bool(f & PARTIAL)
+        lay.complex_as_real = bool(f & COMPLEX_AS_REAL)
+        if not f & IS_NONE:
+            lay.dtype = c.dtypes[cols["dtype"][i]] if c.dtypes else ""
+        for name in ("reduce", "reduce_weight", "reduce_index", "reduce_count",
+                     "ragged_parts", "ragged_first", "ragged_span"):
+            setattr(lay, name, cols[name][i])
+        for name in COUNTS + MOMENTS + ("fingerprint", "fingerprint_seed", "sketch_seed"):
+            setattr(d, name, cols[name][i])
+        d.has_moments = bool(f & HAS_MOMENTS)
+        d.sketch.extend(sketch[sk[i]:sk[i + 1]].tolist())
+        if f & IS_NONE:
+            for name in ("layout", "digest"):
+                if not getattr(r, name).ByteSize():
+                    r.ClearField(name)
+        if i in c.payloads:
+            r.payload.CopyFrom(c.payloads[i])
+        out.append(r)
+    return out
+
+
+def concat(parts: Sequence[RecordColumns]) -> RecordColumns:
+    """One RecordColumns of several (site and dtype tables merged; rows keep their names)."""
+    parts = [p for p in parts if p.n] or list(parts[:1]) or [empty()]
+    if len(parts) == 1:
+        return parts[0]
+    sites: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    cols: dict[str, list[np.ndarray]] = {name: [] for name, _ in SCALAR_COLUMNS}
+    payloads: dict[int, pb.Payload] = {}
+    unfit: dict[int, pb.Record] = {}
+    names: list[tuple[int, str]] = []
+    base = 0
+    for p in parts:
+        smap = np.array([sites.setdefault(s, len(sites)) for s in p.sites] or [0], np.int32)
+        dmap = np.array([dtypes.setdefault(d, len(dtypes)) for d in p.dtypes] or [0], np.int32)
+        for name, _ in SCALAR_COLUMNS:
+            a = p.cols[name]
+            if name == "site":
+                a = smap[np.clip(a, 0, len(smap) - 1)] if p.sites else a
+            elif name == "dtype":
+                a = dmap[np.clip(a, 0, len(dmap) - 1)] if p.dtypes else a
+            cols[name].append(a)
+        payloads.update({base + i: v for i, v in p.payloads.items()})
+        unfit.update({base + i: v for i, v in p.unfit.items()})
+        names.extend((base + s, label) for s, label in p.parts)
+        base += p.n
+    return RecordColumns(base, {name: np.concatenate(v).astype(_DTYPES[name], copy=False)
+                                for name, v in cols.items()},
+                         list(sites), list(dtypes), np.concatenate([p.dims for p in parts]),
+                         np.concatenate([p.sketch for p in parts]), payloads, names, unfit)
+
+
+def batch_columns(batch: pb.RecordBatch) -> RecordColumns:
+    """The records of a batch, packed ones first, then the per-record ones."""
+    parts = []
+    if batch.HasField("packed"):
+        parts.append(from_packed(batch.packed))
+    if len(batch.records) or not parts:
+        parts.append(from_records(batch.records))
+    return concat(parts)
+
+
+def batch_record_count(batch: pb.RecordBatch) -> int:
+    """Records a batch carries (packed and per record), without converting anything."""
+    return len(batch.records) + (batch.packed.count if batch.HasField("packed") else 0)
+
+
+def packed_batch(session_id: str, seq: int, cols: RecordColumns) -> pb.RecordBatch:
+    """A batch carrying `cols`: packed, with the payload records per record, checksum set."""
+    from wire.checksum import batch_checksum
+
+    msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
+    single = sorted(set(cols.payloads) | set(cols.unfit))
+    if single:
+        keep = np.ones(cols.n, bool)
+        keep[single] = False
+        rest = take(cols, np.flatnonzero(keep))
+        rebuilt = to_records(take(cols, np.array(single)))
+        msg.records.extend(cols.unfit.get(row, r) for row, r in zip(single, rebuilt))
+    else:
+        rest = cols
+    if rest.n:
+        msg.packed.CopyFrom(to_packed(rest))
+    msg.records_crc32 = batch_checksum(msg)
+    return msg
+
+
+def unpacked_batch(batch: pb.RecordBatch) -> pb.RecordBatch:
+    """The same batch with every record per record (for a peer without packed batches)."""
+    from wire.checksum import batch_checksum
+
+    if not batch.HasField("packed"):
+        return batch
+    out = pb.RecordBatch(schema_version=batch.schema_version, session_id=batch.session_id,
+                         seq=batch.seq)
+    out.records.extend(to_records(from_packed(batch.packed)))
+    out.records.extend(batch.records)
+    out.records_crc32 = batch_checksum(out)
+    return out
+
+
+def take(c: RecordColumns, rows: np.ndarray) -> RecordColumns:
+    """The records at `rows`, in that order (tables kept)."""
+    rows = np.asarray(rows, np.int64)
+    ds, ss = c.dim_starts(), c.sketch_starts()
+    dim_idx = _ranges(ds[rows], ds[rows + 1])
+    sk_idx = _ranges(ss[rows], ss[rows + 1])
+    pos = {int(r): i for i, r in enumerate(rows.tolist())}
+    return RecordColumns(len(rows), {k: v[rows] for k, v in c.cols.items()}, c.sites, c.dtypes,
+                         c.dims[dim_idx], c.sketch[sk_idx],
+                         {pos[r]: p for r, p in c.payloads.items() if r in pos})
+
+
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, e) for each pair, vectorized."""
+    lens = ends - starts
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
+    return np.arange(total, dtype=np.int64) + offs
+
+
+# -- content hash ---------------------------------------------------------------------------------
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_LANE_SEEDS = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD1B54A32D192ED03))
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (a bijection of uint64), in place on a fresh array."""
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
+def _text_words(names: list[str]) -> np.ndarray:
+    """A 64-bit word per table entry (site or dtype name), from blake2b of its UTF-8."""
+    import hashlib
+
+    return np.array([int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+                     for s in names] or [0], np.uint64)
+
+
+def _segment_sums(words: np.ndarray, starts: np.ndarray, n: int, lane: int) -> np.ndarray:
+    """Per record (segments of `words` at starts[i]:starts[i+1]), the wrapping sum of
+    mix(word + position key): position-dependent, so order and length matter."""
+    out = np.zeros(n, np.uint64)
+    if not len(words):
+        return out
+    lens = np.diff(starts)
+    pos = np.arange(len(words), dtype=np.uint64) - np.repeat(starts[:-1], lens).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        m = _mix(words + _mix(pos * _LANE_SEEDS[lane] + _LANE_SEEDS[1 - lane]))
+    nz = lens > 0
+    sums = np.add.reduceat(m, starts[:-1][nz])
+    out[nz] = sums
+    return out
+
+
+def content_hashes(c: RecordColumns) -> list[bytes]:
+    """16 bytes per record: what it says (key, stage, layout, digest, sketch, payload header;
+    the payload's chunk index and bytes excluded), the same whether it travelled packed or per
+    record. is_none records hash their key and stage only (their layout and digest are empty)."""
+    n = c.n
+    if n == 0:
+        return []
+    cols = c.cols
+    none = (cols["flags"] & IS_NONE) != 0
+    fixed = []
+    for name, dt in SCALAR_COLUMNS:
+        a = cols[name]
+        if name == "site":
+            w = _text_words(c.sites)[np.clip(a, 0, len(c.sites) - 1 if c.sites else 0)]
+        elif name == "dtype":
+            w = _text_words(c.dtypes)[np.clip(a, 0, len(c.dtypes) - 1 if c.dtypes else 0)]
+        elif dt == "<f8":
+            w = a.view(np.uint64) if a.dtype == np.float64 else a.astype("<f8").view(np.uint64)
+        else:
+            w = a.astype(np.int64).view(np.uint64)
+        if name not in ("site", "step", "microbatch", "phase", "role", "index", "call", "stage",
+                        "flags") and none.any():
+            w = np.where(none, np.uint64(0), w)
+        fixed.append(w)
+    fixed.append(_payload_words(c))
+    table = np.stack(fixed, axis=1)  # (n, W)
+    width = table.shape[1]
+    dims_u = c.dims.astype(np.int64, copy=False).view(np.uint64)
+    sketch_u = c.sketch.astype("<f8", copy=False).view(np.uint64)
+    lanes = []
+    with np.errstate(over="ignore"):
+        for lane in (0, 1):
+            keys = _mix(np.arange(width, dtype=np.uint64) * _LANE_SEEDS[lane] + _LANE_SEEDS[1 - lane])
+            h = _mix(table + keys).sum(axis=1, dtype=np.uint64)
+            h += _mix(_segment_sums(dims_u, c.dim_starts(), n, lane) + np.uint64(1 + lane))
+            h += _mix(_segment_sums(sketch_u, c.sketch_starts(), n, lane) + np.uint64(3 + lane))
+            lanes.append(_mix(h ^ _LANE_SEEDS[lane]))
+    out = np.stack(lanes, axis=1).astype("<u8").tobytes()
+    return [out[i:i + 16] for i in range(0, 16 * n, 16)]
+
+
+def _payload_words(c: RecordColumns) -> np.ndarray:
+    """One word per record summarizing its payload header (0: no payload)."""
+    w = np.zeros(c.n, np.uint64)
+    if c.payloads:
+        import hashlib
+
+        for row, p in c.payloads.items():
+            head = f"{p.codec}\0{p.raw_nbytes}\0{p.compressed_nbytes}\0{p.crc32}\0{p.chunk_count}"
+            w[row] = int.from_bytes(hashlib.blake2b(head.encode(), digest_size=8).digest(),
+                                    "little") | 1
+    return w
