@@ -118,7 +118,7 @@ class Batcher:
         self._sink = sink
         self._counters = counters
         self._failed = failed
-        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int]] = []
+        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int | None]] = []
         self._captures: list[Capture] = []
         """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
         self._rows: RowBatch | None = None
@@ -127,7 +127,8 @@ class Batcher:
         self._dev_f64: list[torch.Tensor] = []
         self._dev_i64: list[torch.Tensor] = []
 
-    def add(self, cap: Capture, t: torch.Tensor, layout: PieceLayout, payload_at: int) -> None:
+    def add(self, cap: Capture, t: torch.Tensor, layout: PieceLayout,
+            payload_at: int | None) -> None:
         """Queue a piece for the next :meth:`drain` (``payload_at``: see fastpath.Piece)."""
         self._pending.append((cap, t, layout, payload_at))
 

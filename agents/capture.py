@@ -440,7 +440,7 @@ class Capturer:
         fused = self._digester.takes(local)
         if not fused:
             local = local.detach()  # the fused kernel reads the bytes; eager ops need no graph
-        payload_at = 0
+        payload_at = 0 if fused else None
         nbytes = local.nbytes
         if ((0 < nbytes <= self.config.payload_max_bytes)
                 or (self.config.payload and self._wants_payload(phase, site, role))):

@@ -24,9 +24,10 @@ DIGEST_MODES = ("auto", "eager")
 """``auto``: the fused kernel where it applies; ``eager``: always the torch reference."""
 
 Rows = tuple[torch.Tensor, torch.Tensor]
-Piece = tuple[torch.Tensor, PieceLayout, int]
-"""A detached local tensor (complex ones viewed as real, with the real view's layout), its
-layout, and 0 or the address where the kernel copies its bytes (see :meth:`Digester.takes`)."""
+Piece = tuple[torch.Tensor, PieceLayout, int | None]
+"""A local tensor (complex ones viewed as real, with the real view's layout), its layout, and
+``None`` for the eager path, else (the caller checked :meth:`Digester.takes`) 0 or the address
+where the kernel also copies the piece's bytes. Eager pieces must be detached."""
 
 MAX_CACHED_MAPS = 4096
 
@@ -71,7 +72,7 @@ class Digester:
         descs: list[bytes] = []
         for i, (t, layout, payload) in enumerate(pieces):
             try:
-                if cpu is not None and self.takes(t):
+                if payload is not None and cpu is not None:
                     descs.append(self._descriptor(cpu, t, layout, payload))
                     fused_at.append(i)
                 else:
