@@ -1,9 +1,11 @@
 """Capture: module and parameter hooks → digests on the tensor's device → batched host transfer.
 
 Everything here runs on the training thread, so it is bounded and cheap: a hook computes the
-digest of each tensor it sees on that tensor's device (vectorized, no host sync on CUDA), keeps
-the two small result rows, and every `device_batch` captures (or at a microbatch or step
-boundary) stacks them and starts one asynchronous copy to the host. The sender thread waits for
+digest of each tensor it sees on that tensor's device (vectorized, no host sync on CUDA). CPU
+pieces go through the fused kernel, which writes their rows straight into the host batch's
+buffers and copies small pieces' payload bytes in the same pass; rows computed on an
+accelerator are kept, and every `device_batch` captures (or at a microbatch or step boundary)
+stacked and sent to the host in one asynchronous copy (agents/batching.py). The sender thread waits for
 that copy, builds records and does all network I/O. No hook ever raises into training: failures
 are counted, logged once per kind with the rank, and the capture is dropped.
 """
@@ -11,17 +13,17 @@ are counted, logged once per kind with the rank, and the capture is dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import threading
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from agents.config import AgentConfig, step_selected
-from agents.digest import digest_batch_to_host, has_moments
+from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
+from agents.digest import has_moments
 from agents.fastpath import Digester
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
@@ -48,87 +50,17 @@ MAX_NO_GRAD_CALLS = 64
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
 AUTO = "auto"
 """`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
+MAX_CACHED_LAYOUTS = 8192
 
 
-@dataclass(slots=True)
-class Capture:
-    """Host-side metadata of one captured piece; its digest rows travel in the HostBatch."""
-
-    step: int
-    microbatch: int
-    phase: int
-    site: str
-    role: int
-    index: int
-    call: int
-    stage: int
-    layout: PieceLayout | None
-    dtype: str
-    is_none: bool = False
-    moments: bool = True
-    complex_as_real: bool = False
-    row: int = -1
-    """Row of this capture's digest in the batch's tensors; -1 for None captures."""
-    payload: torch.Tensor | None = None
-    """A host copy of the piece when its bytes travel too."""
-
-
-@dataclass
-class HostBatch:
-    """Captures whose digests were stacked and sent to the host in one transfer."""
-
-    captures: list[Capture]
-    f64: torch.Tensor | None
-    i64: torch.Tensor | None
-    ready: object = None
-    """A CUDA event to synchronize on before reading f64/i64; None on CPU."""
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-class Counters:
-    """Thread-safe counts the agent reports at close."""
-
-    def __init__(self) -> None:
-        # Re-entrant: a SIGTERM handler may close the agent on the training thread while that
-        # thread is inside one of these methods.
-        self._lock = threading.RLock()
-        self.captured = 0
-        self.errors = 0
-        self.dropped: Counter[str] = Counter()
-        self.not_captured: Counter[str] = Counter()
-        """Captures that could not be made at all, by reason (not part of `captured`)."""
-
-    def add_captured(self, n: int) -> None:
-        with self._lock:
-            self.captured += n
-
-    def drop(self, reason: str, n: int) -> None:
-        if n:
-            with self._lock:
-                self.dropped[reason] += n
-
-    def error(self) -> None:
-        with self._lock:
-            self.errors += 1
-
-    def miss(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.not_captured[reason] += n
-
-    def not_captured_snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.not_captured)
-
-    def snapshot(self) -> tuple[int, int, dict[str, int]]:
-        with self._lock:
-            return self.captured, self.errors, dict(self.dropped)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def in_backward() -> bool:
@@ -148,7 +80,6 @@ class Capturer:
     ) -> None:
         self.config = config
         self.ident = ident
-        self._sink = sink
         self.counters = counters
         self.step = 0
         self.microbatch = 0
@@ -162,19 +93,21 @@ class Capturer:
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
         self.loss_microbatch: int | None = None
         """Microbatch of the last forward chunk whose loss has not been captured yet."""
-        self._captures: list[Capture] = []
-        self._f64: list[torch.Tensor] = []
-        self._i64: list[torch.Tensor] = []
+        self._payload_sites: dict[tuple[str, str, str], bool] = {}
+        """(phase, site, role) -> whether the `payload` globs ask for its bytes."""
+        self._layouts: dict[tuple, PieceLayout] = {}
+        """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
+        capture of a site and shape (invalidated when hook_modules learns column shards)."""
         self._logged: set[str] = set()
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
         self._column_shards: dict[str, tuple[int, int]] = {}
         """Module site -> (shards, coordinate) of a tensor-parallel output split by columns."""
-        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout]] = []
-        """Captures of the running hook (or parameter sweep) whose digests are not computed
-        yet: :meth:`_drain` digests them in one call before the hook returns to training."""
         self._digester = Digester(config.digest)
+        self._batches = Batcher(self._digester, config, sink, counters, self._failed)
+        """Captures of the running hook whose digests are not computed yet, and the batch
+        their rows go to: :meth:`_drain` digests them in one call before the hook returns."""
         self._phases = frozenset(config.phases)
         self._step_on = step_selected(config, self.step)
 
@@ -186,8 +119,15 @@ class Capturer:
         return self._step_on and phase in self._phases
 
     def _wants_payload(self, phase: str, site: str, role: str) -> bool:
-        globs = self.config.payload
-        return matches(f"{phase}:{site}", globs) or matches(f"{phase}:{site}:{role}", globs)
+        key = (phase, site, role)
+        wanted = self._payload_sites.get(key)
+        if wanted is None:
+            globs = self.config.payload
+            wanted = matches(f"{phase}:{site}", globs) or matches(f"{phase}:{site}:{role}", globs)
+            if len(self._payload_sites) >= MAX_CACHED_LAYOUTS:
+                self._payload_sites.clear()
+            self._payload_sites[key] = wanted
+        return wanted
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -205,6 +145,7 @@ class Capturer:
             shards = column_sharded_output(module, self.ident)
             if shards is not None:
                 self._column_shards[site] = shards
+                self._layouts.clear()
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -276,33 +217,38 @@ class Capturer:
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
                    layout: PieceLayout | None = None, role: str = "grad_output"):
-        def capture(grad):
-            self.capture(grad, phase="bwd", site=site, role=role, index=index,
-                         call=call, microbatch=mb, stage=stage, layout=layout)
-
+        capture = functools.partial(self._capture_grad, site, index, call, mb, stage, layout,
+                                    role)
         return self._backward_hook((step, mb, site, index, call, role), step, capture)
+
+    def _capture_grad(self, site: str, index: int, call: int, mb: int, stage: int,
+                      layout: PieceLayout | None, role: str, grad: torch.Tensor) -> None:
+        self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
+                          call=call, microbatch=mb, stage=stage, layout=layout)
+        self._drain()
 
     def _backward_hook(self, key: tuple, step: int, capture: Callable[[torch.Tensor], None]):
         """A tensor hook that captures the gradient once per key, keyed by the forward's step.
 
         Split backward (ZBV, DualPipeV) can run a tensor's hooks in both the input-gradient and
-        the weight-gradient action: one capture per key. Never raises into backward.
+        the weight-gradient action: one capture per key. Never raises into backward. (A
+        partial of one function disabled for torch.compile once: wrapping a closure per
+        registration cost tens of microseconds per hooked tensor.)
         """
-        def hook(grad):
-            try:
-                if grad is not None and key not in self._bwd_seen:
-                    self._bwd_seen.add(key)
-                    saved = self.step
-                    self.step = step
-                    try:
-                        capture(grad)
-                    finally:
-                        self.step = saved
-            except Exception as exc:
-                self._failed("backward hook", exc)
-            return None
+        return functools.partial(_run_backward_hook, self, key, step, capture)
 
-        return _not_traced(hook)
+    def _backward_hook_body(self, key: tuple, step: int, capture, grad) -> None:
+        try:
+            if grad is not None and key not in self._bwd_seen:
+                self._bwd_seen.add(key)
+                saved = self.step
+                self.step = step
+                try:
+                    capture(grad)
+                finally:
+                    self.step = saved
+        except Exception as exc:
+            self._failed("backward hook", exc)
 
     def _next_call(self, site: str) -> int:
         key = (self.microbatch, site)
@@ -408,12 +354,22 @@ class Capturer:
     def _plain_layout(self, t: torch.Tensor, phase: str, site: str,
                       replicate: bool | None) -> PieceLayout:
         shape = tuple(t.shape)
+        if phase == "input" and shape:
+            self._local_batch[(self.step, self.microbatch)] = shape[0]
+        key = (phase, site, shape, replicate)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._new_plain_layout(shape, phase, site, replicate)
+        return layout
+
+    def _new_plain_layout(self, shape: tuple[int, ...], phase: str, site: str,
+                          replicate: bool | None) -> PieceLayout:
         if phase in PER_STEP_PHASES:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
-        if phase == "input" and shape:
-            self._local_batch[(self.step, self.microbatch)] = shape[0]
         layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size)
         shards = self._column_shards.get(site) if phase in ("fwd", "bwd") else None
         if shards is not None and replicate is None:
@@ -462,65 +418,51 @@ class Capturer:
         self.counters.add_captured(1)
         if t is None:
             cap.is_none, cap.moments = True, False
-            self._captures.append(cap)
+            self._batches.add_none(cap)
             return
-        t = t.detach()
+        if type(t) is not torch.Tensor:
+            t = t.detach()  # a Parameter becomes a plain tensor, which the fused kernel reads
         local = t
-        if layout is None:
-            if _is_dtensor(t):
-                layout = dtensor_layout(t)
-                local = t.to_local()
-            else:
-                layout = self._plain_layout(t, phase, site, None)
-        elif _is_dtensor(t):
+        if _is_dtensor(t):
             local = t.to_local()
+            if layout is None:
+                layout = dtensor_layout(t)
+        elif layout is None:
+            layout = self._plain_layout(t, phase, site, None)
         cap.dtype = _dtype_name(local.dtype)
-        if local.is_complex():
-            local = torch.view_as_real(local)
+        if local.dtype.is_complex:  # the dtype attribute: Tensor.is_complex() is a dispatched call
+            local = torch.view_as_real(local.detach())
             layout = complex_real_layout(layout)
             cap.complex_as_real = True
             cap.dtype = _dtype_name(local.dtype)
         cap.layout = layout
         cap.moments = has_moments(local.dtype)
-        nbytes = local.numel() * local.element_size()
+        fused = self._digester.takes(local)
+        if not fused:
+            local = local.detach()  # the fused kernel reads the bytes; eager ops need no graph
+        payload_at = 0 if fused else None
+        nbytes = local.nbytes
         if ((0 < nbytes <= self.config.payload_max_bytes)
                 or (self.config.payload and self._wants_payload(phase, site, role))):
-            # A copy taken now: the tensor may be changed in place after the hook returns. On an
-            # accelerator the copy stays on the device (no sync here); the sender moves it.
-            cap.payload = (local.to("cpu", copy=True).contiguous() if local.device.type == "cpu"
-                           else local.detach().clone(memory_format=torch.contiguous_format))
-        self._pending.append((cap, local, layout))
+            # A copy taken now: the tensor may be changed in place after the hook returns. The
+            # fused kernel copies the bytes while it digests them; on an accelerator the copy
+            # stays on the device (no sync here) and the sender moves it.
+            if fused:
+                cap.payload = torch.empty(nbytes, dtype=torch.uint8)
+                payload_at = cap.payload.data_ptr()
+            elif local.is_cpu:
+                cap.payload = local.to("cpu", copy=True).contiguous()
+            else:
+                cap.payload = local.clone(memory_format=torch.contiguous_format)
+        self._batches.add(cap, local, layout, payload_at)
 
     def _drain(self) -> None:
-        """Digest the pending captures in one call and queue their rows. Never raises.
+        """Digest the pending captures in one call (agents/batching.py). Never raises.
 
         Runs before the hook that queued them returns, so no tensor can have been changed in
         place in between (an in-place ReLU after the module, the optimizer after the sweep).
         """
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        try:
-            rows = self._digester.digest([(t, layout) for _, t, layout in pending],
-                                         self.config.sketch_k)
-        except Exception:
-            # One bad piece must not cost its neighbours: digest them one at a time.
-            rows = []
-            for cap, t, layout in pending:
-                try:
-                    rows.extend(self._digester.digest([(t, layout)], self.config.sketch_k))
-                except Exception as exc:
-                    rows.append(None)
-                    self._failed(f"capture of {cap.site}", exc)
-        for (cap, _, _), row in zip(pending, rows):
-            if row is None:
-                continue
-            cap.row = len(self._f64)
-            self._f64.append(row[0])
-            self._i64.append(row[1])
-            self._captures.append(cap)
-        if len(self._f64) >= self.config.device_batch:
-            self.flush()
+        self._batches.drain()
 
     def capture_parameters(self, model: torch.nn.Module, *, grads: bool, stage: int = -1) -> None:
         """Capture every parameter's gradient (None recorded explicitly) or value."""
@@ -536,21 +478,8 @@ class Capturer:
         self.flush()
 
     def flush(self) -> None:
-        """Start one host transfer for the pending digests and hand the batch to the sender."""
-        self._drain()
-        if not self._captures:
-            return
-        captures, f64, i64 = self._captures, self._f64, self._i64
-        self._captures, self._f64, self._i64 = [], [], []
-        try:
-            if f64:
-                host_f64, host_i64, event = digest_batch_to_host(f64, i64)
-            else:
-                host_f64 = host_i64 = event = None
-            self._sink(HostBatch(captures, host_f64, host_i64, event))
-        except Exception as exc:
-            self.counters.drop("transfer_error", len(captures))
-            self._failed("host transfer", exc)
+        """Hand the pending digests to the sender (see Batcher.flush)."""
+        self._batches.flush()
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.counters.error()
@@ -593,6 +522,12 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
     return None
 
 
+@torch.compiler.disable
+def _run_backward_hook(capturer: Capturer, key: tuple, step: int, capture, grad) -> None:
+    """Tensor hooks run eagerly (see _not_traced); returns None: the gradient is unchanged."""
+    capturer._backward_hook_body(key, step, capture, grad)
+
+
 def _not_traced(hook):
     """Hooks run eagerly even inside a ``torch.compile``d model: traced, the agent's code would
     put guards on its own state (site names, data pointers, whether this step is captured) into
@@ -601,9 +536,16 @@ def _not_traced(hook):
     return torch.compiler.disable(hook)
 
 
+_DTENSOR: list = []
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
+    if type(t) is torch.Tensor:  # the common case, without the isinstance below
         return False
-    return isinstance(t, DTensor)
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without distributed
+            DTensor = ()
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])

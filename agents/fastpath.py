@@ -16,6 +16,7 @@ import torch
 
 from agents.digest import digest_piece
 from agents.layout import PieceLayout
+from agents.rows import RowBatch
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,12 @@ DIGEST_MODES = ("auto", "eager")
 """``auto``: the fused kernel where it applies; ``eager``: always the torch reference."""
 
 Rows = tuple[torch.Tensor, torch.Tensor]
+Piece = tuple[torch.Tensor, PieceLayout, int | None]
+"""A local tensor (complex ones viewed as real, with the real view's layout), its layout, and
+``None`` for the eager path, else (the caller checked :meth:`Digester.takes`) 0 or the address
+where the kernel also copies the piece's bytes. Eager pieces must be detached."""
+
+MAX_CACHED_MAPS = 4096
 
 
 class Digester:
@@ -37,35 +44,64 @@ class Digester:
 
             if cpu.load() is not None:  # else cpu.load() has logged the one warning
                 self._cpu = cpu
+        self._maps: dict[tuple, tuple[PieceLayout, int, bytes]] = {}
+        """(id(layout), shape, strides) -> (layout, base, descriptor tail): the index map and
+        descriptor of a piece are worked out once per site and shape, not per capture (the
+        layout is kept so that its id is not reused while cached)."""
 
     @property
     def fused(self) -> bool:
         """The fused CPU kernel is in use."""
         return self._cpu is not None
 
-    def digest(self, pieces: list[tuple[torch.Tensor, PieceLayout]], sketch_k: int) -> list[Rows]:
-        """``(f64 row, i64 row)`` per piece, in order; pieces are detached local tensors (complex
-        ones already viewed as real, with the real view's layout).
+    def takes(self, t: torch.Tensor) -> bool:
+        """The fused kernel digests this piece (and can copy its payload bytes while at it)."""
+        return self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex
 
-        Raises like digest_piece on a bad layout; the caller decides what a failure costs.
+    def digest(self, pieces: list[Piece], sketch_k: int, rows: RowBatch) -> list:
+        """Digest each piece; returns per piece the row of ``rows`` that holds its digest (an
+        int), its ``(f64, i64)`` rows on its device (pieces not on the CPU), or the exception
+        that failed it (a bad layout: the caller decides what a failure costs).
+
+        ``rows`` must have room for every piece. Pieces the kernel takes are digested in one
+        call, straight into ``rows``; the others one at a time by the eager reference.
         """
-        out: list[Rows | None] = [None] * len(pieces)
+        out: list = [None] * len(pieces)
         cpu = self._cpu
         fused_at: list[int] = []
-        tensors: list[torch.Tensor] = []
-        bases: list[int] = []
-        gstrides: list[int] = []
-        for i, (t, layout) in enumerate(pieces):
-            if cpu is not None and cpu.supports(t) and not t.is_complex():
-                base, gs = cpu.index_map(tuple(t.shape), layout)
-                fused_at.append(i)
-                tensors.append(t)
-                bases.append(base)
-                gstrides.extend(gs)
-            else:
-                out[i] = digest_piece(t, layout, sketch_k=sketch_k)
+        descs: list[bytes] = []
+        for i, (t, layout, payload) in enumerate(pieces):
+            try:
+                if payload is not None and cpu is not None:
+                    descs.append(self._descriptor(cpu, t, layout, payload))
+                    fused_at.append(i)
+                else:
+                    f64, i64 = digest_piece(t, layout, sketch_k=sketch_k)
+                    if f64.is_cpu:
+                        row = rows.reserve(1)
+                        rows.put(row, f64, i64)
+                        out[i] = row
+                    else:
+                        out[i] = (f64, i64)
+            except Exception as exc:
+                out[i] = exc
         if fused_at:
-            f64, i64 = cpu.digest_rows(tensors, bases, gstrides, sketch_k)
-            for j, i in enumerate(fused_at):
-                out[i] = (f64[j], i64[j])
-        return out  # type: ignore[return-value]
+            first = rows.reserve(len(fused_at))
+            try:
+                cpu.digest_into(descs, sketch_k, *rows.pointers(first))
+                for j, i in enumerate(fused_at):
+                    out[i] = first + j
+            except Exception as exc:
+                for i in fused_at:
+                    out[i] = exc
+        return out
+
+    def _descriptor(self, cpu, t: torch.Tensor, layout: PieceLayout, payload: int) -> bytes:
+        key = (id(layout), t.shape, t.stride())
+        hit = self._maps.get(key)
+        if hit is None or hit[0] is not layout:
+            base, gs = cpu.index_map(tuple(t.shape), layout)
+            if len(self._maps) >= MAX_CACHED_MAPS:
+                self._maps.clear()
+            hit = self._maps[key] = (layout, base, cpu.descriptor_tail(t, gs))
+        return cpu.descriptor(t, hit[1], hit[2], payload)

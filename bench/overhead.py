@@ -7,7 +7,10 @@ ratio is median(on) / median(off) per configuration: scale 1 and scale 8, each w
 `fwd,grad,loss,input` captures of examples/dsv3 (depth 4, logits payload) and with `bwd` added.
 
 The agent has no auditor address (spooling off): digests, host transfer and record building run,
-network I/O does not. One intra-op thread, as in bench/digest.py.
+network I/O does not. A third model with an agent whose batches are dropped before the sender
+(its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts, digests and row
+batches, without the sender thread's record building (agents/sender.py). One intra-op thread,
+as in bench/digest.py.
 """
 
 from __future__ import annotations
@@ -60,30 +63,43 @@ class _null:
         return False
 
 
-def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
-    """Median step CPU seconds with and without the agent, interleaved."""
-    off, on = _model(scale), _model(scale)
-    phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
-    agent = agents.attach(on, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
+def _attach(model: torch.nn.Module, phases: tuple[str, ...]):
+    agent = agents.attach(model, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
                           exclude=EXCLUDE, payload=PAYLOAD, spool_mode="off")
-    capture_input_tokens(agent, on)
+    capture_input_tokens(agent, model)
+    return agent
+
+
+def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
+    """Median step CPU seconds without the agent, with it, and with its batches dropped before
+    the sender ("capture only"), interleaved."""
+    off, on, capture_only = _model(scale), _model(scale), _model(scale)
+    phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
+    agent, quiet = _attach(on, phases), _attach(capture_only, phases)
+    quiet.capturer._sink = lambda batch: None
     data = batches(0, 0, MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN, ModelArgs().vocab_size)
     mbs = next(data)
-    _step(off, None, 0, mbs)  # warm-up both sides
+    _step(off, None, 0, mbs)  # warm-up every side
     _step(on, agent, 0, mbs)
-    t_off, t_on = [], []
+    _step(capture_only, quiet, 0, mbs)
+    t_off, t_on, t_capture = [], [], []
     for i in range(repeats):
         t_off.append(_step(off, None, i + 1, mbs))
         t_on.append(_step(on, agent, i + 1, mbs))
+        t_capture.append(_step(capture_only, quiet, i + 1, mbs))
     summary = agent.close(timeout=5.0)
+    quiet.close(timeout=5.0)
     params = sum(p.numel() for p in on.parameters())
-    return {"off": statistics.median(t_off), "on": statistics.median(t_on), "params": params,
+    return {"off": statistics.median(t_off), "on": statistics.median(t_on),
+            "capture_only": statistics.median(t_capture), "params": params,
             "captured": summary["captured"] / (repeats + 1), "errors": summary["errors"]}
 
 
 def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]:
     """Median CPU microseconds of one capture of a float32 tensor of `nbytes` (hook to rows
-    ready: layout, digest, row queued), with the fused kernel and with the eager digest."""
+    ready: layout, digest, row queued, payload copied), with the fused kernel and with the
+    eager digest. Batches are handed to a sink that drops them; the flush every
+    `device_batch` captures is in the mean, not in the median."""
     from agents.capture import Capturer, Counters
     from agents.config import AgentConfig
     from agents.identity import RankIdentity
@@ -91,15 +107,12 @@ def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]
     t = torch.randn(nbytes // 4)
     out = []
     for mode in ("auto", "eager"):
-        cap = Capturer(AgentConfig(digest=mode, device_batch=1 << 30), RankIdentity(),
-                       lambda batch: None, Counters())
+        cap = Capturer(AgentConfig(digest=mode), RankIdentity(), lambda batch: None, Counters())
         times = []
         for i in range(repeats):
             start = time.thread_time_ns()
             cap.capture(t, phase="fwd", site="x", index=i)
             times.append(time.thread_time_ns() - start)
-            if len(cap._f64) >= 512:
-                cap.flush()
         out.append(statistics.median(times) / 1e3)
     return out[0], out[1]
 
@@ -123,14 +136,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     fused_us, eager_us = capture_cost()
     print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
           f"{fused_us:.1f} us, eager {eager_us:.1f} us")
-    print("| scale | params | phases | captures/step | off (s) | on (s) | on/off |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print("| scale | params | phases | captures/step | off (s) | on (s) | on/off | "
+          "capture only/off |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for scale in (int(s) for s in args.scales.split(",")):
         for bwd in (False, True):
             r = measure(scale, bwd, repeats)
             phases = "fwd,grad,loss,input" + (",bwd" if bwd else "")
             print(f"| {scale} | {r['params'] / 1e6:.1f}M | {phases} | {r['captured']:.0f} | "
-                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x |", flush=True)
+                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x | "
+                  f"{r['capture_only'] / r['off']:.2f}x |", flush=True)
     return 0
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import struct
 import threading
-from array import array
 
 import torch
 
@@ -32,7 +32,7 @@ from agents.layout import PieceLayout
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Descriptor format this module writes; the library reports the one it reads."""
 
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -74,7 +74,8 @@ def load() -> ctypes.CDLL | None:
                 raise OSError(f"ABI {lib.numaudit_digest_abi()} != {ABI_VERSION}")
             fn = lib.numaudit_digest_batch
             fn.restype = ctypes.c_int64
-            fn.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            # The descriptor is passed as bytes (c_char_p: a pointer to the bytes' buffer).
+            fn.argtypes = (ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_void_p)
             _lib = lib
         except OSError as exc:
@@ -103,9 +104,9 @@ def supports(t: torch.Tensor) -> bool:
     RowwiseParallel output is, until its all-reduce is waited on: reading its data pointer
     crashed the process), so subclasses take the eager path, whose torch ops resolve them.
     """
-    if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() > MAX_DIMS:
+    if type(t) is not torch.Tensor or not t.is_cpu or t.dim() > MAX_DIMS:
         return False
-    if t.is_complex():
+    if t.dtype.is_complex:
         return t.dtype in (torch.complex64, torch.complex128, torch.complex32)
     return t.dtype in DTYPE_CODES
 
@@ -139,6 +140,44 @@ def real_view(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+_HEAD = struct.Struct("<5q")
+
+
+def descriptor_tail(t: torch.Tensor, gstrides) -> bytes:
+    """The part of a piece's descriptor fixed by its shape, strides and index map:
+    ``(size, stride, gstride)`` per dim (callers may cache it per shape and strides)."""
+    return struct.pack(f"<{3 * t.dim()}q", *[v for d in zip(t.shape, t.stride(), gstrides)
+                                             for v in d])
+
+
+def descriptor(t: torch.Tensor, base: int, tail: bytes, payload: int = 0) -> bytes:
+    """One piece's descriptor: ``[data, dtype, ndim, base, payload, tail]`` as int64s.
+
+    ``payload``: 0, or the address of ``t.numel() * t.element_size()`` writable bytes that the
+    kernel fills with the piece's elements in C order (the bytes of ``t.contiguous()``).
+    """
+    return _HEAD.pack(t.data_ptr(), DTYPE_CODES[t.dtype], t.dim(), base, payload) + tail
+
+
+def digest_into(descriptors: list[bytes], sketch_k: int, f64_ptr: int, i64_ptr: int) -> None:
+    """Run the kernel over ``descriptors``, writing ``len(descriptors)`` consecutive rows at the
+    addresses ``f64_ptr`` (float64 ``[n, 5 + k]``) and ``i64_ptr`` (int64 ``[n, 6]``).
+
+    The caller owns the memory and keeps every piece (and payload buffer) alive during the
+    call. Raises RuntimeError when the library is not loaded or rejects a descriptor.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"fused CPU digest unavailable: {_load_error}")
+    if sketch_k < 1 or sketch_k & (sketch_k - 1) or sketch_k > 1 << 24:
+        raise ValueError(f"sketch_k: {sketch_k} is not a power of two in [1, 2**24]")
+    n = len(descriptors)
+    if n:
+        bad = lib.numaudit_digest_batch(n, b"".join(descriptors), sketch_k, f64_ptr, i64_ptr)
+        if bad:
+            raise RuntimeError(f"pieces[{bad - 1}]: descriptor rejected by the kernel")
+
+
 def digest_rows(
     pieces: list[torch.Tensor], bases: list[int], gstrides: list[int], sketch_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,34 +186,22 @@ def digest_rows(
     ``pieces`` are CPU tensors of kernel dtypes (complex ones already viewed as real: callers
     check :func:`supports`); ``gstrides`` concatenates each piece's per-dim global strides.
     Raises RuntimeError when the library is not loaded or rejects a descriptor, ValueError on
-    inconsistent arguments. (Writing into preallocated row buffers instead of two fresh
-    tensors per call was measured slower here: the slicing cost more than the allocation.)
+    inconsistent arguments. (The agent writes rows straight into its batch's buffers with
+    :func:`digest_into` instead.)
     """
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"fused CPU digest unavailable: {_load_error}")
-    if sketch_k < 1 or sketch_k & (sketch_k - 1) or sketch_k > 1 << 24:
-        raise ValueError(f"sketch_k: {sketch_k} is not a power of two in [1, 2**24]")
     n = len(pieces)
-    desc: list[int] = []
+    descs: list[bytes] = []
     at = 0
     for t, base in zip(pieces, bases):
         nd = t.dim()
-        desc += (t.data_ptr(), DTYPE_CODES[t.dtype], nd, base)
-        for size, stride, g in zip(t.shape, t.stride(), gstrides[at:at + nd]):
-            desc += (size, stride, g)
+        descs.append(descriptor(t, base, descriptor_tail(t, gstrides[at:at + nd])))
         at += nd
     if len(bases) != n or at != len(gstrides):
         raise ValueError(f"gstrides/bases: {len(gstrides)} strides and {len(bases)} bases for "
                          f"{n} pieces of {at} dims in all")
     f64 = torch.empty((n, N_MOMENTS + sketch_k), dtype=torch.float64)
     i64 = torch.empty((n, 6), dtype=torch.int64)
-    if n:
-        buf = array("q", desc)
-        bad = lib.numaudit_digest_batch(n, buf.buffer_info()[0], sketch_k, f64.data_ptr(),
-                                        i64.data_ptr())
-        if bad:
-            raise RuntimeError(f"pieces[{bad - 1}]: descriptor rejected by the kernel")
+    digest_into(descs, sketch_k, f64.data_ptr(), i64.data_ptr())
     return f64, i64
 
 

@@ -236,6 +236,142 @@ inline void moments_block_avx2(const typename Elem<D>::T* xb, int64_t m, double*
   r.nonfinite += _mm256_movemask_pd(nonfinite) != 0;  // a flag: the caller classifies
   moments_block<D, true>(xb + j, 1, m - j, vals + j, r);
 }
+
+// splitmix64's finalizer on 4 x 64-bit lanes. AVX2 has no 64-bit multiply: z * c mod 2**64 is
+// lo(z) * lo(c) + ((hi(z) * lo(c) + lo(z) * hi(c)) << 32), three vpmuludq.
+struct Mix4 {
+  __m256i c1lo = _mm256_set1_epi64x((int64_t)(MIX_C1 & 0xFFFFFFFFULL));
+  __m256i c1hi = _mm256_set1_epi64x((int64_t)(MIX_C1 >> 32));
+  __m256i c2lo = _mm256_set1_epi64x((int64_t)(MIX_C2 & 0xFFFFFFFFULL));
+  __m256i c2hi = _mm256_set1_epi64x((int64_t)(MIX_C2 >> 32));
+};
+
+inline __m256i mul64c(__m256i z, __m256i clo, __m256i chi) {
+  const __m256i lo = _mm256_mul_epu32(z, clo);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(z, 32), clo),
+                                         _mm256_mul_epu32(z, chi));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+inline __m256i mix64x4(__m256i z, const Mix4& c) {
+  z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 30));
+  z = mul64c(z, c.c1lo, c.c1hi);
+  z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 27));
+  z = mul64c(z, c.c2lo, c.c2hi);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+inline __m256i fmix32x8(__m256i h) {
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)FMIX32_C1));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)FMIX32_C2));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+inline uint64_t hsum64(__m256i v) {
+  alignas(32) uint64_t l[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l), v);
+  return l[0] + l[1] + l[2] + l[3];
+}
+
+// A contiguous block of a 16- or 32-bit float type in one loop of 8 elements per step: the
+// fingerprint (two 4-lane halves, keys advanced by addition), the bucket hash, and the moments
+// on float32 lanes (min/max/zeros/finiteness are exact there; only the sums need float64).
+// Writes buckets[] and vals[] (finite values as double) for the scatter; returns the block's
+// fingerprint sum. The tail of m % 8 elements goes to the portable loops.
+template <int64_t D>
+inline uint64_t narrow_block_avx2(const typename Elem<D>::T* xb, int64_t m, uint64_t kb,
+                                  uint64_t key_step, uint32_t hb, uint32_t h_step,
+                                  uint32_t mask2k, uint32_t copy_stride, double* vals,
+                                  uint32_t* buckets, Moments& r) {
+  using E = Elem<D>;
+  const Mix4 c;
+  __m256i key0 = _mm256_set_epi64x((int64_t)(kb + 3 * key_step), (int64_t)(kb + 2 * key_step),
+                                   (int64_t)(kb + key_step), (int64_t)kb);
+  __m256i key1 = _mm256_add_epi64(key0, _mm256_set1_epi64x((int64_t)(4 * key_step)));
+  const __m256i key_step8 = _mm256_set1_epi64x((int64_t)(8 * key_step));
+  __m256i h = _mm256_add_epi32(
+      _mm256_set1_epi32((int32_t)hb),
+      _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm256_set1_epi32((int32_t)h_step)));
+  const __m256i h_step8 = _mm256_set1_epi32((int32_t)(8 * h_step));
+  const __m256i mask = _mm256_set1_epi32((int32_t)mask2k);
+  const int32_t cs = (int32_t)copy_stride;
+  const __m256i copy_at = _mm256_set_epi32(3 * cs, 2 * cs, cs, 0, 3 * cs, 2 * cs, cs, 0);
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 zero = _mm256_setzero_ps();
+  __m256i fp0 = _mm256_setzero_si256(), fp1 = _mm256_setzero_si256();
+  __m256i zeros = _mm256_setzero_si256();
+  __m256 lo = inf, hi = ninf, allfinite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  __m256d s0 = _mm256_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
+  int64_t j = 0;
+  for (; j + 8 <= m; j += 8) {
+    __m256i b0, b1;
+    __m256 v;
+    if constexpr (D == F32) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + j));
+      b0 = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(raw));
+      b1 = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(raw, 1));
+      v = _mm256_castsi256_ps(raw);
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + j));
+      b0 = _mm256_cvtepu16_epi64(raw);
+      b1 = _mm256_cvtepu16_epi64(_mm_srli_si128(raw, 8));
+      if constexpr (D == BF16)
+        v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      else
+        v = _mm256_cvtph_ps(raw);
+    }
+    fp0 = _mm256_add_epi64(fp0, mix64x4(_mm256_xor_si256(key0, b0), c));
+    fp1 = _mm256_add_epi64(fp1, mix64x4(_mm256_xor_si256(key1, b1), c));
+    key0 = _mm256_add_epi64(key0, key_step8);
+    key1 = _mm256_add_epi64(key1, key_step8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + j),
+                        _mm256_add_epi32(_mm256_and_si256(fmix32x8(h), mask), copy_at));
+    h = _mm256_add_epi32(h, h_step8);
+    const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), inf, _CMP_LT_OQ);
+    allfinite = _mm256_and_ps(allfinite, fin);
+    zeros = _mm256_sub_epi32(zeros, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));
+    lo = _mm256_min_ps(lo, _mm256_blendv_ps(inf, v, fin));
+    hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
+    const __m256 f = _mm256_and_ps(v, fin);
+    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+    s0 = _mm256_add_pd(s0, d0);
+    s1 = _mm256_add_pd(s1, d1);
+    ss0 = _mm256_fmadd_pd(d0, d0, ss0);
+    ss1 = _mm256_fmadd_pd(d1, d1, ss1);
+    _mm256_storeu_pd(vals + j, d0);
+    _mm256_storeu_pd(vals + j + 4, d1);
+  }
+  uint64_t fp = hsum64(_mm256_add_epi64(fp0, fp1));
+  alignas(32) float l[8], u[8];
+  alignas(32) int32_t z[8];
+  alignas(32) double a[4], q[4];
+  _mm256_store_ps(l, lo);
+  _mm256_store_ps(u, hi);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(z), zeros);
+  _mm256_store_pd(a, _mm256_add_pd(s0, s1));
+  _mm256_store_pd(q, _mm256_add_pd(ss0, ss1));
+  for (int i = 0; i < 8; ++i) {
+    r.lo = l[i] < r.lo ? l[i] : r.lo;
+    r.hi = u[i] > r.hi ? u[i] : r.hi;
+    r.zeros += z[i];
+  }
+  r.s += (a[0] + a[1]) + (a[2] + a[3]);
+  r.ss += (q[0] + q[1]) + (q[2] + q[3]);
+  r.nonfinite += _mm256_movemask_ps(allfinite) != 0xFF;  // a flag: the caller classifies
+  uint64_t key = kb + (uint64_t)j * key_step;
+  for (int64_t t = j; t < m; ++t, key += key_step) {
+    fp += mix64(key ^ E::bits(xb[t]));
+    buckets[t] = (fmix32(hb + (uint32_t)t * h_step) & mask2k) + (uint32_t)(t & 3) * copy_stride;
+  }
+  moments_block<D, true>(xb + j, 1, m - j, vals + j, r);
+  return fp;
+}
 #endif
 
 // One run of n elements at x[j * ts], global flat indices g0 + j * gs, all with the same
@@ -248,6 +384,7 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
   alignas(64) double vals[BLOCK];
   alignas(64) uint32_t buckets[BLOCK];
   const double inf = std::numeric_limits<double>::infinity();
+  const uint32_t copy_stride = a.copies == SKETCH_COPIES ? (uint32_t)(2 * a.k) : 0;
   for (int64_t b = 0; b < n; b += BLOCK) {
     const int64_t m = n - b < BLOCK ? n - b : BLOCK;
     const typename E::T* xb = x + (CONTIG ? b : b * ts);
@@ -255,20 +392,36 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
     const uint32_t hb = h0 + (uint32_t)b * h_step;
     uint64_t fp = 0;
     const uint32_t mask2k = a.mask2k;
-    // Separate loops over the block (in L1 after the first): GCC vectorizes loops of one
-    // lane width well and loops mixing 64-bit integers, doubles and 32-bit lanes badly.
-#pragma omp simd reduction(+ : fp)
-    for (int64_t j = 0; j < m; ++j)
-      fp += mix64((kb + (uint64_t)j * key_step) ^ E::bits(xb[CONTIG ? j : j * ts]));
-#pragma omp simd
-    for (int64_t j = 0; j < m; ++j) buckets[j] = fmix32(hb + (uint32_t)j * h_step) & mask2k;
     Moments r;
+    // Element j adds into copy j % 4 of the sketch (one copy for small pieces): the copy's
+    // offset is folded into buckets[j], so the scatter is one load-add-store per element.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (CONTIG)
-      moments_block_avx2<D>(xb, m, vals, r);
-    else
+    if constexpr (CONTIG && D != F64) {
+      fp = narrow_block_avx2<D>(xb, m, kb, key_step, hb, h_step, mask2k, copy_stride, vals,
+                                buckets, r);
+    } else
 #endif
-      moments_block<D, CONTIG>(xb, ts, m, vals, r);
+    {
+      // Separate loops over the block (in L1 after the first): GCC vectorizes loops of one
+      // lane width well and loops mixing 64-bit integers, doubles and 32-bit lanes badly.
+      // The key is an induction variable: written as kb + j * key_step, GCC vectorizes a
+      // 64-bit multiply per element (three vpmuludq on AVX2) instead of an add.
+      uint64_t key = kb;
+#pragma omp simd reduction(+ : fp)
+      for (int64_t j = 0; j < m; ++j) {
+        fp += mix64(key ^ E::bits(xb[CONTIG ? j : j * ts]));
+        key += key_step;
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < m; ++j)
+        buckets[j] = (fmix32(hb + (uint32_t)j * h_step) & mask2k) + (uint32_t)(j & 3) * copy_stride;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      if (CONTIG)
+        moments_block_avx2<D>(xb, m, vals, r);
+      else
+#endif
+        moments_block<D, CONTIG>(xb, ts, m, vals, r);
+    }
     a.fp += fp;
     a.zeros += r.zeros;
     a.sum += r.s;
@@ -286,13 +439,12 @@ void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key
     // SKETCH_COPIES interleaved copies of the buckets: consecutive adds that hit one bucket
     // would otherwise wait on each other's store; all copies together stay in L1.
     double* sk = a.sketch2;
-    const int64_t stride = 2 * a.k;
     int64_t j = 0;
-    for (; a.copies == SKETCH_COPIES && j + 4 <= m; j += 4) {
+    for (; j + 4 <= m; j += 4) {
       sk[buckets[j]] += vals[j];
-      sk[stride + buckets[j + 1]] += vals[j + 1];
-      sk[2 * stride + buckets[j + 2]] += vals[j + 2];
-      sk[3 * stride + buckets[j + 3]] += vals[j + 3];
+      sk[buckets[j + 1]] += vals[j + 1];
+      sk[buckets[j + 2]] += vals[j + 2];
+      sk[buckets[j + 3]] += vals[j + 3];
     }
     for (; j < m; ++j) sk[buckets[j]] += vals[j];
   }
@@ -304,11 +456,13 @@ void int_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key0,
   using E = Elem<D>;
   uint64_t fp = 0;
   int64_t zeros = 0;
+  uint64_t key = key0;  // an induction variable: see float_run
 #pragma omp simd reduction(+ : fp, zeros)
   for (int64_t j = 0; j < n; ++j) {
     const typename E::T raw = x[CONTIG ? j : j * ts];
-    fp += mix64((key0 + (uint64_t)j * key_step) ^ E::bits(raw));
+    fp += mix64(key ^ E::bits(raw));
     zeros += raw == 0;
+    key += key_step;
   }
   a.fp += fp;
   a.zeros += zeros;
@@ -383,23 +537,42 @@ void split_run(RunFn fn, const char* p, int64_t ts, int64_t itemsz, int64_t n, u
   }
 }
 
-// Digest one piece described by `desc`: [data, dtype, ndim, gbase, (size, tstride, gstride) x
-// ndim], strides in elements, dims outermost first. Returns the number of int64s consumed, or
-// -1 for a bad descriptor (the row is then left untouched).
+// Copy one run of n elements at p[j * ts] to dst, packed (the piece's payload bytes).
+void copy_run(const char* p, int64_t ts, int64_t itemsz, int64_t n, char* dst) {
+  if (ts == 1) {
+    std::memcpy(dst, p, n * itemsz);
+    return;
+  }
+  const int64_t step = ts * itemsz;
+  switch (itemsz) {
+    case 1: for (int64_t j = 0; j < n; ++j) dst[j] = p[j * step]; break;
+    case 2: for (int64_t j = 0; j < n; ++j) std::memcpy(dst + 2 * j, p + j * step, 2); break;
+    case 4: for (int64_t j = 0; j < n; ++j) std::memcpy(dst + 4 * j, p + j * step, 4); break;
+    default: for (int64_t j = 0; j < n; ++j) std::memcpy(dst + 8 * j, p + j * step, 8); break;
+  }
+}
+
+// Digest one piece described by `desc`: [data, dtype, ndim, gbase, payload, (size, tstride,
+// gstride) x ndim], strides in elements, dims outermost first. `payload`, when not 0, is where
+// the piece's elements are also copied to, packed in C order (the bytes of a contiguous copy).
+// Returns the number of int64s consumed, or -1 for a bad descriptor (the row is then left
+// untouched).
 int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
                    double* sketch2) {
   const char* data = reinterpret_cast<const char*>(desc[0]);
   const int64_t dtype = desc[1];
   const int64_t ndim_in = desc[2];
   const uint64_t gbase = (uint64_t)desc[3];
-  const int64_t used = 4 + 3 * ndim_in;
+  char* payload = reinterpret_cast<char*>(desc[4]);
+  constexpr int64_t HEAD = 5;
+  const int64_t used = HEAD + 3 * ndim_in;
   const RunFn fn = run_for(dtype);
   if (!fn || ndim_in < 0 || ndim_in > MAX_DIMS) return -1;
   // Merge dims that are contiguous in both the tensor and the logical tensor; drop size 1.
   int64_t size[MAX_DIMS], ts[MAX_DIMS], gs[MAX_DIMS];
   int64_t nd = 0, numel = 1;
   for (int64_t d = 0; d < ndim_in; ++d) {
-    const int64_t s = desc[4 + 3 * d], t = desc[5 + 3 * d], g = desc[6 + 3 * d];
+    const int64_t s = desc[HEAD + 3 * d], t = desc[HEAD + 1 + 3 * d], g = desc[HEAD + 2 + 3 * d];
     numel *= s;
     if (s == 1) continue;
     if (nd && ts[nd - 1] == s * t && gs[nd - 1] == s * g) {
@@ -425,6 +598,7 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
     const int64_t itemsz = itemsize(dtype);
     if (nd == 0) {  // one element
       split_run(fn, data, 1, itemsz, 1, gbase, 1, a);
+      if (payload) std::memcpy(payload, data, itemsz);
     } else {
       // Odometer over the outer dims; the innermost dim is one run.
       int64_t coord[MAX_DIMS] = {0};
@@ -438,6 +612,10 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
         }
         split_run(fn, data + off * itemsz, ts[inner], itemsz, size[inner], g,
                   (uint64_t)gs[inner], a);
+        if (payload) {
+          copy_run(data + off * itemsz, ts[inner], itemsz, size[inner], payload);
+          payload += size[inner] * itemsz;
+        }
         int64_t d = inner - 1;
         while (d >= 0 && ++coord[d] == size[d]) coord[d--] = 0;
         if (d < 0) break;

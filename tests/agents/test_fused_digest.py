@@ -18,6 +18,7 @@ from agents.digest import N_MOMENTS, _digest
 from agents.fastpath import Digester
 from agents.kernels import build, cpu
 from agents.layout import PieceLayout, batch_layout, complex_real_layout
+from agents.rows import RowBatch
 
 K = 16
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -147,10 +148,43 @@ def test_complex_with_either_layout():
 def test_batch_call_equals_one_call_per_piece():
     items = [(_values(d, (5, 7), i, [i]), PieceLayout.full((5, 7)))
              for i, d in enumerate(FLOATS + INTS)]
-    rows = Digester("auto").digest(items, K)
-    for (t, layout), (f64, i64) in zip(items, rows):
+    rows = RowBatch(len(items) + 3, K)
+    rows.reserve(2)  # the batch's rows land after those already in it
+    got = Digester("auto").digest([(t, layout, 0) for t, layout in items], K, rows)
+    assert got == list(range(2, 2 + len(items)))
+    f64, i64 = rows.rows()
+    for (t, layout), r in zip(items, got):
         one64, one_i64 = cpu.digest_piece_fused(t, layout, sketch_k=K)
-        assert torch.equal(i64, one_i64) and torch.equal(f64, one64)
+        assert torch.equal(i64[r], one_i64) and torch.equal(f64[r], one64)
+
+
+def _payload_via_kernel(t: torch.Tensor, layout: PieceLayout) -> torch.Tensor:
+    """The payload bytes the kernel copies while digesting ``t`` (a real or real-viewed piece)."""
+    out = torch.full((t.numel() * t.element_size() + 8,), 0xA5, dtype=torch.uint8)
+    rows = RowBatch(1, K)
+    got = Digester("auto").digest([(t, layout, out.data_ptr())], K, rows)
+    assert got == [0]
+    assert torch.equal(out[-8:], torch.full((8,), 0xA5, dtype=torch.uint8))  # nothing past the end
+    return out[:-8]
+
+
+@PROFILE
+@given(pieces())
+def test_payload_copied_by_the_kernel_is_the_contiguous_bytes(piece):
+    t, layout = piece
+    if t.is_complex():
+        t, layout = torch.view_as_real(t), complex_real_layout(layout)
+    want = t.contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(_payload_via_kernel(t, layout), want)
+
+
+def test_payload_of_expanded_and_size_one_pieces():
+    t = torch.arange(3, dtype=torch.float32).reshape(3, 1).expand(3, 4)  # stride 0
+    layout = PieceLayout.full((3, 4))
+    assert torch.equal(_payload_via_kernel(t, layout), t.contiguous().view(torch.uint8).reshape(-1))
+    u = _values(torch.bfloat16, (1, 5, 1), 1, [])
+    assert torch.equal(_payload_via_kernel(u, PieceLayout((10,), (5,), (5,))),
+                       u.contiguous().reshape(-1).view(torch.uint8))
 
 
 def test_op_is_registered_with_a_fake_implementation():
@@ -176,9 +210,10 @@ def test_stale_library_is_refused_with_one_warning(tmp_path, monkeypatch, caplog
     assert not digester.fused
     assert sum("eager path" in r.message for r in caplog.records) == 1
     t = _values(torch.float32, (6,), 0, [])
-    (f64, i64), = digester.digest([(t, PieceLayout.full((6,)))], K)
+    rows = RowBatch(1, K)
+    assert digester.digest([(t, PieceLayout.full((6,)), 0)], K, rows) == [0]
     ref64, ref_i64 = _digest(t, PieceLayout.full((6,)), K, sync_free=None)
-    assert torch.equal(i64, ref_i64)
+    assert torch.equal(rows.i64[0], ref_i64)  # the eager row, copied into the batch
 
 
 def test_rejects_bad_k_and_bad_layout():

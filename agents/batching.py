@@ -1,0 +1,194 @@
+"""Captures and their batches: what a hook hands over, digested in one call per hook, and
+delivered to the sender a batch of rows at a time.
+
+:class:`Batcher` owns the captures queued by the running hook (or parameter sweep) and the batch
+their rows go to. :meth:`Batcher.drain` digests the queue in one call before the hook returns
+(agents/fastpath.py): pieces the fused kernel takes are written straight into the host batch's
+row buffers (agents/rows.py), rows computed on an accelerator are kept apart and sent to the
+host in one asynchronous copy per batch. :meth:`Batcher.flush` hands both to the sink (the
+sender) as :class:`HostBatch` es. Nothing here raises into training: failures go to the
+capturer's ``failed`` callback, which counts and logs them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from agents.config import AgentConfig
+from agents.digest import digest_batch_to_host
+from agents.fastpath import Digester
+from agents.layout import PieceLayout
+from agents.rows import RowBatch
+
+MAX_BATCH_ROWS = 1024
+"""Host rows per batch at most (2 MiB at k = 256), whatever `device_batch` says."""
+
+
+@dataclass(slots=True)
+class Capture:
+    """Host-side metadata of one captured piece; its digest rows travel in the HostBatch."""
+
+    step: int
+    microbatch: int
+    phase: int
+    site: str
+    role: int
+    index: int
+    call: int
+    stage: int
+    layout: PieceLayout | None
+    dtype: str
+    is_none: bool = False
+    moments: bool = True
+    complex_as_real: bool = False
+    row: int = -1
+    """Row of this capture's digest in the batch's tensors; -1 for None captures."""
+    payload: torch.Tensor | None = None
+    """A host copy of the piece when its bytes travel too."""
+
+
+@dataclass
+class HostBatch:
+    """Captures whose digests were stacked and sent to the host in one transfer."""
+
+    captures: list[Capture]
+    f64: torch.Tensor | None
+    i64: torch.Tensor | None
+    ready: object = None
+    """A CUDA event to synchronize on before reading f64/i64; None on CPU."""
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class Counters:
+    """Thread-safe counts the agent reports at close."""
+
+    def __init__(self) -> None:
+        # Re-entrant: a SIGTERM handler may close the agent on the training thread while that
+        # thread is inside one of these methods.
+        self._lock = threading.RLock()
+        self.captured = 0
+        self.errors = 0
+        self.dropped: Counter[str] = Counter()
+        self.not_captured: Counter[str] = Counter()
+        """Captures that could not be made at all, by reason (not part of `captured`)."""
+
+    def add_captured(self, n: int) -> None:
+        with self._lock:
+            self.captured += n
+
+    def drop(self, reason: str, n: int) -> None:
+        if n:
+            with self._lock:
+                self.dropped[reason] += n
+
+    def error(self) -> None:
+        with self._lock:
+            self.errors += 1
+
+    def miss(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.not_captured[reason] += n
+
+    def not_captured_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.not_captured)
+
+    def snapshot(self) -> tuple[int, int, dict[str, int]]:
+        with self._lock:
+            return self.captured, self.errors, dict(self.dropped)
+
+
+class Batcher:
+    """The pending captures of one hook and the batches their digests go to (one per rank,
+    owned by the training thread)."""
+
+    def __init__(self, digester: Digester, config: AgentConfig, sink: Callable[[HostBatch], None],
+                 counters: Counters, failed: Callable[[str, Exception], None]) -> None:
+        self._digester = digester
+        self._sketch_k = config.sketch_k
+        self._batch = min(config.device_batch, MAX_BATCH_ROWS)
+        self._sink = sink
+        self._counters = counters
+        self._failed = failed
+        self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int | None]] = []
+        self._captures: list[Capture] = []
+        """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
+        self._rows: RowBatch | None = None
+        self._dev_captures: list[Capture] = []
+        """Captures whose rows are on an accelerator (`_dev_f64`, `_dev_i64`)."""
+        self._dev_f64: list[torch.Tensor] = []
+        self._dev_i64: list[torch.Tensor] = []
+
+    def add(self, cap: Capture, t: torch.Tensor, layout: PieceLayout,
+            payload_at: int | None) -> None:
+        """Queue a piece for the next :meth:`drain` (``payload_at``: see fastpath.Piece)."""
+        self._pending.append((cap, t, layout, payload_at))
+
+    def add_none(self, cap: Capture) -> None:
+        """A capture without a tensor (None, recorded as such): no digest, no row."""
+        self._captures.append(cap)
+
+    def drain(self) -> None:
+        """Digest the pending captures in one call and queue their rows. Never raises."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        try:
+            rows = self._rows
+            if rows is None or rows.room() < len(pending):
+                self._flush_host()
+                rows = self._rows = RowBatch(max(len(pending), self._batch), self._sketch_k)
+            results = self._digester.digest([p[1:] for p in pending], self._sketch_k, rows)
+        except Exception as exc:
+            for cap, *_ in pending:
+                self._failed(f"capture of {cap.site}", exc)
+            return
+        for (cap, *_), res in zip(pending, results):
+            if type(res) is int:
+                cap.row = res
+                self._captures.append(cap)
+            elif isinstance(res, Exception):
+                self._failed(f"capture of {cap.site}", res)
+            else:  # rows on an accelerator
+                cap.row = len(self._dev_f64)
+                self._dev_f64.append(res[0])
+                self._dev_i64.append(res[1])
+                self._dev_captures.append(cap)
+        if rows.n >= self._batch or len(self._dev_f64) >= self._batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the pending digests to the sink: the host batch as it is, and the rows kept on
+        an accelerator after starting their one transfer to the host."""
+        self.drain()
+        self._flush_host()
+        if not self._dev_captures:
+            return
+        captures, f64, i64 = self._dev_captures, self._dev_f64, self._dev_i64
+        self._dev_captures, self._dev_f64, self._dev_i64 = [], [], []
+        try:
+            host_f64, host_i64, event = digest_batch_to_host(f64, i64)
+            self._sink(HostBatch(captures, host_f64, host_i64, event))
+        except Exception as exc:
+            self._counters.drop("transfer_error", len(captures))
+            self._failed("host transfer", exc)
+
+    def _flush_host(self) -> None:
+        captures, rows = self._captures, self._rows
+        self._captures, self._rows = [], None
+        if not captures:
+            return
+        try:
+            f64, i64 = rows.rows() if rows is not None and rows.n else (None, None)
+            self._sink(HostBatch(captures, f64, i64, None))
+        except Exception as exc:
+            self._counters.drop("transfer_error", len(captures))
+            self._failed("host transfer", exc)
