@@ -22,8 +22,9 @@ one message each (an agent of an earlier build). `--server-root` runs the daemon
 checkout (e.g. an export of an older commit) for a before/after comparison.
 
 Printed per configuration: records/s and MB/s of record bytes (the serialized records on the
-wire) from the first send to the last ack, ack latency p50/p99 (send of a batch to its ack) and
-the load average. Under load the ack latency is mostly queueing (Little's law: sessions x window
+wire) from the first send to the last ack, ack latency p50/p99 (send of a batch to its ack), the
+load average, and the CPU seconds the daemons and the client processes used while streaming
+(the clients share the machine's cores with the daemons). Under load the ack latency is mostly queueing (Little's law: sessions x window
 batches in flight at the measured rate); for one batch's latency use `--sessions 2 --window 1`.
 """
 
@@ -159,13 +160,15 @@ def _client(address: str, run: str, ranks: list[int], world: int, args: dict,
         t.start()
     ready.wait()  # every client has built its batches
     start.wait()
+    cpu0 = time.process_time()
     for t in threads:
         t.join()
+    cpu = time.process_time() - cpu0  # this process's share of the machine while streaming
     for r in ranks:
         o = outs[r]
         results.put(dict(rank=r, t0=o["t0"], t1=o["t1"], latencies=o["latencies"],
                          stored=o["stored"], records=args["batches"] * args["batch"],
-                         record_bytes=built[r][2]))
+                         record_bytes=built[r][2], client_cpu=cpu / len(ranks)))
 
 
 @contextmanager
@@ -192,6 +195,15 @@ def _daemon(store: str, args: argparse.Namespace, tmp: Path, i: int):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -228,6 +240,7 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
                                                    results)) for rs in ranks]
         for p in procs:
             p.start()
+        daemon_cpu0 = sum(_cpu_seconds(d.pid) for _, d in daemons)
         outs = []
         while len(outs) < args.sessions:
             try:
@@ -237,6 +250,7 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
                         or any(d.poll() is not None for _, d in daemons)):
                     raise RuntimeError("a client or a daemon failed; see the output above")
         load = os.getloadavg()[0]
+        daemon_cpu = sum(_cpu_seconds(d.pid) for _, d in daemons) - daemon_cpu0
         for p in procs:
             p.join(60)
     t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
@@ -248,7 +262,8 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
                 stored=stored, seconds=t1 - t0, records_s=records / (t1 - t0),
                 mb_s=nbytes / (t1 - t0) / 1e6, bytes_per_record=nbytes / records,
                 p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
-                load=load)
+                load=load, daemon_cpu=daemon_cpu,
+                client_cpu=sum(o["client_cpu"] for o in outs))
 
 
 def main(argv=None) -> int:
@@ -292,7 +307,8 @@ def main(argv=None) -> int:
                           f"{r['records_s']:>9,.0f} records/s {r['mb_s']:7.1f} MB/s "
                           f"({r['bytes_per_record']:.0f} B/record)  ack p50 {r['p50_ms']:.1f} ms "
                           f"p99 {r['p99_ms']:.1f} ms  stored {r['stored']}  "
-                          f"load {r['load']:.1f}", flush=True)
+                          f"load {r['load']:.1f}  CPU s: daemons {r['daemon_cpu']:.1f}, clients "
+                          f"{r['client_cpu']:.1f}", flush=True)
     return 0
 
 
