@@ -266,6 +266,83 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
                 client_cpu=sum(o["client_cpu"] for o in outs))
 
 
+_SEGMENT_SCHEMA = """
+CREATE TABLE segments (segment INTEGER PRIMARY KEY, run_id INTEGER, session_id TEXT, seq INTEGER,
+                       n INTEGER, columns BLOB);
+CREATE TABLE keys (run_id INTEGER, step INTEGER, microbatch INTEGER, phase INTEGER,
+                   site_id INTEGER, role INTEGER, idx INTEGER, call INTEGER, rank INTEGER,
+                   content_hash BLOB, segment INTEGER, row INTEGER,
+                   PRIMARY KEY (run_id, step, microbatch, phase, site_id, role, idx, call, rank))
+                   WITHOUT ROWID;
+"""
+
+
+def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None:
+    """The store's share of a batch, in this process: rows as `Store.ingest_columns` writes them
+    (`record_rows` + `insert_rows` into `records`) against a columnar-segment layout that is
+    NOT the store's (one row per batch holding the packed columns as received, plus a narrow
+    WITHOUT ROWID key table that keeps (run, key, rank) unique with the content hash for
+    conflicts). Same batches, group commits of `group` batches, synchronous=FULL; wall and
+    this thread's CPU per batch, and bytes per record on disk after a checkpoint."""
+    import itertools
+
+    from auditor.daemon.validate import validate_batch
+    from auditor.store.rows import insert_rows, record_rows
+    from auditor.store.sqlite import connect
+    from protos import numaudit_pb2 as pb
+    from wire.packed import content_hashes
+
+    per = n_batches // 8
+    batches = []
+    for s in range(8):
+        for data in build_batches(s, per, batch, k, "packed", f"s{s}")[0]:
+            msg = pb.RecordBatch.FromString(data)
+            cols = validate_batch(msg)
+            batches.append((s, cols, content_hashes(cols), msg.packed.SerializeToString()))
+    sites = list(range(1, 257))
+    one = "(" + ",".join("?" * 12) + ")"
+
+    def rows(conn, i):
+        rank, cols, hashes, _ = batches[i]
+        insert_rows(conn, record_rows(cols, sites, 1, rank, hashes, f"s{rank}", i, 0.0))
+
+    def segment(conn, i):
+        rank, cols, hashes, packed = batches[i]
+        c = cols.cols
+        seg = conn.execute("INSERT INTO segments (run_id, session_id, seq, n, columns)"
+                           " VALUES (1, ?, ?, ?, ?)", (f"s{rank}", i, cols.n, packed)).lastrowid
+        keys = list(zip([1] * cols.n, c["step"].tolist(), c["microbatch"].tolist(),
+                        c["phase"].tolist(), np.asarray(sites)[c["site"]].tolist(),
+                        c["role"].tolist(), c["index"].tolist(), c["call"].tolist(),
+                        [rank] * cols.n, hashes, [seg] * cols.n, range(cols.n)))
+        for j in range(0, len(keys), 256):
+            part = keys[j:j + 256]
+            conn.execute(f"INSERT INTO keys VALUES {','.join([one] * len(part))}"
+                         " ON CONFLICT DO NOTHING", list(itertools.chain.from_iterable(part)))
+
+    with tempfile.TemporaryDirectory(prefix="numaudit-probe-") as d:
+        for rep in range(2):
+            for label, write, schema in (("rows", rows, ""), ("segments", segment,
+                                                              _SEGMENT_SCHEMA)):
+                path = Path(d) / f"{label}{rep}.db"
+                conn = connect(path, synchronous="FULL")
+                conn.executescript(schema)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for g in range(0, len(batches), group):
+                    conn.execute("BEGIN IMMEDIATE")
+                    for i in range(g, min(g + group, len(batches))):
+                        write(conn, i)
+                    conn.execute("COMMIT")
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.close()
+                n = len(batches) * batch
+                print(f"  store probe k={k:<4} {label:<9} {1e3 * wall / len(batches):6.2f} ms "
+                      f"wall {1e3 * cpu / len(batches):6.2f} ms CPU per batch: "
+                      f"{n / wall:>9,.0f} records/s, {n / cpu:>9,.0f} per CPU-second; "
+                      f"{path.stat().st_size / n:5.0f} B/record on disk", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ingest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,7 +363,14 @@ def main(argv=None) -> int:
     parser.add_argument("--sync", default="full", choices=["full", "normal"],
                         help="the daemons' --sync (durability of an acked batch)")
     parser.add_argument("--server-root", default=str(ROOT))
+    parser.add_argument("--store-probe", action="store_true", help="instead: the SQLite "
+                        "store's share of a batch, rows as stored today against a columnar-"
+                        "segment layout (in this process; see store_probe)")
     args, _ = parser.parse_known_args(argv)
+    if args.store_probe:
+        for k in args.k:
+            store_probe(k, args.batch)
+        return 0
     if args.batches is None:
         args.batches = 10 if args.quick else 40
     pg = bool(args.store and "://" in args.store)
