@@ -6,8 +6,7 @@ a session's batches by its row lock, names and ids by unique constraints; see
 `auditor.store.postgres`). Each connection's thread takes what is queued (up to
 `MAX_ITEMS_PER_TRANSACTION` items) and commits it as one transaction, each item in a savepoint of
 its own, so one failing item rolls back alone, as the SQLite writer does (both share
-`auditor.store.work_queue`); futures resolve after
-the commit. A transaction that loses a race to another replica, or whose connection broke (a
+`auditor.store.work_queue`); futures resolve after the commit. A transaction that loses a race to another replica, or whose connection broke (a
 database restart), is rolled back and its items run again, one transaction each: every work item
 the daemon submits is idempotent (ingest by (session, seq) and by (run, key, rank), register by
 session id).
