@@ -121,10 +121,20 @@ def test_large_noncontiguous_and_batch_split(dtype):
     assert_same(u, batch_layout((8, 3, 5), dp_rank=2, dp_size=4))
 
 
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 64, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_sketch_size_at_unaligned_offsets(dtype, k):
+    """k < 8 takes the scalar loop, k >= 8 the vector one (bucket groups of 8 lanes); a shard
+    starting mid-block gives the vector loop a scalar head and tail around whole groups."""
+    t = _values(dtype, (3, 1000), k, [17, 2500])
+    assert_same(t, PieceLayout((5, 1003), (1, 3), (3, 1000)), k=k)
+    assert_same(t.t().contiguous().t(), PieceLayout((5, 1003), (1, 3), (3, 1000)), k=k)
+
+
 def test_runs_crossing_the_32_bit_index_boundary():
     # Row 1 of a logical (4, 2**31 + 64) tensor starts at 2**31 + 64, so its columns from
-    # 2**31 - 84 on start at global index 2**32 - 20: the run straddles 2**32, where the
-    # sketch's hash input changes its high word.
+    # 2**31 - 84 on start at global index 2**32 - 20: block indices past 2**24 and a run that
+    # straddles 2**32 (where version 1 of the scheme changed its hash's high word).
     layout = PieceLayout((4, 2 ** 31 + 64), (1, 2 ** 31 - 84), (2, 40))
     t = _values(torch.float32, (2, 40), 9, [3])
     assert_same(t, layout)
