@@ -208,11 +208,11 @@ def _block_keys_and_bins(
     bins.bitwise_xor_(torch.bitwise_right_shift(w, 63).bitwise_and_(1).unsqueeze(1))
     bins.mul_(sketch_k)
     rows = torch.bitwise_right_shift(w, 40).bitwise_and_(hashing.PLACE_ROWS - 1)
-    group = lane.bitwise_right_shift(3)
-    tmp = ws.tmp[:n].view(shape)
-    torch.bitwise_xor(place_x.index_select(0, rows).index_select(1, group),
-                      lane.bitwise_and(7).unsqueeze(0), out=tmp)
-    tmp.add_(place_g.index_select(0, rows).index_select(1, group), alpha=8)
+    # per block and lane group: 8 g + (r ^ x), as [nb, 32 groups, 8 lanes]
+    tmp = ws.tmp[:n].view(shape[0], hashing.GROUPS, 8)
+    torch.bitwise_xor(place_x.index_select(0, rows).unsqueeze(2), lane[:8], out=tmp)
+    tmp.add_(place_g.index_select(0, rows).unsqueeze(2), alpha=8)
+    tmp = tmp.view(shape)
     tmp.bitwise_xor_(w.bitwise_and(sketch_k - 1 & ~(hashing.LANES - 1)).unsqueeze(1))
     bins.add_(tmp.bitwise_and_(sketch_k - 1))
     return keys, bins
