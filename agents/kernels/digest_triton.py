@@ -106,19 +106,25 @@ def _count(mask):
 
 @triton.jit
 def _digest_kernel(
-    x_ptr, n, base,
+    x_ptr, n, origin, lead,
     s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
     table_ptr, part_i64_ptr, part_f64_ptr, sketch_ptr,
     K: tl.constexpr, FLOAT: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
 ):
+    """One tile of a piece of ``n`` elements: (size, stride, gstride) of 4 merged dims in
+    ``s*, t*, g*``. ALIGNED: the piece's elements have global indices ``origin * 256 + lead``
+    on, one after the other. Otherwise ``origin`` is element 0's global index. (The host splits
+    the index, rather than the kernel shifting an argument: the interpreter stores an int
+    argument in [2**31, 2**32) as uint32 and shifts it wrongly.)"""
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, ROWS).to(tl.int64)[:, None]
     cols = tl.arange(0, _LANES).to(tl.int64)[None, :]
     if ALIGNED:
-        # Row r is the whole hash block `blk`; piece element e has global index base + e.
-        blk = (base >> _LANE_BITS) + pid * ROWS + rows  # [ROWS, 1]
+        # Row r of the tile is the whole hash block `blk`; the rows outside the piece are masked.
+        tile_row = pid * ROWS + rows  # [ROWS, 1]
+        blk = origin + tile_row
         lane = cols  # [1, LANES]
-        e = (blk << _LANE_BITS) + lane - base
+        e = (tile_row << _LANE_BITS) + lane - lead
         live = (e >= 0) & (e < n)
         off = e * t3
     else:
@@ -132,7 +138,7 @@ def _digest_kernel(
         c1 = r % s1
         c0 = r // s1
         off = c0 * t0 + c1 * t1 + c2 * t2 + c3 * t3
-        g = base + c0 * g0 + c1 * g1 + c2 * g2 + c3 * g3
+        g = origin + c0 * g0 + c1 * g1 + c2 * g2 + c3 * g3
         lane = g & (_LANES - 1)
         blk = g >> _LANE_BITS
     raw = tl.load(x_ptr + off, mask=live, other=0)
@@ -214,16 +220,18 @@ def digest_piece_triton(
     if n == 0:
         return f64, i64
     if aligned:  # tiles of whole hash blocks, from the one holding index `base` on
-        blocks = ((base + n - 1) >> hashing.LANE_BITS) - (base >> hashing.LANE_BITS) + 1
+        origin, lead = base >> hashing.LANE_BITS, base & (hashing.LANES - 1)
     else:
-        blocks = triton.cdiv(n, hashing.LANES)
+        origin, lead = base, 0
+    blocks = triton.cdiv(lead + n, hashing.LANES)
     programs = triton.cdiv(blocks, ROWS)
     part_i64 = torch.zeros((programs, 5), dtype=torch.int64, device=device)
     part_f64 = torch.zeros((programs, 4), dtype=torch.float64, device=device)
     float_type = _FLOAT.get(t.dtype)
     (s0, t0, g0), (s1, t1, g1), (s2, t2, g2), (s3, t3, g3) = dims
     _digest_kernel[(programs,)](
-        t.view(_LOAD_VIEW[t.dtype]), n, base, s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
+        t.view(_LOAD_VIEW[t.dtype]), n, origin, lead,
+        s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
         hashing.tables(device)[0], part_i64, part_f64, f64[N_MOMENTS:],
         K=sketch_k, FLOAT=float_type, ALIGNED=aligned, ROWS=ROWS,
     )
