@@ -45,7 +45,7 @@ more buckets than lanes."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool]
 """uint16/32/64 are read by the kernel but not by the eager reference on CPU (no
-count_nonzero for them)."""
+count_nonzero for them): test_wide_unsigned_ints_enter_by_value covers them."""
 
 NONFINITE_AT = (3, 17, 40, 41, 90, 300, 511, 777)
 """Where float test values get NaN, Inf, -Inf, 0.0, -0.0 (cycled): several blocks have some."""
@@ -171,6 +171,19 @@ def test_matches_hash_scheme_definition(triton_digest, offsets, shape, logical):
             sketch[bucket] += -v if minus else v
     assert torch.allclose(got64.cpu()[N_MOMENTS:], torch.tensor(sketch, dtype=torch.float64),
                           rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_wide_unsigned_ints_enter_by_value(triton_digest, dtype):
+    """The eager reference cannot read these on CPU; the digest of their values must be the
+    int64 digest of the same values (checked against eager above)."""
+    layout = PieceLayout((900,), (100,), (700,))
+    values = _values(torch.int64, 700, 13).abs() % min(torch.iinfo(dtype).max + 1, 2 ** 62)
+    values[::7] = 0
+    got = triton_digest.digest_piece_triton(values.to(dtype).to(_device()), layout, sketch_k=K)
+    want = triton_digest.digest_piece_triton(values.to(_device()), layout, sketch_k=K)
+    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+    assert int(want[1][4]) == 100  # zeros
 
 
 def test_rejects_too_many_dims_and_bad_k(triton_digest):
