@@ -41,6 +41,11 @@
 #else
 #define NA_VECTOR 0
 #endif
+#if NA_VECTOR && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define NA_VECTOR512 1
+#else
+#define NA_VECTOR512 0
+#endif
 
 namespace {
 
@@ -79,15 +84,24 @@ inline uint32_t bent(uint32_t u) {
 
 struct Tables {
   alignas(64) uint64_t key[LANES];  // T[j]: odd lane keys
+  // key[] split by parity (even_key[m] = T[2m], odd_key[m] = T[2m + 1]): the vector loops
+  // multiply the even elements of a 32-bit vector in place and the odd ones shifted down.
+  alignas(64) uint64_t even_key[LANES / 2], odd_key[LANES / 2];
   // sign[q ^ (w >> 3)][w & 7][r] = bent((8q + r) XOR w) << 31: the sign bits of lanes
   // 8q .. 8q + 7 for the block's sign shift w, ready to XOR into float32 lanes.
   alignas(64) uint32_t sign[LANES / 8][8][8];
+  // The same for groups of 16 lanes (the AVX-512 loop): [q ^ (w >> 4)][w & 15][r].
+  alignas(64) uint32_t sign16[LANES / 16][16][16];
   Tables() {
     for (int64_t j = 0; j < LANES; ++j)
       key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
+    for (int64_t m = 0; m < LANES / 2; ++m) even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
     for (uint32_t qq = 0; qq < LANES / 8; ++qq)
       for (uint32_t wl = 0; wl < 8; ++wl)
         for (uint32_t r = 0; r < 8; ++r) sign[qq][wl][r] = bent(8 * qq + (r ^ wl)) << 31;
+    for (uint32_t qq = 0; qq < LANES / 16; ++qq)
+      for (uint32_t wl = 0; wl < 16; ++wl)
+        for (uint32_t r = 0; r < 16; ++r) sign16[qq][wl][r] = bent(16 * qq + (r ^ wl)) << 31;
   }
 };
 
@@ -228,6 +242,17 @@ inline uint64_t hsum64(__m256i v) {
   return l[0] + l[1] + l[2] + l[3];
 }
 
+// Rare: count the NaN/+Inf/-Inf among n elements (the vector loops only flag that some are).
+template <int64_t D>
+void classify_nonfinite(const typename Elem<D>::T* x, int64_t n, Acc& a) {
+  for (int64_t t = 0; t < n; ++t) {
+    const double v = Elem<D>::value(x[t]);
+    a.nan += std::isnan(v);
+    a.posinf += v == std::numeric_limits<double>::infinity();
+    a.neginf += v == -std::numeric_limits<double>::infinity();
+  }
+}
+
 // n (a multiple of 8) contiguous float32/bfloat16/float16 elements at global indices g, g + 1,
 // ... with g a multiple of 8, and a sketch of k >= 8 buckets.
 template <int64_t D>
@@ -261,33 +286,32 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
     __m256i zeros = _mm256_setzero_si256();
     for (int64_t t = 0; t < seg; t += 8) {
       const uint32_t q = (uint32_t)((j0 + t) >> 3);
-      __m256i b0, b1;
+      __m256i bits;  // 8 x 32-bit raw bits (16-bit types zero-extended)
       __m256 v;
       if constexpr (D == F32) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t));
-        b0 = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(raw));
-        b1 = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(raw, 1));
-        v = _mm256_castsi256_ps(raw);
+        bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t));
+        v = _mm256_castsi256_ps(bits);
       } else {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + t));
-        b0 = _mm256_cvtepu16_epi64(raw);
-        b1 = _mm256_cvtepu16_epi64(_mm_srli_si128(raw, 8));
+        bits = _mm256_cvtepu16_epi32(raw);
         if constexpr (D == BF16)
-          v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+          v = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
         else
           v = _mm256_cvtph_ps(raw);
       }
-      // Fingerprint: key * bits mod 2**64 = lo32(key) * bits + (hi32(key) * bits) << 32.
-      const int64_t j = j0 + t;
-      const __m256i k0 = _mm256_xor_si256(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.key + j)), ckey);
-      const __m256i k1 = _mm256_xor_si256(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.key + j + 4)), ckey);
-      fp_lo = _mm256_add_epi64(fp_lo, _mm256_add_epi64(_mm256_mul_epu32(k0, b0),
-                                                       _mm256_mul_epu32(k1, b1)));
+      // Fingerprint: key * bits mod 2**64 = lo32(key) * bits + (hi32(key) * bits) << 32; even
+      // elements sit in the low halves of the 64-bit lanes, odd ones are shifted there.
+      const int64_t m = (j0 + t) >> 1;
+      const __m256i ke = _mm256_xor_si256(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.even_key + m)), ckey);
+      const __m256i ko = _mm256_xor_si256(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.odd_key + m)), ckey);
+      const __m256i odd = _mm256_srli_epi64(bits, 32);
+      fp_lo = _mm256_add_epi64(fp_lo, _mm256_add_epi64(_mm256_mul_epu32(ke, bits),
+                                                       _mm256_mul_epu32(ko, odd)));
       fp_hi = _mm256_add_epi64(
-          fp_hi, _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(k0, 32), b0),
-                                  _mm256_mul_epu32(_mm256_srli_epi64(k1, 32), b1)));
+          fp_hi, _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(ke, 32), bits),
+                                  _mm256_mul_epu32(_mm256_srli_epi64(ko, 32), odd)));
       // Moments over the finite lanes.
       const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), inf, _CMP_LT_OQ);
       allfinite = _mm256_and_ps(allfinite, fin);
@@ -315,14 +339,7 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
     alignas(32) int32_t z[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(z), zeros);
     a.zeros += (int64_t)z[0] + z[1] + z[2] + z[3] + z[4] + z[5] + z[6] + z[7];
-    if (_mm256_movemask_ps(allfinite) != 0xFF) {  // rare: classify this segment's non-finite
-      for (int64_t t = 0; t < seg; ++t) {
-        const double v = E::value(xb[t]);
-        a.nan += std::isnan(v);
-        a.posinf += v == std::numeric_limits<double>::infinity();
-        a.neginf += v == -std::numeric_limits<double>::infinity();
-      }
-    }
+    if (_mm256_movemask_ps(allfinite) != 0xFF) classify_nonfinite<D>(xb, seg, a);
     done += seg;
   }
   a.fp += hsum64(fp_lo) + (hsum64(fp_hi) << 32);
@@ -340,16 +357,120 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   a.sum_sq += (q[0] + q[1]) + (q[2] + q[3]);
 }
 
+#if NA_VECTOR512
+// The AVX-512 form of narrow_body: 16 elements per step, n a multiple of 16, g a multiple of
+// 16, k >= 16 (16 consecutive lanes fill 16 consecutive buckets). Masks replace the blends.
+template <int64_t D>
+void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
+  using E = Elem<D>;
+  const Tables& tb = tables();
+  const uint64_t group_mask = (uint64_t)(a.k >> 4) - 1;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 zero = _mm512_setzero_ps();
+  __m512i fp_lo = _mm512_setzero_si512(), fp_hi = _mm512_setzero_si512();
+  __m512 lo = inf, hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512d s0 = _mm512_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
+  int64_t zeros = 0;
+  for (int64_t done = 0; done < n;) {
+    const uint64_t gb = g + (uint64_t)done;
+    const int64_t j0 = (int64_t)(gb & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const Block blk(gb >> LANE_BITS);
+    const uint64_t w = blk.word;
+    const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
+    const __m512i perm = _mm512_xor_si512(iota, _mm512_set1_epi32((int32_t)(w & 15)));
+    const uint64_t group_xor = (w >> 4) & group_mask;
+    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
+    const uint32_t* signs = &tb.sign16[0][shift & 15][0];
+    const uint32_t shift_hi = shift >> 4;
+    const __m512i flip = _mm512_set1_epi32((int32_t)((uint32_t)(w >> 63) << 31));
+    const typename E::T* xb = x + done;
+    __mmask16 allfinite = 0xFFFF;
+    for (int64_t t = 0; t < seg; t += 16) {
+      const uint32_t q = (uint32_t)((j0 + t) >> 4);
+      __m512i bits;
+      __m512 v;
+      if constexpr (D == F32) {
+        bits = _mm512_loadu_si512(xb + t);
+        v = _mm512_castsi512_ps(bits);
+      } else {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t));
+        bits = _mm512_cvtepu16_epi32(raw);
+        if constexpr (D == BF16)
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        else
+          v = _mm512_cvtph_ps(raw);
+      }
+      const int64_t m = (j0 + t) >> 1;
+      const __m512i ke = _mm512_xor_si512(_mm512_load_si512(tb.even_key + m), ckey);
+      const __m512i ko = _mm512_xor_si512(_mm512_load_si512(tb.odd_key + m), ckey);
+      const __m512i odd = _mm512_srli_epi64(bits, 32);
+      fp_lo = _mm512_add_epi64(fp_lo, _mm512_add_epi64(_mm512_mul_epu32(ke, bits),
+                                                       _mm512_mul_epu32(ko, odd)));
+      fp_hi = _mm512_add_epi64(
+          fp_hi, _mm512_add_epi64(_mm512_mul_epu32(_mm512_srli_epi64(ke, 32), bits),
+                                  _mm512_mul_epu32(_mm512_srli_epi64(ko, 32), odd)));
+      const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
+      allfinite &= fin;
+      zeros += __builtin_popcount(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
+      lo = _mm512_mask_min_ps(lo, fin, lo, v);
+      hi = _mm512_mask_max_ps(hi, fin, hi, v);
+      const __m512 f = _mm512_maskz_mov_ps(fin, v);
+      const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+      const __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
+      s0 = _mm512_add_pd(s0, d0);
+      s1 = _mm512_add_pd(s1, d1);
+      ss0 = _mm512_fmadd_pd(d0, d0, ss0);
+      ss1 = _mm512_fmadd_pd(d1, d1, ss1);
+      const __m512i sm = _mm512_xor_si512(_mm512_load_si512(signs + 256 * (q ^ shift_hi)), flip);
+      const __m512 p = _mm512_permutexvar_ps(
+          perm, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(f), sm)));
+      double* dst = a.sketch + 16 * ((q ^ group_xor) & group_mask);
+      _mm512_storeu_pd(dst, _mm512_add_pd(_mm512_loadu_pd(dst),
+                                          _mm512_cvtps_pd(_mm512_castps512_ps256(p))));
+      _mm512_storeu_pd(dst + 8, _mm512_add_pd(_mm512_loadu_pd(dst + 8),
+                                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(p, 1))));
+    }
+    if (allfinite != 0xFFFF) classify_nonfinite<D>(xb, seg, a);
+    done += seg;
+  }
+  a.zeros += zeros;
+  a.fp += (uint64_t)_mm512_reduce_add_epi64(fp_lo) +
+          ((uint64_t)_mm512_reduce_add_epi64(fp_hi) << 32);
+  const double l = _mm512_reduce_min_ps(lo), u = _mm512_reduce_max_ps(hi);
+  a.lo = l < a.lo ? l : a.lo;
+  a.hi = u > a.hi ? u : a.hi;
+  alignas(64) double sv[8], qv[8];
+  _mm512_store_pd(sv, _mm512_add_pd(s0, s1));
+  _mm512_store_pd(qv, _mm512_add_pd(ss0, ss1));
+  a.sum += ((sv[0] + sv[1]) + (sv[2] + sv[3])) + ((sv[4] + sv[5]) + (sv[6] + sv[7]));
+  a.sum_sq += ((qv[0] + qv[1]) + (qv[2] + qv[3])) + ((qv[4] + qv[5]) + (qv[6] + qv[7]));
+}
+#endif
+
 // Contiguous float32/bfloat16/float16 at global indices g, g + 1, ...: a scalar head up to the
-// next multiple of 8, the vector body, a scalar tail.
+// next multiple of the vector width, the vector body, a scalar tail.
 template <int64_t D>
 void narrow_run(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
-  int64_t head = (int64_t)((8 - (g & 7)) & 7);
+#if NA_VECTOR512
+  const int64_t width = a.k >= 16 ? 16 : 8;
+#else
+  const int64_t width = 8;
+#endif
+  int64_t head = (int64_t)((width - (int64_t)(g & (uint64_t)(width - 1))) & (width - 1));
   if (head > n) head = n;
   scalar_run<D>(x, 1, head, g, 1, a);
   x += head, g += (uint64_t)head, n -= head;
-  const int64_t body = n & ~(int64_t)7;
-  if (body) narrow_body<D>(x, body, g, a);
+  const int64_t body = n & ~(width - 1);
+  if (body) {
+#if NA_VECTOR512
+    if (width == 16)
+      narrow_body512<D>(x, body, g, a);
+    else
+#endif
+      narrow_body<D>(x, body, g, a);
+  }
   scalar_run<D>(x + body, 1, n - body, g + (uint64_t)body, 1, a);
 }
 #endif
