@@ -58,6 +58,7 @@ CHUNK_ELEMENTS_CUDA = 1 << 20
 """Elements per chunk on accelerators: large enough to hide kernel launches; the workspace is
 then 52 MiB per device and capturing thread (forward and autograd threads each have one)."""
 
+_SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}
 
 
@@ -192,7 +193,7 @@ def _block_keys_and_bins(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Keys and bins of every lane of whole blocks, as [nb, 256] grids in ws.key and ws.bins:
     a contiguous range needs no per-element lookups, only broadcasts against per-block words."""
-    table, _, lane, bent_shifted = hashing.tables(ws.device)
+    table, _, lane, bent_shifted, place_g, place_x = hashing.tables(ws.device)
     shape = (blocks.numel(), hashing.LANES)
     n = shape[0] * shape[1]
     keys = ws.key[:n].view(shape)
@@ -206,8 +207,13 @@ def _block_keys_and_bins(
     torch.index_select(bent_shifted, 0, shift, out=bins)  # bent(j ^ shift) per row
     bins.bitwise_xor_(torch.bitwise_right_shift(w, 63).bitwise_and_(1).unsqueeze(1))
     bins.mul_(sketch_k)
+    rows = torch.bitwise_right_shift(w, 40).bitwise_and_(hashing.PLACE_ROWS - 1)
+    group = lane.bitwise_right_shift(3)
     tmp = ws.tmp[:n].view(shape)
-    torch.bitwise_xor(lane.unsqueeze(0), w.unsqueeze(1), out=tmp)
+    torch.bitwise_xor(place_x.index_select(0, rows).index_select(1, group),
+                      lane.bitwise_and(7).unsqueeze(0), out=tmp)
+    tmp.add_(place_g.index_select(0, rows).index_select(1, group), alpha=8)
+    tmp.bitwise_xor_(w.bitwise_and(sketch_k - 1 & ~(hashing.LANES - 1)).unsqueeze(1))
     bins.add_(tmp.bitwise_and_(sketch_k - 1))
     return keys, bins
 
@@ -217,7 +223,7 @@ def _keys_and_bins(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Keys ``T[j] ^ C(b)`` and bins ``bucket + k * sign`` per element of flat ``lanes`` and
     ``blocks`` (any global indices), into ws.key and ws.bins."""
-    table, bent, _, _ = hashing.tables(ws.device)
+    table, bent, _, _, place_g, place_x = hashing.tables(ws.device)
     n = lanes.numel()
     keys = ws.key[:n]
     torch.index_select(table, 0, lanes, out=keys)
@@ -231,7 +237,13 @@ def _keys_and_bins(
     torch.index_select(bent, 0, tmp, out=bins)
     bins.bitwise_xor_(torch.bitwise_right_shift(w, 63).bitwise_and_(1))  # the sign bit
     bins.mul_(sketch_k)
-    torch.bitwise_xor(lanes, w, out=tmp)
+    # placement entry of (row, group): flat index row * 32 + group
+    torch.bitwise_right_shift(w, 40, out=tmp).bitwise_and_(hashing.PLACE_ROWS - 1)
+    tmp.mul_(hashing.GROUPS).add_(torch.bitwise_right_shift(lanes, 3))
+    x = place_x.view(-1).index_select(0, tmp)
+    g = place_g.view(-1).index_select(0, tmp)
+    torch.bitwise_and(lanes, 7, out=tmp).bitwise_xor_(x).add_(g, alpha=8)
+    tmp.bitwise_xor_(w.bitwise_and_(sketch_k - 1 & ~(hashing.LANES - 1)))
     bins.add_(tmp.bitwise_and_(sketch_k - 1))
     return keys, bins
 
@@ -341,7 +353,9 @@ def _digest(
             acc.sketch2.scatter_add_(0, bins, ws.f64[:m])
             lap("sketch")
         else:
-            acc.nz.append(torch.count_nonzero(x))
+            # count_nonzero has no uint16/32/64 kernels: their signed views have the same zeros
+            signed = _SIGNED_VIEW.get(x.dtype)
+            acc.nz.append(torch.count_nonzero(x if signed is None else x.view(signed)))
             lap("moments")
     out = acc.finish(f64, counts, n, moments)
     lap("finish")

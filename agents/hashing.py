@@ -13,19 +13,24 @@ lookups and XORs remain, which is what lets the kernels run at memory speed:
   (256 odd words) and ``C(b) = mix64(FP_SEED + GAMMA * b) & ~1``, so every key is odd;
   the fingerprint is ``sum_i K(i) * bits(x_i) mod 2**64``. A multiply by an odd number is a
   bijection mod 2**64, so changing any one element always changes the fingerprint.
-- sketch word ``W(b) = mix64(SKETCH_SEED + GAMMA * b)``: bucket ``(j XOR W) mod k``, sign
-  negative when ``bent((j XOR (W >> 32)) & 255) XOR (W >> 63)`` is 1, with
-  ``bent(u) = parity((u & 15) & (u >> 4))``. Within a block the buckets are a permutation of
-  lanes (so 8 consecutive lanes land in 8 consecutive buckets, permuted: one vector add); the
-  sign pattern is a bent function of a random shift, whose autocorrelation is exactly zero, so
-  two lanes of one block that share a bucket (k < 256) still have uncorrelated signs and the
-  sketch's distance estimate stays unbiased.
+- sketch word ``W(b) = mix64(SKETCH_SEED + GAMMA * b)``. Lanes come in groups of 8
+  (``q = j >> 3``, ``r = j & 7``); row ``(W >> 40) mod 4096`` of the placement table ``PLACE``
+  (4096 rows, each a random permutation of the 32 groups with a random 3-bit lane XOR per group)
+  sends group q to bucket group ``g`` with lanes permuted by ``r XOR x``:
+  ``bucket = ((8 g + (r XOR x)) XOR (W & (k - 1) & ~255)) mod k``. So 8 consecutive lanes land in
+  8 consecutive buckets (one vector add in the kernels), while lanes that a regular pattern ties
+  together (a column of a matrix: the same r in several groups) scatter independently.
+- sign: negative when ``bent((j XOR (W >> 32)) & 255) XOR (W >> 63)`` is 1, with
+  ``bent(u) = parity((u & 15) & (u >> 4))``. A bent function's autocorrelation is exactly zero,
+  so two lanes of one block that share a bucket (k < 256) have uncorrelated signs over blocks and
+  the sketch's distance estimate stays unbiased.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 SCHEME_VERSION = 2
@@ -47,6 +52,9 @@ LANE_BITS = 8
 LANES = 1 << LANE_BITS
 TABLE_OFFSET = 1 << 56
 """Keys of the lane table are drawn at Weyl positions no block index reaches."""
+GROUPS = LANES // 8
+PLACE_ROWS = 4096
+PLACE_SEED = SKETCH_SEED ^ 0x706C616365000000  # b"place"
 
 M64 = (1 << 64) - 1
 
@@ -84,6 +92,35 @@ def block_word(b: int) -> int:
     return mix64(SKETCH_SEED + GOLDEN_GAMMA * b)
 
 
+def place_table() -> np.ndarray:
+    """``PLACE[row, q] = g | x << 5`` as uint8 [4096, 32]: per row a Fisher-Yates permutation
+    ``g`` of the 32 groups (draws ``z = mix64(PLACE_SEED + GAMMA * n)``, n counting from 1 over
+    the whole table; swap t with ``z % (t + 1)`` for t = 31 .. 1), then 32 lane XORs
+    ``x = z & 7``; 63 draws per row, rows in order."""
+    per_row = 2 * GROUPS - 1
+    n = np.arange(1, PLACE_ROWS * per_row + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = n * np.uint64(GOLDEN_GAMMA) + np.uint64(PLACE_SEED)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(MIX_C1)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(MIX_C2)
+        z ^= z >> np.uint64(31)
+    z = z.reshape(PLACE_ROWS, per_row)
+    perm = np.tile(np.arange(GROUPS, dtype=np.int64), (PLACE_ROWS, 1))
+    rows = np.arange(PLACE_ROWS)
+    for step, t in enumerate(range(GROUPS - 1, 0, -1)):
+        u = (z[:, step] % np.uint64(t + 1)).astype(np.int64)
+        perm[rows, t], perm[rows, u] = perm[rows, u], perm[rows, t].copy()
+    x = (z[:, GROUPS - 1:] & np.uint64(7)).astype(np.int64)
+    return (perm | x << 5).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=1)
+def _place() -> np.ndarray:
+    return place_table()
+
+
 def key(i: int) -> int:
     """The fingerprint key of global index i."""
     return lane_key(i & (LANES - 1)) ^ block_key(i >> LANE_BITS)
@@ -92,7 +129,9 @@ def key(i: int) -> int:
 def bucket_sign(i: int, k: int) -> tuple[int, int]:
     """``(bucket, sign bit)`` of global index i in a sketch of k buckets (sign bit 1: minus)."""
     j, w = i & (LANES - 1), block_word(i >> LANE_BITS)
-    return (j ^ w) & (k - 1), bent((j ^ (w >> 32)) & (LANES - 1)) ^ (w >> 63)
+    e = int(_place()[(w >> 40) % PLACE_ROWS, j >> 3])
+    bucket = ((8 * (e & 31) + ((j & 7) ^ (e >> 5))) ^ (w & (k - 1) & ~(LANES - 1))) & (k - 1)
+    return bucket, bent((j ^ (w >> 32)) & (LANES - 1)) ^ (w >> 63)
 
 
 # --------------------------------------------------------------------------- torch
@@ -126,11 +165,13 @@ def block_words(blocks: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(T, BENT, LANE, BENT_SHIFTED)`` on ``device``, int64: the 256 lane keys, bent(u) for
-    u in [0, 256), 0..255, and the [256, 256] table ``bent(j ^ s)`` (row s, column j)."""
+def tables(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(T, BENT, LANE, BENT_SHIFTED, PLACE_G, PLACE_X)`` on ``device``, int64: the 256 lane
+    keys, bent(u) for u in [0, 256), 0..255, the [256, 256] table ``bent(j ^ s)`` (row s,
+    column j), and the placement table split into its group and lane-XOR parts, [4096, 32]."""
     lane = torch.arange(LANES, dtype=torch.int64)
     t = torch.tensor([signed64(lane_key(j)) for j in range(LANES)], dtype=torch.int64)
     b = torch.tensor([bent(u) for u in range(LANES)], dtype=torch.int64)
     shifted = b[lane.unsqueeze(1) ^ lane.unsqueeze(0)]
-    return t.to(device), b.to(device), lane.to(device), shifted.to(device)
+    place = torch.from_numpy(_place().astype(np.int64))
+    return tuple(x.to(device) for x in (t, b, lane, shifted, place & 31, place >> 5))

@@ -14,9 +14,9 @@
 //   - fingerprint: keys T[j..j+7] XOR C(b), times the raw bits (two vpmuludq per 4 lanes, the
 //     key's high half summed apart and shifted once at the end);
 //   - moments on float32 lanes (min/max, zeros, finiteness exact there), sums in float64;
-//   - sketch: 8 consecutive lanes land in 8 consecutive buckets, permuted by the block's word,
-//     so the scatter-add of version 1 (one dependent load-add-store per element) becomes one
-//     sign XOR, one vpermps and two float64 vector adds.
+//   - sketch: a group of 8 consecutive lanes lands in 8 consecutive buckets, permuted (the
+//     block's placement row), so the scatter-add of version 1 (one dependent load-add-store per
+//     element) becomes one sign XOR, one vpermps and two float64 vector adds.
 // Everything else (strided global indices, integers, float64, tails) takes the scalar loop,
 // which computes the same values element by element. Compiled once per ISA level
 // (agents/kernels/build.py) and picked at load time by dispatch.cpp.
@@ -57,6 +57,9 @@ constexpr uint64_t MIX_C2 = 0x94D049BB133111EBULL;
 constexpr uint64_t TABLE_OFFSET = 1ULL << 56;
 constexpr int LANE_BITS = 8;
 constexpr int64_t LANES = 1 << LANE_BITS;
+constexpr int GROUPS = LANES / 8;
+constexpr int64_t PLACE_ROWS = 4096;
+constexpr uint64_t PLACE_SEED = SKETCH_SEED ^ 0x706C616365000000ULL;  // b"place"
 constexpr int N_MOMENTS = 5;
 constexpr int MAX_DIMS = 16;
 
@@ -92,6 +95,12 @@ struct Tables {
   alignas(64) uint32_t sign[LANES / 8][8][8];
   // The same for groups of 16 lanes (the AVX-512 loop): [q ^ (w >> 4)][w & 15][r].
   alignas(64) uint32_t sign16[LANES / 16][16][16];
+  // place[row][q] = g | x << 5: lane group q of a block whose word selects `row` goes to bucket
+  // group g with its 8 lanes permuted by r ^ x (agents/hashing.py place_table).
+  alignas(64) uint8_t place[PLACE_ROWS][GROUPS];
+  // vpermps indices for a lane XOR x (8 lanes), and for two groups' XORs (16 lanes).
+  alignas(64) int32_t perm8[8][8];
+  alignas(64) int32_t perm16[8][8][16];
   Tables() {
     for (int64_t j = 0; j < LANES; ++j)
       key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
@@ -102,6 +111,23 @@ struct Tables {
     for (uint32_t qq = 0; qq < LANES / 16; ++qq)
       for (uint32_t wl = 0; wl < 16; ++wl)
         for (uint32_t r = 0; r < 16; ++r) sign16[qq][wl][r] = bent(16 * qq + (r ^ wl)) << 31;
+    uint64_t n = 0;
+    for (int64_t row = 0; row < PLACE_ROWS; ++row) {
+      uint8_t perm[GROUPS];
+      for (int q = 0; q < GROUPS; ++q) perm[q] = (uint8_t)q;
+      for (int t = GROUPS - 1; t > 0; --t) {
+        const uint64_t u = mix64(PLACE_SEED + GOLDEN_GAMMA * ++n) % (uint64_t)(t + 1);
+        const uint8_t tmp = perm[t];
+        perm[t] = perm[u], perm[u] = tmp;
+      }
+      for (int q = 0; q < GROUPS; ++q)
+        place[row][q] = (uint8_t)(perm[q] | (mix64(PLACE_SEED + GOLDEN_GAMMA * ++n) & 7) << 5);
+    }
+    for (int x = 0; x < 8; ++x)
+      for (int r = 0; r < 8; ++r) perm8[x][r] = r ^ x;
+    for (int x0 = 0; x0 < 8; ++x0)
+      for (int x1 = 0; x1 < 8; ++x1)
+        for (int r = 0; r < 8; ++r) perm16[x0][x1][r] = r ^ x0, perm16[x0][x1][8 + r] = 8 + (r ^ x1);
   }
 };
 
@@ -111,7 +137,8 @@ const Tables& tables() {
 }
 
 // The random words of block b: the fingerprint key's block part C(b) (even) and the sketch's
-// word W(b) (bucket XOR in its low bits, sign shift in bits 32..39, block sign in bit 63).
+// word W(b) (bucket offset for k > 256 in its low bits, sign shift in bits 32..39, placement row
+// in bits 40..51, block sign in bit 63).
 struct Block {
   uint64_t key, word;
   explicit Block(uint64_t b)
@@ -199,7 +226,10 @@ inline void add_value(double v, uint32_t j, uint64_t w, Acc& a) {
     a.sum_sq += v * v;
     a.lo = v < a.lo ? v : a.lo;
     a.hi = v > a.hi ? v : a.hi;
-    const uint64_t bucket = (j ^ w) & (uint64_t)(a.k - 1);
+    const uint32_t e = tables().place[(w >> 40) & (PLACE_ROWS - 1)][j >> 3];
+    const uint64_t bucket =
+        ((8 * (e & 31) + ((j & 7) ^ (e >> 5))) ^ (w & (uint64_t)(a.k - 1) & ~(uint64_t)(LANES - 1))) &
+        (uint64_t)(a.k - 1);
     const uint32_t minus = bent((j ^ (uint32_t)(w >> 32)) & (LANES - 1)) ^ (uint32_t)(w >> 63);
     a.sketch[bucket] += minus ? -v : v;
   } else {
@@ -259,8 +289,7 @@ template <int64_t D>
 void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   using E = Elem<D>;
   const Tables& tb = tables();
-  const uint64_t group_mask = (uint64_t)(a.k >> 3) - 1;
-  const __m256i iota = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const uint64_t kmask = (uint64_t)a.k - 1;
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -275,8 +304,8 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
     const Block blk(gb >> LANE_BITS);
     const uint64_t w = blk.word;
     const __m256i ckey = _mm256_set1_epi64x((int64_t)blk.key);
-    const __m256i perm = _mm256_xor_si256(iota, _mm256_set1_epi32((int32_t)(w & 7)));
-    const uint64_t group_xor = (w >> 3) & group_mask;
+    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
+    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);  // bucket offset when k > 256
     const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
     const uint32_t* signs = &tb.sign[0][shift & 7][0];
     const uint32_t shift_hi = shift >> 3;
@@ -325,12 +354,14 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
       s1 = _mm256_add_pd(s1, d1);
       ss0 = _mm256_fmadd_pd(d0, d0, ss0);
       ss1 = _mm256_fmadd_pd(d1, d1, ss1);
-      // Sketch: signs, then lane r goes to slot r ^ (w & 7) of bucket group (q ^ w>>3) & mask.
+      // Sketch: signs, then lane r goes to slot r ^ x of bucket group g (the block's placement).
       const __m256i sm = _mm256_xor_si256(
           _mm256_load_si256(reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi))), flip);
+      const uint32_t e = place[q];
       const __m256 p = _mm256_permutevar8x32_ps(
-          _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f), sm)), perm);
-      double* dst = a.sketch + 8 * ((q ^ group_xor) & group_mask);
+          _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f), sm)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.perm8[e >> 5])));
+      double* dst = a.sketch + (((8 * (e & 31)) ^ high) & kmask);
       _mm256_storeu_pd(dst, _mm256_add_pd(_mm256_loadu_pd(dst),
                                           _mm256_cvtps_pd(_mm256_castps256_ps128(p))));
       _mm256_storeu_pd(dst + 4, _mm256_add_pd(_mm256_loadu_pd(dst + 4),
@@ -358,14 +389,13 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
 }
 
 #if NA_VECTOR512
-// The AVX-512 form of narrow_body: 16 elements per step, n a multiple of 16, g a multiple of
-// 16, k >= 16 (16 consecutive lanes fill 16 consecutive buckets). Masks replace the blends.
+// The AVX-512 form of narrow_body: 16 elements per step (two lane groups), n a multiple of 16,
+// g a multiple of 16, k >= 8. Masks replace the blends.
 template <int64_t D>
 void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   using E = Elem<D>;
   const Tables& tb = tables();
-  const uint64_t group_mask = (uint64_t)(a.k >> 4) - 1;
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const uint64_t kmask = (uint64_t)a.k - 1;
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   const __m512 zero = _mm512_setzero_ps();
   __m512i fp_lo = _mm512_setzero_si512(), fp_hi = _mm512_setzero_si512();
@@ -379,8 +409,8 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
     const Block blk(gb >> LANE_BITS);
     const uint64_t w = blk.word;
     const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
-    const __m512i perm = _mm512_xor_si512(iota, _mm512_set1_epi32((int32_t)(w & 15)));
-    const uint64_t group_xor = (w >> 4) & group_mask;
+    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
+    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);
     const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
     const uint32_t* signs = &tb.sign16[0][shift & 15][0];
     const uint32_t shift_hi = shift >> 4;
@@ -424,13 +454,17 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
       ss0 = _mm512_fmadd_pd(d0, d0, ss0);
       ss1 = _mm512_fmadd_pd(d1, d1, ss1);
       const __m512i sm = _mm512_xor_si512(_mm512_load_si512(signs + 256 * (q ^ shift_hi)), flip);
+      // two lane groups: each its own bucket group, lanes permuted by its own XOR
+      const uint32_t e0 = place[2 * q], e1 = place[2 * q + 1];
       const __m512 p = _mm512_permutexvar_ps(
-          perm, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(f), sm)));
-      double* dst = a.sketch + 16 * ((q ^ group_xor) & group_mask);
-      _mm512_storeu_pd(dst, _mm512_add_pd(_mm512_loadu_pd(dst),
-                                          _mm512_cvtps_pd(_mm512_castps512_ps256(p))));
-      _mm512_storeu_pd(dst + 8, _mm512_add_pd(_mm512_loadu_pd(dst + 8),
-                                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(p, 1))));
+          _mm512_load_si512(tb.perm16[e0 >> 5][e1 >> 5]),
+          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(f), sm)));
+      double* dst0 = a.sketch + (((8 * (e0 & 31)) ^ high) & kmask);
+      double* dst1 = a.sketch + (((8 * (e1 & 31)) ^ high) & kmask);
+      _mm512_storeu_pd(dst0, _mm512_add_pd(_mm512_loadu_pd(dst0),
+                                           _mm512_cvtps_pd(_mm512_castps512_ps256(p))));
+      _mm512_storeu_pd(dst1, _mm512_add_pd(_mm512_loadu_pd(dst1),
+                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(p, 1))));
     }
     if (allfinite != 0xFFFF) classify_nonfinite<D>(xb, seg, a);
     done += seg;
@@ -454,7 +488,7 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
 template <int64_t D>
 void narrow_run(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
 #if NA_VECTOR512
-  const int64_t width = a.k >= 16 ? 16 : 8;
+  const int64_t width = 16;
 #else
   const int64_t width = 8;
 #endif

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +25,8 @@ from agents.rows import RowBatch
 
 K = 16
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.uint16,
+        torch.uint32, torch.uint64]
 COMPLEX = [torch.complex64, torch.complex128]
 PROFILE = settings(derandomize=True, max_examples=150, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
@@ -232,3 +236,21 @@ def test_rejects_bad_k_and_bad_layout():
         cpu.digest_rows([t], [0], [1], 3)
     with pytest.raises(ValueError, match="shape"):
         cpu.index_map((4,), PieceLayout.full((5,)))
+
+
+@pytest.mark.parametrize("isa", [3, 1])
+def test_every_isa_build_agrees_with_eager(isa):
+    """The library holds an AVX-512, an AVX2 and a baseline build, and a CPU runs only its best:
+    run this file's equality tests again in a child process pinned to each lower build
+    (NUMAUDIT_DIGEST_ISA), so every build is checked on one machine."""
+    if cpu.isa_level() < isa:
+        pytest.skip(f"this CPU cannot run the ISA level {isa} build")
+    env = dict(os.environ, NUMAUDIT_DIGEST_ISA=str(isa))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+         "sizes or every_sketch or noncontiguous or equals_eager or crossing"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    probe = subprocess.run([sys.executable, "-c", "from agents.kernels import cpu; "
+                            "print(cpu.isa_level())"], env=env, capture_output=True, text=True)
+    assert probe.stdout.strip() == str(isa)
