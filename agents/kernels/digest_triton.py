@@ -3,8 +3,10 @@
 Computes what agents/digest.py computes, on hash scheme version 2 (agents/hashing.py, whose
 constants and lane table it uses): fingerprint ``sum_i (T[j] ^ C(b)) * bits(x_i) mod 2**64``,
 counts, float64 sum and sum of squares, min/max/abs-max over finite elements, and the
-CountSketch (bucket ``(j ^ W(b)) mod k``, sign from ``bent`` of the lane and ``W(b)``), where
-``j = i mod 256`` and ``b = i div 256`` split the global flat index ``i``.
+CountSketch, where ``j = i mod 256`` and ``b = i div 256`` split the global flat index ``i``:
+bucket ``((8 g + ((j & 7) ^ x)) ^ (W(b) & (k - 1) & ~255)) mod k`` with ``g`` and ``x`` read
+from the placement table (``hashing.tables``' PLACE_G and PLACE_X, passed flattened) at row
+``(W(b) >> 40) mod 4096``, column ``j >> 3``; sign from ``bent`` of the lane and ``W(b)``.
 
 One pass per piece: each program reads a tile of ``ROWS x 256`` elements once, writes its
 fingerprint sum, counts, float64 sums and min/max as one row of partials, and adds its elements
@@ -16,8 +18,8 @@ Two ways to map a tile onto indices, chosen per piece on the host:
 
 - *aligned*: when the piece is one run of consecutive global indices (full tensors, Shard(0),
   batch splits; any memory stride), each tile row is one whole hash block, so ``C(b)`` and
-  ``W(b)`` are drawn once per row and ``T[j]`` is the table itself; rows that stick out of the
-  piece at either end are masked.
+  ``W(b)`` are drawn once per row, ``T[j]`` is the table itself and a row's placement gathers
+  touch one 32-entry table row; rows that stick out of the piece at either end are masked.
 - *general*: any other piece (up to ``MAX_DIMS`` dims after merging): the tile is ``ROWS x 256``
   consecutive piece elements, each element's global index comes from its coordinates, and the
   block words are drawn per element.
@@ -76,6 +78,8 @@ _S2 = tl.constexpr(hashing.MIX_SHIFTS[1])
 _S3 = tl.constexpr(hashing.MIX_SHIFTS[2])
 _LANE_BITS = tl.constexpr(hashing.LANE_BITS)
 _LANES = tl.constexpr(hashing.LANES)
+_GROUPS = tl.constexpr(hashing.GROUPS)
+_PLACE_ROWS = tl.constexpr(hashing.PLACE_ROWS)
 _EVEN = tl.constexpr(hashing.M64 - 1)
 _INF = tl.constexpr(float("inf"))
 
@@ -100,6 +104,20 @@ def _bent(u):
 
 
 @triton.jit
+def _bucket(lane, word, place_g_ptr, place_x_ptr, K: tl.constexpr):
+    """The sketch bucket of int64 ``lane`` in the block of uint64 ``word`` (hashing.bucket_sign):
+    placement row ``(word >> 40) mod 4096`` sends lane group ``lane >> 3`` to bucket group ``g``
+    with its 8 lanes permuted by XOR ``x``; the bits of ``word`` above the lane bits pick which
+    256 of k > 256 buckets. Every row and group is in range, so the gathers need no mask."""
+    row = ((word >> 40) & (_PLACE_ROWS - 1)).to(tl.int64)
+    slot = row * _GROUPS + (lane >> 3)
+    g = tl.load(place_g_ptr + slot)
+    x = tl.load(place_x_ptr + slot)
+    high = ((word & (K - 1)) >> _LANE_BITS << _LANE_BITS).to(tl.int64)  # & (k - 1) & ~255
+    return ((8 * g + ((lane & 7) ^ x)) ^ high) & (K - 1)
+
+
+@triton.jit
 def _count(mask):
     return tl.sum(mask.to(tl.int64))
 
@@ -108,14 +126,15 @@ def _count(mask):
 def _digest_kernel(
     x_ptr, n, origin, lead,
     s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
-    table_ptr, part_i64_ptr, part_f64_ptr, sketch_ptr,
+    table_ptr, place_g_ptr, place_x_ptr, part_i64_ptr, part_f64_ptr, sketch_ptr,
     K: tl.constexpr, FLOAT: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One tile of a piece of ``n`` elements: (size, stride, gstride) of 4 merged dims in
     ``s*, t*, g*``. ALIGNED: the piece's elements have global indices ``origin * 256 + lead``
     on, one after the other. Otherwise ``origin`` is element 0's global index. (The host splits
     the index, rather than the kernel shifting an argument: the interpreter stores an int
-    argument in [2**31, 2**32) as uint32 and shifts it wrongly.)"""
+    argument in [2**31, 2**32) as uint32 and shifts it wrongly.) ``place_*_ptr``: the
+    placement table's group and lane-XOR parts, int64 [4096 * 32], row-major."""
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, ROWS).to(tl.int64)[:, None]
     cols = tl.arange(0, _LANES).to(tl.int64)[None, :]
@@ -168,8 +187,8 @@ def _digest_kernel(
         tl.store(part_f64 + 2, tl.min(tl.where(finite, v, _INF)))
         tl.store(part_f64 + 3, tl.max(tl.where(finite, v, -_INF)))
         word = _mix64(_SK_SEED + _GAMMA * blk_u)
+        bucket = _bucket(lane, word, place_g_ptr, place_x_ptr, K)
         lane_u = lane.to(tl.uint64)
-        bucket = ((lane_u ^ word) & (K - 1)).to(tl.int64)
         minus = _bent((lane_u ^ (word >> 32)) & (_LANES - 1)) ^ (word >> 63)
         tl.atomic_add(sketch_ptr + bucket, tl.where(minus != 0, -f, f), mask=live)
 
@@ -229,10 +248,11 @@ def digest_piece_triton(
     part_f64 = torch.zeros((programs, 4), dtype=torch.float64, device=device)
     float_type = _FLOAT.get(t.dtype)
     (s0, t0, g0), (s1, t1, g1), (s2, t2, g2), (s3, t3, g3) = dims
+    table, _, _, _, place_g, place_x = hashing.tables(device)
     _digest_kernel[(programs,)](
         t.view(_LOAD_VIEW[t.dtype]), n, origin, lead,
         s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
-        hashing.tables(device)[0], part_i64, part_f64, f64[N_MOMENTS:],
+        table, place_g.reshape(-1), place_x.reshape(-1), part_i64, part_f64, f64[N_MOMENTS:],
         K=sketch_k, FLOAT=float_type, ALIGNED=aligned, ROWS=ROWS,
     )
     i64[5] = part_i64[:, 0].sum()  # int64 addition wraps: the fingerprint mod 2**64

@@ -150,7 +150,9 @@ def test_index_crossing_2_to_the_32(triton_digest, layout):
 @pytest.mark.parametrize("offsets, shape, logical", [((250,), (300,), (1000,)),
                                                      ((1, 100), (2, 130), (3, 300))])
 def test_matches_hash_scheme_definition(triton_digest, offsets, shape, logical):
-    """Fingerprint and sketch from agents/hashing.py's pure-Python key and bucket_sign."""
+    """Fingerprint and sketch from agents/hashing.py's pure-Python key and bucket_sign; the
+    sketch with fewer buckets than a block's lanes and with more (the placement table and the
+    block word's bits above the lanes both pick the bucket)."""
     layout = PieceLayout(logical, offsets, shape)
     n = layout.numel
     gstrides = [math.prod(logical[d + 1:]) for d in range(len(logical))]
@@ -162,15 +164,16 @@ def test_matches_hash_scheme_definition(triton_digest, offsets, shape, logical):
     fp = sum(hashing.key(g) * (int(x) & hashing.M64) for g, x in zip(index, ints.tolist()))
     assert int(got_i64[5]) & hashing.M64 == fp & hashing.M64
     floats = _values(torch.float64, n, 12)
-    got64, _ = triton_digest.digest_piece_triton(floats.reshape(shape).to(_device()), layout,
-                                                 sketch_k=8)
-    sketch = [0.0] * 8
-    for g, v in zip(index, floats.tolist()):
-        bucket, minus = hashing.bucket_sign(g, 8)
-        if math.isfinite(v):
-            sketch[bucket] += -v if minus else v
-    assert torch.allclose(got64.cpu()[N_MOMENTS:], torch.tensor(sketch, dtype=torch.float64),
-                          rtol=1e-12, atol=1e-12)
+    for k in (8, 4096):
+        got64, _ = triton_digest.digest_piece_triton(floats.reshape(shape).to(_device()),
+                                                     layout, sketch_k=k)
+        sketch = [0.0] * k
+        for g, v in zip(index, floats.tolist()):
+            bucket, minus = hashing.bucket_sign(g, k)
+            if math.isfinite(v):
+                sketch[bucket] += -v if minus else v
+        want = torch.tensor(sketch, dtype=torch.float64)
+        assert torch.allclose(got64.cpu()[N_MOMENTS:], want, rtol=1e-12, atol=1e-12), k
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
