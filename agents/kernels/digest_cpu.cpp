@@ -100,6 +100,7 @@ struct Tables {
   alignas(64) uint8_t place[PLACE_ROWS][GROUPS];
   // vpermps indices for a lane XOR x (8 lanes), and for two groups' XORs (16 lanes).
   alignas(64) int32_t perm8[8][8];
+  alignas(64) int64_t perm8_64[8][8];  // the same as 64-bit indices (float64 lanes)
   alignas(64) int32_t perm16[8][8][16];
   Tables() {
     for (int64_t j = 0; j < LANES; ++j)
@@ -124,7 +125,7 @@ struct Tables {
         place[row][q] = (uint8_t)(perm[q] | (mix64(PLACE_SEED + GOLDEN_GAMMA * ++n) & 7) << 5);
     }
     for (int x = 0; x < 8; ++x)
-      for (int r = 0; r < 8; ++r) perm8[x][r] = r ^ x;
+      for (int r = 0; r < 8; ++r) perm8[x][r] = perm8_64[x][r] = r ^ x;
     for (int x0 = 0; x0 < 8; ++x0)
       for (int x1 = 0; x1 < 8; ++x1)
         for (int r = 0; r < 8; ++r) perm16[x0][x1][r] = r ^ x0, perm16[x0][x1][8 + r] = 8 + (r ^ x1);
@@ -263,6 +264,32 @@ void scalar_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t g,
       a.zeros += raw == 0;
   }
   a.fp += fp;
+}
+
+// Integers and bool at consecutive global indices: per block, a loop the compiler vectorizes
+// (a 64-bit multiply per element: vpmullq with AVX-512, emulated with AVX2).
+template <int64_t D, bool CONTIG>
+void int_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t g, Acc& a) {
+  using E = Elem<D>;
+  const Tables& tb = tables();
+  uint64_t fp = 0;
+  int64_t zeros = 0;
+  for (int64_t done = 0; done < n;) {
+    const int64_t j0 = (int64_t)((g + (uint64_t)done) & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const uint64_t key = Block((g + (uint64_t)done) >> LANE_BITS).key;
+    const uint64_t* lane_key = tb.key + j0;
+    const typename E::T* xb = x + done * ts;
+#pragma omp simd reduction(+ : fp, zeros)
+    for (int64_t t = 0; t < seg; ++t) {
+      const typename E::T raw = xb[CONTIG ? t : t * ts];
+      fp += (lane_key[t] ^ key) * E::bits(raw);
+      zeros += raw == 0;
+    }
+    done += seg;
+  }
+  a.fp += fp;
+  a.zeros += zeros;
 }
 
 #if NA_VECTOR
@@ -483,6 +510,85 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
 }
 #endif
 
+#if NA_VECTOR512
+// Contiguous float64, n a multiple of 8, g a multiple of 8, k >= 8, AVX-512: one lane group
+// per step (vpmullq for key * bits, the moments on float64 lanes directly).
+void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
+  const Tables& tb = tables();
+  const uint64_t kmask = (uint64_t)a.k - 1;
+  const __m512d inf = _mm512_set1_pd(std::numeric_limits<double>::infinity());
+  const __m512d zero = _mm512_setzero_pd();
+  __m512i fp = _mm512_setzero_si512();
+  __m512d lo = inf, hi = _mm512_set1_pd(-std::numeric_limits<double>::infinity());
+  __m512d s = zero, ss = zero;
+  int64_t zeros = 0;
+  for (int64_t done = 0; done < n;) {
+    const uint64_t gb = g + (uint64_t)done;
+    const int64_t j0 = (int64_t)(gb & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const Block blk(gb >> LANE_BITS);
+    const uint64_t w = blk.word;
+    const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
+    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
+    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);
+    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
+    const uint32_t* signs = &tb.sign[0][shift & 7][0];
+    const uint32_t shift_hi = shift >> 3;
+    const __m512i flip = _mm512_set1_epi64((int64_t)((w >> 63) << 63));
+    const uint64_t* xb = x + done;
+    __mmask8 allfinite = 0xFF;
+    for (int64_t t = 0; t < seg; t += 8) {
+      const uint32_t q = (uint32_t)((j0 + t) >> 3);
+      const __m512i bits = _mm512_loadu_si512(xb + t);
+      const __m512i k = _mm512_xor_si512(_mm512_load_si512(tb.key + j0 + t), ckey);
+      fp = _mm512_add_epi64(fp, _mm512_mullo_epi64(k, bits));
+      const __m512d v = _mm512_castsi512_pd(bits);
+      const __mmask8 fin = _mm512_cmp_pd_mask(_mm512_abs_pd(v), inf, _CMP_LT_OQ);
+      allfinite &= fin;
+      zeros += __builtin_popcount(_mm512_cmp_pd_mask(v, zero, _CMP_EQ_OQ));
+      lo = _mm512_mask_min_pd(lo, fin, lo, v);
+      hi = _mm512_mask_max_pd(hi, fin, hi, v);
+      const __m512d f = _mm512_maskz_mov_pd(fin, v);
+      s = _mm512_add_pd(s, f);
+      ss = _mm512_fmadd_pd(f, f, ss);
+      const __m512i sm = _mm512_xor_si512(
+          _mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm256_load_si256(
+                                reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi)))),
+                            32),
+          flip);
+      const uint32_t e = place[q];
+      const __m512d p = _mm512_permutexvar_pd(
+          _mm512_load_si512(tb.perm8_64[e >> 5]),
+          _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(f), sm)));
+      double* dst = a.sketch + (((8 * (e & 31)) ^ high) & kmask);
+      _mm512_storeu_pd(dst, _mm512_add_pd(_mm512_loadu_pd(dst), p));
+    }
+    if (allfinite != 0xFF) classify_nonfinite<F64>(xb, seg, a);
+    done += seg;
+  }
+  a.zeros += zeros;
+  a.fp += (uint64_t)_mm512_reduce_add_epi64(fp);
+  const double l = _mm512_reduce_min_pd(lo), u = _mm512_reduce_max_pd(hi);
+  a.lo = l < a.lo ? l : a.lo;
+  a.hi = u > a.hi ? u : a.hi;
+  alignas(64) double sv[8], qv[8];
+  _mm512_store_pd(sv, s);
+  _mm512_store_pd(qv, ss);
+  a.sum += ((sv[0] + sv[1]) + (sv[2] + sv[3])) + ((sv[4] + sv[5]) + (sv[6] + sv[7]));
+  a.sum_sq += ((qv[0] + qv[1]) + (qv[2] + qv[3])) + ((qv[4] + qv[5]) + (qv[6] + qv[7]));
+}
+
+void f64_run(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
+  int64_t head = (int64_t)((8 - (g & 7)) & 7);
+  if (head > n) head = n;
+  scalar_run<F64>(x, 1, head, g, 1, a);
+  x += head, g += (uint64_t)head, n -= head;
+  const int64_t body = n & ~(int64_t)7;
+  if (body) f64_body512(x, body, g, a);
+  scalar_run<F64>(x + body, 1, n - body, g + (uint64_t)body, 1, a);
+}
+#endif
+
 // Contiguous float32/bfloat16/float16 at global indices g, g + 1, ...: a scalar head up to the
 // next multiple of the vector width, the vector body, a scalar tail.
 template <int64_t D>
@@ -535,6 +641,24 @@ void run(const void* p, int64_t ts, int64_t n, uint64_t g, uint64_t gs, Acc& a) 
     }
   }
 #endif
+#if NA_VECTOR512
+  if constexpr (D == F64) {
+    if (gs == 1 && ts == 1 && a.k >= 8) {
+      f64_run(x, n, g, a);
+      return;
+    }
+  }
+#endif
+  constexpr bool is_float = D == F16 || D == BF16 || D == F32 || D == F64;
+  if constexpr (!is_float) {
+    if (gs == 1) {
+      if (ts == 1)
+        int_run<D, true>(x, 1, n, g, a);
+      else
+        int_run<D, false>(x, ts, n, g, a);
+      return;
+    }
+  }
   scalar_run<D>(x, ts, n, g, gs, a);
 }
 

@@ -126,7 +126,8 @@ def test_large_noncontiguous_and_batch_split(dtype):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 64, 4096])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int32])
 def test_every_sketch_size_at_unaligned_offsets(dtype, k):
     """k < 8 takes the scalar loop, k >= 8 the vector one (bucket groups of 8 lanes); a shard
     starting mid-block gives the vector loop a scalar head and tail around whole groups."""
