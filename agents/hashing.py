@@ -33,8 +33,6 @@ import functools
 import numpy as np
 import torch
 
-SCHEME_VERSION = 2
-
 FINGERPRINT_SEED = 0x6E61763266696E67  # b"nav2fing"
 """Seed of the fingerprint's keys; written to Digest.fingerprint_seed. Version 1 used
 0x6E756D6175646974: digests of the two versions never compare as equal or different."""
