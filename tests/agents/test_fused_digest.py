@@ -249,7 +249,7 @@ def test_every_isa_build_agrees_with_eager(isa):
     env = dict(os.environ, NUMAUDIT_DIGEST_ISA=str(isa))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-         "sizes or every_sketch or noncontiguous or equals_eager or crossing"],
+         "sizes or every_sketch or noncontiguous or crossing"],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     probe = subprocess.run([sys.executable, "-c", "from agents.kernels import cpu; "
