@@ -98,32 +98,44 @@ def capture_columns(captures: Sequence, f64: np.ndarray | None,
 
 def with_payloads(cols: RecordColumns, captures: Sequence,
                   compress) -> tuple[RecordColumns, list[RecordColumns]]:
-    """(the records without payload, one RecordColumns per payload-carrying capture with a row
-    per chunk). `compress(raw bytes) -> compressed bytes` (zstd). A payload larger than
-    MAX_PAYLOAD_RAW_BYTES is left out: the digest still travels."""
-    import torch
+    """(the records without payload, the payload-carrying records with a row per chunk).
 
-    rows_with = [i for i, c in enumerate(captures) if c.payload is not None and not c.is_none]
-    if not rows_with:
-        return cols, []
-    plain, pieces = [], []
-    with_set = set()
-    for i in rows_with:
-        p = captures[i].payload
-        if p.numel() * p.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
+    The second part is one RecordColumns for all of the batch's payloads (a list of at most
+    one, empty when none): a part per payload cost the sender a `take` and a part to merge per
+    capture, tens of them per microbatch. `compress(raw bytes) -> compressed bytes` (zstd). A
+    payload larger than MAX_PAYLOAD_RAW_BYTES is left out: the digest still travels.
+    """
+    rows, payloads, with_set = [], {}, set()
+    chunk = limits.PAYLOAD_CHUNK_BYTES
+    for i, c in enumerate(captures):
+        p = c.payload
+        if p is None or c.is_none or p.numel() * p.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
             continue
         with_set.add(i)
-        raw = p.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = payload_bytes(p)
         data = compress(raw)
-        chunk = limits.PAYLOAD_CHUNK_BYTES
         count = max(1, -(-len(data) // chunk))
         crc = zlib.crc32(data)
-        piece = take(cols, np.full(count, i))
-        piece.payloads = {
-            j: pb.Payload(codec="zstd", raw_nbytes=len(raw), compressed_nbytes=len(data),
-                          crc32=crc, chunk_index=j, chunk_count=count,
-                          data=data[j * chunk:(j + 1) * chunk])
-            for j in range(count)}
-        pieces.append(piece)
-    plain = [i for i in range(cols.n) if i not in with_set]
-    return (take(cols, np.array(plain, np.int64)) if len(plain) != cols.n else cols), pieces
+        for j in range(count):
+            payloads[len(rows)] = pb.Payload(
+                codec="zstd", raw_nbytes=raw.nbytes, compressed_nbytes=len(data), crc32=crc,
+                chunk_index=j, chunk_count=count, data=data[j * chunk:(j + 1) * chunk])
+            rows.append(i)
+    if not rows:
+        return cols, []
+    piece = take(cols, np.array(rows, np.int64))
+    piece.payloads = payloads
+    if len(with_set) == cols.n:
+        return take(cols, np.zeros(0, np.int64)), [piece]
+    plain = np.array([i for i in range(cols.n) if i not in with_set], np.int64)
+    return take(cols, plain), [piece]
+
+
+def payload_bytes(p) -> memoryview:
+    """A payload's bytes in C order, without a copy where it is a flat host byte tensor (what
+    the fused kernel fills); otherwise as a host copy."""
+    import torch
+
+    if p.dtype is torch.uint8 and p.is_cpu and p.is_contiguous():
+        return memoryview(p.numpy()).cast("B")
+    return memoryview(p.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())

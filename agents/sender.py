@@ -35,6 +35,10 @@ from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+SERVICE_INTERVAL_S = 0.01
+"""How often the sender services a delivery that has batches in flight (acks, resends)."""
+
+
 class Sender:
     """Background delivery of one rank's records (to the auditor, or the node sidecar)."""
 
@@ -166,7 +170,7 @@ class Sender:
         draining = False
         while True:
             try:
-                item = self._in.get(timeout=0.0 if draining else 0.01)
+                item = self._in.get(timeout=0.0 if draining else self._wait_s())
             except queue.Empty:
                 item = False
             if item is None:
@@ -186,6 +190,18 @@ class Sender:
                 if now >= self._deadline:
                     return
                 time.sleep(0.002)
+
+    def _wait_s(self) -> float | None:
+        """How long the loop may sleep for the next host batch: until the open batch is due,
+        while the delivery has batches in flight SERVICE_INTERVAL_S (acks, reconnects), else
+        until something arrives. Idle, the thread never wakes: on a 2-core machine each
+        wake-up is the training thread's time (it polled every 10 ms before)."""
+        wait = None
+        if self._pending:
+            wait = max(0.0, self._batch_started + self.config.batch_interval_s - time.monotonic())
+        if self._deliverable():
+            wait = SERVICE_INTERVAL_S if wait is None else min(wait, SERVICE_INTERVAL_S)
+        return wait
 
     def _deliverable(self) -> bool:
         d = self.delivery
