@@ -98,6 +98,10 @@ class Capturer:
         self._layouts: dict[tuple, PieceLayout] = {}
         """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
         capture of a site and shape (invalidated when hook_modules learns column shards)."""
+        self._plans: dict[tuple, tuple | None] = {}
+        """(phase, site, role, shape, strides, dtype) -> what every capture of such a plain CPU
+        tensor shares (layout, dtype name, descriptor base and tail, payload size, ...), or None
+        when it takes the general path: see :meth:`_capture_fast`."""
         self._logged: set[str] = set()
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
@@ -146,6 +150,7 @@ class Capturer:
             if shards is not None:
                 self._column_shards[site] = shards
                 self._layouts.clear()
+                self._plans.clear()
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -169,14 +174,17 @@ class Capturer:
                 mb = self.microbatch
                 call = self._next_call(site)
                 st = stage if stage >= 0 else self.stage
-                tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+                tensors = ([output] if type(output) is torch.Tensor else
+                           [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+                fwd, bwd = self.wants("fwd"), self.wants("bwd")
                 for index, t in enumerate(tensors):
-                    if self.wants("fwd"):
+                    if fwd and not self._capture_fast(t, "fwd", site, "output", index, call,
+                                                      mb, st):
                         self._capture_one(t, phase="fwd", site=site, role="output",
                                           index=index, call=call, microbatch=mb, stage=st)
-                    if self.wants("bwd") and t.requires_grad:
+                    if bwd and t.requires_grad:
                         t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
-                if self.wants("bwd") and tensors and not torch.is_grad_enabled():
+                if bwd and tensors and not torch.is_grad_enabled():
                     # Maybe a reentrant checkpoint: its forward runs without grad and is run
                     # again in backward; remember the call so the replay keys its gradients.
                     key = (self.step, mb, site)
@@ -217,15 +225,30 @@ class Capturer:
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
                    layout: PieceLayout | None = None, role: str = "grad_output"):
-        capture = functools.partial(self._capture_grad, site, index, call, mb, stage, layout,
-                                    role)
-        return self._backward_hook((step, mb, site, index, call, role), step, capture)
+        """The hook capturing the gradient of one hooked tensor (see :meth:`_backward_hook`:
+        the same rules, in one partial, since one is made per hooked tensor and forward)."""
+        return functools.partial(_run_grad_hook, self, site, index, call, mb, stage, step,
+                                 layout, role)
 
-    def _capture_grad(self, site: str, index: int, call: int, mb: int, stage: int,
-                      layout: PieceLayout | None, role: str, grad: torch.Tensor) -> None:
-        self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
-                          call=call, microbatch=mb, stage=stage, layout=layout)
-        self._drain()
+    def _grad_hook_body(self, site: str, index: int, call: int, mb: int, stage: int,
+                        step: int, layout: PieceLayout | None, role: str, grad) -> None:
+        try:
+            key = (step, mb, site, index, call, role)
+            if grad is None or key in self._bwd_seen:
+                return
+            self._bwd_seen.add(key)
+            saved = self.step
+            self.step = step
+            try:
+                if layout is not None or not self._capture_fast(grad, "bwd", site, role, index,
+                                                                call, mb, stage):
+                    self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
+                                      call=call, microbatch=mb, stage=stage, layout=layout)
+                self._drain()
+            finally:
+                self.step = saved
+        except Exception as exc:
+            self._failed("backward hook", exc)
 
     def _backward_hook(self, key: tuple, step: int, capture: Callable[[torch.Tensor], None]):
         """A tensor hook that captures the gradient once per key, keyed by the forward's step.
@@ -297,6 +320,13 @@ class Capturer:
         dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
         tensor is a replica over the non-dp mesh dims.
         """
+        if (layout is None and rows is None and not backward and replicate is None
+                and t is not None and phase != "loss" and reduce in (AUTO, None)
+                and self._capture_fast(t, phase, site, role, index, call,
+                                       self.microbatch if microbatch is None else microbatch,
+                                       self.stage if stage is None else stage)):
+            self._drain()
+            return
         self._capture_one(t, phase=phase, site=site, role=role, index=index, call=call,
                           microbatch=microbatch, stage=stage, layout=layout, rows=rows,
                           backward=backward, reduce=reduce, weight=weight, replicate=replicate)
@@ -410,6 +440,56 @@ class Capturer:
 
         return self._backward_hook((step, mb, site, "segments", role), step, capture)
 
+    def _capture_fast(self, t: torch.Tensor, phase: str, site: str, role: str, index: int,
+                      call: int, microbatch: int, stage: int) -> bool:
+        """Capture a plain CPU tensor with the default layout through a cached plan; False
+        (nothing done) when it takes the general path (:meth:`_capture_one`). Never raises.
+
+        Everything but the data pointer is the same for every capture of a site, role, shape,
+        strides and dtype, so it is worked out once (:meth:`_new_plan`): a capture here is one
+        dict lookup, the descriptor, the Capture and, for small pieces, the payload buffer. In
+        a training step Python runs with cold caches between the model's ops, where each line
+        of the general path cost several times what a loop over it measures.
+        """
+        try:
+            tt = type(t)
+            if (tt is not torch.Tensor and tt is not torch.nn.Parameter) or not t.is_cpu:
+                return False
+            key = (phase, site, role, t.shape, t.stride(), t.dtype)
+            plan = self._plans.get(key, False)
+            if plan is False:
+                plan = self._new_plan(t, phase, site, role)
+                if len(self._plans) >= MAX_CACHED_LAYOUTS:
+                    self._plans.clear()
+                self._plans[key] = plan
+            if plan is None:
+                return False
+            layout, dtype, moments, base, tail, payload_n, phase_id, role_id = plan
+            self.counters.add_captured(1)
+            payload = torch.empty(payload_n, dtype=torch.uint8) if payload_n else None
+            desc = self._digester.descriptor(t, base, tail, payload.data_ptr() if payload_n else 0)
+            self._batches.add_fused(
+                Capture(self.step, microbatch, phase_id, site, role_id, index, call, stage,
+                        layout, dtype, False, moments, False, -1, payload), desc, t)
+        except Exception as exc:
+            self._failed(f"capture of {phase}:{site}", exc)
+        return True
+
+    def _new_plan(self, t: torch.Tensor, phase: str, site: str, role: str) -> tuple | None:
+        """What :meth:`_capture_fast` needs for tensors like ``t``; None for the general path
+        (no fused kernel, a dtype it does not read, complex)."""
+        if phase == "input":  # its layout also records the microbatch's batch size
+            return None
+        layout = self._plain_layout(t, phase, site, None)
+        plan = self._digester.fused_plan(t, layout)
+        if plan is None:
+            return None
+        nbytes = t.nbytes
+        payload_n = nbytes if ((0 < nbytes <= self.config.payload_max_bytes) or (
+            self.config.payload and self._wants_payload(phase, site, role))) else 0
+        return (layout, _dtype_name(t.dtype), has_moments(t.dtype), plan[0], plan[1], payload_n,
+                PHASE_IDS[phase], ROLE_IDS[role])
+
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
             step=self.step, microbatch=microbatch, phase=PHASE_IDS[phase], site=site,
@@ -472,8 +552,10 @@ class Capturer:
         for name, p in model.named_parameters():
             site = normalize_site(name)
             t = p.grad if grads else p
-            self._capture_one(t, phase=phase, site=site, role="value", microbatch=STEP_LEVEL,
-                              stage=stage)
+            if t is None or not self._capture_fast(t, phase, site, "value", 0, 0, STEP_LEVEL,
+                                                   stage):
+                self._capture_one(t, phase=phase, site=site, role="value",
+                                  microbatch=STEP_LEVEL, stage=stage)
         self._drain()
         self.flush()
 
@@ -520,6 +602,13 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
         if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
             return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
     return None
+
+
+@torch.compiler.disable
+def _run_grad_hook(capturer: Capturer, site: str, index: int, call: int, mb: int, stage: int,
+                   step: int, layout, role: str, grad) -> None:
+    """A hooked tensor's gradient hook (see _run_backward_hook); returns None."""
+    capturer._grad_hook_body(site, index, call, mb, stage, step, layout, role, grad)
 
 
 @torch.compiler.disable

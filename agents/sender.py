@@ -264,7 +264,9 @@ class Sender:
         if not n:
             return
         msg = packed_batch(self.session_id, self._next_seq, concat(pending))
-        nbytes = msg.ByteSize()
+        # The delivery's memory budget counts the record bytes (what the message carries
+        # beside a few framing bytes per field): msg.ByteSize() serialized the whole message
+        # once more, milliseconds per batch with payloads.
         d = self.delivery
         if d is not None and d.fatal is not None:
             # The session was refused (a token without write scope, a run name taken): final,
