@@ -19,10 +19,9 @@ import time
 import uuid
 
 import numpy as np
-import zstandard
 
 from agents.capture import Counters, HostBatch
-from agents.columns import capture_columns, with_payloads
+from agents.columns import PayloadCompressor, capture_columns, with_payloads
 from agents.config import AgentConfig
 from agents.delivery import Delivery
 from agents.identity import RankIdentity
@@ -58,7 +57,7 @@ class Sender:
         self._batch_started = 0.0
         self._closing = False
         self._deadline = float("inf")
-        self._zstd = zstandard.ZstdCompressor(level=1, write_content_size=True)
+        self._compress = PayloadCompressor()
         self._spool: SpoolWriter | None = None
         self.sent = 0
         self.spilled = 0
@@ -218,14 +217,14 @@ class Sender:
             return
         try:
             cols = capture_columns(batch.captures, f64, i64)
-            plain, pieces = with_payloads(cols, batch.captures, self._zstd.compress)
+            plain, pieces = with_payloads(cols, batch.captures, self._compress)
         except Exception as exc:  # one bad capture: build them one by one, drop only it
             log.debug("record build failed: %r; building captures one by one", exc)
             plain, pieces = None, []
             for cap in batch.captures:
                 try:
                     one = capture_columns([cap], f64, i64)
-                    p, ps = with_payloads(one, [cap], self._zstd.compress)
+                    p, ps = with_payloads(one, [cap], self._compress)
                 except Exception as exc1:
                     self.counters.drop("build_error", 1)
                     log.debug("record build failed: %r", exc1)
