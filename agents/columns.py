@@ -17,7 +17,7 @@ import numpy as np
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from wire import limits
 from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, SCALAR_COLUMNS,
-                         RecordColumns, take)
+                         RecordColumns)
 from protos import numaudit_pb2 as pb
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
@@ -96,53 +96,52 @@ def capture_columns(captures: Sequence, f64: np.ndarray | None,
     return RecordColumns(n, cols, list(sites), list(dtypes), np.array(dims, "<i8"), sketch)
 
 
-def with_payloads(cols: RecordColumns, captures: Sequence,
+def with_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray | None,
                   compress) -> tuple[RecordColumns, list[RecordColumns]]:
     """(the records without payload, the payload-carrying records with a row per chunk).
 
     The second part is one RecordColumns for all of the batch's payloads (a list of at most
-    one, empty when none): a part per payload cost the sender a `take` and a part to merge per
-    capture, tens of them per microbatch. `compress(capture, raw bytes) -> compressed bytes`
-    (zstd: a PayloadCompressor). A payload larger than MAX_PAYLOAD_RAW_BYTES is left out: the
-    digest still travels.
+    one, empty when none), each part built straight from its captures: a part per payload, cut
+    from the whole batch's columns, cost the sender a `take` and a merge per capture, tens of
+    them per microbatch. `compress(capture, raw bytes) -> compressed bytes` (zstd: a
+    PayloadCompressor). A payload larger than MAX_PAYLOAD_RAW_BYTES is left out: the digest
+    still travels.
     """
-    rows, payloads, with_set = [], {}, set()
+    plain, chunked, payloads = [], [], {}
     chunk = limits.PAYLOAD_CHUNK_BYTES
-    for i, c in enumerate(captures):
+    for c in captures:
         p = c.payload
         if p is None or c.is_none or p.numel() * p.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
+            plain.append(c)
             continue
-        with_set.add(i)
         raw = payload_bytes(p)
         data = compress(c, raw)
         count = max(1, -(-len(data) // chunk))
         crc = zlib.crc32(data)
         for j in range(count):
-            payloads[len(rows)] = pb.Payload(
+            payloads[len(chunked)] = pb.Payload(
                 codec="zstd", raw_nbytes=raw.nbytes, compressed_nbytes=len(data), crc32=crc,
                 chunk_index=j, chunk_count=count, data=data[j * chunk:(j + 1) * chunk])
-            rows.append(i)
-    if not rows:
+            chunked.append(c)
+    cols = capture_columns(plain, f64, i64)
+    if not chunked:
         return cols, []
-    piece = take(cols, np.array(rows, np.int64))
+    piece = capture_columns(chunked, f64, i64)
     piece.payloads = payloads
-    if len(with_set) == cols.n:
-        return take(cols, np.zeros(0, np.int64)), [piece]
-    plain = np.array([i for i in range(cols.n) if i not in with_set], np.int64)
-    return take(cols, plain), [piece]
+    return cols, [piece]
 
 
 class PayloadCompressor:
     """zstd for payloads: level 1 where it pays, a store-speed level where it does not.
 
-    Float payloads barely compress (the final logits: 7 % at level 1, which runs at about
-    0.5 GB/s here: 10 ms of the sender's time per step for DS3-style logits at scale 1, against
-    7 GB/s at level -1). A payload of at least FAST_AFTER_BYTES that level 1 shrinks by less
-    than 10 % puts its (phase, site, role) on level -1 for its next RETRY payloads, then level
-    1 is tried again. Both are zstd frames: the receiver reads them alike.
+    Float payloads barely compress (7 % at level 1), and level 1 costs 35-55 us of setup per
+    call even for a few KiB (150 small payloads a step at scale 1 of the DS3-style model) and
+    runs at 0.5 GB/s on large ones (its logits: 10 ms a step), against a few us and 7 GB/s at
+    level -1. A payload that level 1 shrinks by less than 10 % puts its (phase, site, role) on
+    level -1 for its next RETRY payloads; then level 1 is tried again. Both are zstd frames:
+    the receiver reads them alike.
     """
 
-    FAST_AFTER_BYTES = 64 << 10
     RETRY = 16
 
     def __init__(self) -> None:
@@ -159,7 +158,7 @@ class PayloadCompressor:
             self._fast_left[key] = left - 1
             return self._fast.compress(raw)
         data = self._good.compress(raw)
-        if raw.nbytes >= self.FAST_AFTER_BYTES and len(data) > 0.9 * raw.nbytes:
+        if len(data) > 0.9 * raw.nbytes:
             if len(self._fast_left) >= 4096:
                 self._fast_left.clear()
             self._fast_left[key] = self.RETRY

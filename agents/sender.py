@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 
 from agents.capture import Counters, HostBatch
-from agents.columns import PayloadCompressor, capture_columns, with_payloads
+from agents.columns import PayloadCompressor, with_payloads
 from agents.config import AgentConfig
 from agents.delivery import Delivery
 from agents.identity import RankIdentity
@@ -216,15 +216,13 @@ class Sender:
             log.warning("rank %d: numaudit host transfer failed: %r", self.ident.rank, exc)
             return
         try:
-            cols = capture_columns(batch.captures, f64, i64)
-            plain, pieces = with_payloads(cols, batch.captures, self._compress)
+            plain, pieces = with_payloads(batch.captures, f64, i64, self._compress)
         except Exception as exc:  # one bad capture: build them one by one, drop only it
             log.debug("record build failed: %r; building captures one by one", exc)
             plain, pieces = None, []
             for cap in batch.captures:
                 try:
-                    one = capture_columns([cap], f64, i64)
-                    p, ps = with_payloads(one, [cap], self._compress)
+                    p, ps = with_payloads([cap], f64, i64, self._compress)
                 except Exception as exc1:
                     self.counters.drop("build_error", 1)
                     log.debug("record build failed: %r", exc1)

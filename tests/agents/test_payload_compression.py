@@ -1,5 +1,5 @@
 """Payload compression: every payload decompresses to its bytes; level 1 is kept only where it
-shrinks a large payload by 10 % or more, and tried again after PayloadCompressor.RETRY."""
+shrinks a payload by 10 % or more, and tried again after PayloadCompressor.RETRY."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ def test_incompressible_large_payloads_switch_to_the_fast_level_and_retry():
     assert len(z(relu, zeros)) < 100 and (1, "relu", 1) not in z._fast_left
 
 
-def test_small_payloads_always_take_level_one():
+def test_small_payloads_follow_the_same_rule():
     z = PayloadCompressor()
     small = memoryview(np.random.default_rng(1).standard_normal(1024).astype("<f4")).cast("B")
+    ramp = memoryview(np.arange(1024, dtype="<i4")).cast("B")
     for _ in range(3):
         assert _round_trip(z(_cap("x"), small)) == small
-    assert not z._fast_left
+        assert _round_trip(z(_cap("ids"), ramp)) == ramp
+    assert (1, "x", 1) in z._fast_left and (1, "ids", 1) not in z._fast_left
