@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from typing import Callable
 
 import torch
@@ -183,7 +184,7 @@ class Capturer:
                         self._capture_one(t, phase="fwd", site=site, role="output",
                                           index=index, call=call, microbatch=mb, stage=st)
                     if bwd and t.requires_grad:
-                        t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
+                        add_grad_hook(t, self._grad_hook(site, index, call, mb, st, self.step))
                 if bwd and tensors and not torch.is_grad_enabled():
                     # Maybe a reentrant checkpoint: its forward runs without grad and is run
                     # again in backward; remember the call so the replay keys its gradients.
@@ -221,7 +222,7 @@ class Capturer:
         call, st = calls.popleft()
         for index, t in enumerate(tensors):  # indexed as in the original forward
             if t.requires_grad:
-                t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
+                add_grad_hook(t, self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
                    layout: PieceLayout | None = None, role: str = "grad_output"):
@@ -354,8 +355,8 @@ class Capturer:
             self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
             if (backward and phase == "fwd" and self.wants("bwd") and t is not None
                     and t.requires_grad):
-                t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
-                                                layout, grad_role(role)))
+                add_grad_hook(t, self._grad_hook(site, index, call, microbatch, stage, self.step,
+                                                 layout, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
@@ -623,6 +624,32 @@ def _not_traced(hook):
     the model's graphs, and turning capture on or off would recompile them. A disabled hook is a
     graph break at each hooked module instead (docs/agent.md, torch.compile)."""
     return torch.compiler.disable(hook)
+
+
+_HOOK_KEYS = itertools.count(-1, -1)
+"""Keys of the hooks add_grad_hook puts in a tensor's hook dict: negative, so they never meet
+the ids of torch's RemovableHandles (counted up from 0)."""
+
+
+def add_grad_hook(t: torch.Tensor, hook) -> None:
+    """``t.register_hook(hook)`` for a plain non-leaf tensor, without its handle.
+
+    What Tensor.register_hook does, less the torch-function check, the import and the
+    RemovableHandle (a weakref and a class counter) that the agent never uses: it cost ~20 us
+    per hooked output inside a training step, once per output and forward. Anything else (a
+    subclass, a leaf, a torch without these internals) goes through register_hook.
+    """
+    if type(t) is torch.Tensor and t.grad_fn is not None:
+        try:
+            hooks = t._backward_hooks
+            if hooks is None:
+                hooks = t._backward_hooks = OrderedDict()
+                t.grad_fn._register_hook_dict(t)
+            hooks[next(_HOOK_KEYS)] = hook
+            return
+        except AttributeError:  # pragma: no cover - a torch without these internals
+            pass
+    t.register_hook(hook)
 
 
 _DTENSOR: list = []

@@ -49,6 +49,10 @@ class Sender:
         self._in: queue.Queue = queue.Queue()
         self._lock = threading.RLock()  # re-entrant: close() may run in a SIGTERM handler
         self._queued = 0
+        self._submitted = 0
+        self._processed = 0
+        """Host batches queued by submit, and those the loop has built into records."""
+        self._cutting = False
         self._next_seq = 1
         self._pending: list[RecordColumns] = []
         """Records of the open batch, as columns (one part per host batch or payload)."""
@@ -143,7 +147,21 @@ class Sender:
                 self.counters.drop("queue_full", n)
                 return
             self._queued += n
+            self._submitted += 1
         self._in.put_nowait(batch)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every host batch submitted so far is built into records and cut into a
+        wire batch; False after `timeout` seconds. For benchmarks, so that the sender's work
+        for a step is charged to that step (it polls: never call it from a hook)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle = self._processed == self._submitted
+            if idle and not self._pending and not self._cutting:
+                return True
+            time.sleep(0.001)
+        return False
 
     def close(self, timeout: float) -> None:
         """Flush for at most `timeout` seconds (+1 s for the session close), then stop."""
@@ -180,7 +198,14 @@ class Sender:
                 self._add(item)
             now = time.monotonic()
             if self._pending and (draining or now - self._batch_started >= self.config.batch_interval_s):
-                self._cut()
+                self._cutting = True
+                try:
+                    self._cut()
+                finally:
+                    self._cutting = False
+            if item:
+                with self._lock:
+                    self._processed += 1
             if self.delivery is not None:
                 self.delivery.service(lambda: self._deadline)
             if draining and self._in.empty():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from agents.capture import Capturer, Counters
+from agents.capture import Capturer, Counters, add_grad_hook
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
 from agents.kernels import cpu
@@ -82,3 +82,23 @@ def test_fast_path_records_what_the_eager_path_records():
         assert torch.equal(i64, r_i64), key  # counts and fingerprint, bitwise
         assert torch.equal(f64[2:5], r_f64[2:5]), key  # min, max, abs-max
         assert torch.allclose(f64, r_f64, rtol=1e-9, atol=1e-9), key
+
+
+def test_add_grad_hook_sees_what_register_hook_sees():
+    """Same gradients, same order beside a user's hook, and the old value's gradient after an
+    in-place change, as Tensor.register_hook."""
+    def run(register):
+        x = torch.arange(6.0, requires_grad=True)
+        y = x * 2
+        seen = []
+        y.register_hook(lambda g: seen.append(("user", g.clone())))
+        register(y, lambda g: seen.append(("agent", g.clone())))
+        y.mul_(3)  # in place after the hooks: they get the gradient of the value they saw
+        y.sum().backward()
+        return seen, x.grad
+
+    ours, grad = run(add_grad_hook)
+    ref, ref_grad = run(lambda t, h: t.register_hook(h))
+    assert [n for n, _ in ours] == [n for n, _ in ref] == ["user", "agent"]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, ref))
+    assert torch.equal(ours[1][1], torch.full((6,), 3.0)) and torch.equal(grad, ref_grad)
