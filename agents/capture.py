@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from typing import Callable
 
 import torch
@@ -26,6 +25,8 @@ from agents.config import AgentConfig, step_selected
 from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from agents.digest import has_moments
 from agents.fastpath import Digester
+from agents.hooks import (add_grad_hook, grad_role, in_backward, not_traced, run_backward_hook,
+                          run_grad_hook)
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
@@ -62,11 +63,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs: forwards seen now are checkpoint recomputations."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Capturer:
@@ -195,7 +191,7 @@ class Capturer:
                 self._failed("forward hook", exc)
             self._drain()
 
-        return _not_traced(hook)
+        return not_traced(hook)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.
@@ -228,7 +224,7 @@ class Capturer:
                    layout: PieceLayout | None = None, role: str = "grad_output"):
         """The hook capturing the gradient of one hooked tensor (see :meth:`_backward_hook`:
         the same rules, in one partial, since one is made per hooked tensor and forward)."""
-        return functools.partial(_run_grad_hook, self, site, index, call, mb, stage, step,
+        return functools.partial(run_grad_hook, self, site, index, call, mb, stage, step,
                                  layout, role)
 
     def _grad_hook_body(self, site: str, index: int, call: int, mb: int, stage: int,
@@ -259,7 +255,7 @@ class Capturer:
         partial of one function disabled for torch.compile once: wrapping a closure per
         registration cost tens of microseconds per hooked tensor.)
         """
-        return functools.partial(_run_backward_hook, self, key, step, capture)
+        return functools.partial(run_backward_hook, self, key, step, capture)
 
     def _backward_hook_body(self, key: tuple, step: int, capture, grad) -> None:
         try:
@@ -319,8 +315,11 @@ class Capturer:
         None; AUTO = "mean" for phase loss) says the tensor is this rank's reduction over its
         batch share, `weight` the elements a mean averaged over (default: microbatch_size, else
         dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
-        tensor is a replica over the non-dp mesh dims.
+        tensor is a replica over the non-dp mesh dims. Nothing is captured in a step that the
+        step selection (`steps`, `step_every`, `step_first`) leaves out.
         """
+        if not self._step_on:
+            return
         if (layout is None and rows is None and not backward and replicate is None
                 and t is not None and phase != "loss" and reduce in (AUTO, None)
                 and self._capture_fast(t, phase, site, role, index, call,
@@ -413,8 +412,11 @@ class Capturer:
         """Capture ``t.split(counts)`` as ragged pieces, segment e under index e. Never raises.
 
         `backward`: one hook on `t` itself (the segments are views autograd never reaches)
-        splits the gradient the same way and captures each segment under phase bwd.
+        splits the gradient the same way and captures each segment under phase bwd. Nothing
+        is captured in a step that the step selection leaves out.
         """
+        if not self._step_on:
+            return
         try:
             microbatch = self.microbatch if microbatch is None else microbatch
             stage = self.stage if stage is None else stage
@@ -572,12 +574,6 @@ class Capturer:
                         self.ident.rank, what, exc)
 
 
-def grad_role(role: str) -> str:
-    """Role of the gradient reaching a tensor captured under `role`: an input's is grad_input,
-    anything else's grad_output (so a site's input and output gradients are two keys)."""
-    return "grad_input" if role == "input" else "grad_output"
-
-
 def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple[int, int] | None:
     """(shards, coordinate) when `module`'s output is split by columns over a non-dp mesh dim.
 
@@ -603,53 +599,6 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
         if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
             return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
     return None
-
-
-@torch.compiler.disable
-def _run_grad_hook(capturer: Capturer, site: str, index: int, call: int, mb: int, stage: int,
-                   step: int, layout, role: str, grad) -> None:
-    """A hooked tensor's gradient hook (see _run_backward_hook); returns None."""
-    capturer._grad_hook_body(site, index, call, mb, stage, step, layout, role, grad)
-
-
-@torch.compiler.disable
-def _run_backward_hook(capturer: Capturer, key: tuple, step: int, capture, grad) -> None:
-    """Tensor hooks run eagerly (see _not_traced); returns None: the gradient is unchanged."""
-    capturer._backward_hook_body(key, step, capture, grad)
-
-
-def _not_traced(hook):
-    """Hooks run eagerly even inside a ``torch.compile``d model: traced, the agent's code would
-    put guards on its own state (site names, data pointers, whether this step is captured) into
-    the model's graphs, and turning capture on or off would recompile them. A disabled hook is a
-    graph break at each hooked module instead (docs/agent.md, torch.compile)."""
-    return torch.compiler.disable(hook)
-
-
-_HOOK_KEYS = itertools.count(-1, -1)
-"""Keys of the hooks add_grad_hook puts in a tensor's hook dict: negative, so they never meet
-the ids of torch's RemovableHandles (counted up from 0)."""
-
-
-def add_grad_hook(t: torch.Tensor, hook) -> None:
-    """``t.register_hook(hook)`` for a plain non-leaf tensor, without its handle.
-
-    What Tensor.register_hook does, less the torch-function check, the import and the
-    RemovableHandle (a weakref and a class counter) that the agent never uses: it cost ~20 us
-    per hooked output inside a training step, once per output and forward. Anything else (a
-    subclass, a leaf, a torch without these internals) goes through register_hook.
-    """
-    if type(t) is torch.Tensor and t.grad_fn is not None:
-        try:
-            hooks = t._backward_hooks
-            if hooks is None:
-                hooks = t._backward_hooks = OrderedDict()
-                t.grad_fn._register_hook_dict(t)
-            hooks[next(_HOOK_KEYS)] = hook
-            return
-        except AttributeError:  # pragma: no cover - a torch without these internals
-            pass
-    t.register_hook(hook)
 
 
 _DTENSOR: list = []

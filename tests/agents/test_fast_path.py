@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from agents.capture import Capturer, Counters, add_grad_hook
+from agents.capture import Capturer, Counters
+from agents.hooks import add_grad_hook
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
 from agents.kernels import cpu
