@@ -14,17 +14,11 @@ Everything here merges across pieces by addition (min/max by min/max), which is 
 auditor rebuild the digest of a logical tensor from shards laid out any way. The scheme, seeds,
 error bands and costs are documented in docs/digests.md; ``auditor/digests.py`` is the host side.
 
-Hash scheme (integer arithmetic wraps; int64 for the fingerprint, int32 for sketch buckets):
-
-- fingerprint: ``sum_i mix64(L(i) ^ bits(x_i)) mod 2**64`` with the Weyl key
-  ``L(i) = FINGERPRINT_SEED + GOLDEN_GAMMA * i`` of the global flat index ``i`` (splitmix64's state
-  sequence) and ``bits`` the raw element zero-extended to 64 bits (floats: their bit pattern;
-  integers: their value). ``mix64`` is splitmix64's finalizer, a bijection, so changing any one
-  element always changes the fingerprint.
-- sketch: ``h(i) = fmix32(SKETCH_SEED + G32_LO * lo32(i) + G32_HI * hi32(i))`` (MurmurHash3's
-  32-bit finalizer); ``b = h & (2k - 1)``, bucket ``b mod k``, sign ``-1`` when ``b >= k``.
-  Buckets accumulate ``sign * x`` in float64. 32-bit lanes because only log2(2k) bits are used
-  and int32 multiplies vectorize where int64 ones do not (10x on the CPUs measured).
+Hash scheme (version 2, agents/hashing.py): the fingerprint is ``sum_i K(i) * bits(x_i) mod 2**64``
+with an odd per-index key ``K(i)`` (a lane table XOR a per-block word) and ``bits`` the raw
+element zero-extended to 64 bits (floats: their bit pattern; integers: their value); the sketch
+adds ``sign(i) * x_i`` (finite elements, float64) to bucket ``bucket(i)``. Keys, buckets and
+signs depend on the global flat index only, so pieces merge by addition.
 """
 
 from __future__ import annotations
@@ -38,6 +32,7 @@ from typing import Iterator
 
 import torch
 
+from agents import hashing
 from agents.layout import PieceLayout, complex_real_layout
 
 logger = logging.getLogger(__name__)
@@ -46,24 +41,11 @@ DEFAULT_SKETCH_K = 256
 """Sketch buckets. The L2-distance estimate's relative sigma is 1/sqrt(2k): 4.4% at 256, for
 2 KiB per record; docs/digests.md has the measured cost of other k."""
 
-FINGERPRINT_SEED = 0x6E756D6175646974  # b"numaudit"
-"""Start of the fingerprint's Weyl key; written to Digest.fingerprint_seed."""
+FINGERPRINT_SEED = hashing.FINGERPRINT_SEED
+"""Written to Digest.fingerprint_seed: it names the hash scheme (agents/hashing.py)."""
 
-SKETCH_SEED = 0x736B3031  # b"sk01"; 32-bit
-"""Seed of the sketch's bucket hash; written to Digest.sketch_seed."""
-
-GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-MIX_C1 = 0xBF58476D1CE4E5B9
-MIX_C2 = 0x94D049BB133111EB
-MIX_SHIFTS = (30, 27, 31)
-"""splitmix64's finalizer: z ^= z>>30; z *= C1; z ^= z>>27; z *= C2; z ^= z>>31 (logical >>)."""
-
-G32_LO = 0x9E3779B9
-G32_HI = 0x7FEB352D
-FMIX32_C1 = 0x85EBCA6B
-FMIX32_C2 = 0xC2B2AE35
-FMIX32_SHIFTS = (16, 13, 16)
-"""MurmurHash3's fmix32: h ^= h>>16; h *= C1; h ^= h>>13; h *= C2; h ^= h>>16 (logical >>)."""
+SKETCH_SEED = hashing.SKETCH_SEED
+"""Written to Digest.sketch_seed."""
 
 N_MOMENTS = 5
 F64_FIELDS = ("sum", "sum_sq", "min", "max", "abs_max")
@@ -76,18 +58,7 @@ CHUNK_ELEMENTS_CUDA = 1 << 20
 """Elements per chunk on accelerators: large enough to hide kernel launches; the workspace is
 then 52 MiB per device and capturing thread (forward and autograd threads each have one)."""
 
-_U64, _U32 = 1 << 64, 1 << 32
-
-
-def _signed(u: int, bits: int) -> int:
-    """An unsigned constant as the signed int torch needs (same bits)."""
-    u %= 1 << bits
-    return u - (1 << bits) if u >= 1 << (bits - 1) else u
-
-
-_C1, _C2, _GAMMA = _signed(MIX_C1, 64), _signed(MIX_C2, 64), _signed(GOLDEN_GAMMA, 64)
-_F1, _F2 = _signed(FMIX32_C1, 32), _signed(FMIX32_C2, 32)
-_G_LO, _G_HI = _signed(G32_LO, 32), _signed(G32_HI, 32)
+_SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}
 
 
@@ -105,25 +76,20 @@ def row_length(sketch_k: int = DEFAULT_SKETCH_K) -> int:
 
 
 class _Workspace:
-    """Reused per-thread, per-device buffers (52 bytes per chunk element): large fresh
+    """Reused per-thread, per-device buffers (about 40 bytes per chunk element): large fresh
     temporaries cost page faults on CPU and allocator churn on accelerators."""
 
     def __init__(self, device: torch.device, chunk: int) -> None:
         self.chunk = chunk
         self.device = device
+        # Keys and bins of a contiguous range are built for whole blocks of LANES indices and
+        # then viewed at the range's offset: room for one block more on each side.
+        grid = chunk + 2 * hashing.LANES
         i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        arange = torch.arange(chunk, **i64)
-        # Keys of a contiguous index run are one add away from these (arithmetic wraps).
-        self.arange_gamma = arange * _GAMMA
-        lo = (arange * G32_LO) & (_U32 - 1)
-        self.arange_g32 = torch.where(lo >= 1 << 31, lo - _U32, lo).to(torch.int32)
-        del arange, lo
-        self.key = torch.empty(chunk, **i64)
-        self.tmp = torch.empty(chunk, **i64)
-        self.term = torch.empty(chunk, **i64)
-        self.h32 = torch.empty(chunk, **i32)
-        self.t32 = torch.empty(chunk, **i32)
+        self.key = torch.empty(grid, **i64)
+        self.bins = torch.empty(grid, **i64)
+        self.tmp = torch.empty(grid, **i64)
+        self.term = torch.empty(grid, **i64)
         self.f64 = torch.empty(chunk, dtype=torch.float64, device=device)
         self._f32: torch.Tensor | None = None
 
@@ -186,25 +152,24 @@ class _IndexMap:
     def contiguous(self) -> bool:
         return not self.dims or (len(self.dims) == 1 and self.dims[0][1] == 1)
 
-    def keys_into(self, start: int, m: int, ws: _Workspace) -> None:
-        """Fingerprint keys into ``ws.key`` and sketch hash inputs into ``ws.h32``, for p in
-        [start, start + m)."""
-        key, h32 = ws.key[:m], ws.h32[:m]
+    def keys_into(
+        self, start: int, m: int, ws: _Workspace, sketch_k: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fingerprint keys and (when ``sketch_k``) signed sketch bins ``bucket + k * sign``
+        for piece indices [start, start + m), as int64 views into ``ws``."""
         g0 = self.base + start
-        if self.contiguous and g0 >> 32 == (g0 + m - 1) >> 32:
-            torch.add(ws.arange_gamma[:m], _signed(FINGERPRINT_SEED + GOLDEN_GAMMA * g0, 64),
-                      out=key)
-            lo_hi = SKETCH_SEED + G32_LO * (g0 & (_U32 - 1)) + G32_HI * (g0 >> 32)
-            torch.add(ws.arange_g32[:m], _signed(lo_hi, 32), out=h32)
-            return
-        gi = ws.term[:m]  # free until the fingerprint terms are built
+        if self.contiguous:
+            # Whole blocks: the lane table XOR one word per block, then a view at the offset.
+            off, b0 = g0 & (hashing.LANES - 1), g0 >> hashing.LANE_BITS
+            nb = (off + m + hashing.LANES - 1) >> hashing.LANE_BITS
+            blocks = torch.arange(b0, b0 + nb, dtype=torch.int64, device=ws.device)
+            keys, bins = _block_keys_and_bins(blocks, ws, sketch_k)
+            return keys.view(-1)[off:off + m], None if bins is None else bins.view(-1)[off:off + m]
+        gi = ws.term[:m]
         self._global_into(start, m, ws, gi)
-        torch.mul(gi, _GAMMA, out=key).add_(_signed(FINGERPRINT_SEED, 64))
-        t64, t32 = ws.tmp[:m], ws.t32[:m]
-        h32.copy_(torch.bitwise_and(gi, _U32 - 1, out=t64))  # int64 -> int32 wraps
-        h32.mul_(_G_LO).add_(_signed(SKETCH_SEED, 32))
-        t32.copy_(torch.bitwise_right_shift(gi, 32, out=t64))
-        h32.add_(t32, alpha=_G_HI)
+        blocks = torch.bitwise_right_shift(gi, hashing.LANE_BITS)
+        gi.bitwise_and_(hashing.LANES - 1)
+        return _keys_and_bins(gi, blocks, ws, sketch_k)
 
     def _global_into(self, start: int, m: int, ws: _Workspace, out: torch.Tensor) -> None:
         if self.contiguous:
@@ -223,27 +188,64 @@ class _IndexMap:
                 q.floor_divide_(size)
 
 
-def _xorshift_mix_(z: torch.Tensor, tmp: torch.Tensor, shifts, mults, width: int) -> None:
-    """In-place xorshift-multiply finalizer; torch's ``>>`` is arithmetic on signed ints, so
-    each logical right shift is a shift plus a mask."""
-    for shift, mult in zip(shifts, (*mults, None)):
-        torch.bitwise_right_shift(z, shift, out=tmp)
-        tmp.bitwise_and_((1 << (width - shift)) - 1)
-        z.bitwise_xor_(tmp)
-        if mult is not None:
-            z.mul_(mult)
+def _block_keys_and_bins(
+    blocks: torch.Tensor, ws: _Workspace, sketch_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys and bins of every lane of whole blocks, as [nb, 256] grids in ws.key and ws.bins:
+    a contiguous range needs no per-element lookups, only broadcasts against per-block words."""
+    table, _, lane, bent_shifted, place_g, place_x = hashing.tables(ws.device)
+    shape = (blocks.numel(), hashing.LANES)
+    n = shape[0] * shape[1]
+    keys = ws.key[:n].view(shape)
+    c = hashing.block_words(blocks, hashing.FINGERPRINT_SEED).bitwise_and_(-2)
+    torch.bitwise_xor(table.unsqueeze(0), c.unsqueeze(1), out=keys)
+    if sketch_k is None:
+        return keys, None
+    w = hashing.block_words(blocks, hashing.SKETCH_SEED)
+    bins = ws.bins[:n].view(shape)
+    shift = torch.bitwise_right_shift(w, 32).bitwise_and_(hashing.LANES - 1)
+    torch.index_select(bent_shifted, 0, shift, out=bins)  # bent(j ^ shift) per row
+    bins.bitwise_xor_(torch.bitwise_right_shift(w, 63).bitwise_and_(1).unsqueeze(1))
+    bins.mul_(sketch_k)
+    rows = torch.bitwise_right_shift(w, 40).bitwise_and_(hashing.PLACE_ROWS - 1)
+    # per block and lane group: 8 g + (r ^ x), as [nb, 32 groups, 8 lanes]
+    tmp = ws.tmp[:n].view(shape[0], hashing.GROUPS, 8)
+    torch.bitwise_xor(place_x.index_select(0, rows).unsqueeze(2), lane[:8], out=tmp)
+    tmp.add_(place_g.index_select(0, rows).unsqueeze(2), alpha=8)
+    tmp = tmp.view(shape)
+    tmp.bitwise_xor_(w.bitwise_and(sketch_k - 1 & ~(hashing.LANES - 1)).unsqueeze(1))
+    bins.add_(tmp.bitwise_and_(sketch_k - 1))
+    return keys, bins
 
 
-def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer in place on int64 ``z`` (a bijection of 64-bit values)."""
-    _xorshift_mix_(z, tmp, MIX_SHIFTS, (_C1, _C2), 64)
-    return z
-
-
-def _fmix32_(h: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix32 in place on int32 ``h``."""
-    _xorshift_mix_(h, tmp, FMIX32_SHIFTS, (_F1, _F2), 32)
-    return h
+def _keys_and_bins(
+    lanes: torch.Tensor, blocks: torch.Tensor, ws: _Workspace, sketch_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys ``T[j] ^ C(b)`` and bins ``bucket + k * sign`` per element of flat ``lanes`` and
+    ``blocks`` (any global indices), into ws.key and ws.bins."""
+    table, bent, _, _, place_g, place_x = hashing.tables(ws.device)
+    n = lanes.numel()
+    keys = ws.key[:n]
+    torch.index_select(table, 0, lanes, out=keys)
+    keys.bitwise_xor_(hashing.block_words(blocks, hashing.FINGERPRINT_SEED).bitwise_and_(-2))
+    if sketch_k is None:
+        return keys, None
+    w = hashing.block_words(blocks, hashing.SKETCH_SEED)
+    bins, tmp = ws.bins[:n], ws.tmp[:n]
+    torch.bitwise_xor(lanes, torch.bitwise_right_shift(w, 32), out=tmp)
+    tmp.bitwise_and_(hashing.LANES - 1)
+    torch.index_select(bent, 0, tmp, out=bins)
+    bins.bitwise_xor_(torch.bitwise_right_shift(w, 63).bitwise_and_(1))  # the sign bit
+    bins.mul_(sketch_k)
+    # placement entry of (row, group): flat index row * 32 + group
+    torch.bitwise_right_shift(w, 40, out=tmp).bitwise_and_(hashing.PLACE_ROWS - 1)
+    tmp.mul_(hashing.GROUPS).add_(torch.bitwise_right_shift(lanes, 3))
+    x = place_x.view(-1).index_select(0, tmp)
+    g = place_g.view(-1).index_select(0, tmp)
+    torch.bitwise_and(lanes, 7, out=tmp).bitwise_xor_(x).add_(g, alpha=8)
+    tmp.bitwise_xor_(w.bitwise_and_(sketch_k - 1 & ~(hashing.LANES - 1)))
+    bins.add_(tmp.bitwise_and_(sketch_k - 1))
+    return keys, bins
 
 
 # --------------------------------------------------------------------------- chunks
@@ -341,17 +343,19 @@ def _digest(
     for start, x in _chunks(t, ws.chunk):
         m = x.numel()
         lap("chunking")
-        index_map.keys_into(start, m, ws)
+        keys, bins = index_map.keys_into(start, m, ws, sketch_k if moments else None)
         lap("keys")
-        _chunk_fingerprint(x, ws, m, acc, bits_dtype)
+        _chunk_fingerprint(x, ws, keys, acc, bits_dtype)
         lap("fingerprint")
         if moments:
             _chunk_moments(x, ws, m, acc, sync_free)
             lap("moments")
-            _chunk_sketch(ws, m, acc)
+            acc.sketch2.scatter_add_(0, bins, ws.f64[:m])
             lap("sketch")
         else:
-            acc.nz.append(torch.count_nonzero(x))
+            # count_nonzero has no uint16/32/64 kernels: their signed views have the same zeros
+            signed = _SIGNED_VIEW.get(x.dtype)
+            acc.nz.append(torch.count_nonzero(x if signed is None else x.view(signed)))
             lap("moments")
     out = acc.finish(f64, counts, n, moments)
     lap("finish")
@@ -381,13 +385,13 @@ class _Laps:
 
 
 def _chunk_fingerprint(
-    x: torch.Tensor, ws: _Workspace, m: int, acc: _Accumulator, bits_dtype: torch.dtype | None
+    x: torch.Tensor, ws: _Workspace, keys: torch.Tensor, acc: _Accumulator,
+    bits_dtype: torch.dtype | None,
 ) -> None:
-    """Fingerprint terms mix64(key ^ bits) of one chunk, summed (int64 sums wrap)."""
-    term = ws.term[:m]
+    """Fingerprint terms ``K(i) * bits(x_i)`` of one chunk, summed (int64 arithmetic wraps)."""
+    term = ws.term[:keys.numel()]
     term.copy_(x.view(bits_dtype) if bits_dtype is not None else x)  # zero-extends
-    term.bitwise_xor_(ws.key[:m])
-    acc.fp.append(_mix64_(term, ws.tmp[:m]).sum())
+    acc.fp.append(term.mul_(keys).sum())
 
 
 class _Accumulator:
@@ -449,16 +453,6 @@ def _chunk_moments(
         s = f.sum()
     acc.sum.append(s)
     acc.sum_sq.append(torch.dot(f, f))
-
-
-def _chunk_sketch(ws: _Workspace, m: int, acc: _Accumulator) -> None:
-    """Add ``sign * x`` of one chunk's finite elements (``ws.f64``) to the 2k signed buckets."""
-    h = _fmix32_(ws.h32[:m], ws.t32[:m]).bitwise_and_(2 * acc.k - 1)
-    bins = ws.tmp[:m]
-    bins.copy_(h)
-    # scatter_add_ rather than bincount: no min/max pass over the bins, and on CUDA no host
-    # read of the max bin.
-    acc.sketch2.scatter_add_(0, bins, ws.f64[:m])
 
 
 def _bits_view(dtype: torch.dtype) -> torch.dtype | None:

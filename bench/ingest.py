@@ -1,24 +1,31 @@
-"""Benchmark: end-to-end ingest into a real `auditor serve`, acked after commit.
+"""Benchmark: end-to-end ingest into real `auditor serve` processes, acked after commit.
 
-    python -m bench.ingest [--quick] [--store PATH_OR_URL] [--sessions 8] [--clients 2]
-                           [--k 64 256] [--batch 512] [--format packed records]
-                           [--server-root DIR]
+    python -m bench.ingest [--quick] [--store PATH_OR_URL] [--replicas 1 2] [--sessions 8]
+                           [--clients 2] [--k 64 256] [--batch 512] [--batches N] [--window 2]
+                           [--format packed records] [--sync full|normal] [--server-root DIR]
 
 Simulated ranks: `--sessions` sessions (one gRPC stream each, like one rank's agent) spread over
 `--clients` client processes. Each session registers as one rank of run "bench-kK-FORMAT", then
 streams its batches, pipelined as the agent does (up to `--window` batches unacked). Batches
 are built and serialized before the clock starts (realistic digests: site names of a transformer,
 2-D shapes, float32 moments, random fingerprints and normal sketches of k buckets), so the
-figures are the daemon's: gRPC receive, checksum, validation, hashing, SQLite commit, ack.
+figures are the daemon's: gRPC receive, checksum, validation, hashing, the store's commit, ack.
+
+The store: `--store` is a store file path (default: a fresh file per configuration in a temporary
+directory; SQLite, one daemon) or a PostgreSQL server's URL (`postgresql://USER@HOST:PORT/DB`, a
+database the user may create databases from): each configuration then gets a fresh database on
+that server, served by `--replicas` daemons at once (one process each), and every session's
+channel lists all of them (gRPC round robin, `wire.channels`), as agents do.
 
 `--format packed` sends packed batches (RecordBatch.packed); `records` sends the same records
 one message each (an agent of an earlier build). `--server-root` runs the daemon from another
-checkout (e.g. /work/main, the build before packed batches) for a before/after comparison.
-`--store` is a store file path (default: a fresh file in a temporary directory) or a database
-URL (`postgresql://...`, passed to `auditor serve --store`).
+checkout (e.g. an export of an older commit) for a before/after comparison.
 
 Printed per configuration: records/s and MB/s of record bytes (the serialized records on the
-wire) from the first send to the last ack, and ack latency p50/p99 (send of a batch to its ack).
+wire) from the first send to the last ack, ack latency p50/p99 (send of a batch to its ack), the
+load average, and the CPU seconds the daemons and the client processes used while streaming
+(the clients share the machine's cores with the daemons). Under load the ack latency is mostly queueing (Little's law: sessions x window
+batches in flight at the measured rate); for one batch's latency use `--sessions 2 --window 1`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -101,12 +110,10 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
 
 def _session(address: str, run: str, rank: int, world: int, batches: list[bytes],
              window: int, start: threading.Barrier, out: dict) -> None:
-    import grpc
-
     from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
-    from wire import limits
+    from wire.channels import open_channel
 
-    channel = grpc.insecure_channel(address, options=limits.client_options())
+    channel = open_channel(address)  # several replicas: round robin
     stub = numaudit_pb2_grpc.AuditorStub(channel)
     sid = out["session_id"]
     stub.Register(pb.RegisterRequest(schema_version=1, run=run, session_id=sid, rank=rank,
@@ -127,9 +134,10 @@ def _session(address: str, run: str, rank: int, world: int, batches: list[bytes]
     latencies, stored = [], 0
     for ack in call(requests(), timeout=600):
         now = time.perf_counter()
-        latencies.append(now - sent_at.pop(ack.acked_seq))
+        for seq in [s for s in sent_at if s <= ack.acked_seq]:  # an ack covers what precedes it
+            latencies.append(now - sent_at.pop(seq))
+            slots.release()
         stored += ack.stored
-        slots.release()
     out.update(t0=t0, t1=time.perf_counter(), latencies=latencies, stored=stored)
     channel.close()
 
@@ -152,36 +160,76 @@ def _client(address: str, run: str, ranks: list[int], world: int, args: dict,
         t.start()
     ready.wait()  # every client has built its batches
     start.wait()
+    cpu0 = time.process_time()
     for t in threads:
         t.join()
+    cpu = time.process_time() - cpu0  # this process's share of the machine while streaming
     for r in ranks:
         o = outs[r]
         results.put(dict(rank=r, t0=o["t0"], t1=o["t1"], latencies=o["latencies"],
                          stored=o["stored"], records=args["batches"] * args["batch"],
-                         record_bytes=built[r][2]))
+                         record_bytes=built[r][2], client_cpu=cpu / len(ranks)))
 
 
-def _serve(store: str, tmp: Path, server_root: Path) -> tuple[subprocess.Popen, str]:
-    port_file = tmp / "port"
+@contextmanager
+def _daemon(store: str, args: argparse.Namespace, tmp: Path, i: int):
+    """One `auditor serve` process on `store`; yields its address, terminates it on the way
+    out."""
+    port_file, log_path = tmp / f"port{i}", tmp / f"auditor{i}.log"
     port_file.unlink(missing_ok=True)
     target = (["--store", store] if "://" in store else ["--db", store])
+    server_root = Path(args.server_root).resolve()
     env = dict(os.environ, PYTHONPATH=str(server_root), PYTHONUNBUFFERED="1")
-    log = open(tmp / "auditor.log", "a")
-    proc = subprocess.Popen([sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0",
-                             *target, "--port-file", str(port_file), "--log-level", "warning"],
-                            cwd=server_root, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"auditor serve did not start: {(tmp / 'auditor.log').read_text()}")
-        time.sleep(0.02)
-    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
-
-
-def run_one(k: int, fmt: str, args: argparse.Namespace, tmp: Path) -> dict:
-    store = args.store or str(tmp / f"ingest-k{k}-{fmt}.db")
-    proc, address = _serve(store, tmp, Path(args.server_root).resolve())
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "auditor", "serve", "--listen",
+                                 "127.0.0.1:0", *target, "--sync", args.sync, "--port-file",
+                                 str(port_file), "--log-level", "warning"],
+                                cwd=server_root, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"auditor serve did not start: {log_path.read_text()}")
+            time.sleep(0.02)
+        yield f"127.0.0.1:{port_file.read_text().strip()}", proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def _fresh_store(args: argparse.Namespace, tmp: Path, label: str):
+    """A store no configuration used before: a new SQLite file, or a new database on the
+    PostgreSQL server of `--store` (dropped afterwards)."""
+    if not (args.store and "://" in args.store):
+        yield args.store or str(tmp / f"ingest-{label}-{uuid.uuid4().hex[:6]}.db")
+        return
+    import psycopg
+
+    name = f"bench_ingest_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(args.store, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield args.store.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(args.store, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path) -> dict:
+    with ExitStack() as stack:
+        store = stack.enter_context(_fresh_store(args, tmp, f"k{k}-{fmt}"))
+        daemons = [stack.enter_context(_daemon(store, args, tmp, i)) for i in range(replicas)]
+        address = ",".join(a for a, _ in daemons)
         run = f"bench-k{k}-{fmt}-{os.getpid()}-{int(time.time())}"
         clients = max(1, min(args.clients, args.sessions))
         ranks = [list(range(c, args.sessions, clients)) for c in range(clients)]
@@ -192,35 +240,117 @@ def run_one(k: int, fmt: str, args: argparse.Namespace, tmp: Path) -> dict:
                                                    results)) for rs in ranks]
         for p in procs:
             p.start()
+        daemon_cpu0 = sum(_cpu_seconds(d.pid) for _, d in daemons)
         outs = []
         while len(outs) < args.sessions:
             try:
                 outs.append(results.get(timeout=1.0))
-            except Exception:  # queue.Empty: is every client still there?
-                if any(p.exitcode not in (None, 0) for p in procs) or proc.poll() is not None:
-                    raise RuntimeError("a client or the daemon failed; see the output above")
+            except Exception:  # queue.Empty: is every client, every daemon still there?
+                if (any(p.exitcode not in (None, 0) for p in procs)
+                        or any(d.poll() is not None for _, d in daemons)):
+                    raise RuntimeError("a client or a daemon failed; see the output above")
+        load = os.getloadavg()[0]
+        daemon_cpu = sum(_cpu_seconds(d.pid) for _, d in daemons) - daemon_cpu0
         for p in procs:
             p.join(60)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
     lat = np.array([x for o in outs for x in o["latencies"]]) * 1e3
     records = sum(o["records"] for o in outs)
     stored = sum(o["stored"] for o in outs)
     nbytes = sum(o["record_bytes"] for o in outs)
-    return dict(k=k, format=fmt, sessions=args.sessions, records=records, stored=stored,
-                seconds=t1 - t0, records_s=records / (t1 - t0), mb_s=nbytes / (t1 - t0) / 1e6,
-                bytes_per_record=nbytes / records, p50_ms=float(np.percentile(lat, 50)),
-                p99_ms=float(np.percentile(lat, 99)))
+    return dict(k=k, format=fmt, replicas=replicas, sessions=args.sessions, records=records,
+                stored=stored, seconds=t1 - t0, records_s=records / (t1 - t0),
+                mb_s=nbytes / (t1 - t0) / 1e6, bytes_per_record=nbytes / records,
+                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
+                load=load, daemon_cpu=daemon_cpu,
+                client_cpu=sum(o["client_cpu"] for o in outs))
+
+
+_SEGMENT_SCHEMA = """
+CREATE TABLE segments (segment INTEGER PRIMARY KEY, run_id INTEGER, session_id TEXT, seq INTEGER,
+                       n INTEGER, columns BLOB);
+CREATE TABLE keys (run_id INTEGER, step INTEGER, microbatch INTEGER, phase INTEGER,
+                   site_id INTEGER, role INTEGER, idx INTEGER, call INTEGER, rank INTEGER,
+                   content_hash BLOB, segment INTEGER, row INTEGER,
+                   PRIMARY KEY (run_id, step, microbatch, phase, site_id, role, idx, call, rank))
+                   WITHOUT ROWID;
+"""
+
+
+def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None:
+    """The store's share of a batch, in this process: rows as `Store.ingest_columns` writes them
+    (`record_rows` + `insert_rows` into `records`) against a columnar-segment layout that is
+    NOT the store's (one row per batch holding the packed columns as received, plus a narrow
+    WITHOUT ROWID key table that keeps (run, key, rank) unique with the content hash for
+    conflicts). Same batches, group commits of `group` batches, synchronous=FULL; wall and
+    this thread's CPU per batch, and bytes per record on disk after a checkpoint."""
+    import itertools
+
+    from auditor.daemon.validate import validate_batch
+    from auditor.store.rows import insert_rows, record_rows
+    from auditor.store.sqlite import connect
+    from protos import numaudit_pb2 as pb
+    from wire.packed import content_hashes
+
+    per = n_batches // 8
+    batches = []
+    for s in range(8):
+        for data in build_batches(s, per, batch, k, "packed", f"s{s}")[0]:
+            msg = pb.RecordBatch.FromString(data)
+            cols = validate_batch(msg)
+            batches.append((s, cols, content_hashes(cols), msg.packed.SerializeToString()))
+    sites = list(range(1, 257))
+    one = "(" + ",".join("?" * 12) + ")"
+
+    def rows(conn, i):
+        rank, cols, hashes, _ = batches[i]
+        insert_rows(conn, record_rows(cols, sites, 1, rank, hashes, f"s{rank}", i, 0.0))
+
+    def segment(conn, i):
+        rank, cols, hashes, packed = batches[i]
+        c = cols.cols
+        seg = conn.execute("INSERT INTO segments (run_id, session_id, seq, n, columns)"
+                           " VALUES (1, ?, ?, ?, ?)", (f"s{rank}", i, cols.n, packed)).lastrowid
+        keys = list(zip([1] * cols.n, c["step"].tolist(), c["microbatch"].tolist(),
+                        c["phase"].tolist(), np.asarray(sites)[c["site"]].tolist(),
+                        c["role"].tolist(), c["index"].tolist(), c["call"].tolist(),
+                        [rank] * cols.n, hashes, [seg] * cols.n, range(cols.n)))
+        for j in range(0, len(keys), 256):
+            part = keys[j:j + 256]
+            conn.execute(f"INSERT INTO keys VALUES {','.join([one] * len(part))}"
+                         " ON CONFLICT DO NOTHING", list(itertools.chain.from_iterable(part)))
+
+    with tempfile.TemporaryDirectory(prefix="numaudit-probe-") as d:
+        for rep in range(2):
+            for label, write, schema in (("rows", rows, ""), ("segments", segment,
+                                                              _SEGMENT_SCHEMA)):
+                path = Path(d) / f"{label}{rep}.db"
+                conn = connect(path, synchronous="FULL")
+                conn.executescript(schema)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for g in range(0, len(batches), group):
+                    conn.execute("BEGIN IMMEDIATE")
+                    for i in range(g, min(g + group, len(batches))):
+                        write(conn, i)
+                    conn.execute("COMMIT")
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.close()
+                n = len(batches) * batch
+                print(f"  store probe k={k:<4} {label:<9} {1e3 * wall / len(batches):6.2f} ms "
+                      f"wall {1e3 * cpu / len(batches):6.2f} ms CPU per batch: "
+                      f"{n / wall:>9,.0f} records/s, {n / cpu:>9,.0f} per CPU-second; "
+                      f"{path.stat().st_size / n:5.0f} B/record on disk", flush=True)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ingest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer batches")
-    parser.add_argument("--store", default=None, help="store file or postgresql:// URL "
-                        "(default: a fresh file per configuration)")
+    parser.add_argument("--store", default=None, help="store file or postgresql:// URL of a "
+                        "server (default: a fresh SQLite file per configuration)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=None,
+                        help="daemons serving the store at once (PostgreSQL only; default 1)")
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument("--k", type=int, nargs="+", default=[64, 256])
@@ -230,22 +360,39 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=2, help="unacked batches per session "
                         "(ack latency grows with it: batches wait in the daemon's queue)")
     parser.add_argument("--format", nargs="+", default=["packed"], choices=["packed", "records"])
+    parser.add_argument("--sync", default="full", choices=["full", "normal"],
+                        help="the daemons' --sync (durability of an acked batch)")
     parser.add_argument("--server-root", default=str(ROOT))
+    parser.add_argument("--store-probe", action="store_true", help="instead: the SQLite "
+                        "store's share of a batch, rows as stored today against a columnar-"
+                        "segment layout (in this process; see store_probe)")
     args, _ = parser.parse_known_args(argv)
+    if args.store_probe:
+        for k in args.k:
+            store_probe(k, args.batch)
+        return 0
     if args.batches is None:
         args.batches = 10 if args.quick else 40
-    print(f"bench.ingest: {args.sessions} sessions over {args.clients} client processes, "
-          f"{args.batches} batches x {args.batch} records each, acked after commit "
-          f"(server {args.server_root})")
+    pg = bool(args.store and "://" in args.store)
+    if args.replicas is None:
+        args.replicas = [1]
+    elif not pg and args.replicas != [1]:
+        parser.error("--replicas needs a postgresql:// --store (a SQLite file has one writer)")
+    print(f"bench.ingest: {'PostgreSQL' if pg else 'SQLite'}, {args.sessions} sessions over "
+          f"{args.clients} client processes, {args.batches} batches x {args.batch} records each, "
+          f"window {args.window}, sync {args.sync}, acked after commit (server {args.server_root})")
     with tempfile.TemporaryDirectory(prefix="numaudit-ingest-") as d:
-        for k in args.k:
-            for fmt in args.format:
-                r = run_one(k, fmt, args, Path(d))
-                print(f"  k={r['k']:<4} {r['format']:<8} {r['records']:>8} records in "
-                      f"{r['seconds']:6.2f} s: {r['records_s']:>9,.0f} records/s "
-                      f"{r['mb_s']:7.1f} MB/s ({r['bytes_per_record']:.0f} B/record)  "
-                      f"ack p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms  "
-                      f"stored {r['stored']}", flush=True)
+        for replicas in args.replicas:
+            for k in args.k:
+                for fmt in args.format:
+                    r = run_one(k, fmt, replicas, args, Path(d))
+                    print(f"  {replicas} daemon{'s' if replicas > 1 else ' '} k={r['k']:<4} "
+                          f"{r['format']:<8} {r['records']:>8} records in {r['seconds']:6.2f} s: "
+                          f"{r['records_s']:>9,.0f} records/s {r['mb_s']:7.1f} MB/s "
+                          f"({r['bytes_per_record']:.0f} B/record)  ack p50 {r['p50_ms']:.1f} ms "
+                          f"p99 {r['p99_ms']:.1f} ms  stored {r['stored']}  "
+                          f"load {r['load']:.1f}  CPU s: daemons {r['daemon_cpu']:.1f}, clients "
+                          f"{r['client_cpu']:.1f}", flush=True)
     return 0
 
 

@@ -93,10 +93,20 @@ def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=(
             rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                  timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise SetupError(f"{script} did not finish in {JOB_TIMEOUT_S}s; see {log}") from None
+            raise SetupError(f"{script} did not finish in {JOB_TIMEOUT_S}s; see {log}; its last "
+                             "lines:\n" + _tail(log)) from None
     if rc != 0:
-        raise SetupError(f"{script} failed (exit {rc}); see {log}")
+        raise SetupError(f"{script} failed (exit {rc}); see {log}; its last lines:\n"
+                         + _tail(log))
     return time.monotonic() - started
+
+
+def _tail(log: Path, lines: int = 25) -> str:
+    """The end of a job's log, so that a failure says why where it is reported (a CI log)."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(log unreadable: {exc})"
 
 
 @dataclasses.dataclass

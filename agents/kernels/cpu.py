@@ -32,7 +32,7 @@ from agents.layout import PieceLayout
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """Descriptor format this module writes; the library reports the one it reads."""
 
 DTYPE_CODES: dict[torch.dtype, int] = {

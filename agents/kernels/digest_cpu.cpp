@@ -1,19 +1,25 @@
 // Fused CPU digest: one pass over a piece computes what agents/digest.py computes eagerly
-// (fingerprint, counts, float64 moments, min/max/abs-max, CountSketch).
+// (fingerprint, counts, float64 moments, min/max/abs-max, CountSketch) with the version-2 hash
+// scheme of agents/hashing.py.
 //
 // Plain C++ without torch headers so that it builds in about a second with the machine's g++;
 // agents/kernels/cpu.py loads it with ctypes and registers it as the torch op numaudit::digest.
-// The hash scheme, seeds and row layout are documented in agents/digest.py and docs/digests.md;
-// the constants below must stay equal to those there (tests compare both implementations).
+// The scheme and its constants are defined in agents/hashing.py and docs/digests.md; the
+// constants below must stay equal to those (tests compare every implementation).
 //
-// Vectorization: the per-element loop is written so that GCC's auto-vectorizer handles it
-// (`omp simd` reductions, compiled with -fopenmp-simd: no OpenMP runtime). agents/kernels/build.py
-// compiles this file once per ISA level (x86-64-v4 = AVX-512, v3 = AVX2, baseline) with
-// NA_ISA naming the entry point, and dispatch.cpp picks one at load time by the CPU's features.
-// (target_clones would clone only the entry point, not the templates it calls.)
-// The sketch's scatter-add is the one part that cannot be vectorized: each block of BLOCK
-// elements first writes its buckets and values to small stack arrays, then scatters into the
-// 2k float64 buckets, which stay in L1 (4 KiB for k = 256).
+// The scheme is built for this loop: a global index i is a lane j = i mod 256 and a block
+// b = i div 256; one splitmix64 per block draws the block's words, and per element only table
+// loads, XORs and 32x32->64-bit multiplies remain. For contiguous float32/bfloat16/float16 runs
+// (the bulk of activations and gradients) an AVX2 loop takes 8 elements per step:
+//   - fingerprint: keys T[j..j+7] XOR C(b), times the raw bits (two vpmuludq per 4 lanes, the
+//     key's high half summed apart and shifted once at the end);
+//   - moments on float32 lanes (min/max, zeros, finiteness exact there), sums in float64;
+//   - sketch: a group of 8 consecutive lanes lands in 8 consecutive buckets, permuted (the
+//     block's placement row), so the scatter-add of version 1 (one dependent load-add-store per
+//     element) becomes one sign XOR, one vpermps and two float64 vector adds.
+// Everything else (strided global indices, integers, float64, tails) takes the scalar loop,
+// which computes the same values element by element. Compiled once per ISA level
+// (agents/kernels/build.py) and picked at load time by dispatch.cpp.
 
 #include <cmath>
 #include <cstdint>
@@ -30,22 +36,32 @@
 #define NA_CAT2(a, b) a##b
 #define NA_CAT(a, b) NA_CAT2(a, b)
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NA_VECTOR 1
+#else
+#define NA_VECTOR 0
+#endif
+#if NA_VECTOR && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define NA_VECTOR512 1
+#else
+#define NA_VECTOR512 0
+#endif
+
 namespace {
 
-constexpr uint64_t FINGERPRINT_SEED = 0x6E756D6175646974ULL;
-constexpr uint32_t SKETCH_SEED = 0x736B3031U;
+constexpr uint64_t FINGERPRINT_SEED = 0x6E61763266696E67ULL;  // b"nav2fing"
+constexpr uint64_t SKETCH_SEED = 0x6E6176327368656BULL;       // b"nav2shek"
 constexpr uint64_t GOLDEN_GAMMA = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t MIX_C1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t MIX_C2 = 0x94D049BB133111EBULL;
-constexpr uint32_t G32_LO = 0x9E3779B9U;
-constexpr uint32_t G32_HI = 0x7FEB352DU;
-constexpr uint32_t FMIX32_C1 = 0x85EBCA6BU;
-constexpr uint32_t FMIX32_C2 = 0xC2B2AE35U;
+constexpr uint64_t TABLE_OFFSET = 1ULL << 56;
+constexpr int LANE_BITS = 8;
+constexpr int64_t LANES = 1 << LANE_BITS;
+constexpr int GROUPS = LANES / 8;
+constexpr int64_t PLACE_ROWS = 4096;
+constexpr uint64_t PLACE_SEED = SKETCH_SEED ^ 0x706C616365000000ULL;  // b"place"
 constexpr int N_MOMENTS = 5;
-constexpr int64_t BLOCK = 512;
 constexpr int MAX_DIMS = 16;
-constexpr int64_t SKETCH_COPIES = 4;
-constexpr int64_t SMALL_PIECE = 16384;  // elements below which the sketch has one copy
 
 // Dtype codes: keep in step with agents/kernels/cpu.py DTYPE_CODES.
 enum Dtype : int64_t {
@@ -61,13 +77,75 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-inline uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= FMIX32_C1;
-  h ^= h >> 13;
-  h *= FMIX32_C2;
-  return h ^ (h >> 16);
+// The sketch's sign pattern: parity of (low nibble AND high nibble), a bent function of 8 bits.
+inline uint32_t bent(uint32_t u) {
+  uint32_t t = (u & 15U) & (u >> 4);
+  t ^= t >> 2;
+  t ^= t >> 1;
+  return t & 1U;
 }
+
+struct Tables {
+  alignas(64) uint64_t key[LANES];  // T[j]: odd lane keys
+  // key[] split by parity (even_key[m] = T[2m], odd_key[m] = T[2m + 1]): the vector loops
+  // multiply the even elements of a 32-bit vector in place and the odd ones shifted down.
+  alignas(64) uint64_t even_key[LANES / 2], odd_key[LANES / 2];
+  // sign[q ^ (w >> 3)][w & 7][r] = bent((8q + r) XOR w) << 31: the sign bits of lanes
+  // 8q .. 8q + 7 for the block's sign shift w, ready to XOR into float32 lanes.
+  alignas(64) uint32_t sign[LANES / 8][8][8];
+  // The same for groups of 16 lanes (the AVX-512 loop): [q ^ (w >> 4)][w & 15][r].
+  alignas(64) uint32_t sign16[LANES / 16][16][16];
+  // place[row][q] = g | x << 5: lane group q of a block whose word selects `row` goes to bucket
+  // group g with its 8 lanes permuted by r ^ x (agents/hashing.py place_table).
+  alignas(64) uint8_t place[PLACE_ROWS][GROUPS];
+  // vpermps indices for a lane XOR x (8 lanes), and for two groups' XORs (16 lanes).
+  alignas(64) int32_t perm8[8][8];
+  alignas(64) int64_t perm8_64[8][8];  // the same as 64-bit indices (float64 lanes)
+  alignas(64) int32_t perm16[8][8][16];
+  Tables() {
+    for (int64_t j = 0; j < LANES; ++j)
+      key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
+    for (int64_t m = 0; m < LANES / 2; ++m) even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
+    for (uint32_t qq = 0; qq < LANES / 8; ++qq)
+      for (uint32_t wl = 0; wl < 8; ++wl)
+        for (uint32_t r = 0; r < 8; ++r) sign[qq][wl][r] = bent(8 * qq + (r ^ wl)) << 31;
+    for (uint32_t qq = 0; qq < LANES / 16; ++qq)
+      for (uint32_t wl = 0; wl < 16; ++wl)
+        for (uint32_t r = 0; r < 16; ++r) sign16[qq][wl][r] = bent(16 * qq + (r ^ wl)) << 31;
+    uint64_t n = 0;
+    for (int64_t row = 0; row < PLACE_ROWS; ++row) {
+      uint8_t perm[GROUPS];
+      for (int q = 0; q < GROUPS; ++q) perm[q] = (uint8_t)q;
+      for (int t = GROUPS - 1; t > 0; --t) {
+        const uint64_t u = mix64(PLACE_SEED + GOLDEN_GAMMA * ++n) % (uint64_t)(t + 1);
+        const uint8_t tmp = perm[t];
+        perm[t] = perm[u], perm[u] = tmp;
+      }
+      for (int q = 0; q < GROUPS; ++q)
+        place[row][q] = (uint8_t)(perm[q] | (mix64(PLACE_SEED + GOLDEN_GAMMA * ++n) & 7) << 5);
+    }
+    for (int x = 0; x < 8; ++x)
+      for (int r = 0; r < 8; ++r) perm8[x][r] = perm8_64[x][r] = r ^ x;
+    for (int x0 = 0; x0 < 8; ++x0)
+      for (int x1 = 0; x1 < 8; ++x1)
+        for (int r = 0; r < 8; ++r) perm16[x0][x1][r] = r ^ x0, perm16[x0][x1][8 + r] = 8 + (r ^ x1);
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// The random words of block b: the fingerprint key's block part C(b) (even) and the sketch's
+// word W(b) (bucket offset for k > 256 in its low bits, sign shift in bits 32..39, placement row
+// in bits 40..51, block sign in bit 63).
+struct Block {
+  uint64_t key, word;
+  explicit Block(uint64_t b)
+      : key(mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * b) & ~1ULL),
+        word(mix64(SKETCH_SEED + GOLDEN_GAMMA * b)) {}
+};
 
 // __builtin_bit_cast, not memcpy: GCC's vectorizer gives up on loops with memcpy temporaries.
 inline float bits_to_f32(uint32_t u) { return __builtin_bit_cast(float, u); }
@@ -137,357 +215,451 @@ struct Acc {
   double sum = 0, sum_sq = 0;
   double lo = std::numeric_limits<double>::infinity();
   double hi = -std::numeric_limits<double>::infinity();
-  double* sketch2 = nullptr;  // SKETCH_COPIES x 2k buckets: sign + in [0, k), - in [k, 2k)
+  double* sketch = nullptr;  // k signed buckets
   int64_t k = 0;
-  int64_t copies = 1;  // 1 for small pieces: zeroing and summing 4 copies costs more there
-  uint32_t mask2k = 0;
 };
 
-struct Moments {
-  int64_t zeros = 0, nonfinite = 0;
-  double s = 0, ss = 0;
-  double lo = std::numeric_limits<double>::infinity();
-  double hi = -std::numeric_limits<double>::infinity();
-};
+// One float value of lane j in a block with sketch word w: moments, counts, sketch.
+inline void add_value(double v, uint32_t j, uint64_t w, Acc& a) {
+  a.zeros += v == 0.0;
+  if (std::isfinite(v)) {
+    a.sum += v;
+    a.sum_sq += v * v;
+    a.lo = v < a.lo ? v : a.lo;
+    a.hi = v > a.hi ? v : a.hi;
+    const uint32_t e = tables().place[(w >> 40) & (PLACE_ROWS - 1)][j >> 3];
+    const uint64_t bucket =
+        ((8 * (e & 31) + ((j & 7) ^ (e >> 5))) ^ (w & (uint64_t)(a.k - 1) & ~(uint64_t)(LANES - 1))) &
+        (uint64_t)(a.k - 1);
+    const uint32_t minus = bent((j ^ (uint32_t)(w >> 32)) & (LANES - 1)) ^ (uint32_t)(w >> 63);
+    a.sketch[bucket] += minus ? -v : v;
+  } else {
+    a.nan += std::isnan(v);
+    a.posinf += v > 0;
+    a.neginf += v < 0;
+  }
+}
 
-// Moments of one block of m elements, and each element's value with NaN/Inf replaced by 0
-// written to vals[] for the sketch. Portable version: GCC keeps this loop scalar (measured
-// 5 ns/element), hence the AVX2 version below for contiguous runs.
-template <int64_t D, bool CONTIG>
-inline void moments_block(const typename Elem<D>::T* xb, int64_t ts, int64_t m, double* vals,
-                          Moments& r) {
+// Element by element: any dtype, tensor stride ts, global indices g, g + gs, ...
+template <int64_t D>
+void scalar_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t g, uint64_t gs,
+                Acc& a) {
   using E = Elem<D>;
-  for (int64_t j = 0; j < m; ++j) {
-    const double v = E::value(xb[CONTIG ? j : j * ts]);
-    r.zeros += v == 0.0;
-    const bool finite = (f64_to_bits(v) & 0x7FF0000000000000ULL) != 0x7FF0000000000000ULL;
-    r.nonfinite += !finite;
-    const double f = finite ? v : 0.0;
-    r.s += f;
-    r.ss += f * f;
-    r.lo = finite && v < r.lo ? v : r.lo;
-    r.hi = finite && v > r.hi ? v : r.hi;
-    vals[j] = f;
+  constexpr bool is_float = D == F16 || D == BF16 || D == F32 || D == F64;
+  const Tables& tb = tables();
+  uint64_t current = ~0ULL, key = 0, word = 0;
+  uint64_t fp = 0;
+  for (int64_t t = 0; t < n; ++t, g += gs) {
+    const uint64_t b = g >> LANE_BITS;
+    if (b != current) {
+      const Block blk(b);
+      key = blk.key, word = blk.word, current = b;
+    }
+    const uint32_t j = (uint32_t)(g & (LANES - 1));
+    const typename E::T raw = x[t * ts];
+    fp += (tb.key[j] ^ key) * E::bits(raw);
+    if constexpr (is_float)
+      add_value(E::value(raw), j, word, a);
+    else
+      a.zeros += raw == 0;
   }
+  a.fp += fp;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-template <int64_t D>
-inline __m256d load4(const typename Elem<D>::T* p) {
-  if constexpr (D == F32) {
-    return _mm256_cvtps_pd(_mm_loadu_ps(reinterpret_cast<const float*>(p)));
-  } else if constexpr (D == F64) {
-    return _mm256_loadu_pd(reinterpret_cast<const double*>(p));
-  } else if constexpr (D == BF16) {
-    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16)));
-  } else {  // F16
-    return _mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// Integers and bool at consecutive global indices: per block, a loop the compiler vectorizes
+// (a 64-bit multiply per element: vpmullq with AVX-512, emulated with AVX2).
+template <int64_t D, bool CONTIG>
+void int_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t g, Acc& a) {
+  using E = Elem<D>;
+  const Tables& tb = tables();
+  uint64_t fp = 0;
+  int64_t zeros = 0;
+  for (int64_t done = 0; done < n;) {
+    const int64_t j0 = (int64_t)((g + (uint64_t)done) & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const uint64_t key = Block((g + (uint64_t)done) >> LANE_BITS).key;
+    const uint64_t* lane_key = tb.key + j0;
+    const typename E::T* xb = x + done * ts;
+#pragma omp simd reduction(+ : fp, zeros)
+    for (int64_t t = 0; t < seg; ++t) {
+      const typename E::T raw = xb[CONTIG ? t : t * ts];
+      fp += (lane_key[t] ^ key) * E::bits(raw);
+      zeros += raw == 0;
+    }
+    done += seg;
   }
+  a.fp += fp;
+  a.zeros += zeros;
 }
 
-// AVX2 moments of a contiguous block: 4 float64 lanes; the tail goes to the portable loop.
-// Sums use FMA for the squares (rounding differs from the eager path's within float64
-// rounding, as the contract allows); min/max see only finite values, so they are exact.
-template <int64_t D>
-inline void moments_block_avx2(const typename Elem<D>::T* xb, int64_t m, double* vals,
-                               Moments& r) {
-  const __m256d zero = _mm256_setzero_pd();
-  const __m256d inf = _mm256_set1_pd(std::numeric_limits<double>::infinity());
-  const __m256d absmask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFLL));
-  __m256d s0 = zero, s1 = zero, ss0 = zero, ss1 = zero;
-  __m256d lo = inf, hi = _mm256_sub_pd(zero, inf), nonfinite = zero;
-  __m256i zeros = _mm256_setzero_si256();
-  int64_t j = 0;
-  for (; j + 8 <= m; j += 8) {
-    const __m256d v0 = load4<D>(xb + j), v1 = load4<D>(xb + j + 4);
-    const __m256d fin0 = _mm256_cmp_pd(_mm256_and_pd(v0, absmask), inf, _CMP_LT_OQ);
-    const __m256d fin1 = _mm256_cmp_pd(_mm256_and_pd(v1, absmask), inf, _CMP_LT_OQ);
-    zeros = _mm256_sub_epi64(zeros, _mm256_castpd_si256(_mm256_cmp_pd(v0, zero, _CMP_EQ_OQ)));
-    zeros = _mm256_sub_epi64(zeros, _mm256_castpd_si256(_mm256_cmp_pd(v1, zero, _CMP_EQ_OQ)));
-    nonfinite = _mm256_or_pd(nonfinite, _mm256_cmp_pd(fin0, zero, _CMP_EQ_UQ));
-    nonfinite = _mm256_or_pd(nonfinite, _mm256_cmp_pd(fin1, zero, _CMP_EQ_UQ));
-    const __m256d f0 = _mm256_and_pd(v0, fin0), f1 = _mm256_and_pd(v1, fin1);
-    s0 = _mm256_add_pd(s0, f0);
-    s1 = _mm256_add_pd(s1, f1);
-    ss0 = _mm256_fmadd_pd(f0, f0, ss0);
-    ss1 = _mm256_fmadd_pd(f1, f1, ss1);
-    lo = _mm256_min_pd(lo, _mm256_blendv_pd(inf, v0, fin0));
-    lo = _mm256_min_pd(lo, _mm256_blendv_pd(inf, v1, fin1));
-    hi = _mm256_max_pd(hi, _mm256_blendv_pd(_mm256_sub_pd(zero, inf), v0, fin0));
-    hi = _mm256_max_pd(hi, _mm256_blendv_pd(_mm256_sub_pd(zero, inf), v1, fin1));
-    _mm256_storeu_pd(vals + j, f0);
-    _mm256_storeu_pd(vals + j + 4, f1);
-  }
-  alignas(32) double l[4], h[4], a[4], q[4];
-  alignas(32) int64_t z[4];
-  _mm256_store_pd(a, _mm256_add_pd(s0, s1));
-  _mm256_store_pd(q, _mm256_add_pd(ss0, ss1));
-  _mm256_store_pd(l, lo);
-  _mm256_store_pd(h, hi);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(z), zeros);
-  for (int i = 0; i < 4; ++i) {
-    r.s += a[i];
-    r.ss += q[i];
-    r.lo = l[i] < r.lo ? l[i] : r.lo;
-    r.hi = h[i] > r.hi ? h[i] : r.hi;
-    r.zeros += z[i];
-  }
-  r.nonfinite += _mm256_movemask_pd(nonfinite) != 0;  // a flag: the caller classifies
-  moments_block<D, true>(xb + j, 1, m - j, vals + j, r);
-}
-
-// splitmix64's finalizer on 4 x 64-bit lanes. AVX2 has no 64-bit multiply: z * c mod 2**64 is
-// lo(z) * lo(c) + ((hi(z) * lo(c) + lo(z) * hi(c)) << 32), three vpmuludq.
-struct Mix4 {
-  __m256i c1lo = _mm256_set1_epi64x((int64_t)(MIX_C1 & 0xFFFFFFFFULL));
-  __m256i c1hi = _mm256_set1_epi64x((int64_t)(MIX_C1 >> 32));
-  __m256i c2lo = _mm256_set1_epi64x((int64_t)(MIX_C2 & 0xFFFFFFFFULL));
-  __m256i c2hi = _mm256_set1_epi64x((int64_t)(MIX_C2 >> 32));
-};
-
-inline __m256i mul64c(__m256i z, __m256i clo, __m256i chi) {
-  const __m256i lo = _mm256_mul_epu32(z, clo);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(z, 32), clo),
-                                         _mm256_mul_epu32(z, chi));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-
-inline __m256i mix64x4(__m256i z, const Mix4& c) {
-  z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 30));
-  z = mul64c(z, c.c1lo, c.c1hi);
-  z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 27));
-  z = mul64c(z, c.c2lo, c.c2hi);
-  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
-}
-
-inline __m256i fmix32x8(__m256i h) {
-  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)FMIX32_C1));
-  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-  h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)FMIX32_C2));
-  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-}
-
+#if NA_VECTOR
 inline uint64_t hsum64(__m256i v) {
   alignas(32) uint64_t l[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(l), v);
   return l[0] + l[1] + l[2] + l[3];
 }
 
-// A contiguous block of a 16- or 32-bit float type in one loop of 8 elements per step: the
-// fingerprint (two 4-lane halves, keys advanced by addition), the bucket hash, and the moments
-// on float32 lanes (min/max/zeros/finiteness are exact there; only the sums need float64).
-// Writes buckets[] and vals[] (finite values as double) for the scatter; returns the block's
-// fingerprint sum. The tail of m % 8 elements goes to the portable loops.
+// Rare: count the NaN/+Inf/-Inf among n elements (the vector loops only flag that some are).
 template <int64_t D>
-inline uint64_t narrow_block_avx2(const typename Elem<D>::T* xb, int64_t m, uint64_t kb,
-                                  uint64_t key_step, uint32_t hb, uint32_t h_step,
-                                  uint32_t mask2k, uint32_t copy_stride, double* vals,
-                                  uint32_t* buckets, Moments& r) {
+void classify_nonfinite(const typename Elem<D>::T* x, int64_t n, Acc& a) {
+  for (int64_t t = 0; t < n; ++t) {
+    const double v = Elem<D>::value(x[t]);
+    a.nan += std::isnan(v);
+    a.posinf += v == std::numeric_limits<double>::infinity();
+    a.neginf += v == -std::numeric_limits<double>::infinity();
+  }
+}
+
+// n (a multiple of 8) contiguous float32/bfloat16/float16 elements at global indices g, g + 1,
+// ... with g a multiple of 8, and a sketch of k >= 8 buckets.
+template <int64_t D>
+void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   using E = Elem<D>;
-  const Mix4 c;
-  __m256i key0 = _mm256_set_epi64x((int64_t)(kb + 3 * key_step), (int64_t)(kb + 2 * key_step),
-                                   (int64_t)(kb + key_step), (int64_t)kb);
-  __m256i key1 = _mm256_add_epi64(key0, _mm256_set1_epi64x((int64_t)(4 * key_step)));
-  const __m256i key_step8 = _mm256_set1_epi64x((int64_t)(8 * key_step));
-  __m256i h = _mm256_add_epi32(
-      _mm256_set1_epi32((int32_t)hb),
-      _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-                         _mm256_set1_epi32((int32_t)h_step)));
-  const __m256i h_step8 = _mm256_set1_epi32((int32_t)(8 * h_step));
-  const __m256i mask = _mm256_set1_epi32((int32_t)mask2k);
-  const int32_t cs = (int32_t)copy_stride;
-  const __m256i copy_at = _mm256_set_epi32(3 * cs, 2 * cs, cs, 0, 3 * cs, 2 * cs, cs, 0);
+  const Tables& tb = tables();
+  const uint64_t kmask = (uint64_t)a.k - 1;
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 zero = _mm256_setzero_ps();
-  __m256i fp0 = _mm256_setzero_si256(), fp1 = _mm256_setzero_si256();
-  __m256i zeros = _mm256_setzero_si256();
-  __m256 lo = inf, hi = ninf, allfinite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  __m256i fp_lo = _mm256_setzero_si256(), fp_hi = _mm256_setzero_si256();
+  __m256 lo = inf, hi = ninf;
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
-  int64_t j = 0;
-  for (; j + 8 <= m; j += 8) {
-    __m256i b0, b1;
-    __m256 v;
-    if constexpr (D == F32) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + j));
-      b0 = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(raw));
-      b1 = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(raw, 1));
-      v = _mm256_castsi256_ps(raw);
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + j));
-      b0 = _mm256_cvtepu16_epi64(raw);
-      b1 = _mm256_cvtepu16_epi64(_mm_srli_si128(raw, 8));
-      if constexpr (D == BF16)
-        v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-      else
-        v = _mm256_cvtph_ps(raw);
+  for (int64_t done = 0; done < n;) {
+    const uint64_t gb = g + (uint64_t)done;
+    const int64_t j0 = (int64_t)(gb & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const Block blk(gb >> LANE_BITS);
+    const uint64_t w = blk.word;
+    const __m256i ckey = _mm256_set1_epi64x((int64_t)blk.key);
+    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
+    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);  // bucket offset when k > 256
+    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
+    const uint32_t* signs = &tb.sign[0][shift & 7][0];
+    const uint32_t shift_hi = shift >> 3;
+    const __m256i flip = _mm256_set1_epi32((int32_t)((uint32_t)(w >> 63) << 31));
+    const typename E::T* xb = x + done;
+    __m256 allfinite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    __m256i zeros = _mm256_setzero_si256();
+    for (int64_t t = 0; t < seg; t += 8) {
+      const uint32_t q = (uint32_t)((j0 + t) >> 3);
+      __m256i bits;  // 8 x 32-bit raw bits (16-bit types zero-extended)
+      __m256 v;
+      if constexpr (D == F32) {
+        bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t));
+        v = _mm256_castsi256_ps(bits);
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + t));
+        bits = _mm256_cvtepu16_epi32(raw);
+        if constexpr (D == BF16)
+          v = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        else
+          v = _mm256_cvtph_ps(raw);
+      }
+      // Fingerprint: key * bits mod 2**64 = lo32(key) * bits + (hi32(key) * bits) << 32; even
+      // elements sit in the low halves of the 64-bit lanes, odd ones are shifted there.
+      const int64_t m = (j0 + t) >> 1;
+      const __m256i ke = _mm256_xor_si256(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.even_key + m)), ckey);
+      const __m256i ko = _mm256_xor_si256(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.odd_key + m)), ckey);
+      const __m256i odd = _mm256_srli_epi64(bits, 32);
+      fp_lo = _mm256_add_epi64(fp_lo, _mm256_add_epi64(_mm256_mul_epu32(ke, bits),
+                                                       _mm256_mul_epu32(ko, odd)));
+      fp_hi = _mm256_add_epi64(
+          fp_hi, _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(ke, 32), bits),
+                                  _mm256_mul_epu32(_mm256_srli_epi64(ko, 32), odd)));
+      // Moments over the finite lanes.
+      const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), inf, _CMP_LT_OQ);
+      allfinite = _mm256_and_ps(allfinite, fin);
+      zeros = _mm256_sub_epi32(zeros, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));
+      lo = _mm256_min_ps(lo, _mm256_blendv_ps(inf, v, fin));
+      hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
+      const __m256 f = _mm256_and_ps(v, fin);
+      const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+      const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+      s0 = _mm256_add_pd(s0, d0);
+      s1 = _mm256_add_pd(s1, d1);
+      ss0 = _mm256_fmadd_pd(d0, d0, ss0);
+      ss1 = _mm256_fmadd_pd(d1, d1, ss1);
+      // Sketch: signs, then lane r goes to slot r ^ x of bucket group g (the block's placement).
+      const __m256i sm = _mm256_xor_si256(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi))), flip);
+      const uint32_t e = place[q];
+      const __m256 p = _mm256_permutevar8x32_ps(
+          _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f), sm)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.perm8[e >> 5])));
+      double* dst = a.sketch + (((8 * (e & 31)) ^ high) & kmask);
+      _mm256_storeu_pd(dst, _mm256_add_pd(_mm256_loadu_pd(dst),
+                                          _mm256_cvtps_pd(_mm256_castps256_ps128(p))));
+      _mm256_storeu_pd(dst + 4, _mm256_add_pd(_mm256_loadu_pd(dst + 4),
+                                              _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1))));
     }
-    fp0 = _mm256_add_epi64(fp0, mix64x4(_mm256_xor_si256(key0, b0), c));
-    fp1 = _mm256_add_epi64(fp1, mix64x4(_mm256_xor_si256(key1, b1), c));
-    key0 = _mm256_add_epi64(key0, key_step8);
-    key1 = _mm256_add_epi64(key1, key_step8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + j),
-                        _mm256_add_epi32(_mm256_and_si256(fmix32x8(h), mask), copy_at));
-    h = _mm256_add_epi32(h, h_step8);
-    const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), inf, _CMP_LT_OQ);
-    allfinite = _mm256_and_ps(allfinite, fin);
-    zeros = _mm256_sub_epi32(zeros, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));
-    lo = _mm256_min_ps(lo, _mm256_blendv_ps(inf, v, fin));
-    hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
-    const __m256 f = _mm256_and_ps(v, fin);
-    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
-    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
-    s0 = _mm256_add_pd(s0, d0);
-    s1 = _mm256_add_pd(s1, d1);
-    ss0 = _mm256_fmadd_pd(d0, d0, ss0);
-    ss1 = _mm256_fmadd_pd(d1, d1, ss1);
-    _mm256_storeu_pd(vals + j, d0);
-    _mm256_storeu_pd(vals + j + 4, d1);
+    alignas(32) int32_t z[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(z), zeros);
+    a.zeros += (int64_t)z[0] + z[1] + z[2] + z[3] + z[4] + z[5] + z[6] + z[7];
+    if (_mm256_movemask_ps(allfinite) != 0xFF) classify_nonfinite<D>(xb, seg, a);
+    done += seg;
   }
-  uint64_t fp = hsum64(_mm256_add_epi64(fp0, fp1));
+  a.fp += hsum64(fp_lo) + (hsum64(fp_hi) << 32);
   alignas(32) float l[8], u[8];
-  alignas(32) int32_t z[8];
-  alignas(32) double a[4], q[4];
+  alignas(32) double s[4], q[4];
   _mm256_store_ps(l, lo);
   _mm256_store_ps(u, hi);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(z), zeros);
-  _mm256_store_pd(a, _mm256_add_pd(s0, s1));
+  _mm256_store_pd(s, _mm256_add_pd(s0, s1));
   _mm256_store_pd(q, _mm256_add_pd(ss0, ss1));
   for (int i = 0; i < 8; ++i) {
-    r.lo = l[i] < r.lo ? l[i] : r.lo;
-    r.hi = u[i] > r.hi ? u[i] : r.hi;
-    r.zeros += z[i];
+    a.lo = l[i] < a.lo ? l[i] : a.lo;
+    a.hi = u[i] > a.hi ? u[i] : a.hi;
   }
-  r.s += (a[0] + a[1]) + (a[2] + a[3]);
-  r.ss += (q[0] + q[1]) + (q[2] + q[3]);
-  r.nonfinite += _mm256_movemask_ps(allfinite) != 0xFF;  // a flag: the caller classifies
-  uint64_t key = kb + (uint64_t)j * key_step;
-  for (int64_t t = j; t < m; ++t, key += key_step) {
-    fp += mix64(key ^ E::bits(xb[t]));
-    buckets[t] = (fmix32(hb + (uint32_t)t * h_step) & mask2k) + (uint32_t)(t & 3) * copy_stride;
-  }
-  moments_block<D, true>(xb + j, 1, m - j, vals + j, r);
-  return fp;
-}
-#endif
-
-// One run of n elements at x[j * ts], global flat indices g0 + j * gs, all with the same
-// high 32 bits (the caller splits runs there), so the sketch's hash input is an affine
-// function of j modulo 2**32 and the fingerprint key one of j modulo 2**64.
-template <int64_t D, bool CONTIG>
-void float_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key0,
-               uint64_t key_step, uint32_t h0, uint32_t h_step, Acc& a) {
-  using E = Elem<D>;
-  alignas(64) double vals[BLOCK];
-  alignas(64) uint32_t buckets[BLOCK];
-  const double inf = std::numeric_limits<double>::infinity();
-  const uint32_t copy_stride = a.copies == SKETCH_COPIES ? (uint32_t)(2 * a.k) : 0;
-  for (int64_t b = 0; b < n; b += BLOCK) {
-    const int64_t m = n - b < BLOCK ? n - b : BLOCK;
-    const typename E::T* xb = x + (CONTIG ? b : b * ts);
-    const uint64_t kb = key0 + (uint64_t)b * key_step;
-    const uint32_t hb = h0 + (uint32_t)b * h_step;
-    uint64_t fp = 0;
-    const uint32_t mask2k = a.mask2k;
-    Moments r;
-    // Element j adds into copy j % 4 of the sketch (one copy for small pieces): the copy's
-    // offset is folded into buckets[j], so the scatter is one load-add-store per element.
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if constexpr (CONTIG && D != F64) {
-      fp = narrow_block_avx2<D>(xb, m, kb, key_step, hb, h_step, mask2k, copy_stride, vals,
-                                buckets, r);
-    } else
-#endif
-    {
-      // Separate loops over the block (in L1 after the first): GCC vectorizes loops of one
-      // lane width well and loops mixing 64-bit integers, doubles and 32-bit lanes badly.
-      // The key is an induction variable: written as kb + j * key_step, GCC vectorizes a
-      // 64-bit multiply per element (three vpmuludq on AVX2) instead of an add.
-      uint64_t key = kb;
-#pragma omp simd reduction(+ : fp)
-      for (int64_t j = 0; j < m; ++j) {
-        fp += mix64(key ^ E::bits(xb[CONTIG ? j : j * ts]));
-        key += key_step;
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < m; ++j)
-        buckets[j] = (fmix32(hb + (uint32_t)j * h_step) & mask2k) + (uint32_t)(j & 3) * copy_stride;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-      if (CONTIG)
-        moments_block_avx2<D>(xb, m, vals, r);
-      else
-#endif
-        moments_block<D, CONTIG>(xb, ts, m, vals, r);
-    }
-    a.fp += fp;
-    a.zeros += r.zeros;
-    a.sum += r.s;
-    a.sum_sq += r.ss;
-    a.lo = r.lo < a.lo ? r.lo : a.lo;
-    a.hi = r.hi > a.hi ? r.hi : a.hi;
-    if (r.nonfinite) {  // rare: classify the non-finite elements of this block
-      for (int64_t j = 0; j < m; ++j) {
-        const double v = E::value(xb[CONTIG ? j : j * ts]);
-        a.nan += std::isnan(v);
-        a.posinf += v == inf;
-        a.neginf += v == -inf;
-      }
-    }
-    // SKETCH_COPIES interleaved copies of the buckets: consecutive adds that hit one bucket
-    // would otherwise wait on each other's store; all copies together stay in L1.
-    double* sk = a.sketch2;
-    int64_t j = 0;
-    for (; j + 4 <= m; j += 4) {
-      sk[buckets[j]] += vals[j];
-      sk[buckets[j + 1]] += vals[j + 1];
-      sk[buckets[j + 2]] += vals[j + 2];
-      sk[buckets[j + 3]] += vals[j + 3];
-    }
-    for (; j < m; ++j) sk[buckets[j]] += vals[j];
-  }
+  a.sum += (s[0] + s[1]) + (s[2] + s[3]);
+  a.sum_sq += (q[0] + q[1]) + (q[2] + q[3]);
 }
 
-template <int64_t D, bool CONTIG>
-void int_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t key0,
-             uint64_t key_step, Acc& a) {
-  using E = Elem<D>;
-  uint64_t fp = 0;
-  int64_t zeros = 0;
-  uint64_t key = key0;  // an induction variable: see float_run
-#pragma omp simd reduction(+ : fp, zeros)
-  for (int64_t j = 0; j < n; ++j) {
-    const typename E::T raw = x[CONTIG ? j : j * ts];
-    fp += mix64(key ^ E::bits(raw));
-    zeros += raw == 0;
-    key += key_step;
-  }
-  a.fp += fp;
-  a.zeros += zeros;
-}
-
+#if NA_VECTOR512
+// The AVX-512 form of narrow_body: 16 elements per step (two lane groups), n a multiple of 16,
+// g a multiple of 16, k >= 8. Masks replace the blends.
 template <int64_t D>
-void run(const void* p, int64_t ts, int64_t n, uint64_t g0, uint64_t gs, Acc& a) {
+void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
+  using E = Elem<D>;
+  const Tables& tb = tables();
+  const uint64_t kmask = (uint64_t)a.k - 1;
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 zero = _mm512_setzero_ps();
+  __m512i fp_lo = _mm512_setzero_si512(), fp_hi = _mm512_setzero_si512();
+  __m512 lo = inf, hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512d s0 = _mm512_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
+  int64_t zeros = 0;
+  for (int64_t done = 0; done < n;) {
+    const uint64_t gb = g + (uint64_t)done;
+    const int64_t j0 = (int64_t)(gb & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const Block blk(gb >> LANE_BITS);
+    const uint64_t w = blk.word;
+    const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
+    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
+    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);
+    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
+    const uint32_t* signs = &tb.sign16[0][shift & 15][0];
+    const uint32_t shift_hi = shift >> 4;
+    const __m512i flip = _mm512_set1_epi32((int32_t)((uint32_t)(w >> 63) << 31));
+    const typename E::T* xb = x + done;
+    __mmask16 allfinite = 0xFFFF;
+    for (int64_t t = 0; t < seg; t += 16) {
+      const uint32_t q = (uint32_t)((j0 + t) >> 4);
+      __m512i bits;
+      __m512 v;
+      if constexpr (D == F32) {
+        bits = _mm512_loadu_si512(xb + t);
+        v = _mm512_castsi512_ps(bits);
+      } else {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t));
+        bits = _mm512_cvtepu16_epi32(raw);
+        if constexpr (D == BF16)
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        else
+          v = _mm512_cvtph_ps(raw);
+      }
+      const int64_t m = (j0 + t) >> 1;
+      const __m512i ke = _mm512_xor_si512(_mm512_load_si512(tb.even_key + m), ckey);
+      const __m512i ko = _mm512_xor_si512(_mm512_load_si512(tb.odd_key + m), ckey);
+      const __m512i odd = _mm512_srli_epi64(bits, 32);
+      fp_lo = _mm512_add_epi64(fp_lo, _mm512_add_epi64(_mm512_mul_epu32(ke, bits),
+                                                       _mm512_mul_epu32(ko, odd)));
+      fp_hi = _mm512_add_epi64(
+          fp_hi, _mm512_add_epi64(_mm512_mul_epu32(_mm512_srli_epi64(ke, 32), bits),
+                                  _mm512_mul_epu32(_mm512_srli_epi64(ko, 32), odd)));
+      const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
+      allfinite &= fin;
+      zeros += __builtin_popcount(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
+      lo = _mm512_mask_min_ps(lo, fin, lo, v);
+      hi = _mm512_mask_max_ps(hi, fin, hi, v);
+      const __m512 f = _mm512_maskz_mov_ps(fin, v);
+      const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+      const __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
+      s0 = _mm512_add_pd(s0, d0);
+      s1 = _mm512_add_pd(s1, d1);
+      ss0 = _mm512_fmadd_pd(d0, d0, ss0);
+      ss1 = _mm512_fmadd_pd(d1, d1, ss1);
+      const __m512i sm = _mm512_xor_si512(_mm512_load_si512(signs + 256 * (q ^ shift_hi)), flip);
+      // two lane groups: each its own bucket group, lanes permuted by its own XOR
+      const uint32_t e0 = place[2 * q], e1 = place[2 * q + 1];
+      const __m512 p = _mm512_permutexvar_ps(
+          _mm512_load_si512(tb.perm16[e0 >> 5][e1 >> 5]),
+          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(f), sm)));
+      double* dst0 = a.sketch + (((8 * (e0 & 31)) ^ high) & kmask);
+      double* dst1 = a.sketch + (((8 * (e1 & 31)) ^ high) & kmask);
+      _mm512_storeu_pd(dst0, _mm512_add_pd(_mm512_loadu_pd(dst0),
+                                           _mm512_cvtps_pd(_mm512_castps512_ps256(p))));
+      _mm512_storeu_pd(dst1, _mm512_add_pd(_mm512_loadu_pd(dst1),
+                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(p, 1))));
+    }
+    if (allfinite != 0xFFFF) classify_nonfinite<D>(xb, seg, a);
+    done += seg;
+  }
+  a.zeros += zeros;
+  a.fp += (uint64_t)_mm512_reduce_add_epi64(fp_lo) +
+          ((uint64_t)_mm512_reduce_add_epi64(fp_hi) << 32);
+  const double l = _mm512_reduce_min_ps(lo), u = _mm512_reduce_max_ps(hi);
+  a.lo = l < a.lo ? l : a.lo;
+  a.hi = u > a.hi ? u : a.hi;
+  alignas(64) double sv[8], qv[8];
+  _mm512_store_pd(sv, _mm512_add_pd(s0, s1));
+  _mm512_store_pd(qv, _mm512_add_pd(ss0, ss1));
+  a.sum += ((sv[0] + sv[1]) + (sv[2] + sv[3])) + ((sv[4] + sv[5]) + (sv[6] + sv[7]));
+  a.sum_sq += ((qv[0] + qv[1]) + (qv[2] + qv[3])) + ((qv[4] + qv[5]) + (qv[6] + qv[7]));
+}
+#endif
+
+#if NA_VECTOR512
+// Contiguous float64, n a multiple of 8, g a multiple of 8, k >= 8, AVX-512: one lane group
+// per step (vpmullq for key * bits, the moments on float64 lanes directly).
+void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
+  const Tables& tb = tables();
+  const uint64_t kmask = (uint64_t)a.k - 1;
+  const __m512d inf = _mm512_set1_pd(std::numeric_limits<double>::infinity());
+  const __m512d zero = _mm512_setzero_pd();
+  __m512i fp = _mm512_setzero_si512();
+  __m512d lo = inf, hi = _mm512_set1_pd(-std::numeric_limits<double>::infinity());
+  __m512d s = zero, ss = zero;
+  int64_t zeros = 0;
+  for (int64_t done = 0; done < n;) {
+    const uint64_t gb = g + (uint64_t)done;
+    const int64_t j0 = (int64_t)(gb & (LANES - 1));
+    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
+    const Block blk(gb >> LANE_BITS);
+    const uint64_t w = blk.word;
+    const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
+    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
+    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);
+    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
+    const uint32_t* signs = &tb.sign[0][shift & 7][0];
+    const uint32_t shift_hi = shift >> 3;
+    const __m512i flip = _mm512_set1_epi64((int64_t)((w >> 63) << 63));
+    const uint64_t* xb = x + done;
+    __mmask8 allfinite = 0xFF;
+    for (int64_t t = 0; t < seg; t += 8) {
+      const uint32_t q = (uint32_t)((j0 + t) >> 3);
+      const __m512i bits = _mm512_loadu_si512(xb + t);
+      const __m512i k = _mm512_xor_si512(_mm512_load_si512(tb.key + j0 + t), ckey);
+      fp = _mm512_add_epi64(fp, _mm512_mullo_epi64(k, bits));
+      const __m512d v = _mm512_castsi512_pd(bits);
+      const __mmask8 fin = _mm512_cmp_pd_mask(_mm512_abs_pd(v), inf, _CMP_LT_OQ);
+      allfinite &= fin;
+      zeros += __builtin_popcount(_mm512_cmp_pd_mask(v, zero, _CMP_EQ_OQ));
+      lo = _mm512_mask_min_pd(lo, fin, lo, v);
+      hi = _mm512_mask_max_pd(hi, fin, hi, v);
+      const __m512d f = _mm512_maskz_mov_pd(fin, v);
+      s = _mm512_add_pd(s, f);
+      ss = _mm512_fmadd_pd(f, f, ss);
+      const __m512i sm = _mm512_xor_si512(
+          _mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm256_load_si256(
+                                reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi)))),
+                            32),
+          flip);
+      const uint32_t e = place[q];
+      const __m512d p = _mm512_permutexvar_pd(
+          _mm512_load_si512(tb.perm8_64[e >> 5]),
+          _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(f), sm)));
+      double* dst = a.sketch + (((8 * (e & 31)) ^ high) & kmask);
+      _mm512_storeu_pd(dst, _mm512_add_pd(_mm512_loadu_pd(dst), p));
+    }
+    if (allfinite != 0xFF) classify_nonfinite<F64>(xb, seg, a);
+    done += seg;
+  }
+  a.zeros += zeros;
+  a.fp += (uint64_t)_mm512_reduce_add_epi64(fp);
+  const double l = _mm512_reduce_min_pd(lo), u = _mm512_reduce_max_pd(hi);
+  a.lo = l < a.lo ? l : a.lo;
+  a.hi = u > a.hi ? u : a.hi;
+  alignas(64) double sv[8], qv[8];
+  _mm512_store_pd(sv, s);
+  _mm512_store_pd(qv, ss);
+  a.sum += ((sv[0] + sv[1]) + (sv[2] + sv[3])) + ((sv[4] + sv[5]) + (sv[6] + sv[7]));
+  a.sum_sq += ((qv[0] + qv[1]) + (qv[2] + qv[3])) + ((qv[4] + qv[5]) + (qv[6] + qv[7]));
+}
+
+void f64_run(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
+  int64_t head = (int64_t)((8 - (g & 7)) & 7);
+  if (head > n) head = n;
+  scalar_run<F64>(x, 1, head, g, 1, a);
+  x += head, g += (uint64_t)head, n -= head;
+  const int64_t body = n & ~(int64_t)7;
+  if (body) f64_body512(x, body, g, a);
+  scalar_run<F64>(x + body, 1, n - body, g + (uint64_t)body, 1, a);
+}
+#endif
+
+// Contiguous float32/bfloat16/float16 at global indices g, g + 1, ...: a scalar head up to the
+// next multiple of the vector width, the vector body, a scalar tail.
+template <int64_t D>
+void narrow_run(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
+#if NA_VECTOR512
+  const int64_t width = 16;
+#else
+  const int64_t width = 8;
+#endif
+  int64_t head = (int64_t)((width - (int64_t)(g & (uint64_t)(width - 1))) & (width - 1));
+  if (head > n) head = n;
+  scalar_run<D>(x, 1, head, g, 1, a);
+  x += head, g += (uint64_t)head, n -= head;
+  const int64_t body = n & ~(width - 1);
+  if (body) {
+#if NA_VECTOR512
+    if (width == 16)
+      narrow_body512<D>(x, body, g, a);
+    else
+#endif
+      narrow_body<D>(x, body, g, a);
+  }
+  scalar_run<D>(x + body, 1, n - body, g + (uint64_t)body, 1, a);
+}
+#endif
+
+// One innermost run: n elements at x[t * ts], global indices g + t * gs.
+template <int64_t D>
+void run(const void* p, int64_t ts, int64_t n, uint64_t g, uint64_t gs, Acc& a) {
   using T = typename Elem<D>::T;
   const T* x = static_cast<const T*>(p);
-  const uint64_t key0 = FINGERPRINT_SEED + GOLDEN_GAMMA * g0;
-  const uint64_t key_step = GOLDEN_GAMMA * gs;
-  constexpr bool is_float = D == F16 || D == BF16 || D == F32 || D == F64;
-  if constexpr (is_float) {
-    const uint32_t h0 = SKETCH_SEED + G32_LO * (uint32_t)g0 + G32_HI * (uint32_t)(g0 >> 32);
-    const uint32_t h_step = G32_LO * (uint32_t)gs;
-    if (ts == 1)
-      float_run<D, true>(x, ts, n, key0, key_step, h0, h_step, a);
-    else
-      float_run<D, false>(x, ts, n, key0, key_step, h0, h_step, a);
-  } else {
-    if (ts == 1)
-      int_run<D, true>(x, ts, n, key0, key_step, a);
-    else
-      int_run<D, false>(x, ts, n, key0, key_step, a);
+#if NA_VECTOR
+  if constexpr (D == F32 || D == BF16 || D == F16) {
+    if (gs == 1 && a.k >= 8) {
+      if (ts == 1) {
+        narrow_run<D>(x, n, g, a);
+        return;
+      }
+      // Strided in memory, contiguous in the logical tensor: gather pieces that end on block
+      // boundaries into a buffer, so only the first piece has a scalar head.
+      alignas(64) T buf[LANES];
+      for (int64_t t = 0; t < n;) {
+        int64_t m = LANES - (int64_t)((g + (uint64_t)t) & (LANES - 1));
+        if (m > n - t) m = n - t;
+        for (int64_t u = 0; u < m; ++u) buf[u] = x[(t + u) * ts];
+        narrow_run<D>(buf, m, g + (uint64_t)t, a);
+        t += m;
+      }
+      return;
+    }
   }
+#endif
+#if NA_VECTOR512
+  if constexpr (D == F64) {
+    if (gs == 1 && ts == 1 && a.k >= 8) {
+      f64_run(x, n, g, a);
+      return;
+    }
+  }
+#endif
+  constexpr bool is_float = D == F16 || D == BF16 || D == F32 || D == F64;
+  if constexpr (!is_float) {
+    if (gs == 1) {
+      if (ts == 1)
+        int_run<D, true>(x, 1, n, g, a);
+      else
+        int_run<D, false>(x, ts, n, g, a);
+      return;
+    }
+  }
+  scalar_run<D>(x, ts, n, g, gs, a);
 }
 
 using RunFn = void (*)(const void*, int64_t, int64_t, uint64_t, uint64_t, Acc&);
@@ -520,23 +692,6 @@ int64_t itemsize(int64_t dtype) {
   }
 }
 
-// Split one innermost run where the global index's high 32 bits change (the sketch hashes the
-// two halves of the index separately), then hand each part to the dtype's run function.
-void split_run(RunFn fn, const char* p, int64_t ts, int64_t itemsz, int64_t n, uint64_t g0,
-               uint64_t gs, Acc& a) {
-  while (n > 0) {
-    int64_t m = n;
-    if (gs > 0) {
-      const uint64_t room = ((((g0 >> 32) + 1) << 32) - 1 - g0) / gs + 1;
-      if ((uint64_t)m > room) m = (int64_t)room;
-    }
-    fn(p, ts, m, g0, gs, a);
-    p += m * ts * itemsz;
-    g0 += (uint64_t)m * gs;
-    n -= m;
-  }
-}
-
 // Copy one run of n elements at p[j * ts] to dst, packed (the piece's payload bytes).
 void copy_run(const char* p, int64_t ts, int64_t itemsz, int64_t n, char* dst) {
   if (ts == 1) {
@@ -557,8 +712,7 @@ void copy_run(const char* p, int64_t ts, int64_t itemsz, int64_t n, char* dst) {
 // the piece's elements are also copied to, packed in C order (the bytes of a contiguous copy).
 // Returns the number of int64s consumed, or -1 for a bad descriptor (the row is then left
 // untouched).
-int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
-                   double* sketch2) {
+int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64) {
   const char* data = reinterpret_cast<const char*>(desc[0]);
   const int64_t dtype = desc[1];
   const int64_t ndim_in = desc[2];
@@ -587,17 +741,14 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
   const bool moments = dtype >= F16;
   const double inf = std::numeric_limits<double>::infinity();
   Acc a;
-  if (moments) {
-    a.copies = numel >= SMALL_PIECE ? SKETCH_COPIES : 1;
-    std::memset(sketch2, 0, sizeof(double) * a.copies * 2 * k);
-    a.sketch2 = sketch2;
-    a.k = k;
-    a.mask2k = (uint32_t)(2 * k - 1);
-  }
+  // The sketch accumulates straight into the row (zero for pieces without moments).
+  std::memset(f64 + N_MOMENTS, 0, sizeof(double) * k);
+  a.sketch = f64 + N_MOMENTS;
+  a.k = k;
   if (numel > 0) {
     const int64_t itemsz = itemsize(dtype);
     if (nd == 0) {  // one element
-      split_run(fn, data, 1, itemsz, 1, gbase, 1, a);
+      fn(data, 1, 1, gbase, 1, a);
       if (payload) std::memcpy(payload, data, itemsz);
     } else {
       // Odometer over the outer dims; the innermost dim is one run.
@@ -610,8 +761,7 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
           off += coord[d] * ts[d];
           g += (uint64_t)coord[d] * (uint64_t)gs[d];
         }
-        split_run(fn, data + off * itemsz, ts[inner], itemsz, size[inner], g,
-                  (uint64_t)gs[inner], a);
+        fn(data + off * itemsz, ts[inner], size[inner], g, (uint64_t)gs[inner], a);
         if (payload) {
           copy_run(data + off * itemsz, ts[inner], itemsz, size[inner], payload);
           payload += size[inner] * itemsz;
@@ -627,20 +777,6 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
   f64[2] = moments ? a.lo : inf;
   f64[3] = moments ? a.hi : -inf;
   f64[4] = moments && a.lo <= a.hi ? std::fmax(std::fabs(a.lo), std::fabs(a.hi)) : 0.0;
-  for (int64_t b = 0; b < k; ++b) {
-    double v = 0.0;
-    if (moments) {
-      const double* sk = a.sketch2;
-      if (a.copies == 1) {
-        v = sk[b] - sk[k + b];
-      } else {
-        const double pos = (sk[b] + sk[2 * k + b]) + (sk[4 * k + b] + sk[6 * k + b]);
-        const double neg = (sk[k + b] + sk[3 * k + b]) + (sk[5 * k + b] + sk[7 * k + b]);
-        v = pos - neg;
-      }
-    }
-    f64[N_MOMENTS + b] = v;
-  }
   i64[0] = numel;
   i64[1] = a.nan;
   i64[2] = a.posinf;
@@ -655,23 +791,13 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64,
 extern "C" {
 
 // Digest `n` pieces described back to back in `desc` (see digest_one) into rows of f64
-// [n, 5 + k] and i64 [n, 6]. Returns 0, 1 + the index of the first bad descriptor, or -1
-// when the sketch's buffer cannot be allocated.
+// [n, 5 + k] and i64 [n, 6]. Returns 0, or 1 + the index of the first bad descriptor.
 int64_t NA_CAT(numaudit_digest_batch_, NA_ISA)(int64_t n, const int64_t* desc, int64_t k,
                                               double* f64, int64_t* i64) {
   // No std:: containers anywhere in this file: their out-of-line template code is shared
   // between the per-ISA objects at link time, so AVX-512 code could run on an AVX2 CPU.
-  thread_local double* sketch2 = nullptr;
-  thread_local int64_t sketch2_k = 0;
-  if (sketch2_k < k) {
-    double* grown = static_cast<double*>(
-        std::realloc(sketch2, sizeof(double) * SKETCH_COPIES * 2 * k));
-    if (!grown) return -1;
-    sketch2 = grown;
-    sketch2_k = k;
-  }
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t used = digest_one(desc, k, f64 + i * (N_MOMENTS + k), i64 + i * 6, sketch2);
+    const int64_t used = digest_one(desc, k, f64 + i * (N_MOMENTS + k), i64 + i * 6);
     if (used < 0) return i + 1;
     desc += used;
   }

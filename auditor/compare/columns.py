@@ -359,17 +359,24 @@ class Catalog:
             self._seeds = (int(row[0]), int(row[1]))
         return self._seeds
 
+    @property
+    def sketch_seed(self) -> int:
+        """The seed (as int64) a sketch must have to be merged and compared: the reference's."""
+        return self._seeds[1] if self._seeds is not None else fingerprint_to_int64(SKETCH_SEED)
+
     def fetch_digests(self, rids: np.ndarray) -> dict[str, np.ndarray]:
         """Moments, counts and sketches of the given records, in the order given.
 
         Returns float64 arrays keyed by DIGEST_COLUMNS (integer pieces, which have no moments,
         hold the merge identity: sums 0, min +inf, max -inf), "sketch" as an [n, k] array (k the
-        longest sketch, shorter ones zero-padded) and "sketch_k" (each row's own length).
+        longest sketch, shorter ones zero-padded), "sketch_k" (each row's own length) and
+        "sketch_seed" (int64: sketches with another seed place elements in other buckets).
         """
         n = len(rids)
         if n == 0:
             out = {c: np.zeros(0) for c in DIGEST_COLUMNS}
             out["sketch"], out["sketch_k"] = np.zeros((0, 0)), np.zeros(0, np.int64)
+            out["sketch_seed"] = np.zeros(0, np.int64)
             return out
         uniq = np.unique(rids)
         got: list[tuple] = []
@@ -380,16 +387,17 @@ class Catalog:
                 got.extend(self.reader.conn.execute(
                     "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
                     f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
-                    f" COALESCE(abs_max, 0.0), sketch FROM records WHERE {where}"
+                    f" COALESCE(abs_max, 0.0), sketch, sketch_seed FROM records WHERE {where}"
                     " ORDER BY record_id", param).fetchall())
-            cols = list(zip(*got)) if got else [()] * 12
+            cols = list(zip(*got)) if got else [()] * 13
             got_rid = np.array(cols[0], dtype=np.int64)
             if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
                 raise sqlite3.DatabaseError("records vanished from the store while comparing")
             pos = np.searchsorted(got_rid, rids)
             out = {c: np.array(cols[j], dtype=np.float64)[pos]
                    for j, c in enumerate(DIGEST_COLUMNS, start=1)}
-            blobs = cols[-1]
+            blobs = cols[-2]
+            seeds = np.array(cols[-1], dtype=np.int64)
             lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)) // 8
         k = int(lengths.max(initial=0))
         if len(lengths) and (lengths == k).all():
@@ -400,6 +408,7 @@ class Catalog:
                 sketch[j, :len(b) // 8] = np.frombuffer(b, dtype="<f8")
         out["sketch"] = sketch[pos]
         out["sketch_k"] = lengths[pos]
+        out["sketch_seed"] = seeds[pos] if len(seeds) else np.zeros(0, np.int64)
         return out
 
     def payload_rids(self, rids: np.ndarray) -> set[int]:

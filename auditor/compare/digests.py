@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-FINGERPRINT_SEED = 0x6E756D6175646974
-"""Must equal agents.digest.FINGERPRINT_SEED; digests made with another seed do not compare."""
-SKETCH_SEED = 0x736B3031
-"""Must equal agents.digest.SKETCH_SEED."""
+FINGERPRINT_SEED = 0x6E61763266696E67
+"""Must equal agents.hashing.FINGERPRINT_SEED (hash scheme version 2; version 1's was
+0x6E756D6175646974); digests made with another seed do not compare."""
+SKETCH_SEED = 0x6E6176327368656B
+"""Must equal agents.hashing.SKETCH_SEED (version 1's was 0x736B3031)."""
 N_MOMENTS = 5
 """Leading moments in an f64 row: sum, sum_sq, min, max, abs_max; the sketch follows."""
 

@@ -67,7 +67,8 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     seg = np.repeat(np.arange(len(keys_idx)), np.diff(np.append(offsets, len(rows))))
     ok = np.ones(len(keys_idx), bool)
     ok[np.diff(np.append(offsets, len(rows))) == 0] = k > 0  # no elements: a zero sketch
-    bad_rows = ks != k
+    # sketches of another length or seed (another hash scheme) do not add or compare
+    bad_rows = (ks != k) | (d["sketch_seed"] != catalog.sketch_seed)
     if bad_rows.any():
         ok[np.unique(seg[bad_rows])] = False
     out["sketch"] = segment_reduce(np.add, d["sketch"] * coef[:, None], offsets, n, 0.0) if k \
@@ -286,6 +287,16 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             code_out[j] = METRIC_CODES["max_abs"]
     comp.metric[keys] = code_out
     breach, unc = F.judge(value, sig, thr, pol.sigmas, pol.on_uncertain, certain)
+    # Without comparable sketches or payloads, a sketch metric is only its lower bound: a value
+    # under the threshold proves nothing, so it is uncertain and breaches unless the policy
+    # says uncertain findings pass.
+    blind = np.isin(code_out, (REL_L2, M_L2, METRIC_CODES["cosine"])) & ~sketch_ok & ~pm_ok \
+        & ~breach
+    for j in np.flatnonzero(blind):
+        comp.notes.setdefault(int(keys[j]), []).append(
+            "no comparable sketch or payload: the distance cannot be shown within policy")
+    unc |= blind
+    breach |= blind & (pol.on_uncertain != "pass")
     # a pure rescaling (cosine ~ 1, norm ratio != 1) is said as such: "scaled by 4.00"
     if comp.scaled_by is None:
         comp.scaled_by = np.full(len(comp), np.nan)

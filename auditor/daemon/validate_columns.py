@@ -13,6 +13,8 @@ its tables are merged with those of the batch's per-record part.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from wire import limits
@@ -21,6 +23,7 @@ from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, RecordC
 from protos import numaudit_pb2 as pb
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a run's site names recur in every batch
 def _text_ok(value: str, limit: int) -> bool:
     return bool(value) and len(value) <= limit and value.isprintable()
 

@@ -5,8 +5,8 @@ Unlike SQLite's single writer, work items run concurrently (PostgreSQL serialize
 a session's batches by its row lock, names and ids by unique constraints; see
 `auditor.store.postgres`). Each connection's thread takes what is queued (up to
 `MAX_ITEMS_PER_TRANSACTION` items) and commits it as one transaction, each item in a savepoint of
-its own, so one failing item rolls back alone, as the SQLite writer does; futures resolve after
-the commit. A transaction that loses a race to another replica, or whose connection broke (a
+its own, so one failing item rolls back alone, as the SQLite writer does (both share
+`auditor.store.work_queue`); futures resolve after the commit. A transaction that loses a race to another replica, or whose connection broke (a
 database restart), is rolled back and its items run again, one transaction each: every work item
 the daemon submits is idempotent (ingest by (session, seq) and by (run, key, rank), register by
 session id).
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
-import threading
 import time
 from typing import Any, Callable
 
@@ -26,7 +24,7 @@ from psycopg import errors as pg_errors
 
 from auditor.store.files import NotAStore
 from auditor.store.postgres import PgStore, pg_connect, redact
-from auditor.store.writer import WriterClosed
+from auditor.store.work_queue import QueuedWriter, fail, resolve, run_group
 
 log = logging.getLogger(__name__)
 
@@ -43,45 +41,20 @@ commit in flight while the next group is built; more only add processes to a sma
 MAX_ITEMS_PER_TRANSACTION = 16
 
 
-class _Rerun(Exception):
-    """A group's transaction must be abandoned and its items run one by one."""
-
-
-class PgWriter:
+class PgWriter(QueuedWriter):
     """The `StoreWriter` interface over PostgreSQL: `submit(work)` queues `work(store)`; the
     future resolves after the transaction holding it committed."""
 
+    max_items = MAX_ITEMS_PER_TRANSACTION
+
     def __init__(self, url: str, *, synchronous: str = "FULL", connections: int = CONNECTIONS) -> None:
+        super().__init__(connections, "numaudit-pg-writer")
         self.url, self._synchronous = url, synchronous
         pg_connect(url, synchronous=synchronous).close()  # reachable, schema in place
-        self._queue: queue.Queue = queue.Queue()
         self._stores: list[PgStore] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._serve, name=f"numaudit-pg-writer-{i}",
-                                          daemon=True) for i in range(connections)]
-        for t in self._threads:
-            t.start()
+        self._start()
 
-    def submit(self, work: Callable[[PgStore], Any]) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise WriterClosed("the store writer is closed")
-            self._queue.put((work, fut))
-        return fut
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Commit what is queued, then stop the threads and close the connections."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+    def _after_close(self) -> None:
         for store in self._stores:
             try:
                 store.close()
@@ -92,22 +65,13 @@ class PgWriter:
 
     def _serve(self) -> None:
         store: PgStore | None = None
-        while True:
-            items = [self._queue.get()]
-            while items[-1] is not None and len(items) < MAX_ITEMS_PER_TRANSACTION:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = items[-1] is None
-            items = [(w, f) for w, f in (i for i in items if i is not None)
-                     if f.set_running_or_notify_cancel()]
+        stop = False
+        while not stop:
+            items, stop = self._take()
             if len(items) > 1:
                 store = self._group(store, items)
             elif items:
                 store = self._one(store, *items[0])
-            if stop:
-                return
 
     def _connect(self, store: PgStore | None) -> PgStore:
         if store is not None and not store.raw.closed:
@@ -120,39 +84,19 @@ class PgWriter:
     def _group(self, store: PgStore | None, items: list) -> PgStore | None:
         """One transaction for several items, each in a savepoint; on a race or a lost
         connection, the items run again one transaction each."""
-        results = []
         try:
             store = self._connect(store)
-            store.begin()
-            for n, (work, fut) in enumerate(items):
-                sp = f"item{n}"
-                store.savepoint(sp)
-                try:
-                    value = work(store)
-                except RETRYABLE + LOST:
-                    raise _Rerun
-                except Exception as exc:  # this item only: its savepoint rolls back
-                    store.rollback_to(sp)
-                    results.append((fut, False, exc))
-                else:
-                    store.release(sp)
-                    results.append((fut, True, value))
-            store.commit()
-        except (_Rerun, NotAStore) + RETRYABLE + LOST:
+            outcomes = run_group(store, items, abort=RETRYABLE + LOST)
+        except (NotAStore,) + RETRYABLE + LOST:
             store = self._abandon(store)
             for work, fut in items:
                 store = self._one(store, work, fut)
             return store
         except BaseException as exc:
             store = self._abandon(store)
-            for _, fut in items:
-                fut.set_exception(exc)
+            fail(items, exc)
             return store
-        for fut, ok, value in results:
-            if ok:
-                fut.set_result(value)
-            else:
-                fut.set_exception(value)
+        resolve(outcomes)
         return store
 
     @staticmethod

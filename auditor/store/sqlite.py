@@ -22,7 +22,7 @@ from typing import Sequence
 from auditor.store.errors import (  # noqa: F401  (re-exported)
     RunNameTaken, StoreError, UnknownRun, UnknownSession)
 from auditor.store.jobs import resent, run_for_job
-from auditor.store.rows import INSERT_RECORD as _INSERT_RECORD, record_rows
+from auditor.store.rows import INSERT_RECORD as _INSERT_RECORD, insert_rows, record_rows
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
 from auditor.store.files import APPLICATION_ID, check_store_file
@@ -311,7 +311,7 @@ class Store:
         """Store one validated batch of records given as columns, in bulk.
 
         A resent batch (seq <= acked) stores nothing (`jobs.resent`). Otherwise every record is
-        inserted with one executemany; when some key is already stored (a record sent again
+        inserted by multi-row statements (`rows.insert_rows`); when some key is already stored (a record sent again
         under a new sequence, a key repeated inside the batch) the bulk insert is rolled back to
         its savepoint and the batch goes row by row, counting duplicates and flagging conflicts.
         `hashes` are `wire.packed.content_hashes(cols)` (computed here when None).
@@ -331,7 +331,7 @@ class Store:
                                hashes, session_id, seq, now)
             self.conn.execute("SAVEPOINT bulk")
             before = self.conn.total_changes
-            self.conn.executemany(_INSERT_RECORD, rows)
+            insert_rows(self.conn, rows)
             if self.conn.total_changes - before == cols.n:
                 self.conn.execute("RELEASE bulk")
                 result.stored = cols.n

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agents import digest as D
+from agents import hashing
 from agents.digest import (
     DEFAULT_SKETCH_K,
     _digest,
@@ -30,24 +31,6 @@ K = 16  # small sketches keep the pure-Python reference fast
 
 
 # ----------------------------------------------------------------- pure-Python reference
-
-
-def ref_mix64(z: int) -> int:
-    z &= M64
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & M64
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def ref_fmix32(h: int) -> int:
-    h &= M32
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
 
 
 def ref_bits(v, dtype: torch.dtype) -> int:
@@ -69,12 +52,10 @@ def ref_digest(t: torch.Tensor, layout: PieceLayout, k: int):
     for c in itertools.product(*(range(s) for s in layout.shape)):
         v = t[c].item() if t.dim() else t.item()
         g = sum((o + ci) * s for o, ci, s in zip(layout.offsets, c, gstrides))
-        key = (D.FINGERPRINT_SEED + D.GOLDEN_GAMMA * g) & M64
-        fp = (fp + ref_mix64(key ^ ref_bits(v, t.dtype))) & M64
-        h = ref_fmix32(D.SKETCH_SEED + 0x9E3779B9 * (g & M32) + 0x7FEB352D * (g >> 32))
-        b = h & (2 * k - 1)
+        fp = (fp + hashing.key(g) * ref_bits(v, t.dtype)) & M64
+        bucket, minus = hashing.bucket_sign(g, k)
         if t.dtype.is_floating_point and math.isfinite(v):
-            sketch[b % k] += -v if b >= k else v
+            sketch[bucket] += -v if minus else v
             vals.append(v)
     return fp, np.array(sketch), vals
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +25,8 @@ from agents.rows import RowBatch
 
 K = 16
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.uint16,
+        torch.uint32, torch.uint64]
 COMPLEX = [torch.complex64, torch.complex128]
 PROFILE = settings(derandomize=True, max_examples=150, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
@@ -121,10 +125,21 @@ def test_large_noncontiguous_and_batch_split(dtype):
     assert_same(u, batch_layout((8, 3, 5), dp_rank=2, dp_size=4))
 
 
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 64, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int32])
+def test_every_sketch_size_at_unaligned_offsets(dtype, k):
+    """k < 8 takes the scalar loop, k >= 8 the vector one (bucket groups of 8 lanes); a shard
+    starting mid-block gives the vector loop a scalar head and tail around whole groups."""
+    t = _values(dtype, (3, 1000), k, [17, 2500])
+    assert_same(t, PieceLayout((5, 1003), (1, 3), (3, 1000)), k=k)
+    assert_same(t.t().contiguous().t(), PieceLayout((5, 1003), (1, 3), (3, 1000)), k=k)
+
+
 def test_runs_crossing_the_32_bit_index_boundary():
     # Row 1 of a logical (4, 2**31 + 64) tensor starts at 2**31 + 64, so its columns from
-    # 2**31 - 84 on start at global index 2**32 - 20: the run straddles 2**32, where the
-    # sketch's hash input changes its high word.
+    # 2**31 - 84 on start at global index 2**32 - 20: block indices past 2**24 and a run that
+    # straddles 2**32 (where version 1 of the scheme changed its hash's high word).
     layout = PieceLayout((4, 2 ** 31 + 64), (1, 2 ** 31 - 84), (2, 40))
     t = _values(torch.float32, (2, 40), 9, [3])
     assert_same(t, layout)
@@ -222,3 +237,21 @@ def test_rejects_bad_k_and_bad_layout():
         cpu.digest_rows([t], [0], [1], 3)
     with pytest.raises(ValueError, match="shape"):
         cpu.index_map((4,), PieceLayout.full((5,)))
+
+
+@pytest.mark.parametrize("isa", [3, 1])
+def test_every_isa_build_agrees_with_eager(isa):
+    """The library holds an AVX-512, an AVX2 and a baseline build, and a CPU runs only its best:
+    run this file's equality tests again in a child process pinned to each lower build
+    (NUMAUDIT_DIGEST_ISA), so every build is checked on one machine."""
+    if cpu.isa_level() < isa:
+        pytest.skip(f"this CPU cannot run the ISA level {isa} build")
+    env = dict(os.environ, NUMAUDIT_DIGEST_ISA=str(isa))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+         "sizes or every_sketch or noncontiguous or equals_eager or crossing"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    probe = subprocess.run([sys.executable, "-c", "from agents.kernels import cpu; "
+                            "print(cpu.isa_level())"], env=env, capture_output=True, text=True)
+    assert probe.stdout.strip() == str(isa)

@@ -1,14 +1,20 @@
 """The Triton digest (agents/kernels/digest_triton.py) against the eager reference, under
 Triton's CPU interpreter when there is no GPU: fingerprints, counts, min/max/abs-max bitwise
-equal; float64 sums and sketch buckets within float64 rounding.
+equal; float64 sums and sketch buckets within float64 rounding. One test also holds it to the
+pure-Python definition of hash scheme v2 (agents/hashing.py).
+
+The cases aim at what v2 makes position-dependent: pieces that start mid-block and cross
+256-element block boundaries (the kernel's aligned path), strided and sharded pieces (its
+general path), sketches of 1 bucket up to more buckets than a block has lanes.
 
 Skipped when triton is not installed (it is optional: `pip install triton`); the interpreter
-is slow, so the pieces are small.
+is slow, so the pieces are small (a few blocks each).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import sys
@@ -26,10 +32,23 @@ if not torch.cuda.is_available():
                     allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+from agents import hashing  # noqa: E402
 from agents.digest import N_MOMENTS, _digest  # noqa: E402
 from agents.layout import PieceLayout, batch_layout  # noqa: E402
 
 K = 16
+SKETCH_KS = [1, 8, 256, 4096]
+"""One bucket, fewer buckets than lanes (lanes of a block share buckets), one bucket per lane,
+more buckets than lanes."""
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+"""uint16/32/64 are read by the kernel but not by the eager reference on CPU (no
+count_nonzero for them): test_wide_unsigned_ints_enter_by_value covers them."""
+
+NONFINITE_AT = (3, 17, 40, 41, 90, 300, 511, 777)
+"""Where float test values get NaN, Inf, -Inf, 0.0, -0.0 (cycled): several blocks have some."""
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +66,10 @@ def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
         t = (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(dtype)
-        for j, p in enumerate((3, 17, 40, 41, 90)):
+        specials = (math.nan, math.inf, -math.inf, 0.0, -0.0)
+        for j, p in enumerate(NONFINITE_AT):
             if p < n:
-                t[p] = (math.nan, math.inf, -math.inf, 0.0, -0.0)[j]
+                t[p] = specials[j % len(specials)]
         return t
     if dtype == torch.bool:
         return torch.randint(0, 2, (n,), generator=g).bool()
@@ -58,48 +78,130 @@ def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
                          dtype=torch.int64).to(dtype)
 
 
-def _assert_same(mod, t: torch.Tensor, layout: PieceLayout) -> None:
-    ref64, ref_i64 = _digest(t, layout, K, sync_free=None)
-    got64, got_i64 = mod.digest_piece_triton(t.to(_device()), layout, sketch_k=K)
+def _assert_same(mod, t: torch.Tensor, layout: PieceLayout, k: int = K) -> None:
+    ref64, ref_i64 = _digest(t, layout, k, sync_free=None)
+    got64, got_i64 = mod.digest_piece_triton(t.to(_device()), layout, sketch_k=k)
     got64, got_i64 = got64.cpu(), got_i64.cpu()
     assert torch.equal(got_i64, ref_i64), (got_i64.tolist(), ref_i64.tolist())
     assert torch.equal(got64[2:N_MOMENTS], ref64[2:N_MOMENTS]), (got64[:5], ref64[:5])
     if t.is_floating_point() and t.numel():
         f = t.reshape(-1).to(torch.float64)
         f = torch.where(torch.isfinite(f), f, 0.0)
-        bound = 4 * t.numel() * 2.0 ** -52 * f.abs().sum().item() + 1e-300
+        eps = 4 * t.numel() * 2.0 ** -52
+        bound = eps * f.abs().sum().item() + 1e-300
         assert abs(got64[0] - ref64[0]) <= bound
-        assert abs(got64[1] - ref64[1]) <= 4 * t.numel() * 2.0 ** -52 * (f * f).sum().item() + 1e-300
+        assert abs(got64[1] - ref64[1]) <= eps * (f * f).sum().item() + 1e-300
         assert (got64[N_MOMENTS:] - ref64[N_MOMENTS:]).abs().max().item() <= bound
     else:
         assert torch.equal(got64, ref64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                   torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [0, 1, 97, 2500])
 def test_triton_equals_eager(triton_digest, dtype, n):
     t = _values(dtype, n, n)
     _assert_same(triton_digest, t, PieceLayout.full((n,)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_noncontiguous_pieces_of_larger_tensors(triton_digest, dtype):
-    t = _values(dtype, 30 * 40, 5).reshape(30, 40).t()  # column-major, 40 x 30
-    _assert_same(triton_digest, t, PieceLayout((50, 90), (3, 60), (40, 30)))
-    u = _values(dtype, 2 * 61, 6).reshape(2, 61)[:, ::2]  # strided rows
-    _assert_same(triton_digest, u, batch_layout((2, 31), dp_rank=1, dp_size=3))
+@pytest.mark.parametrize("k", SKETCH_KS)
+@pytest.mark.parametrize("offset, size", [(37, 700), (255, 2), (5 * 256 - 1, 258), (256, 1030)])
+def test_contiguous_pieces_at_unaligned_offsets(triton_digest, k, offset, size):
+    """A run of consecutive indices starting anywhere in a block (aligned path: tiles of whole
+    blocks, masked at both ends)."""
+    layout = PieceLayout((offset + size + 13,), (offset,), (size,))
+    _assert_same(triton_digest, _values(torch.float32, size, offset), layout, k)
+    _assert_same(triton_digest, _values(torch.int32, size, offset), layout, k)
 
 
-def test_index_crossing_2_to_the_32(triton_digest):
-    layout = PieceLayout((4, 2 ** 31 + 64), (1, 2 ** 31 - 84), (2, 40))
-    _assert_same(triton_digest, _values(torch.float32, 80, 9).reshape(2, 40), layout)
+@pytest.mark.parametrize("k", SKETCH_KS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int16])
+def test_strided_and_sharded_pieces(triton_digest, k, dtype):
+    # A column shard whose rows start mid-block (general path, contiguous memory).
+    _assert_same(triton_digest, _values(dtype, 6 * 130, 1).reshape(6, 130),
+                 PieceLayout((6, 300), (0, 100), (6, 130)), k)
+    # Column-major memory, placed at an offset in both dims.
+    t = _values(dtype, 30 * 40, 2).reshape(30, 40).t()
+    _assert_same(triton_digest, t, PieceLayout((50, 90), (3, 60), (40, 30)), k)
+    # Every other element of a buffer, consecutive in the logical tensor (aligned, stride 2).
+    u = _values(dtype, 2 * 601, 3)[::2]
+    _assert_same(triton_digest, u, PieceLayout((2000,), (517,), (601,)), k)
+    # Three merged dims, permuted memory: an inner box of a 3-D tensor.
+    w = _values(dtype, 3 * 5 * 40, 4).reshape(40, 3, 5).permute(1, 2, 0)
+    _assert_same(triton_digest, w, PieceLayout((4, 7, 200), (1, 2, 33), (3, 5, 40)), k)
+    # Strided rows of a batch split.
+    v = _values(dtype, 2 * 601, 5).reshape(2, 601)[:, ::2]
+    _assert_same(triton_digest, v, batch_layout((2, 301), dp_rank=1, dp_size=3), k)
+
+
+def test_all_nonfinite_piece(triton_digest):
+    t = torch.tensor([math.nan, math.inf, -math.inf] * 100, dtype=torch.float32)
+    _assert_same(triton_digest, t, PieceLayout((400,), (50,), (300,)))
+
+
+@pytest.mark.parametrize("layout", [
+    PieceLayout((4, 2 ** 31 + 64), (1, 2 ** 31 - 84), (2, 40)),  # general path
+    PieceLayout((2 ** 33,), (2 ** 32 - 300,), (600,)),  # aligned path
+])
+def test_index_crossing_2_to_the_32(triton_digest, layout):
+    t = _values(torch.float32, layout.numel, 9).reshape(layout.shape)
+    _assert_same(triton_digest, t, layout, 256)
+
+
+@pytest.mark.parametrize("offsets, shape, logical", [((250,), (300,), (1000,)),
+                                                     ((1, 100), (2, 130), (3, 300))])
+def test_matches_hash_scheme_definition(triton_digest, offsets, shape, logical):
+    """Fingerprint and sketch from agents/hashing.py's pure-Python key and bucket_sign; the
+    sketch with fewer buckets than a block's lanes and with more (the placement table and the
+    block word's bits above the lanes both pick the bucket)."""
+    layout = PieceLayout(logical, offsets, shape)
+    n = layout.numel
+    gstrides = [math.prod(logical[d + 1:]) for d in range(len(logical))]
+    index = [sum((o + c) * g for o, c, g in zip(offsets, coords, gstrides))
+             for coords in itertools.product(*(range(s) for s in shape))]
+    ints = _values(torch.int64, n, 11)
+    _, got_i64 = triton_digest.digest_piece_triton(ints.reshape(shape).to(_device()), layout,
+                                                   sketch_k=K)
+    fp = sum(hashing.key(g) * (int(x) & hashing.M64) for g, x in zip(index, ints.tolist()))
+    assert int(got_i64[5]) & hashing.M64 == fp & hashing.M64
+    floats = _values(torch.float64, n, 12)
+    for k in (8, 4096):
+        got64, _ = triton_digest.digest_piece_triton(floats.reshape(shape).to(_device()),
+                                                     layout, sketch_k=k)
+        sketch = [0.0] * k
+        for g, v in zip(index, floats.tolist()):
+            bucket, minus = hashing.bucket_sign(g, k)
+            if math.isfinite(v):
+                sketch[bucket] += -v if minus else v
+        want = torch.tensor(sketch, dtype=torch.float64)
+        assert torch.allclose(got64.cpu()[N_MOMENTS:], want, rtol=1e-12, atol=1e-12), k
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_wide_unsigned_ints_enter_by_value(triton_digest, dtype):
+    """The eager reference cannot read these on CPU; the digest of their values must be the
+    int64 digest of the same values (checked against eager above)."""
+    layout = PieceLayout((900,), (100,), (700,))
+    values = _values(torch.int64, 700, 13).abs() % min(torch.iinfo(dtype).max + 1, 2 ** 62)
+    values[::7] = 0
+    got = triton_digest.digest_piece_triton(values.to(dtype).to(_device()), layout, sketch_k=K)
+    want = triton_digest.digest_piece_triton(values.to(_device()), layout, sketch_k=K)
+    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+    assert int(want[1][4]) == 100  # zeros
+
+
+def test_rejects_too_many_dims_and_bad_k(triton_digest):
+    layout = PieceLayout((4, 5, 6, 7, 8), (0, 0, 0, 0, 0), (2, 2, 2, 2, 2))  # 5 unmergeable dims
+    with pytest.raises(ValueError, match="shape"):
+        triton_digest.digest_piece_triton(torch.zeros(layout.shape), layout, sketch_k=K)
+    with pytest.raises(ValueError, match="sketch_k"):
+        triton_digest.digest_piece_triton(torch.zeros(3), PieceLayout.full((3,)), sketch_k=12)
 
 
 def test_complex_is_digested_as_its_real_view(triton_digest):
-    t = torch.complex(_values(torch.float32, 12, 1), _values(torch.float32, 12, 2)).reshape(4, 3)
-    ref64, ref_i64 = _digest(t, PieceLayout.full((4, 3)), K, sync_free=None)
-    got64, got_i64 = triton_digest.digest_piece_triton(t.to(_device()), PieceLayout.full((4, 3)),
-                                                       sketch_k=K)
+    re, im = _values(torch.float32, 300, 1), _values(torch.float32, 300, 2)
+    t = torch.complex(re, im).reshape(100, 3)
+    layout = PieceLayout((200, 3), (50, 0), (100, 3))
+    ref64, ref_i64 = _digest(t, layout, K, sync_free=None)
+    got64, got_i64 = triton_digest.digest_piece_triton(t.to(_device()), layout, sketch_k=K)
     assert torch.equal(got_i64.cpu(), ref_i64)
     assert torch.equal(got64.cpu()[2:N_MOMENTS], ref64[2:N_MOMENTS])

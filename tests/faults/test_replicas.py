@@ -8,6 +8,7 @@ client-side load balancing (the address lists both; round robin).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -44,20 +45,47 @@ def pg_view(url: str, run: str = "faults") -> StoreView:
                      "ok" if unique else "records_by_key is not unique", sessions)
 
 
-def _replicas(tmp_path, url):
+@contextlib.contextmanager
+def _agents_on_replicas(tmp_path, url: str, agents: int):
+    """Two replicas on `url` and `agents` writer agents whose address lists both, streaming
+    at 400 records/s until the stop file appears; yields once every agent has an ack, and
+    kills whatever is left on the way out."""
     reps = [Auditor(tmp_path / name, db=url, grace=0.5, extra=["--log-level", "debug"])
             for name in ("a", "b")]
-    for r in reps:
-        r.tmp.mkdir(parents=True, exist_ok=True)
-        r.start(60)
-    return reps
+    stop_file = tmp_path / "stop"
+    jobs: list[Writer] = []
+    try:
+        for r in reps:
+            r.tmp.mkdir(parents=True, exist_ok=True)
+            r.start(60)
+        address = ",".join(r.address for r in reps)
+        jobs = [Writer(tmp_path, f"rank{r}", records=200_000, address=address, rank=r,
+                       world_size=agents, extra=["--rate", "400", "--until-file", str(stop_file),
+                                                 "--flush-timeout", str(FLUSH_S)],
+                       inprocess=agents == 1)
+                for r in range(agents)]
+        wait_until(lambda: all(j.acks() for j in jobs), 90, "first acks")
+        yield reps, jobs, stop_file
+    finally:
+        for j in jobs:
+            j.kill()
+        for r in reps:
+            r.close()
 
 
-def _writers(tmp_path, address, stop_file, n, rate):
-    return [Writer(tmp_path, f"rank{r}", records=200_000, address=address, rank=r,
-                   world_size=n, extra=["--rate", str(rate), "--until-file", str(stop_file),
-                                        "--flush-timeout", str(FLUSH_S)], inprocess=n == 1)
-            for r in range(n)]
+def _resume_then_finish(jobs: list[Writer], since: float, timeout: float, what: str,
+                        stop_file) -> tuple[float, list[dict]]:
+    """Wait for every agent's first ack after `since` (the `what`) and 400 more captures, then
+    stop them:
+    seconds until the last agent was acked again, and their reports."""
+    wait_until(lambda: all(j.first_ack_after(since) for j in jobs), timeout,
+               f"acks after the {what}")
+    resumed_s = max(j.first_ack_after(since) for j in jobs) - since
+    at = [j.progress() for j in jobs]
+    wait_until(lambda: all(j.progress() >= p + 400 for j, p in zip(jobs, at)), 30,
+               f"captures after the {what}")
+    stop_file.touch()
+    return resumed_s, [j.finish(90) for j in jobs]
 
 
 def _storing(rep: Auditor) -> int:
@@ -86,35 +114,16 @@ def _check(jobs, reports, view) -> None:
 
 @pytest.mark.timeout(180)
 def test_sigkill_one_replica_the_agents_continue_on_the_other(tmp_path, pg_url):
-    reps = _replicas(tmp_path, pg_url)
-    stop_file = tmp_path / "stop"
-    jobs: list[Writer] = []
-    try:
-        address = ",".join(r.address for r in reps)
-        jobs = _writers(tmp_path, address, stop_file, 2, rate=400)
-        wait_until(lambda: all(j.acks() for j in jobs), 90, "first acks")
+    with _agents_on_replicas(tmp_path, pg_url, 2) as (reps, jobs, stop_file):
         before = [_storing(r) for r in reps]
         time.sleep(1.0)
         victim = max(reps, key=lambda r: _storing(r) - before[reps.index(r)])  # holds streams
         survivor = reps[1 - reps.index(victim)]
         acked_before = [len(j.acked_keys()) for j in jobs]
         victim.kill()
-        killed_at = time.monotonic()
-        wait_until(lambda: all(j.first_ack_after(killed_at) for j in jobs), 30,
-                   "acks from the surviving replica")
-        resumed_s = max(j.first_ack_after(killed_at) for j in jobs) - killed_at
-        at = [j.progress() for j in jobs]
-        wait_until(lambda: all(j.progress() >= p + 400 for j, p in zip(jobs, at)), 30,
-                   "captures after the kill")
-        stop_file.touch()
-        reports = [j.finish(90) for j in jobs]
+        resumed_s, reports = _resume_then_finish(jobs, time.monotonic(), 30, "kill", stop_file)
         assert survivor.alive()
         assert survivor.stop() == 0
-    finally:
-        for j in jobs:
-            j.kill()
-        for r in reps:
-            r.close()
     view = pg_view(pg_url)
     _check(jobs, reports, view)
     assert any(j.fails() for j in jobs), "the kill broke no stream"
@@ -128,30 +137,13 @@ def test_sigkill_one_replica_the_agents_continue_on_the_other(tmp_path, pg_url):
 
 @pytest.mark.timeout(180)
 def test_restart_the_database_server_the_agents_resume(tmp_path, pg_server, pg_url):
-    reps = _replicas(tmp_path, pg_url)
-    stop_file = tmp_path / "stop"
-    jobs: list[Writer] = []
-    try:
-        jobs = _writers(tmp_path, ",".join(r.address for r in reps), stop_file, 1, rate=400)
-        wait_until(lambda: all(j.acks() for j in jobs), 90, "first acks")
+    with _agents_on_replicas(tmp_path, pg_url, 1) as (reps, jobs, stop_file):
         time.sleep(0.5)
         pg_server.restart(down_s=1.0)
-        back = time.monotonic()
-        wait_until(lambda: all(j.first_ack_after(back) for j in jobs), 60,
-                   "acks after the database restart")
-        resumed_s = max(j.first_ack_after(back) for j in jobs) - back
-        at = [j.progress() for j in jobs]
-        wait_until(lambda: all(j.progress() >= p + 400 for j, p in zip(jobs, at)), 30,
-                   "captures after the restart")
-        stop_file.touch()
-        reports = [j.finish(90) for j in jobs]
+        resumed_s, reports = _resume_then_finish(jobs, time.monotonic(), 60,
+                                                 "database restart", stop_file)
         assert all(r.alive() for r in reps)  # the replicas rode it out
         assert all(r.stop() == 0 for r in reps)
-    finally:
-        for j in jobs:
-            j.kill()
-        for r in reps:
-            r.close()
     view = pg_view(pg_url)
     _check(jobs, reports, view)
     assert all(r["summary"]["dropped"] == 0 for r in reports), [r["summary"] for r in reports]

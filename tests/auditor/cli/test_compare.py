@@ -11,26 +11,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from click.testing import CliRunner
 
-from auditor.cli import main
 from protos import numaudit_pb2 as pb
-from tests.auditor.synth import mlp_run, send, write_runs
+from tests.auditor.cli.three_runs import cli, runs
+from tests.auditor.synth import send, write_runs
 
 ROOT = Path(__file__).resolve().parents[3]
 T = 30.0  # deadline of every RPC in these tests
 
 
-def _bump(kind, step, mb, site, t):
-    if (kind, site, mb) == ("fwd", "layers.1", 1):
-        t = t.clone()
-        t[0, 0] += 0.5
-    return t
-
-
-def runs():
-    return (mlp_run("ref", world=2), mlp_run("same", world=4),
-            mlp_run("bumped", world=2, perturb=_bump))
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +28,6 @@ def db(tmp_path_factory) -> Path:
     return write_runs(path, *runs())
 
 
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args))
 
 
 def test_exit_codes(db):

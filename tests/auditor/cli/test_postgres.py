@@ -7,30 +7,17 @@ import json
 
 import grpc
 import pytest
-from click.testing import CliRunner
 
-from auditor.cli import main
 from protos import numaudit_pb2 as pb
-from tests.auditor.synth import mlp_run, send, write_runs
+from tests.auditor.cli.three_runs import cli, runs
+from tests.auditor.synth import send, write_runs
 
 pytestmark = pytest.mark.timeout(180)
 T = 30.0
 
 
-def _bump(kind, step, mb, site, t):
-    if (kind, site, mb) == ("fwd", "layers.1", 1):
-        t = t.clone()
-        t[0, 0] += 0.5
-    return t
 
 
-def runs():
-    return (mlp_run("ref", world=2), mlp_run("same", world=4),
-            mlp_run("bumped", world=2, perturb=_bump))
-
-
-def cli(*args: str):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def _timeless(doc):

@@ -415,3 +415,23 @@ def test_live_comparison_reports_keys_as_they_complete(db):
     assert len(keys) == len(set(keys))
     total = compare_runs(db, "ref", "cand", preset_policy("bitwise"))
     assert len(keys) == len(list(total.findings()))
+
+
+def test_digests_of_another_hash_scheme_never_pass(db):
+    """A reference recorded by an agent with another hash scheme (version 1 seeds) against a
+    candidate of this version: neither the fingerprint nor the sketch can compare, so even
+    identical tensors are not reported within policy; the notes say why."""
+    x = torch.randn(16, 8)
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b in (ref, cand):
+        b.add_full(x, step=0, microbatch=0, phase="fwd", site="embed")
+    for r in ref.records[0]:
+        r.digest.fingerprint_seed, r.digest.sketch_seed = 0x6E756D6175646974, 0x736B3031
+    write_runs(db, ref, cand)
+    [f] = compare_runs(db, "ref", "cand").findings()
+    assert f.breach and f.verdict == "diverged" and f.uncertain
+    assert f.metrics["exact"] is None and "other seeds" in f.metrics["exact_unavailable"]
+    assert any("sketches not comparable" in n for n in f.notes)
+    assert any("cannot be shown within policy" in n for n in f.notes)
+    [g] = compare_runs(db, "ref", "cand", preset_policy("bitwise")).findings()
+    assert g.breach

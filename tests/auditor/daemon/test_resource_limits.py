@@ -110,8 +110,11 @@ def test_many_streams_and_watches_are_capped(tmp_path):
     # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller).
     assert outcome.get(None, 0) == MAX_STREAMS - 1 + 8, outcome
     # The rest were refused RESOURCE_EXHAUSTED; a client that has not half-closed its side may
-    # see CANCELLED instead when the server's RST_STREAM overtakes the trailers (gRPC core).
-    refused = exhausted + outcome.get(grpc.StatusCode.CANCELLED, 0)
+    # see CANCELLED instead when the server's RST_STREAM overtakes the trailers (gRPC core), and
+    # on a loaded machine a few of 10,000 streams opened at once fail UNAVAILABLE in transport
+    # (seen once: 1 of 10,000): none of those is held by the daemon either.
+    refused = exhausted + outcome.get(grpc.StatusCode.CANCELLED, 0) \
+        + outcome.get(grpc.StatusCode.UNAVAILABLE, 0)
     assert refused == STREAMS - (MAX_STREAMS - 1) + WATCHES - 8, outcome
     assert exhausted > 0, outcome  # the share that sees CANCELLED depends on timing
     assert rss_flood < RSS_BOUND, rss_flood
