@@ -81,8 +81,9 @@ class Counters:
         """Captures that could not be made at all, by reason (not part of `captured`)."""
 
     def add_captured(self, n: int) -> None:
-        with self._lock:
-            self.captured += n
+        """Unlocked: the capturer is the one writer (it is not thread-safe in any case), and a
+        lock per capture was a measurable share of a capture's cost."""
+        self.captured += n
 
     def drop(self, reason: str, n: int) -> None:
         if n:
@@ -119,6 +120,9 @@ class Batcher:
         self._counters = counters
         self._failed = failed
         self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int | None]] = []
+        """Pieces for Digester.digest (the general path)."""
+        self._fused: list[tuple[Capture, bytes, torch.Tensor]] = []
+        """Pieces whose descriptors the capturer built from its cached plans (the fast path)."""
         self._captures: list[Capture] = []
         """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
         self._rows: RowBatch | None = None
@@ -132,20 +136,54 @@ class Batcher:
         """Queue a piece for the next :meth:`drain` (``payload_at``: see fastpath.Piece)."""
         self._pending.append((cap, t, layout, payload_at))
 
+    def add_fused(self, cap: Capture, desc: bytes, t: torch.Tensor) -> None:
+        """Queue a piece for the fused kernel by its descriptor (Digester.descriptor); ``t`` is
+        held until the kernel has read it."""
+        self._fused.append((cap, desc, t))
+
     def add_none(self, cap: Capture) -> None:
         """A capture without a tensor (None, recorded as such): no digest, no row."""
         self._captures.append(cap)
 
     def drain(self) -> None:
-        """Digest the pending captures in one call and queue their rows. Never raises."""
-        if not self._pending:
+        """Digest the pending captures (one kernel call for the fused ones) and queue their
+        rows. Never raises."""
+        pending, fused = self._pending, self._fused
+        if not pending and not fused:
             return
-        pending, self._pending = self._pending, []
+        self._pending, self._fused = [], []
+        rows = self._rows
+        if rows is None or rows.room() < len(pending) + len(fused):
+            self._flush_host()
+            try:
+                rows = self._rows = RowBatch(max(len(pending) + len(fused), self._batch),
+                                             self._sketch_k)
+            except Exception as exc:  # out of memory
+                for cap, *_ in pending + fused:
+                    self._failed(f"capture of {cap.site}", exc)
+                return
+        if fused:
+            self._drain_fused(fused, rows)
+        if pending:
+            self._drain_general(pending, rows)
+        if rows.n >= self._batch or len(self._dev_f64) >= self._batch:
+            self.flush()
+
+    def _drain_fused(self, fused: list, rows: RowBatch) -> None:
         try:
-            rows = self._rows
-            if rows is None or rows.room() < len(pending):
-                self._flush_host()
-                rows = self._rows = RowBatch(max(len(pending), self._batch), self._sketch_k)
+            first = self._digester.digest_descriptors([f[1] for f in fused], self._sketch_k, rows)
+        except Exception as exc:
+            for cap, *_ in fused:
+                self._failed(f"capture of {cap.site}", exc)
+            return
+        captures = self._captures
+        for j, f in enumerate(fused):
+            cap = f[0]
+            cap.row = first + j
+            captures.append(cap)
+
+    def _drain_general(self, pending: list, rows: RowBatch) -> None:
+        try:
             results = self._digester.digest([p[1:] for p in pending], self._sketch_k, rows)
         except Exception as exc:
             for cap, *_ in pending:
@@ -162,8 +200,6 @@ class Batcher:
                 self._dev_f64.append(res[0])
                 self._dev_i64.append(res[1])
                 self._dev_captures.append(cap)
-        if rows.n >= self._batch or len(self._dev_f64) >= self._batch:
-            self.flush()
 
     def flush(self) -> None:
         """Hand the pending digests to the sink: the host batch as it is, and the rows kept on

@@ -25,6 +25,8 @@ from agents.config import AgentConfig, step_selected
 from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from agents.digest import has_moments
 from agents.fastpath import Digester
+from agents.hooks import (add_grad_hook, grad_role, in_backward, not_traced, run_backward_hook,
+                          run_grad_hook)
 from agents.identity import RankIdentity
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
@@ -63,11 +65,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def in_backward() -> bool:
-    """True while the autograd engine runs: forwards seen now are checkpoint recomputations."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class Capturer:
     """Turns hooks into captures for one rank. Owned by the training thread."""
 
@@ -98,6 +95,10 @@ class Capturer:
         self._layouts: dict[tuple, PieceLayout] = {}
         """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
         capture of a site and shape (invalidated when hook_modules learns column shards)."""
+        self._plans: dict[tuple, tuple | None] = {}
+        """(phase, site, role, shape, strides, dtype) -> what every capture of such a plain CPU
+        tensor shares (layout, dtype name, descriptor base and tail, payload size, ...), or None
+        when it takes the general path: see :meth:`_capture_fast`."""
         self._logged: set[str] = set()
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
@@ -146,6 +147,7 @@ class Capturer:
             if shards is not None:
                 self._column_shards[site] = shards
                 self._layouts.clear()
+                self._plans.clear()
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -169,14 +171,17 @@ class Capturer:
                 mb = self.microbatch
                 call = self._next_call(site)
                 st = stage if stage >= 0 else self.stage
-                tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+                tensors = ([output] if type(output) is torch.Tensor else
+                           [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+                fwd, bwd = self.wants("fwd"), self.wants("bwd")
                 for index, t in enumerate(tensors):
-                    if self.wants("fwd"):
+                    if fwd and not self._capture_fast(t, "fwd", site, "output", index, call,
+                                                      mb, st):
                         self._capture_one(t, phase="fwd", site=site, role="output",
                                           index=index, call=call, microbatch=mb, stage=st)
-                    if self.wants("bwd") and t.requires_grad:
-                        t.register_hook(self._grad_hook(site, index, call, mb, st, self.step))
-                if self.wants("bwd") and tensors and not torch.is_grad_enabled():
+                    if bwd and t.requires_grad:
+                        add_grad_hook(t, self._grad_hook(site, index, call, mb, st, self.step))
+                if bwd and tensors and not torch.is_grad_enabled():
                     # Maybe a reentrant checkpoint: its forward runs without grad and is run
                     # again in backward; remember the call so the replay keys its gradients.
                     key = (self.step, mb, site)
@@ -186,7 +191,7 @@ class Capturer:
                 self._failed("forward hook", exc)
             self._drain()
 
-        return _not_traced(hook)
+        return not_traced(hook)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.
@@ -213,19 +218,34 @@ class Capturer:
         call, st = calls.popleft()
         for index, t in enumerate(tensors):  # indexed as in the original forward
             if t.requires_grad:
-                t.register_hook(self._grad_hook(site, index, call, self.microbatch, st, self.step))
+                add_grad_hook(t, self._grad_hook(site, index, call, self.microbatch, st, self.step))
 
     def _grad_hook(self, site: str, index: int, call: int, mb: int, stage: int, step: int,
                    layout: PieceLayout | None = None, role: str = "grad_output"):
-        capture = functools.partial(self._capture_grad, site, index, call, mb, stage, layout,
-                                    role)
-        return self._backward_hook((step, mb, site, index, call, role), step, capture)
+        """The hook capturing the gradient of one hooked tensor (see :meth:`_backward_hook`:
+        the same rules, in one partial, since one is made per hooked tensor and forward)."""
+        return functools.partial(run_grad_hook, self, site, index, call, mb, stage, step,
+                                 layout, role)
 
-    def _capture_grad(self, site: str, index: int, call: int, mb: int, stage: int,
-                      layout: PieceLayout | None, role: str, grad: torch.Tensor) -> None:
-        self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
-                          call=call, microbatch=mb, stage=stage, layout=layout)
-        self._drain()
+    def _grad_hook_body(self, site: str, index: int, call: int, mb: int, stage: int,
+                        step: int, layout: PieceLayout | None, role: str, grad) -> None:
+        try:
+            key = (step, mb, site, index, call, role)
+            if grad is None or key in self._bwd_seen:
+                return
+            self._bwd_seen.add(key)
+            saved = self.step
+            self.step = step
+            try:
+                if layout is not None or not self._capture_fast(grad, "bwd", site, role, index,
+                                                                call, mb, stage):
+                    self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
+                                      call=call, microbatch=mb, stage=stage, layout=layout)
+                self._drain()
+            finally:
+                self.step = saved
+        except Exception as exc:
+            self._failed("backward hook", exc)
 
     def _backward_hook(self, key: tuple, step: int, capture: Callable[[torch.Tensor], None]):
         """A tensor hook that captures the gradient once per key, keyed by the forward's step.
@@ -235,7 +255,7 @@ class Capturer:
         partial of one function disabled for torch.compile once: wrapping a closure per
         registration cost tens of microseconds per hooked tensor.)
         """
-        return functools.partial(_run_backward_hook, self, key, step, capture)
+        return functools.partial(run_backward_hook, self, key, step, capture)
 
     def _backward_hook_body(self, key: tuple, step: int, capture, grad) -> None:
         try:
@@ -295,8 +315,18 @@ class Capturer:
         None; AUTO = "mean" for phase loss) says the tensor is this rank's reduction over its
         batch share, `weight` the elements a mean averaged over (default: microbatch_size, else
         dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
-        tensor is a replica over the non-dp mesh dims.
+        tensor is a replica over the non-dp mesh dims. Nothing is captured in a step that the
+        step selection (`steps`, `step_every`, `step_first`) leaves out.
         """
+        if not self._step_on:
+            return
+        if (layout is None and rows is None and not backward and replicate is None
+                and t is not None and phase != "loss" and reduce in (AUTO, None)
+                and self._capture_fast(t, phase, site, role, index, call,
+                                       self.microbatch if microbatch is None else microbatch,
+                                       self.stage if stage is None else stage)):
+            self._drain()
+            return
         self._capture_one(t, phase=phase, site=site, role=role, index=index, call=call,
                           microbatch=microbatch, stage=stage, layout=layout, rows=rows,
                           backward=backward, reduce=reduce, weight=weight, replicate=replicate)
@@ -324,8 +354,8 @@ class Capturer:
             self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
             if (backward and phase == "fwd" and self.wants("bwd") and t is not None
                     and t.requires_grad):
-                t.register_hook(self._grad_hook(site, index, call, microbatch, stage, self.step,
-                                                layout, grad_role(role)))
+                add_grad_hook(t, self._grad_hook(site, index, call, microbatch, stage, self.step,
+                                                 layout, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
 
@@ -382,8 +412,11 @@ class Capturer:
         """Capture ``t.split(counts)`` as ragged pieces, segment e under index e. Never raises.
 
         `backward`: one hook on `t` itself (the segments are views autograd never reaches)
-        splits the gradient the same way and captures each segment under phase bwd.
+        splits the gradient the same way and captures each segment under phase bwd. Nothing
+        is captured in a step that the step selection leaves out.
         """
+        if not self._step_on:
+            return
         try:
             microbatch = self.microbatch if microbatch is None else microbatch
             stage = self.stage if stage is None else stage
@@ -409,6 +442,56 @@ class Capturer:
             self._drain()
 
         return self._backward_hook((step, mb, site, "segments", role), step, capture)
+
+    def _capture_fast(self, t: torch.Tensor, phase: str, site: str, role: str, index: int,
+                      call: int, microbatch: int, stage: int) -> bool:
+        """Capture a plain CPU tensor with the default layout through a cached plan; False
+        (nothing done) when it takes the general path (:meth:`_capture_one`). Never raises.
+
+        Everything but the data pointer is the same for every capture of a site, role, shape,
+        strides and dtype, so it is worked out once (:meth:`_new_plan`): a capture here is one
+        dict lookup, the descriptor, the Capture and, for small pieces, the payload buffer. In
+        a training step Python runs with cold caches between the model's ops, where each line
+        of the general path cost several times what a loop over it measures.
+        """
+        try:
+            tt = type(t)
+            if (tt is not torch.Tensor and tt is not torch.nn.Parameter) or not t.is_cpu:
+                return False
+            key = (phase, site, role, t.shape, t.stride(), t.dtype)
+            plan = self._plans.get(key, False)
+            if plan is False:
+                plan = self._new_plan(t, phase, site, role)
+                if len(self._plans) >= MAX_CACHED_LAYOUTS:
+                    self._plans.clear()
+                self._plans[key] = plan
+            if plan is None:
+                return False
+            layout, dtype, moments, base, tail, payload_n, phase_id, role_id = plan
+            self.counters.add_captured(1)
+            payload = torch.empty(payload_n, dtype=torch.uint8) if payload_n else None
+            desc = self._digester.descriptor(t, base, tail, payload.data_ptr() if payload_n else 0)
+            self._batches.add_fused(
+                Capture(self.step, microbatch, phase_id, site, role_id, index, call, stage,
+                        layout, dtype, False, moments, False, -1, payload), desc, t)
+        except Exception as exc:
+            self._failed(f"capture of {phase}:{site}", exc)
+        return True
+
+    def _new_plan(self, t: torch.Tensor, phase: str, site: str, role: str) -> tuple | None:
+        """What :meth:`_capture_fast` needs for tensors like ``t``; None for the general path
+        (no fused kernel, a dtype it does not read, complex)."""
+        if phase == "input":  # its layout also records the microbatch's batch size
+            return None
+        layout = self._plain_layout(t, phase, site, None)
+        plan = self._digester.fused_plan(t, layout)
+        if plan is None:
+            return None
+        nbytes = t.nbytes
+        payload_n = nbytes if ((0 < nbytes <= self.config.payload_max_bytes) or (
+            self.config.payload and self._wants_payload(phase, site, role))) else 0
+        return (layout, _dtype_name(t.dtype), has_moments(t.dtype), plan[0], plan[1], payload_n,
+                PHASE_IDS[phase], ROLE_IDS[role])
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
@@ -472,8 +555,10 @@ class Capturer:
         for name, p in model.named_parameters():
             site = normalize_site(name)
             t = p.grad if grads else p
-            self._capture_one(t, phase=phase, site=site, role="value", microbatch=STEP_LEVEL,
-                              stage=stage)
+            if t is None or not self._capture_fast(t, phase, site, "value", 0, 0, STEP_LEVEL,
+                                                   stage):
+                self._capture_one(t, phase=phase, site=site, role="value",
+                                  microbatch=STEP_LEVEL, stage=stage)
         self._drain()
         self.flush()
 
@@ -487,12 +572,6 @@ class Capturer:
             self._logged.add(what)
             log.warning("rank %d: numaudit %s failed (further failures counted silently): %r",
                         self.ident.rank, what, exc)
-
-
-def grad_role(role: str) -> str:
-    """Role of the gradient reaching a tensor captured under `role`: an input's is grad_input,
-    anything else's grad_output (so a site's input and output gradients are two keys)."""
-    return "grad_input" if role == "input" else "grad_output"
 
 
 def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple[int, int] | None:
@@ -520,20 +599,6 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
         if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
             return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
     return None
-
-
-@torch.compiler.disable
-def _run_backward_hook(capturer: Capturer, key: tuple, step: int, capture, grad) -> None:
-    """Tensor hooks run eagerly (see _not_traced); returns None: the gradient is unchanged."""
-    capturer._backward_hook_body(key, step, capture, grad)
-
-
-def _not_traced(hook):
-    """Hooks run eagerly even inside a ``torch.compile``d model: traced, the agent's code would
-    put guards on its own state (site names, data pointers, whether this step is captured) into
-    the model's graphs, and turning capture on or off would recompile them. A disabled hook is a
-    graph break at each hooked module instead (docs/agent.md, torch.compile)."""
-    return torch.compiler.disable(hook)
 
 
 _DTENSOR: list = []

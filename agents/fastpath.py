@@ -58,6 +58,31 @@ class Digester:
         """The fused kernel digests this piece (and can copy its payload bytes while at it)."""
         return self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex
 
+    def fused_plan(self, t: torch.Tensor, layout: PieceLayout) -> tuple[int, bytes] | None:
+        """``(base, descriptor tail)`` of a piece the fused kernel takes, else None: what a
+        caller caches per site, shape, strides and dtype so that a capture costs one
+        :meth:`descriptor` call. ``t`` may be a Parameter (its data is a plain tensor's)."""
+        cpu = self._cpu
+        if cpu is None or t.dtype.is_complex:
+            return None
+        plain = t.detach() if type(t) is not torch.Tensor else t
+        if not cpu.supports(plain):
+            return None
+        base, gs = cpu.index_map(tuple(t.shape), layout)
+        return base, cpu.descriptor_tail(t, gs)
+
+    def descriptor(self, t: torch.Tensor, base: int, tail: bytes, payload: int) -> bytes:
+        """The kernel's descriptor of ``t`` from its cached :meth:`fused_plan` (``payload``: 0
+        or where the kernel copies its bytes)."""
+        return self._cpu.descriptor(t, base, tail, payload)
+
+    def digest_descriptors(self, descs: list[bytes], sketch_k: int, rows: RowBatch) -> int:
+        """Digest pieces given by their descriptors in one kernel call, into the next
+        ``len(descs)`` rows of ``rows`` (which must have room); returns the first row."""
+        first = rows.reserve(len(descs))
+        self._cpu.digest_into(descs, sketch_k, *rows.pointers(first))
+        return first
+
     def digest(self, pieces: list[Piece], sketch_k: int, rows: RowBatch) -> list:
         """Digest each piece; returns per piece the row of ``rows`` that holds its digest (an
         int), its ``(f64, i64)`` rows on its device (pieces not on the CPU), or the exception

@@ -7,7 +7,9 @@ ratio is median(on) / median(off) per configuration: scale 1 and scale 8, each w
 `fwd,grad,loss,input` captures of examples/dsv3 (depth 4, logits payload) and with `bwd` added.
 
 The agent has no auditor address (spooling off): digests, host transfer and record building run,
-network I/O does not. A third model with an agent whose batches are dropped before the sender
+network I/O does not. Each "on" step ends when the sender has built that step's records and cut
+them into a wire batch (`Sender.wait_idle`, a sleep): its work is charged to its own step, not
+left to run during the next side's step. A third model with an agent whose batches are dropped before the sender
 (its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts, digests and row
 batches, without the sender thread's record building (agents/sender.py). One intra-op thread,
 as in bench/digest.py.
@@ -52,6 +54,12 @@ def _step(model: torch.nn.Module, agent, step: int, microbatches) -> float:
                     agent.capture(loss, site=LOSS_SITE, phase="loss")
                 (loss / MICROBATCHES).backward()
     model.zero_grad(set_to_none=True)
+    sender = getattr(agent, "_sender", None)
+    if sender is not None:
+        # The sender's records of this step are built before the clock stops, so its work is
+        # this step's, not the next side's (it runs on its own thread, counted in the
+        # process CPU time).
+        sender.wait_idle(10.0)
     return time.process_time() - start
 
 

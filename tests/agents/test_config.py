@@ -62,13 +62,17 @@ def test_capturer_captures_only_selected_steps():
     from agents.capture import Capturer, Counters
     from agents.config import AgentConfig
     from agents.identity import RankIdentity
+    from agents.ragged import RaggedRows
 
     batches = []
     cap = Capturer(AgentConfig(step_every=2, step_first=5, phases=("input",)), RankIdentity(),
                    batches.append, Counters())
     for step in range(8):
         cap.start_step(step)
-        if cap.wants("input"):
-            cap.capture(torch.ones(4), phase="input", site="x")
+        assert cap.wants("input") == (step in (0, 2, 4))
+        cap.capture(torch.ones(4), phase="input", site="x")  # explicit captures follow it too
+        cap.capture_segments(torch.ones(3, 2), [1, 2], [RaggedRows(0, 1, 0, 1), RaggedRows(0, 2, 0, 1)],
+                             phase="fwd", site="experts", role="output")
         cap.flush()
-    assert [c.step for b in batches for c in b.captures] == [0, 2, 4]
+    assert [(c.step, c.site) for b in batches for c in b.captures] == [
+        (s, site) for s in (0, 2, 4) for site in ("x", "experts", "experts")]

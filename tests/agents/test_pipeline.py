@@ -30,12 +30,14 @@ _JOB = textwrap.dedent('''
     agent = agents.attach(run="pp")
     stage = PipelineStage(model, 0, 1, torch.device("cpu"))  # no shapes: inferred on step 0
     seen = collections.Counter()
-    capture = agent.capturer._capture_one  # every capture, hooks' and agent.capture's
-    def spy(t, *, phase, site, microbatch=None, call=0, **kw):
-        mb = agent.capturer.microbatch if microbatch is None else microbatch
-        seen[f"{agent.capturer.step}|{phase}|{site}|{mb}|{call}"] += 1
-        return capture(t, phase=phase, site=site, microbatch=microbatch, call=call, **kw)
-    agent.capturer._capture_one = spy
+    from agents.capture import PHASE_IDS
+    phases = {v: k for k, v in PHASE_IDS.items()}
+    sink = agent.capturer._batches._sink  # every capture, hooks' and agent.capture's
+    def spy(batch):
+        for c in batch.captures:
+            seen[f"{c.step}|{phases[c.phase]}|{c.site}|{c.microbatch}|{c.call}"] += 1
+        return sink(batch)
+    agent.capturer._batches._sink = spy
     schedule = ScheduleGPipe(stage, n_microbatches=2,
                              loss_fn=agent_loss(agent, lambda y, t: ((y - t) ** 2).mean()))
     watch_stages(agent, [stage])
