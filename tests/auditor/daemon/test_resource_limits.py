@@ -107,15 +107,18 @@ def test_many_streams_and_watches_are_capped(tmp_path):
           f"flood={flood_s:.1f}s rss_before={rss_before >> 20}MiB rss_flood={rss_flood >> 20}MiB "
           f"rss_after_idle={rss_after_idle >> 20}MiB ack_max_during={during * 1e3:.1f}ms over {len(latencies)} acks")
     exhausted = outcome.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0)
-    # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller).
-    assert outcome.get(None, 0) == MAX_STREAMS - 1 + 8, outcome
+    # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller). On a
+    # loaded machine a few of 10,000 calls opened at once fail UNAVAILABLE in transport before
+    # the daemon sees them (seen: 1 of 10,000, once among those the cap would have held, once
+    # among the refused): they are neither held nor refused, so the cap is checked as a bound.
+    unavailable = outcome.get(grpc.StatusCode.UNAVAILABLE, 0)
+    assert unavailable <= 10, outcome
+    held = outcome.get(None, 0)
+    assert MAX_STREAMS - 1 + 8 - unavailable <= held <= MAX_STREAMS - 1 + 8, outcome
     # The rest were refused RESOURCE_EXHAUSTED; a client that has not half-closed its side may
-    # see CANCELLED instead when the server's RST_STREAM overtakes the trailers (gRPC core), and
-    # on a loaded machine a few of 10,000 streams opened at once fail UNAVAILABLE in transport
-    # (seen once: 1 of 10,000): none of those is held by the daemon either.
-    refused = exhausted + outcome.get(grpc.StatusCode.CANCELLED, 0) \
-        + outcome.get(grpc.StatusCode.UNAVAILABLE, 0)
-    assert refused == STREAMS - (MAX_STREAMS - 1) + WATCHES - 8, outcome
+    # see CANCELLED instead when the server's RST_STREAM overtakes the trailers (gRPC core).
+    refused = exhausted + outcome.get(grpc.StatusCode.CANCELLED, 0)
+    assert held + refused + unavailable == STREAMS + WATCHES, outcome
     assert exhausted > 0, outcome  # the share that sees CANCELLED depends on timing
     assert rss_flood < RSS_BOUND, rss_flood
     assert during < 5.0  # still acks; the flood itself costs the event loop (docs/reliability.md)
