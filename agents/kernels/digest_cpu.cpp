@@ -209,6 +209,27 @@ UINT_ELEM(U32, uint32_t)
 UINT_ELEM(U64, uint64_t)
 #undef UINT_ELEM
 
+// One block's share of a contiguous run at global indices gb, gb + 1, ...: where it starts in
+// the block, how many of the `left` elements it holds, and the block's words as the vector
+// loops use them.
+struct Segment {
+  int64_t j0, len;
+  uint64_t key, word;
+  const uint8_t* place;  // the block's placement row
+  uint64_t high;         // bucket offset when k > 256
+  uint32_t shift;        // the sign pattern's shift
+  Segment(uint64_t gb, int64_t left, uint64_t kmask) {
+    j0 = (int64_t)(gb & (LANES - 1));
+    len = LANES - j0 < left ? LANES - j0 : left;
+    const Block blk(gb >> LANE_BITS);
+    key = blk.key, word = blk.word;
+    place = tables().place[(word >> 40) & (PLACE_ROWS - 1)];
+    high = word & kmask & ~(uint64_t)(LANES - 1);
+    shift = (uint32_t)(word >> 32) & (LANES - 1);
+  }
+  uint32_t negative() const { return (uint32_t)(word >> 63); }
+};
+
 struct Acc {
   uint64_t fp = 0;
   int64_t zeros = 0, nan = 0, posinf = 0, neginf = 0;
@@ -325,18 +346,12 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   __m256 lo = inf, hi = ninf;
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
   for (int64_t done = 0; done < n;) {
-    const uint64_t gb = g + (uint64_t)done;
-    const int64_t j0 = (int64_t)(gb & (LANES - 1));
-    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
-    const Block blk(gb >> LANE_BITS);
-    const uint64_t w = blk.word;
-    const __m256i ckey = _mm256_set1_epi64x((int64_t)blk.key);
-    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
-    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);  // bucket offset when k > 256
-    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
-    const uint32_t* signs = &tb.sign[0][shift & 7][0];
-    const uint32_t shift_hi = shift >> 3;
-    const __m256i flip = _mm256_set1_epi32((int32_t)((uint32_t)(w >> 63) << 31));
+    const Segment sg(g + (uint64_t)done, n - done, kmask);
+    const int64_t j0 = sg.j0, seg = sg.len;
+    const __m256i ckey = _mm256_set1_epi64x((int64_t)sg.key);
+    const uint32_t* signs = &tb.sign[0][sg.shift & 7][0];
+    const uint32_t shift_hi = sg.shift >> 3;
+    const __m256i flip = _mm256_set1_epi32((int32_t)(sg.negative() << 31));
     const typename E::T* xb = x + done;
     __m256 allfinite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     __m256i zeros = _mm256_setzero_si256();
@@ -384,11 +399,11 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
       // Sketch: signs, then lane r goes to slot r ^ x of bucket group g (the block's placement).
       const __m256i sm = _mm256_xor_si256(
           _mm256_load_si256(reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi))), flip);
-      const uint32_t e = place[q];
+      const uint32_t e = sg.place[q];
       const __m256 p = _mm256_permutevar8x32_ps(
           _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f), sm)),
           _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.perm8[e >> 5])));
-      double* dst = a.sketch + (((8 * (e & 31)) ^ high) & kmask);
+      double* dst = a.sketch + (((8 * (e & 31)) ^ sg.high) & kmask);
       _mm256_storeu_pd(dst, _mm256_add_pd(_mm256_loadu_pd(dst),
                                           _mm256_cvtps_pd(_mm256_castps256_ps128(p))));
       _mm256_storeu_pd(dst + 4, _mm256_add_pd(_mm256_loadu_pd(dst + 4),
@@ -430,18 +445,12 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
   __m512d s0 = _mm512_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
   int64_t zeros = 0;
   for (int64_t done = 0; done < n;) {
-    const uint64_t gb = g + (uint64_t)done;
-    const int64_t j0 = (int64_t)(gb & (LANES - 1));
-    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
-    const Block blk(gb >> LANE_BITS);
-    const uint64_t w = blk.word;
-    const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
-    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
-    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);
-    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
-    const uint32_t* signs = &tb.sign16[0][shift & 15][0];
-    const uint32_t shift_hi = shift >> 4;
-    const __m512i flip = _mm512_set1_epi32((int32_t)((uint32_t)(w >> 63) << 31));
+    const Segment sg(g + (uint64_t)done, n - done, kmask);
+    const int64_t j0 = sg.j0, seg = sg.len;
+    const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
+    const uint32_t* signs = &tb.sign16[0][sg.shift & 15][0];
+    const uint32_t shift_hi = sg.shift >> 4;
+    const __m512i flip = _mm512_set1_epi32((int32_t)(sg.negative() << 31));
     const typename E::T* xb = x + done;
     __mmask16 allfinite = 0xFFFF;
     for (int64_t t = 0; t < seg; t += 16) {
@@ -482,12 +491,12 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
       ss1 = _mm512_fmadd_pd(d1, d1, ss1);
       const __m512i sm = _mm512_xor_si512(_mm512_load_si512(signs + 256 * (q ^ shift_hi)), flip);
       // two lane groups: each its own bucket group, lanes permuted by its own XOR
-      const uint32_t e0 = place[2 * q], e1 = place[2 * q + 1];
+      const uint32_t e0 = sg.place[2 * q], e1 = sg.place[2 * q + 1];
       const __m512 p = _mm512_permutexvar_ps(
           _mm512_load_si512(tb.perm16[e0 >> 5][e1 >> 5]),
           _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(f), sm)));
-      double* dst0 = a.sketch + (((8 * (e0 & 31)) ^ high) & kmask);
-      double* dst1 = a.sketch + (((8 * (e1 & 31)) ^ high) & kmask);
+      double* dst0 = a.sketch + (((8 * (e0 & 31)) ^ sg.high) & kmask);
+      double* dst1 = a.sketch + (((8 * (e1 & 31)) ^ sg.high) & kmask);
       _mm512_storeu_pd(dst0, _mm512_add_pd(_mm512_loadu_pd(dst0),
                                            _mm512_cvtps_pd(_mm512_castps512_ps256(p))));
       _mm512_storeu_pd(dst1, _mm512_add_pd(_mm512_loadu_pd(dst1),
@@ -523,18 +532,12 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
   __m512d s = zero, ss = zero;
   int64_t zeros = 0;
   for (int64_t done = 0; done < n;) {
-    const uint64_t gb = g + (uint64_t)done;
-    const int64_t j0 = (int64_t)(gb & (LANES - 1));
-    const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
-    const Block blk(gb >> LANE_BITS);
-    const uint64_t w = blk.word;
-    const __m512i ckey = _mm512_set1_epi64((int64_t)blk.key);
-    const uint8_t* place = tb.place[(w >> 40) & (PLACE_ROWS - 1)];
-    const uint64_t high = w & kmask & ~(uint64_t)(LANES - 1);
-    const uint32_t shift = (uint32_t)(w >> 32) & (LANES - 1);
-    const uint32_t* signs = &tb.sign[0][shift & 7][0];
-    const uint32_t shift_hi = shift >> 3;
-    const __m512i flip = _mm512_set1_epi64((int64_t)((w >> 63) << 63));
+    const Segment sg(g + (uint64_t)done, n - done, kmask);
+    const int64_t j0 = sg.j0, seg = sg.len;
+    const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
+    const uint32_t* signs = &tb.sign[0][sg.shift & 7][0];
+    const uint32_t shift_hi = sg.shift >> 3;
+    const __m512i flip = _mm512_set1_epi64((int64_t)((uint64_t)sg.negative() << 63));
     const uint64_t* xb = x + done;
     __mmask8 allfinite = 0xFF;
     for (int64_t t = 0; t < seg; t += 8) {
@@ -556,11 +559,11 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
                                 reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi)))),
                             32),
           flip);
-      const uint32_t e = place[q];
+      const uint32_t e = sg.place[q];
       const __m512d p = _mm512_permutexvar_pd(
           _mm512_load_si512(tb.perm8_64[e >> 5]),
           _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(f), sm)));
-      double* dst = a.sketch + (((8 * (e & 31)) ^ high) & kmask);
+      double* dst = a.sketch + (((8 * (e & 31)) ^ sg.high) & kmask);
       _mm512_storeu_pd(dst, _mm512_add_pd(_mm512_loadu_pd(dst), p));
     }
     if (allfinite != 0xFF) classify_nonfinite<F64>(xb, seg, a);
