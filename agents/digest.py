@@ -56,7 +56,7 @@ CHUNK_ELEMENTS_CPU = 1 << 18
 (page faults) are never made; FIELD-NOTES measured bf16 reductions 20x slower unchunked."""
 CHUNK_ELEMENTS_CUDA = 1 << 20
 """Elements per chunk on accelerators: large enough to hide kernel launches; the workspace is
-then 52 MiB per device and capturing thread (forward and autograd threads each have one)."""
+then about 40 MiB per device and capturing thread (forward and autograd threads each have one)."""
 
 _SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}
@@ -128,7 +128,8 @@ class _IndexMap:
     ``global(p) = base + sum_d coord_d(p) * gstride_d`` over ``dims = ((size, gstride), ...)``,
     outermost first, after dropping size-1 dims and merging a dim into its outer neighbour when
     the piece spans it fully. Full tensors, Shard(0) and batch splits collapse to one dim with
-    gstride 1 (a contiguous range), so their keys cost one add each.
+    gstride 1 (a contiguous range), whose keys are built per whole block, without per-element
+    hashing.
     """
 
     base: int
