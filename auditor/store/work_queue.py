@@ -30,7 +30,7 @@ class QueuedWriter:
     """`submit(work)` from any thread, `close()` commits what is queued and stops the threads.
 
     Subclasses implement `_serve` (one writer thread's loop, `_take` then commit) and may
-    override `_closed` (release connections once every thread stopped)."""
+    override `_after_close` (release connections once every thread stopped)."""
 
     max_items: int = 256
     """Work items one transaction takes at most."""
