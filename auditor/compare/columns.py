@@ -298,7 +298,10 @@ class Catalog:
         else:
             sql = _SELECT + " WHERE run_id = :run" + _KEY_ORDER
         with no_gc():
-            arrays = None if after_rid else self._segment_arrays(run_id, fs, ss)
+            arrays = None
+            if not after_rid:
+                arrays = self._pg_arrays(params) if self._dialect == "postgres" \
+                    else self._segment_arrays(run_id, fs, ss)
             if arrays is None:
                 rows = self.reader.conn.execute(sql, params).fetchall()
                 arrays = _row_arrays(rows)
@@ -343,13 +346,42 @@ class Catalog:
         cols.max_rid = int(cols.rid.max(initial=0))
         return cols, ReadMark(rid=max(mark.rid, cols.max_rid), xmin=xmin, seen=fetched)
 
+    @property
+    def _dialect(self) -> str:
+        return getattr(self.reader, "dialect", "sqlite")
+
+    def _pg_arrays(self, params: dict) -> _Arrays | None:
+        """A run's records on PostgreSQL in one row: the server packs each `_SELECT` column
+        into one bytea (8 big-endian bytes a record) and the layout texts into one text, so the
+        client builds no Python object per record. Every aggregate of the query reads the same
+        rows in the same pass, so the i-th value of each belongs to the same record; a count
+        that disagrees (which cannot happen) sends the read back to rows. None when the run
+        has no records."""
+        packed = ", ".join(f"string_agg(int8send({c}), ''::bytea)" for c in ("a", "b", "r", "fp", "rid"))
+        row = self.reader.conn.execute(
+            f"SELECT COUNT(*), {packed}, string_agg(lay, chr(10)) FROM"
+            f" ({_SELECT} WHERE run_id = :run) AS t(a, b, r, lay, fp, rid)", params).fetchone()
+        n = int(row[0])
+        if n == 0:
+            return None
+        A, B, R, fp, rid = (np.frombuffer(bytes(v), ">i8").astype(np.int64) for v in row[1:6])
+        lay = row[6].split("\n")
+        if not all(len(a) == n for a in (A, B, R, fp, rid, lay)):
+            return None
+        texts: dict[str, int] = dict.fromkeys(lay)
+        text_list = list(texts)
+        for i, t in enumerate(text_list):
+            texts[t] = i
+        return _Arrays(A=A, B=B, R=R, texts=text_list,
+                       text_code=np.fromiter(map(texts.__getitem__, lay), np.int64, count=n),
+                       fp=fp, rid=rid, sorted=False)
+
     def _segment_arrays(self, run_id: int, fs: int, ss: int) -> _Arrays | None:
         """The run's records from its key segments (`auditor.store.segments`), computed as
         `_SELECT` computes them from rows; None when the run has no complete set of segments
         (a store from before them, PostgreSQL) or one does not decode (then rows are read)."""
         conn = self.reader.conn
-        if getattr(self.reader, "dialect", "sqlite") != "sqlite" or \
-                not segments.complete(conn, run_id):
+        if not segments.complete(conn, run_id):
             return None
         parts, entries = [], {}
         try:

@@ -1,6 +1,6 @@
-"""Key segments (`auditor.store.segments`): the comparison loads a run from them exactly as it
-loads it from rows, and falls back to rows whenever the segments do not account for every
-record."""
+"""The comparison's fast reads load a run exactly as its row read does: key segments on SQLite
+(`auditor.store.segments`, with a fall back to rows whenever they do not account for every
+record) and the packed one-row read on PostgreSQL (`Catalog._pg_arrays`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from auditor.compare.columns import Catalog
 from auditor.compare.engine import compare_runs
 from auditor.store import Reader, connect, segments
-from auditor.store.writer import StoreWriter
+from auditor.store.backend import open_writer
 from protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, none_record, record, register_request
 from tests.auditor.synth import mlp_run, write_runs
@@ -58,6 +58,7 @@ def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
         with monkeypatch.context() as m:
             if rows:
                 m.setattr(segments, "complete", lambda conn, run_id: False)
+                m.setattr(Catalog, "_pg_arrays", lambda self, params: None)
             cols = cat.load(run, "ref")
         pieces = [cat.pieces[i] for i in cols.layout.tolist()]
         bits = [(cat.seeds_ok[i], cat.has_moments[i]) for i in cols.layout.tolist()]
@@ -85,12 +86,10 @@ def _segment_count(db) -> tuple[int, int]:
         conn.close()
 
 
-@pytest.fixture
-def odd_store(tmp_path):
+def _write_odd_runs(db):
     """Runs "ref" and "cand" of the odd records; cand also resends some keys (one changed):
     the row-by-row path stores only the new ones."""
-    db = tmp_path / "audit.db"
-    w = StoreWriter(db, synchronous="NORMAL")
+    w = open_writer(db, synchronous="NORMAL")
     try:
         w.submit(lambda s: s.register(register_request())).result(10)
         w.submit(lambda s: s.register(register_request(run="cand", session_id="c0"))).result(10)
@@ -107,6 +106,11 @@ def odd_store(tmp_path):
     finally:
         w.close()
     return db
+
+
+@pytest.fixture
+def odd_store(tmp_path):
+    return _write_odd_runs(tmp_path / "audit.db")
 
 
 def test_segments_load_exactly_what_rows_load(odd_store, monkeypatch):
@@ -194,7 +198,7 @@ def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path
     from auditor.compare.columns import KeyRangeError
 
     db = tmp_path / "audit.db"
-    w = StoreWriter(db, synchronous="NORMAL")
+    w = open_writer(db, synchronous="NORMAL")
     try:
         w.submit(lambda s: s.register(register_request())).result(10)
         w.submit(lambda s: s.ingest(batch(1, [record(1 << 40, 0)]))).result(10)
@@ -204,3 +208,9 @@ def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path
     for rows in (False, True):
         with pytest.raises(KeyRangeError, match="beyond the comparable range"):
             _load(db, "ref", rows=rows, monkeypatch=monkeypatch)
+
+
+def test_the_packed_postgresql_read_loads_exactly_what_rows_load(pg_url, monkeypatch):
+    _write_odd_runs(pg_url)
+    assert _assert_same_load(pg_url, "ref", monkeypatch) == len(_odd_records())
+    assert _assert_same_load(pg_url, "cand", monkeypatch) == len(_odd_records())
