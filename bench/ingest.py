@@ -267,9 +267,9 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
 
 
 _SEGMENT_SCHEMA = """
-CREATE TABLE segments (segment INTEGER PRIMARY KEY, run_id INTEGER, session_id TEXT, seq INTEGER,
-                       n INTEGER, columns BLOB);
-CREATE TABLE keys (run_id INTEGER, step INTEGER, microbatch INTEGER, phase INTEGER,
+CREATE TABLE probe_batches (segment INTEGER PRIMARY KEY, run_id INTEGER, session_id TEXT,
+                            seq INTEGER, n INTEGER, columns BLOB);
+CREATE TABLE probe_keys (run_id INTEGER, step INTEGER, microbatch INTEGER, phase INTEGER,
                    site_id INTEGER, role INTEGER, idx INTEGER, call INTEGER, rank INTEGER,
                    content_hash BLOB, segment INTEGER, row INTEGER,
                    PRIMARY KEY (run_id, step, microbatch, phase, site_id, role, idx, call, rank))
@@ -279,15 +279,16 @@ CREATE TABLE keys (run_id INTEGER, step INTEGER, microbatch INTEGER, phase INTEG
 
 def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None:
     """The store's share of a batch, in this process: rows as `Store.ingest_columns` writes them
-    (`record_rows` + `insert_rows` into `records`) against a columnar-segment layout that is
-    NOT the store's (one row per batch holding the packed columns as received, plus a narrow
+    (`record_columns` + `insert_rows` into `records`, and the batch's key segment) against a
+    columnar layout that is NOT the store's (one row per batch holding the packed columns as received, plus a narrow
     WITHOUT ROWID key table that keeps (run, key, rank) unique with the content hash for
     conflicts). Same batches, group commits of `group` batches, synchronous=FULL; wall and
     this thread's CPU per batch, and bytes per record on disk after a checkpoint."""
     import itertools
 
     from auditor.daemon.validate import validate_batch
-    from auditor.store.rows import insert_rows, record_rows
+    from auditor.store import segments
+    from auditor.store.rows import insert_rows, record_columns, rows_of
     from auditor.store.sqlite import connect
     from protos import numaudit_pb2 as pb
     from wire.packed import content_hashes
@@ -304,12 +305,15 @@ def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None
 
     def rows(conn, i):
         rank, cols, hashes, _ = batches[i]
-        insert_rows(conn, record_rows(cols, sites, 1, rank, hashes, f"s{rank}", i, 0.0))
+        columns = record_columns(cols, sites, 1, rank, hashes, f"s{rank}", i, 0.0)
+        top = conn.execute("SELECT COALESCE(MAX(record_id), 0) FROM records").fetchone()[0]
+        insert_rows(conn, rows_of(columns))
+        segments.store(conn, 1, columns, range(top + 1, top + 1 + cols.n))
 
     def segment(conn, i):
         rank, cols, hashes, packed = batches[i]
         c = cols.cols
-        seg = conn.execute("INSERT INTO segments (run_id, session_id, seq, n, columns)"
+        seg = conn.execute("INSERT INTO probe_batches (run_id, session_id, seq, n, columns)"
                            " VALUES (1, ?, ?, ?, ?)", (f"s{rank}", i, cols.n, packed)).lastrowid
         keys = list(zip([1] * cols.n, c["step"].tolist(), c["microbatch"].tolist(),
                         c["phase"].tolist(), np.asarray(sites)[c["site"]].tolist(),
@@ -317,7 +321,7 @@ def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None
                         [rank] * cols.n, hashes, [seg] * cols.n, range(cols.n)))
         for j in range(0, len(keys), 256):
             part = keys[j:j + 256]
-            conn.execute(f"INSERT INTO keys VALUES {','.join([one] * len(part))}"
+            conn.execute(f"INSERT INTO probe_keys VALUES {','.join([one] * len(part))}"
                          " ON CONFLICT DO NOTHING", list(itertools.chain.from_iterable(part)))
 
     with tempfile.TemporaryDirectory(prefix="numaudit-probe-") as d:

@@ -114,12 +114,13 @@ CREATE TABLE IF NOT EXISTS conflicts (
 );
 """
 
-PAGE_SIZE = 4096
-"""Page size of a new store file (`connect`; existing files keep theirs). Measured trade-off
-(docs/scaling.md): 16 KiB pages halve the commit of k=256 records (one ~2.3 kB row fits a 4 KiB
-page, so half of each page and of the WAL bytes fsynced is waste), but the comparison's reads of
-1M keys were 5-10% slower with 8 or 16 KiB pages; the comparison's speed wins, so SQLite's
-default stays."""
+PAGE_SIZE = 16384
+"""Page size of a new store file (`connect`; existing files keep theirs). With 4 KiB pages a k=256
+record (one ~2.3 kB row) took a page of its own: 4.2 kB a record on disk and in the WAL fsynced
+at each commit. 16 KiB pages hold seven: 2.5 kB a record, and the store's share of a k=256 batch
+fell from 14-20 to 9-11 ms CPU (no change at k=64; `bench.ingest --store-probe`,
+docs/scaling.md). 4 KiB stayed the default while the comparison read every row of a run, which
+larger pages slowed by 5-10%; it reads key segments now (`auditor.store.segments`)."""
 
 # Columns added after version 1 of the schema: (table, column, declaration), for `_upgrade`.
 _ADDED_COLUMNS = (
