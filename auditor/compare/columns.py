@@ -63,6 +63,9 @@ DIGEST_COLUMNS = ("nan", "posinf", "neginf", "zeros", "numel", "sum", "sum_sq", 
                   "abs_max")
 ID_CHUNK = 50_000
 """Record ids per lookup (`_ids_in`)."""
+PG_BLOCK = 1 << 22
+"""Record ids per block of the packed PostgreSQL read of a run too large for one value
+(`Catalog._pg_arrays`)."""
 
 
 def _ids_in(reader: Reader, ids: list[int]) -> tuple[str, tuple]:
@@ -351,21 +354,30 @@ class Catalog:
         return getattr(self.reader, "dialect", "sqlite")
 
     def _pg_arrays(self, params: dict) -> _Arrays | None:
-        """A run's records on PostgreSQL in one row: the server packs each `_SELECT` column
-        into one bytea (8 big-endian bytes a record) and the layout texts into one text, so the
-        client builds no Python object per record. Every aggregate of the query reads the same
-        rows in the same pass, so the i-th value of each belongs to the same record; a count
-        that disagrees (which cannot happen) sends the read back to rows. None when the run
-        has no records."""
-        packed = ", ".join(f"string_agg(int8send({c}), ''::bytea)" for c in ("a", "b", "r", "fp", "rid"))
-        row = self.reader.conn.execute(
-            f"SELECT COUNT(*), {packed}, string_agg(lay, chr(10)) FROM"
-            f" ({_SELECT} WHERE run_id = :run) AS t(a, b, r, lay, fp, rid)", params).fetchone()
-        n = int(row[0])
+        """A run's records on PostgreSQL in one row: the server packs each `_SELECT` column into
+        one bytea (8 big-endian bytes a record) and the layout texts into one text, so the
+        client builds no Python object per record. Every aggregate of the row reads the same
+        records in the same pass, so the i-th values belong to the same record; lengths that
+        disagree (which cannot happen) send the read back to rows. A run too large for one
+        value (PostgreSQL caps a value at 1 GB: about 15M records' layout texts) is read in
+        blocks of `PG_BLOCK` record ids. None when the run has no records."""
+        import psycopg
+
+        try:
+            rows = [self._pg_packed(params, "")]
+        except (psycopg.errors.ProgramLimitExceeded, psycopg.errors.OutOfMemory):
+            lo, hi = self.reader.conn.execute(
+                "SELECT MIN(record_id), MAX(record_id) FROM records WHERE run_id = :run",
+                params).fetchone()
+            rows = [self._pg_packed(params, f" AND record_id >= {a} AND record_id < {a + PG_BLOCK}")
+                    for a in range(lo, hi + 1, PG_BLOCK)] if lo is not None else []
+        rows = [r for r in rows if r[0]]
+        n = sum(int(r[0]) for r in rows)
         if n == 0:
             return None
-        A, B, R, fp, rid = (np.frombuffer(bytes(v), ">i8").astype(np.int64) for v in row[1:6])
-        lay = row[6].split("\n")
+        A, B, R, fp, rid = (np.concatenate([np.frombuffer(bytes(r[j]), ">i8") for r in rows])
+                            .astype(np.int64) for j in range(1, 6))
+        lay = [t for r in rows for t in r[6].split("\n")]
         if not all(len(a) == n for a in (A, B, R, fp, rid, lay)):
             return None
         texts: dict[str, int] = dict.fromkeys(lay)
@@ -375,6 +387,16 @@ class Catalog:
         return _Arrays(A=A, B=B, R=R, texts=text_list,
                        text_code=np.fromiter(map(texts.__getitem__, lay), np.int64, count=n),
                        fp=fp, rid=rid, sorted=False)
+
+    def _pg_packed(self, params: dict, where: str) -> tuple:
+        """(count, A, B, R, fingerprints, record ids as packed bytea, layouts) of the run's
+        records (and `where`)."""
+        packed = ", ".join(f"string_agg(int8send({c}), ''::bytea)"
+                           for c in ("a", "b", "r", "fp", "rid"))
+        return self.reader.conn.execute(
+            f"SELECT COUNT(*), {packed}, string_agg(lay, chr(10)) FROM"
+            f" ({_SELECT} WHERE run_id = :run{where}) AS t(a, b, r, lay, fp, rid)",
+            params).fetchone()
 
     def _segment_arrays(self, run_id: int, fs: int, ss: int) -> _Arrays | None:
         """The run's records from its key segments (`auditor.store.segments`), computed as

@@ -214,3 +214,32 @@ def test_the_packed_postgresql_read_loads_exactly_what_rows_load(pg_url, monkeyp
     _write_odd_runs(pg_url)
     assert _assert_same_load(pg_url, "ref", monkeypatch) == len(_odd_records())
     assert _assert_same_load(pg_url, "cand", monkeypatch) == len(_odd_records())
+
+
+def test_a_run_too_large_for_one_postgresql_value_is_read_in_blocks(pg_url, monkeypatch):
+    """PostgreSQL caps a value at 1 GB; past it the packed read goes by blocks of record ids
+    (here blocks of 3; the first, whole-run read is made to raise what PostgreSQL 15 raises for
+    a string_agg past the cap: ProgramLimitExceeded, "Cannot enlarge string buffer", as checked
+    by hand on text and bytea aggregates over 1 GB)."""
+    import psycopg
+
+    from auditor.compare import columns as C
+
+    _write_odd_runs(pg_url)
+    first = C.Catalog._pg_packed
+    calls = []
+
+    def too_large_once(self, params, where):
+        calls.append(where)
+        if not where:
+            raise psycopg.errors.ProgramLimitExceeded("out of memory")
+        return first(self, params, where)
+
+    monkeypatch.setattr(C, "PG_BLOCK", 3)
+    with monkeypatch.context() as m:
+        m.setattr(C.Catalog, "_pg_packed", too_large_once)
+        blocks, _, _, _ = _load(pg_url, "cand", rows=False, monkeypatch=monkeypatch)
+    rows, _, _, _ = _load(pg_url, "cand", rows=True, monkeypatch=monkeypatch)
+    assert len(calls) > 4 and calls[0] == ""
+    for f in ("A", "B", "rank", "stage", "flags", "fp", "rid"):
+        assert np.array_equal(getattr(blocks, f), getattr(rows, f)), f
