@@ -3,9 +3,11 @@ otherwise.
 
 The fused CPU kernel (agents/kernels/cpu.py) computes the same digest as agents/digest.py in one
 pass and takes a whole list of pieces per call, so the captures of one hook (all outputs of a
-module) or of one parameter sweep cost one kernel call. Pieces the kernel cannot read (non-CPU
-devices, float8 types) and every piece when the kernel is unavailable or switched off
-(``NUMAUDIT_DIGEST=eager``) go to the eager path, one piece at a time.
+module) or of one parameter sweep cost one kernel call. Accelerator pieces go to the Triton
+digest where it is installed and passed its self-check on that device and dtype
+(agents/kernels/accel.py). Other pieces (float8 types, pieces Triton does not take) and every
+piece when the kernels are unavailable or switched off (``NUMAUDIT_DIGEST=eager``) go to the
+eager path, one piece at a time.
 """
 
 from __future__ import annotations
@@ -35,15 +37,18 @@ MAX_CACHED_MAPS = 4096
 class Digester:
     """Digests lists of pieces; holds the implementation choice made once at attach time."""
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: str = "auto", *, triton_devices: tuple[str, ...] = ("cuda",)) -> None:
         if mode not in DIGEST_MODES:
             raise ValueError(f"digest: {mode!r} is not one of {', '.join(DIGEST_MODES)}")
         self._cpu = None
+        self._triton = None
         if mode == "auto":
             from agents.kernels import cpu
+            from agents.kernels.accel import TritonDigest
 
             if cpu.load() is not None:  # else cpu.load() has logged the one warning
                 self._cpu = cpu
+            self._triton = TritonDigest(triton_devices)
         self._maps: dict[tuple, tuple[PieceLayout, int, bytes]] = {}
         """(id(layout), shape, strides) -> (layout, base, descriptor tail): the index map and
         descriptor of a piece are worked out once per site and shape, not per capture (the
@@ -89,7 +94,8 @@ class Digester:
         that failed it (a bad layout: the caller decides what a failure costs).
 
         ``rows`` must have room for every piece. Pieces the kernel takes are digested in one
-        call, straight into ``rows``; the others one at a time by the eager reference.
+        call, straight into ``rows``; the others one at a time, by Triton (accelerator pieces,
+        where trusted) or the eager reference.
         """
         out: list = [None] * len(pieces)
         cpu = self._cpu
@@ -101,7 +107,8 @@ class Digester:
                     descs.append(self._descriptor(cpu, t, layout, payload))
                     fused_at.append(i)
                 else:
-                    f64, i64 = digest_piece(t, layout, sketch_k=sketch_k)
+                    got = self._triton.digest(t, layout, sketch_k) if self._triton else None
+                    f64, i64 = got or digest_piece(t, layout, sketch_k=sketch_k)
                     if f64.is_cpu:
                         row = rows.reserve(1)
                         rows.put(row, f64, i64)

@@ -24,8 +24,9 @@ Two ways to map a tile onto indices, chosen per piece on the host:
   consecutive piece elements, each element's global index comes from its coordinates, and the
   block words are drawn per element.
 
-Not yet wired into the agent (agents/fastpath.py sends accelerator pieces to the eager path). It
-is tested against the eager reference (fingerprints, counts, min/max/abs-max bitwise; sums and
+The agent uses it for accelerator pieces once a self-check on that device, dtype and k agreed
+with the eager reference (agents/kernels/accel.py, called from agents/fastpath.py). It is tested
+against the eager reference (fingerprints, counts, min/max/abs-max bitwise; sums and
 sketch within float64 rounding) under Triton's CPU interpreter only (``TRITON_INTERPRET=1``,
 tests/agents/test_triton_digest.py): it has not been compiled, run or timed on a GPU. Triton is
 optional: importing this module without it raises ImportError.

@@ -1,0 +1,139 @@
+"""The Triton digest for accelerator pieces, used only where it agrees with the eager reference.
+
+`agents.kernels.digest_triton` computes the digest in one kernel per piece, without a host
+synchronization. It has been checked against the eager reference under Triton's CPU interpreter
+only, so the agent does not take it on trust: the first piece of each (device, dtype, sketch
+buckets) triggers a self-check that digests a few test pieces both ways on that device (one
+whole tensor for the kernel's aligned path, a shard starting mid-block and a transposed piece for
+its general path, with NaN, infinities and signed zeros for float dtypes). Only if fingerprints,
+counts and min/max/abs-max are bitwise equal and sums and sketches equal within float64
+rounding is Triton used for that combination; otherwise, or when Triton is missing or fails to
+compile, the agent warns once and those pieces keep the eager path. Digests therefore never
+depend on which implementation ran.
+
+The check compiles the kernel for that combination (seconds, once per process), in the step of
+the first such capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from agents.digest import N_MOMENTS, digest_piece
+from agents.layout import PieceLayout
+
+log = logging.getLogger(__name__)
+
+Rows = tuple[torch.Tensor, torch.Tensor]
+
+
+def _load() -> Callable | str:
+    """The Triton digest function, or why it cannot be used."""
+    try:
+        from agents.kernels.digest_triton import digest_piece_triton
+    except Exception as exc:  # ImportError without triton; anything triton raises on import
+        return f"{type(exc).__name__}: {exc}"
+    return digest_piece_triton
+
+
+def _test_pieces(device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor,
+                                                                          PieceLayout]]:
+    """Pieces exercising both of the kernel's index paths, with special values for floats."""
+    g = torch.Generator().manual_seed(20261201)
+    shape = (6, 700)
+    if dtype.is_floating_point:
+        base = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+        flat = base.view(-1)
+        flat[5], flat[300], flat[301], flat[1000] = float("nan"), float("inf"), -float("inf"), 0.0
+        flat[1001] = -0.0
+        full = base.to(dtype)
+    elif dtype == torch.bool:
+        full = torch.rand(shape, generator=g) > 0.5
+    else:
+        full = torch.randint(-100, 100, shape, generator=g).to(dtype)
+    full = full.to(device)
+    rows = full[1:4]  # a shard of dim 0: consecutive indices starting mid-block
+    cols = full[:, 100:400].t()  # strided, and not one run of consecutive indices
+    return [
+        (full, PieceLayout.full(shape)),
+        (rows, PieceLayout(shape, (1, 0), (3, 700))),
+        (cols, PieceLayout((700, 6), (100, 0), (300, 6))),
+    ]
+
+
+def _agree(a: Rows, b: Rows) -> bool:
+    (fa, ia), (fb, ib) = a, b
+    if not torch.equal(ia.cpu(), ib.cpu()):
+        return False
+    fa, fb = fa.cpu(), fb.cpu()
+    exact = torch.equal(torch.nan_to_num(fa[2:N_MOMENTS]), torch.nan_to_num(fb[2:N_MOMENTS]))
+    sums = torch.allclose(fa[:2], fb[:2], rtol=1e-12, atol=1e-9, equal_nan=True)
+    scale = float(fb[N_MOMENTS:].abs().max()) if fb.numel() > N_MOMENTS else 0.0
+    sketch = torch.allclose(fa[N_MOMENTS:], fb[N_MOMENTS:], rtol=1e-12,
+                            atol=1e-12 * max(scale, 1.0))
+    return exact and sums and sketch
+
+
+class TritonDigest:
+    """Routes pieces on `device_types` to the Triton digest where it passed its self-check."""
+
+    def __init__(self, device_types: tuple[str, ...] = ("cuda",)) -> None:
+        self.device_types = device_types
+        self._impl: Callable | None = None
+        self._unavailable: str | None = None
+        self._trusted: dict[tuple[str, torch.dtype, int], bool] = {}
+        self._warned = False
+
+    def digest(self, t: torch.Tensor, layout: PieceLayout, sketch_k: int) -> Rows | None:
+        """The piece's rows from Triton, or None: the caller takes the eager path."""
+        if t.device.type not in self.device_types or self._unavailable is not None:
+            return None
+        if self._impl is None:
+            impl = _load()
+            if isinstance(impl, str):
+                self._unavailable = impl
+                log.info("numaudit: Triton digest unavailable (%s); accelerator pieces use the "
+                         "eager digest", impl)
+                return None
+            self._impl = impl
+        key = (str(t.device), t.dtype, sketch_k)
+        trusted = self._trusted.get(key)
+        if trusted is None:
+            trusted = self._trusted[key] = self._check(t.device, t.dtype, sketch_k)
+        if not trusted:
+            return None
+        try:
+            return self._impl(t, layout, sketch_k=sketch_k)
+        except ValueError:  # a dtype or a shape the kernel does not take: eager, as documented
+            return None
+        except Exception as exc:
+            self._trusted[key] = False
+            self._warn(f"the Triton digest failed on {key[0]} {t.dtype} ({type(exc).__name__}: "
+                       f"{exc})")
+            return None
+
+    def _check(self, device: torch.device, dtype: torch.dtype, sketch_k: int) -> bool:
+        try:
+            for piece, layout in _test_pieces(device, dtype):
+                got = self._impl(piece, layout, sketch_k=sketch_k)
+                want = digest_piece(piece, layout, sketch_k=sketch_k)
+                if not _agree(got, want):
+                    self._warn(f"the Triton digest disagrees with the eager reference on "
+                               f"{device} {dtype} (k={sketch_k})")
+                    return False
+        except ValueError:
+            return False  # a dtype the kernel does not read: eager, silently
+        except Exception as exc:
+            self._warn(f"the Triton digest's self-check failed on {device} {dtype} "
+                       f"({type(exc).__name__}: {exc})")
+            return False
+        return True
+
+    def _warn(self, what: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("numaudit: %s; those pieces use the eager digest (same digests, slower)",
+                        what)
