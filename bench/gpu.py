@@ -1,0 +1,166 @@
+"""The CUDA checks, for a machine with a GPU: ``python -m bench.gpu [--quick]``.
+
+One short run that says whether the accelerator paths hold and what they cost:
+
+1. The Triton digest's self-check (agents/kernels/accel.py) per dtype: does the kernel agree with
+   the eager reference on this device (fingerprints, counts, min/max bitwise; sums and sketch
+   within float64 rounding)? Only where it does will the agent use it.
+2. Digest throughput against a device-to-device copy of the same tensor (CUDA events, median):
+   Triton and eager, float32 and bfloat16.
+3. Captures of CUDA tensors through the agent's capture path, with
+   ``torch.cuda.set_sync_debug_mode("warn")``: host microseconds per capture and the number of
+   synchronizing calls it made (the agent must make none per capture).
+4. Step overhead on the DS3-style model (bench/overhead.py's configuration, scale 8, fwd+grad
+   and +bwd) on the GPU: wall time per step with a device synchronize at its end, agent off and
+   on, interleaved; the ratio of medians.
+
+Prints "skipped: no CUDA device" and exits 0 elsewhere (`make bench` runs it on any machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+MiB = 1 << 20
+
+
+def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def self_checks(k: int) -> None:
+    from agents.kernels import accel
+
+    impl = accel._load()
+    if isinstance(impl, str):
+        print(f"Triton unavailable: {impl}")
+        return
+    print("| dtype | Triton agrees with the eager digest |\n|---|---|")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
+                  torch.int64, torch.uint8, torch.bool):
+        route = accel.TritonDigest(("cuda",))
+        route._impl = impl
+        t0 = time.perf_counter()
+        ok = route._check(torch.device("cuda"), dtype, k)
+        print(f"| {dtype} | {'yes' if ok else 'NO'} ({time.perf_counter() - t0:.1f} s with "
+              f"compiling) |", flush=True)
+
+
+def throughput(k: int, sizes: list[int], repeats: int) -> None:
+    from agents.digest import digest_piece
+    from agents.kernels import accel
+    from agents.layout import PieceLayout
+
+    impl = accel._load()
+    print("| dtype | size | copy GB/s | Triton GB/s | Triton/copy | eager GB/s | eager/copy |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for mib in sizes:
+            n = mib * MiB // torch.tensor([], dtype=dtype).element_size()
+            src = torch.randn(n, device="cuda").to(dtype)
+            dst = torch.empty_like(src)
+            layout = PieceLayout.full((n,))
+            gb = src.nbytes / 1e9
+            copy = gb / (_cuda_ms(lambda: dst.copy_(src), repeats) / 1e3)
+            eager = gb / (_cuda_ms(lambda: digest_piece(src, layout, sketch_k=k), repeats) / 1e3)
+            tri = float("nan") if isinstance(impl, str) else \
+                gb / (_cuda_ms(lambda: impl(src, layout, sketch_k=k), repeats) / 1e3)
+            print(f"| {dtype} | {mib} MiB | {copy:.0f} | {tri:.0f} | {tri / copy:.0%} | "
+                  f"{eager:.0f} | {eager / copy:.0%} |", flush=True)
+
+
+def captures(n: int) -> None:
+    from agents.batching import Counters
+    from agents.capture import Capturer
+    from agents.config import AgentConfig
+    from agents.identity import RankIdentity
+
+    print("| tensor | host us per capture (median) | synchronizing calls |\n|---|---:|---:|")
+    for label, shape in (("4 KiB float32", (1024,)), ("16 MiB bfloat16", (8 * MiB,))):
+        t = torch.randn(shape, device="cuda").to(torch.float32 if "float32" in label
+                                                 else torch.bfloat16)
+        cap = Capturer(AgentConfig(), RankIdentity(), lambda batch: None, Counters())
+        cap.capture(t, phase="fwd", site="warm", index=0)  # compiles, self-checks
+        torch.cuda.synchronize()
+        times = []
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for i in range(n):
+                    start = time.perf_counter()
+                    cap.capture(t, phase="fwd", site="x", index=i % 1000)
+                    times.append(time.perf_counter() - start)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        print(f"| {label} | {1e6 * statistics.median(times):.1f} | {syncs} in {n} captures |",
+              flush=True)
+
+
+def step_overhead(repeats: int) -> None:
+    from bench import overhead as O
+    from examples.dsv3.data import batches
+    from examples.dsv3.model import ModelArgs
+
+    print("| scale | phases | off (ms) | on (ms) | on/off |\n|---:|---|---:|---:|---:|")
+    for bwd in (False, True):
+        off, on = O._model(8).cuda(), O._model(8).cuda()
+        phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
+        agent = O._attach(on, phases)
+        mbs = [(x.cuda(), y.cuda()) for x, y in next(batches(
+            0, 0, O.MICROBATCHES, O.MICROBATCH_SIZE, O.SEQ_LEN, ModelArgs().vocab_size))]
+
+        def step(model, ag, i):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            O._step(model, ag, i, mbs)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        step(off, None, 0), step(on, agent, 0)
+        t_off, t_on = [], []
+        for i in range(repeats):
+            t_off.append(step(off, None, i + 1))
+            t_on.append(step(on, agent, i + 1))
+        agent.close(timeout=5.0)
+        a, b = statistics.median(t_off), statistics.median(t_on)
+        print(f"| 8 | {','.join(phases)} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f}x |",
+              flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--sketch-k", type=int, default=256)
+    args, _ = parser.parse_known_args(argv)
+    if not torch.cuda.is_available():
+        print("## CUDA checks (bench/gpu.py): skipped: no CUDA device")
+        return 0
+    print(f"## CUDA checks (torch {torch.__version__}, {torch.cuda.get_device_name()})")
+    self_checks(args.sketch_k)
+    throughput(args.sketch_k, [16, 256] if args.quick else [1, 16, 256, 1024],
+               5 if args.quick else 20)
+    captures(200 if args.quick else 2000)
+    step_overhead(3 if args.quick else 7)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
