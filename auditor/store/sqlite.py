@@ -122,6 +122,11 @@ fell from 14-20 to 9-11 ms CPU (no change at k=64; `bench.ingest --store-probe`,
 docs/scaling.md). 4 KiB stayed the default while the comparison read every row of a run, which
 larger pages slowed by 5-10%; it reads key segments now (`auditor.store.segments`)."""
 
+WAL_CHECKPOINT_BYTES = 4 << 20
+"""The WAL is checkpointed into the database when it passes this size (SQLite counts it in
+pages, 1000 by default: 4 MiB with 4 KiB pages, 16 MiB with 16 KiB ones; the same bytes whatever
+the page size keep the WAL file, and the disk it needs, as small as before)."""
+
 # Columns added after version 1 of the schema: (table, column, declaration), for `_upgrade`.
 _ADDED_COLUMNS = (
     ("runs", "job_id", "TEXT NOT NULL DEFAULT ''"),
@@ -184,6 +189,8 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
         conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         conn.execute("PRAGMA journal_mode=WAL")
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute(f"PRAGMA wal_autocheckpoint = {max(1, WAL_CHECKPOINT_BYTES // page)}")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         _upgrade(conn)
         conn.executescript(_SCHEMA)
