@@ -223,7 +223,7 @@ def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray |
     chunk = limits.PAYLOAD_CHUNK_BYTES
     for c in captures:
         p = c.payload
-        if p is None or c.is_none or p.numel() * p.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
+        if p is None or c.is_none or p.nbytes > limits.MAX_PAYLOAD_RAW_BYTES:
             plain.append(c)
             continue
         raw = payload_bytes(p)
@@ -276,10 +276,12 @@ class PayloadCompressor:
 
 
 def payload_bytes(p) -> memoryview:
-    """A payload's bytes in C order, without a copy where it is a flat host byte tensor (what
-    the fused kernel fills); otherwise as a host copy."""
+    """A payload's bytes in C order, without a copy where it is an arena's memoryview or a flat
+    host byte tensor (what the fused kernel fills); otherwise as a host copy."""
     import torch
 
+    if type(p) is memoryview:  # bytes the fused kernel copied into a payload arena
+        return p
     if p.dtype is torch.uint8 and p.is_cpu and p.is_contiguous():
         return memoryview(p.numpy()).cast("B")
     return memoryview(p.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
