@@ -144,6 +144,20 @@ def _insert(conn, rows) -> None:
         "?,?,?)", rows)
 
 
+def _ensure_segments(db: Path) -> None:
+    """Key segments for runs whose records the build wrote as rows (`segments.backfill`; a
+    store the agent's batches filled has them from ingest)."""
+    from auditor.store import connect, segments
+
+    conn = connect(db, synchronous="OFF")
+    try:
+        for (run_id,) in conn.execute("SELECT run_id FROM runs").fetchall():
+            if not segments.complete(conn, run_id):
+                segments.backfill(conn, run_id)
+    finally:
+        conn.close()
+
+
 def copy_to_postgres(db: Path, url: str) -> str:
     """The runs of store file `db` in a database of the PostgreSQL server of `url` named after
     the file (created and loaded on first use); returns that database's URL."""
@@ -195,6 +209,7 @@ def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
         meta["build_s"] = time.perf_counter() - t
         meta_path.write_text(json.dumps(meta))
     meta = json.loads(meta_path.read_text())
+    _ensure_segments(db)
     location: Path | str = db
     if store:
         t = time.perf_counter()

@@ -23,7 +23,7 @@ import numpy as np
 from auditor.compare.align import RenameRule, canonical_sites, normalize_site
 from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
 from auditor.compare.merge import Piece
-from auditor.store import Reader
+from auditor.store import Reader, segments
 
 # Packed key: A = step << 24 | (microbatch + 1) << 4 | phase,
 #             B = site << 32 | role << 28 | index << 14 | call.
@@ -298,9 +298,13 @@ class Catalog:
         else:
             sql = _SELECT + " WHERE run_id = :run" + _KEY_ORDER
         with no_gc():
-            rows = self.reader.conn.execute(sql, params).fetchall()
-            cols = _columns(self, rows, run, side)
-        if after_rid:
+            arrays = None if after_rid else self._segment_arrays(run_id, fs, ss)
+            if arrays is None:
+                rows = self.reader.conn.execute(sql, params).fetchall()
+                arrays = _row_arrays(rows)
+                del rows
+            cols = _columns(self, arrays, run, side)
+        if after_rid or (arrays is not None and not arrays.sorted):
             cols.sort()
         conflicted = self.conflicted_rids(run_id, after_rid)
         if len(conflicted) and len(cols):
@@ -324,7 +328,8 @@ class Catalog:
         with no_gc():
             rows = conn.execute(_SELECT + " WHERE run_id = :run AND xid >= :xid",
                                 params).fetchall()
-            cols = _columns(self, rows, run, side)
+            cols = _columns(self, _row_arrays(rows), run, side)
+            del rows
         fetched = cols.rid.copy()
         if len(mark.seen):
             cols = cols.take(np.flatnonzero(~np.isin(cols.rid, mark.seen)))
@@ -337,6 +342,72 @@ class Catalog:
             cols.flags[np.isin(cols.rid, conflicted)] |= CONFLICT_FLAG
         cols.max_rid = int(cols.rid.max(initial=0))
         return cols, ReadMark(rid=max(mark.rid, cols.max_rid), xmin=xmin, seen=fetched)
+
+    def _segment_arrays(self, run_id: int, fs: int, ss: int) -> _Arrays | None:
+        """The run's records from its key segments (`auditor.store.segments`), computed as
+        `_SELECT` computes them from rows; None when the run has no complete set of segments
+        (a store from before them, PostgreSQL) or one does not decode (then rows are read)."""
+        conn = self.reader.conn
+        if getattr(self.reader, "dialect", "sqlite") != "sqlite" or \
+                not segments.complete(conn, run_id):
+            return None
+        parts, entries = [], {}
+        try:
+            for (blob,) in conn.execute(
+                    "SELECT data FROM segments WHERE run_id = ? ORDER BY segment_id", (run_id,)):
+                cols, table = segments.decode(blob)
+                lut = np.array([entries.setdefault(e, len(entries)) for e in table], np.int64)
+                parts.append((cols, lut))
+        except segments.SegmentError as exc:
+            self._warn(f"run_id {run_id}: {exc}; its records were read row by row")
+            return None
+        c = {name: np.concatenate([p[name] for p, _ in parts])
+             for name in segments.INTS + ("flags",)}
+        code = np.concatenate([lut[p["layout"]] for p, lut in parts])
+        at = {name: i for i, name in enumerate(segments.LAYOUT_COLUMNS)}
+        table = list(entries)
+        texts = [self._layout_text(e, at) for e in table]
+        seeds_ok = np.array([e[at["fingerprint_seed"]] == fs and e[at["sketch_seed"]] == ss
+                             for e in table], dtype=np.int64)
+        flags = c["flags"].astype(np.int64)
+
+        def bit(mask: int, shift: int) -> np.ndarray:
+            return ((flags & mask) != 0).astype(np.int64) << shift
+
+        step, mb, site, idx, call, stage = (c[k] for k in (
+            "step", "microbatch", "site_id", "idx", "call", "stage"))
+        out_of_range = (step > MAX_STEP) | (mb > MAX_MICROBATCH) | (site > MAX_SITE_ID) | \
+            (idx > MAX_INDEX) | (call > MAX_CALL) | (stage > 2147483646)
+        R = (c["rank"] << 40) | ((stage + 1) << 8) | bit(segments.IS_NONE, 7) | \
+            bit(segments.REPLICA, 6) | bit(segments.PARTIAL, 5) | \
+            bit(segments.COMPLEX_AS_REAL, 4) | bit(segments.HAS_MOMENTS, 3) | \
+            (seeds_ok[code] << 2) | bit(segments.NONFINITE, 1) | bit(segments.ALL_ZERO, 0) | \
+            (out_of_range.astype(np.int64) << 39)
+        return _Arrays(
+            A=(step << 24) | ((mb + 1) << 4) | c["phase"],
+            B=(site << 32) | (c["role"] << 28) | (idx << 14) | call,
+            R=R, texts=texts, text_code=code, fp=c["fingerprint"], rid=c["record_id"],
+            sorted=False)
+
+    def _layout_text(self, entry: tuple, at: dict[str, int]) -> str:
+        """The layout text `_SELECT` builds from a record with these layout columns."""
+        text = "".join(entry[at[k]] for k in ("dtype", "logical_shape", "offsets", "shape"))
+        if entry[at["ragged_parts"]] > 0:
+            text += (f"[{entry[at['ragged_first']]},{entry[at['ragged_span']]},"
+                     f"{entry[at['ragged_parts']]}]")
+        if entry[at["reduce"]] != 0:
+            # the weight as the database turns a REAL into text, so that the text is the row
+            # path's to the byte
+            weight = self.reader.conn.execute(
+                "SELECT '' || ?", (float(entry[at["reduce_weight"]]),)).fetchone()[0]
+            text += (f"|{entry[at['reduce']]},{entry[at['reduce_index']]},"
+                     f"{entry[at['reduce_count']]},{weight}")
+        return text
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            self.warnings.append(message)
 
     def conflicted_rids(self, run_id: int, after_rid: int = 0) -> np.ndarray:
         """Record ids of the run whose key was resent by its rank with other content."""
@@ -443,36 +514,62 @@ def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
     return text[:i], logical, offsets, shape, extra
 
 
-def _columns(cat: Catalog, rows: list[tuple], run: str, side: str) -> RunColumns:
+@dataclass
+class _Arrays:
+    """A run's records as read, before interning: packed keys and bits as the SQL of `_SELECT`
+    computes them, each record's layout text as an index into `texts`."""
+
+    A: np.ndarray
+    B: np.ndarray
+    R: np.ndarray
+    texts: list[str]
+    text_code: np.ndarray
+    fp: np.ndarray
+    rid: np.ndarray
+    sorted: bool = True
+    """Whether the records come in (key, rank) order."""
+
+
+def _row_arrays(rows: list[tuple]) -> _Arrays | None:
+    """`_SELECT` rows as arrays."""
     if not rows:
-        return RunColumns.empty(run, side)
+        return None
     n = len(rows)
     A, B, R, lay, fp, rid = zip(*rows)
-    del rows
-    R = np.fromiter(R, dtype=np.int64, count=n)
-    if np.any(R & (1 << 39)):
-        raise KeyRangeError(
-            f"run {run!r}: a key field is beyond the comparable range (step <= {MAX_STEP}, "
-            f"microbatch <= {MAX_MICROBATCH}, index and call <= {MAX_CALL})")
     texts: dict[str, int] = dict.fromkeys(lay)  # distinct layouts, at C speed
     text_list = list(texts)
     for i, t in enumerate(text_list):
         texts[t] = i
-    tcode = np.fromiter(map(texts.__getitem__, lay), dtype=np.int64, count=n)
+    return _Arrays(
+        A=np.fromiter(A, dtype=np.int64, count=n), B=np.fromiter(B, dtype=np.int64, count=n),
+        R=np.fromiter(R, dtype=np.int64, count=n), texts=text_list,
+        text_code=np.fromiter(map(texts.__getitem__, lay), dtype=np.int64, count=n),
+        fp=np.fromiter(fp, dtype=np.int64, count=n), rid=np.fromiter(rid, dtype=np.int64, count=n))
+
+
+def _columns(cat: Catalog, arrays: _Arrays | None, run: str, side: str) -> RunColumns:
+    if arrays is None:
+        return RunColumns.empty(run, side)
+    R = arrays.R
+    if np.any(R & (1 << 39)):
+        raise KeyRangeError(
+            f"run {run!r}: a key field is beyond the comparable range (step <= {MAX_STEP}, "
+            f"microbatch <= {MAX_MICROBATCH}, index and call <= {MAX_CALL})")
+    text_list, tcode = arrays.texts, arrays.text_code
     combo = tcode * 64 + ((R >> 2) & 0x3F)
     uniq, inv = np.unique(combo, return_inverse=True)
     codes = np.array([cat.layout_code(text_list[u >> 6], int(u & 0x3F)) for u in uniq.tolist()],
                      dtype=np.int32)
     cols = RunColumns(
         name=run, side=side,
-        A=np.fromiter(A, dtype=np.int64, count=n),
-        B=np.fromiter(B, dtype=np.int64, count=n),
+        A=arrays.A,
+        B=arrays.B,
         rank=(R >> 40).astype(np.int32),
         stage=(((R >> 8) & 0x7FFFFFFF) - 1).astype(np.int32),
         flags=(R & 3).astype(np.uint8),
         layout=codes[inv.reshape(-1)],
-        fp=np.fromiter(fp, dtype=np.int64, count=n).view(np.uint64),
-        rid=np.fromiter(rid, dtype=np.int64, count=n),
+        fp=arrays.fp.view(np.uint64),
+        rid=arrays.rid,
     )
     site = cols.B >> 32
     lut = cat.site_lut(side, int(site.max()))

@@ -94,22 +94,24 @@ def _sketch_blobs(c: RecordColumns) -> list[bytes]:
     return out
 
 
-def record_rows(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: int,
-                hashes: Sequence[bytes], session_id: str, seq: int, now: float) -> list[tuple]:
-    """One tuple per record, in INSERT_COLUMNS order. `site_ids[j]` is the store's id of
-    `c.sites[j]`."""
+def record_columns(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: int,
+                   hashes: Sequence[bytes], session_id: str, seq: int,
+                   now: float) -> dict[str, Sequence[Any]]:
+    """The values of each column of `INSERT_COLUMNS`, one per record: a list of Python values,
+    or an integer numpy array where the column came from one (`record_rows` makes lists of
+    them). `site_ids[j]` is the store's id of `c.sites[j]`."""
     n = c.n
     cols = c.cols
     flags = cols["flags"]
     none = (flags & IS_NONE) != 0
     moments = ((flags & HAS_MOMENTS) != 0) & ~none
-    sid = np.asarray(site_ids, np.int64)[cols["site"]].tolist() if n else []
+    sid = np.asarray(site_ids, np.int64)[cols["site"]] if n else np.zeros(0, np.int64)
     dtypes = c.dtypes or [""]
     dtype_text = [dtypes[i] if not z else "" for i, z in zip(cols["dtype"].tolist(), none.tolist())]
     logical, offsets, shape = _layout_texts(c)
     reducing = cols["reduce"] != 0
     weight = np.where(reducing, cols["reduce_weight"], 1.0).tolist()
-    rcount = np.where(reducing, cols["reduce_count"], 1).tolist()
+    rcount = np.where(reducing, cols["reduce_count"], 1)
 
     def moment(name: str) -> list:
         values = cols[name].tolist()
@@ -118,24 +120,36 @@ def record_rows(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
                 values[i] = None
         return values
 
-    def signed(name: str) -> list:
-        return cols[name].astype(np.uint64).view(np.int64).tolist()
+    def signed(name: str) -> np.ndarray:
+        return cols[name].astype(np.uint64).view(np.int64)
 
-    def bit(b: int) -> list:
-        return ((flags & b) != 0).astype(np.int64).tolist()
+    def bit(b: int) -> np.ndarray:
+        return ((flags & b) != 0).astype(np.int64)
 
-    return list(zip(
-        [run_id] * n, cols["step"].tolist(), cols["microbatch"].tolist(), cols["phase"].tolist(),
-        sid, cols["role"].tolist(), cols["index"].tolist(), cols["call"].tolist(), [rank] * n,
-        cols["stage"].tolist(), none.astype(np.int64).tolist(), dtype_text, logical, offsets,
+    return dict(zip(INSERT_COLUMNS, (
+        [run_id] * n, cols["step"], cols["microbatch"], cols["phase"],
+        sid, cols["role"], cols["index"], cols["call"], np.full(n, rank, np.int64),
+        cols["stage"], none.astype(np.int64), dtype_text, logical, offsets,
         shape, bit(REPLICA), bit(PARTIAL), bit(COMPLEX_AS_REAL),
-        cols["numel"].tolist(), cols["nan_count"].tolist(), cols["posinf_count"].tolist(),
-        cols["neginf_count"].tolist(), cols["zero_count"].tolist(),
-        moments.astype(np.int64).tolist(),
+        cols["numel"], cols["nan_count"], cols["posinf_count"],
+        cols["neginf_count"], cols["zero_count"],
+        moments.astype(np.int64),
         moment("sum"), moment("sum_sq"), moment("min"), moment("max"), moment("abs_max"),
         signed("fingerprint"), signed("fingerprint_seed"), _sketch_blobs(c),
         signed("sketch_seed"), list(hashes), [session_id] * n, [seq] * n, [now] * n,
-        cols["reduce"].tolist(), weight, cols["reduce_index"].tolist(), rcount,
-        cols["ragged_parts"].tolist(), cols["ragged_first"].tolist(),
-        cols["ragged_span"].tolist(),
-    ))
+        cols["reduce"], weight, cols["reduce_index"], rcount,
+        cols["ragged_parts"], cols["ragged_first"], cols["ragged_span"],
+    )))
+
+
+def rows_of(columns: dict[str, Sequence[Any]]) -> list[tuple]:
+    """`record_columns` as one tuple per record, in INSERT_COLUMNS order (Python values)."""
+    return list(zip(*(v.tolist() if isinstance(v, np.ndarray) else v
+                      for v in (columns[name] for name in INSERT_COLUMNS))))
+
+
+def record_rows(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: int,
+                hashes: Sequence[bytes], session_id: str, seq: int, now: float) -> list[tuple]:
+    """One tuple per record, in INSERT_COLUMNS order. `site_ids[j]` is the store's id of
+    `c.sites[j]`."""
+    return rows_of(record_columns(c, site_ids, run_id, rank, hashes, session_id, seq, now))

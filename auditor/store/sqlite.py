@@ -22,10 +22,12 @@ from typing import Sequence
 from auditor.store.errors import (  # noqa: F401  (re-exported)
     RunNameTaken, StoreError, UnknownRun, UnknownSession)
 from auditor.store.jobs import resent, run_for_job
-from auditor.store.rows import INSERT_RECORD as _INSERT_RECORD, insert_rows, record_rows
+from auditor.store.rows import (
+    INSERT_COLUMNS, INSERT_RECORD as _INSERT_RECORD, insert_rows, record_columns, rows_of)
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
 from auditor.store.files import APPLICATION_ID, check_store_file
+from auditor.store import segments
 
 SCHEMA_VERSION = 2
 """2 added the reduction columns of records and the job and gradient scale of sessions; a store
@@ -184,6 +186,7 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
         conn.execute(f"PRAGMA synchronous={synchronous}")
         _upgrade(conn)
         conn.executescript(_SCHEMA)
+        segments.create_table(conn)
         conn.execute(
             "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
@@ -327,20 +330,31 @@ class Store:
                                 resent_batch=True)
         result = IngestResult(acked_seq=seq)
         if cols.n:
-            rows = record_rows(cols, [self._site_id(name) for name in cols.sites], run_id, rank,
-                               hashes, session_id, seq, now)
+            columns = record_columns(cols, [self._site_id(name) for name in cols.sites], run_id,
+                                     rank, hashes, session_id, seq, now)
+            rows = rows_of(columns)
             self.conn.execute("SAVEPOINT bulk")
             before = self.conn.total_changes
+            top = self.conn.execute("SELECT COALESCE(MAX(record_id), 0) FROM records").fetchone()[0]
             insert_rows(self.conn, rows)
             if self.conn.total_changes - before == cols.n:
                 self.conn.execute("RELEASE bulk")
                 result.stored = cols.n
                 for row in sorted(cols.payloads):
                     self._store_chunk(self._record_id(rows[row][:9]), cols.payloads[row])
+                # every row went in, one after another, each taking the largest id + 1 (checked:
+                # were it otherwise, the ids are looked up by key)
+                rids: Sequence[int] = range(top + 1, top + 1 + cols.n)
+                if self.conn.execute("SELECT MAX(record_id) FROM records").fetchone()[0] != rids[-1]:
+                    rids = [self._record_id(row[:9])[0] for row in rows]
+                segments.store(self.conn, run_id, columns, rids)
             else:
                 self.conn.execute("ROLLBACK TO bulk")
                 self.conn.execute("RELEASE bulk")
-                self._ingest_rows(cols, rows, hashes, session_id, seq, now, result)
+                stored, rids = self._ingest_rows(cols, rows, hashes, session_id, seq, now, result)
+                if stored:
+                    segments.store(self.conn, run_id, dict(zip(INSERT_COLUMNS, zip(*stored))),
+                                   rids)
         self.conn.execute(
             "UPDATE sessions SET acked_seq = ? WHERE session_id = ?", (seq, session_id)
         )
@@ -361,13 +375,18 @@ class Store:
         )
 
     def _ingest_rows(self, cols: RecordColumns, rows: list[tuple], hashes: Sequence[bytes],
-                     session_id: str, seq: int, now: float, result: IngestResult) -> None:
-        """One row at a time: for a batch some of whose keys are already stored."""
+                     session_id: str, seq: int, now: float,
+                     result: IngestResult) -> tuple[list[tuple], list[int]]:
+        """One row at a time: for a batch some of whose keys are already stored. Returns the
+        rows stored and their record ids."""
+        stored: tuple[list[tuple], list[int]] = ([], [])
         for i, (row, chash) in enumerate(zip(rows, hashes)):
             cur = self.conn.execute(_INSERT_RECORD, row)
             found = self._record_id(row[:9])
             if cur.rowcount == 1:
                 result.stored += 1
+                stored[0].append(row)
+                stored[1].append(found[0])
             elif found[1] != chash:
                 self.conn.execute(
                     "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
@@ -378,6 +397,7 @@ class Store:
                 result.duplicates += 1
             if i in cols.payloads:
                 self._store_chunk(found, cols.payloads[i])
+        return stored
 
     def close_session(self, req: pb.CloseSessionRequest) -> int:
         """Record what the agent reports at close; returns records stored for the session."""

@@ -294,6 +294,17 @@ class Writer:
 
 # -- what the store holds ---------------------------------------------------------------------------
 
+def _segments_match(conn: sqlite3.Connection, run_id: int) -> bool:
+    from auditor.store import segments
+
+    rids = sorted(r for (r,) in conn.execute("SELECT record_id FROM records WHERE run_id = ?",
+                                              (run_id,)))
+    in_segments = sorted(rid for (blob,) in conn.execute(
+        "SELECT data FROM segments WHERE run_id = ?", (run_id,))
+        for rid in segments.decode(blob)[0]["record_id"].tolist())
+    return rids == in_segments
+
+
 @dataclass
 class StoreView:
     """Rows of one run in a store file, with the checks every fault test makes."""
@@ -303,6 +314,8 @@ class StoreView:
     distinct: int
     integrity: str
     sessions: list[dict] = field(default_factory=list)
+    segments_match: bool = True
+    """The run's key segments hold exactly its records, by record id (auditor.store.segments)."""
 
     @classmethod
     def read(cls, db: Path, run: str = "faults") -> "StoreView":
@@ -328,10 +341,11 @@ class StoreView:
                             "SELECT session_id, rank, acked_seq, closed, records_sent,"
                             " records_dropped, dropped_by_reason FROM sessions WHERE run_id = ?",
                             (run_id,))]
+            segments_match = _segments_match(conn, run_id)
         finally:
             conn.close()
         return cls({tuple(r[:8]): r[8].lower() for r in rows}, count, distinct, integrity,
-                   sessions)
+                   sessions, segments_match)
 
     def garbage(self, *manifests: dict[tuple, str]) -> list[tuple]:
         """Stored rows that no writer produced (unknown key, or known key with other content)."""
@@ -344,6 +358,7 @@ class StoreView:
         """Integrity ok, no key stored twice, nothing stored that the writers did not produce."""
         assert self.integrity == "ok", self.integrity
         assert self.count == self.distinct == len(self.rows), (self.count, self.distinct)
+        assert self.segments_match, "the run's key segments do not hold exactly its records"
         bad = self.garbage(*manifests)
         assert not bad, f"{len(bad)} stored rows no writer produced, e.g. {bad[:3]}"
 

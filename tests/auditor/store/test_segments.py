@@ -1,0 +1,206 @@
+"""Key segments (`auditor.store.segments`): the comparison loads a run from them exactly as it
+loads it from rows, and falls back to rows whenever the segments do not account for every
+record."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from auditor.compare.columns import Catalog
+from auditor.compare.engine import compare_runs
+from auditor.store import Reader, connect, segments
+from auditor.store.writer import StoreWriter
+from protos import numaudit_pb2 as pb
+from tests.auditor.builders import batch, none_record, record, register_request
+from tests.auditor.synth import mlp_run, write_runs
+from wire import packed as P
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _odd_records() -> list[pb.Record]:
+    """Records that exercise every part of a layout text and every flag bit."""
+    out = []
+    for j, weight in enumerate((1 / 3, 0.1, 1e-5, 2.0, 12345.678)):
+        r = record(0, j, site="loss", phase=pb.PHASE_LOSS, shape=(1, 1))
+        r.layout.logical_shape[:] = [1, 1]
+        r.layout.reduce, r.layout.reduce_weight = pb.REDUCTION_MEAN, weight
+        r.layout.reduce_index, r.layout.reduce_count = j % 2, 2
+        out.append(r)
+    rag = record(1, 0, site="moe.experts", shape=(3, 3))
+    rag.layout.ragged_parts, rag.layout.ragged_first, rag.layout.ragged_span = 4, 1, 2
+    out.append(rag)
+    for flag in ("replica", "partial", "complex_as_real"):
+        r = record(1, 1, site=f"flags.{flag}")
+        setattr(r.layout, flag, True)
+        out.append(r)
+    zeros = record(1, 2, site="zeros")
+    zeros.digest.nan_count, zeros.digest.zero_count = 0, zeros.digest.numel
+    inf = record(1, 3, site="inf")
+    inf.digest.nan_count, inf.digest.neginf_count = 0, 2
+    ints = record(1, 4, site="ids")
+    ints.layout.dtype, ints.digest.has_moments = "int64", False
+    ints.digest.ClearField("sketch")
+    seeds = record(1, 5, site="other.seeds")
+    seeds.digest.fingerprint_seed, seeds.digest.sketch_seed = 99, 98
+    far = record(7_000_000, 3, site="late", fingerprint=(1 << 64) - 5)
+    far.key.index, far.key.call, far.stage = 9000, 16000, 3
+    return out + [zeros, inf, ints, seeds, far, none_record(step=2)]
+
+
+def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
+    reader = Reader(db)
+    try:
+        cat = Catalog(reader)
+        with monkeypatch.context() as m:
+            if rows:
+                m.setattr(segments, "complete", lambda conn, run_id: False)
+            cols = cat.load(run, "ref")
+        pieces = [cat.pieces[i] for i in cols.layout.tolist()]
+        bits = [(cat.seeds_ok[i], cat.has_moments[i]) for i in cols.layout.tolist()]
+        return cols, pieces, bits, list(cat.warnings)
+    finally:
+        reader.close()
+
+
+def _assert_same_load(db, run: str, monkeypatch) -> int:
+    seg, seg_pieces, seg_bits, seg_warn = _load(db, run, rows=False, monkeypatch=monkeypatch)
+    row, row_pieces, row_bits, _ = _load(db, run, rows=True, monkeypatch=monkeypatch)
+    for f in ("A", "B", "rank", "stage", "flags", "fp", "rid"):
+        assert np.array_equal(getattr(seg, f), getattr(row, f)), f
+    assert seg.max_rid == row.max_rid
+    assert seg_pieces == row_pieces and seg_bits == row_bits
+    assert not seg_warn
+    return len(seg)
+
+
+def _segment_count(db) -> tuple[int, int]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT COUNT(*), COALESCE(SUM(n), 0) FROM segments").fetchone()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def odd_store(tmp_path):
+    """Runs "ref" and "cand" of the odd records; cand also resends some keys (one changed):
+    the row-by-row path stores only the new ones."""
+    db = tmp_path / "audit.db"
+    w = StoreWriter(db, synchronous="NORMAL")
+    try:
+        w.submit(lambda s: s.register(register_request())).result(10)
+        w.submit(lambda s: s.register(register_request(run="cand", session_id="c0"))).result(10)
+        recs = _odd_records()
+        w.submit(lambda s: s.ingest(batch(1, recs))).result(10)
+        w.submit(lambda s: s.ingest(P.packed_batch("c0", 1, P.from_records(recs[:8])))).result(10)
+        again = [pb.Record() for _ in range(3)]
+        for a, r in zip(again, recs[6:9]):
+            a.CopyFrom(r)
+        again[1].digest.fingerprint ^= 1  # a conflict; again[2] repeats a key of this batch
+        fresh = recs[8:] + again
+        got = w.submit(lambda s: s.ingest(batch(2, fresh, session_id="c0"))).result(10)
+        assert (got.stored, got.duplicates, got.conflicts) == (len(recs) - 8, 2, 1)
+    finally:
+        w.close()
+    return db
+
+
+def test_segments_load_exactly_what_rows_load(odd_store, monkeypatch):
+    n = len(_odd_records())
+    assert _assert_same_load(odd_store, "ref", monkeypatch) == n
+    assert _assert_same_load(odd_store, "cand", monkeypatch) == n
+    # three segments: ref's batch, cand's two (the second holding only its new records)
+    assert _segment_count(odd_store) == (3, 2 * n)
+
+
+def test_segments_of_a_sharded_training_run_load_like_rows(tmp_path, monkeypatch):
+    def drop_grad(kind, step, mb, site, t):
+        return None if (kind, site) == ("grad", "layers.1.weight") else t
+
+    db = write_runs(tmp_path / "a.db", mlp_run("ref", world=1, steps=2, payload=True),
+                    mlp_run("cand", world=4, steps=2, perturb=drop_grad))
+    assert _assert_same_load(db, "ref", monkeypatch) > 0
+    assert _assert_same_load(db, "cand", monkeypatch) > 0
+    conn = connect(db)
+    assert all(segments.complete(conn, rid) for (rid,) in conn.execute("SELECT run_id FROM runs"))
+    conn.close()
+
+
+def test_incomplete_or_missing_segments_fall_back_to_rows(odd_store, monkeypatch):
+    before = compare_runs(odd_store, "ref", "cand")
+    conn = sqlite3.connect(odd_store)
+    conn.execute("DELETE FROM segments WHERE segment_id = (SELECT MAX(segment_id) FROM segments)")
+    conn.commit()
+    conn.close()
+    conn = connect(odd_store)
+    assert not segments.complete(conn, 2) and segments.complete(conn, 1)
+    conn.close()
+    assert _assert_same_load(odd_store, "cand", monkeypatch) == len(_odd_records())
+    # a store from before segments (no table at all) reads as it always did
+    conn = sqlite3.connect(odd_store)
+    conn.execute("DROP TABLE segments")
+    conn.commit()
+    conn.close()
+    reader = Reader(odd_store)
+    try:
+        assert len(Catalog(reader).load("cand", "cand")) == len(_odd_records())
+    finally:
+        reader.close()
+    after = compare_runs(odd_store, "ref", "cand")
+    assert after.counts == before.counts
+
+
+def test_a_damaged_segment_is_reported_and_rows_are_read(odd_store, monkeypatch):
+    conn = sqlite3.connect(odd_store)
+    conn.execute("UPDATE segments SET data = substr(data, 1, 40) WHERE segment_id = 1")
+    conn.commit()
+    conn.close()
+    cols, _, _, warnings = _load(odd_store, "ref", rows=False, monkeypatch=monkeypatch)
+    assert len(cols) == len(_odd_records())
+    assert len(warnings) == 1 and "segment" in warnings[0] and "row by row" in warnings[0]
+
+
+def test_backfill_rebuilds_the_segments_of_a_run(odd_store, monkeypatch):
+    conn = sqlite3.connect(odd_store)
+    conn.execute("DELETE FROM segments")
+    conn.commit()
+    conn.close()
+    conn = connect(odd_store)
+    assert segments.backfill(conn, 1, per_segment=4) == len(_odd_records())
+    assert segments.backfill(conn, 2) == len(_odd_records())
+    assert segments.complete(conn, 1) and segments.complete(conn, 2)
+    conn.close()
+    assert _assert_same_load(odd_store, "ref", monkeypatch) == len(_odd_records())
+    assert _assert_same_load(odd_store, "cand", monkeypatch) == len(_odd_records())
+
+
+def test_decode_refuses_what_it_cannot_vouch_for():
+    blob = segments.encode({c: [0] for c in segments.SOURCE_COLUMNS}
+                           | {"dtype": [""], "logical_shape": ["[]"], "offsets": ["[]"],
+                              "shape": ["[]"], "reduce_weight": [1.0]}, [5])
+    cols, table = segments.decode(blob)
+    assert cols["record_id"].tolist() == [5] and len(table) == 1
+    for bad, why in ((blob[:-1], "do not hold"), (b"XXXX" + blob[4:], "magic"),
+                     (blob[:8], "header")):
+        with pytest.raises(segments.SegmentError, match=why):
+            segments.decode(bad)
+
+
+def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path, monkeypatch):
+    from auditor.compare.columns import KeyRangeError
+
+    db = tmp_path / "audit.db"
+    w = StoreWriter(db, synchronous="NORMAL")
+    try:
+        w.submit(lambda s: s.register(register_request())).result(10)
+        w.submit(lambda s: s.ingest(batch(1, [record(1 << 40, 0)]))).result(10)
+    finally:
+        w.close()
+    assert _segment_count(db) == (1, 1)
+    for rows in (False, True):
+        with pytest.raises(KeyRangeError, match="beyond the comparable range"):
+            _load(db, "ref", rows=rows, monkeypatch=monkeypatch)
