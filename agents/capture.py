@@ -469,8 +469,9 @@ class Capturer:
                 return False
             layout, dtype, moments, base, tail, payload_n, phase_id, role_id = plan
             self.counters.add_captured(1)
-            payload = torch.empty(payload_n, dtype=torch.uint8) if payload_n else None
-            desc = self._digester.descriptor(t, base, tail, payload.data_ptr() if payload_n else 0)
+            payload, payload_at = (self._batches.payload_buffer(payload_n) if payload_n
+                                   else (None, 0))
+            desc = self._digester.descriptor(t, base, tail, payload_at)
             self._batches.add_fused(
                 Capture(self.step, microbatch, phase_id, site, role_id, index, call, stage,
                         layout, dtype, False, moments, False, -1, payload), desc, t)
@@ -531,8 +532,7 @@ class Capturer:
             # fused kernel copies the bytes while it digests them; on an accelerator the copy
             # stays on the device (no sync here) and the sender moves it.
             if fused:
-                cap.payload = torch.empty(nbytes, dtype=torch.uint8)
-                payload_at = cap.payload.data_ptr()
+                cap.payload, payload_at = self._batches.payload_buffer(nbytes)
             elif local.is_cpu:
                 cap.payload = local.to("cpu", copy=True).contiguous()
             else:

@@ -1,15 +1,19 @@
-"""Records as columns straight from a host batch: the capture metadata and the digest rows.
+"""Records as columns straight from host batches: the capture metadata and the digest rows.
 
-`capture_columns` turns the captures of one `HostBatch` and its stacked digest rows (f64
-[n, 5 + k]: sum, sum_sq, min, max, abs_max, sketch; i64 [n, 6]: numel, nan, +inf, -inf, zero
-counts, fingerprint) into `wire.packed.RecordColumns` with numpy indexing: no protobuf message per
-record. Captures whose bytes travel too come back separately (`with_payloads`), one row per
-payload chunk, since payload records travel per record.
+A host batch's captures and stacked digest rows (f64 [n, 5 + k]: sum, sum_sq, min, max,
+abs_max, sketch; i64 [n, 6]: numel, nan, +inf, -inf, zero counts, fingerprint) are split into
+`Part`s (`split_payloads`: the records without payload, and those carrying one, a row per
+payload chunk, since payload records travel per record), and the parts of one wire batch become
+`wire.packed.RecordColumns` in one call (`part_columns`) with numpy indexing: no protobuf
+message per record, and no per-host-batch columns to merge again.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -17,57 +21,132 @@ import numpy as np
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from wire import limits
 from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, SCALAR_COLUMNS,
-                         RecordColumns)
+                         RecordColumns, _ranges)
 from protos import numaudit_pb2 as pb
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
 
 
+@dataclass(slots=True)
+class Part:
+    """Records of one host batch waiting for their wire batch: captures and the batch's rows."""
+
+    captures: list
+    """In record order; a payload in several chunks repeats its capture, one per chunk."""
+    f64: np.ndarray | None
+    i64: np.ndarray | None
+    payloads: dict[int, pb.Payload] | None = None
+    """Position in `captures` -> its payload chunk; None for records without payload."""
+
+    def __len__(self) -> int:
+        return len(self.captures)
+
+    def slice(self, start: int, stop: int) -> Part:
+        """Records ``start:stop`` (payload positions renumbered)."""
+        pays = self.payloads
+        if pays is not None:
+            pays = {i - start: v for i, v in pays.items() if start <= i < stop}
+        return Part(self.captures[start:stop], self.f64, self.i64, pays)
+
+    def record_bytes(self) -> int:
+        """``RecordColumns.record_bytes`` of these records, without building them."""
+        k = (self.f64.shape[1] - 5) if self.f64 is not None and self.f64.ndim == 2 else 0
+        n = len(self.captures)
+        extra = 0
+        for c in self.captures:
+            if not c.is_none:
+                extra += 24 * _layout_columns(c.layout)[0][1] + (8 * k if c.moments else 0)
+        if self.payloads:
+            extra += sum(len(p.data) for p in self.payloads.values())
+        return n * ROW_BYTES + extra
+
+
+ROW_BYTES = sum(np.dtype(dt).itemsize for _, dt in SCALAR_COLUMNS)
+"""Bytes of one record's scalar columns."""
+
+
 def capture_columns(captures: Sequence, f64: np.ndarray | None,
                     i64: np.ndarray | None) -> RecordColumns:
     """Every capture as one record (payloads not attached)."""
+    return part_columns([Part(list(captures), f64, i64)])
+
+
+def part_columns(parts: Sequence[Part]) -> RecordColumns:
+    """The records of `parts`, in order, as one RecordColumns (payloads attached).
+
+    The per-capture work is attribute reads mapped in C (``attrgetter``) and one dict lookup
+    of its layout's columns, worked out once per layout object (:func:`_layout_columns`); the
+    numpy work is per call, so a wire batch's parts are built together: built per host batch
+    and merged at the cut, the fixed cost of ~60 array operations per part was most of the
+    sender's column building.
+    """
+    captures = [c for p in parts for c in p.captures] if len(parts) != 1 else parts[0].captures
+    starts: dict[int, int] = {}  # id(f64) -> its first row in the stacked rows
+    bases, blocks, base = [], [], 0
+    for p in parts:
+        if p.f64 is None:
+            bases.append(0)
+            continue
+        if id(p.f64) not in starts:  # a host batch's two parts share its rows
+            starts[id(p.f64)] = base
+            blocks.append(p)
+            base += p.f64.shape[0]
+        bases.append(starts[id(p.f64)])
+    if len(blocks) > 1:
+        f64 = np.concatenate([p.f64 for p in blocks])
+        i64 = np.concatenate([p.i64 for p in blocks])
+    else:
+        f64 = blocks[0].f64 if blocks else None
+        i64 = blocks[0].i64 if blocks else None
+    payloads: dict[int, pb.Payload] = {}
+    at = 0
+    for p in parts:
+        if p.payloads:
+            payloads.update({at + i: v for i, v in p.payloads.items()})
+        at += len(p.captures)
     n = len(captures)
-    sites: dict[str, int] = {}
-    dtypes: dict[str, int] = {}
-    cols: dict[str, np.ndarray] = {}
-    cols["site"] = np.array([sites.setdefault(c.site, len(sites)) for c in captures], "<i4")
-    for name, attr in (("step", "step"), ("microbatch", "microbatch"), ("phase", "phase"),
-                       ("role", "role"), ("index", "index"), ("call", "call"),
-                       ("stage", "stage")):
-        cols[name] = np.array([getattr(c, attr) for c in captures], dict(SCALAR_COLUMNS)[name])
-    none = np.array([c.is_none for c in captures], bool)
-    lays = [c.layout if not c.is_none else None for c in captures]
-    cols["dtype"] = np.array([0 if c.is_none else dtypes.setdefault(c.dtype, len(dtypes))
-                              for c in captures], "<i4")
-    flags = np.where(none, IS_NONE, 0).astype(np.uint8)
-    flags |= np.array([bool(lay and lay.replica) for lay in lays], bool) * np.uint8(REPLICA)
-    flags |= np.array([bool(lay and lay.partial) for lay in lays], bool) * np.uint8(PARTIAL)
-    flags |= (np.array([c.complex_as_real and not c.is_none for c in captures], bool)
-              * np.uint8(COMPLEX_AS_REAL))
-    moments = np.array([c.moments and not c.is_none for c in captures], bool)
+    none = np.fromiter(map(_IS_NONE, captures), bool, n)
+    any_none = bool(none.any())
+    names = list(map(_SITE, captures))
+    sites = {s: i for i, s in enumerate(dict.fromkeys(names))}
+    cols: dict[str, np.ndarray] = {"site": np.fromiter(map(sites.__getitem__, names), "<i4", n)}
+    for name, get in _KEYS:
+        cols[name] = np.fromiter(map(get, captures), np.int64, n)
+    rows = np.fromiter(map(_ROW, captures), np.int64, n)
+    if any(bases):  # rows of later parts follow the earlier parts' rows
+        rows += np.repeat(np.array(bases, np.int64), [len(p.captures) for p in parts])
+    dtype_names = list(map(_DTYPE, captures))
+    if any_none:
+        live_names = [d for d, z in zip(dtype_names, none.tolist()) if not z]
+        dtypes = {d: i for i, d in enumerate(dict.fromkeys(live_names))}
+        cols["dtype"] = np.array([0 if z else dtypes[d] for d, z in zip(dtype_names, none.tolist())],
+                                 "<i4")
+        lays = [None if c.is_none else c.layout for c in captures]
+    else:
+        dtypes = {d: i for i, d in enumerate(dict.fromkeys(dtype_names))}
+        cols["dtype"] = np.fromiter(map(dtypes.__getitem__, dtype_names), "<i4", n)
+        lays = list(map(_LAYOUT, captures))
+    # Layout columns: a table row per distinct layout object, indexed per capture.
+    ids = list(map(id, lays))
+    distinct = dict(zip(ids, lays))
+    which = {i: j for j, i in enumerate(distinct)}
+    inv = np.fromiter(map(which.__getitem__, ids), np.intp, n)
+    table = [_layout_columns(lay) for lay in distinct.values()]
+    lint = np.array([t[0] for t in table], np.int64).reshape(len(table), len(_LAYOUT_COLUMNS) + 1)[inv]
+    for j, name in enumerate(_LAYOUT_COLUMNS):
+        cols[name] = lint[:, j + 1]
+    cols["reduce_weight"] = np.array([t[1] for t in table], "<f8")[inv]
+    dim_len = np.array([len(t[2]) for t in table], np.int64)
+    dim_end = np.cumsum(dim_len)
+    flat = np.fromiter(chain.from_iterable(t[2] for t in table), "<i8", int(dim_end[-1]) if n else 0)
+    dims = flat[_ranges(dim_end[inv] - dim_len[inv], dim_end[inv])] if n else np.zeros(0, "<i8")
+    complex_ = np.fromiter(map(_COMPLEX, captures), bool, n)
+    moments = np.fromiter(map(_MOMENTS, captures), bool, n) & ~none
+    flags = lint[:, 0].astype(np.uint8)  # REPLICA | PARTIAL of the layout
+    flags |= none * np.uint8(IS_NONE)
+    flags |= (complex_ & ~none) * np.uint8(COMPLEX_AS_REAL)
     flags |= moments * np.uint8(HAS_MOMENTS)
     cols["flags"] = flags
-    dims: list[int] = []
-    ndim = []
-    for lay in lays:
-        if lay is None:
-            ndim.append(0)
-            continue
-        ndim.append(len(lay.logical_shape))
-        dims.extend(lay.logical_shape)
-        dims.extend(lay.offsets)
-        dims.extend(lay.shape)
-    cols["ndim"] = np.array(ndim, "<i4")
-    red = [lay if lay is not None and lay.reduce else None for lay in lays]
-    cols["reduce"] = np.array([_REDUCE[r.reduce] if r else 0 for r in red], "<i4")
-    cols["reduce_weight"] = np.array([r.reduce_weight if r else 0.0 for r in red], "<f8")
-    cols["reduce_index"] = np.array([r.reduce_index if r else 0 for r in red], "<i4")
-    cols["reduce_count"] = np.array([r.reduce_count if r else 0 for r in red], "<i4")
-    rag = [lay.ragged if lay is not None and lay.ragged is not None else None for lay in lays]
-    cols["ragged_parts"] = np.array([g.parts if g else 0 for g in rag], "<i4")
-    cols["ragged_first"] = np.array([g.first if g else 0 for g in rag], "<i4")
-    cols["ragged_span"] = np.array([g.span if g else 0 for g in rag], "<i4")
-    rows = np.array([c.row for c in captures], np.int64)
     live = ~none
     lr = rows[live]
     k = (f64.shape[1] - 5) if f64 is not None and f64.ndim == 2 else 0
@@ -93,25 +172,58 @@ def capture_columns(captures: Sequence, f64: np.ndarray | None,
     sketch = (np.ascontiguousarray(f64[mr, 5:], "<f8").reshape(-1) if len(mr) and k
               else np.zeros(0, "<f8"))
     cols = {name: np.ascontiguousarray(cols[name], dt) for name, dt in SCALAR_COLUMNS}
-    return RecordColumns(n, cols, list(sites), list(dtypes), np.array(dims, "<i8"), sketch)
+    return RecordColumns(n, cols, list(sites), list(dtypes), dims, sketch, payloads)
 
 
-def with_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray | None,
-                  compress) -> tuple[RecordColumns, list[RecordColumns]]:
-    """(the records without payload, the payload-carrying records with a row per chunk).
+_KEYS = tuple((name, attrgetter(name)) for name in ("step", "microbatch", "phase", "role",
+                                                    "index", "call", "stage"))
+_ROW = attrgetter("row")
+_SITE, _DTYPE, _LAYOUT = attrgetter("site"), attrgetter("dtype"), attrgetter("layout")
+_IS_NONE, _COMPLEX, _MOMENTS = (attrgetter("is_none"), attrgetter("complex_as_real"),
+                                attrgetter("moments"))
+_LAYOUT_COLUMNS = ("ndim", "reduce", "reduce_index", "reduce_count", "ragged_parts",
+                   "ragged_first", "ragged_span")
+_NO_LAYOUT = ((0,) * (len(_LAYOUT_COLUMNS) + 1), 0.0, ())
+_LAYOUTS: dict[int, tuple] = {}
+"""id(layout) -> (layout, its columns): kept with the layout so that its id is not reused while
+cached. Layouts are immutable and shared by every capture of a site and shape."""
+MAX_CACHED_LAYOUTS = 8192
 
-    The second part is one RecordColumns for all of the batch's payloads (a list of at most
-    one, empty when none), each part built straight from its captures: a part per payload, cut
-    from the whole batch's columns, cost the sender a `take` and a merge per capture, tens of
-    them per microbatch. `compress(capture, raw bytes) -> compressed bytes` (zstd: a
-    PayloadCompressor). A payload larger than MAX_PAYLOAD_RAW_BYTES is left out: the digest
-    still travels.
+
+def _layout_columns(lay) -> tuple[tuple[int, ...], float, tuple[int, ...]]:
+    """A layout's record columns: ((REPLICA | PARTIAL flags, *_LAYOUT_COLUMNS), reduce_weight,
+    dims: logical_shape + offsets + shape)."""
+    if lay is None:
+        return _NO_LAYOUT
+    hit = _LAYOUTS.get(id(lay))
+    if hit is not None and hit[0] is lay:
+        return hit[1]
+    red, rag = lay.reduce, lay.ragged
+    out = ((((REPLICA if lay.replica else 0) | (PARTIAL if lay.partial else 0)),
+            len(lay.logical_shape), _REDUCE[red] if red else 0,
+            lay.reduce_index if red else 0, lay.reduce_count if red else 0,
+            rag.parts if rag else 0, rag.first if rag else 0, rag.span if rag else 0),
+           lay.reduce_weight if red else 0.0,
+           (*lay.logical_shape, *lay.offsets, *lay.shape))
+    if len(_LAYOUTS) >= MAX_CACHED_LAYOUTS:
+        _LAYOUTS.clear()
+    _LAYOUTS[id(lay)] = (lay, out)
+    return out
+
+
+def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray | None,
+                   compress) -> list[Part]:
+    """The records without payload, then (when any) the payload-carrying records with a row per
+    chunk, as parts of at most two (empty parts left out).
+
+    `compress(capture, raw bytes) -> compressed bytes` (zstd: a PayloadCompressor). A payload
+    larger than MAX_PAYLOAD_RAW_BYTES is left out: the digest still travels.
     """
     plain, chunked, payloads = [], [], {}
     chunk = limits.PAYLOAD_CHUNK_BYTES
     for c in captures:
         p = c.payload
-        if p is None or c.is_none or p.numel() * p.element_size() > limits.MAX_PAYLOAD_RAW_BYTES:
+        if p is None or c.is_none or p.nbytes > limits.MAX_PAYLOAD_RAW_BYTES:
             plain.append(c)
             continue
         raw = payload_bytes(p)
@@ -123,12 +235,10 @@ def with_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray | 
                 codec="zstd", raw_nbytes=raw.nbytes, compressed_nbytes=len(data), crc32=crc,
                 chunk_index=j, chunk_count=count, data=data[j * chunk:(j + 1) * chunk])
             chunked.append(c)
-    cols = capture_columns(plain, f64, i64)
-    if not chunked:
-        return cols, []
-    piece = capture_columns(chunked, f64, i64)
-    piece.payloads = payloads
-    return cols, [piece]
+    parts = [Part(plain, f64, i64)] if plain else []
+    if chunked:
+        parts.append(Part(chunked, f64, i64, payloads))
+    return parts
 
 
 class PayloadCompressor:
@@ -166,10 +276,12 @@ class PayloadCompressor:
 
 
 def payload_bytes(p) -> memoryview:
-    """A payload's bytes in C order, without a copy where it is a flat host byte tensor (what
-    the fused kernel fills); otherwise as a host copy."""
+    """A payload's bytes in C order, without a copy where it is an arena's memoryview or a flat
+    host byte tensor (what the fused kernel fills); otherwise as a host copy."""
     import torch
 
+    if type(p) is memoryview:  # bytes the fused kernel copied into a payload arena
+        return p
     if p.dtype is torch.uint8 and p.is_cpu and p.is_contiguous():
         return memoryview(p.numpy()).cast("B")
     return memoryview(p.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -18,16 +18,15 @@ import threading
 import time
 import uuid
 
-import numpy as np
 
 from agents.capture import Counters, HostBatch
-from agents.columns import PayloadCompressor, with_payloads
+from agents.columns import Part, PayloadCompressor, part_columns, split_payloads
 from agents.config import AgentConfig
 from agents.delivery import Delivery
 from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
 from wire import limits
-from wire.packed import RecordColumns, concat, packed_batch, take
+from wire.packed import RecordColumns, concat, empty, split_batch
 from wire.spool import SpoolWriter
 from wire.tls import TLSConfig
 from protos import numaudit_pb2 as pb
@@ -54,8 +53,9 @@ class Sender:
         """Host batches queued by submit, and those the loop has built into records."""
         self._cutting = False
         self._next_seq = 1
-        self._pending: list[RecordColumns] = []
-        """Records of the open batch, as columns (one part per host batch or payload)."""
+        self._pending: list[Part] = []
+        """Records of the open batch: up to two parts per host batch (without and with
+        payloads), built into columns when the batch is cut."""
         self._pending_n = 0
         self._records_bytes = 0
         self._batch_started = 0.0
@@ -241,51 +241,79 @@ class Sender:
             log.warning("rank %d: numaudit host transfer failed: %r", self.ident.rank, exc)
             return
         try:
-            plain, pieces = with_payloads(batch.captures, f64, i64, self._compress)
-        except Exception as exc:  # one bad capture: build them one by one, drop only it
+            parts = split_payloads(batch.captures, f64, i64, self._compress)
+        except Exception as exc:  # one bad capture: split them one by one, drop only it
             log.debug("record build failed: %r; building captures one by one", exc)
-            plain, pieces = None, []
+            parts = []
             for cap in batch.captures:
                 try:
-                    p, ps = with_payloads([cap], f64, i64, self._compress)
+                    parts.extend(split_payloads([cap], f64, i64, self._compress))
                 except Exception as exc1:
                     self.counters.drop("build_error", 1)
                     log.debug("record build failed: %r", exc1)
-                    continue
-                pieces.extend([p] if p.n else [])
-                pieces.extend(ps)
-        for part in ([plain] if plain is not None and plain.n else []) + pieces:
+        for part in parts:
             self._append(part)
 
-    def _append(self, cols: RecordColumns) -> None:
+    def _append(self, part: Part) -> None:
         """Add records to the open batch, cutting it at the record and payload-size limits."""
         limit = min(self.config.batch_records, limits.MAX_BATCH_RECORDS)
-        nbytes = cols.record_bytes
+        nbytes = part.record_bytes()
         if self._pending and self._records_bytes + nbytes > limits.MAX_BATCH_PAYLOAD_BYTES:
             self._cut()
-        while cols.n:
+        while len(part):
             if not self._pending:
                 self._batch_started = time.monotonic()
             room = limit - self._pending_n
-            if cols.n <= room:
-                head, cols = cols, None
+            if len(part) <= room:
+                head, part, head_bytes = part, None, nbytes
             else:
-                head, cols = (take(cols, np.arange(room)), take(cols, np.arange(room, cols.n)))
+                head, part = part.slice(0, room), part.slice(room, len(part))
+                head_bytes = head.record_bytes()
+                nbytes -= head_bytes
             self._pending.append(head)
-            self._pending_n += head.n
-            self._records_bytes += head.record_bytes
+            self._pending_n += len(head)
+            self._records_bytes += head_bytes
             if self._pending_n >= limit:
                 self._cut()
-            if cols is None:
+            if part is None:
                 return
+
+    def _columns(self, parts: list[Part]) -> RecordColumns:
+        """The parts' records as columns; a part that fails is built capture by capture and
+        only its bad captures are dropped (counted as build_error)."""
+        if not parts:
+            return empty()
+        try:
+            return part_columns(parts)
+        except Exception as exc:
+            log.debug("record build failed: %r; building parts one by one", exc)
+        built = []
+        for part in parts:
+            try:
+                built.append(part_columns([part]))
+                continue
+            except Exception:
+                pass
+            for i in range(len(part)):
+                try:
+                    built.append(part_columns([part.slice(i, i + 1)]))
+                except Exception as exc1:
+                    self.counters.drop("build_error", 1)
+                    log.debug("record build failed: %r", exc1)
+        return concat(built) if built else empty()
 
     def _cut(self) -> None:
         pending, self._pending = self._pending, []
-        n, nbytes = self._pending_n, self._records_bytes
+        nbytes = self._records_bytes
         self._pending_n = self._records_bytes = 0
+        if not pending:
+            return
+        packed = self._columns([p for p in pending if p.payloads is None])
+        single = self._columns([p for p in pending if p.payloads is not None])
+        n = packed.n + single.n
         if not n:
             return
-        msg = packed_batch(self.session_id, self._next_seq, concat(pending))
+        msg = split_batch(self.session_id, self._next_seq, packed, single)
         # The delivery's memory budget counts the record bytes (what the message carries
         # beside a few framing bytes per field): msg.ByteSize() serialized the whole message
         # once more, milliseconds per batch with payloads.

@@ -84,7 +84,7 @@ def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
     off, on, capture_only = _model(scale), _model(scale), _model(scale)
     phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
     agent, quiet = _attach(on, phases), _attach(capture_only, phases)
-    quiet.capturer._sink = lambda batch: None
+    quiet.capturer._batches._sink = lambda batch: None  # the Batcher holds the sink
     data = batches(0, 0, MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN, ModelArgs().vocab_size)
     mbs = next(data)
     _step(off, None, 0, mbs)  # warm-up every side

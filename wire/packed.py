@@ -304,14 +304,18 @@ def from_records(records: Iterable[pb.Record], label: str = "records") -> Record
     return c
 
 
-def to_records(c: RecordColumns) -> list[pb.Record]:
-    """Per-record messages of the columns (for a peer that does not take packed batches)."""
-    out = []
+def to_records(c: RecordColumns, into=None) -> list[pb.Record]:
+    """Per-record messages of the columns (for a peer that does not take packed batches).
+
+    `into`: a repeated Record field (``RecordBatch.records``) to build them in, in place (no
+    copy of each message, payload bytes included, by a later ``extend``); returns it then."""
+    out = [] if into is None else into
+    new_record = pb.Record if into is None else into.add
     cols = {name: a.tolist() for name, a in c.cols.items()}
     starts, sk = c.dim_starts().tolist(), c.sketch_starts().tolist()
     dims, sketch = c.dims.tolist(), c.sketch
     for i in range(c.n):
-        r = pb.Record(stage=cols["stage"][i], is_none=bool(cols["flags"][i] & IS_NONE))
+        r = new_record(stage=cols["stage"][i], is_none=bool(cols["flags"][i] & IS_NONE))
         k = r.key
         k.step, k.microbatch, k.phase = cols["step"][i], cols["microbatch"][i], cols["phase"][i]
         k.site, k.role = c.sites[cols["site"][i]], cols["role"][i]
@@ -341,7 +345,8 @@ def to_records(c: RecordColumns) -> list[pb.Record]:
                     r.ClearField(name)
         if i in c.payloads:
             r.payload.CopyFrom(c.payloads[i])
-        out.append(r)
+        if into is None:
+            out.append(r)
     return out
 
 
@@ -394,20 +399,39 @@ def batch_record_count(batch: pb.RecordBatch) -> int:
 
 def packed_batch(session_id: str, seq: int, cols: RecordColumns) -> pb.RecordBatch:
     """A batch carrying `cols`: packed, with the payload records per record, checksum set."""
-    from wire.checksum import batch_checksum
-
-    msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
     single = sorted(set(cols.payloads) | set(cols.unfit))
-    if single:
+    if not single:
+        return split_batch(session_id, seq, cols, None)
+    if not cols.unfit:
         keep = np.ones(cols.n, bool)
         keep[single] = False
-        rest = take(cols, np.flatnonzero(keep))
-        rebuilt = to_records(take(cols, np.array(single)))
-        msg.records.extend(cols.unfit.get(row, r) for row, r in zip(single, rebuilt))
-    else:
-        rest = cols
-    if rest.n:
-        msg.packed.CopyFrom(to_packed(rest))
+        return split_batch(session_id, seq, take(cols, np.flatnonzero(keep)),
+                           take(cols, np.array(single)))
+    msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
+    keep = np.ones(cols.n, bool)
+    keep[single] = False
+    rest = take(cols, np.flatnonzero(keep))
+    rebuilt = to_records(take(cols, np.array(single)))
+    msg.records.extend(cols.unfit.get(row, r) for row, r in zip(single, rebuilt))
+    return _finish_batch(msg, rest)
+
+
+def split_batch(session_id: str, seq: int, packed: RecordColumns,
+                single: RecordColumns | None) -> pb.RecordBatch:
+    """A batch of `packed` records and `single` ones sent per record (those carrying a
+    payload), given apart: what packed_batch sends, without taking them out of one
+    RecordColumns first (the agent keeps them apart from the start). Checksum set."""
+    msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
+    if single is not None and single.n:
+        to_records(single, into=msg.records)
+    return _finish_batch(msg, packed)
+
+
+def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns) -> pb.RecordBatch:
+    from wire.checksum import batch_checksum
+
+    if packed.n:
+        msg.packed.CopyFrom(to_packed(packed))
     msg.records_crc32 = batch_checksum(msg)
     return msg
 

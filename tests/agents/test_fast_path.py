@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from agents.capture import Capturer, Counters
+from agents.columns import payload_bytes
 from agents.hooks import add_grad_hook
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
@@ -60,8 +61,7 @@ def _records(digest: str) -> dict[tuple, tuple]:
             key = (c.step, c.microbatch, c.phase, c.site, c.role, c.index, c.call, c.stage)
             assert key not in out, key
             rows = (None, None) if c.is_none else (b.i64[c.row].clone(), b.f64[c.row].clone())
-            payload = None if c.payload is None else bytes(
-                c.payload.reshape(-1).view(torch.uint8).numpy())
+            payload = None if c.payload is None else bytes(payload_bytes(c.payload))
             out[key] = (c.layout, c.dtype, (c.is_none, c.moments, c.complex_as_real), payload,
                         *rows)
     return out
