@@ -43,7 +43,8 @@ def _open(path: Path):
 
 def instrument(agent, out: Path) -> None:
     """Log every batch cut, every ack and every connection failure of `agent` under `out`."""
-    from wire.packed import concat, content_hashes
+    import agents.sender as sender_module
+    from wire.packed import batch_columns, content_hashes
 
     sender = agent._sender
     delivery = sender.delivery
@@ -51,11 +52,21 @@ def instrument(agent, out: Path) -> None:
     cut, ack = sender._cut, (delivery._ack if delivery is not None else None)
 
     def logged_cut() -> None:
-        parts, seq = list(sender._pending), sender._next_seq
-        cut()
-        if not parts:
+        # the batch as it goes on the wire: the message the cut builds (split_batch's result)
+        seq, built, split = sender._next_seq, [], sender_module.split_batch
+
+        def keep(*args, **kwargs):
+            built.append(split(*args, **kwargs))
+            return built[-1]
+
+        sender_module.split_batch = keep
+        try:
+            cut()
+        finally:
+            sender_module.split_batch = split
+        if not built:
             return
-        cols = concat(parts)
+        cols = batch_columns(built[0])
         line = {"t": time.monotonic(), "n": cols.n}
         if sender._next_seq == seq + 1:
             line["seq"] = seq
