@@ -63,6 +63,8 @@ DIGEST_COLUMNS = ("nan", "posinf", "neginf", "zeros", "numel", "sum", "sum_sq", 
                   "abs_max")
 ID_CHUNK = 50_000
 """Record ids per lookup (`_ids_in`)."""
+PREFETCH_MIN = 20_000
+"""Records from which `Catalog.prefetch_digests` reads counts and moments from segments."""
 PG_BLOCK = 1 << 22
 """Record ids per block of the packed PostgreSQL read of a run too large for one value
 (`Catalog._pg_arrays`)."""
@@ -211,6 +213,10 @@ class Catalog:
         self._luts: dict[str, np.ndarray] = {}
         self.warnings: list[str] = []
         self._warned: set[str] = set()
+        self._segmented: set[int] = set()
+        """Runs whose records were read from their key segments (`_segment_arrays`)."""
+        self._prefetched: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
+        """(sorted record ids, their DIGEST_COLUMNS and sketch seeds): `prefetch_digests`."""
         self._refresh_sites()
 
     # -- sites ----------------------------------------------------------------------------------
@@ -415,6 +421,7 @@ class Catalog:
         except segments.SegmentError as exc:
             self._warn(f"run_id {run_id}: {exc}; its records were read row by row")
             return None
+        self._segmented.add(run_id)
         c = {name: np.concatenate([p[name] for p, _ in parts])
              for name in segments.INTS + ("flags",)}
         code = np.concatenate([lut[p["layout"]] for p, lut in parts])
@@ -504,25 +511,12 @@ class Catalog:
             out["sketch_seed"] = np.zeros(0, np.int64)
             return out
         uniq = np.unique(rids)
-        got: list[tuple] = []
         with no_gc():
-            inf = _infinity(self.reader)
-            for start in range(0, len(uniq), ID_CHUNK):
-                where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
-                got.extend(self.reader.conn.execute(
-                    "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
-                    f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
-                    f" COALESCE(abs_max, 0.0), sketch, sketch_seed FROM records WHERE {where}"
-                    " ORDER BY record_id", param).fetchall())
-            cols = list(zip(*got)) if got else [()] * 13
-            got_rid = np.array(cols[0], dtype=np.int64)
+            got_rid, num, blobs, seeds = self._digests_of(uniq)
             if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
                 raise sqlite3.DatabaseError("records vanished from the store while comparing")
             pos = np.searchsorted(got_rid, rids)
-            out = {c: np.array(cols[j], dtype=np.float64)[pos]
-                   for j, c in enumerate(DIGEST_COLUMNS, start=1)}
-            blobs = cols[-2]
-            seeds = np.array(cols[-1], dtype=np.int64)
+            out = {c: num[c][pos] for c in DIGEST_COLUMNS}
             lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)) // 8
         k = int(lengths.max(initial=0))
         if len(lengths) and (lengths == k).all():
@@ -535,6 +529,81 @@ class Catalog:
         out["sketch_k"] = lengths[pos]
         out["sketch_seed"] = seeds[pos] if len(seeds) else np.zeros(0, np.int64)
         return out
+
+    def _digests_of(self, uniq: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], list,
+                                                     np.ndarray]:
+        """(record ids found, DIGEST_COLUMNS as float64, sketch blobs, sketch seeds) of the
+        sorted record ids `uniq`: from `prefetch_digests` and only the sketches from rows when
+        it holds them all, else everything from rows."""
+        pre = self._prefetched
+        if pre is not None:
+            prid, pcols = pre
+            at = np.minimum(np.searchsorted(prid, uniq), max(len(prid) - 1, 0))
+            if len(prid) and np.array_equal(prid[at], uniq):
+                got: list[tuple] = []
+                for start in range(0, len(uniq), ID_CHUNK):
+                    where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
+                    got.extend(self.reader.conn.execute(
+                        f"SELECT record_id, sketch FROM records WHERE {where} ORDER BY record_id",
+                        param).fetchall())
+                cols = list(zip(*got)) if got else [()] * 2
+                return (np.array(cols[0], dtype=np.int64),
+                        {c: pcols[c][at] for c in DIGEST_COLUMNS}, cols[1],
+                        pcols["sketch_seed"][at])
+        got = []
+        inf = _infinity(self.reader)
+        for start in range(0, len(uniq), ID_CHUNK):
+            where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
+            got.extend(self.reader.conn.execute(
+                "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
+                f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
+                f" COALESCE(abs_max, 0.0), sketch, sketch_seed FROM records WHERE {where}"
+                " ORDER BY record_id", param).fetchall())
+        cols = list(zip(*got)) if got else [()] * 13
+        return (np.array(cols[0], dtype=np.int64),
+                {c: np.array(cols[j], dtype=np.float64)
+                 for j, c in enumerate(DIGEST_COLUMNS, start=1)},
+                cols[-2], np.array(cols[-1], dtype=np.int64))
+
+    def prefetch_digests(self, rids: np.ndarray) -> None:
+        """Take the counts and moments of these records from their runs' key segments, in one
+        pass over the segments, so that `fetch_digests` reads only their sketches from rows
+        (about 3x cheaper per record). Worth it from `PREFETCH_MIN` records (the pass reads a
+        run's every segment); a no-op below that, on PostgreSQL and for runs read from rows.
+        `drop_prefetched` frees it."""
+        self._prefetched = None
+        uniq = np.unique(rids)
+        if not self._segmented or len(uniq) < PREFETCH_MIN:
+            return
+        at = segments.LAYOUT_COLUMNS.index("sketch_seed")
+        found: dict[str, list[np.ndarray]] = {c: [] for c in ("record_id", "sketch_seed")
+                                             + DIGEST_COLUMNS}
+        try:
+            for run_id in sorted(self._segmented):
+                for (blob,) in self.reader.conn.execute(
+                        "SELECT data FROM segments WHERE run_id = ?", (run_id,)):
+                    cols, table = segments.decode(blob)
+                    rid = cols["record_id"]
+                    i = np.minimum(np.searchsorted(uniq, rid), len(uniq) - 1)
+                    hit = uniq[i] == rid
+                    if not hit.any():
+                        continue
+                    seeds = np.array([e[at] for e in table], dtype=np.int64)
+                    found["record_id"].append(rid[hit])
+                    found["sketch_seed"].append(seeds[cols["layout"][hit]])
+                    for c in DIGEST_COLUMNS:
+                        found[c].append(cols[c][hit].astype(np.float64))
+        except segments.SegmentError:
+            return  # rows are read instead (the load already warned about this segment)
+        if not found["record_id"]:
+            return
+        rid = np.concatenate(found["record_id"])
+        order = np.argsort(rid, kind="stable")
+        self._prefetched = (rid[order], {c: np.concatenate(v)[order] for c, v in found.items()
+                                         if c != "record_id"})
+
+    def drop_prefetched(self) -> None:
+        self._prefetched = None
 
     def payload_rids(self, rids: np.ndarray) -> set[int]:
         """Which of these records have a complete payload stored."""

@@ -40,6 +40,18 @@ def store_nonfinite(comp: Comparison, keys: np.ndarray, R: dict, C: dict) -> Non
         [R["nan"], R["posinf"], R["neginf"], C["nan"], C["posinf"], C["neginf"]], axis=1)
 
 
+def record_ids(comp: Comparison, keys: np.ndarray) -> np.ndarray:
+    """The record ids `merge_side` reads for these logical keys, both sides."""
+    out = []
+    for lk, cols, side in ((comp.ref_keys, comp.ref, comp.ri), (comp.cand_keys, comp.cand,
+                                                                 comp.ci)):
+        idx = side[keys]
+        idx = idx[idx >= 0]
+        rows_idx, _ = ranges_index(lk.taken_start[idx], lk.taken_start[idx + 1])
+        out.append(cols.rid[lk.taken_row[rows_idx]])
+    return np.concatenate(out)
+
+
 def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Catalog, *,
                 sketches: bool = True):
     """Merged moments and sketches of one side for the given logical keys (all with rows)."""

@@ -22,7 +22,8 @@ from auditor.compare.metrics import FLOAT_DTYPES
 from auditor.compare.order import order_keys
 from auditor.compare.policy import Check, Policy
 from auditor.compare.ranges import format_ranges
-from auditor.compare.slow import SLOW_CHUNK, merge_side, slow_chunk, store_nonfinite
+from auditor.compare.slow import (SLOW_CHUNK, merge_side, record_ids, slow_chunk,
+                                   store_nonfinite)
 from auditor.store import Reader
 
 _ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
@@ -190,15 +191,17 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         order_stage=np.zeros(K, np.int64), notes=notes, bwd_factor=bwd_factor,
     )
     nf_keys = np.flatnonzero(verdict == F.NONFINITE)
+    slow = np.flatnonzero(verdict < 0)
+    catalog.prefetch_digests(record_ids(comp, np.concatenate([nf_keys, slow])))
     for s0 in range(0, len(nf_keys), SLOW_CHUNK):
         chunk = nf_keys[s0:s0 + SLOW_CHUNK]
         R = merge_side(comp, comp.ri[chunk], "ref", catalog, sketches=False)
         C = merge_side(comp, comp.ci[chunk], "cand", catalog, sketches=False)
         store_nonfinite(comp, chunk, R, C)
-    slow = np.flatnonzero(verdict < 0)
     for s in range(0, len(slow), SLOW_CHUNK):
         slow_chunk(comp, slow[s:s + SLOW_CHUNK], metric, explicit, rtol, atol, reader,
                    elementwise)
+    catalog.drop_prefetched()
     t3 = time.perf_counter()
     comp.breach = ~np.isin(comp.verdict, (F.IDENTICAL, F.CLOSE, F.IGNORED)) & ~expected
     order_keys(comp)

@@ -9,9 +9,13 @@ stored, with their record ids. The records table stays the source of truth: a ru
 used only when they account for every one of its records (`complete`), so a store written before
 segments existed, or by an older numaudit, is read row by row as before.
 
+A segment also holds each record's counts and moments, so that a comparison whose keys mostly
+differ (bf16 against fp32) reads only the sketches from rows (`Catalog.prefetch_digests`).
+
 A segment is ``MAGIC, n, len(table)``, the layout table as JSON, then the columns of `INTS`
-(int64), ``flags`` (uint8, the `FLAG_BITS` of each record) and ``layout`` (int32, an index into
-the table). A table entry is a distinct tuple of `LAYOUT_COLUMNS` values, as stored.
+(int64) and `MOMENTS` (float64), ``layout`` (int32, an index into the table) and ``flags``
+(uint8, the `FLAG_BITS` of each record). A table entry is a distinct tuple of `LAYOUT_COLUMNS`
+values, as stored.
 """
 
 from __future__ import annotations
@@ -23,12 +27,17 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-MAGIC = b"NAS1"
+MAGIC = b"NAS2"
 _HEAD = struct.Struct("<4sII")
 
 INTS = ("step", "microbatch", "phase", "site_id", "role", "idx", "call", "rank", "stage",
-        "fingerprint", "record_id")
+        "fingerprint", "record_id", "nan", "posinf", "neginf", "zeros", "numel")
 """int64 columns of a segment, as stored in `records` (fingerprints as the signed int64)."""
+
+MOMENTS = (("sum", 0.0), ("sum_sq", 0.0), ("min", float("inf")), ("max", -float("inf")),
+           ("abs_max", 0.0))
+"""float64 columns of a segment, and the value a record without moments (NULL in `records`:
+integer and None pieces) holds there: the identity of how the comparison merges the column."""
 
 LAYOUT_COLUMNS = ("dtype", "logical_shape", "offsets", "shape", "ragged_parts", "ragged_first",
                   "ragged_span", "reduce", "reduce_index", "reduce_count", "reduce_weight",
@@ -42,8 +51,8 @@ FLAG_BITS = (("is_none", IS_NONE), ("replica", REPLICA), ("partial", PARTIAL),
 """Flag columns stored as bits; NONFINITE (nan + posinf + neginf > 0) and ALL_ZERO (zeros =
 numel > 0) are derived from the counts."""
 
-SOURCE_COLUMNS = INTS[:-1] + LAYOUT_COLUMNS + tuple(c for c, _ in FLAG_BITS) + (
-    "nan", "posinf", "neginf", "zeros", "numel")
+SOURCE_COLUMNS = tuple(c for c in INTS if c != "record_id") + LAYOUT_COLUMNS + tuple(
+    c for c, _ in FLAG_BITS) + tuple(c for c, _ in MOMENTS)
 """Columns of `records` a segment is built from (with the record ids)."""
 
 _TABLE = """
@@ -76,13 +85,16 @@ def encode(columns: Mapping[str, Sequence[Any]], rids: Sequence[int]) -> bytes:
         entries[e] = i
     codes = np.fromiter(map(entries.__getitem__, keys), dtype=np.int32, count=n)
     table = json.dumps(list(entries), separators=(",", ":")).encode()
-    ints = [np.asarray(columns[c], dtype=np.int64) for c in INTS[:-1]]
-    ints.append(np.asarray(rids, dtype=np.int64))
+    ints = [np.asarray(rids if c == "record_id" else columns[c], dtype=np.int64) for c in INTS]
+    floats = []
+    for c, identity in MOMENTS:
+        values = np.asarray(columns[c], dtype=object)  # None where the record has no moments
+        values[np.equal(values, None)] = identity
+        floats.append(values.astype(np.float64))
     flags = np.zeros(n, np.uint8)
     for name, bit in FLAG_BITS:
         flags |= np.where(np.asarray(columns[name], dtype=np.int64) != 0, bit, 0).astype(np.uint8)
-    counts = {c: np.asarray(columns[c], dtype=np.int64) for c in
-              ("nan", "posinf", "neginf", "zeros", "numel")}
+    counts = dict(zip(INTS, ints))
     nonfinite = counts["nan"] + counts["posinf"] + counts["neginf"] > 0
     flags |= np.where(nonfinite, NONFINITE, 0).astype(np.uint8)
     all_zero = (counts["zeros"] == counts["numel"]) & (counts["numel"] > 0)
@@ -90,6 +102,7 @@ def encode(columns: Mapping[str, Sequence[Any]], rids: Sequence[int]) -> bytes:
     pad = b"\0" * (-(_HEAD.size + len(table)) % 8)
     return b"".join([_HEAD.pack(MAGIC, n, len(table)), table, pad]
                     + [a.astype("<i8").tobytes() for a in ints]
+                    + [a.astype("<f8").tobytes() for a in floats]
                     + [codes.astype("<i4").tobytes(), flags.tobytes()])
 
 
@@ -102,12 +115,15 @@ def decode(blob: bytes) -> tuple[dict[str, np.ndarray], list[tuple]]:
         raise SegmentError(f"segment: magic {magic!r} is not {MAGIC!r}")
     at = _HEAD.size + tlen
     at += -at % 8
-    if len(blob) != at + n * (8 * len(INTS) + 5):
+    if len(blob) != at + n * (8 * (len(INTS) + len(MOMENTS)) + 5):
         raise SegmentError(f"segment: {len(blob)} bytes do not hold {n} records")
     table = [tuple(e) for e in json.loads(blob[_HEAD.size:_HEAD.size + tlen])]
     out: dict[str, np.ndarray] = {}
     for c in INTS:
         out[c] = np.frombuffer(blob, "<i8", n, at)
+        at += 8 * n
+    for c, _ in MOMENTS:
+        out[c] = np.frombuffer(blob, "<f8", n, at)
         at += 8 * n
     out["layout"] = np.frombuffer(blob, "<i4", n, at)
     out["flags"] = np.frombuffer(blob, np.uint8, n, at + 4 * n)

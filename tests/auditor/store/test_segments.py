@@ -243,3 +243,46 @@ def test_a_run_too_large_for_one_postgresql_value_is_read_in_blocks(pg_url, monk
     assert len(calls) > 4 and calls[0] == ""
     for f in ("A", "B", "rank", "stage", "flags", "fp", "rid"):
         assert np.array_equal(getattr(blocks, f), getattr(rows, f)), f
+
+
+def test_digests_prefetched_from_segments_equal_the_rows(odd_store, monkeypatch):
+    """A comparison whose keys mostly differ reads counts and moments from the segments and
+    only sketches from rows (`Catalog.prefetch_digests`): the same values as reading rows."""
+    from auditor.compare import columns as C
+
+    monkeypatch.setattr(C, "PREFETCH_MIN", 1)
+    reader = Reader(odd_store)
+    try:
+        cat = Catalog(reader)
+        rids = np.concatenate([cat.load("ref", "ref").rid, cat.load("cand", "cand").rid])
+        rids = np.concatenate([rids[::-1], rids[:3]])  # any order, repeats
+        from_rows = cat.fetch_digests(rids)
+        cat.prefetch_digests(rids)
+        assert cat._prefetched is not None and len(cat._prefetched[0]) == len(np.unique(rids))
+        prefetched = cat.fetch_digests(rids)
+        cat.drop_prefetched()
+    finally:
+        reader.close()
+    assert from_rows.keys() == prefetched.keys()
+    for c, v in from_rows.items():
+        assert v.dtype == prefetched[c].dtype and np.array_equal(v, prefetched[c]), c
+    assert np.isinf(from_rows["min"]).any()  # records without moments hold the identities
+
+
+def test_engine_verdicts_are_the_same_with_prefetched_digests(tmp_path, monkeypatch):
+    from auditor.compare import columns as C
+    from tests.auditor.synth import one_ulp
+
+    def drift(kind, step, mb, site, t):
+        return one_ulp(t, 1) if kind in ("fwd", "grad") else t
+
+    db = write_runs(tmp_path / "a.db", mlp_run("ref", world=2, steps=2),
+                    mlp_run("cand", world=2, steps=2, perturb=drift))
+    monkeypatch.setattr(C, "PREFETCH_MIN", 10 ** 9)
+    from_rows = compare_runs(db, "ref", "cand")
+    monkeypatch.setattr(C, "PREFETCH_MIN", 1)
+    prefetched = compare_runs(db, "ref", "cand")
+    assert from_rows.counts == prefetched.counts and from_rows.counts.get("close", 0) > 10
+    a, b = from_rows.comparison, prefetched.comparison
+    for f in ("verdict", "value", "sigma", "rel_l2", "cos_dist"):
+        assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
