@@ -145,15 +145,15 @@ def _insert(conn, rows) -> None:
 
 
 def _ensure_segments(db: Path) -> None:
-    """Key segments for runs whose records the build wrote as rows (`segments.backfill`; a
+    """Key segments for runs whose records the build wrote as rows (`key_segments.backfill`; a
     store the agent's batches filled has them from ingest)."""
-    from auditor.store import connect, segments
+    from auditor.store import connect, key_segments
 
     conn = connect(db, synchronous="OFF")
     try:
         for (run_id,) in conn.execute("SELECT run_id FROM runs").fetchall():
-            if not segments.complete(conn, run_id):
-                segments.backfill(conn, run_id)
+            if not key_segments.complete(conn, run_id):
+                key_segments.backfill(conn, run_id)
     finally:
         conn.close()
 

@@ -287,7 +287,7 @@ def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None
     import itertools
 
     from auditor.daemon.validate import validate_batch
-    from auditor.store import segments
+    from auditor.store import key_segments
     from auditor.store.rows import insert_rows, record_columns, rows_of
     from auditor.store.sqlite import connect
     from protos import numaudit_pb2 as pb
@@ -308,7 +308,7 @@ def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None
         columns = record_columns(cols, sites, 1, rank, hashes, f"s{rank}", i, 0.0)
         top = conn.execute("SELECT COALESCE(MAX(record_id), 0) FROM records").fetchone()[0]
         insert_rows(conn, rows_of(columns))
-        segments.store(conn, 1, columns, range(top + 1, top + 1 + cols.n))
+        key_segments.store(conn, 1, columns, range(top + 1, top + 1 + cols.n))
 
     def segment(conn, i):
         rank, cols, hashes, packed = batches[i]

@@ -15,6 +15,7 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, site_module
+from auditor.compare.segments import unique
 
 if TYPE_CHECKING:
     from auditor.compare.comparison import Comparison
@@ -289,7 +290,7 @@ def _consumed_scaling(comp: Comparison, step: int) -> str:
     factor = np.where(comp.verdict[keys] == F.IDENTICAL, 1.0, scaled)
     stage = comp.order_stage[keys]
     per_stage: dict[int, float] = {}
-    for s in np.unique(stage).tolist():
+    for s in unique(stage).tolist():
         f = factor[stage == s]
         if not np.isfinite(f).all() or not len(f):
             per_stage = {}

@@ -23,7 +23,8 @@ import numpy as np
 from auditor.compare.align import RenameRule, canonical_sites, normalize_site
 from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
 from auditor.compare.merge import Piece
-from auditor.store import Reader, segments
+from auditor.compare.segments import unique
+from auditor.store import Reader, key_segments
 
 # Packed key: A = step << 24 | (microbatch + 1) << 4 | phase,
 #             B = site << 32 | role << 28 | index << 14 | call.
@@ -63,6 +64,8 @@ DIGEST_COLUMNS = ("nan", "posinf", "neginf", "zeros", "numel", "sum", "sum_sq", 
                   "abs_max")
 ID_CHUNK = 50_000
 """Record ids per lookup (`_ids_in`)."""
+RANGE_GAP = 64
+"""Record ids further apart than this split a read by ranges (`Catalog._rows_of`)."""
 PREFETCH_MIN = 20_000
 """Records from which `Catalog.prefetch_digests` reads counts and moments from segments."""
 PG_BLOCK = 1 << 22
@@ -405,27 +408,27 @@ class Catalog:
             params).fetchone()
 
     def _segment_arrays(self, run_id: int, fs: int, ss: int) -> _Arrays | None:
-        """The run's records from its key segments (`auditor.store.segments`), computed as
+        """The run's records from its key segments (`auditor.store.key_segments`), computed as
         `_SELECT` computes them from rows; None when the run has no complete set of segments
         (a store from before them, PostgreSQL) or one does not decode (then rows are read)."""
         conn = self.reader.conn
-        if not segments.complete(conn, run_id):
+        if not key_segments.complete(conn, run_id):
             return None
         parts, entries = [], {}
         try:
             for (blob,) in conn.execute(
                     "SELECT data FROM segments WHERE run_id = ? ORDER BY segment_id", (run_id,)):
-                cols, table = segments.decode(blob)
+                cols, table = key_segments.decode(blob)
                 lut = np.array([entries.setdefault(e, len(entries)) for e in table], np.int64)
                 parts.append((cols, lut))
-        except segments.SegmentError as exc:
+        except key_segments.SegmentError as exc:
             self._warn(f"run_id {run_id}: {exc}; its records were read row by row")
             return None
         self._segmented.add(run_id)
         c = {name: np.concatenate([p[name] for p, _ in parts])
-             for name in segments.INTS + ("flags",)}
+             for name in key_segments.INTS + ("flags",)}
         code = np.concatenate([lut[p["layout"]] for p, lut in parts])
-        at = {name: i for i, name in enumerate(segments.LAYOUT_COLUMNS)}
+        at = {name: i for i, name in enumerate(key_segments.LAYOUT_COLUMNS)}
         table = list(entries)
         texts = [self._layout_text(e, at) for e in table]
         seeds_ok = np.array([e[at["fingerprint_seed"]] == fs and e[at["sketch_seed"]] == ss
@@ -439,10 +442,10 @@ class Catalog:
             "step", "microbatch", "site_id", "idx", "call", "stage"))
         out_of_range = (step > MAX_STEP) | (mb > MAX_MICROBATCH) | (site > MAX_SITE_ID) | \
             (idx > MAX_INDEX) | (call > MAX_CALL) | (stage > 2147483646)
-        R = (c["rank"] << 40) | ((stage + 1) << 8) | bit(segments.IS_NONE, 7) | \
-            bit(segments.REPLICA, 6) | bit(segments.PARTIAL, 5) | \
-            bit(segments.COMPLEX_AS_REAL, 4) | bit(segments.HAS_MOMENTS, 3) | \
-            (seeds_ok[code] << 2) | bit(segments.NONFINITE, 1) | bit(segments.ALL_ZERO, 0) | \
+        R = (c["rank"] << 40) | ((stage + 1) << 8) | bit(key_segments.IS_NONE, 7) | \
+            bit(key_segments.REPLICA, 6) | bit(key_segments.PARTIAL, 5) | \
+            bit(key_segments.COMPLEX_AS_REAL, 4) | bit(key_segments.HAS_MOMENTS, 3) | \
+            (seeds_ok[code] << 2) | bit(key_segments.NONFINITE, 1) | bit(key_segments.ALL_ZERO, 0) | \
             (out_of_range.astype(np.int64) << 39)
         return _Arrays(
             A=(step << 24) | ((mb + 1) << 4) | c["phase"],
@@ -510,7 +513,7 @@ class Catalog:
             out["sketch"], out["sketch_k"] = np.zeros((0, 0)), np.zeros(0, np.int64)
             out["sketch_seed"] = np.zeros(0, np.int64)
             return out
-        uniq = np.unique(rids)
+        uniq = unique(rids)
         with no_gc():
             got_rid, num, blobs, seeds = self._digests_of(uniq)
             if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
@@ -540,30 +543,52 @@ class Catalog:
             prid, pcols = pre
             at = np.minimum(np.searchsorted(prid, uniq), max(len(prid) - 1, 0))
             if len(prid) and np.array_equal(prid[at], uniq):
-                got: list[tuple] = []
-                for start in range(0, len(uniq), ID_CHUNK):
-                    where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
-                    got.extend(self.reader.conn.execute(
-                        f"SELECT record_id, sketch FROM records WHERE {where} ORDER BY record_id",
-                        param).fetchall())
+                got = self._rows_of(uniq, "record_id, sketch")
                 cols = list(zip(*got)) if got else [()] * 2
                 return (np.array(cols[0], dtype=np.int64),
                         {c: pcols[c][at] for c in DIGEST_COLUMNS}, cols[1],
                         pcols["sketch_seed"][at])
-        got = []
         inf = _infinity(self.reader)
-        for start in range(0, len(uniq), ID_CHUNK):
-            where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
-            got.extend(self.reader.conn.execute(
-                "SELECT record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
-                f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
-                f" COALESCE(abs_max, 0.0), sketch, sketch_seed FROM records WHERE {where}"
-                " ORDER BY record_id", param).fetchall())
+        got = self._rows_of(
+            uniq, "record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
+            f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
+            " COALESCE(abs_max, 0.0), sketch, sketch_seed")
         cols = list(zip(*got)) if got else [()] * 13
         return (np.array(cols[0], dtype=np.int64),
                 {c: np.array(cols[j], dtype=np.float64)
                  for j, c in enumerate(DIGEST_COLUMNS, start=1)},
                 cols[-2], np.array(cols[-1], dtype=np.int64))
+
+    def _rows_of(self, uniq: np.ndarray, columns: str) -> list[tuple]:
+        """``SELECT columns FROM records`` for the sorted record ids `uniq`, in record id order
+        (the first column must be record_id). Ids close together (a run of keys stored
+        together, the common case) are read by ranges, ``record_id BETWEEN a AND b``, with the
+        few rows in between dropped; scattered ones by a list of ids (`_ids_in`)."""
+        if not len(uniq):
+            return []
+        cut = np.flatnonzero(np.diff(uniq) > RANGE_GAP) + 1
+        starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(uniq)]])
+        span = uniq[ends - 1] - uniq[starts] + 1
+        dense = span <= 2 * (ends - starts)  # at most as many rows dropped as kept
+        got: list[tuple] = []
+        conn = self.reader.conn
+        for a, b in zip(starts[dense].tolist(), ends[dense].tolist()):
+            rows = conn.execute(f"SELECT {columns} FROM records WHERE record_id BETWEEN ? AND ?"
+                                " ORDER BY record_id", (int(uniq[a]), int(uniq[b - 1]))).fetchall()
+            if len(rows) != b - a:
+                want = uniq[a:b]
+                rid = np.fromiter((r[0] for r in rows), np.int64, count=len(rows))
+                rows = [rows[i] for i in np.flatnonzero(np.isin(rid, want)).tolist()]
+            got.extend(rows)
+        scattered = np.concatenate([uniq[a:b] for a, b in zip(starts[~dense].tolist(),
+                                                             ends[~dense].tolist())] or [uniq[:0]])
+        for start in range(0, len(scattered), ID_CHUNK):
+            where, param = _ids_in(self.reader, scattered[start:start + ID_CHUNK].tolist())
+            got.extend(conn.execute(f"SELECT {columns} FROM records WHERE {where}"
+                                    " ORDER BY record_id", param).fetchall())
+        if len(scattered) and dense.any():
+            got.sort(key=lambda r: r[0])
+        return got
 
     def prefetch_digests(self, rids: np.ndarray) -> None:
         """Take the counts and moments of these records from their runs' key segments, in one
@@ -572,17 +597,17 @@ class Catalog:
         run's every segment); a no-op below that, on PostgreSQL and for runs read from rows.
         `drop_prefetched` frees it."""
         self._prefetched = None
-        uniq = np.unique(rids)
+        uniq = unique(rids)
         if not self._segmented or len(uniq) < PREFETCH_MIN:
             return
-        at = segments.LAYOUT_COLUMNS.index("sketch_seed")
+        at = key_segments.LAYOUT_COLUMNS.index("sketch_seed")
         found: dict[str, list[np.ndarray]] = {c: [] for c in ("record_id", "sketch_seed")
                                              + DIGEST_COLUMNS}
         try:
             for run_id in sorted(self._segmented):
                 for (blob,) in self.reader.conn.execute(
                         "SELECT data FROM segments WHERE run_id = ?", (run_id,)):
-                    cols, table = segments.decode(blob)
+                    cols, table = key_segments.decode(blob)
                     rid = cols["record_id"]
                     i = np.minimum(np.searchsorted(uniq, rid), len(uniq) - 1)
                     hit = uniq[i] == rid
@@ -593,7 +618,7 @@ class Catalog:
                     found["sketch_seed"].append(seeds[cols["layout"][hit]])
                     for c in DIGEST_COLUMNS:
                         found[c].append(cols[c][hit].astype(np.float64))
-        except segments.SegmentError:
+        except key_segments.SegmentError:
             return  # rows are read instead (the load already warned about this segment)
         if not found["record_id"]:
             return
@@ -608,7 +633,7 @@ class Catalog:
     def payload_rids(self, rids: np.ndarray) -> set[int]:
         """Which of these records have a complete payload stored."""
         found: set[int] = set()
-        uniq = np.unique(rids)
+        uniq = unique(rids)
         for start in range(0, len(uniq), ID_CHUNK):
             where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
             found.update(r for (r,) in self.reader.conn.execute(

@@ -14,6 +14,7 @@ import numpy as np
 
 from auditor.compare.merge import INCOMPLETE, NONE, REPLICA_DIVERGENCE, TilingPlan, plan_tiling
 from auditor.compare.ranges import format_ranges
+from auditor.compare.segments import unique
 
 
 @dataclass
@@ -98,7 +99,7 @@ def build_keys(cols, catalog) -> LogicalKeys:
     reduced = np.zeros(G, np.int8)
     plans: dict[tuple, TilingPlan] = catalog.__dict__.setdefault("_plans", {})
 
-    for size in np.unique(counts):
+    for size in unique(counts):
         gsel = np.flatnonzero(counts == size)
         idx = starts[gsel][:, None] + np.arange(size)
         codes = cols.layout[idx]

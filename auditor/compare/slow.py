@@ -18,7 +18,7 @@ from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
 from auditor.compare.align import PHASE_IDS
 from auditor.compare.findings import format_float
 from auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
-from auditor.compare.segments import ranges_index, segment_reduce
+from auditor.compare.segments import ranges_index, segment_reduce, unique
 from auditor.compare.payloads import payload_for, payload_keys
 from auditor.compare.policy import METRICS, PAYLOAD_METRICS
 from auditor.store import Reader
@@ -82,7 +82,7 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     # sketches of another length or seed (another hash scheme) do not add or compare
     bad_rows = (ks != k) | (d["sketch_seed"] != catalog.sketch_seed)
     if bad_rows.any():
-        ok[np.unique(seg[bad_rows])] = False
+        ok[unique(seg[bad_rows])] = False
     out["sketch"] = segment_reduce(np.add, d["sketch"] * coef[:, None], offsets, n, 0.0) if k \
         else np.zeros((len(keys_idx), 0))
     out["sketch_ok"] = ok & (k > 0)

@@ -27,7 +27,7 @@ from auditor.store.rows import (
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
 from auditor.store.files import APPLICATION_ID, check_store_file
-from auditor.store import segments
+from auditor.store import key_segments
 
 SCHEMA_VERSION = 2
 """2 added the reduction columns of records and the job and gradient scale of sessions; a store
@@ -120,7 +120,7 @@ record (one ~2.3 kB row) took a page of its own: 4.2 kB a record on disk and in 
 at each commit. 16 KiB pages hold seven: 2.5 kB a record, and the store's share of a k=256 batch
 fell from 14-20 to 9-11 ms CPU (no change at k=64; `bench.ingest --store-probe`,
 docs/scaling.md). 4 KiB stayed the default while the comparison read every row of a run, which
-larger pages slowed by 5-10%; it reads key segments now (`auditor.store.segments`)."""
+larger pages slowed by 5-10%; it reads key segments now (`auditor.store.key_segments`)."""
 
 WAL_CHECKPOINT_BYTES = 4 << 20
 """The WAL is checkpointed into the database when it passes this size (SQLite counts it in
@@ -194,7 +194,7 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
         conn.execute(f"PRAGMA synchronous={synchronous}")
         _upgrade(conn)
         conn.executescript(_SCHEMA)
-        segments.create_table(conn)
+        key_segments.create_table(conn)
         conn.execute(
             "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
@@ -355,13 +355,13 @@ class Store:
                 rids: Sequence[int] = range(top + 1, top + 1 + cols.n)
                 if self.conn.execute("SELECT MAX(record_id) FROM records").fetchone()[0] != rids[-1]:
                     rids = [self._record_id(row[:9])[0] for row in rows]
-                segments.store(self.conn, run_id, columns, rids)
+                key_segments.store(self.conn, run_id, columns, rids)
             else:
                 self.conn.execute("ROLLBACK TO bulk")
                 self.conn.execute("RELEASE bulk")
                 stored, rids = self._ingest_rows(cols, rows, hashes, session_id, seq, now, result)
                 if stored:
-                    segments.store(self.conn, run_id, dict(zip(INSERT_COLUMNS, zip(*stored))),
+                    key_segments.store(self.conn, run_id, dict(zip(INSERT_COLUMNS, zip(*stored))),
                                    rids)
         self.conn.execute(
             "UPDATE sessions SET acked_seq = ? WHERE session_id = ?", (seq, session_id)

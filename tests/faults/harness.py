@@ -295,13 +295,13 @@ class Writer:
 # -- what the store holds ---------------------------------------------------------------------------
 
 def _segments_match(conn: sqlite3.Connection, run_id: int) -> bool:
-    from auditor.store import segments
+    from auditor.store import key_segments
 
     rids = sorted(r for (r,) in conn.execute("SELECT record_id FROM records WHERE run_id = ?",
                                               (run_id,)))
     in_segments = sorted(rid for (blob,) in conn.execute(
         "SELECT data FROM segments WHERE run_id = ?", (run_id,))
-        for rid in segments.decode(blob)[0]["record_id"].tolist())
+        for rid in key_segments.decode(blob)[0]["record_id"].tolist())
     return rids == in_segments
 
 
@@ -315,7 +315,7 @@ class StoreView:
     integrity: str
     sessions: list[dict] = field(default_factory=list)
     segments_match: bool = True
-    """The run's key segments hold exactly its records, by record id (auditor.store.segments)."""
+    """The run's key segments hold exactly its records, by record id (auditor.store.key_segments)."""
 
     @classmethod
     def read(cls, db: Path, run: str = "faults") -> "StoreView":

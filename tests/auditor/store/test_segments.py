@@ -1,9 +1,10 @@
 """The comparison's fast reads load a run exactly as its row read does: key segments on SQLite
-(`auditor.store.segments`, with a fall back to rows whenever they do not account for every
+(`auditor.store.key_segments`, with a fall back to rows whenever they do not account for every
 record) and the packed one-row read on PostgreSQL (`Catalog._pg_arrays`)."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from auditor.compare.columns import Catalog
 from auditor.compare.engine import compare_runs
-from auditor.store import Reader, connect, segments
+from auditor.store import Reader, connect, key_segments
 from auditor.store.backend import open_writer
 from protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, none_record, record, register_request
@@ -57,7 +58,7 @@ def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
         cat = Catalog(reader)
         with monkeypatch.context() as m:
             if rows:
-                m.setattr(segments, "complete", lambda conn, run_id: False)
+                m.setattr(key_segments, "complete", lambda conn, run_id: False)
                 m.setattr(Catalog, "_pg_arrays", lambda self, params: None)
             cols = cat.load(run, "ref")
         pieces = [cat.pieces[i] for i in cols.layout.tolist()]
@@ -130,7 +131,7 @@ def test_segments_of_a_sharded_training_run_load_like_rows(tmp_path, monkeypatch
     assert _assert_same_load(db, "ref", monkeypatch) > 0
     assert _assert_same_load(db, "cand", monkeypatch) > 0
     conn = connect(db)
-    assert all(segments.complete(conn, rid) for (rid,) in conn.execute("SELECT run_id FROM runs"))
+    assert all(key_segments.complete(conn, rid) for (rid,) in conn.execute("SELECT run_id FROM runs"))
     conn.close()
 
 
@@ -141,7 +142,7 @@ def test_incomplete_or_missing_segments_fall_back_to_rows(odd_store, monkeypatch
     conn.commit()
     conn.close()
     conn = connect(odd_store)
-    assert not segments.complete(conn, 2) and segments.complete(conn, 1)
+    assert not key_segments.complete(conn, 2) and key_segments.complete(conn, 1)
     conn.close()
     assert _assert_same_load(odd_store, "cand", monkeypatch) == len(_odd_records())
     # a store from before segments (no table at all) reads as it always did
@@ -174,24 +175,24 @@ def test_backfill_rebuilds_the_segments_of_a_run(odd_store, monkeypatch):
     conn.commit()
     conn.close()
     conn = connect(odd_store)
-    assert segments.backfill(conn, 1, per_segment=4) == len(_odd_records())
-    assert segments.backfill(conn, 2) == len(_odd_records())
-    assert segments.complete(conn, 1) and segments.complete(conn, 2)
+    assert key_segments.backfill(conn, 1, per_segment=4) == len(_odd_records())
+    assert key_segments.backfill(conn, 2) == len(_odd_records())
+    assert key_segments.complete(conn, 1) and key_segments.complete(conn, 2)
     conn.close()
     assert _assert_same_load(odd_store, "ref", monkeypatch) == len(_odd_records())
     assert _assert_same_load(odd_store, "cand", monkeypatch) == len(_odd_records())
 
 
 def test_decode_refuses_what_it_cannot_vouch_for():
-    blob = segments.encode({c: [0] for c in segments.SOURCE_COLUMNS}
+    blob = key_segments.encode({c: [0] for c in key_segments.SOURCE_COLUMNS}
                            | {"dtype": [""], "logical_shape": ["[]"], "offsets": ["[]"],
                               "shape": ["[]"], "reduce_weight": [1.0]}, [5])
-    cols, table = segments.decode(blob)
+    cols, table = key_segments.decode(blob)
     assert cols["record_id"].tolist() == [5] and len(table) == 1
     for bad, why in ((blob[:-1], "do not hold"), (b"XXXX" + blob[4:], "magic"),
                      (blob[:8], "header")):
-        with pytest.raises(segments.SegmentError, match=why):
-            segments.decode(bad)
+        with pytest.raises(key_segments.SegmentError, match=why):
+            key_segments.decode(bad)
 
 
 def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path, monkeypatch):
@@ -286,3 +287,28 @@ def test_engine_verdicts_are_the_same_with_prefetched_digests(tmp_path, monkeypa
     a, b = from_rows.comparison, prefetched.comparison
     for f in ("verdict", "value", "sigma", "rel_l2", "cos_dist"):
         assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
+
+
+def test_rows_are_read_by_ranges_and_lists_alike(tmp_path, monkeypatch):
+    """`Catalog._rows_of` reads close record ids by ranges (dropping the rows in between) and
+    scattered ones by lists: the same rows, in record id order, as one list would give."""
+    from auditor.compare import columns as C
+
+    db = write_runs(tmp_path / "a.db", mlp_run("ref", world=2, steps=3))
+    monkeypatch.setattr(C, "RANGE_GAP", 4)
+    reader = Reader(db)
+    try:
+        every = np.array([r for (r,) in reader.conn.execute(
+            "SELECT record_id FROM records ORDER BY record_id")], np.int64)
+        assert len(every) > 100
+        wanted = np.concatenate([every[:40][every[:40] % 3 != 0],  # dense, some rows dropped
+                                 every[60:100:10],                 # scattered
+                                 every[-5:]])                      # dense, all kept
+        cat = Catalog(reader)
+        got = cat._rows_of(wanted, "record_id, fingerprint")
+        want = reader.conn.execute(
+            "SELECT record_id, fingerprint FROM records WHERE record_id IN (SELECT value FROM"
+            " json_each(?)) ORDER BY record_id", (json.dumps(wanted.tolist()),)).fetchall()
+    finally:
+        reader.close()
+    assert got == want and len(got) == len(wanted)
