@@ -88,7 +88,11 @@ def encode(columns: Mapping[str, Sequence[Any]], rids: Sequence[int]) -> bytes:
     ints = [np.asarray(rids if c == "record_id" else columns[c], dtype=np.int64) for c in INTS]
     floats = []
     for c, identity in MOMENTS:
-        values = np.asarray(columns[c], dtype=object)  # None where the record has no moments
+        values = columns[c]
+        if isinstance(values, np.ndarray) or None not in values:
+            floats.append(np.asarray(values, dtype=np.float64))
+            continue
+        values = np.asarray(values, dtype=object)  # None where the record has no moments
         values[np.equal(values, None)] = identity
         floats.append(values.astype(np.float64))
     flags = np.zeros(n, np.uint8)
