@@ -2,105 +2,32 @@
 
 Comparing a million keys must not build a Python object per record field, so the engine reads a
 narrow projection of ``records`` (key packed into two integers, the layout as one interned
-string, the counts, the fingerprint and the record id) and keeps it as arrays. Moments and
-sketches are read later, and only for the keys whose fingerprints differ.
-
-This module reads the store's tables directly (auditor/store/sqlite.py's schema, the same on
-PostgreSQL) through a `store.Reader`'s connection, in SQL both backends run; it writes nothing.
+string, the counts, the fingerprint and the record id) and keeps it as arrays
+(`auditor.compare.reads` reads it: key segments, the packed PostgreSQL read, or rows). Moments
+and sketches are read later, and only for the keys whose fingerprints differ.
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import sqlite3
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from auditor.compare import reads
 from auditor.compare.align import RenameRule, canonical_sites, normalize_site
 from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
 from auditor.compare.merge import Piece
+from auditor.compare.reads import (  # noqa: F401  (DIGEST_COLUMNS, no_gc: re-exported)
+    DIGEST_COLUMNS, ID_CHUNK, KEY_ORDER, MAX_CALL, MAX_MICROBATCH, MAX_STEP, SELECT, Arrays,
+    ids_in, no_gc, row_arrays)
 from auditor.compare.segments import unique
-from auditor.store import Reader, key_segments
-
-# Packed key: A = step << 24 | (microbatch + 1) << 4 | phase,
-#             B = site << 32 | role << 28 | index << 14 | call.
-# Both preserve the key's sort order, so (A, B) sorts like the key.
-MAX_STEP = (1 << 39) - 1
-MAX_MICROBATCH = (1 << 20) - 2
-MAX_SITE_ID = (1 << 31) - 1
-MAX_INDEX = MAX_CALL = (1 << 14) - 1
-
-_SELECT = (
-    # Portable SQL (SQLite and PostgreSQL): booleans become bits through CASE, not by shifting
-    # a comparison (PostgreSQL has no integer value for a boolean); every shift is in
-    # parentheses (PostgreSQL gives << and | the same precedence).
-    "SELECT"
-    " (step << 24) | ((microbatch + 1) << 4) | phase,"
-    " (site_id << 32) | (role << 28) | (idx << 14) | call,"
-    " (rank << 40) | ((stage + 1) << 8)"
-    "  | (is_none << 7) | (replica << 6) | (partial << 5) | (complex_as_real << 4)"
-    "  | (has_moments << 3)"
-    "  | CASE WHEN fingerprint_seed = :fs AND sketch_seed = :ss THEN 4 ELSE 0 END"
-    "  | CASE WHEN nan + posinf + neginf > 0 THEN 2 ELSE 0 END"
-    "  | CASE WHEN zeros = numel AND numel > 0 THEN 1 ELSE 0 END"
-    f"  | CASE WHEN step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
-    f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646"
-    "     THEN 549755813888 ELSE 0 END,"  # 1 << 39
-    " dtype || logical_shape || offsets || shape"
-    "  || CASE WHEN ragged_parts > 0 THEN '[' || ragged_first || ',' || ragged_span || ','"
-    "     || ragged_parts || ']' ELSE '' END"
-    "  || CASE WHEN reduce <> 0 THEN '|' || reduce"
-    "  || ',' || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
-    " fingerprint, record_id"
-    " FROM records"
-)
-_KEY_ORDER = " ORDER BY step, microbatch, phase, site_id, role, idx, call, rank"
-
-DIGEST_COLUMNS = ("nan", "posinf", "neginf", "zeros", "numel", "sum", "sum_sq", "min", "max",
-                  "abs_max")
-ID_CHUNK = 50_000
-"""Record ids per lookup (`_ids_in`)."""
-RANGE_GAP = 64
-"""Record ids further apart than this split a read by ranges (`Catalog._rows_of`)."""
-PREFETCH_MIN = 20_000
-"""Records from which `Catalog.prefetch_digests` reads counts and moments from segments."""
-PG_BLOCK = 1 << 22
-"""Record ids per block of the packed PostgreSQL read of a run too large for one value
-(`Catalog._pg_arrays`)."""
-
-
-def _ids_in(reader: Reader, ids: list[int]) -> tuple[str, tuple]:
-    """``record_id IN`` a list of ids, as SQL and its parameter: json_each on SQLite, an array
-    on PostgreSQL."""
-    if getattr(reader, "dialect", "sqlite") == "postgres":
-        return "record_id = ANY(?)", (ids,)
-    return "record_id IN (SELECT value FROM json_each(?))", (json.dumps(ids),)
-
-
-def _infinity(reader: Reader) -> str:
-    """A float +inf literal (SQLite overflows 9e999 to inf; PostgreSQL needs its name)."""
-    return "'Infinity'::float8" if getattr(reader, "dialect", "sqlite") == "postgres" \
-        else "9e999"
+from auditor.store import Reader
 
 
 class KeyRangeError(ValueError):
     """A key field beyond what the packed comparison key holds."""
-
-
-@contextmanager
-def no_gc() -> Iterator[None]:
-    """Millions of fresh tuples make the cyclic GC rescan the heap over and over: pause it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 _FIELDS = ("A", "B", "rank", "stage", "flags", "layout", "fp", "rid")
@@ -217,9 +144,8 @@ class Catalog:
         self.warnings: list[str] = []
         self._warned: set[str] = set()
         self._segmented: set[int] = set()
-        """Runs whose records were read from their key segments (`_segment_arrays`)."""
-        self._prefetched: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
-        """(sorted record ids, their DIGEST_COLUMNS and sketch seeds): `prefetch_digests`."""
+        """Runs whose records were read from their key segments."""
+        self._digests = reads.Digests(reader)
         self._refresh_sites()
 
     # -- sites ----------------------------------------------------------------------------------
@@ -306,17 +232,20 @@ class Catalog:
         fs, ss = self.seeds(run_id)
         params = {"run": run_id, "fs": fs, "ss": ss, "after": after_rid}
         if after_rid:
-            sql = _SELECT + " WHERE record_id > :after AND run_id = :run"
+            sql = SELECT + " WHERE record_id > :after AND run_id = :run"
         else:
-            sql = _SELECT + " WHERE run_id = :run" + _KEY_ORDER
+            sql = SELECT + " WHERE run_id = :run" + KEY_ORDER
         with no_gc():
             arrays = None
-            if not after_rid:
-                arrays = self._pg_arrays(params) if self._dialect == "postgres" \
-                    else self._segment_arrays(run_id, fs, ss)
+            if not after_rid and getattr(self.reader, "dialect", "sqlite") == "postgres":
+                arrays = reads.pg_arrays(self.reader, params)
+            elif not after_rid:
+                arrays = reads.segment_arrays(self.reader, run_id, fs, ss, self._warn)
+                if arrays is not None:
+                    self._segmented.add(run_id)
             if arrays is None:
                 rows = self.reader.conn.execute(sql, params).fetchall()
-                arrays = _row_arrays(rows)
+                arrays = row_arrays(rows)
                 del rows
             cols = _columns(self, arrays, run, side)
         if after_rid or (arrays is not None and not arrays.sorted):
@@ -341,9 +270,9 @@ class Catalog:
             "SELECT txid_snapshot_xmin(txid_current_snapshot())").fetchone()[0]))
         params = {"run": run_id, "fs": fs, "ss": ss, "xid": mark.xmin}
         with no_gc():
-            rows = conn.execute(_SELECT + " WHERE run_id = :run AND xid >= :xid",
+            rows = conn.execute(SELECT + " WHERE run_id = :run AND xid >= :xid",
                                 params).fetchall()
-            cols = _columns(self, _row_arrays(rows), run, side)
+            cols = _columns(self, row_arrays(rows), run, side)
             del rows
         fetched = cols.rid.copy()
         if len(mark.seen):
@@ -357,116 +286,6 @@ class Catalog:
             cols.flags[np.isin(cols.rid, conflicted)] |= CONFLICT_FLAG
         cols.max_rid = int(cols.rid.max(initial=0))
         return cols, ReadMark(rid=max(mark.rid, cols.max_rid), xmin=xmin, seen=fetched)
-
-    @property
-    def _dialect(self) -> str:
-        return getattr(self.reader, "dialect", "sqlite")
-
-    def _pg_arrays(self, params: dict) -> _Arrays | None:
-        """A run's records on PostgreSQL in one row: the server packs each `_SELECT` column into
-        one bytea (8 big-endian bytes a record) and the layout texts into one text, so the
-        client builds no Python object per record. Every aggregate of the row reads the same
-        records in the same pass, so the i-th values belong to the same record; lengths that
-        disagree (which cannot happen) send the read back to rows. A run too large for one
-        value (PostgreSQL caps a value at 1 GB: about 15M records' layout texts) is read in
-        blocks of `PG_BLOCK` record ids. None when the run has no records."""
-        import psycopg
-
-        try:
-            rows = [self._pg_packed(params, "")]
-        except (psycopg.errors.ProgramLimitExceeded, psycopg.errors.OutOfMemory):
-            lo, hi = self.reader.conn.execute(
-                "SELECT MIN(record_id), MAX(record_id) FROM records WHERE run_id = :run",
-                params).fetchone()
-            rows = [self._pg_packed(params, f" AND record_id >= {a} AND record_id < {a + PG_BLOCK}")
-                    for a in range(lo, hi + 1, PG_BLOCK)] if lo is not None else []
-        rows = [r for r in rows if r[0]]
-        n = sum(int(r[0]) for r in rows)
-        if n == 0:
-            return None
-        A, B, R, fp, rid = (np.concatenate([np.frombuffer(bytes(r[j]), ">i8") for r in rows])
-                            .astype(np.int64) for j in range(1, 6))
-        lay = [t for r in rows for t in r[6].split("\n")]
-        if not all(len(a) == n for a in (A, B, R, fp, rid, lay)):
-            return None
-        texts: dict[str, int] = dict.fromkeys(lay)
-        text_list = list(texts)
-        for i, t in enumerate(text_list):
-            texts[t] = i
-        return _Arrays(A=A, B=B, R=R, texts=text_list,
-                       text_code=np.fromiter(map(texts.__getitem__, lay), np.int64, count=n),
-                       fp=fp, rid=rid, sorted=False)
-
-    def _pg_packed(self, params: dict, where: str) -> tuple:
-        """(count, A, B, R, fingerprints, record ids as packed bytea, layouts) of the run's
-        records (and `where`)."""
-        packed = ", ".join(f"string_agg(int8send({c}), ''::bytea)"
-                           for c in ("a", "b", "r", "fp", "rid"))
-        return self.reader.conn.execute(
-            f"SELECT COUNT(*), {packed}, string_agg(lay, chr(10)) FROM"
-            f" ({_SELECT} WHERE run_id = :run{where}) AS t(a, b, r, lay, fp, rid)",
-            params).fetchone()
-
-    def _segment_arrays(self, run_id: int, fs: int, ss: int) -> _Arrays | None:
-        """The run's records from its key segments (`auditor.store.key_segments`), computed as
-        `_SELECT` computes them from rows; None when the run has no complete set of segments
-        (a store from before them, PostgreSQL) or one does not decode (then rows are read)."""
-        conn = self.reader.conn
-        if not key_segments.complete(conn, run_id):
-            return None
-        parts, entries = [], {}
-        try:
-            for (blob,) in conn.execute(
-                    "SELECT data FROM segments WHERE run_id = ? ORDER BY segment_id", (run_id,)):
-                cols, table = key_segments.decode(blob)
-                lut = np.array([entries.setdefault(e, len(entries)) for e in table], np.int64)
-                parts.append((cols, lut))
-        except key_segments.SegmentError as exc:
-            self._warn(f"run_id {run_id}: {exc}; its records were read row by row")
-            return None
-        self._segmented.add(run_id)
-        c = {name: np.concatenate([p[name] for p, _ in parts])
-             for name in key_segments.INTS + ("flags",)}
-        code = np.concatenate([lut[p["layout"]] for p, lut in parts])
-        at = {name: i for i, name in enumerate(key_segments.LAYOUT_COLUMNS)}
-        table = list(entries)
-        texts = [self._layout_text(e, at) for e in table]
-        seeds_ok = np.array([e[at["fingerprint_seed"]] == fs and e[at["sketch_seed"]] == ss
-                             for e in table], dtype=np.int64)
-        flags = c["flags"].astype(np.int64)
-
-        def bit(mask: int, shift: int) -> np.ndarray:
-            return ((flags & mask) != 0).astype(np.int64) << shift
-
-        step, mb, site, idx, call, stage = (c[k] for k in (
-            "step", "microbatch", "site_id", "idx", "call", "stage"))
-        out_of_range = (step > MAX_STEP) | (mb > MAX_MICROBATCH) | (site > MAX_SITE_ID) | \
-            (idx > MAX_INDEX) | (call > MAX_CALL) | (stage > 2147483646)
-        R = (c["rank"] << 40) | ((stage + 1) << 8) | bit(key_segments.IS_NONE, 7) | \
-            bit(key_segments.REPLICA, 6) | bit(key_segments.PARTIAL, 5) | \
-            bit(key_segments.COMPLEX_AS_REAL, 4) | bit(key_segments.HAS_MOMENTS, 3) | \
-            (seeds_ok[code] << 2) | bit(key_segments.NONFINITE, 1) | bit(key_segments.ALL_ZERO, 0) | \
-            (out_of_range.astype(np.int64) << 39)
-        return _Arrays(
-            A=(step << 24) | ((mb + 1) << 4) | c["phase"],
-            B=(site << 32) | (c["role"] << 28) | (idx << 14) | call,
-            R=R, texts=texts, text_code=code, fp=c["fingerprint"], rid=c["record_id"],
-            sorted=False)
-
-    def _layout_text(self, entry: tuple, at: dict[str, int]) -> str:
-        """The layout text `_SELECT` builds from a record with these layout columns."""
-        text = "".join(entry[at[k]] for k in ("dtype", "logical_shape", "offsets", "shape"))
-        if entry[at["ragged_parts"]] > 0:
-            text += (f"[{entry[at['ragged_first']]},{entry[at['ragged_span']]},"
-                     f"{entry[at['ragged_parts']]}]")
-        if entry[at["reduce"]] != 0:
-            # the weight as the database turns a REAL into text, so that the text is the row
-            # path's to the byte
-            weight = self.reader.conn.execute(
-                "SELECT '' || ?", (float(entry[at["reduce_weight"]]),)).fetchone()[0]
-            text += (f"|{entry[at['reduce']]},{entry[at['reduce_index']]},"
-                     f"{entry[at['reduce_count']]},{weight}")
-        return text
 
     def _warn(self, message: str) -> None:
         if message not in self._warned:
@@ -500,142 +319,24 @@ class Catalog:
         return self._seeds[1] if self._seeds is not None else fingerprint_to_int64(SKETCH_SEED)
 
     def fetch_digests(self, rids: np.ndarray) -> dict[str, np.ndarray]:
-        """Moments, counts and sketches of the given records, in the order given.
-
-        Returns float64 arrays keyed by DIGEST_COLUMNS (integer pieces, which have no moments,
-        hold the merge identity: sums 0, min +inf, max -inf), "sketch" as an [n, k] array (k the
-        longest sketch, shorter ones zero-padded), "sketch_k" (each row's own length) and
-        "sketch_seed" (int64: sketches with another seed place elements in other buckets).
-        """
-        n = len(rids)
-        if n == 0:
-            out = {c: np.zeros(0) for c in DIGEST_COLUMNS}
-            out["sketch"], out["sketch_k"] = np.zeros((0, 0)), np.zeros(0, np.int64)
-            out["sketch_seed"] = np.zeros(0, np.int64)
-            return out
-        uniq = unique(rids)
-        with no_gc():
-            got_rid, num, blobs, seeds = self._digests_of(uniq)
-            if len(got_rid) != len(uniq) or not np.array_equal(got_rid, uniq):
-                raise sqlite3.DatabaseError("records vanished from the store while comparing")
-            pos = np.searchsorted(got_rid, rids)
-            out = {c: num[c][pos] for c in DIGEST_COLUMNS}
-            lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)) // 8
-        k = int(lengths.max(initial=0))
-        if len(lengths) and (lengths == k).all():
-            sketch = np.frombuffer(b"".join(blobs), dtype="<f8").reshape(len(blobs), k)
-        else:
-            sketch = np.zeros((len(blobs), k))
-            for j, b in enumerate(blobs):
-                sketch[j, :len(b) // 8] = np.frombuffer(b, dtype="<f8")
-        out["sketch"] = sketch[pos]
-        out["sketch_k"] = lengths[pos]
-        out["sketch_seed"] = seeds[pos] if len(seeds) else np.zeros(0, np.int64)
-        return out
-
-    def _digests_of(self, uniq: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], list,
-                                                     np.ndarray]:
-        """(record ids found, DIGEST_COLUMNS as float64, sketch blobs, sketch seeds) of the
-        sorted record ids `uniq`: from `prefetch_digests` and only the sketches from rows when
-        it holds them all, else everything from rows."""
-        pre = self._prefetched
-        if pre is not None:
-            prid, pcols = pre
-            at = np.minimum(np.searchsorted(prid, uniq), max(len(prid) - 1, 0))
-            if len(prid) and np.array_equal(prid[at], uniq):
-                got = self._rows_of(uniq, "record_id, sketch")
-                cols = list(zip(*got)) if got else [()] * 2
-                return (np.array(cols[0], dtype=np.int64),
-                        {c: pcols[c][at] for c in DIGEST_COLUMNS}, cols[1],
-                        pcols["sketch_seed"][at])
-        inf = _infinity(self.reader)
-        got = self._rows_of(
-            uniq, "record_id, nan, posinf, neginf, zeros, numel, COALESCE(sum, 0.0),"
-            f" COALESCE(sum_sq, 0.0), COALESCE(min, {inf}), COALESCE(max, -{inf}),"
-            " COALESCE(abs_max, 0.0), sketch, sketch_seed")
-        cols = list(zip(*got)) if got else [()] * 13
-        return (np.array(cols[0], dtype=np.int64),
-                {c: np.array(cols[j], dtype=np.float64)
-                 for j, c in enumerate(DIGEST_COLUMNS, start=1)},
-                cols[-2], np.array(cols[-1], dtype=np.int64))
-
-    def _rows_of(self, uniq: np.ndarray, columns: str) -> list[tuple]:
-        """``SELECT columns FROM records`` for the sorted record ids `uniq`, in record id order
-        (the first column must be record_id). Ids close together (a run of keys stored
-        together, the common case) are read by ranges, ``record_id BETWEEN a AND b``, with the
-        few rows in between dropped; scattered ones by a list of ids (`_ids_in`)."""
-        if not len(uniq):
-            return []
-        cut = np.flatnonzero(np.diff(uniq) > RANGE_GAP) + 1
-        starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(uniq)]])
-        span = uniq[ends - 1] - uniq[starts] + 1
-        dense = span <= 2 * (ends - starts)  # at most as many rows dropped as kept
-        got: list[tuple] = []
-        conn = self.reader.conn
-        for a, b in zip(starts[dense].tolist(), ends[dense].tolist()):
-            rows = conn.execute(f"SELECT {columns} FROM records WHERE record_id BETWEEN ? AND ?"
-                                " ORDER BY record_id", (int(uniq[a]), int(uniq[b - 1]))).fetchall()
-            if len(rows) != b - a:
-                want = uniq[a:b]
-                rid = np.fromiter((r[0] for r in rows), np.int64, count=len(rows))
-                rows = [rows[i] for i in np.flatnonzero(np.isin(rid, want)).tolist()]
-            got.extend(rows)
-        scattered = np.concatenate([uniq[a:b] for a, b in zip(starts[~dense].tolist(),
-                                                             ends[~dense].tolist())] or [uniq[:0]])
-        for start in range(0, len(scattered), ID_CHUNK):
-            where, param = _ids_in(self.reader, scattered[start:start + ID_CHUNK].tolist())
-            got.extend(conn.execute(f"SELECT {columns} FROM records WHERE {where}"
-                                    " ORDER BY record_id", param).fetchall())
-        if len(scattered) and dense.any():
-            got.sort(key=lambda r: r[0])
-        return got
+        """Moments, counts and sketches of the given records, in the order given
+        (`reads.Digests.fetch`)."""
+        return self._digests.fetch(rids)
 
     def prefetch_digests(self, rids: np.ndarray) -> None:
-        """Take the counts and moments of these records from their runs' key segments, in one
-        pass over the segments, so that `fetch_digests` reads only their sketches from rows
-        (about 3x cheaper per record). Worth it from `PREFETCH_MIN` records (the pass reads a
-        run's every segment); a no-op below that, on PostgreSQL and for runs read from rows.
-        `drop_prefetched` frees it."""
-        self._prefetched = None
-        uniq = unique(rids)
-        if not self._segmented or len(uniq) < PREFETCH_MIN:
-            return
-        at = key_segments.LAYOUT_COLUMNS.index("sketch_seed")
-        found: dict[str, list[np.ndarray]] = {c: [] for c in ("record_id", "sketch_seed")
-                                             + DIGEST_COLUMNS}
-        try:
-            for run_id in sorted(self._segmented):
-                for (blob,) in self.reader.conn.execute(
-                        "SELECT data FROM segments WHERE run_id = ?", (run_id,)):
-                    cols, table = key_segments.decode(blob)
-                    rid = cols["record_id"]
-                    i = np.minimum(np.searchsorted(uniq, rid), len(uniq) - 1)
-                    hit = uniq[i] == rid
-                    if not hit.any():
-                        continue
-                    seeds = np.array([e[at] for e in table], dtype=np.int64)
-                    found["record_id"].append(rid[hit])
-                    found["sketch_seed"].append(seeds[cols["layout"][hit]])
-                    for c in DIGEST_COLUMNS:
-                        found[c].append(cols[c][hit].astype(np.float64))
-        except key_segments.SegmentError:
-            return  # rows are read instead (the load already warned about this segment)
-        if not found["record_id"]:
-            return
-        rid = np.concatenate(found["record_id"])
-        order = np.argsort(rid, kind="stable")
-        self._prefetched = (rid[order], {c: np.concatenate(v)[order] for c, v in found.items()
-                                         if c != "record_id"})
+        """Counts and moments of many records from the key segments of the runs read from
+        them, in one pass (`reads.Digests.prefetch`); `drop_prefetched` frees them."""
+        self._digests.prefetch(self._segmented, rids)
 
     def drop_prefetched(self) -> None:
-        self._prefetched = None
+        self._digests.drop()
 
     def payload_rids(self, rids: np.ndarray) -> set[int]:
         """Which of these records have a complete payload stored."""
         found: set[int] = set()
         uniq = unique(rids)
         for start in range(0, len(uniq), ID_CHUNK):
-            where, param = _ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
+            where, param = ids_in(self.reader, uniq[start:start + ID_CHUNK].tolist())
             found.update(r for (r,) in self.reader.conn.execute(
                 f"SELECT record_id FROM payload_chunks WHERE {where} GROUP BY record_id"
                 " HAVING COUNT(*) = MAX(chunk_count)", param))
@@ -662,40 +363,7 @@ def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
     return text[:i], logical, offsets, shape, extra
 
 
-@dataclass
-class _Arrays:
-    """A run's records as read, before interning: packed keys and bits as the SQL of `_SELECT`
-    computes them, each record's layout text as an index into `texts`."""
-
-    A: np.ndarray
-    B: np.ndarray
-    R: np.ndarray
-    texts: list[str]
-    text_code: np.ndarray
-    fp: np.ndarray
-    rid: np.ndarray
-    sorted: bool = True
-    """Whether the records come in (key, rank) order."""
-
-
-def _row_arrays(rows: list[tuple]) -> _Arrays | None:
-    """`_SELECT` rows as arrays."""
-    if not rows:
-        return None
-    n = len(rows)
-    A, B, R, lay, fp, rid = zip(*rows)
-    texts: dict[str, int] = dict.fromkeys(lay)  # distinct layouts, at C speed
-    text_list = list(texts)
-    for i, t in enumerate(text_list):
-        texts[t] = i
-    return _Arrays(
-        A=np.fromiter(A, dtype=np.int64, count=n), B=np.fromiter(B, dtype=np.int64, count=n),
-        R=np.fromiter(R, dtype=np.int64, count=n), texts=text_list,
-        text_code=np.fromiter(map(texts.__getitem__, lay), dtype=np.int64, count=n),
-        fp=np.fromiter(fp, dtype=np.int64, count=n), rid=np.fromiter(rid, dtype=np.int64, count=n))
-
-
-def _columns(cat: Catalog, arrays: _Arrays | None, run: str, side: str) -> RunColumns:
+def _columns(cat: Catalog, arrays: Arrays | None, run: str, side: str) -> RunColumns:
     if arrays is None:
         return RunColumns.empty(run, side)
     R = arrays.R

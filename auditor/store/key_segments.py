@@ -10,7 +10,7 @@ used only when they account for every one of its records (`complete`), so a stor
 segments existed, or by an older numaudit, is read row by row as before.
 
 A segment also holds each record's counts and moments, so that a comparison whose keys mostly
-differ (bf16 against fp32) reads only the sketches from rows (`Catalog.prefetch_digests`).
+differ (bf16 against fp32) reads only the sketches from rows (`auditor.compare.reads.Digests.prefetch`).
 
 A segment is ``MAGIC, n, len(table)``, the layout table as JSON, then the columns of `INTS`
 (int64) and `MOMENTS` (float64), ``layout`` (int32, an index into the table) and ``flags``

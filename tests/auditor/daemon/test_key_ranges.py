@@ -10,7 +10,7 @@ import json
 import grpc
 import pytest
 
-from auditor.compare import columns
+from auditor.compare import reads
 from wire import limits
 from protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, record, register_request
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_limits_are_the_engines_packing_bounds():
-    assert limits.MAX_KEY_STEP == columns.MAX_STEP
-    assert limits.MAX_KEY_MICROBATCH == columns.MAX_MICROBATCH
-    assert limits.MAX_KEY_INDEX == columns.MAX_INDEX
-    assert limits.MAX_KEY_CALL == columns.MAX_CALL
+    assert limits.MAX_KEY_STEP == reads.MAX_STEP
+    assert limits.MAX_KEY_MICROBATCH == reads.MAX_MICROBATCH
+    assert limits.MAX_KEY_INDEX == reads.MAX_INDEX
+    assert limits.MAX_KEY_CALL == reads.MAX_CALL
 
 
 def _keyed(**key) -> pb.Record:

@@ -1,6 +1,6 @@
 """The comparison's fast reads load a run exactly as its row read does: key segments on SQLite
 (`auditor.store.key_segments`, with a fall back to rows whenever they do not account for every
-record) and the packed one-row read on PostgreSQL (`Catalog._pg_arrays`)."""
+record) and the packed one-row read on PostgreSQL (`auditor.compare.reads.pg_arrays`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sqlite3
 import numpy as np
 import pytest
 
+from auditor.compare import reads
 from auditor.compare.columns import Catalog
 from auditor.compare.engine import compare_runs
 from auditor.store import Reader, connect, key_segments
@@ -59,7 +60,7 @@ def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
         with monkeypatch.context() as m:
             if rows:
                 m.setattr(key_segments, "complete", lambda conn, run_id: False)
-                m.setattr(Catalog, "_pg_arrays", lambda self, params: None)
+                m.setattr(reads, "pg_arrays", lambda reader, params: None)
             cols = cat.load(run, "ref")
         pieces = [cat.pieces[i] for i in cols.layout.tolist()]
         bits = [(cat.seeds_ok[i], cat.has_moments[i]) for i in cols.layout.tolist()]
@@ -224,21 +225,19 @@ def test_a_run_too_large_for_one_postgresql_value_is_read_in_blocks(pg_url, monk
     by hand on text and bytea aggregates over 1 GB)."""
     import psycopg
 
-    from auditor.compare import columns as C
-
     _write_odd_runs(pg_url)
-    first = C.Catalog._pg_packed
+    first = reads.pg_packed
     calls = []
 
-    def too_large_once(self, params, where):
+    def too_large_once(reader, params, where):
         calls.append(where)
         if not where:
             raise psycopg.errors.ProgramLimitExceeded("out of memory")
-        return first(self, params, where)
+        return first(reader, params, where)
 
-    monkeypatch.setattr(C, "PG_BLOCK", 3)
+    monkeypatch.setattr(reads, "PG_BLOCK", 3)
     with monkeypatch.context() as m:
-        m.setattr(C.Catalog, "_pg_packed", too_large_once)
+        m.setattr(reads, "pg_packed", too_large_once)
         blocks, _, _, _ = _load(pg_url, "cand", rows=False, monkeypatch=monkeypatch)
     rows, _, _, _ = _load(pg_url, "cand", rows=True, monkeypatch=monkeypatch)
     assert len(calls) > 4 and calls[0] == ""
@@ -249,9 +248,7 @@ def test_a_run_too_large_for_one_postgresql_value_is_read_in_blocks(pg_url, monk
 def test_digests_prefetched_from_segments_equal_the_rows(odd_store, monkeypatch):
     """A comparison whose keys mostly differ reads counts and moments from the segments and
     only sketches from rows (`Catalog.prefetch_digests`): the same values as reading rows."""
-    from auditor.compare import columns as C
-
-    monkeypatch.setattr(C, "PREFETCH_MIN", 1)
+    monkeypatch.setattr(reads, "PREFETCH_MIN", 1)
     reader = Reader(odd_store)
     try:
         cat = Catalog(reader)
@@ -259,7 +256,8 @@ def test_digests_prefetched_from_segments_equal_the_rows(odd_store, monkeypatch)
         rids = np.concatenate([rids[::-1], rids[:3]])  # any order, repeats
         from_rows = cat.fetch_digests(rids)
         cat.prefetch_digests(rids)
-        assert cat._prefetched is not None and len(cat._prefetched[0]) == len(np.unique(rids))
+        prefetched_rids = cat._digests._prefetched[0]
+        assert len(prefetched_rids) == len(np.unique(rids))
         prefetched = cat.fetch_digests(rids)
         cat.drop_prefetched()
     finally:
@@ -271,7 +269,6 @@ def test_digests_prefetched_from_segments_equal_the_rows(odd_store, monkeypatch)
 
 
 def test_engine_verdicts_are_the_same_with_prefetched_digests(tmp_path, monkeypatch):
-    from auditor.compare import columns as C
     from tests.auditor.synth import one_ulp
 
     def drift(kind, step, mb, site, t):
@@ -279,9 +276,9 @@ def test_engine_verdicts_are_the_same_with_prefetched_digests(tmp_path, monkeypa
 
     db = write_runs(tmp_path / "a.db", mlp_run("ref", world=2, steps=2),
                     mlp_run("cand", world=2, steps=2, perturb=drift))
-    monkeypatch.setattr(C, "PREFETCH_MIN", 10 ** 9)
+    monkeypatch.setattr(reads, "PREFETCH_MIN", 10 ** 9)
     from_rows = compare_runs(db, "ref", "cand")
-    monkeypatch.setattr(C, "PREFETCH_MIN", 1)
+    monkeypatch.setattr(reads, "PREFETCH_MIN", 1)
     prefetched = compare_runs(db, "ref", "cand")
     assert from_rows.counts == prefetched.counts and from_rows.counts.get("close", 0) > 10
     a, b = from_rows.comparison, prefetched.comparison
@@ -290,12 +287,10 @@ def test_engine_verdicts_are_the_same_with_prefetched_digests(tmp_path, monkeypa
 
 
 def test_rows_are_read_by_ranges_and_lists_alike(tmp_path, monkeypatch):
-    """`Catalog._rows_of` reads close record ids by ranges (dropping the rows in between) and
+    """`reads.rows_of` reads close record ids by ranges (dropping the rows in between) and
     scattered ones by lists: the same rows, in record id order, as one list would give."""
-    from auditor.compare import columns as C
-
     db = write_runs(tmp_path / "a.db", mlp_run("ref", world=2, steps=3))
-    monkeypatch.setattr(C, "RANGE_GAP", 4)
+    monkeypatch.setattr(reads, "RANGE_GAP", 4)
     reader = Reader(db)
     try:
         every = np.array([r for (r,) in reader.conn.execute(
@@ -304,8 +299,7 @@ def test_rows_are_read_by_ranges_and_lists_alike(tmp_path, monkeypatch):
         wanted = np.concatenate([every[:40][every[:40] % 3 != 0],  # dense, some rows dropped
                                  every[60:100:10],                 # scattered
                                  every[-5:]])                      # dense, all kept
-        cat = Catalog(reader)
-        got = cat._rows_of(wanted, "record_id, fingerprint")
+        got = reads.rows_of(reader, wanted, "record_id, fingerprint")
         want = reader.conn.execute(
             "SELECT record_id, fingerprint FROM records WHERE record_id IN (SELECT value FROM"
             " json_each(?)) ORDER BY record_id", (json.dumps(wanted.tolist()),)).fetchall()
