@@ -191,7 +191,8 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
     `SELECT` computes them from rows; None when the run has no complete set of segments (a
     store from before them) or one does not decode (then `warn` is told and rows are read)."""
     conn = reader.conn
-    if not key_segments.complete(conn, run_id):
+    count = key_segments.covered(conn, run_id)
+    if not count:
         return None
     parts, entries = [], {}
     try:
@@ -205,6 +206,10 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
         return None
     c = {name: np.concatenate([p[name] for p, _ in parts])
          for name in key_segments.INTS + ("flags",)}
+    if len(c["record_id"]) != count:
+        warn(f"run_id {run_id}: its segments decode to {len(c['record_id'])} records, not the "
+             f"{count} they count; its records were read row by row")
+        return None
     code = np.concatenate([lut[p["layout"]] for p, lut in parts])
     at = {name: i for i, name in enumerate(key_segments.LAYOUT_COLUMNS)}
     table = list(entries)

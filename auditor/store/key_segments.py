@@ -121,7 +121,15 @@ def decode(blob: bytes) -> tuple[dict[str, np.ndarray], list[tuple]]:
     at += -at % 8
     if len(blob) != at + n * (8 * (len(INTS) + len(MOMENTS)) + 5):
         raise SegmentError(f"segment: {len(blob)} bytes do not hold {n} records")
-    table = [tuple(e) for e in json.loads(blob[_HEAD.size:_HEAD.size + tlen])]
+    try:
+        table = [tuple(e) for e in json.loads(blob[_HEAD.size:_HEAD.size + tlen])]
+    except (ValueError, TypeError) as exc:
+        raise SegmentError(f"segment: its layout table is not a JSON list of lists ({exc})") \
+            from None
+    for e in table:
+        if not _entry_ok(e):
+            raise SegmentError(f"segment: layout table entry {str(e)[:80]} is not "
+                               f"{len(LAYOUT_COLUMNS)} values of the columns' types")
     out: dict[str, np.ndarray] = {}
     for c in INTS:
         out[c] = np.frombuffer(blob, "<i8", n, at)
@@ -136,15 +144,33 @@ def decode(blob: bytes) -> tuple[dict[str, np.ndarray], list[tuple]]:
     return out, table
 
 
-def complete(conn: Any, run_id: int) -> bool:
-    """Whether the run's segments hold all of its records (so a reader may use them alone)."""
+def _entry_ok(e: tuple) -> bool:
+    """A layout table entry as `encode` writes it: 4 texts, then integers (the weight may be
+    a float)."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    weight = LAYOUT_COLUMNS.index("reduce_weight")
+    return (len(e) == len(LAYOUT_COLUMNS) and all(isinstance(v, str) for v in e[:4])
+            and all(whole(v) for i, v in enumerate(e[4:], 4) if i != weight)
+            and (whole(e[weight]) or isinstance(e[weight], float)))
+
+
+def covered(conn: Any, run_id: int) -> int:
+    """The run's record count when its segments hold all of its records (so a reader may use
+    them alone), else 0."""
     try:
         segs = conn.execute("SELECT COALESCE(SUM(n), 0) FROM segments WHERE run_id = ?",
                             (run_id,)).fetchone()[0]
     except sqlite3.OperationalError:  # a store from before segments: no table
-        return False
+        return 0
     records = conn.execute("SELECT COUNT(*) FROM records WHERE run_id = ?", (run_id,)).fetchone()[0]
-    return records > 0 and segs == records
+    return records if records > 0 and segs == records else 0
+
+
+def complete(conn: Any, run_id: int) -> bool:
+    """Whether the run's segments hold all of its records."""
+    return covered(conn, run_id) > 0
 
 
 def store(conn: sqlite3.Connection, run_id: int, columns: Mapping[str, Sequence[Any]],

@@ -59,7 +59,7 @@ def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
         cat = Catalog(reader)
         with monkeypatch.context() as m:
             if rows:
-                m.setattr(key_segments, "complete", lambda conn, run_id: False)
+                m.setattr(key_segments, "covered", lambda conn, run_id: 0)
                 m.setattr(reads, "pg_arrays", lambda reader, params: None)
             cols = cat.load(run, "ref")
         pieces = [cat.pieces[i] for i in cols.layout.tolist()]
@@ -194,6 +194,33 @@ def test_decode_refuses_what_it_cannot_vouch_for():
                      (blob[:8], "header")):
         with pytest.raises(key_segments.SegmentError, match=why):
             key_segments.decode(bad)
+    head = key_segments._HEAD
+    _, n, tlen = head.unpack_from(blob)
+    for table in (b"{}", b"[[1,2]]", b'[["", "[]", "[]", 7, 0, 0, 0, 0, 0, 1, 1.0, 0, 0]]',
+                  b'[["", "[]", "[]", "[]", 0, 0, 0, 0, 0, 1, "1", 0, 0]]', b"[[", b"[3]"):
+        body = blob[head.size + tlen + (-(head.size + tlen) % 8):]
+        forged = head.pack(key_segments.MAGIC, n, len(table)) + table + \
+            b"\0" * (-(head.size + len(table)) % 8) + body
+        with pytest.raises(key_segments.SegmentError, match="layout (table|code)"):
+            key_segments.decode(forged)
+
+
+def test_segments_that_disagree_with_their_count_are_not_used(odd_store, monkeypatch):
+    """A segment row whose count says n but whose blob holds other records is not trusted."""
+    conn = sqlite3.connect(odd_store)
+    data, n = conn.execute("SELECT data, n FROM segments WHERE segment_id = 1").fetchone()
+    cols, _ = key_segments.decode(data)
+    half = {c: [0] * 2 for c in key_segments.SOURCE_COLUMNS} | {
+        "dtype": ["float32"] * 2, "logical_shape": ["[1]"] * 2, "offsets": ["[0]"] * 2,
+        "shape": ["[1]"] * 2, "reduce_weight": [1.0] * 2}
+    conn.execute("UPDATE segments SET data = ? WHERE segment_id = 1",
+                 (key_segments.encode(half, [1, 2]),))
+    conn.commit()
+    conn.close()
+    seg, _, _, warnings = _load(odd_store, "ref", rows=False, monkeypatch=monkeypatch)
+    row, _, _, _ = _load(odd_store, "ref", rows=True, monkeypatch=monkeypatch)
+    assert len(seg) == len(row) == n and np.array_equal(seg.fp, row.fp)
+    assert len(warnings) == 1 and "decode to 2 records" in warnings[0]
 
 
 def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path, monkeypatch):
