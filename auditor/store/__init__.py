@@ -3,7 +3,8 @@
 Owns which files are stores (`files`: application id, checks before opening), the SQLite
 schema and its single writer (`sqlite`: `Store`, `connect`; batches arrive as
 `wire.packed.RecordColumns` and are inserted in bulk, `Store.ingest_columns`), the rows of the
-records table built column-wise for any SQL backend (`rows`), the read side (`reader`), the
+records table built column-wise for any SQL backend (`rows`), each stored batch's comparison
+columns in one blob (`key_segments`), the read side (`reader`), the
 queue of work in front of the writers (`work_queue`), the group-commit writer thread
 (`writer`; PostgreSQL's in `postgres_writer`) and run summaries (`summary`). It may import the wire
 contract (`protos`, `wire`) and nothing else of numaudit: the store knows no service, no
