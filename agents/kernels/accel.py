@@ -87,24 +87,30 @@ class TritonDigest:
         self._trusted: dict[tuple[str, torch.dtype, int], bool] = {}
         self._warned = False
 
-    def digest(self, t: torch.Tensor, layout: PieceLayout, sketch_k: int) -> Rows | None:
-        """The piece's rows from Triton, or None: the caller takes the eager path."""
-        if t.device.type not in self.device_types or self._unavailable is not None:
-            return None
+    def trusts(self, device: torch.device, dtype: torch.dtype, sketch_k: int) -> bool:
+        """Whether Triton is used for pieces of this device, dtype and k: it is installed and
+        its self-check there passed (run on the first ask, then remembered)."""
+        if device.type not in self.device_types or self._unavailable is not None:
+            return False
         if self._impl is None:
             impl = _load()
             if isinstance(impl, str):
                 self._unavailable = impl
                 log.info("numaudit: Triton digest unavailable (%s); accelerator pieces use the "
                          "eager digest", impl)
-                return None
+                return False
             self._impl = impl
-        key = (str(t.device), t.dtype, sketch_k)
+        key = (str(device), dtype, sketch_k)
         trusted = self._trusted.get(key)
         if trusted is None:
-            trusted = self._trusted[key] = self._check(t.device, t.dtype, sketch_k)
-        if not trusted:
+            trusted = self._trusted[key] = self._check(device, dtype, sketch_k)
+        return trusted
+
+    def digest(self, t: torch.Tensor, layout: PieceLayout, sketch_k: int) -> Rows | None:
+        """The piece's rows from Triton, or None: the caller takes the eager path."""
+        if not self.trusts(t.device, t.dtype, sketch_k):
             return None
+        key = (str(t.device), t.dtype, sketch_k)
         try:
             return self._impl(t, layout, sketch_k=sketch_k)
         except ValueError:  # a dtype or a shape the kernel does not take: eager, as documented

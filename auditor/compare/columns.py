@@ -169,9 +169,7 @@ class Catalog:
         for side in ("ref", "cand"):
             canon, warnings = canonical_sites(self._store_names, self.renames, side)
             for w in warnings:
-                if w not in self._warned:
-                    self._warned.add(w)
-                    self.warnings.append(w)
+                self._warn(w)
             lut = np.arange(top + 1, dtype=np.int64)
             for sid, name in canon.items():
                 cid = self._name_ids.get(name)

@@ -348,13 +348,13 @@ class Store:
             if self.conn.total_changes - before == cols.n:
                 self.conn.execute("RELEASE bulk")
                 result.stored = cols.n
-                for row in sorted(cols.payloads):
-                    self._store_chunk(self._record_id(rows[row][:9]), cols.payloads[row])
                 # every row went in, one after another, each taking the largest id + 1 (checked:
                 # were it otherwise, the ids are looked up by key)
                 rids: Sequence[int] = range(top + 1, top + 1 + cols.n)
                 if self.conn.execute("SELECT MAX(record_id) FROM records").fetchone()[0] != rids[-1]:
                     rids = [self._record_id(row[:9])[0] for row in rows]
+                for row in sorted(cols.payloads):
+                    self._store_chunk(rids[row], cols.payloads[row])
                 key_segments.store(self.conn, run_id, columns, rids)
             else:
                 self.conn.execute("ROLLBACK TO bulk")
@@ -375,10 +375,10 @@ class Store:
             " AND rank=?", key_params,
         ).fetchone()
 
-    def _store_chunk(self, found: tuple[int, bytes], p: pb.Payload) -> None:
+    def _store_chunk(self, record_id: int, p: pb.Payload) -> None:
         self.conn.execute(
             "INSERT OR IGNORE INTO payload_chunks VALUES (?,?,?,?,?,?,?,?)",
-            (found[0], p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
+            (record_id, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
              p.compressed_nbytes, p.crc32, p.data),
         )
 
@@ -404,7 +404,7 @@ class Store:
             else:
                 result.duplicates += 1
             if i in cols.payloads:
-                self._store_chunk(found, cols.payloads[i])
+                self._store_chunk(found[0], cols.payloads[i])
         return stored
 
     def close_session(self, req: pb.CloseSessionRequest) -> int:
