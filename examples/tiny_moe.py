@@ -196,7 +196,9 @@ def sum_shared_gradients(model: TinyMoE, owned_by_one: bool) -> None:
             dist.all_reduce(p.grad)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One run. Under torchrun it joins the job's process group, or creates (and at the end
+    destroys) one if there is none yet: a job that already has one can run several in turn."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", default=os.environ.get("NUMAUDIT_RUN", "moe"))
     p.add_argument("--ep", action="store_true", help="shard the experts over the ranks")
@@ -205,10 +207,11 @@ def main() -> None:
     p.add_argument("--backward", action="store_true", help="run and audit backward too")
     p.add_argument("--sum-expert-grads", action="store_true",
                    help="planted bug: all-reduce the sharded experts' gradients too")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
-    if distributed:
+    own_group = distributed and not dist.is_initialized()
+    if own_group:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     n_own = EXPERTS // world if args.ep else EXPERTS
@@ -237,7 +240,7 @@ def main() -> None:
     s = agent.close()
     print(f"[{args.name}] rank {rank}: captured={s['captured']} acked={s['acked']} "
           f"dropped={s['dropped']} errors={s['errors']}", flush=True)
-    if distributed:
+    if own_group:
         dist.destroy_process_group()
 
 

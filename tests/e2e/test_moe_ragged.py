@@ -4,22 +4,27 @@
 experts get no tokens on some rank) runs once per configuration against one `auditor serve`:
 a single process (the reference), DDP on 2 ranks, expert parallel on 2 ranks (all-to-all), expert
 parallel with a routing bug in layer 2, and expert parallel whose experts' gradients are wrongly
-summed over the ranks. Every run runs backward (`--backward`: autograd-aware all-to-alls) and
-captures every expert's input and output rows and the gradients reaching them (grad_input,
-grad_output) as ragged pieces, and every parameter's gradient; `auditor compare --preset fp32`
-must pass the clean pairs (expert parallel bitwise wherever no sum over ranks is involved), put
-the routing bug in layer 2 and the reduction bug at the experts' parameter gradients.
+summed over the ranks. The four 2-rank runs are one torchrun job (tests/e2e/moe_job.py runs them
+one after another, each its own run name and agent), which spares three job start-ups. Every run
+runs backward (`--backward`: autograd-aware all-to-alls) and captures every expert's input and
+output rows and the gradients reaching them (grad_input, grad_output) as ragged pieces, and every
+parameter's gradient; `auditor compare --preset fp32` must pass the clean pairs (expert parallel
+bitwise wherever no sum over ranks is involved), put the routing bug in layer 2 and the reduction
+bug at the experts' parameter gradients.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from .helpers import ROOT, Daemon, torchrun
+from .helpers import ROOT, Daemon
+
+JOB = ROOT / "tests" / "e2e" / "moe_job.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,20 +35,20 @@ BUG_LAYER = 2
 def moe_store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
     daemon = Daemon(tmp)
-    env = {"NUMAUDIT_ADDR": daemon.address}
+    env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
     try:
-        import os
-
         proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_moe.py"), "--name",
-                               "single", "--backward"], cwd=ROOT, env=dict(os.environ, **env, OMP_NUM_THREADS="1"),
+                               "single", "--backward"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        torchrun("tiny_moe.py", 2, "--name", "ddp", "--backward", env=env)
-        torchrun("tiny_moe.py", 2, "--name", "ep", "--ep", "--backward", env=env)
-        torchrun("tiny_moe.py", 2, "--name", "ep_bug", "--ep", "--backward",
-                 "--skip-renorm-layer", str(BUG_LAYER), env=env)
-        torchrun("tiny_moe.py", 2, "--name", "ep_grad_bug", "--ep", "--backward",
-                 "--sum-expert-grads", env=env)
+        runs = ["ddp --backward", "ep --ep --backward",
+                f"ep_bug --ep --backward --skip-renorm-layer {BUG_LAYER}",
+                "ep_grad_bug --ep --backward --sum-expert-grads"]
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node=2", str(JOB), *runs], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     finally:
         assert daemon.stop() == 0
     return daemon.db, tmp
