@@ -50,6 +50,15 @@ async def _flood(address: str) -> tuple[dict, list]:
     return outcome, [channels, calls, watches]
 
 
+async def _ends(calls: list, timeout: float) -> dict:
+    """Wait (at most `timeout` s) for every call to end; how many ended with each code."""
+    codes = await asyncio.wait_for(asyncio.gather(*(call.code() for call in calls)), timeout)
+    out: dict = {}
+    for code in codes:
+        out[code] = out.get(code, 0) + 1
+    return out
+
+
 def test_many_streams_and_watches_are_capped(tmp_path):
     db = tmp_path / "a.db"
     with daemon(db, "--max-streams", str(MAX_STREAMS), "--idle-timeout", str(IDLE_S)) as (proc, address):
@@ -91,7 +100,11 @@ def test_many_streams_and_watches_are_capped(tmp_path):
                 flooding.clear()
                 acker.join(10)
                 during = max(latencies)
-                time.sleep(IDLE_S + 2)  # idle streams are ended...
+                # Idle streams are ended (UNAVAILABLE), each IDLE_S after the daemon took it:
+                # wait for every held Ingest call to end rather than a fixed IDLE_S + 2 s.
+                t_idle = time.monotonic()
+                idle_codes = loop.run_until_complete(_ends(held[1], IDLE_S + 10))
+                idle_wait_s = time.monotonic() - t_idle
                 rss_after_idle = rss_bytes(proc.pid)
                 # ...and a stream opened now acks (the agent's own stream was idle too: reconnect)
                 (ack,) = stub.Ingest(iter([batch(seq + 1, [record(seq + 1, 0, "live.0")],
@@ -105,7 +118,8 @@ def test_many_streams_and_watches_are_capped(tmp_path):
                 loop.close()
     print(f"FIGURE streams={STREAMS} watches={WATCHES} outcome={ {str(k): v for k, v in outcome.items()} } "
           f"flood={flood_s:.1f}s rss_before={rss_before >> 20}MiB rss_flood={rss_flood >> 20}MiB "
-          f"rss_after_idle={rss_after_idle >> 20}MiB ack_max_during={during * 1e3:.1f}ms over {len(latencies)} acks")
+          f"rss_after_idle={rss_after_idle >> 20}MiB ack_max_during={during * 1e3:.1f}ms over {len(latencies)} acks "
+          f"idle_wait={idle_wait_s:.1f}s idle_codes={ {str(k): v for k, v in idle_codes.items()} }")
     exhausted = outcome.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0)
     # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller). On a
     # loaded machine a few of 10,000 calls opened at once fail UNAVAILABLE in transport before
@@ -123,3 +137,5 @@ def test_many_streams_and_watches_are_capped(tmp_path):
     assert rss_flood < RSS_BOUND, rss_flood
     assert during < 5.0  # still acks; the flood itself costs the event loop (docs/reliability.md)
     assert ack.stored == 1
+    # every Ingest stream the daemon held was ended for idleness (or refused before)
+    assert idle_codes.get(grpc.StatusCode.UNAVAILABLE, 0) >= MAX_STREAMS - 1 - unavailable, idle_codes
