@@ -239,19 +239,43 @@ def test_rejects_bad_k_and_bad_layout():
         cpu.index_map((4,), PieceLayout.full((5,)))
 
 
-@pytest.mark.parametrize("isa", [3, 1])
-def test_every_isa_build_agrees_with_eager(isa):
+ISA_LEVELS = (3, 1)
+"""The lower builds checked in child processes (3: AVX2, 1: baseline)."""
+
+
+@pytest.fixture(scope="module")
+def isa_children():
+    """One child pytest per ISA level this CPU can run, all started at once: each is one
+    single-threaded process, so on a machine with cores to spare they cost the slowest one's
+    time instead of the sum. Each test below waits for its own."""
+    children = {}
+    for isa in ISA_LEVELS:
+        if cpu.isa_level() >= isa:
+            children[isa] = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                 "-k", "sizes or every_sketch or noncontiguous or crossing"],
+                env=dict(os.environ, NUMAUDIT_DIGEST_ISA=str(isa)), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)
+    try:
+        yield children
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()
+            child.communicate()
+
+
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+def test_every_isa_build_agrees_with_eager(isa, isa_children):
     """The library holds an AVX-512, an AVX2 and a baseline build, and a CPU runs only its best:
     run this file's equality tests again in a child process pinned to each lower build
     (NUMAUDIT_DIGEST_ISA), so every build is checked on one machine."""
     if cpu.isa_level() < isa:
         pytest.skip(f"this CPU cannot run the ISA level {isa} build")
     env = dict(os.environ, NUMAUDIT_DIGEST_ISA=str(isa))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-         "sizes or every_sketch or noncontiguous or crossing"],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    child = isa_children[isa]
+    output, _ = child.communicate(timeout=600)
+    assert child.returncode == 0, output[-5000:]
     probe = subprocess.run([sys.executable, "-c", "from agents.kernels import cpu; "
                             "print(cpu.isa_level())"], env=env, capture_output=True, text=True)
     assert probe.stdout.strip() == str(isa)
