@@ -10,6 +10,8 @@ read from the JSON report (schema `numaudit.report`).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -62,14 +64,20 @@ class Audits:
                     self._runs[fault] = got, json.loads(got.json_report.read_text())
         return self._runs[key]
 
-    def recompare(self, inject: str, preset: str) -> tuple[int, dict]:
-        """Compare an existing candidate again with a preset instead of the shipped policy."""
+    def recompare(self, inject: str, *presets: str) -> dict[str, tuple[int, dict]]:
+        """Compare an existing candidate again with presets instead of the shipped policy:
+        `auditor compare --format json` once per preset, all at once (each is one
+        single-threaded process reading the store file); (exit code, report) by preset."""
         outcome, _ = self.run(inject)
         name = _run_name(inject)
-        out = self.build / f"report-{name}-{preset}.json"
-        rc = audit.compare("ref", name, outcome.db, None, self.build / f"{name}-{preset}.txt",
-                           out, ["--preset", preset], echo=False)
-        return rc, json.loads(out.read_text())
+        procs = {}
+        for preset in presets:
+            out = self.build / f"report-{name}-{preset}.json"
+            procs[preset] = out, subprocess.Popen(
+                [sys.executable, "-m", "auditor", "compare", "ref", name, "--db", str(outcome.db),
+                 "--preset", preset, "--format", "json", "-o", str(out)], cwd=audit.ROOT)
+        return {preset: (proc.wait(300), json.loads(out.read_text()))
+                for preset, (out, proc) in procs.items()}
 
 
 def _run_name(inject: str) -> str:
@@ -159,10 +167,11 @@ def test_ulp_in_a_shared_expert_is_localized_and_only_bitwise_calls_it_diverged(
     mb0 = {f["key"]["site"] for f in _diverged(report, FORWARD) if f["key"]["microbatch"] == 0}
     assert mb0 <= {"layers.1.moe", "layers.1.moe.shared_experts"} and mb0
 
-    rc, bitwise = audits.recompare("ulp-shared-expert", "bitwise")
+    again = audits.recompare("ulp-shared-expert", "bitwise", "fp32")
+    rc, bitwise = again["bitwise"]
     assert rc == 1
     assert bitwise["first_divergence"]["key"] == first["key"]
-    rc, fp32 = audits.recompare("ulp-shared-expert", "fp32")
+    rc, fp32 = again["fp32"]
     assert rc == 0
     assert fp32["first_divergence"] is None
     forward = [f for f in fp32["findings"] if f["key"]["phase"] in FORWARD]
