@@ -3,7 +3,8 @@ pipelining (GPipe, 1F1B, Interleaved1F1B), each as users write it (tests/e2e/par
 2 steps of 4 microbatches, `bwd` captured; clean pairs pass the fp32 preset (PP bitwise), and
 each planted bug is caught where it was planted. One daemon serves the whole matrix; all
 two-rank cases run in one torchrun job (cases in sequence in one process group), so the module
-costs three process starts: the reference, the matrix job, and a rerun under a taken name.
+costs three process starts: the reference and the matrix job (side by side), and a rerun under
+a taken name.
 
 Gradient clipping (issue 11) has its own reference in the reference's process, `ref_clip`: the
 same loop with clip_grad_norm_ and the optimizer watched (phases optim_grad and update), so
@@ -14,6 +15,7 @@ step 0 at optim_grad.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -90,9 +92,13 @@ def matrix(tmp_path_factory) -> Matrix:
     daemon = Daemon(tmp)
     try:
         env = _env(daemon)
-        _run([sys.executable, str(JOB), "single:ref", "single_clip:ref_clip"],
-             dict(env, WORLD_SIZE="1"))
-        _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP), env=env)
+        # The reference is one process: it runs beside the matrix job (other run names, the
+        # same daemon) on the core that job's start-up leaves it, instead of before it.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ref = pool.submit(_run, [sys.executable, str(JOB), "single:ref",
+                                     "single_clip:ref_clip"], dict(env, WORLD_SIZE="1"))
+            _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP), env=env)
+            ref.result()
         # A second job under a name the first one owns: refused; then asked to rename.
         rerun = _torchrun("ddp:ddp", "ddp+rename:ddp", env=env)
         yield Matrix(daemon, tmp, rerun)
