@@ -38,17 +38,25 @@ def moe_store(tmp_path_factory):
     env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     try:
-        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_moe.py"), "--name",
-                               "single", "--backward"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs = ["ddp --backward", "ep --ep --backward",
-                f"ep_bug --ep --backward --skip-renorm-layer {BUG_LAYER}",
-                "ep_grad_bug --ep --backward --sum-expert-grads"]
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node=2", str(JOB), *runs], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        # The single process (the reference) runs beside the 2-rank job: other run names, the
+        # same daemon, and a core that job's start-up leaves free.
+        single = subprocess.Popen([sys.executable, str(ROOT / "examples" / "tiny_moe.py"),
+                                   "--name", "single", "--backward"], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            runs = ["ddp --backward", "ep --ep --backward",
+                    f"ep_bug --ep --backward --skip-renorm-layer {BUG_LAYER}",
+                    "ep_grad_bug --ep --backward --sum-expert-grads"]
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc-per-node=2", str(JOB), *runs], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=180)
+            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+            _, err = single.communicate(timeout=120)
+            assert single.returncode == 0, err[-3000:]
+        finally:
+            if single.poll() is None:
+                single.kill()
+                single.communicate()
     finally:
         assert daemon.stop() == 0
     return daemon.db, tmp
