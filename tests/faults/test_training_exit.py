@@ -55,10 +55,31 @@ def test_an_exception_out_of_step_still_delivers_the_queue(tmp_path):
     assert not list((tmp_path / "spool").glob("*.spool"))
 
 
-@pytest.mark.parametrize("how", ["sigterm", "exit"])
-def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(how, tmp_path):
-    address = f"127.0.0.1:{free_port()}"  # nobody listens
-    proc = _job(how, address, tmp_path / "spool")
+NO_AUDITOR = ("sigterm", "exit")
+
+
+@pytest.fixture(scope="module")
+def jobs_without_an_auditor(tmp_path_factory):
+    """One job per way of ending, all started at once: each spends most of its time importing
+    torch and then waiting out its flush timeout, so side by side they cost about one."""
+    jobs = {}
+    for how in NO_AUDITOR:
+        spool = tmp_path_factory.mktemp(f"exit_{how}") / "spool"
+        address = f"127.0.0.1:{free_port()}"  # nobody listens
+        jobs[how] = _job(how, address, spool), address, spool
+    try:
+        yield jobs
+    finally:
+        for proc, _, _ in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("how", NO_AUDITOR)
+def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(
+        how, jobs_without_an_auditor):
+    proc, address, spool = jobs_without_an_auditor[how]
     assert proc.stdout.readline().strip() == "ready"
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)
@@ -66,14 +87,14 @@ def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(how, tm
     assert proc.returncode == (-signal.SIGTERM if how == "sigterm" else 0), err
     warnings = [ln for ln in err.splitlines() if "cannot reach" in ln]
     assert len(warnings) == 1, err  # one line per rank, at the default log level
-    assert address in warnings[0] and str(tmp_path / "spool") in warnings[0]
+    assert address in warnings[0] and str(spool) in warnings[0]
     line = _summary_line(err)
     reason = "SIGTERM" if how == "sigterm" else "interpreter exit"
     assert f"at {reason}" in line and "acked by the auditor 0" in line, line
-    assert f"spooled {N} in {tmp_path / 'spool'}" in line, line
+    assert f"spooled {N} in {spool}" in line, line
     close_s = float(re.search(r"closed in ([0-9.]+)s", line).group(1))
     figure(f"exit_{how}.close_s", close_s)
     assert close_s <= FLUSH + 1.0 + 0.5, line  # the documented bound (+ scheduling slack)
-    (path,) = (tmp_path / "spool").glob("*.spool")
+    (path,) = spool.glob("*.spool")
     c = read_spool(path)
     assert sum(batch_record_count(b) for b in c.batches) == N and c.clean and c.close is not None
