@@ -253,11 +253,17 @@ def _gloo_worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("gloo")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_gloo_worker, args=(str(out),), nprocs=4, join=True)
+    # Fresh processes, as with spawn, but torch and this module are imported once, in the fork
+    # server, not once per rank: four imports at once were most of this job on 2 cores.
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+    mp.start_processes(_gloo_worker, args=(str(out),), nprocs=4, join=True,
+                       start_method="forkserver")
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
 
 
