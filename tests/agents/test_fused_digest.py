@@ -245,9 +245,9 @@ ISA_LEVELS = (3, 1)
 
 @pytest.fixture(scope="module")
 def isa_children():
-    """One child pytest per ISA level this CPU can run, all started at once: each is one
-    single-threaded process, so on a machine with cores to spare they cost the slowest one's
-    time instead of the sum. Each test below waits for its own."""
+    """One child pytest per ISA level this CPU can run, all started at once: each keeps about
+    one core busy, so on a machine with a core to spare they cost about the slower one's time
+    instead of the sum. Each test below waits for its own."""
     children = {}
     for isa in ISA_LEVELS:
         if cpu.isa_level() >= isa:
