@@ -32,7 +32,7 @@ import grpc
 
 from wire import limits
 from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
-from wire.packed import unpacked_batch
+from wire.packed import payloads_apart, unpacked_batch
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -149,12 +149,15 @@ class Delivery:
         if s is None:
             return
         packed_ok = getattr(self.transport, "packed_batches", False)
+        payloads_ok = packed_ok and getattr(self.transport, "packed_payloads", False)
         for b in self.pending:
             if b.seq > self._sent_upto:
-                if not packed_ok and b.message.HasField("packed"):
-                    # A peer of an earlier build would drop the packed records and ack an
-                    # empty batch: it gets them per record (converted once, kept for resends).
-                    b.message = unpacked_batch(b.message)
+                if b.message.HasField("packed") and not payloads_ok:
+                    # A peer of an earlier build would drop the packed records (or their
+                    # payloads) and ack them: it gets them per record (converted once, kept
+                    # for resends).
+                    b.message = (payloads_apart(b.message) if packed_ok
+                                 else unpacked_batch(b.message))
                 s.send(b.message)
                 self._sent_upto = b.seq
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:

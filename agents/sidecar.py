@@ -393,7 +393,7 @@ class Sidecar:
                 self.sessions[reg.session_id] = session
                 log.info("session %s: run %s rank %d", reg.session_id, reg.run, reg.rank)
         return encode(pb.Ack(session_id=reg.session_id, acked_seq=session.spooled_seq,
-                             packed_batches=True)), session
+                             packed_batches=True, packed_payloads=True)), session
 
     def _on_batch(self, s: Session, batch: pb.RecordBatch) -> bytes:
         with s.lock:

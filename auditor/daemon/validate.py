@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Sequence
-
 import zstandard
 
 from wire import limits, names
@@ -232,6 +230,8 @@ def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
         raise TooLarge("records", f"{count} records exceed the per-batch limit of "
                                   f"{limits.MAX_BATCH_RECORDS}")
     payload_bytes = sum(len(r.payload.data) for r in records if r.HasField("payload"))
+    if batch.HasField("packed"):
+        payload_bytes += sum(len(pp.payload.data) for pp in batch.packed.payloads)
     try:
         cols = batch_columns(batch)
     except PackedFormatError as exc:
@@ -242,7 +242,7 @@ def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
         raise TooLarge("records", f"payload data of {payload_bytes} bytes exceeds the per-batch "
                                   f"limit of {limits.MAX_BATCH_PAYLOAD_BYTES}")
     if cols.payloads:
-        _verify_batch_payloads(records)
+        _verify_batch_payloads(cols)
     return cols
 
 
@@ -492,31 +492,34 @@ def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
     return n
 
 
-def _verify_batch_payloads(records: Sequence[pb.Record]) -> None:
-    """Whole-stream checks for payloads complete in this batch; header checks for the others."""
-    complete: list[tuple[int, pb.Payload, bytes]] = []
+def _verify_batch_payloads(c: RecordColumns) -> None:
+    """Whole-stream checks for payloads complete in this batch (packed or per record); header
+    checks for the others."""
+    complete: list[tuple[str, pb.Payload, bytes]] = []
     groups: dict[tuple, dict[int, int]] = {}
-    for i, r in enumerate(records):
-        if not r.HasField("payload"):
-            continue
-        p = r.payload
+    cols = c.cols
+    for row in sorted(c.payloads):
+        p = c.payloads[row]
+        where = f"{c.where(row)}.payload"
         if p.chunk_count == 1:
-            complete.append((i, p, p.data))
+            complete.append((where, p, p.data))
             continue
         if p.chunk_index == 0 and p.codec == "zstd":
-            check_zstd_header(p.data, p.raw_nbytes, f"records[{i}].payload")
-        group = (r.key.SerializeToString(deterministic=True), p.chunk_count, p.crc32,
-                 p.compressed_nbytes, p.codec, p.raw_nbytes)
-        groups.setdefault(group, {}).setdefault(p.chunk_index, i)
+            check_zstd_header(p.data, p.raw_nbytes, where)
+        key = (int(cols["step"][row]), int(cols["microbatch"][row]), int(cols["phase"][row]),
+               c.sites[int(cols["site"][row])], int(cols["role"][row]), int(cols["index"][row]),
+               int(cols["call"][row]))
+        group = (key, p.chunk_count, p.crc32, p.compressed_nbytes, p.codec, p.raw_nbytes)
+        groups.setdefault(group, {}).setdefault(p.chunk_index, row)
     for chunks in groups.values():
         first = chunks.get(0)
-        if first is not None and len(chunks) == records[first].payload.chunk_count:
-            stream = b"".join(records[chunks[c]].payload.data for c in range(len(chunks)))
-            complete.append((first, records[first].payload, stream))
+        if first is not None and len(chunks) == c.payloads[first].chunk_count:
+            stream = b"".join(c.payloads[chunks[j]].data for j in range(len(chunks)))
+            complete.append((f"{c.where(first)}.payload", c.payloads[first], stream))
     raw_total = sum(p.raw_nbytes for _, p, _ in complete if p.codec == "zstd")
     if raw_total > limits.MAX_BATCH_RAW_BYTES:
         raise TooLarge("records", f"payloads would decompress to {raw_total} bytes, over the "
                                   f"per-batch limit of {limits.MAX_BATCH_RAW_BYTES}; send fewer per batch")
-    for i, p, stream in complete:
-        verify_stream(p, stream, f"records[{i}].payload")
+    for where, p, stream in complete:
+        verify_stream(p, stream, where)
 

@@ -1,5 +1,6 @@
 """Packed batches end to end: an agent sends them to a real daemon; a peer that does not say
-`packed_batches` gets per-record batches; spools of either kind replay into the same rows."""
+`packed_batches` gets per-record batches, one that does not say `packed_payloads` gets the
+payload records per record; spools of either kind replay into the same rows."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
     (path,) = sorted((tmp_path / "spool").glob("*.spool"))
     contents = read_spool(path)
     assert any(b.HasField("packed") for b in contents.batches)
-    assert any(len(b.records) for b in contents.batches)  # the payload records
+    assert any(len(b.packed.payloads) for b in contents.batches)  # the payload records, packed
+    assert not any(len(b.records) for b in contents.batches)
     for b in contents.batches:
         assert received_records_checksum(b.SerializeToString()) == b.records_crc32
     total = sum(P.batch_record_count(b) for b in contents.batches)
@@ -89,16 +91,17 @@ def test_agent_to_a_real_daemon_stores_every_record(tmp_path):
 
 class _OldPeer:
     """A Transport to a daemon of an earlier build: the real gRPC transport, whose Register
-    answer lacks packed_batches (as an old daemon's would)."""
+    answer lacks packed_batches (as an old daemon's would), or only packed_payloads."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, packed_batches: bool = False) -> None:
         self.inner = GrpcTransport(address)
         self.sent: list[pb.RecordBatch] = []
-        self.packed_batches = False
+        self.says_packed = packed_batches
+        self.packed_batches = self.packed_payloads = False
 
     def register(self, req, timeout, abort=lambda: False):
         acked = self.inner.register(req, timeout, abort)
-        self.packed_batches = False
+        self.packed_batches, self.packed_payloads = self.says_packed, False
         return acked
 
     def open_stream(self):
@@ -118,21 +121,48 @@ class _OldPeer:
         self.inner.close()
 
 
+def _deliver(peer, batch: pb.RecordBatch, n: int) -> Delivery:
+    req = register_request(run="old", session_id="old-0")
+    d = Delivery(peer, lambda: req, on_drop=lambda reason, n: None)
+    assert d.offer(batch, n, batch.ByteSize())
+    import time
+    deadline = time.monotonic() + 20
+    while d.pending and time.monotonic() < deadline:
+        d.service()
+        time.sleep(0.01)
+    d.shutdown()
+    return d
+
+
 def test_a_peer_without_packed_batches_gets_per_record_batches(tmp_path):
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
         peer = _OldPeer(srv.address)
-        req = register_request(run="old", session_id="old-0")
-        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: None)
-        records = [record(0, j) for j in range(5)]
-        packed = P.packed_batch("old-0", 1, P.from_records(records))
-        assert d.offer(packed, 5, packed.ByteSize())
-        import time
-        deadline = time.monotonic() + 20
-        while d.pending and time.monotonic() < deadline:
-            d.service()
-            time.sleep(0.01)
-        d.shutdown()
+        records = [record(0, j) for j in range(4)] + [record(0, 4, payload=b"\x05" * 48)]
+        packed = P.split_batch("old-0", 1, P.from_records(records), None)
+        assert len(packed.packed.payloads) == 1
+        d = _deliver(peer, packed, 5)
         assert not d.pending and d.acked_records == 5
         assert peer.sent and not any(b.HasField("packed") for b in peer.sent)
         assert list(peer.sent[0].records) == records
         assert peer.sent[0].records_crc32 == batch_checksum(peer.sent[0])
+
+
+def test_a_peer_without_packed_payloads_gets_the_payload_records_per_record(tmp_path):
+    """A daemon of the build before packed payloads would drop PackedRecords.payloads (an
+    unknown field) and store the records without them: it gets them per record instead."""
+    records = [record(0, j, payload=b"\x05" * 48 if j % 2 else None) for j in range(5)]
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _OldPeer(srv.address, packed_batches=True)
+        packed = P.split_batch("old-0", 1, P.from_records(records), None)
+        d = _deliver(peer, packed, 5)
+        assert not d.pending and d.acked_records == 5
+        (sent,) = peer.sent
+        assert sent.packed.count == 3 and not len(sent.packed.payloads)
+        assert [r.key.microbatch for r in sent.records] == [1, 3]
+        assert all(r.HasField("payload") for r in sent.records)
+        assert sent.records_crc32 == batch_checksum(sent)
+    conn = sqlite3.connect(tmp_path / "audit.db")
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM payload_chunks").fetchone()[0] == 2
+    finally:
+        conn.close()
