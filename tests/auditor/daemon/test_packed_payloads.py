@@ -10,11 +10,12 @@ import zlib
 import pytest
 import zstandard
 
-from auditor.daemon.validate import CorruptPayload, TooLarge, ValidationError, validate_batch
+from auditor.daemon.validate import CorruptPayload, TooLarge, validate_batch
 from auditor.store.writer import StoreWriter
 from protos import numaudit_pb2 as pb
 from tests.auditor.builders import (batch, float32_bytes, none_record, payload_for, record,
                                     register_request)
+from tests.auditor.daemon.test_packed_validate import _outcome
 from wire import limits, packed as P
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,14 +26,6 @@ def _packed(records: list[pb.Record], seq: int = 1, session: str = "sess-0") -> 
     b = P.split_batch(session, seq, P.from_records(records), None)
     assert not len(b.records)
     return b
-
-
-def _outcome(b: pb.RecordBatch) -> str | None:
-    try:
-        validate_batch(b)
-    except ValidationError as exc:
-        return str(exc)
-    return None
 
 
 def _zstd(raw: bytes) -> pb.Payload:
