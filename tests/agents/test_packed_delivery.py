@@ -166,3 +166,27 @@ def test_a_peer_without_packed_payloads_gets_the_payload_records_per_record(tmp_
         assert conn.execute("SELECT COUNT(*) FROM payload_chunks").fetchone()[0] == 2
     finally:
         conn.close()
+
+
+def test_a_packed_batch_that_does_not_convert_is_rejected_and_the_rest_delivered(tmp_path):
+    """A sidecar relays what a local process sends: a packed batch whose columns do not fit
+    cannot be converted for a peer of an earlier build. It is dropped as rejected (any peer
+    would refuse it); the delivery goes on with the next batch instead of raising."""
+    drops = []
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _OldPeer(srv.address)
+        req = register_request(run="old", session_id="old-0")
+        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
+        bad = P.split_batch("old-0", 1, P.from_records([record(0, j) for j in range(3)]), None)
+        bad.packed.dims = bad.packed.dims[:-8]
+        good = P.split_batch("old-0", 2, P.from_records([record(1, j) for j in range(2)]), None)
+        assert d.offer(bad, 3, bad.ByteSize()) and d.offer(good, 2, good.ByteSize())
+        import time
+        deadline = time.monotonic() + 20
+        while d.pending and time.monotonic() < deadline:
+            d.service()
+            time.sleep(0.01)
+        d.shutdown()
+        assert drops == [("rejected", 3)]
+        assert not d.pending and d.acked_records == 2
+        assert [b.seq for b in peer.sent] == [2]
