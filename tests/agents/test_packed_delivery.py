@@ -190,3 +190,48 @@ def test_a_packed_batch_that_does_not_convert_is_rejected_and_the_rest_delivered
         assert drops == [("rejected", 3)]
         assert not d.pending and d.acked_records == 2
         assert [b.seq for b in peer.sent] == [2]
+
+
+class _OldDaemonStub:
+    """The real Auditor stub of a daemon, whose Register answer says what a daemon of an earlier
+    build would (no packed payloads, or no packed batches at all); records what Ingest got."""
+
+    def __init__(self, stub, packed_batches: bool) -> None:
+        self.stub, self.packed_batches, self.sent = stub, packed_batches, []
+
+    def Register(self, req, **kw):
+        resp = self.stub.Register(req, **kw)
+        resp.packed_batches, resp.packed_payloads = self.packed_batches, False
+        return resp
+
+    def Ingest(self, batches, **kw):
+        batches = list(batches)
+        self.sent.extend(batches)
+        return self.stub.Ingest(iter(batches), **kw)
+
+    def CloseSession(self, req, **kw):
+        return self.stub.CloseSession(req, **kw)
+
+
+@pytest.mark.parametrize("packed_batches", [True, False])
+def test_replay_sends_an_auditor_of_an_earlier_build_what_it_takes(tmp_path, packed_batches):
+    from auditor.daemon.replay import _replay_file
+    from protos import numaudit_pb2_grpc
+
+    agent = agents.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
+                          spool_mode="always", phases=("input", "fwd"), payload=("input:pay",),
+                          sketch_k=32, batch_records=8)
+    _capture(agent)
+    agent.close(timeout=5.0)
+    (path,) = sorted((tmp_path / "spool").glob("*.spool"))
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = _OldDaemonStub(numaudit_pb2_grpc.AuditorStub(channel), packed_batches)
+            result = _replay_file(stub, path, None)
+    assert not result.rejected and result.error is None and result.stored == 2 * 8
+    assert not any(len(b.packed.payloads) for b in stub.sent)
+    assert any(len(b.records) for b in stub.sent)  # the payload records, per record
+    assert all(b.HasField("packed") for b in stub.sent) == packed_batches
+    (direct,) = replay_into_db([path], tmp_path / "direct.db")
+    assert direct.stored == 2 * 8
+    assert _stored(tmp_path / "audit.db") == _stored(tmp_path / "direct.db")
