@@ -22,6 +22,7 @@ Contracts checked here that a sender must know (docs/protocol.md has the full li
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 import zstandard
 
@@ -476,9 +477,22 @@ def verify_stream(p: pb.Payload, stream: bytes, where: str) -> None:
                                               f"says {p.raw_nbytes} (truncated or corrupt)")
 
 
+_DCTX = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompression context: making one costs ~12 us, more than checking a small
+    payload (reusable one operation at a time, so one per thread)."""
+    dctx = getattr(_DCTX, "dctx", None)
+    if dctx is None:
+        dctx = _DCTX.dctx = zstandard.ZstdDecompressor(
+            max_window_size=limits.MAX_ZSTD_WINDOW_BYTES)
+    return dctx
+
+
 def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
     """Bytes the stream decompresses to, reading at most raw_nbytes + 1 of them."""
-    dctx = zstandard.ZstdDecompressor(max_window_size=limits.MAX_ZSTD_WINDOW_BYTES)
+    dctx = _decompressor()
     n = 0
     try:
         with dctx.stream_reader(stream, read_size=1 << 16) as reader:
