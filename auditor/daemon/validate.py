@@ -238,7 +238,7 @@ def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
     except PackedFormatError as exc:
         raise ValidationError(exc.field, exc.why) from None
     vc.check_rows(cols, vc.suspects(cols, ITEMSIZE, REAL_FLOAT_DTYPES, _PHASES, _ROLES,
-                                    _REDUCTIONS), validate_record)
+                                    _REDUCTIONS, _check_payload_header), validate_record)
     if payload_bytes > limits.MAX_BATCH_PAYLOAD_BYTES:
         raise TooLarge("records", f"payload data of {payload_bytes} bytes exceeds the per-batch "
                                   f"limit of {limits.MAX_BATCH_PAYLOAD_BYTES}")
@@ -261,7 +261,7 @@ def validate_record(r: pb.Record, where: str = "record") -> None:
     numel = _check_layout(r.layout, f"{where}.layout")
     _check_digest(r.digest, numel, f"{where}.digest")
     if r.HasField("payload"):
-        _check_payload_header(r.payload, r.layout, numel, f"{where}.payload")
+        _check_payload_header(r.payload, r.layout.dtype, numel, f"{where}.payload")
 
 
 def _check_key(k: pb.Key, where: str) -> None:
@@ -406,15 +406,16 @@ def _zstd_bound(n: int) -> int:
     return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
 
 
-def _check_payload_header(p: pb.Payload, lay: pb.Layout, numel: int, where: str) -> None:
+def _check_payload_header(p: pb.Payload, dtype: str, numel: int, where: str) -> None:
+    """The header of a payload chunk of a record whose layout (`dtype`, `numel` elements) passed."""
     if p.codec not in CODECS:
         raise ValidationError(f"{where}.codec", f"{_short(p.codec)} is not one of {', '.join(CODECS)}")
-    expected = numel * ITEMSIZE[lay.dtype]
+    expected = numel * ITEMSIZE[dtype]
     if p.raw_nbytes != expected:
         raise ValidationError(
             f"{where}.raw_nbytes",
-            f"{p.raw_nbytes} != prod(layout.shape) {numel} x itemsize {ITEMSIZE[lay.dtype]} "
-            f"({lay.dtype}) = {expected}",
+            f"{p.raw_nbytes} != prod(layout.shape) {numel} x itemsize {ITEMSIZE[dtype]} "
+            f"({dtype}) = {expected}",
         )
     if p.raw_nbytes > limits.MAX_PAYLOAD_RAW_BYTES:
         raise TooLarge(f"{where}.raw_nbytes", f"{p.raw_nbytes} exceeds the per-record payload limit "
