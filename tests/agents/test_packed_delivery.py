@@ -5,6 +5,7 @@ payload records per record; spools of either kind replay into the same rows."""
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
 import grpc
 import pytest
@@ -46,13 +47,19 @@ def _stored(db) -> list[tuple]:
         conn.close()
 
 
-def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
+def _spooled_session(tmp_path) -> Path:
+    """The spool file of an agent that captured `_capture`'s records (spool_mode always)."""
     agent = agents.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
                           spool_mode="always", phases=("input", "fwd"), payload=("input:pay",),
                           sketch_k=32, batch_records=8)
     _capture(agent)
     agent.close(timeout=5.0)
     (path,) = sorted((tmp_path / "spool").glob("*.spool"))
+    return path
+
+
+def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
+    path = _spooled_session(tmp_path)
     contents = read_spool(path)
     assert any(b.HasField("packed") for b in contents.batches)
     assert any(len(b.packed.payloads) for b in contents.batches)  # the payload records, packed
@@ -218,12 +225,7 @@ def test_replay_sends_an_auditor_of_an_earlier_build_what_it_takes(tmp_path, pac
     from auditor.daemon.replay import _replay_file
     from protos import numaudit_pb2_grpc
 
-    agent = agents.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
-                          spool_mode="always", phases=("input", "fwd"), payload=("input:pay",),
-                          sketch_k=32, batch_records=8)
-    _capture(agent)
-    agent.close(timeout=5.0)
-    (path,) = sorted((tmp_path / "spool").glob("*.spool"))
+    path = _spooled_session(tmp_path)
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
         with grpc.insecure_channel(srv.address) as channel:
             stub = _OldDaemonStub(numaudit_pb2_grpc.AuditorStub(channel), packed_batches)
