@@ -160,6 +160,8 @@ class Capturer:
 
     def _forward_hook(self, site: str, stage: int, pipelined: bool = False):
         def hook(module, inputs, output):
+            if not self._step_on:  # a step the selection leaves out: nothing else to do
+                return
             try:
                 if in_backward():
                     self._replayed(site, stage, output)

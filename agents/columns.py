@@ -3,7 +3,7 @@
 A host batch's captures and stacked digest rows (f64 [n, 5 + k]: sum, sum_sq, min, max,
 abs_max, sketch; i64 [n, 6]: numel, nan, +inf, -inf, zero counts, fingerprint) are split into
 `Part`s (`split_payloads`: the records without payload, and those carrying one, a row per
-payload chunk, since payload records travel per record), and the parts of one wire batch become
+payload chunk), and the parts of one wire batch become
 `wire.packed.RecordColumns` in one call (`part_columns`) with numpy indexing: no protobuf
 message per record, and no per-host-batch columns to merge again.
 """

@@ -32,7 +32,7 @@ import grpc
 
 from wire import limits
 from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
-from wire.packed import unpacked_batch
+from wire.packed import payloads_apart, unpacked_batch
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -149,12 +149,19 @@ class Delivery:
         if s is None:
             return
         packed_ok = getattr(self.transport, "packed_batches", False)
-        for b in self.pending:
+        payloads_ok = packed_ok and getattr(self.transport, "packed_payloads", False)
+        for b in list(self.pending):
             if b.seq > self._sent_upto:
-                if not packed_ok and b.message.HasField("packed"):
-                    # A peer of an earlier build would drop the packed records and ack an
-                    # empty batch: it gets them per record (converted once, kept for resends).
-                    b.message = unpacked_batch(b.message)
+                if b.message.HasField("packed") and not payloads_ok:
+                    # A peer of an earlier build would drop the packed records (or their
+                    # payloads) and ack them: it gets them per record (converted once, kept
+                    # for resends).
+                    try:
+                        b.message = (payloads_apart(b.message) if packed_ok
+                                     else unpacked_batch(b.message))
+                    except Exception as exc:  # columns that do not fit: refused content
+                        self._drop_unconvertible(b, exc)
+                        continue
                 s.send(b.message)
                 self._sent_upto = b.seq
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:
@@ -291,6 +298,16 @@ class Delivery:
         self._next_attempt = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, RECONNECT_BACKOFF_MAX_S)
         log.debug("%s: connection failed (%s); retrying", self.name, code.name)
+
+    def _drop_unconvertible(self, b: PendingBatch, exc: Exception) -> None:
+        """A packed batch whose columns do not fit together cannot be converted for a peer of
+        an earlier build (a node sidecar relays whatever a local process sends): any peer would
+        refuse it for its content, so it is dropped as `rejected` now, and the rest go on."""
+        self.pending.remove(b)
+        self.pending_bytes -= b.nbytes
+        self._on_drop("rejected", b.records)
+        log.warning("%s: batch %d rejected (its packed records do not convert: %s); dropped",
+                    self.name, b.seq, exc)
 
     def _drop_stream(self) -> None:
         if self._stream is not None:

@@ -308,12 +308,13 @@ class Sender:
         self._pending_n = self._records_bytes = 0
         if not pending:
             return
-        packed = self._columns([p for p in pending if p.payloads is None])
-        single = self._columns([p for p in pending if p.payloads is not None])
-        n = packed.n + single.n
+        # Payload records travel packed too (PackedRecords.payloads); the delivery moves them
+        # out per record for a peer that does not take them (agents/delivery.py).
+        cols = self._columns(pending)
+        n = cols.n
         if not n:
             return
-        msg = split_batch(self.session_id, self._next_seq, packed, single)
+        msg = split_batch(self.session_id, self._next_seq, cols, None)
         # The delivery's memory budget counts the record bytes (what the message carries
         # beside a few framing bytes per field): msg.ByteSize() serialized the whole message
         # once more, milliseconds per batch with payloads.

@@ -78,6 +78,8 @@ class Session:
     """Records of the session in the spool file."""
     forwarded: bool = False
     """The session's close reached the auditor (and with it the drop counts)."""
+    pump_error: str = ""
+    """The last failure of this session's forwarding step, logged once (the others go on)."""
 
     def outcome(self) -> dict:
         """What became of the session's records upstream, as a rank is told at its close."""
@@ -244,9 +246,15 @@ class Sidecar:
                     if s.delivery is None:
                         s.done = s.close is not None
                         continue
-                    s.delivery.service()
-                    if s.close is not None and not s.delivery.pending:
-                        self._finish_session(s)
+                    try:
+                        s.delivery.service()
+                        if s.close is not None and not s.delivery.pending:
+                            self._finish_session(s)
+                    except Exception as exc:  # a bug: this session retries, the others go on
+                        if repr(exc) != s.pump_error:
+                            log.exception("session %s: forwarding failed; retrying",
+                                          s.register.session_id)
+                            s.pump_error = repr(exc)
             if sync:
                 last_sync = time.monotonic()
             time.sleep(PUMP_INTERVAL_S)
@@ -393,7 +401,7 @@ class Sidecar:
                 self.sessions[reg.session_id] = session
                 log.info("session %s: run %s rank %d", reg.session_id, reg.run, reg.rank)
         return encode(pb.Ack(session_id=reg.session_id, acked_seq=session.spooled_seq,
-                             packed_batches=True)), session
+                             packed_batches=True, packed_payloads=True)), session
 
     def _on_batch(self, s: Session, batch: pb.RecordBatch) -> bytes:
         with s.lock:

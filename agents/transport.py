@@ -122,6 +122,8 @@ class GrpcTransport:
         """The run name the auditor registered last (RegisterResponse.run; differs when renamed)."""
         self.packed_batches = False
         """The auditor said it takes packed batches (RegisterResponse.packed_batches)."""
+        self.packed_payloads = False
+        """... and packed payloads (RegisterResponse.packed_payloads)."""
 
     def _connect(self):
         if self._stub is None:
@@ -138,6 +140,7 @@ class GrpcTransport:
                 response = future.result(timeout=ABORT_POLL_S)
                 self.registered_run = response.run
                 self.packed_batches = response.packed_batches
+                self.packed_payloads = response.packed_payloads
                 return response.acked_seq
             except grpc.FutureTimeoutError:
                 if abort():
@@ -232,6 +235,8 @@ class SidecarTransport:
         self._sock: socket.socket | None = None
         self.packed_batches = False
         """The sidecar said it takes packed batches (its Ack to Register)."""
+        self.packed_payloads = False
+        """... and packed payloads."""
 
     def _call(self, message, timeout: float,
               abort: Callable[[], bool] = lambda: False) -> Any:
@@ -265,6 +270,7 @@ class SidecarTransport:
         self.close()
         reply = self._call(req, timeout, abort)
         self.packed_batches = reply.packed_batches
+        self.packed_payloads = reply.packed_payloads
         return reply.acked_seq
 
     def open_stream(self) -> _SocketStream:

@@ -2,7 +2,8 @@
 
     python -m bench.ingest [--quick] [--store PATH_OR_URL] [--replicas 1 2] [--sessions 8]
                            [--clients 2] [--k 64 256] [--batch 512] [--batches N] [--window 2]
-                           [--format packed records] [--sync full|normal] [--server-root DIR]
+                           [--format packed split records] [--payloads N] [--sync full|normal]
+                           [--server-root DIR]
 
 Simulated ranks: `--sessions` sessions (one gRPC stream each, like one rank's agent) spread over
 `--clients` client processes. Each session registers as one rank of run "bench-kK-FORMAT", then
@@ -17,8 +18,9 @@ database the user may create databases from): each configuration then gets a fre
 that server, served by `--replicas` daemons at once (one process each), and every session's
 channel lists all of them (gRPC round robin, `wire.channels`), as agents do.
 
-`--format packed` sends packed batches (RecordBatch.packed); `records` sends the same records
-one message each (an agent of an earlier build). `--server-root` runs the daemon from another
+`--format packed` sends packed batches (RecordBatch.packed, payloads in PackedRecords.payloads);
+`split` sends the payload-carrying records per record beside the packed rest (agents before
+packed payloads); `records` sends every record as one message (agents before packed batches). `--server-root` runs the daemon from another
 checkout (e.g. an export of an older commit) for a before/after comparison.
 
 Printed per configuration: records/s and MB/s of record bytes (the serialized records on the
@@ -53,13 +55,27 @@ def _sites(n: int) -> list[str]:
     return [f"model.layers.{i // len(kinds)}.{kinds[i % len(kinds)]}" for i in range(n)]
 
 
+PAYLOAD_ELEMENTS = 2048
+"""Elements of a payload-carrying record (bfloat16: 4 KiB of raw bytes, under the agent's
+default payload_max_bytes of 16 KiB, so the agent would send its bytes)."""
+
+
 def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
-                  session_id: str, seed: int = 0) -> tuple[list[bytes], int]:
-    """Serialized RecordBatches of one session, and the records' bytes on the wire."""
+                  session_id: str, seed: int = 0,
+                  payload_every: int = 0) -> tuple[list[bytes], int]:
+    """Serialized RecordBatches of one session, and the records' bytes on the wire.
+
+    `payload_every` N > 0: every N-th record is a small piece (PAYLOAD_ELEMENTS) carrying its
+    raw bytes as a zstd payload, as the agent sends pieces of up to 16 KiB (packed payloads in
+    the packed format)."""
+    import zlib
+
+    import zstandard
+
     from protos import numaudit_pb2 as pb
     from wire.checksum import records_checksum
     from wire.packed import (HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns, packed_batch,
-                             to_records)
+                             split_batch, to_records)
 
     rng = np.random.default_rng(seed + rank)
     sites = _sites(256)
@@ -90,15 +106,26 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
         cols["fingerprint_seed"][:] = 0x5EED
         cols["sketch_seed"][:] = 0x5CE7
         cols["sketch_len"][:] = k
-        dims = np.tile(np.array([4, 4096 * 8, 2, 0, (4096 * rank) % (4096 * 8), 0, 4, 4096, 2],
-                                np.int64), n)
+        big = np.array([4, 4096 * 8, 2, 0, (4096 * rank) % (4096 * 8), 0, 4, 4096, 2], np.int64)
+        small = np.array([PAYLOAD_ELEMENTS, 0, PAYLOAD_ELEMENTS], np.int64)
+        carries = (g % payload_every == 0) if payload_every else np.zeros(n, bool)
+        cols["ndim"][carries] = 1
+        cols["numel"][carries] = PAYLOAD_ELEMENTS
+        dims = np.concatenate([small if p else big for p in carries.tolist()])
         c = RecordColumns(n, {name: a.astype(dt[name]) for name, a in cols.items()},
                           sites, ["bfloat16"], dims,
                           rng.normal(0, 30, n * k).astype("<f8"))
         c.cols["dtype"][:] = 0
-        if fmt == "packed":
-            msg = packed_batch(session_id, b + 1, c)
-            record_bytes += msg.packed.ByteSize()
+        zstd = zstandard.ZstdCompressor(level=-1, write_content_size=True)
+        for row in np.flatnonzero(carries).tolist():
+            data = zstd.compress(rng.bytes(2 * PAYLOAD_ELEMENTS))
+            c.payloads[row] = pb.Payload(codec="zstd", raw_nbytes=2 * PAYLOAD_ELEMENTS,
+                                         compressed_nbytes=len(data), crc32=zlib.crc32(data),
+                                         chunk_index=0, chunk_count=1, data=data)
+        if fmt in ("packed", "split"):
+            msg = (split_batch(session_id, b + 1, c, None) if fmt == "packed"
+                   else packed_batch(session_id, b + 1, c))
+            record_bytes += msg.packed.ByteSize() + sum(r.ByteSize() for r in msg.records)
         else:
             msg = pb.RecordBatch(schema_version=1, session_id=session_id, seq=b + 1)
             msg.records.extend(to_records(c))
@@ -150,7 +177,7 @@ def _client(address: str, run: str, ranks: list[int], world: int, args: dict,
     for r in ranks:
         sid = f"bench{os.getpid():x}r{r:06d}"
         built[r] = (sid, *build_batches(r, args["batches"], args["batch"], args["k"],
-                                        args["format"], sid))
+                                        args["format"], sid, payload_every=args["payloads"]))
     start = threading.Barrier(len(ranks) + 1)
     outs = {r: {"session_id": built[r][0]} for r in ranks}
     threads = [threading.Thread(target=_session, args=(address, run, r, world, built[r][1],
@@ -235,7 +262,8 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
         ranks = [list(range(c, args.sessions, clients)) for c in range(clients)]
         ctx = mp.get_context("spawn")
         ready, results = ctx.Barrier(clients), ctx.Queue()
-        per = dict(batches=args.batches, batch=args.batch, k=k, format=fmt, window=args.window)
+        per = dict(batches=args.batches, batch=args.batch, k=k, format=fmt, window=args.window,
+                   payloads=args.payloads)
         procs = [ctx.Process(target=_client, args=(address, run, rs, args.sessions, per, ready,
                                                    results)) for rs in ranks]
         for p in procs:
@@ -363,7 +391,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=None, help="batches per session")
     parser.add_argument("--window", type=int, default=2, help="unacked batches per session "
                         "(ack latency grows with it: batches wait in the daemon's queue)")
-    parser.add_argument("--format", nargs="+", default=["packed"], choices=["packed", "records"])
+    parser.add_argument("--format", nargs="+", default=["packed"],
+                        choices=["packed", "split", "records"])
+    parser.add_argument("--payloads", type=int, default=0, metavar="N",
+                        help="every N-th record a small piece carrying its bytes (a 4 KiB zstd "
+                        "payload), as the agent sends pieces up to 16 KiB; 0: none")
     parser.add_argument("--sync", default="full", choices=["full", "normal"],
                         help="the daemons' --sync (durability of an acked batch)")
     parser.add_argument("--server-root", default=str(ROOT))
@@ -384,7 +416,8 @@ def main(argv=None) -> int:
         parser.error("--replicas needs a postgresql:// --store (a SQLite file has one writer)")
     print(f"bench.ingest: {'PostgreSQL' if pg else 'SQLite'}, {args.sessions} sessions over "
           f"{args.clients} client processes, {args.batches} batches x {args.batch} records each, "
-          f"window {args.window}, sync {args.sync}, acked after commit (server {args.server_root})")
+          f"window {args.window}, sync {args.sync}, acked after commit (server {args.server_root})"
+          + (f"; every {args.payloads}th record carries a 4 KiB payload" if args.payloads else ""))
     with tempfile.TemporaryDirectory(prefix="numaudit-ingest-") as d:
         for replicas in args.replicas:
             for k in args.k:

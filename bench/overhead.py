@@ -11,8 +11,10 @@ network I/O does not. Each "on" step ends when the sender has built that step's 
 them into a wire batch (`Sender.wait_idle`, a sleep): its work is charged to its own step, not
 left to run during the next side's step. A third model with an agent whose batches are dropped before the sender
 (its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts, digests and row
-batches, without the sender thread's record building (agents/sender.py). One intra-op thread,
-as in bench/digest.py.
+batches, without the sender thread's record building (agents/sender.py). A fourth model with
+an agent whose step selection (`step_every`) leaves the measured steps out gives what a step
+that is not captured costs: the module hooks are installed and return at once. One intra-op
+thread, as in bench/digest.py.
 """
 
 from __future__ import annotations
@@ -71,36 +73,39 @@ class _null:
         return False
 
 
-def _attach(model: torch.nn.Module, phases: tuple[str, ...]):
+def _attach(model: torch.nn.Module, phases: tuple[str, ...], **config):
     agent = agents.attach(model, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
-                          exclude=EXCLUDE, payload=PAYLOAD, spool_mode="off")
+                          exclude=EXCLUDE, payload=PAYLOAD, spool_mode="off", **config)
     capture_input_tokens(agent, model)
     return agent
 
 
 def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
-    """Median step CPU seconds without the agent, with it, and with its batches dropped before
-    the sender ("capture only"), interleaved."""
-    off, on, capture_only = _model(scale), _model(scale), _model(scale)
+    """Median step CPU seconds without the agent, with it, with its batches dropped before
+    the sender ("capture only"), and with an agent whose step selection leaves the measured
+    steps out ("step not selected": its hooks are installed and return at once), interleaved."""
+    off, on, capture_only, idle = _model(scale), _model(scale), _model(scale), _model(scale)
     phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
     agent, quiet = _attach(on, phases), _attach(capture_only, phases)
     quiet.capturer._batches._sink = lambda batch: None  # the Batcher holds the sink
+    unselected = _attach(idle, phases, step_every=1 << 30)  # captures step 0 only
     data = batches(0, 0, MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN, ModelArgs().vocab_size)
     mbs = next(data)
-    _step(off, None, 0, mbs)  # warm-up every side
-    _step(on, agent, 0, mbs)
-    _step(capture_only, quiet, 0, mbs)
-    t_off, t_on, t_capture = [], [], []
+    sides = ((off, None), (on, agent), (capture_only, quiet), (idle, unselected))
+    for model, a in sides:  # warm-up every side
+        _step(model, a, 0, mbs)
+    times: list[list[float]] = [[] for _ in sides]
     for i in range(repeats):
-        t_off.append(_step(off, None, i + 1, mbs))
-        t_on.append(_step(on, agent, i + 1, mbs))
-        t_capture.append(_step(capture_only, quiet, i + 1, mbs))
+        for (model, a), t in zip(sides, times):
+            t.append(_step(model, a, i + 1, mbs))
     summary = agent.close(timeout=5.0)
     quiet.close(timeout=5.0)
+    unselected.close(timeout=5.0)
     params = sum(p.numel() for p in on.parameters())
-    return {"off": statistics.median(t_off), "on": statistics.median(t_on),
-            "capture_only": statistics.median(t_capture), "params": params,
-            "captured": summary["captured"] / (repeats + 1), "errors": summary["errors"]}
+    t_off, t_on, t_capture, t_idle = (statistics.median(t) for t in times)
+    return {"off": t_off, "on": t_on, "capture_only": t_capture, "unselected": t_idle,
+            "params": params, "captured": summary["captured"] / (repeats + 1),
+            "errors": summary["errors"]}
 
 
 def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]:
@@ -145,15 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
           f"{fused_us:.1f} us, eager {eager_us:.1f} us")
     print("| scale | params | phases | captures/step | off (s) | on (s) | on/off | "
-          "capture only/off |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+          "capture only/off | step not selected/off |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for scale in (int(s) for s in args.scales.split(",")):
         for bwd in (False, True):
             r = measure(scale, bwd, repeats)
             phases = "fwd,grad,loss,input" + (",bwd" if bwd else "")
             print(f"| {scale} | {r['params'] / 1e6:.1f}M | {phases} | {r['captured']:.0f} | "
                   f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x | "
-                  f"{r['capture_only'] / r['off']:.2f}x |", flush=True)
+                  f"{r['capture_only'] / r['off']:.2f}x | {r['unselected'] / r['off']:.2f}x |",
+                  flush=True)
     return 0
 
 

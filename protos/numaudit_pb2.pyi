@@ -227,19 +227,21 @@ class RegisterRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "acked_seq", "run", "packed_batches")
+    __slots__ = ("session_id", "acked_seq", "run", "packed_batches", "packed_payloads")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     PACKED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     acked_seq: int
     run: str
     packed_batches: bool
-    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ..., packed_batches: _Optional[bool] = ...) -> None: ...
+    packed_payloads: bool
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ..., packed_batches: _Optional[bool] = ..., packed_payloads: _Optional[bool] = ...) -> None: ...
 
 class PackedRecords(_message.Message):
-    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch")
+    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch", "payloads")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +279,7 @@ class PackedRecords(_message.Message):
     SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
     SKETCH_LEN_FIELD_NUMBER: _ClassVar[int]
     SKETCH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     count: int
     sites: _containers.RepeatedScalarFieldContainer[str]
     site: bytes
@@ -314,7 +317,16 @@ class PackedRecords(_message.Message):
     sketch_seed: bytes
     sketch_len: bytes
     sketch: bytes
-    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ...) -> None: ...
+    payloads: _containers.RepeatedCompositeFieldContainer[PackedPayload]
+    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ..., payloads: _Optional[_Iterable[_Union[PackedPayload, _Mapping]]] = ...) -> None: ...
+
+class PackedPayload(_message.Message):
+    __slots__ = ("row", "payload")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    payload: Payload
+    def __init__(self, row: _Optional[int] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class RecordBatch(_message.Message):
     __slots__ = ("schema_version", "session_id", "seq", "records", "records_crc32", "packed")
@@ -333,20 +345,22 @@ class RecordBatch(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., records_crc32: _Optional[int] = ..., packed: _Optional[_Union[PackedRecords, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts", "packed_batches")
+    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts", "packed_batches", "packed_payloads")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     CONFLICTS_FIELD_NUMBER: _ClassVar[int]
     PACKED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     acked_seq: int
     stored: int
     duplicates: int
     conflicts: int
     packed_batches: bool
-    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ..., packed_batches: _Optional[bool] = ...) -> None: ...
+    packed_payloads: bool
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ..., packed_batches: _Optional[bool] = ..., packed_payloads: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("schema_version", "session_id", "records_sent", "records_dropped", "capture_errors", "dropped_by_reason")

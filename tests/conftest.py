@@ -17,6 +17,13 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("NUMAUDIT_HYPOTHESIS_PROFILE", "ci"))
 
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton digest's tests run under Triton's CPU interpreter here. Triton reads this when it
+    # is first imported, and torch.compile's inductor imports it in earlier tests.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from wire import limits
 from auditor.daemon.server import BackgroundServer
 from protos import numaudit_pb2_grpc

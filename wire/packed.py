@@ -122,7 +122,8 @@ def empty() -> RecordColumns:
 # -- packed wire form -----------------------------------------------------------------------------
 
 def to_packed(c: RecordColumns) -> pb.PackedRecords:
-    """The wire form (payloads are not included: they travel as per-record `records`)."""
+    """The wire form, payloads included (`PackedRecords.payloads`: for a peer that said
+    packed_payloads; `payloads_apart` moves them out for one that did not)."""
     msg = pb.PackedRecords(count=c.n)
     msg.sites.extend(c.sites)
     msg.dtypes.extend(c.dtypes)
@@ -132,6 +133,10 @@ def to_packed(c: RecordColumns) -> pb.PackedRecords:
             setattr(msg, name, np.ascontiguousarray(a, dt).tobytes())
     msg.dims = np.ascontiguousarray(c.dims, "<i8").tobytes()
     msg.sketch = np.ascontiguousarray(c.sketch, "<f8").tobytes()
+    if c.payloads:
+        add = msg.payloads.add
+        for row in sorted(c.payloads):
+            add(row=row).payload.CopyFrom(c.payloads[row])
     return msg
 
 
@@ -170,6 +175,14 @@ def from_packed(msg: pb.PackedRecords, label: str = "packed") -> RecordColumns:
         raise PackedFormatError(f"{label}.sketch", f"{len(c.sketch)} values; sum(sketch_len) = "
                                                    f"{want}")
     check_tables(c, PackedFormatError)  # before tables of several parts are merged
+    for j, pp in enumerate(msg.payloads):
+        if not 0 <= pp.row < n:
+            raise PackedFormatError(f"{label}.payloads[{j}].row",
+                                    f"{pp.row} is not a record of this message (count {n})")
+        if pp.row in c.payloads:
+            raise PackedFormatError(f"{label}.payloads[{j}].row",
+                                    f"record {pp.row} already has a payload chunk")
+        c.payloads[pp.row] = pp.payload
     return c
 
 
@@ -434,6 +447,21 @@ def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns) -> pb.RecordBatch:
         msg.packed.CopyFrom(to_packed(packed))
     msg.records_crc32 = batch_checksum(msg)
     return msg
+
+
+def payloads_apart(batch: pb.RecordBatch) -> pb.RecordBatch:
+    """The same batch with its packed payload records per record (for a peer that takes packed
+    batches but not packed payloads: one of an earlier build would drop them); the batch as it
+    is when its packed records carry no payload."""
+    if not batch.HasField("packed") or not len(batch.packed.payloads):
+        return batch
+    from wire.checksum import batch_checksum
+
+    moved = packed_batch(batch.session_id, batch.seq, from_packed(batch.packed))
+    moved.schema_version = batch.schema_version
+    moved.records.extend(batch.records)
+    moved.records_crc32 = batch_checksum(moved)
+    return moved
 
 
 def unpacked_batch(batch: pb.RecordBatch) -> pb.RecordBatch:

@@ -710,6 +710,9 @@ void copy_run(const char* p, int64_t ts, int64_t itemsz, int64_t n, char* dst) {
   }
 }
 
+// Sketches of up to this many buckets (32 KiB) accumulate in an aligned stack buffer.
+constexpr int64_t LOCAL_SKETCH = 4096;
+
 // Digest one piece described by `desc`: [data, dtype, ndim, gbase, payload, (size, tstride,
 // gstride) x ndim], strides in elements, dims outermost first. `payload`, when not 0, is where
 // the piece's elements are also copied to, packed in C order (the bytes of a contiguous copy).
@@ -744,9 +747,14 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64) {
   const bool moments = dtype >= F16;
   const double inf = std::numeric_limits<double>::infinity();
   Acc a;
-  // The sketch accumulates straight into the row (zero for pieces without moments).
-  std::memset(f64 + N_MOMENTS, 0, sizeof(double) * k);
-  a.sketch = f64 + N_MOMENTS;
+  // The sketch accumulates in a 64-byte-aligned buffer on the stack when it fits, then is
+  // copied to the row (zero for pieces without moments). Straight into the row, whose
+  // buckets start 40 bytes into it, every vector access to a bucket group straddled two cache
+  // lines: the float32 loop ran at half the speed. Same additions in the same order either way.
+  alignas(64) double local[LOCAL_SKETCH];
+  double* const out = f64 + N_MOMENTS;
+  a.sketch = k <= LOCAL_SKETCH ? local : out;
+  std::memset(a.sketch, 0, sizeof(double) * k);
   a.k = k;
   if (numel > 0) {
     const int64_t itemsz = itemsize(dtype);
@@ -775,6 +783,7 @@ int64_t digest_one(const int64_t* desc, int64_t k, double* f64, int64_t* i64) {
       }
     }
   }
+  if (a.sketch != out) std::memcpy(out, a.sketch, sizeof(double) * k);
   f64[0] = moments ? a.sum : 0.0;
   f64[1] = moments ? a.sum_sq : 0.0;
   f64[2] = moments ? a.lo : inf;

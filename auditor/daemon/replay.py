@@ -3,8 +3,10 @@
 Replay uses the same RPCs as a live agent (Register with the spooled session id, Ingest, then
 CloseSession), so it gets the same validation and the same idempotence: batches the auditor
 already stored live are acknowledged without being stored twice, and a spool replayed twice
-changes nothing. With a database path instead of an address, an in-process daemon is started on
-that file for the replay.
+changes nothing. A daemon of an earlier build gets what it takes, as from a live agent:
+per-record batches, or the payload records per record, where its RegisterResponse does not say
+packed_batches or packed_payloads. With a database path instead of an address, an in-process
+daemon is started on that file for the replay.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Iterable
 import grpc
 
 from wire.channels import open_channel
-from wire.packed import batch_record_count
+from wire.packed import PackedFormatError, batch_record_count, payloads_apart, unpacked_batch
 from wire.spool import SpoolError, read_spool, spool_files
 from wire.tls import TLSConfig
 from protos import numaudit_pb2_grpc
@@ -88,13 +90,23 @@ def _replay_file(stub, path: Path, metadata) -> ReplayResult:
     result.problems = list(spool.problems)
     result.run, result.rank = spool.register.run, spool.register.rank
     try:
-        stub.Register(spool.register, timeout=CALL_TIMEOUT_S, metadata=metadata)
+        peer = stub.Register(spool.register, timeout=CALL_TIMEOUT_S, metadata=metadata)
     except grpc.RpcError as exc:
         result.error = f"Register: {exc.code().name}: {exc.details()}"
         return result
     for batch in spool.batches:
         result.batches += 1
         result.records += batch_record_count(batch)
+        if batch.HasField("packed") and not (peer.packed_batches and peer.packed_payloads):
+            # A daemon of an earlier build would drop what it does not know (packed records,
+            # packed payloads) and ack them: it gets them per record, as a live agent sends.
+            try:
+                batch = (payloads_apart(batch) if peer.packed_batches
+                         else unpacked_batch(batch))
+            except PackedFormatError as exc:
+                result.rejected.append(f"seq {batch.seq}: {exc} (not converted for an "
+                                       "auditor of an earlier build)")
+                continue
         try:
             (ack,) = list(stub.Ingest(iter([batch]), timeout=CALL_TIMEOUT_S, metadata=metadata))
         except grpc.RpcError as exc:

@@ -297,7 +297,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                  f" (renamed from {request.run}: the name belongs to another job)"
                  if run != request.run else "")
         return pb.RegisterResponse(session_id=request.session_id, acked_seq=acked, run=run,
-                                   packed_batches=True)
+                                   packed_batches=True, packed_payloads=True)
 
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],

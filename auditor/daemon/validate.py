@@ -22,9 +22,8 @@ Contracts checked here that a sender must know (docs/protocol.md has the full li
 from __future__ import annotations
 
 import math
+import threading
 import zlib
-from typing import Sequence
-
 import zstandard
 
 from wire import limits, names
@@ -232,17 +231,19 @@ def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
         raise TooLarge("records", f"{count} records exceed the per-batch limit of "
                                   f"{limits.MAX_BATCH_RECORDS}")
     payload_bytes = sum(len(r.payload.data) for r in records if r.HasField("payload"))
+    if batch.HasField("packed"):
+        payload_bytes += sum(len(pp.payload.data) for pp in batch.packed.payloads)
     try:
         cols = batch_columns(batch)
     except PackedFormatError as exc:
         raise ValidationError(exc.field, exc.why) from None
     vc.check_rows(cols, vc.suspects(cols, ITEMSIZE, REAL_FLOAT_DTYPES, _PHASES, _ROLES,
-                                    _REDUCTIONS), validate_record)
+                                    _REDUCTIONS, _check_payload_header), validate_record)
     if payload_bytes > limits.MAX_BATCH_PAYLOAD_BYTES:
         raise TooLarge("records", f"payload data of {payload_bytes} bytes exceeds the per-batch "
                                   f"limit of {limits.MAX_BATCH_PAYLOAD_BYTES}")
     if cols.payloads:
-        _verify_batch_payloads(records)
+        _verify_batch_payloads(cols)
     return cols
 
 
@@ -260,7 +261,7 @@ def validate_record(r: pb.Record, where: str = "record") -> None:
     numel = _check_layout(r.layout, f"{where}.layout")
     _check_digest(r.digest, numel, f"{where}.digest")
     if r.HasField("payload"):
-        _check_payload_header(r.payload, r.layout, numel, f"{where}.payload")
+        _check_payload_header(r.payload, r.layout.dtype, numel, f"{where}.payload")
 
 
 def _check_key(k: pb.Key, where: str) -> None:
@@ -405,15 +406,16 @@ def _zstd_bound(n: int) -> int:
     return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
 
 
-def _check_payload_header(p: pb.Payload, lay: pb.Layout, numel: int, where: str) -> None:
+def _check_payload_header(p: pb.Payload, dtype: str, numel: int, where: str) -> None:
+    """The header of a payload chunk of a record whose layout (`dtype`, `numel` elements) passed."""
     if p.codec not in CODECS:
         raise ValidationError(f"{where}.codec", f"{_short(p.codec)} is not one of {', '.join(CODECS)}")
-    expected = numel * ITEMSIZE[lay.dtype]
+    expected = numel * ITEMSIZE[dtype]
     if p.raw_nbytes != expected:
         raise ValidationError(
             f"{where}.raw_nbytes",
-            f"{p.raw_nbytes} != prod(layout.shape) {numel} x itemsize {ITEMSIZE[lay.dtype]} "
-            f"({lay.dtype}) = {expected}",
+            f"{p.raw_nbytes} != prod(layout.shape) {numel} x itemsize {ITEMSIZE[dtype]} "
+            f"({dtype}) = {expected}",
         )
     if p.raw_nbytes > limits.MAX_PAYLOAD_RAW_BYTES:
         raise TooLarge(f"{where}.raw_nbytes", f"{p.raw_nbytes} exceeds the per-record payload limit "
@@ -476,9 +478,22 @@ def verify_stream(p: pb.Payload, stream: bytes, where: str) -> None:
                                               f"says {p.raw_nbytes} (truncated or corrupt)")
 
 
+_DCTX = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompression context: making one costs ~12 us, more than checking a small
+    payload (reusable one operation at a time, so one per thread)."""
+    dctx = getattr(_DCTX, "dctx", None)
+    if dctx is None:
+        dctx = _DCTX.dctx = zstandard.ZstdDecompressor(
+            max_window_size=limits.MAX_ZSTD_WINDOW_BYTES)
+    return dctx
+
+
 def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
     """Bytes the stream decompresses to, reading at most raw_nbytes + 1 of them."""
-    dctx = zstandard.ZstdDecompressor(max_window_size=limits.MAX_ZSTD_WINDOW_BYTES)
+    dctx = _decompressor()
     n = 0
     try:
         with dctx.stream_reader(stream, read_size=1 << 16) as reader:
@@ -492,31 +507,34 @@ def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
     return n
 
 
-def _verify_batch_payloads(records: Sequence[pb.Record]) -> None:
-    """Whole-stream checks for payloads complete in this batch; header checks for the others."""
-    complete: list[tuple[int, pb.Payload, bytes]] = []
+def _verify_batch_payloads(c: RecordColumns) -> None:
+    """Whole-stream checks for payloads complete in this batch (packed or per record); header
+    checks for the others."""
+    complete: list[tuple[str, pb.Payload, bytes]] = []
     groups: dict[tuple, dict[int, int]] = {}
-    for i, r in enumerate(records):
-        if not r.HasField("payload"):
-            continue
-        p = r.payload
+    cols = c.cols
+    for row in sorted(c.payloads):
+        p = c.payloads[row]
+        where = f"{c.where(row)}.payload"
         if p.chunk_count == 1:
-            complete.append((i, p, p.data))
+            complete.append((where, p, p.data))
             continue
         if p.chunk_index == 0 and p.codec == "zstd":
-            check_zstd_header(p.data, p.raw_nbytes, f"records[{i}].payload")
-        group = (r.key.SerializeToString(deterministic=True), p.chunk_count, p.crc32,
-                 p.compressed_nbytes, p.codec, p.raw_nbytes)
-        groups.setdefault(group, {}).setdefault(p.chunk_index, i)
+            check_zstd_header(p.data, p.raw_nbytes, where)
+        key = (int(cols["step"][row]), int(cols["microbatch"][row]), int(cols["phase"][row]),
+               c.sites[int(cols["site"][row])], int(cols["role"][row]), int(cols["index"][row]),
+               int(cols["call"][row]))
+        group = (key, p.chunk_count, p.crc32, p.compressed_nbytes, p.codec, p.raw_nbytes)
+        groups.setdefault(group, {}).setdefault(p.chunk_index, row)
     for chunks in groups.values():
         first = chunks.get(0)
-        if first is not None and len(chunks) == records[first].payload.chunk_count:
-            stream = b"".join(records[chunks[c]].payload.data for c in range(len(chunks)))
-            complete.append((first, records[first].payload, stream))
+        if first is not None and len(chunks) == c.payloads[first].chunk_count:
+            stream = b"".join(c.payloads[chunks[j]].data for j in range(len(chunks)))
+            complete.append((f"{c.where(first)}.payload", c.payloads[first], stream))
     raw_total = sum(p.raw_nbytes for _, p, _ in complete if p.codec == "zstd")
     if raw_total > limits.MAX_BATCH_RAW_BYTES:
         raise TooLarge("records", f"payloads would decompress to {raw_total} bytes, over the "
                                   f"per-batch limit of {limits.MAX_BATCH_RAW_BYTES}; send fewer per batch")
-    for i, p, stream in complete:
-        verify_stream(p, stream, f"records[{i}].payload")
+    for where, p, stream in complete:
+        verify_stream(p, stream, where)
 

@@ -125,12 +125,13 @@ def test_large_noncontiguous_and_batch_split(dtype):
     assert_same(u, batch_layout((8, 3, 5), dp_rank=2, dp_size=4))
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8, 64, 4096])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 64, 4096, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                    torch.int32])
 def test_every_sketch_size_at_unaligned_offsets(dtype, k):
     """k < 8 takes the scalar loop, k >= 8 the vector one (bucket groups of 8 lanes); a shard
-    starting mid-block gives the vector loop a scalar head and tail around whole groups."""
+    starting mid-block gives the vector loop a scalar head and tail around whole groups. Up to
+    4096 buckets the kernel accumulates in an aligned stack buffer, past it in the row itself."""
     t = _values(dtype, (3, 1000), k, [17, 2500])
     assert_same(t, PieceLayout((5, 1003), (1, 3), (3, 1000)), k=k)
     assert_same(t.t().contiguous().t(), PieceLayout((5, 1003), (1, 3), (3, 1000)), k=k)

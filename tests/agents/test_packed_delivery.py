@@ -1,9 +1,11 @@
 """Packed batches end to end: an agent sends them to a real daemon; a peer that does not say
-`packed_batches` gets per-record batches; spools of either kind replay into the same rows."""
+`packed_batches` gets per-record batches, one that does not say `packed_payloads` gets the
+payload records per record; spools of either kind replay into the same rows."""
 
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
 import grpc
 import pytest
@@ -45,16 +47,23 @@ def _stored(db) -> list[tuple]:
         conn.close()
 
 
-def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
+def _spooled_session(tmp_path) -> Path:
+    """The spool file of an agent that captured `_capture`'s records (spool_mode always)."""
     agent = agents.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
                           spool_mode="always", phases=("input", "fwd"), payload=("input:pay",),
                           sketch_k=32, batch_records=8)
     _capture(agent)
     agent.close(timeout=5.0)
     (path,) = sorted((tmp_path / "spool").glob("*.spool"))
+    return path
+
+
+def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
+    path = _spooled_session(tmp_path)
     contents = read_spool(path)
     assert any(b.HasField("packed") for b in contents.batches)
-    assert any(len(b.records) for b in contents.batches)  # the payload records
+    assert any(len(b.packed.payloads) for b in contents.batches)  # the payload records, packed
+    assert not any(len(b.records) for b in contents.batches)
     for b in contents.batches:
         assert received_records_checksum(b.SerializeToString()) == b.records_crc32
     total = sum(P.batch_record_count(b) for b in contents.batches)
@@ -89,16 +98,17 @@ def test_agent_to_a_real_daemon_stores_every_record(tmp_path):
 
 class _OldPeer:
     """A Transport to a daemon of an earlier build: the real gRPC transport, whose Register
-    answer lacks packed_batches (as an old daemon's would)."""
+    answer lacks packed_batches (as an old daemon's would), or only packed_payloads."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, packed_batches: bool = False) -> None:
         self.inner = GrpcTransport(address)
         self.sent: list[pb.RecordBatch] = []
-        self.packed_batches = False
+        self.says_packed = packed_batches
+        self.packed_batches = self.packed_payloads = False
 
     def register(self, req, timeout, abort=lambda: False):
         acked = self.inner.register(req, timeout, abort)
-        self.packed_batches = False
+        self.packed_batches, self.packed_payloads = self.says_packed, False
         return acked
 
     def open_stream(self):
@@ -118,21 +128,112 @@ class _OldPeer:
         self.inner.close()
 
 
+def _deliver(peer, batch: pb.RecordBatch, n: int) -> Delivery:
+    req = register_request(run="old", session_id="old-0")
+    d = Delivery(peer, lambda: req, on_drop=lambda reason, n: None)
+    assert d.offer(batch, n, batch.ByteSize())
+    import time
+    deadline = time.monotonic() + 20
+    while d.pending and time.monotonic() < deadline:
+        d.service()
+        time.sleep(0.01)
+    d.shutdown()
+    return d
+
+
 def test_a_peer_without_packed_batches_gets_per_record_batches(tmp_path):
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
         peer = _OldPeer(srv.address)
+        records = [record(0, j) for j in range(4)] + [record(0, 4, payload=b"\x05" * 48)]
+        packed = P.split_batch("old-0", 1, P.from_records(records), None)
+        assert len(packed.packed.payloads) == 1
+        d = _deliver(peer, packed, 5)
+        assert not d.pending and d.acked_records == 5
+        assert peer.sent and not any(b.HasField("packed") for b in peer.sent)
+        assert list(peer.sent[0].records) == records
+        assert peer.sent[0].records_crc32 == batch_checksum(peer.sent[0])
+
+
+def test_a_peer_without_packed_payloads_gets_the_payload_records_per_record(tmp_path):
+    """A daemon of the build before packed payloads would drop PackedRecords.payloads (an
+    unknown field) and store the records without them: it gets them per record instead."""
+    records = [record(0, j, payload=b"\x05" * 48 if j % 2 else None) for j in range(5)]
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _OldPeer(srv.address, packed_batches=True)
+        packed = P.split_batch("old-0", 1, P.from_records(records), None)
+        d = _deliver(peer, packed, 5)
+        assert not d.pending and d.acked_records == 5
+        (sent,) = peer.sent
+        assert sent.packed.count == 3 and not len(sent.packed.payloads)
+        assert [r.key.microbatch for r in sent.records] == [1, 3]
+        assert all(r.HasField("payload") for r in sent.records)
+        assert sent.records_crc32 == batch_checksum(sent)
+    conn = sqlite3.connect(tmp_path / "audit.db")
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM payload_chunks").fetchone()[0] == 2
+    finally:
+        conn.close()
+
+
+def test_a_packed_batch_that_does_not_convert_is_rejected_and_the_rest_delivered(tmp_path):
+    """A sidecar relays what a local process sends: a packed batch whose columns do not fit
+    cannot be converted for a peer of an earlier build. It is dropped as rejected (any peer
+    would refuse it); the delivery goes on with the next batch instead of raising."""
+    drops = []
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _OldPeer(srv.address)
         req = register_request(run="old", session_id="old-0")
-        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: None)
-        records = [record(0, j) for j in range(5)]
-        packed = P.packed_batch("old-0", 1, P.from_records(records))
-        assert d.offer(packed, 5, packed.ByteSize())
+        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
+        bad = P.split_batch("old-0", 1, P.from_records([record(0, j) for j in range(3)]), None)
+        bad.packed.dims = bad.packed.dims[:-8]
+        good = P.split_batch("old-0", 2, P.from_records([record(1, j) for j in range(2)]), None)
+        assert d.offer(bad, 3, bad.ByteSize()) and d.offer(good, 2, good.ByteSize())
         import time
         deadline = time.monotonic() + 20
         while d.pending and time.monotonic() < deadline:
             d.service()
             time.sleep(0.01)
         d.shutdown()
-        assert not d.pending and d.acked_records == 5
-        assert peer.sent and not any(b.HasField("packed") for b in peer.sent)
-        assert list(peer.sent[0].records) == records
-        assert peer.sent[0].records_crc32 == batch_checksum(peer.sent[0])
+        assert drops == [("rejected", 3)]
+        assert not d.pending and d.acked_records == 2
+        assert [b.seq for b in peer.sent] == [2]
+
+
+class _OldDaemonStub:
+    """The real Auditor stub of a daemon, whose Register answer says what a daemon of an earlier
+    build would (no packed payloads, or no packed batches at all); records what Ingest got."""
+
+    def __init__(self, stub, packed_batches: bool) -> None:
+        self.stub, self.packed_batches, self.sent = stub, packed_batches, []
+
+    def Register(self, req, **kw):
+        resp = self.stub.Register(req, **kw)
+        resp.packed_batches, resp.packed_payloads = self.packed_batches, False
+        return resp
+
+    def Ingest(self, batches, **kw):
+        batches = list(batches)
+        self.sent.extend(batches)
+        return self.stub.Ingest(iter(batches), **kw)
+
+    def CloseSession(self, req, **kw):
+        return self.stub.CloseSession(req, **kw)
+
+
+@pytest.mark.parametrize("packed_batches", [True, False])
+def test_replay_sends_an_auditor_of_an_earlier_build_what_it_takes(tmp_path, packed_batches):
+    from auditor.daemon.replay import _replay_file
+    from protos import numaudit_pb2_grpc
+
+    path = _spooled_session(tmp_path)
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = _OldDaemonStub(numaudit_pb2_grpc.AuditorStub(channel), packed_batches)
+            result = _replay_file(stub, path, None)
+    assert not result.rejected and result.error is None and result.stored == 2 * 8
+    assert not any(len(b.packed.payloads) for b in stub.sent)
+    assert any(len(b.records) for b in stub.sent)  # the payload records, per record
+    assert all(b.HasField("packed") for b in stub.sent) == packed_batches
+    (direct,) = replay_into_db([path], tmp_path / "direct.db")
+    assert direct.stored == 2 * 8
+    assert _stored(tmp_path / "audit.db") == _stored(tmp_path / "direct.db")

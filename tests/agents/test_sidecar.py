@@ -153,3 +153,37 @@ def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tm
                              capture_output=True, text=True).stdout.split()[0])
     os.kill(pid, signal.SIGTERM)  # don't wait the 10 s idle period in a test
     assert _wait(lambda: not wait_for_socket(sock, 0), 10)
+
+
+def test_a_session_whose_forwarding_fails_does_not_stop_the_others(auditor_server, tmp_path,
+                                                                   monkeypatch):
+    """One relayed session's forwarding step raising (a bug) is logged and retried; the
+    sidecar's other sessions keep flowing, and the failed one is delivered once it recovers."""
+    from agents.delivery import Delivery
+
+    failures = {"left": 20}
+    service = Delivery.service
+
+    def flaky(self, *args, **kw):
+        if "(run bad " in self.name and failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("forwarding bug")
+        return service(self, *args, **kw)
+
+    monkeypatch.setattr(Delivery, "service", flaky)
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay", auditor=auditor_server.address)
+    sidecar.start()
+    try:
+        bad = agents.attach(None, run="bad", sidecar=sock, batch_records=4)
+        good = agents.attach(None, run="good", sidecar=sock, batch_records=4)
+        _capture(bad, 6)
+        _capture(good, 6, start=10)
+        bad.close()
+        good.close()
+        assert _wait(lambda: len(_stored_sites(auditor_server.db_path, "good")) == 6)
+        assert _wait(lambda: sidecar._all_done())
+        assert failures["left"] == 0
+    finally:
+        sidecar.stop(grace=5)
+    assert _stored_sites(auditor_server.db_path, "bad") == sorted(f"t{i}" for i in range(6))

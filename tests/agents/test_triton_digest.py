@@ -7,8 +7,10 @@ The cases aim at what v2 makes position-dependent: pieces that start mid-block a
 256-element block boundaries (the kernel's aligned path), strided and sharded pieces (its
 general path), sketches of 1 bucket up to more buckets than a block has lanes.
 
-Skipped when triton is not installed (it is optional: `pip install triton`); the interpreter
-is slow, so the pieces are small (a few blocks each).
+`make test` installs triton (the dev extras) and runs these under the interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton, when there is no
+GPU); they skip where triton is not installed. The interpreter is slow, so the pieces are small
+(a few blocks each).
 """
 
 from __future__ import annotations

@@ -127,8 +127,20 @@ _SPECIAL = [-1, 0, 1, 2, 3, 255, 1 << 31, 1 << 40, -(1 << 62)]
 
 
 def _mutate_packed(draw, b: pb.RecordBatch) -> None:
-    """One value of one column of the packed records, or a column cut short."""
+    """One value of one column of the packed records, a column cut short, or one packed
+    payload's row, header or bytes."""
     m = b.packed
+    if len(m.payloads) and draw(st.integers(0, 3)) == 0:
+        pp = m.payloads[draw(st.integers(0, len(m.payloads) - 1))]
+        field = draw(st.sampled_from(["row", "data", "raw_nbytes", "chunk_count", "crc32"]))
+        if field == "row":
+            pp.row = draw(st.sampled_from([-1, m.count, pp.row + 1, 0]))
+        elif field == "data":
+            pp.payload.data = pp.payload.data[:draw(st.integers(0, len(pp.payload.data)))]
+        else:
+            value = getattr(pp.payload, field) + draw(st.sampled_from([-1, 1, 1 << 20]))
+            setattr(pp.payload, field, min(max(value, 0), (1 << 31) - 1))
+        return
     name, dt = draw(st.sampled_from(P.SCALAR_COLUMNS + (("dims", "<i8"), ("sketch", "<f8"))))
     size = np.dtype(dt).itemsize
     raw = getattr(m, name) or (bytes(m.count * size) if name not in ("dims", "sketch") else b"")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from wire.packed import batch_record_count
+from wire.packed import batch_columns, batch_record_count, to_records
 from auditor.daemon.replay import replay
 from wire.spool import read_spool
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
@@ -44,7 +44,7 @@ def test_killed_training_process_spool_replayed_once(tmp_path):
             writer.kill()
         auditor.close()
     spooled = {(r.key.step, r.key.microbatch, r.key.phase, r.key.site, r.key.role, r.key.index,
-                r.key.call, 0) for b in contents.batches for r in b.records}
+                r.key.call, 0) for b in contents.batches for r in to_records(batch_columns(b))}
     n_spooled = sum(batch_record_count(b) for b in contents.batches)
     (result,) = results
     view = StoreView.read(auditor.db)

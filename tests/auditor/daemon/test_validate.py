@@ -263,3 +263,15 @@ def test_register_identity_and_grad_scale_fields():
     assert str(refused(validate_register, register_request(grad_scale=math.inf))).startswith(
         "grad_scale")
     assert str(refused(validate_register, register_request(job_id="j" * 300))).startswith("job_id")
+
+
+def test_a_failed_decompression_leaves_the_thread_able_to_check_the_next_payload():
+    """The daemon reuses one zstd context per thread: a stream that fails (a cut frame, a
+    frame that decompresses too far) must not change the verdict on the next one."""
+    raw = float32_bytes(12)
+    frame = zstandard.ZstdCompressor(level=1).compress(raw)
+    extra = zstandard.ZstdCompressor(level=1).compress(b"more")
+    for bad in (frame[:-3], frame + extra):
+        assert isinstance(refused(validate_batch, batch(1, [_with_payload(
+            payload_for(bad, raw_nbytes=48))])), CorruptPayload)
+        validate_batch(batch(1, [_with_payload(payload_for(frame, raw_nbytes=48))]))
