@@ -48,6 +48,8 @@ COLUMNS = tuple(n for n, _ in FIXED) + MOMENTS + BLOBS + TEXTS
 """The `records` columns of a row, in the order of the COPY buffer."""
 STAGE_COLUMNS = ("pos",) + COLUMNS
 """With `pos` (the record's index in the batch), for a staging table."""
+ID_COLUMNS = ("record_id",) + COLUMNS
+"""With the record ids the writer drew from the table's sequence beforehand."""
 SQL_TYPES = {**{n: ("float8" if t == "f8" else "int8") for n, t in FIXED}, "pos": "int8",
              **{m: "float8" for m in MOMENTS}, "content_hash": "bytea", "sketch": "bytea",
              **{t: "text" for t in TEXTS}}
@@ -130,9 +132,10 @@ def _text_section(c: RecordColumns, none: np.ndarray,
 
 def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: int,
                 hashes: Sequence[bytes], session_id: str, seq: int, now: float, *,
-                pos: bool = False) -> bytes:
-    """The COPY ... (COLUMNS) FROM STDIN (FORMAT BINARY) data of the batch's rows, in batch
-    order (with `pos`: of STAGE_COLUMNS). `site_ids[j]` is the store's id of `c.sites[j]`."""
+                pos: bool = False, record_ids: np.ndarray | None = None) -> bytes:
+    """The COPY ... (COLUMNS) FROM STDIN (FORMAT BINARY) data of the batch's rows (with `pos`:
+    of STAGE_COLUMNS; with `record_ids`, one per record: of ID_COLUMNS). `site_ids[j]` is the
+    store's id of `c.sites[j]`."""
     n = c.n
     if n == 0:
         return HEADER + TRAILER
@@ -159,9 +162,12 @@ def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
         "ragged_parts": cols["ragged_parts"], "ragged_first": cols["ragged_first"],
         "ragged_span": cols["ragged_span"],
     }
+    lead: tuple[str, ...] = ()
     if pos:
-        values["pos"] = np.arange(n)
-    names = (("pos",) if pos else ()) + tuple(name for name, _ in FIXED)
+        values["pos"], lead = np.arange(n), ("pos",)
+    elif record_ids is not None:
+        values["record_id"], lead = np.asarray(record_ids, np.int64), ("record_id",)
+    names = lead + tuple(name for name, _ in FIXED)
     words = np.empty((n, len(names)), np.int64)  # every value as its 8 bytes
     for j, name in enumerate(names):
         v = values[name]
@@ -170,7 +176,7 @@ def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
     fields = np.empty((n, len(names)), _FIELD)
     fields["length"] = 8
     fields["value"] = words  # one big-endian conversion for all of them
-    count = np.full((n, 1), len(STAGE_COLUMNS if pos else COLUMNS), ">i2").view(np.uint8)
+    count = np.full((n, 1), len(lead) + len(COLUMNS), ">i2").view(np.uint8)
     sections = [(count, None), (fields.view(np.uint8).reshape(n, 12 * len(names)), None)]
 
     mom = np.empty(n, _MOMENT_DTYPE)

@@ -135,6 +135,43 @@ def test_a_chunked_payload_is_complete_only_with_every_chunk(writer, store_locat
     assert read(store_location, lambda r: r.payload(rid))[1] == whole
 
 
+def test_packed_payload_batches_store_their_chunks(writer, store_location):
+    """A fresh packed batch whose records carry payloads (PostgreSQL: COPY straight into
+    `records` and `payload_chunks` under ids drawn beforehand), one whose 2-chunk payload
+    repeats a key (PostgreSQL: the staging path), and resends of both: every record readable
+    with its own payload, nothing stored twice."""
+    from wire.packed import from_records, split_batch
+
+    register(writer)
+    payloads = {j: float32_bytes(12 + j) for j in (0, 3, 4)}
+    records = [record(0, j, shape=(1, 12 + j), payload=payloads.get(j)) for j in range(6)]
+    fresh = split_batch("sess-0", 1, from_records(records), None)
+    assert len(fresh.packed.payloads) == 3 and not len(fresh.records)
+    assert ingest(writer, fresh).stored == 6
+    data = float32_bytes(64)
+    a, b = record(1, 0, payload=data), record(1, 0, payload=data)
+    whole, half = a.payload.data, len(a.payload.data) // 2
+    a.payload.chunk_count = b.payload.chunk_count = 2
+    a.payload.data, b.payload.chunk_index, b.payload.data = whole[:half], 1, whole[half:]
+    chunked = split_batch("sess-0", 2, from_records([a, b, record(1, 1)]), None)
+    assert (ingest(writer, chunked).stored, ) == (2, )
+    again = ingest(writer, split_batch("sess-0", 3, from_records(records), None))
+    assert (again.stored, again.duplicates, again.conflicts) == (0, 6, 0)
+
+    def check(r):
+        rows = {(row[0], row[1]): row for row in r.records("ref")}
+        assert len(rows) == 8
+        for j in range(6):
+            got = r.payload(rows[(0, j)][30])
+            if j in payloads:
+                assert got[1] == records[j].payload.data and bool(rows[(0, j)][31])
+            else:
+                assert got is None and not rows[(0, j)][31]
+        assert r.payload(rows[(1, 0)][30])[1] == whole
+        assert r.payload(rows[(1, 1)][30]) is None
+    read(store_location, check)
+
+
 # -- PostgreSQL: several writers (replicas) on one database -----------------------------------
 
 def test_replicas_serialize_a_sessions_batches(pg_url):
