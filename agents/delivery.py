@@ -32,7 +32,7 @@ import grpc
 
 from wire import limits
 from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
-from wire.packed import payloads_apart, unpacked_batch
+from wire.packed import for_peer
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -149,19 +149,14 @@ class Delivery:
         if s is None:
             return
         packed_ok = getattr(self.transport, "packed_batches", False)
-        payloads_ok = packed_ok and getattr(self.transport, "packed_payloads", False)
+        payloads_ok = getattr(self.transport, "packed_payloads", False)
         for b in list(self.pending):
             if b.seq > self._sent_upto:
-                if b.message.HasField("packed") and not payloads_ok:
-                    # A peer of an earlier build would drop the packed records (or their
-                    # payloads) and ack them: it gets them per record (converted once, kept
-                    # for resends).
-                    try:
-                        b.message = (payloads_apart(b.message) if packed_ok
-                                     else unpacked_batch(b.message))
-                    except Exception as exc:  # columns that do not fit: refused content
-                        self._drop_unconvertible(b, exc)
-                        continue
+                try:  # converted once for a peer of an earlier build, kept for resends
+                    b.message = for_peer(b.message, packed_ok, payloads_ok)
+                except Exception as exc:  # columns that do not fit: refused content
+                    self._drop_unconvertible(b, exc)
+                    continue
                 s.send(b.message)
                 self._sent_upto = b.seq
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:

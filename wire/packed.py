@@ -449,6 +449,15 @@ def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns) -> pb.RecordBatch:
     return msg
 
 
+def for_peer(batch: pb.RecordBatch, packed_batches: bool, packed_payloads: bool) -> pb.RecordBatch:
+    """The batch as a peer takes it, by what its RegisterResponse (or a sidecar's Ack) said: a
+    peer of an earlier build would drop packed records or packed payloads (unknown fields) and
+    ack them. PackedFormatError when the packed columns do not fit (nothing to convert)."""
+    if not batch.HasField("packed") or (packed_batches and packed_payloads):
+        return batch
+    return payloads_apart(batch) if packed_batches else unpacked_batch(batch)
+
+
 def payloads_apart(batch: pb.RecordBatch) -> pb.RecordBatch:
     """The same batch with its packed payload records per record (for a peer that takes packed
     batches but not packed payloads: one of an earlier build would drop them); the batch as it

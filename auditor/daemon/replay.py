@@ -21,7 +21,7 @@ from typing import Iterable
 import grpc
 
 from wire.channels import open_channel
-from wire.packed import PackedFormatError, batch_record_count, payloads_apart, unpacked_batch
+from wire.packed import PackedFormatError, batch_record_count, for_peer
 from wire.spool import SpoolError, read_spool, spool_files
 from wire.tls import TLSConfig
 from protos import numaudit_pb2_grpc
@@ -97,16 +97,12 @@ def _replay_file(stub, path: Path, metadata) -> ReplayResult:
     for batch in spool.batches:
         result.batches += 1
         result.records += batch_record_count(batch)
-        if batch.HasField("packed") and not (peer.packed_batches and peer.packed_payloads):
-            # A daemon of an earlier build would drop what it does not know (packed records,
-            # packed payloads) and ack them: it gets them per record, as a live agent sends.
-            try:
-                batch = (payloads_apart(batch) if peer.packed_batches
-                         else unpacked_batch(batch))
-            except PackedFormatError as exc:
-                result.rejected.append(f"seq {batch.seq}: {exc} (not converted for an "
-                                       "auditor of an earlier build)")
-                continue
+        try:  # as a live agent sends it, for a daemon of an earlier build
+            batch = for_peer(batch, peer.packed_batches, peer.packed_payloads)
+        except PackedFormatError as exc:
+            result.rejected.append(f"seq {batch.seq}: {exc} (not converted for an auditor of "
+                                   "an earlier build)")
+            continue
         try:
             (ack,) = list(stub.Ingest(iter([batch]), timeout=CALL_TIMEOUT_S, metadata=metadata))
         except grpc.RpcError as exc:
