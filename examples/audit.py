@@ -126,15 +126,17 @@ class Outcome:
 
 def compare(ref: str, cand: str, db: Path, policy: Path | None, text_report: Path,
             json_report: Path, extra: Sequence[str] = (), echo: bool = True) -> int:
-    """`auditor compare` on the stored runs: JSON to a file, text to a file (and the terminal).
+    """`auditor compare` on the stored runs: JSON to a file, text to a file (and the terminal),
+    from one comparison (`--json-output`).
 
     It reads the store file directly (`--db`): the daemon has stored and acked every record by
     the time the jobs exit. Without a policy file, `extra` should name a `--preset`.
     """
-    base = [sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
-            *(["--policy", str(policy)] if policy is not None else []), *extra]
-    subprocess.call(base + ["--format", "json", "-o", str(json_report)], cwd=ROOT)
-    proc = subprocess.run(base + ["--format", "text"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
+         *(["--policy", str(policy)] if policy is not None else []), *extra,
+         "--format", "text", "--json-output", str(json_report)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT)
     text_report.write_text(proc.stdout)
     if echo:
         sys.stdout.write(proc.stdout)

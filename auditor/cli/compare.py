@@ -1,7 +1,8 @@
 """`auditor compare` and `auditor watch` (registered on `auditor.cli.main`).
 
     auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit]
-                             [-o FILE] [--all] [--limit N] [--store PATH|URL | --address HOST:PORT]
+                             [-o FILE] [--json-output FILE] [--all] [--limit N]
+                             [--store PATH|URL | --address HOST:PORT]
     auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
                            [--poll S] [--timeout S] [--store PATH|URL | --address HOST:PORT]
 
@@ -84,19 +85,26 @@ def _width() -> int:
               show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the report here instead of stdout.")
+@click.option("--json-output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the JSON report to this file, whatever --format (one comparison "
+                   "for a log and an artifact).")
 @click.option("--all", "show_all", is_flag=True, help="Text: list passing findings too.")
 @click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
               show_default=True, help="Text: findings listed per phase and stage (0 = all).")
 @_sources
 @tls_options
 def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
-            output: Path | None, show_all: bool, limit: int, db: Path | None,
-            address: str | None, timeout: float, tls_ca: str | None, tls_cert: str | None,
-            tls_key: str | None) -> int:
+            output: Path | None, json_output: Path | None, show_all: bool, limit: int,
+            db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+            tls_cert: str | None, tls_key: str | None) -> int:
     """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
     policy, policy_text = _load_policy(policy_file, preset)
-    if output is not None and not output.parent.is_dir():
-        raise InputError(f"output: directory {output.parent} does not exist")
+    for name, path in (("output", output), ("json-output", json_output)):
+        if path is not None and not path.parent.is_dir():
+            raise InputError(f"{name}: directory {path.parent} does not exist")
+    if output is not None and json_output is not None and output.resolve() == json_output.resolve():
+        raise InputError(f"json-output: {json_output} is also the --output file")
+    remote_json: str | None = None
     from auditor.compare.columns import KeyRangeError
     from auditor.compare.engine import compare_runs
     from auditor.report.junit import render_junit, to_junit
@@ -124,9 +132,10 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
             exit_code = resp.exit_code
             doc = json.loads(resp.report_json)
             report = None
+            remote_json = resp.report_json if resp.report_json.endswith("\n") \
+                else resp.report_json + "\n"
             if fmt == "json":
-                text = resp.report_json if resp.report_json.endswith("\n") \
-                    else resp.report_json + "\n"
+                text = remote_json
             elif fmt == "junit":
                 text = render_junit(doc, doc["findings"])
             else:
@@ -139,6 +148,8 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
     finally:
         source.close()
     _write(output, text, report)
+    if json_output is not None:
+        _write(json_output, remote_json, report)
     return exit_code
 
 

@@ -74,6 +74,30 @@ def test_formats_and_output_file(db, tmp_path):
     assert "identical" in every.output.split("Findings, by phase and stage")[1]
 
 
+def test_json_output_beside_any_format(db, tmp_path, daemon):
+    """One comparison gives the printed report and the JSON artifact: --json-output writes what
+    --format json would, whatever --format prints, from a store file or the daemon."""
+    alone = tmp_path / "alone.json"
+    assert cli("compare", "ref", "bumped", "--db", str(db), "--format", "json", "-o",
+               str(alone)).exit_code == 1
+    srv, _ = daemon
+    for source in (("--db", str(db)), ("--address", srv.address)):
+        for fmt in ("text", "junit"):
+            both = tmp_path / f"both-{fmt}-{source[0][2:]}.json"
+            res = cli("compare", "ref", "bumped", *source, "--format", fmt, "--json-output",
+                      str(both))
+            assert res.exit_code == 1 and res.output.strip()
+            drop = lambda d: {k: v for k, v in d.items() if k not in ("generated_unix",
+                                                                      "timings")}  # noqa: E731
+            assert drop(json.loads(both.read_text())) == drop(json.loads(alone.read_text()))
+    same = cli("compare", "ref", "bumped", "--db", str(db), "-o", str(alone), "--json-output",
+               str(alone))
+    assert same.exit_code == 2 and "also the --output file" in same.output
+    gone = cli("compare", "ref", "bumped", "--db", str(db), "--json-output",
+               str(tmp_path / "no" / "r.json"))
+    assert gone.exit_code == 2 and "json-output: directory" in gone.output
+
+
 def test_policy_file_with_preset_override(db):
     policy = ROOT / "examples" / "policies" / "default.toml"
     res = cli("compare", "ref", "same", "--db", str(db), "--policy", str(policy), "--preset",
