@@ -82,13 +82,17 @@ def test_a_kernel_that_agrees_is_used(monkeypatch):
     assert stand.calls == 3 * 2 + len(pieces)
 
 
-def test_a_kernel_that_disagrees_is_never_used(monkeypatch, caplog):
-    stand = _Stand(flip_fingerprint=True)
+def _digest_twice(monkeypatch, caplog, stand) -> tuple[list, list, list]:
+    """The test pieces digested twice by one Digester over `stand`: (pieces, first, second)."""
     pieces = _pieces()
     with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
         digester = _digester_with(monkeypatch, stand)
-        got = _rows(digester, pieces)
-        again = _rows(digester, pieces)
+        return pieces, _rows(digester, pieces), _rows(digester, pieces)
+
+
+def test_a_kernel_that_disagrees_is_never_used(monkeypatch, caplog):
+    stand = _Stand(flip_fingerprint=True)
+    pieces, got, again = _digest_twice(monkeypatch, caplog, stand)
     assert _same(got, _eager(pieces)) and _same(again, got)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "disagrees with the eager reference" in warnings[0]
@@ -97,11 +101,7 @@ def test_a_kernel_that_disagrees_is_never_used(monkeypatch, caplog):
 
 def test_a_kernel_that_fails_later_falls_back_for_good(monkeypatch, caplog):
     stand = _Stand(fail_after=8)
-    pieces = _pieces()
-    with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
-        digester = _digester_with(monkeypatch, stand)
-        got = _rows(digester, pieces)
-        more = _rows(digester, pieces)
+    pieces, got, more = _digest_twice(monkeypatch, caplog, stand)
     assert _same(got, _eager(pieces)) and _same(more, got)
     assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     # float32: 3 checks and 2 pieces; int64: 3 checks and its piece, which fails (eager rows);
