@@ -27,12 +27,12 @@ import json
 import mmap
 import os
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from wire import limits
+from wire.checksum import crc32
 from wire.names import spool_file_name
 from protos import numaudit_pb2 as pb
 
@@ -59,7 +59,7 @@ class SpoolError(ValueError):
 
 
 def _crc(length: int, kind: int, body: bytes) -> int:
-    return zlib.crc32(body, zlib.crc32(struct.pack("<IB", length, kind)))
+    return crc32(body, crc32(struct.pack("<IB", length, kind)))
 
 
 def _frame(kind: int, body: bytes) -> bytes:
@@ -252,7 +252,7 @@ def _parse_legacy_at(buf, pos: int, size: int) -> tuple[int, bytes, int] | str:
     if size - start < length:
         return "torn frame body"
     body = bytes(buf[start:start + length])
-    if zlib.crc32(bytes([kind]) + body) != crc:
+    if crc32(bytes([kind]) + body) != crc:
         return "frame checksum mismatch"
     return kind, body, start + length
 

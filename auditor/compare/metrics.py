@@ -20,7 +20,6 @@ shape x dtype (FIELD-NOTES: zstd's max_output_size is not a bound).
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,6 +27,7 @@ import numpy as np
 import zstandard
 
 from wire import limits
+from wire.checksum import crc32
 
 EPS64 = float(np.finfo(np.float64).eps)
 ROUNDING_FLOOR = 4.0
@@ -228,7 +228,7 @@ def decode_payload(header: dict, data: bytes, dtype: str, shape: Sequence[int], 
         raise PayloadUnavailable(f"payload of {raw} bytes exceeds payload_max_bytes {max_bytes}")
     if len(data) != header.get("compressed_nbytes", len(data)):
         raise PayloadUnavailable("payload stream length differs from its header")
-    if zlib.crc32(data) != header.get("crc32", zlib.crc32(data)):
+    if crc32(data) != header.get("crc32", crc32(data)):
         raise PayloadUnavailable("payload CRC-32 mismatch")
     codec = header.get("codec")
     if codec == "raw":

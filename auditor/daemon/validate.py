@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import math
 import threading
-import zlib
 import zstandard
 
 from wire import limits, names
 from protos import numaudit_pb2 as pb
 from auditor.daemon import validate_columns as vc
-from wire.checksum import batch_checksum
+from wire.checksum import batch_checksum, crc32
 from wire.packed import PackedFormatError, RecordColumns, batch_columns, batch_record_count
 
 
@@ -466,7 +465,7 @@ def verify_stream(p: pb.Payload, stream: bytes, where: str) -> None:
     if len(stream) != p.compressed_nbytes:
         raise CorruptPayload(f"{where}.data", f"stream of {len(stream)} bytes, compressed_nbytes "
                                               f"says {p.compressed_nbytes}")
-    crc = zlib.crc32(stream)
+    crc = crc32(stream)
     if crc != p.crc32:
         raise CorruptPayload(f"{where}.crc32", f"stream has CRC-32 {crc:#010x}, header says {p.crc32:#010x}")
     if p.codec != "zstd":
