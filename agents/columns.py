@@ -10,7 +10,6 @@ message per record, and no per-host-batch columns to merge again.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -20,6 +19,7 @@ import numpy as np
 
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from wire import limits
+from wire.checksum import crc32
 from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, SCALAR_COLUMNS,
                          RecordColumns, _ranges)
 from protos import numaudit_pb2 as pb
@@ -216,7 +216,7 @@ def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray |
     """The records without payload, then (when any) the payload-carrying records with a row per
     chunk, as parts of at most two (empty parts left out).
 
-    `compress(capture, raw bytes) -> compressed bytes` (zstd: a PayloadCompressor). A payload
+    `compress(capture, raw bytes) -> (codec, stream)` (a PayloadCompressor). A payload
     larger than MAX_PAYLOAD_RAW_BYTES is left out: the digest still travels.
     """
     plain, chunked, payloads = [], [], {}
@@ -227,12 +227,12 @@ def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray |
             plain.append(c)
             continue
         raw = payload_bytes(p)
-        data = compress(c, raw)
+        codec, data = compress(c, raw)
         count = max(1, -(-len(data) // chunk))
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         for j in range(count):
             payloads[len(chunked)] = pb.Payload(
-                codec="zstd", raw_nbytes=raw.nbytes, compressed_nbytes=len(data), crc32=crc,
+                codec=codec, raw_nbytes=raw.nbytes, compressed_nbytes=len(data), crc32=crc,
                 chunk_index=j, chunk_count=count, data=data[j * chunk:(j + 1) * chunk])
             chunked.append(c)
     parts = [Part(plain, f64, i64)] if plain else []
@@ -242,14 +242,15 @@ def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray |
 
 
 class PayloadCompressor:
-    """zstd for payloads: level 1 where it pays, a store-speed level where it does not.
+    """zstd level 1 where it pays, the bytes as they are (codec "raw") where it does not.
 
-    Float payloads barely compress (7 % at level 1), and level 1 costs 35-55 us of setup per
-    call even for a few KiB (150 small payloads a step at scale 1 of the DS3-style model) and
-    runs at 0.5 GB/s on large ones (its logits: 10 ms a step), against a few us and 7 GB/s at
-    level -1. A payload that level 1 shrinks by less than 10 % puts its (phase, site, role) on
-    level -1 for its next RETRY payloads; then level 1 is tried again. Both are zstd frames:
-    the receiver reads them alike.
+    Float payloads barely compress (7 % at level 1 for float32), and level 1 costs 35-55 us of
+    setup per call even for a few KiB (150 small payloads a step at scale 1 of the DS3-style
+    model) and runs at 0.5 GB/s on large ones (its logits). A payload that level 1 shrinks by
+    less than 10 % puts its (phase, site, role) on codec raw for its next RETRY payloads (no
+    compression at all: zstd's fastest level still cost 0.8-2.4 GB/s here, and the auditor
+    then had a frame to decompress); then level 1 is tried again. Every daemon takes codec raw
+    (docs/protocol.md).
     """
 
     RETRY = 16
@@ -258,21 +259,21 @@ class PayloadCompressor:
         import zstandard
 
         self._good = zstandard.ZstdCompressor(level=1, write_content_size=True)
-        self._fast = zstandard.ZstdCompressor(level=-1, write_content_size=True)
-        self._fast_left: dict[tuple, int] = {}
+        self._raw_left: dict[tuple, int] = {}
 
-    def __call__(self, capture, raw) -> bytes:
+    def __call__(self, capture, raw) -> tuple[str, bytes]:
+        """``(codec, stream)`` of one payload's bytes ``raw``: "zstd" or "raw"."""
         key = (capture.phase, capture.site, capture.role)
-        left = self._fast_left.get(key, 0)
+        left = self._raw_left.get(key, 0)
         if left:
-            self._fast_left[key] = left - 1
-            return self._fast.compress(raw)
+            self._raw_left[key] = left - 1
+            return "raw", bytes(raw)
         data = self._good.compress(raw)
         if len(data) > 0.9 * raw.nbytes:
-            if len(self._fast_left) >= 4096:
-                self._fast_left.clear()
-            self._fast_left[key] = self.RETRY
-        return data
+            if len(self._raw_left) >= 4096:
+                self._raw_left.clear()
+            self._raw_left[key] = self.RETRY
+        return "zstd", data
 
 
 def payload_bytes(p) -> memoryview:

@@ -62,18 +62,18 @@ default payload_max_bytes of 16 KiB, so the agent would send its bytes)."""
 
 def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
                   session_id: str, seed: int = 0,
-                  payload_every: int = 0) -> tuple[list[bytes], int]:
+                  payload_every: int = 0, payload_codec: str = "zstd") -> tuple[list[bytes], int]:
     """Serialized RecordBatches of one session, and the records' bytes on the wire.
 
     `payload_every` N > 0: every N-th record is a small piece (PAYLOAD_ELEMENTS) carrying its
-    raw bytes as a zstd payload, as the agent sends pieces of up to 16 KiB (packed payloads in
-    the packed format)."""
-    import zlib
-
+    raw bytes as a payload, as the agent sends pieces of up to 16 KiB (packed payloads in
+    the packed format): `payload_codec` "zstd" (a zstd frame, as agents before codec raw sent
+    every payload) or "raw" (the bytes as they are: what the agent sends where zstd does not
+    shrink them by 10 %, as for float noise)."""
     import zstandard
 
     from protos import numaudit_pb2 as pb
-    from wire.checksum import records_checksum
+    from wire.checksum import crc32, records_checksum
     from wire.packed import (HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns, packed_batch,
                              split_batch, to_records)
 
@@ -118,9 +118,11 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
         c.cols["dtype"][:] = 0
         zstd = zstandard.ZstdCompressor(level=-1, write_content_size=True)
         for row in np.flatnonzero(carries).tolist():
-            data = zstd.compress(rng.bytes(2 * PAYLOAD_ELEMENTS))
-            c.payloads[row] = pb.Payload(codec="zstd", raw_nbytes=2 * PAYLOAD_ELEMENTS,
-                                         compressed_nbytes=len(data), crc32=zlib.crc32(data),
+            data = rng.bytes(2 * PAYLOAD_ELEMENTS)
+            if payload_codec == "zstd":
+                data = zstd.compress(data)
+            c.payloads[row] = pb.Payload(codec=payload_codec, raw_nbytes=2 * PAYLOAD_ELEMENTS,
+                                         compressed_nbytes=len(data), crc32=crc32(data),
                                          chunk_index=0, chunk_count=1, data=data)
         if fmt in ("packed", "split"):
             msg = (split_batch(session_id, b + 1, c, None) if fmt == "packed"
@@ -177,7 +179,8 @@ def _client(address: str, run: str, ranks: list[int], world: int, args: dict,
     for r in ranks:
         sid = f"bench{os.getpid():x}r{r:06d}"
         built[r] = (sid, *build_batches(r, args["batches"], args["batch"], args["k"],
-                                        args["format"], sid, payload_every=args["payloads"]))
+                                        args["format"], sid, payload_every=args["payloads"],
+                                        payload_codec=args["payload_codec"]))
     start = threading.Barrier(len(ranks) + 1)
     outs = {r: {"session_id": built[r][0]} for r in ranks}
     threads = [threading.Thread(target=_session, args=(address, run, r, world, built[r][1],
@@ -263,7 +266,7 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
         ctx = mp.get_context("spawn")
         ready, results = ctx.Barrier(clients), ctx.Queue()
         per = dict(batches=args.batches, batch=args.batch, k=k, format=fmt, window=args.window,
-                   payloads=args.payloads)
+                   payloads=args.payloads, payload_codec=args.payload_codec)
         procs = [ctx.Process(target=_client, args=(address, run, rs, args.sessions, per, ready,
                                                    results)) for rs in ranks]
         for p in procs:
@@ -396,6 +399,9 @@ def main(argv=None) -> int:
     parser.add_argument("--payloads", type=int, default=0, metavar="N",
                         help="every N-th record a small piece carrying its bytes (a 4 KiB zstd "
                         "payload), as the agent sends pieces up to 16 KiB; 0: none")
+    parser.add_argument("--payload-codec", default="zstd", choices=["zstd", "raw"],
+                        help="the payloads' codec: zstd frames, or raw bytes (what the agent "
+                        "sends where zstd does not pay)")
     parser.add_argument("--sync", default="full", choices=["full", "normal"],
                         help="the daemons' --sync (durability of an acked batch)")
     parser.add_argument("--server-root", default=str(ROOT))
@@ -417,7 +423,8 @@ def main(argv=None) -> int:
     print(f"bench.ingest: {'PostgreSQL' if pg else 'SQLite'}, {args.sessions} sessions over "
           f"{args.clients} client processes, {args.batches} batches x {args.batch} records each, "
           f"window {args.window}, sync {args.sync}, acked after commit (server {args.server_root})"
-          + (f"; every {args.payloads}th record carries a 4 KiB payload" if args.payloads else ""))
+          + (f"; every {args.payloads}th record carries a 4 KiB {args.payload_codec} payload"
+             if args.payloads else ""))
     with tempfile.TemporaryDirectory(prefix="numaudit-ingest-") as d:
         for replicas in args.replicas:
             for k in args.k:
