@@ -121,10 +121,12 @@ def empty() -> RecordColumns:
 
 # -- packed wire form -----------------------------------------------------------------------------
 
-def to_packed(c: RecordColumns) -> pb.PackedRecords:
+def to_packed(c: RecordColumns, into: pb.PackedRecords | None = None) -> pb.PackedRecords:
     """The wire form, payloads included (`PackedRecords.payloads`: for a peer that said
-    packed_payloads; `payloads_apart` moves them out for one that did not)."""
-    msg = pb.PackedRecords(count=c.n)
+    packed_payloads; `payloads_apart` moves them out for one that did not). `into`: an empty
+    message to fill (a batch's `packed` field: no copy of the columns and payloads after)."""
+    msg = pb.PackedRecords() if into is None else into
+    msg.count = c.n
     msg.sites.extend(c.sites)
     msg.dtypes.extend(c.dtypes)
     for name, dt in SCALAR_COLUMNS:
@@ -444,7 +446,7 @@ def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns) -> pb.RecordBatch:
     from wire.checksum import batch_checksum
 
     if packed.n:
-        msg.packed.CopyFrom(to_packed(packed))
+        to_packed(packed, into=msg.packed)
     msg.records_crc32 = batch_checksum(msg)
     return msg
 
