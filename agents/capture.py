@@ -291,7 +291,7 @@ class Capturer:
 
     # -- captures -------------------------------------------------------------------------------
 
-    @torch.compiler.disable
+    @not_traced
     def capture(
         self,
         t: torch.Tensor | None,
