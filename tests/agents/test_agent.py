@@ -6,6 +6,7 @@ import socket
 import time
 
 import pytest
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -94,6 +95,29 @@ def test_payload_travels_compressed_and_round_trips(auditor_server):
     raw = zstandard.ZstdDecompressor().decompress(data)
     assert header["raw_nbytes"] == t.numel() * 4
     assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(64, 8), t)
+
+
+def test_incompressible_payloads_are_stored_raw_and_read_back_whole(auditor_server):
+    """Float noise does not compress: after the first payload of a site the agent sends the
+    bytes as they are (codec raw); every step's payload still reads back as its tensor."""
+    from auditor.compare.metrics import bits_to_values, decode_payload
+
+    steps = [torch.randn(64, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    agent = agents.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
+    for s, t in enumerate(steps):
+        with agent.step(s), agent.microbatch(0):
+            agent.capture(t, site="x", phase="input")
+    agent.close()
+    reader = Reader(auditor_server.db_path)
+    rows = sorted(_records(auditor_server.db_path, "ref"), key=lambda r: r[0])
+    assert len(rows) == 4
+    codecs = []
+    for row, t in zip(rows, steps):
+        header, data = reader.payload(row[30])
+        codecs.append(header["codec"])
+        bits = decode_payload(header, data, "float32", (64, 8), max_bytes=1 << 20)
+        assert np.array_equal(bits_to_values(bits, "float32"), t.double().numpy())
+    assert codecs == ["zstd", "raw", "raw", "raw"]
 
 
 def test_checkpoint_recomputation_is_not_a_new_call(auditor_server):
