@@ -64,6 +64,10 @@ class PendingBatch:
     message: pb.RecordBatch
     records: int
     nbytes: int
+    body: bytes | None = None
+    """The message's serialization (a sealed batch), kept until its first send: sent as it is
+    instead of serialized again. Resends, and batches converted for an older peer, serialize
+    the message."""
 
 
 class Delivery:
@@ -115,11 +119,18 @@ class Delivery:
 
     # -- owner's calls ------------------------------------------------------------------------
 
-    def offer(self, batch: pb.RecordBatch, records: int, nbytes: int) -> bool:
-        """Queue a batch; False (nothing queued) when over the memory budget or given up."""
+    def offer(self, batch: pb.RecordBatch, records: int, nbytes: int,
+              body: bytes | None = None) -> bool:
+        """Queue a batch; False (nothing queued) when over the memory budget or given up.
+
+        `body`: the batch serialized (`wire.checksum.seal`), sent as it is. It is kept only while
+        a stream is open (the batch goes out at the next `service`): a batch waiting for a
+        connection would otherwise hold its bytes twice, outside the budget.
+        """
         if self.fatal is not None or self.pending_bytes + nbytes > self.max_unacked_bytes:
             return False
-        self.pending.append(PendingBatch(batch.seq, batch, records, nbytes))
+        self.pending.append(PendingBatch(batch.seq, batch, records, nbytes,
+                                         body if self._stream is not None else None))
         self.pending_bytes += nbytes
         return True
 
@@ -153,11 +164,14 @@ class Delivery:
         for b in list(self.pending):
             if b.seq > self._sent_upto:
                 try:  # converted once for a peer of an earlier build, kept for resends
-                    b.message = for_peer(b.message, packed_ok, payloads_ok)
+                    converted = for_peer(b.message, packed_ok, payloads_ok)
                 except Exception as exc:  # columns that do not fit: refused content
                     self._drop_unconvertible(b, exc)
                     continue
-                s.send(b.message)
+                if converted is not b.message:
+                    b.message, b.body = converted, None
+                s.send(b.message, b.body)
+                b.body = None
                 self._sent_upto = b.seq
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:
             log.warning("%s: no ack for %.1fs; reconnecting", self.name, self.ack_timeout_s)
@@ -305,6 +319,8 @@ class Delivery:
                     self.name, b.seq, exc)
 
     def _drop_stream(self) -> None:
+        for b in self.pending:  # resent on a new stream, serialized then
+            b.body = None
         if self._stream is not None:
             try:
                 self._stream.cancel()

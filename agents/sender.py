@@ -26,6 +26,7 @@ from agents.delivery import Delivery
 from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
 from wire import limits
+from wire.checksum import seal
 from wire.packed import RecordColumns, concat, empty, split_batch
 from wire.spool import SpoolWriter
 from wire.tls import TLSConfig
@@ -314,7 +315,10 @@ class Sender:
         n = cols.n
         if not n:
             return
-        msg = split_batch(self.session_id, self._next_seq, cols, None)
+        msg = split_batch(self.session_id, self._next_seq, cols, None, checksum=False)
+        # Serialized once: the checksum is summed over these bytes, and they are what gRPC, the
+        # sidecar socket or the spool gets (wire.checksum.seal).
+        body = seal(msg)
         # The delivery's memory budget counts the record bytes (what the message carries
         # beside a few framing bytes per field): msg.ByteSize() serialized the whole message
         # once more, milliseconds per batch with payloads.
@@ -325,16 +329,16 @@ class Sender:
             self.counters.drop(d.fatal, n)
             return
         if d is None:
-            if self._spool_write(msg):
+            if self._spool_write(msg, body):
                 self.spilled += n
             else:
                 self.counters.drop("no_auditor", n)
                 return
         else:
-            if self.config.spool_mode == "always" and not self._spool_write(msg):
+            if self.config.spool_mode == "always" and not self._spool_write(msg, body):
                 self.counters.drop("spool_error", n)
                 return
-            if not d.offer(msg, n, nbytes):
+            if not d.offer(msg, n, nbytes, body):
                 self.counters.drop("buffer_full", n)
                 return
         self._next_seq += 1
@@ -411,8 +415,9 @@ class Sender:
 
     # -- spool ----------------------------------------------------------------------------------
 
-    def _spool_write(self, batch: pb.RecordBatch) -> bool:
-        """Append a batch to this session's spool file (opened with its registration)."""
+    def _spool_write(self, batch: pb.RecordBatch, body: bytes | None = None) -> bool:
+        """Append a batch to this session's spool file (opened with its registration; `body`:
+        the batch serialized)."""
         if self.config.spool_mode == "off":
             return False
         try:
@@ -421,7 +426,7 @@ class Sender:
                                           self.ident.rank, self.session_id)
                 self._spool.append(self._register_request())
                 log.info("rank %d: numaudit spooling to %s", self.ident.rank, self._spool.path)
-            self._spool.append(batch)
+            self._spool.append(batch, body=body)
             return True
         except OSError as exc:
             log.warning("rank %d: numaudit spool write failed: %r", self.ident.rank, exc)

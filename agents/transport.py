@@ -60,7 +60,8 @@ class Stream(Protocol):
     acks: queue.Queue
     """pb.Ack items, then EOF_MARK or a TransportError."""
 
-    def send(self, batch: pb.RecordBatch) -> None: ...
+    def send(self, batch: pb.RecordBatch, body: bytes | None = None) -> None:
+        """Queue `batch` (`body`: its serialization, sent as it is when given)."""
 
     def cancel(self) -> None: ...
 
@@ -78,13 +79,22 @@ class Transport(Protocol):
 
 # -- gRPC ---------------------------------------------------------------------------------------
 
+INGEST_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Auditor'].full_name}/Ingest"
+
+
+def _request_bytes(item) -> bytes:
+    """The Ingest call's request serializer: a sealed batch's bytes as they are (the sender
+    serialized the batch once, for its checksum: `wire.checksum.seal`), a message serialized."""
+    return item if type(item) is bytes else item.SerializeToString()
+
+
 class _GrpcStream:
     """One Ingest call: sends are queued for grpc's request iterator; a thread reads acks."""
 
-    def __init__(self, stub) -> None:
+    def __init__(self, ingest) -> None:
         self._outbox: queue.Queue = queue.Queue()
         self.acks: queue.Queue = queue.Queue()
-        self.call = stub.Ingest(self._requests())
+        self.call = ingest(self._requests())
         threading.Thread(target=self._read, name="numaudit-acks", daemon=True).start()
 
     def _requests(self):
@@ -102,8 +112,8 @@ class _GrpcStream:
         except Exception as exc:
             self.acks.put(as_transport_error(exc))
 
-    def send(self, batch: pb.RecordBatch) -> None:
-        self._outbox.put(batch)
+    def send(self, batch: pb.RecordBatch, body: bytes | None = None) -> None:
+        self._outbox.put(batch if body is None else body)
 
     def cancel(self) -> None:
         self._outbox.put(None)
@@ -118,6 +128,7 @@ class GrpcTransport:
         self.address, self._token, self._tls = address, token, tls
         self._channel = None
         self._stub = None
+        self._ingest = None
         self.registered_run = ""
         """The run name the auditor registered last (RegisterResponse.run; differs when renamed)."""
         self.packed_batches = False
@@ -129,6 +140,10 @@ class GrpcTransport:
         if self._stub is None:
             self._channel = open_channel(self.address, tls=self._tls, token=self._token)
             self._stub = numaudit_pb2_grpc.AuditorStub(self._channel)
+            # The generated stub's Ingest, with a serializer that also takes sealed bytes.
+            self._ingest = self._channel.stream_stream(
+                INGEST_METHOD, request_serializer=_request_bytes,
+                response_deserializer=pb.Ack.FromString, _registered_method=True)
         return self._stub
 
     def register(self, req: pb.RegisterRequest, timeout: float,
@@ -151,7 +166,8 @@ class GrpcTransport:
                 raise as_transport_error(exc) from None
 
     def open_stream(self) -> _GrpcStream:
-        return _GrpcStream(self._connect())
+        self._connect()
+        return _GrpcStream(self._ingest)
 
     def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None:
         try:
@@ -162,7 +178,7 @@ class GrpcTransport:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
-            self._channel = self._stub = None
+            self._channel = self._stub = self._ingest = None
 
 
 # -- node sidecar over a Unix socket ------------------------------------------------------------
@@ -201,9 +217,9 @@ class _SocketStream:
             if not self._closed:
                 self.acks.put(TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar: {exc}"))
 
-    def send(self, batch: pb.RecordBatch) -> None:
+    def send(self, batch: pb.RecordBatch, body: bytes | None = None) -> None:
         try:
-            self._sock.sendall(encode(batch))
+            self._sock.sendall(encode(batch, body))
         except OSError as exc:
             self.acks.put(TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar: {exc!r}"))
 

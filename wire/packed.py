@@ -432,22 +432,25 @@ def packed_batch(session_id: str, seq: int, cols: RecordColumns) -> pb.RecordBat
 
 
 def split_batch(session_id: str, seq: int, packed: RecordColumns,
-                single: RecordColumns | None) -> pb.RecordBatch:
+                single: RecordColumns | None, *, checksum: bool = True) -> pb.RecordBatch:
     """A batch of `packed` records and `single` ones sent per record (those carrying a
     payload), given apart: what packed_batch sends, without taking them out of one
-    RecordColumns first (the agent keeps them apart from the start). Checksum set."""
+    RecordColumns first (the agent keeps them apart from the start). Checksum set unless
+    `checksum` is False (for a caller that seals the batch: `wire.checksum.seal`)."""
     msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
     if single is not None and single.n:
         to_records(single, into=msg.records)
-    return _finish_batch(msg, packed)
+    return _finish_batch(msg, packed, checksum)
 
 
-def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns) -> pb.RecordBatch:
+def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns,
+                  checksum: bool = True) -> pb.RecordBatch:
     from wire.checksum import batch_checksum
 
     if packed.n:
         to_packed(packed, into=msg.packed)
-    msg.records_crc32 = batch_checksum(msg)
+    if checksum:
+        msg.records_crc32 = batch_checksum(msg)
     return msg
 
 

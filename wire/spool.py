@@ -66,11 +66,12 @@ def _frame(kind: int, body: bytes) -> bytes:
     return _HEADER.pack(MAGIC, len(body), _crc(len(body), kind, body), kind) + body
 
 
-def encode(message) -> bytes:
-    """A frame of a protobuf message (kinds 1-4), or of an error's raw bytes (kind 5)."""
+def encode(message, body: bytes | None = None) -> bytes:
+    """A frame of a protobuf message (kinds 1-4), or of an error's raw bytes (kind 5). `body`:
+    the message already serialized (a sealed batch, `wire.checksum.seal`)."""
     if isinstance(message, bytes):
         return _frame(KIND_ERROR, message)
-    return _frame(_KINDS[type(message)], message.SerializeToString())
+    return _frame(_KINDS[type(message)], message.SerializeToString() if body is None else body)
 
 
 def encode_error(code_name: str, details: str) -> bytes:
@@ -157,11 +158,12 @@ class SpoolWriter:
     def closed(self) -> bool:
         return self._fd is None
 
-    def append(self, message, *, durable: bool = False) -> int:
-        """Write one frame; raise OSError (with the file back at its last frame) if it fails."""
+    def append(self, message, *, durable: bool = False, body: bytes | None = None) -> int:
+        """Write one frame (`body`: the message already serialized); raise OSError (with the
+        file back at its last frame) if it fails."""
         if self._fd is None:
             raise ValueError(f"{self.path}: spool writer is closed")
-        data = encode(message)
+        data = encode(message, body)
         good = self.bytes_written
         try:
             view = memoryview(data)

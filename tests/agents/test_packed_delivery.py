@@ -115,9 +115,9 @@ class _OldPeer:
         stream = self.inner.open_stream()
         send = stream.send
 
-        def recording_send(batch):
+        def recording_send(batch, body=None):
             self.sent.append(batch)
-            send(batch)
+            send(batch, body)
         stream.send = recording_send
         return stream
 
@@ -237,3 +237,66 @@ def test_replay_sends_an_auditor_of_an_earlier_build_what_it_takes(tmp_path, pac
     (direct,) = replay_into_db([path], tmp_path / "direct.db")
     assert direct.stored == 2 * 8
     assert _stored(tmp_path / "audit.db") == _stored(tmp_path / "direct.db")
+
+
+class _RecordingPeer:
+    """The real gRPC transport to a current daemon; records what each send was given."""
+
+    def __init__(self, address: str) -> None:
+        self.inner = GrpcTransport(address)
+        self.sent: list[tuple[pb.RecordBatch, bytes | None]] = []
+
+    def __getattr__(self, name):  # packed_batches, packed_payloads, close_session, close ...
+        return getattr(self.inner, name)
+
+    def register(self, req, timeout, abort=lambda: False):
+        return self.inner.register(req, timeout, abort)
+
+    def open_stream(self):
+        stream = self.inner.open_stream()
+        send = stream.send
+
+        def recording_send(batch, body=None):
+            self.sent.append((batch, body))
+            send(batch, body)
+        stream.send = recording_send
+        return stream
+
+
+def test_sealed_batches_go_out_as_their_bytes_and_resends_serialize_again(tmp_path):
+    """The sender serializes a batch once (wire.checksum.seal) and the delivery hands those
+    bytes to gRPC; a batch offered before the stream is open, or pending when it breaks, is
+    serialized at its send instead (its bytes are not held twice while it waits)."""
+    from wire.checksum import seal
+
+    def batch(seq):
+        msg = P.split_batch("seal-0", seq, P.from_records(
+            [record(seq, j, payload=b"\x07" * 48 if j == 1 else None) for j in range(4)]),
+            None, checksum=False)
+        return msg, seal(msg)
+
+    def service_until_acked(d):
+        deadline = time.monotonic() + 20
+        while d.pending and time.monotonic() < deadline:
+            d.service()
+            time.sleep(0.01)
+
+    import time
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _RecordingPeer(srv.address)
+        req = register_request(run="seal", session_id="seal-0")
+        drops = []
+        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
+        (m1, b1), (m2, b2), (m3, b3) = batch(1), batch(2), batch(3)
+        assert d.offer(m1, 4, len(b1), b1)  # no stream yet: its bytes are not kept
+        service_until_acked(d)
+        assert d.offer(m2, 4, len(b2), b2)
+        service_until_acked(d)
+        assert d.offer(m3, 4, len(b3), b3)
+        d._drop_stream()  # the stream breaks before batch 3 goes out
+        service_until_acked(d)
+        d.shutdown()
+        assert not drops and not d.pending and d.acked_records == 12
+        assert [(m.seq, body) for m, body in peer.sent] == [(1, None), (2, b2), (3, None)]
+    assert len(_stored(tmp_path / "audit.db")) == 12
+    assert pb.RecordBatch.FromString(b2) == m2 and m2.records_crc32 == batch_checksum(m2)

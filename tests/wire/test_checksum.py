@@ -34,3 +34,22 @@ def test_the_fast_crc_is_the_one_in_use():
     """isal is a dependency (pyproject.toml): the zlib fallback is for platforms without its
     wheel, not what this install runs."""
     assert checksum.crc32.__module__.startswith("isal")
+
+
+def test_a_sealed_batch_is_its_message_with_the_checksum_the_daemon_computes():
+    """seal() serializes once and appends the checksum field: the bytes parse to the message
+    with records_crc32 set, and that value is both the sender's and the receiver's sum."""
+    from protos import numaudit_pb2 as pb
+    from tests.auditor.builders import record
+    from wire import packed as P
+
+    records = [record(0, j, payload=b"\x05" * 48 if j % 2 else None) for j in range(6)]
+    for single in (None, P.from_records(records[:2])):  # packed only; packed and per record
+        msg = P.split_batch("s", 3, P.from_records(records[2:]), single, checksum=False)
+        assert not msg.HasField("records_crc32")
+        body = checksum.seal(msg)
+        assert msg.HasField("records_crc32")
+        assert pb.RecordBatch.FromString(body) == msg
+        assert msg.records_crc32 == checksum.batch_checksum(msg)
+        assert checksum.received_records_checksum(body) == msg.records_crc32
+        assert checksum.seal(msg) == body  # sealing again sums the same bytes
