@@ -3,8 +3,9 @@
 The capturer (agents/capture.py) decides what a hook captures; this module owns how hooks are
 registered and entered: module forward hooks and tensor gradient hooks are disabled for
 torch.compile (run eagerly, so the agent's state never becomes a guard of the model's graphs)
-at no cost to an eager model, and a gradient hook is put in the tensor's hook dict without a RemovableHandle (one per hooked
-output and forward: the handle was half of a hook's registration cost in a training step).
+at no cost to an eager model, and a gradient hook is put in the tensor's hook dict without a
+RemovableHandle (one per hooked output and forward: the handle was half of a hook's
+registration cost in a training step).
 """
 
 from __future__ import annotations

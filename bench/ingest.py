@@ -2,8 +2,8 @@
 
     python -m bench.ingest [--quick] [--store PATH_OR_URL] [--replicas 1 2] [--sessions 8]
                            [--clients 2] [--k 64 256] [--batch 512] [--batches N] [--window 2]
-                           [--format packed split records] [--payloads N] [--sync full|normal]
-                           [--server-root DIR]
+                           [--format packed split records] [--payloads N]
+                           [--payload-codec zstd|raw] [--sync full|normal] [--server-root DIR]
 
 Simulated ranks: `--sessions` sessions (one gRPC stream each, like one rank's agent) spread over
 `--clients` client processes. Each session registers as one rank of run "bench-kK-FORMAT", then
