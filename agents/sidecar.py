@@ -216,11 +216,12 @@ class Sidecar:
         log.warning("dropped %d records upstream (%s)", n, reason)
 
     @staticmethod
-    def _offer(s: Session, batch: pb.RecordBatch) -> None:
-        """Hand a spooled batch to the session's delivery; count it if it cannot be taken."""
+    def _offer(s: Session, batch: pb.RecordBatch, body: bytes | None = None) -> None:
+        """Hand a spooled batch to the session's delivery; count it if it cannot be taken.
+        `body`: the bytes it arrived as (sent upstream as they are)."""
         d = s.delivery
         n = batch_record_count(batch)
-        if d.offer(batch, n, batch.ByteSize()):
+        if d.offer(batch, n, batch.ByteSize() if body is None else len(body), body):
             return
         if d.fatal is not None:  # final, as in direct mode (the spool is kept for inspection)
             s.dropped[d.fatal] += n
@@ -343,7 +344,7 @@ class Sidecar:
             if session is None:
                 return encode_error("FAILED_PRECONDITION", "session_id: register first"), None
         if kind == KIND_BATCH:
-            return self._on_batch(session, message), session
+            return self._on_batch(session, message, body), session
         if kind == KIND_CLOSE:
             with session.lock:
                 try:
@@ -403,20 +404,23 @@ class Sidecar:
         return encode(pb.Ack(session_id=reg.session_id, acked_seq=session.spooled_seq,
                              packed_batches=True, packed_payloads=True)), session
 
-    def _on_batch(self, s: Session, batch: pb.RecordBatch) -> bytes:
+    def _on_batch(self, s: Session, batch: pb.RecordBatch, body: bytes) -> bytes:
+        """Spool a batch and relay it. `body` is the frame's bytes, which parse to `batch`:
+        they are spooled and sent upstream as they are, not serialized again (an agent's
+        are its sealed batch, wire.checksum.seal)."""
         with s.lock:
             if batch.seq > s.spooled_seq:
-                if self._spool_bytes() + batch.ByteSize() > self.max_spool_bytes:
+                if self._spool_bytes() + len(body) > self.max_spool_bytes:
                     return encode_error("RESOURCE_EXHAUSTED",
                                         f"sidecar spool over its budget ({self.max_spool_bytes} bytes)")
                 try:  # acked only once on stable storage; a failed write leaves no partial frame
-                    s.spool.append(batch, durable=True)
+                    s.spool.append(batch, durable=True, body=body)
                 except (OSError, ValueError) as exc:
                     return encode_error("UNAVAILABLE", f"sidecar spool: {exc}")
                 s.spooled_seq = batch.seq
                 s.spooled_records += batch_record_count(batch)
                 if s.delivery is not None:
-                    self._offer(s, batch)
+                    self._offer(s, batch, body)
             return encode(pb.Ack(session_id=s.register.session_id, acked_seq=s.spooled_seq))
 
     def _spool_bytes(self) -> int:

@@ -140,6 +140,39 @@ def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
     assert len(_stored_sites(tmp_path / "late.db", "offline")) == 7
 
 
+def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path):
+    """A rank serializes each batch once (wire.checksum.seal: the checksum field after the
+    records); the sidecar spools those very bytes, and relays them upstream as they are, instead
+    of serializing the parsed message again (which would put the field back in number order)."""
+    from protos import numaudit_pb2 as pb
+    from wire.checksum import received_records_checksum
+    from wire.spool import KIND_BATCH, read_frame
+
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay")  # no auditor: the relay spool stays to be read
+    sidecar.start()
+    try:
+        agent = agents.attach(None, run="held", sidecar=sock, batch_records=4)
+        _capture(agent, 4)  # the first batch may go out before the stream is open (serialized)
+        assert _wait(lambda: agent._sender.delivery.acked_records == 4)
+        _capture(agent, 6, start=4)
+        agent.close()
+    finally:
+        sidecar.stop(grace=1)
+    (spool,) = (tmp_path / "relay").glob("*.spool")
+    bodies = []
+    with open(spool, "rb") as f:
+        while (frame := read_frame(f.read)) is not None:
+            if frame[0] == KIND_BATCH:
+                bodies.append(frame[1])
+    assert len(bodies) == 3  # 4 + 4 + 2 records
+    for body in bodies[1:]:
+        batch = pb.RecordBatch.FromString(body)
+        assert body != batch.SerializeToString()  # not re-serialized: the agent's own bytes
+        assert len(body) == batch.ByteSize()
+        assert received_records_checksum(body) == batch.records_crc32
+
+
 def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     sock = f"unix://{tmp_path}/node.sock"
