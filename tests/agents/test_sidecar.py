@@ -140,14 +140,19 @@ def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
     assert len(_stored_sites(tmp_path / "late.db", "offline")) == 7
 
 
-def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path):
-    """A rank serializes each batch once (wire.checksum.seal: the checksum field after the
-    records); the sidecar spools those very bytes, and relays them upstream as they are, instead
-    of serializing the parsed message again (which would put the field back in number order)."""
+def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
+    """A rank serializes each batch once (wire.checksum.seal); the sidecar spools those very
+    bytes, and relays them upstream as they are, instead of serializing the parsed message
+    again. The rank's bytes are marked here with an unknown field in front, where no
+    serializer writes one (it puts unknown fields last)."""
+    import agents.sender
     from protos import numaudit_pb2 as pb
     from wire.checksum import received_records_checksum
     from wire.spool import KIND_BATCH, read_frame
 
+    mark = bytes((0xC0, 0x3E, 0x01))  # field 1000, varint 1: unknown to RecordBatch
+    sent, seal = [], agents.sender.seal
+    monkeypatch.setattr(agents.sender, "seal", lambda msg: sent.append(mark + seal(msg)) or sent[-1])
     sock = f"unix://{tmp_path}/s.sock"
     sidecar = Sidecar(sock, tmp_path / "relay")  # no auditor: the relay spool stays to be read
     sidecar.start()
@@ -166,10 +171,10 @@ def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path):
             if frame[0] == KIND_BATCH:
                 bodies.append(frame[1])
     assert len(bodies) == 3  # 4 + 4 + 2 records
+    assert bodies[1:] == sent[1:]  # the rank's own bytes, mark first
     for body in bodies[1:]:
         batch = pb.RecordBatch.FromString(body)
-        assert body != batch.SerializeToString()  # not re-serialized: the agent's own bytes
-        assert len(body) == batch.ByteSize()
+        assert not batch.SerializeToString().startswith(mark)  # what a re-serialization gives
         assert received_records_checksum(body) == batch.records_crc32
 
 

@@ -37,8 +37,9 @@ def test_the_fast_crc_is_the_one_in_use():
 
 
 def test_a_sealed_batch_is_its_message_with_the_checksum_the_daemon_computes():
-    """seal() serializes once and appends the checksum field: the bytes parse to the message
-    with records_crc32 set, and that value is both the sender's and the receiver's sum."""
+    """seal() serializes once and writes the checksum into its placeholder: the bytes parse to
+    the message with records_crc32 set, and that value is both the sender's and the
+    receiver's sum."""
     from protos import numaudit_pb2 as pb
     from tests.auditor.builders import record
     from wire import packed as P
@@ -53,3 +54,35 @@ def test_a_sealed_batch_is_its_message_with_the_checksum_the_daemon_computes():
         assert msg.records_crc32 == checksum.batch_checksum(msg)
         assert checksum.received_records_checksum(body) == msg.records_crc32
         assert checksum.seal(msg) == body  # sealing again sums the same bytes
+
+
+def test_seal_writes_the_checksum_into_its_one_serialization(monkeypatch):
+    """The checksum's varint is padded to five bytes in place (no second serialization, no
+    copy of the batch to append it): a checksum under 2**28, whose shortest varint is shorter,
+    leaves the sealed bytes longer than a fresh serialization, and every decoder reads it."""
+    from protos import numaudit_pb2 as pb
+    from tests.auditor.builders import record
+    from wire import packed as P
+
+    padded = 0
+    for seq in range(64):
+        msg = P.split_batch("s", seq, P.from_records([record(seq, j) for j in range(3)]), None,
+                            checksum=False)
+        body = checksum.seal(msg)
+        fresh = msg.SerializeToString(deterministic=True)
+        assert pb.RecordBatch.FromString(body) == msg
+        assert checksum.received_records_checksum(body) == msg.records_crc32
+        assert checksum._varint5(msg.records_crc32) in body
+        if msg.records_crc32 < 1 << 28:
+            padded += 1
+            assert len(body) > len(fresh)
+        else:  # five bytes is the shortest form: the same bytes
+            assert body == fresh
+    assert padded  # 1 in 16 checksums is under 2**28: some of the 64 are
+
+    serialize = []
+    monkeypatch.setattr(checksum, "_fill", lambda *a: serialize.append(a) or False)
+    msg = P.split_batch("s", 1, P.from_records([record(1, 0)]), None, checksum=False)
+    body = checksum.seal(msg)  # bytes it may not write into: serialized again, checksum set
+    assert serialize and body == msg.SerializeToString(deterministic=True)
+    assert checksum.received_records_checksum(body) == msg.records_crc32
