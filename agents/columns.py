@@ -10,8 +10,8 @@ message per record, and no per-host-batch columns to merge again.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from itertools import chain
 from operator import attrgetter
 from typing import Sequence
 
@@ -21,7 +21,7 @@ from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from wire import limits
 from wire.checksum import crc32
 from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, SCALAR_COLUMNS,
-                         RecordColumns, _ranges)
+                         PayloadChunk, RecordColumns, _ranges)
 from protos import numaudit_pb2 as pb
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
@@ -35,7 +35,7 @@ class Part:
     """In record order; a payload in several chunks repeats its capture, one per chunk."""
     f64: np.ndarray | None
     i64: np.ndarray | None
-    payloads: dict[int, pb.Payload] | None = None
+    payloads: dict[int, PayloadChunk] | None = None
     """Position in `captures` -> its payload chunk; None for records without payload."""
 
     def __len__(self) -> int:
@@ -55,7 +55,7 @@ class Part:
         extra = 0
         for c in self.captures:
             if not c.is_none:
-                extra += 24 * _layout_columns(c.layout)[0][1] + (8 * k if c.moments else 0)
+                extra += 24 * len(c.layout.logical_shape) + (8 * k if c.moments else 0)
         if self.payloads:
             extra += sum(len(p.data) for p in self.payloads.values())
         return n * ROW_BYTES + extra
@@ -75,8 +75,7 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     """The records of `parts`, in order, as one RecordColumns (payloads attached).
 
     The per-capture work is attribute reads mapped in C (``attrgetter``) and one dict lookup
-    of its layout's columns, worked out once per layout object (:func:`_layout_columns`); the
-    numpy work is per call, so a wire batch's parts are built together: built per host batch
+    of its layout's row in the layout table (:class:`_Layouts`); the numpy work is per call, so a wire batch's parts are built together: built per host batch
     and merged at the cut, the fixed cost of ~60 array operations per part was most of the
     sender's column building.
     """
@@ -98,7 +97,7 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     else:
         f64 = blocks[0].f64 if blocks else None
         i64 = blocks[0].i64 if blocks else None
-    payloads: dict[int, pb.Payload] = {}
+    payloads: dict[int, PayloadChunk] = {}
     at = 0
     for p in parts:
         if p.payloads:
@@ -126,48 +125,51 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
         dtypes = {d: i for i, d in enumerate(dict.fromkeys(dtype_names))}
         cols["dtype"] = np.fromiter(map(dtypes.__getitem__, dtype_names), "<i4", n)
         lays = list(map(_LAYOUT, captures))
-    # Layout columns: a table row per distinct layout object, indexed per capture.
-    ids = list(map(id, lays))
-    distinct = dict(zip(ids, lays))
-    which = {i: j for j, i in enumerate(distinct)}
-    inv = np.fromiter(map(which.__getitem__, ids), np.intp, n)
-    table = [_layout_columns(lay) for lay in distinct.values()]
-    lint = np.array([t[0] for t in table], np.int64).reshape(len(table), len(_LAYOUT_COLUMNS) + 1)[inv]
+    # Layout columns: each layout's row of the layout table, gathered per capture.
+    _TABLE.reset_if_full()
+    table = _TABLE.current
+    at_row = table.rows(lays)
+    lint = table.ints[at_row]
     for j, name in enumerate(_LAYOUT_COLUMNS):
         cols[name] = lint[:, j + 1]
-    cols["reduce_weight"] = np.array([t[1] for t in table], "<f8")[inv]
-    dim_len = np.array([len(t[2]) for t in table], np.int64)
-    dim_end = np.cumsum(dim_len)
-    flat = np.fromiter(chain.from_iterable(t[2] for t in table), "<i8", int(dim_end[-1]) if n else 0)
-    dims = flat[_ranges(dim_end[inv] - dim_len[inv], dim_end[inv])] if n else np.zeros(0, "<i8")
+    cols["reduce_weight"] = table.weights[at_row]
+    starts = table.dim_start[at_row]
+    dims = (table.dims[_ranges(starts, starts + 3 * lint[:, 1])] if n
+            else np.zeros(0, "<i8"))
     complex_ = np.fromiter(map(_COMPLEX, captures), bool, n)
-    moments = np.fromiter(map(_MOMENTS, captures), bool, n) & ~none
+    moments = np.fromiter(map(_MOMENTS, captures), bool, n)
+    live = ~none
+    if any_none:
+        complex_ &= live
+        moments &= live
     flags = lint[:, 0].astype(np.uint8)  # REPLICA | PARTIAL of the layout
     flags |= none * np.uint8(IS_NONE)
-    flags |= (complex_ & ~none) * np.uint8(COMPLEX_AS_REAL)
+    flags |= complex_ * np.uint8(COMPLEX_AS_REAL)
     flags |= moments * np.uint8(HAS_MOMENTS)
     cols["flags"] = flags
-    live = ~none
-    lr = rows[live]
+    # Digest columns: a block of rows gathered at once, zeros where a record has none (a None
+    # capture's row is -1; moments only where has_moments). Columns are views into the block
+    # until they are made contiguous below.
     k = (f64.shape[1] - 5) if f64 is not None and f64.ndim == 2 else 0
-    for j, name in enumerate(("numel", "nan_count", "posinf_count", "neginf_count",
-                              "zero_count")):
-        a = np.zeros(n, "<i8")
-        if len(lr):
-            a[live] = i64[lr, j]
-        cols[name] = a
-    fp = np.zeros(n, "<u8")
-    if len(lr):
-        fp[live] = i64[lr, 5].astype(np.int64).view(np.uint64)
-    cols["fingerprint"] = fp
+    counts = np.zeros((n, 6), "<i8")
+    if i64 is not None and n and not none.all():
+        counts = i64[np.where(live, rows, 0)] if any_none else i64[rows]
+        if any_none:
+            counts[none] = 0
+    for j, name in enumerate(_COUNT_COLUMNS):
+        cols[name] = counts[:, j]
+    cols["fingerprint"] = counts[:, 5].view(np.uint64)
     cols["fingerprint_seed"] = np.where(live, np.uint64(FINGERPRINT_SEED), np.uint64(0))
     cols["sketch_seed"] = np.where(live, np.uint64(SKETCH_SEED), np.uint64(0))
     mr = rows[moments]
-    for j, name in enumerate(("sum", "sum_sq", "min", "max", "abs_max")):
-        a = np.zeros(n, "<f8")
-        if len(mr):
-            a[moments] = f64[mr, j]
-        cols[name] = a
+    stats = np.zeros((n, 5), "<f8")
+    if len(mr):
+        if len(mr) == n:
+            stats = f64[rows, :5]
+        else:
+            stats[moments] = f64[mr, :5]
+    for j, name in enumerate(_MOMENT_COLUMNS):
+        cols[name] = stats[:, j]
     cols["sketch_len"] = np.where(moments, k, 0).astype("<i4")
     sketch = (np.ascontiguousarray(f64[mr, 5:], "<f8").reshape(-1) if len(mr) and k
               else np.zeros(0, "<f8"))
@@ -175,6 +177,8 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     return RecordColumns(n, cols, list(sites), list(dtypes), dims, sketch, payloads)
 
 
+_COUNT_COLUMNS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count")
+_MOMENT_COLUMNS = ("sum", "sum_sq", "min", "max", "abs_max")
 _KEYS = tuple((name, attrgetter(name)) for name in ("step", "microbatch", "phase", "role",
                                                     "index", "call", "stage"))
 _ROW = attrgetter("row")
@@ -183,32 +187,87 @@ _IS_NONE, _COMPLEX, _MOMENTS = (attrgetter("is_none"), attrgetter("complex_as_re
                                 attrgetter("moments"))
 _LAYOUT_COLUMNS = ("ndim", "reduce", "reduce_index", "reduce_count", "ragged_parts",
                    "ragged_first", "ragged_span")
-_NO_LAYOUT = ((0,) * (len(_LAYOUT_COLUMNS) + 1), 0.0, ())
-_LAYOUTS: dict[int, tuple] = {}
-"""id(layout) -> (layout, its columns): kept with the layout so that its id is not reused while
-cached. Layouts are immutable and shared by every capture of a site and shape."""
-MAX_CACHED_LAYOUTS = 8192
+MAX_TABLE_LAYOUTS = 8192
+"""Layouts the layout table holds before it starts afresh (shapes that change every step, such
+as variable sequence lengths, would otherwise grow it without bound)."""
 
 
-def _layout_columns(lay) -> tuple[tuple[int, ...], float, tuple[int, ...]]:
-    """A layout's record columns: ((REPLICA | PARTIAL flags, *_LAYOUT_COLUMNS), reduce_weight,
-    dims: logical_shape + offsets + shape)."""
-    if lay is None:
-        return _NO_LAYOUT
-    hit = _LAYOUTS.get(id(lay))
-    if hit is not None and hit[0] is lay:
-        return hit[1]
-    red, rag = lay.reduce, lay.ragged
-    out = ((((REPLICA if lay.replica else 0) | (PARTIAL if lay.partial else 0)),
-            len(lay.logical_shape), _REDUCE[red] if red else 0,
-            lay.reduce_index if red else 0, lay.reduce_count if red else 0,
-            rag.parts if rag else 0, rag.first if rag else 0, rag.span if rag else 0),
-           lay.reduce_weight if red else 0.0,
-           (*lay.logical_shape, *lay.offsets, *lay.shape))
-    if len(_LAYOUTS) >= MAX_CACHED_LAYOUTS:
-        _LAYOUTS.clear()
-    _LAYOUTS[id(lay)] = (lay, out)
-    return out
+class _Layouts:
+    """One generation of the layout table: a row per layout object with its record columns
+    (REPLICA | PARTIAL flags then _LAYOUT_COLUMNS in ``ints``, ``weights``, and its dims,
+    logical_shape + offsets + shape, at ``dims[dim_start:]``).
+
+    A layout is worked out once: a batch's layout columns are then one gather over the rows of
+    its captures' layouts. Layouts are immutable and shared by every capture of a site and
+    shape, and the table keeps each one alive, so its id names it while it is here. Rows are
+    added under a lock (two agents' senders may share the process); readers look up rows
+    before they read the arrays, which only grow.
+    """
+
+    def __init__(self) -> None:
+        self.index: dict[int, int] = {}
+        self.kept: list = []
+        self.ints = np.zeros((64, len(_LAYOUT_COLUMNS) + 1), np.int64)
+        self.weights = np.zeros(64, "<f8")
+        self.dim_start = np.zeros(64, np.int64)
+        self.dims = np.zeros(256, "<i8")
+        self.dims_used = 0
+
+    def rows(self, lays: list) -> np.ndarray:
+        """The table row of each layout (None: no layout, a None capture's)."""
+        ids = list(map(id, lays))
+        got = list(map(self.index.get, ids))
+        if None in got:
+            with _TABLE.lock:
+                for j, lay in enumerate(lays):
+                    if got[j] is None:
+                        got[j] = self._add(lay, ids[j])
+        return np.array(got, np.intp)
+
+    def _add(self, lay, key: int) -> int:
+        row = self.index.get(key)
+        if row is not None:
+            return row
+        row = len(self.kept)
+        if lay is None:
+            ints, weight, dims = (0,) * (len(_LAYOUT_COLUMNS) + 1), 0.0, ()
+        else:
+            red, rag = lay.reduce, lay.ragged
+            ints = ((REPLICA if lay.replica else 0) | (PARTIAL if lay.partial else 0),
+                    len(lay.logical_shape), _REDUCE[red] if red else 0,
+                    lay.reduce_index if red else 0, lay.reduce_count if red else 0,
+                    rag.parts if rag else 0, rag.first if rag else 0, rag.span if rag else 0)
+            weight = lay.reduce_weight if red else 0.0
+            dims = (*lay.logical_shape, *lay.offsets, *lay.shape)
+        if row == len(self.ints):
+            self.ints = np.concatenate([self.ints, np.zeros_like(self.ints)])
+            self.weights = np.concatenate([self.weights, np.zeros_like(self.weights)])
+            self.dim_start = np.concatenate([self.dim_start, np.zeros_like(self.dim_start)])
+        while self.dims_used + len(dims) > len(self.dims):
+            self.dims = np.concatenate([self.dims, np.zeros_like(self.dims)])
+        self.ints[row] = ints
+        self.weights[row] = weight
+        self.dim_start[row] = self.dims_used
+        self.dims[self.dims_used:self.dims_used + len(dims)] = dims
+        self.dims_used += len(dims)
+        self.kept.append(lay)
+        self.index[key] = row  # last: a reader that finds the row finds it filled
+        return row
+
+
+class _LayoutTable:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current = _Layouts()
+
+    def reset_if_full(self) -> None:
+        if len(self.current.kept) >= MAX_TABLE_LAYOUTS:
+            with self.lock:
+                if len(self.current.kept) >= MAX_TABLE_LAYOUTS:
+                    self.current = _Layouts()
+
+
+_TABLE = _LayoutTable()
 
 
 def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray | None,
@@ -231,9 +290,9 @@ def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray |
         count = max(1, -(-len(data) // chunk))
         crc = crc32(data)
         for j in range(count):
-            payloads[len(chunked)] = pb.Payload(
-                codec=codec, raw_nbytes=raw.nbytes, compressed_nbytes=len(data), crc32=crc,
-                chunk_index=j, chunk_count=count, data=data[j * chunk:(j + 1) * chunk])
+            payloads[len(chunked)] = PayloadChunk(
+                codec, raw.nbytes, len(data), crc, j, count,
+                data if count == 1 else data[j * chunk:(j + 1) * chunk])
             chunked.append(c)
     parts = [Part(plain, f64, i64)] if plain else []
     if chunked:
@@ -249,11 +308,14 @@ class PayloadCompressor:
     model) and runs at 0.5 GB/s on large ones (its logits). A payload that level 1 shrinks by
     less than 10 % puts its (phase, site, role) on codec raw for its next RETRY payloads (no
     compression at all: zstd's fastest level still cost 0.8-2.4 GB/s here, and the auditor
-    then had a frame to decompress); then level 1 is tried again. Every daemon takes codec raw
-    (docs/protocol.md).
+    then had a frame to decompress); then level 1 is tried again. Payloads under SMALL bytes
+    always travel raw: they have at most a few KiB to save, and a level-1 call on 2-4 KiB
+    cost 30-50 us in a training step (token ids and MoE routing choices, ~50 a step at scale 1;
+    8-10 us in a loop). Every daemon takes codec raw (docs/protocol.md).
     """
 
     RETRY = 16
+    SMALL = 4096
 
     def __init__(self) -> None:
         import zstandard
@@ -263,6 +325,8 @@ class PayloadCompressor:
 
     def __call__(self, capture, raw) -> tuple[str, bytes]:
         """``(codec, stream)`` of one payload's bytes ``raw``: "zstd" or "raw"."""
+        if raw.nbytes < self.SMALL:
+            return "raw", bytes(raw)
         key = (capture.phase, capture.site, capture.role)
         left = self._raw_left.get(key, 0)
         if left:

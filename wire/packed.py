@@ -50,6 +50,31 @@ class PackedFormatError(ValueError):
         self.field, self.why = field, why
 
 
+@dataclass(slots=True)
+class PayloadChunk:
+    """A payload chunk as a sender holds it until its batch is built: `Payload`'s fields, set
+    into the batch message once (:func:`put_payload`). A `Payload` built first was copied into
+    the message again, its data included (the logits of the DS3-style model: ~4 MB a step)."""
+
+    codec: str
+    raw_nbytes: int
+    compressed_nbytes: int
+    crc32: int
+    chunk_index: int
+    chunk_count: int
+    data: bytes
+
+
+def put_payload(dst: pb.Payload, p: pb.Payload | PayloadChunk) -> None:
+    """Fill the empty message `dst` with payload chunk `p`."""
+    if type(p) is not PayloadChunk:
+        dst.CopyFrom(p)
+        return
+    dst.codec, dst.raw_nbytes, dst.compressed_nbytes = p.codec, p.raw_nbytes, p.compressed_nbytes
+    dst.crc32, dst.chunk_index, dst.chunk_count = p.crc32, p.chunk_index, p.chunk_count
+    dst.data = p.data
+
+
 @dataclass
 class RecordColumns:
     """n records as columns. Arrays are read-only views when they come from the wire."""
@@ -63,8 +88,9 @@ class RecordColumns:
     """int64, per record logical_shape, offsets, shape (ndim each), concatenated."""
     sketch: np.ndarray
     """float64, every record's sketch concatenated (sketch_len each)."""
-    payloads: dict[int, pb.Payload] = field(default_factory=dict)
-    """Row -> its payload chunk, for the records that carry one."""
+    payloads: dict[int, pb.Payload | PayloadChunk] = field(default_factory=dict)
+    """Row -> its payload chunk, for the records that carry one (a PayloadChunk where the agent
+    built it)."""
     parts: list[tuple[int, str]] = field(default_factory=lambda: [(0, "records")])
     """(first row, name) of each part, for naming a row in errors: "packed", "records"."""
     unfit: dict[int, pb.Record] = field(default_factory=dict)
@@ -138,7 +164,7 @@ def to_packed(c: RecordColumns, into: pb.PackedRecords | None = None) -> pb.Pack
     if c.payloads:
         add = msg.payloads.add
         for row in sorted(c.payloads):
-            add(row=row).payload.CopyFrom(c.payloads[row])
+            put_payload(add(row=row).payload, c.payloads[row])
     return msg
 
 
@@ -359,7 +385,7 @@ def to_records(c: RecordColumns, into=None) -> list[pb.Record]:
                 if not getattr(r, name).ByteSize():
                     r.ClearField(name)
         if i in c.payloads:
-            r.payload.CopyFrom(c.payloads[i])
+            put_payload(r.payload, c.payloads[i])
         if into is None:
             out.append(r)
     return out

@@ -52,3 +52,76 @@ def test_parts_built_together_are_the_records_built_apart():
     assert P.batch_record_count(cut) == P.batch_record_count(whole) == apart.n
     assert list(cut.records) == list(whole.records)  # the payload records, in order
     assert P.to_records(P.batch_columns(cut)) == P.to_records(P.batch_columns(whole))
+
+
+def _layouts():
+    from agents.layout import PieceLayout, RaggedParts
+
+    full = PieceLayout.full((4, 3))
+    return [
+        full,
+        PieceLayout((8, 3), (4, 0), (4, 3)),  # a shard
+        PieceLayout((8, 3), (0, 0), (8, 3), replica=True),
+        PieceLayout((5,), (0,), (5,), partial=True),
+        PieceLayout((), (), (), reduce="mean", reduce_weight=4.0, reduce_index=1, reduce_count=2),
+        PieceLayout((2,), (0,), (2,), reduce="sum", reduce_index=3, reduce_count=4),
+        PieceLayout((9, 2), (3, 0), (2, 2), ragged=RaggedParts(first=1, span=2, parts=4)),
+        PieceLayout.full((1, 1, 1, 7)),
+    ]
+
+
+def _expected_layout_columns(lay):
+    """What a record carries for a layout, written out field by field (docs/protocol.md)."""
+    red = {"": 0, "mean": 1, "sum": 2}[lay.reduce]
+    rag = lay.ragged
+    return {"ndim": len(lay.logical_shape), "reduce": red,
+            "reduce_index": lay.reduce_index if red else 0,
+            "reduce_count": lay.reduce_count if red else 0,
+            "reduce_weight": lay.reduce_weight if red else 0.0,
+            "ragged_parts": rag.parts if rag else 0, "ragged_first": rag.first if rag else 0,
+            "ragged_span": rag.span if rag else 0,
+            "flags": (P.REPLICA if lay.replica else 0) | (P.PARTIAL if lay.partial else 0)
+                     | P.HAS_MOMENTS,
+            "dims": [*lay.logical_shape, *lay.offsets, *lay.shape]}
+
+
+@pytest.mark.parametrize("table_size", [8192, 3])
+def test_layout_columns_are_each_layouts_fields_also_after_the_table_starts_afresh(
+        monkeypatch, table_size):
+    """The sender keeps a table row per layout and gathers a batch's layout columns from it; a
+    full table starts afresh (here every third layout) without changing any record."""
+    import numpy as np
+
+    import agents.columns as C
+    from agents.batching import Capture
+
+    monkeypatch.setattr(C, "MAX_TABLE_LAYOUTS", table_size)
+    monkeypatch.setattr(C, "_TABLE", C._LayoutTable())
+    lays = _layouts()
+    k = 4
+    f64 = np.arange(len(lays) * (5 + k), dtype="<f8").reshape(len(lays), 5 + k)
+    i64 = np.arange(len(lays) * 6, dtype="<i8").reshape(len(lays), 6)
+    for rnd in range(3):  # the same layouts again, then new objects equal to them
+        if rnd == 2:
+            lays = _layouts()
+        order = list(range(len(lays)))[rnd:] + list(range(len(lays)))[:rnd]
+        caps = [Capture(step=rnd, microbatch=0, phase=1, site=f"s{i}", role=1, index=0, call=0,
+                        stage=-1, layout=lays[i], dtype="float32", row=i) for i in order]
+        caps.append(Capture(step=rnd, microbatch=0, phase=1, site="none", role=1, index=0,
+                            call=0, stage=-1, layout=None, dtype="", is_none=True,
+                            moments=False))
+        c = part_columns([C.Part(caps, f64, i64)])
+        dims = c.dims.tolist()
+        at = 0
+        for r, i in enumerate(order):
+            want = _expected_layout_columns(lays[i])
+            nd = want["ndim"]
+            assert dims[at:at + 3 * nd] == want.pop("dims")
+            at += 3 * nd
+            assert {name: c.cols[name][r].item() for name in want} == want
+            assert c.cols["sum"][r] == f64[i, 0] and c.cols["numel"][r] == i64[i, 0]
+        assert at == len(dims)  # the None record has no dims
+        assert c.cols["ndim"][-1] == 0 and c.cols["flags"][-1] == P.IS_NONE
+    # the table holds the last batch's layouts (and None's row) when it started afresh for it,
+    # else both sets of layout objects
+    assert len(C._TABLE.current.kept) == (len(lays) + 1 if table_size == 3 else 2 * len(lays) + 1)

@@ -57,3 +57,12 @@ def test_small_payloads_follow_the_same_rule():
     assert all(_read(g) == small for g in got_x) and all(_read(g) == ramp for g in got_ids)
     assert [c for c, _ in got_x] == ["zstd", "raw", "raw"]
     assert [c for c, _ in got_ids] == ["zstd", "zstd", "zstd"]
+
+
+def test_payloads_under_4_kib_travel_raw_even_when_they_compress():
+    z = PayloadCompressor()
+    ids = memoryview(np.arange(PayloadCompressor.SMALL // 8 - 1, dtype="<i8")).cast("B")
+    assert z(_cap("ids"), ids) == ("raw", ids.tobytes())
+    whole = memoryview(np.arange(PayloadCompressor.SMALL // 8, dtype="<i8")).cast("B")
+    codec, data = z(_cap("ids"), whole)
+    assert codec == "zstd" and len(data) < whole.nbytes // 2 and _read((codec, data)) == whole
