@@ -25,9 +25,9 @@ from agents.config import AgentConfig, step_selected
 from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from agents.digest import has_moments
 from agents.fastpath import Digester
-from agents.hooks import (add_grad_hook, grad_role, in_backward, not_traced, run_backward_hook,
-                          run_grad_hook)
+from agents.hooks import add_grad_hook, grad_role, graph_task_id as _graph_task_id, in_backward, not_traced
 from agents.identity import RankIdentity
+from agents.kernels.cpu import pack_head
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
@@ -110,7 +110,12 @@ class Capturer:
         """Captures of the running hook whose digests are not computed yet, and the batch
         their rows go to: :meth:`_drain` digests them in one call before the hook returns."""
         self._phases = frozenset(config.phases)
+        self._fwd_on, self._bwd_on = "fwd" in self._phases, "bwd" in self._phases
         self._step_on = step_selected(config, self.step)
+        self._run_grad_hook = not_traced(self._grad_hook_body)
+        self._run_backward_hook = not_traced(self._backward_hook_body)
+        """The gradient hooks' bodies, run eagerly under torch.compile (hooks.not_traced): one
+        wrapper each for the capturer, bound into a partial per hooked tensor."""
 
     # -- what to capture ----------------------------------------------------------------------
 
@@ -159,30 +164,34 @@ class Capturer:
         self._handles.clear()
 
     def _forward_hook(self, site: str, stage: int, pipelined: bool = False):
+        # Runs at every call of every hooked module: what it reads is cached (the phases in
+        # _fwd_on / _bwd_on, _next_call and in_backward inlined), each call level costing a
+        # microsecond or two in a training step.
         def hook(module, inputs, output):
             if not self._step_on:  # a step the selection leaves out: nothing else to do
                 return
             try:
-                if in_backward():
+                if _graph_task_id() != -1:  # in_backward(): a checkpoint's recomputation
                     self._replayed(site, stage, output)
                     return
-                if not (self.wants("fwd") or self.wants("bwd")):
-                    return
-                if pipelined and not self.in_chunk:
+                fwd, bwd = self._fwd_on, self._bwd_on
+                if not (fwd or bwd) or (pipelined and not self.in_chunk):
                     return
                 mb = self.microbatch
-                call = self._next_call(site)
+                calls, key = self._calls, (mb, site)
+                call = calls[key]
+                calls[key] = call + 1
                 st = stage if stage >= 0 else self.stage
                 tensors = ([output] if type(output) is torch.Tensor else
                            [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
-                fwd, bwd = self.wants("fwd"), self.wants("bwd")
                 for index, t in enumerate(tensors):
                     if fwd and not self._capture_fast(t, "fwd", site, "output", index, call,
                                                       mb, st):
                         self._capture_one(t, phase="fwd", site=site, role="output",
                                           index=index, call=call, microbatch=mb, stage=st)
-                    if bwd and t.requires_grad:
-                        add_grad_hook(t, self._grad_hook(site, index, call, mb, st, self.step))
+                    if bwd and t.requires_grad:  # self._grad_hook(...), inlined
+                        add_grad_hook(t, functools.partial(self._run_grad_hook, site, index, call,
+                                                           mb, st, self.step, None, "grad_output"))
                 if bwd and tensors and not torch.is_grad_enabled():
                     # Maybe a reentrant checkpoint: its forward runs without grad and is run
                     # again in backward; remember the call so the replay keys its gradients.
@@ -191,7 +200,7 @@ class Capturer:
                     calls.append((call, st))
             except Exception as exc:  # never into training
                 self._failed("forward hook", exc)
-            self._drain()
+            self._batches.drain()
 
         return not_traced(hook)
 
@@ -226,7 +235,7 @@ class Capturer:
                    layout: PieceLayout | None = None, role: str = "grad_output"):
         """The hook capturing the gradient of one hooked tensor (see :meth:`_backward_hook`:
         the same rules, in one partial, since one is made per hooked tensor and forward)."""
-        return functools.partial(run_grad_hook, self, site, index, call, mb, stage, step,
+        return functools.partial(self._run_grad_hook, site, index, call, mb, stage, step,
                                  layout, role)
 
     def _grad_hook_body(self, site: str, index: int, call: int, mb: int, stage: int,
@@ -243,7 +252,7 @@ class Capturer:
                                                                 call, mb, stage):
                     self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
                                       call=call, microbatch=mb, stage=stage, layout=layout)
-                self._drain()
+                self._batches.drain()
             finally:
                 self.step = saved
         except Exception as exc:
@@ -257,7 +266,7 @@ class Capturer:
         partial of one function disabled for torch.compile once: wrapping a closure per
         registration cost tens of microseconds per hooked tensor.)
         """
-        return functools.partial(run_backward_hook, self, key, step, capture)
+        return functools.partial(self._run_backward_hook, key, step, capture)
 
     def _backward_hook_body(self, key: tuple, step: int, capture, grad) -> None:
         try:
@@ -452,9 +461,10 @@ class Capturer:
 
         Everything but the data pointer is the same for every capture of a site, role, shape,
         strides and dtype, so it is worked out once (:meth:`_new_plan`): a capture here is one
-        dict lookup, the descriptor, the Capture and, for small pieces, the payload buffer. In
-        a training step Python runs with cold caches between the model's ops, where each line
-        of the general path cost several times what a loop over it measures.
+        dict lookup, the descriptor (one struct pack), the Capture and, for small pieces, the
+        payload buffer. In a training step Python runs with cold caches between the model's
+        ops, where each line of the general path cost several times what a loop over it
+        measures.
         """
         try:
             tt = type(t)
@@ -469,14 +479,14 @@ class Capturer:
                 self._plans[key] = plan
             if plan is None:
                 return False
-            layout, dtype, moments, base, tail, payload_n, phase_id, role_id = plan
-            self.counters.add_captured(1)
+            layout, dtype, moments, code, ndim, base, tail, payload_n, phase_id, role_id = plan
+            self.counters.captured += 1  # Counters.add_captured, without the call
             payload, payload_at = (self._batches.payload_buffer(payload_n) if payload_n
                                    else (None, 0))
-            desc = self._digester.descriptor(t, base, tail, payload_at)
-            self._batches.add_fused(
+            self._batches.fused.append((
                 Capture(self.step, microbatch, phase_id, site, role_id, index, call, stage,
-                        layout, dtype, False, moments, False, -1, payload), desc, t)
+                        layout, dtype, False, moments, False, -1, payload),
+                pack_head(t.data_ptr(), code, ndim, base, payload_at) + tail, t))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
         return True
@@ -493,7 +503,7 @@ class Capturer:
         nbytes = t.nbytes
         payload_n = nbytes if ((0 < nbytes <= self.config.payload_max_bytes) or (
             self.config.payload and self._wants_payload(phase, site, role))) else 0
-        return (layout, _dtype_name(t.dtype), has_moments(t.dtype), plan[0], plan[1], payload_n,
+        return (layout, _dtype_name(t.dtype), has_moments(t.dtype), *plan, payload_n,
                 PHASE_IDS[phase], ROLE_IDS[role])
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:

@@ -63,10 +63,11 @@ class Digester:
         """The fused kernel digests this piece (and can copy its payload bytes while at it)."""
         return self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex
 
-    def fused_plan(self, t: torch.Tensor, layout: PieceLayout) -> tuple[int, bytes] | None:
-        """``(base, descriptor tail)`` of a piece the fused kernel takes, else None: what a
-        caller caches per site, shape, strides and dtype so that a capture costs one
-        :meth:`descriptor` call. ``t`` may be a Parameter (its data is a plain tensor's)."""
+    def fused_plan(self, t: torch.Tensor, layout: PieceLayout) -> tuple[int, int, int, bytes] | None:
+        """``(dtype code, ndim, base, descriptor tail)`` of a piece the fused kernel takes, else
+        None: what a caller caches per site, shape, strides and dtype so that a capture's
+        descriptor is one ``pack_head(t.data_ptr(), code, ndim, base, payload) + tail``
+        (agents/kernels/cpu.py). ``t`` may be a Parameter (its data is a plain tensor's)."""
         cpu = self._cpu
         if cpu is None or t.dtype.is_complex:
             return None
@@ -74,19 +75,11 @@ class Digester:
         if not cpu.supports(plain):
             return None
         base, gs = cpu.index_map(tuple(t.shape), layout)
-        return base, cpu.descriptor_tail(t, gs)
+        return cpu.DTYPE_CODES[t.dtype], t.dim(), base, cpu.descriptor_tail(t, gs)
 
-    def descriptor(self, t: torch.Tensor, base: int, tail: bytes, payload: int) -> bytes:
-        """The kernel's descriptor of ``t`` from its cached :meth:`fused_plan` (``payload``: 0
-        or where the kernel copies its bytes)."""
-        return self._cpu.descriptor(t, base, tail, payload)
-
-    def digest_descriptors(self, descs: list[bytes], sketch_k: int, rows: RowBatch) -> int:
-        """Digest pieces given by their descriptors in one kernel call, into the next
-        ``len(descs)`` rows of ``rows`` (which must have room); returns the first row."""
-        first = rows.reserve(len(descs))
-        self._cpu.digest_into(descs, sketch_k, *rows.pointers(first))
-        return first
+    def kernel(self):
+        """The fused kernel's batch call (agents/kernels/cpu.py ``kernel``); None without it."""
+        return self._cpu.kernel() if self._cpu is not None else None
 
     def digest(self, pieces: list[Piece], sketch_k: int, rows: RowBatch) -> list:
         """Digest each piece; returns per piece the row of ``rows`` that holds its digest (an

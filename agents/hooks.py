@@ -23,9 +23,13 @@ except ImportError:  # pragma: no cover - a torch without these internals: alway
     _dynamo_callback = _skip_code = None
 
 
+graph_task_id = torch._C._current_graph_task_id
+"""-1 outside the autograd engine (what in_backward tests; hot hooks call it directly)."""
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs: forwards seen now are checkpoint recomputations."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 def grad_role(role: str) -> str:
@@ -63,19 +67,6 @@ def not_traced(fn):
     eager_or_disabled._torchdynamo_disable_recursive = True
     _skip_code(eager_or_disabled.__code__)  # one code object for all: idempotent
     return eager_or_disabled
-
-
-@not_traced
-def run_grad_hook(capturer, site: str, index: int, call: int, mb: int, stage: int,
-                   step: int, layout, role: str, grad) -> None:
-    """A hooked tensor's gradient hook (see run_backward_hook); returns None."""
-    capturer._grad_hook_body(site, index, call, mb, stage, step, layout, role, grad)
-
-
-@not_traced
-def run_backward_hook(capturer, key: tuple, step: int, capture, grad) -> None:
-    """Tensor hooks run eagerly (see not_traced); returns None: the gradient is unchanged."""
-    capturer._backward_hook_body(key, step, capture, grad)
 
 
 _HOOK_KEYS = itertools.count(-1, -1)

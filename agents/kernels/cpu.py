@@ -141,6 +141,9 @@ def real_view(t: torch.Tensor) -> torch.Tensor:
 
 
 _HEAD = struct.Struct("<5q")
+pack_head = _HEAD.pack
+"""``pack_head(data, dtype code, ndim, base, payload)``: a descriptor's head (see
+:func:`descriptor`), for callers that cache everything but the addresses."""
 
 
 def descriptor_tail(t: torch.Tensor, gstrides) -> bytes:
@@ -157,6 +160,15 @@ def descriptor(t: torch.Tensor, base: int, tail: bytes, payload: int = 0) -> byt
     kernel fills with the piece's elements in C order (the bytes of ``t.contiguous()``).
     """
     return _HEAD.pack(t.data_ptr(), DTYPE_CODES[t.dtype], t.dim(), base, payload) + tail
+
+
+def kernel():
+    """The library's batch entry point, ``(n, descriptors joined, sketch_k, f64_ptr, i64_ptr)
+    -> 0 or 1 + the first rejected piece``, for a caller that checked ``sketch_k`` once and
+    keeps the call (what :func:`digest_into` does, without its checks); None when the library
+    is not loaded."""
+    lib = load()
+    return None if lib is None else lib.numaudit_digest_batch
 
 
 def digest_into(descriptors: list[bytes], sketch_k: int, f64_ptr: int, i64_ptr: int) -> None:

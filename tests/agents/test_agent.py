@@ -84,7 +84,7 @@ def test_fingerprint_in_store_matches_digest_of_the_tensor(auditor_server):
 def test_payload_travels_compressed_and_round_trips(auditor_server):
     import zstandard
 
-    t = torch.randn(64, 8)
+    t = torch.randn(1, 8).expand(256, 8).contiguous()  # 8 KiB that zstd shrinks
     agent = agents.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
     with agent.step(0), agent.microbatch(0):
         agent.capture(t, site="x", phase="input")
@@ -92,9 +92,10 @@ def test_payload_travels_compressed_and_round_trips(auditor_server):
     (row,) = _records(auditor_server.db_path, "ref")
     reader = Reader(auditor_server.db_path)
     header, data = reader.payload(row[30])
+    assert header["codec"] == "zstd" and len(data) < t.numel() * 4 // 4
     raw = zstandard.ZstdDecompressor().decompress(data)
     assert header["raw_nbytes"] == t.numel() * 4
-    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(64, 8), t)
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(256, 8), t)
 
 
 def test_incompressible_payloads_are_stored_raw_and_read_back_whole(auditor_server):
@@ -102,7 +103,7 @@ def test_incompressible_payloads_are_stored_raw_and_read_back_whole(auditor_serv
     bytes as they are (codec raw); every step's payload still reads back as its tensor."""
     from auditor.compare.metrics import bits_to_values, decode_payload
 
-    steps = [torch.randn(64, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    steps = [torch.randn(256, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
     agent = agents.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
     for s, t in enumerate(steps):
         with agent.step(s), agent.microbatch(0):
@@ -115,7 +116,7 @@ def test_incompressible_payloads_are_stored_raw_and_read_back_whole(auditor_serv
     for row, t in zip(rows, steps):
         header, data = reader.payload(row[30])
         codecs.append(header["codec"])
-        bits = decode_payload(header, data, "float32", (64, 8), max_bytes=1 << 20)
+        bits = decode_payload(header, data, "float32", (256, 8), max_bytes=1 << 20)
         assert np.array_equal(bits_to_values(bits, "float32"), t.double().numpy())
     assert codecs == ["zstd", "raw", "raw", "raw"]
 
