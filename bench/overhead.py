@@ -1,20 +1,24 @@
 """Agent step overhead on the DS3-style model of examples/dsv3, in one process.
 
-Two identical models (same init) train side by side; one has an agent attached, the other not.
-Steps alternate off, on, off, on ... so that machine load drifts into both sides alike, and each
-step's CPU time (the whole process: the sender thread's work counts) is recorded. The printed
-ratio is median(on) / median(off) per configuration: scale 1 and scale 8, each with the
-`fwd,grad,loss,input` captures of examples/dsv3 (depth 4, logits payload) and with `bwd` added.
+Identical models (same init) train side by side; one has an agent attached, one not. Steps
+alternate off, on, ... so that machine load drifts into every side alike, and each step's CPU
+time (the whole process: the sender thread's work counts) is recorded. The printed ratio of a
+side is the median over the rounds of (its step / the "off" step of the same round), per
+configuration: scale 1 and scale 8, each with the `fwd,grad,loss,input` captures of
+examples/dsv3 (depth 4, logits payload) and with `bwd` added.
 
 The agent has no auditor address (spooling off): digests, host transfer and record building run,
 network I/O does not. Each "on" step ends when the sender has built that step's records and cut
 them into a wire batch (`Sender.wait_idle`, a sleep): its work is charged to its own step, not
-left to run during the next side's step. A third model with an agent whose batches are dropped before the sender
-(its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts, digests and row
-batches, without the sender thread's record building (agents/sender.py). A fourth model with
-an agent whose step selection (`step_every`) leaves the measured steps out gives what a step
-that is not captured costs: the module hooks are installed and return at once. One intra-op
-thread, as in bench/digest.py.
+left to run during the next side's step. A third model with an agent whose batches are dropped
+before the sender (its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts,
+digests and row batches, without the sender thread's record building (agents/sender.py). A
+fourth model with an agent whose step selection (`step_every`) leaves the measured steps out
+gives what a step that is not captured costs: the module hooks are installed and return at
+once. A fifth model without an agent ("off again") measures the noise floor: its ratio would be
+1.00x on a quiet machine, and its distance from 1 is how far any other ratio of the same run
+can move by chance (identical models have differed by up to 6 % on this shared 2-core
+machine). One intra-op thread, as in bench/digest.py.
 """
 
 from __future__ import annotations
@@ -81,17 +85,20 @@ def _attach(model: torch.nn.Module, phases: tuple[str, ...], **config):
 
 
 def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
-    """Median step CPU seconds without the agent, with it, with its batches dropped before
-    the sender ("capture only"), and with an agent whose step selection leaves the measured
-    steps out ("step not selected": its hooks are installed and return at once), interleaved."""
-    off, on, capture_only, idle = _model(scale), _model(scale), _model(scale), _model(scale)
+    """Step CPU seconds without the agent, with it, with its batches dropped before the sender
+    ("capture only"), with an agent whose step selection leaves the measured steps out ("step
+    not selected": its hooks are installed and return at once), and of a second model without
+    the agent ("off again"), interleaved; each side's ratio to "off" is the median over the
+    rounds of that round's ratio (steps a second apart see the same machine load), and "off
+    again" gives the noise floor of those ratios in this run."""
+    off, on, capture_only, idle, off2 = (_model(scale) for _ in range(5))
     phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
     agent, quiet = _attach(on, phases), _attach(capture_only, phases)
     quiet.capturer._batches._sink = lambda batch: None  # the Batcher holds the sink
     unselected = _attach(idle, phases, step_every=1 << 30)  # captures step 0 only
     data = batches(0, 0, MICROBATCHES, MICROBATCH_SIZE, SEQ_LEN, ModelArgs().vocab_size)
     mbs = next(data)
-    sides = ((off, None), (on, agent), (capture_only, quiet), (idle, unselected))
+    sides = ((off, None), (on, agent), (capture_only, quiet), (idle, unselected), (off2, None))
     for model, a in sides:  # warm-up every side
         _step(model, a, 0, mbs)
     times: list[list[float]] = [[] for _ in sides]
@@ -102,10 +109,11 @@ def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
     quiet.close(timeout=5.0)
     unselected.close(timeout=5.0)
     params = sum(p.numel() for p in on.parameters())
-    t_off, t_on, t_capture, t_idle = (statistics.median(t) for t in times)
-    return {"off": t_off, "on": t_on, "capture_only": t_capture, "unselected": t_idle,
-            "params": params, "captured": summary["captured"] / (repeats + 1),
-            "errors": summary["errors"]}
+    ratios = [statistics.median(x / y for x, y in zip(t, times[0])) for t in times[1:]]
+    return {"off": statistics.median(times[0]), "on": statistics.median(times[1]),
+            "on_ratio": ratios[0], "capture_ratio": ratios[1], "unselected_ratio": ratios[2],
+            "noise_ratio": ratios[3], "params": params,
+            "captured": summary["captured"] / (repeats + 1), "errors": summary["errors"]}
 
 
 def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]:
@@ -138,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     args, _ = parser.parse_known_args(argv)
     torch.set_num_threads(1)
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats or (3 if args.quick else 9)
     from agents.config import AgentConfig, apply_env
     from agents.kernels import cpu
 
@@ -150,16 +158,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
           f"{fused_us:.1f} us, eager {eager_us:.1f} us")
     print("| scale | params | phases | captures/step | off (s) | on (s) | on/off | "
-          "capture only/off | step not selected/off |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "capture only/off | step not selected/off | off again/off (noise) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for scale in (int(s) for s in args.scales.split(",")):
         for bwd in (False, True):
             r = measure(scale, bwd, repeats)
             phases = "fwd,grad,loss,input" + (",bwd" if bwd else "")
             print(f"| {scale} | {r['params'] / 1e6:.1f}M | {phases} | {r['captured']:.0f} | "
-                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on'] / r['off']:.2f}x | "
-                  f"{r['capture_only'] / r['off']:.2f}x | {r['unselected'] / r['off']:.2f}x |",
-                  flush=True)
+                  f"{r['off']:.3f} | {r['on']:.3f} | {r['on_ratio']:.2f}x | "
+                  f"{r['capture_ratio']:.2f}x | {r['unselected_ratio']:.2f}x | "
+                  f"{r['noise_ratio']:.2f}x |", flush=True)
     return 0
 
 
