@@ -238,6 +238,10 @@ def check(config: AgentConfig) -> None:
     k = config.sketch_k
     if k < 1 or k & (k - 1):
         raise ValueError(f"sketch_k: {k} is not a power of two")
+    from wire.limits import MAX_SKETCH_BUCKETS
+
+    if k > MAX_SKETCH_BUCKETS:  # the auditor refuses such records (docs/protocol.md)
+        raise ValueError(f"sketch_k: {k} is over the protocol's {MAX_SKETCH_BUCKETS} buckets")
     if (config.address or config.sidecar) and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
     if config.run:  # the auditor's rule; spool file names are built from it

@@ -35,6 +35,7 @@ def test_bad_ranges_are_named(spec, why):
 @pytest.mark.parametrize("changes, field", [
     (dict(phases=("fwd", "weights")), "phases"),
     (dict(sketch_k=100), "sketch_k"),
+    (dict(sketch_k=1 << 17), "sketch_k"),  # over wire.limits.MAX_SKETCH_BUCKETS
     (dict(address="h:1"), "run"),
 ])
 def test_check_names_the_field(changes, field):
