@@ -55,7 +55,9 @@ class Part:
         extra = 0
         for c in self.captures:
             if not c.is_none:
-                extra += 24 * len(c.layout.logical_shape) + (8 * k if c.moments else 0)
+                lay = c.layout
+                extra += (24 * len(lay.logical_shape) if lay is not None else 0) + (
+                    8 * k if c.moments else 0)
         if self.payloads:
             extra += sum(len(p.data) for p in self.payloads.values())
         return n * ROW_BYTES + extra
