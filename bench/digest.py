@@ -1,9 +1,11 @@
 """Digest throughput next to a plain copy of the same data (docs/benchmarks.md).
 
-For each dtype and size: the median time of ``dst.copy_(src)``, of the fused kernel and of the eager
-``digest_piece`` on one
-tensor, their ratio, and the digest's breakdown into its components (index keys, fingerprint,
-moments, sketch). Throughput counts the source tensor's bytes once.
+For each dtype and size: the median time of ``dst.copy_(src)``, of the fused kernel and of the
+eager ``digest_piece`` on one tensor, their ratios, and the eager digest's breakdown into its
+components (index keys, fingerprint, moments, sketch). Throughput counts the source tensor's bytes
+once. The copy and the fused kernel run in turn, and `fused/copy` is the median of each round's
+ratio: timed apart, a neighbour's burst on this shared machine landed on one of them and moved
+the 1 MiB ratio between 20 % and 58 % from run to run.
 
 The default is one intra-op thread: on a shared 2-core machine two threads spend their time
 waiting for each other, and one thread is what FIELD-NOTES' floors were measured with.
@@ -40,25 +42,47 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, floa
     return statistics.median(wall), statistics.median(cpu)
 
 
+def _paired_seconds(first: Callable[[], object], second: Callable[[], object],
+                    repeats: int) -> tuple[list[float], list[float], list[float]]:
+    """Wall times of ``first`` and ``second`` called in turn, and second's CPU times: the two
+    samples of a round are microseconds apart, so a neighbour's burst on this shared machine
+    slows both alike, and the ratio of a round cancels it."""
+    first()
+    second()
+    a, b, cpu_b = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        first()
+        t1, c1 = time.perf_counter(), time.thread_time()
+        second()
+        cpu_b.append(time.thread_time() - c1)
+        b.append(time.perf_counter() - t1)
+        a.append(t1 - t0)
+    return a, b, cpu_b
+
+
 def _repeats(nbytes: int, quick: bool) -> int:
     if nbytes <= MiB:
-        return 11 if quick else 21
+        return 41 if quick else 81
     if nbytes <= 16 * MiB:
-        return 3 if quick else 5
+        return 5 if quick else 9
     return 3
 
 
 def measure(dtype: torch.dtype, nbytes: int, repeats: int, sketch_k: int) -> dict[str, float]:
-    """GB/s of a copy, of the digest and of each digest component, medians of ``repeats``."""
+    """GB/s of a copy, of the digest and of each digest component, medians of ``repeats``; the
+    fused kernel's fraction of the copy is the median of per-round ratios (copy and kernel
+    interleaved)."""
     g = torch.Generator().manual_seed(0)
     src = torch.randn(nbytes // dtype.itemsize, generator=g).to(dtype)
     dst = torch.empty_like(src)
     layout = PieceLayout.full(tuple(src.shape))
+    eager_repeats = min(repeats, 11)  # ~0.2 GB/s: a few are plenty
     copy_s, _ = _median_seconds(lambda: dst.copy_(src), repeats)
     digest_s, digest_cpu_s = _median_seconds(
-        lambda: digest_piece(src, layout, sketch_k=sketch_k), repeats)
+        lambda: digest_piece(src, layout, sketch_k=sketch_k), eager_repeats)
     parts: dict[str, list[float]] = {c: [] for c in COMPONENTS}
-    for _ in range(repeats):
+    for _ in range(eager_repeats):
         timings: dict[str, float] = {}
         _digest(src, layout, sketch_k, sync_free=None, timings=timings)
         for c in COMPONENTS:
@@ -69,11 +93,14 @@ def measure(dtype: torch.dtype, nbytes: int, repeats: int, sketch_k: int) -> dic
            "fused_cpu": float("nan")}
     if cpu.load() is not None:
         base, gs = cpu.index_map(tuple(src.shape), layout)
-        fused_s, fused_cpu_s = _median_seconds(
-            lambda: cpu.digest_rows([src], [base], list(gs), sketch_k), repeats)
-        row["fused"] = gbps(fused_s)
-        row["fused_cpu"] = gbps(fused_cpu_s)
-        row["fused_ratio"] = copy_s / fused_s
+        copies, fused, fused_cpu = _paired_seconds(
+            lambda: dst.copy_(src), lambda: cpu.digest_rows([src], [base], list(gs), sketch_k),
+            repeats)
+        row["copy"] = gbps(statistics.median(copies))
+        row["fused"] = gbps(statistics.median(fused))
+        row["fused_cpu"] = gbps(statistics.median(fused_cpu))
+        row["fused_ratio"] = statistics.median(c / f for c, f in zip(copies, fused))
+        row["ratio"] = digest_s / statistics.median(copies)
     row.update({c: gbps(statistics.median(parts[c])) for c in COMPONENTS})
     return row
 
