@@ -25,7 +25,7 @@ from agents.config import AgentConfig, step_selected
 from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from agents.digest import has_moments
 from agents.fastpath import Digester
-from agents.hooks import add_grad_hook, grad_role, graph_task_id as _graph_task_id, in_backward, not_traced
+from agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
 from agents.identity import RankIdentity
 from agents.kernels.cpu import pack_head
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
@@ -165,13 +165,13 @@ class Capturer:
 
     def _forward_hook(self, site: str, stage: int, pipelined: bool = False):
         # Runs at every call of every hooked module: what it reads is cached (the phases in
-        # _fwd_on / _bwd_on, _next_call and in_backward inlined), each call level costing a
-        # microsecond or two in a training step.
+        # _fwd_on / _bwd_on; the call counter inlined), each call level costing a microsecond
+        # or two in a training step.
         def hook(module, inputs, output):
             if not self._step_on:  # a step the selection leaves out: nothing else to do
                 return
             try:
-                if _graph_task_id() != -1:  # in_backward(): a checkpoint's recomputation
+                if graph_task_id() != -1:  # in backward: a checkpoint's recomputation
                     self._replayed(site, stage, output)
                     return
                 fwd, bwd = self._fwd_on, self._bwd_on
@@ -280,12 +280,6 @@ class Capturer:
                     self.step = saved
         except Exception as exc:
             self._failed("backward hook", exc)
-
-    def _next_call(self, site: str) -> int:
-        key = (self.microbatch, site)
-        call = self._calls[key]
-        self._calls[key] = call + 1
-        return call
 
     def start_step(self, step: int) -> None:
         """Calls are numbered per (microbatch, site) within a step; a new step starts afresh."""

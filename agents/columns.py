@@ -77,9 +77,9 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     """The records of `parts`, in order, as one RecordColumns (payloads attached).
 
     The per-capture work is attribute reads mapped in C (``attrgetter``) and one dict lookup
-    of its layout's row in the layout table (:class:`_Layouts`); the numpy work is per call, so a wire batch's parts are built together: built per host batch
-    and merged at the cut, the fixed cost of ~60 array operations per part was most of the
-    sender's column building.
+    of its layout's row in the layout table (:class:`_Layouts`); the numpy work is per call,
+    so a wire batch's parts are built together: built per host batch and merged at the cut,
+    the fixed cost of ~60 array operations per part was most of the sender's column building.
     """
     captures = [c for p in parts for c in p.captures] if len(parts) != 1 else parts[0].captures
     starts: dict[int, int] = {}  # id(f64) -> its first row in the stacked rows

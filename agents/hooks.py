@@ -24,12 +24,8 @@ except ImportError:  # pragma: no cover - a torch without these internals: alway
 
 
 graph_task_id = torch._C._current_graph_task_id
-"""-1 outside the autograd engine (what in_backward tests; hot hooks call it directly)."""
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs: forwards seen now are checkpoint recomputations."""
-    return graph_task_id() != -1
+"""-1 outside the autograd engine; while it runs, a forward a hook sees is a checkpoint's
+recomputation."""
 
 
 def grad_role(role: str) -> str:
