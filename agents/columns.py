@@ -207,6 +207,7 @@ class _Layouts:
     """
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.index: dict[int, int] = {}
         self.kept: list = []
         self.ints = np.zeros((64, len(_LAYOUT_COLUMNS) + 1), np.int64)
@@ -220,7 +221,7 @@ class _Layouts:
         ids = list(map(id, lays))
         got = list(map(self.index.get, ids))
         if None in got:
-            with _TABLE.lock:
+            with self.lock:
                 for j, lay in enumerate(lays):
                     if got[j] is None:
                         got[j] = self._add(lay, ids[j])
