@@ -90,28 +90,36 @@ struct Tables {
   // key[] split by parity (even_key[m] = T[2m], odd_key[m] = T[2m + 1]): the vector loops
   // multiply the even elements of a 32-bit vector in place and the odd ones shifted down.
   alignas(64) uint64_t even_key[LANES / 2], odd_key[LANES / 2];
-  // sign[q ^ (w >> 3)][w & 7][r] = bent((8q + r) XOR w) << 31: the sign bits of lanes
-  // 8q .. 8q + 7 for the block's sign shift w, ready to XOR into float32 lanes.
-  alignas(64) uint32_t sign[LANES / 8][8][8];
-  // The same for groups of 16 lanes (the AVX-512 loop): [q ^ (w >> 4)][w & 15][r].
-  alignas(64) uint32_t sign16[LANES / 16][16][16];
+  // Their high halves (even_hi[m] = T[2m] >> 32, ...): the AVX-512 loop XORs them with the
+  // block key's high half instead of shifting the XORed key (shifts of 512-bit vectors have
+  // one port; XORs have two).
+  alignas(64) uint64_t even_hi[LANES / 2], odd_hi[LANES / 2];
+  // sign[w & 7][q ^ (w >> 3)][r] = bent((8q + r) XOR w) << 31: the sign bits of lanes
+  // 8q .. 8q + 7 for the block's sign shift w, ready to XOR into float32 lanes. A block reads
+  // one contiguous 1 KiB slice (w & 7 first): in a training step, where the tables are evicted
+  // between calls, its 16 lines come in as one stream instead of 16 lines 256 bytes apart.
+  alignas(64) uint32_t sign[8][LANES / 8][8];
+  // The same as float64 sign bits (<< 63), for the loops whose sketch adds float64 lanes.
+  alignas(64) uint64_t sign64[8][LANES / 8][8];
   // place[row][q] = g | x << 5: lane group q of a block whose word selects `row` goes to bucket
   // group g with its 8 lanes permuted by r ^ x (agents/hashing.py place_table).
   alignas(64) uint8_t place[PLACE_ROWS][GROUPS];
-  // vpermps indices for a lane XOR x (8 lanes), and for two groups' XORs (16 lanes).
+  // Permute indices for a lane XOR x (8 lanes), as vpermps (float32) and vpermpd take them.
   alignas(64) int32_t perm8[8][8];
   alignas(64) int64_t perm8_64[8][8];  // the same as 64-bit indices (float64 lanes)
-  alignas(64) int32_t perm16[8][8][16];
   Tables() {
     for (int64_t j = 0; j < LANES; ++j)
       key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
-    for (int64_t m = 0; m < LANES / 2; ++m) even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
+    for (int64_t m = 0; m < LANES / 2; ++m) {
+      even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
+      even_hi[m] = even_key[m] >> 32, odd_hi[m] = odd_key[m] >> 32;
+    }
     for (uint32_t qq = 0; qq < LANES / 8; ++qq)
       for (uint32_t wl = 0; wl < 8; ++wl)
-        for (uint32_t r = 0; r < 8; ++r) sign[qq][wl][r] = bent(8 * qq + (r ^ wl)) << 31;
-    for (uint32_t qq = 0; qq < LANES / 16; ++qq)
-      for (uint32_t wl = 0; wl < 16; ++wl)
-        for (uint32_t r = 0; r < 16; ++r) sign16[qq][wl][r] = bent(16 * qq + (r ^ wl)) << 31;
+        for (uint32_t r = 0; r < 8; ++r) sign[wl][qq][r] = bent(8 * qq + (r ^ wl)) << 31;
+    for (uint32_t qq = 0; qq < LANES / 8; ++qq)
+      for (uint32_t wl = 0; wl < 8; ++wl)
+        for (uint32_t r = 0; r < 8; ++r) sign64[wl][qq][r] = (uint64_t)sign[wl][qq][r] << 32;
     uint64_t n = 0;
     for (int64_t row = 0; row < PLACE_ROWS; ++row) {
       uint8_t perm[GROUPS];
@@ -126,9 +134,6 @@ struct Tables {
     }
     for (int x = 0; x < 8; ++x)
       for (int r = 0; r < 8; ++r) perm8[x][r] = perm8_64[x][r] = r ^ x;
-    for (int x0 = 0; x0 < 8; ++x0)
-      for (int x1 = 0; x1 < 8; ++x1)
-        for (int r = 0; r < 8; ++r) perm16[x0][x1][r] = r ^ x0, perm16[x0][x1][8 + r] = 8 + (r ^ x1);
   }
 };
 
@@ -144,7 +149,8 @@ struct Block {
   uint64_t key, word;
   explicit Block(uint64_t b)
       : key(mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * b) & ~1ULL),
-        word(mix64(SKETCH_SEED + GOLDEN_GAMMA * b)) {}
+        word(sketch_word(b)) {}
+  static uint64_t sketch_word(uint64_t b) { return mix64(SKETCH_SEED + GOLDEN_GAMMA * b); }
 };
 
 // __builtin_bit_cast, not memcpy: GCC's vectorizer gives up on loops with memcpy temporaries.
@@ -213,12 +219,13 @@ UINT_ELEM(U64, uint64_t)
 // the block, how many of the `left` elements it holds, and the block's words as the vector
 // loops use them.
 struct Segment {
+  uint64_t start;  // the global index of its first element
   int64_t j0, len;
   uint64_t key, word;
   const uint8_t* place;  // the block's placement row
   uint64_t high;         // bucket offset when k > 256
   uint32_t shift;        // the sign pattern's shift
-  Segment(uint64_t gb, int64_t left, uint64_t kmask) {
+  Segment(uint64_t gb, int64_t left, uint64_t kmask) : start(gb) {
     j0 = (int64_t)(gb & (LANES - 1));
     len = LANES - j0 < left ? LANES - j0 : left;
     const Block blk(gb >> LANE_BITS);
@@ -228,6 +235,20 @@ struct Segment {
     shift = (uint32_t)(word >> 32) & (LANES - 1);
   }
   uint32_t negative() const { return (uint32_t)(word >> 63); }
+  // Start loading the next block's placement row while this block runs: in a training step
+  // the 128 KiB table is out of cache at every call, and the row decides where the block's
+  // sketch adds go.
+  void prefetch_next(int64_t left) const {
+#if NA_VECTOR
+    if (left > len) {
+      const uint64_t w = Block::sketch_word((start >> LANE_BITS) + 1);
+      _mm_prefetch(reinterpret_cast<const char*>(tables().place[(w >> 40) & (PLACE_ROWS - 1)]),
+                   _MM_HINT_T0);
+    }
+#else
+    (void)left;
+#endif
+  }
 };
 
 struct Acc {
@@ -347,9 +368,10 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
   for (int64_t done = 0; done < n;) {
     const Segment sg(g + (uint64_t)done, n - done, kmask);
+    sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
     const __m256i ckey = _mm256_set1_epi64x((int64_t)sg.key);
-    const uint32_t* signs = &tb.sign[0][sg.shift & 7][0];
+    const uint32_t* signs = &tb.sign[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m256i flip = _mm256_set1_epi32((int32_t)(sg.negative() << 31));
     const typename E::T* xb = x + done;
@@ -398,7 +420,7 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
       ss1 = _mm256_fmadd_pd(d1, d1, ss1);
       // Sketch: signs, then lane r goes to slot r ^ x of bucket group g (the block's placement).
       const __m256i sm = _mm256_xor_si256(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi))), flip);
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(signs + 8 * (q ^ shift_hi))), flip);
       const uint32_t e = sg.place[q];
       const __m256 p = _mm256_permutevar8x32_ps(
           _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f), sm)),
@@ -432,7 +454,11 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
 
 #if NA_VECTOR512
 // The AVX-512 form of narrow_body: 16 elements per step (two lane groups), n a multiple of 16,
-// g a multiple of 16, k >= 8. Masks replace the blends.
+// g a multiple of 16, k >= 8. Masks replace the blends, and the sketch adds the float64 lanes
+// the moments converted (sign bits XORed there, lanes permuted as float64) instead of
+// converting permuted float32 lanes again: six of about forty vector operations per step,
+// though the loop gained only 1-2 % from it (the sketch's dependent bucket loads and stores,
+// about a third of its time, are what bound it; docs/benchmarks.md).
 template <int64_t D>
 void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   using E = Elem<D>;
@@ -446,15 +472,17 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
   int64_t zeros = 0;
   for (int64_t done = 0; done < n;) {
     const Segment sg(g + (uint64_t)done, n - done, kmask);
+    sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
     const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
-    const uint32_t* signs = &tb.sign16[0][sg.shift & 15][0];
-    const uint32_t shift_hi = sg.shift >> 4;
-    const __m512i flip = _mm512_set1_epi32((int32_t)(sg.negative() << 31));
+    const __m512i ckey_hi = _mm512_set1_epi64((int64_t)(sg.key >> 32));
+    const uint64_t* signs = &tb.sign64[sg.shift & 7][0][0];
+    const uint32_t shift_hi = sg.shift >> 3;
+    const __m512i flip = _mm512_set1_epi64((int64_t)((uint64_t)sg.negative() << 63));
     const typename E::T* xb = x + done;
     __mmask16 allfinite = 0xFFFF;
     for (int64_t t = 0; t < seg; t += 16) {
-      const uint32_t q = (uint32_t)((j0 + t) >> 4);
+      const uint32_t q = (uint32_t)((j0 + t) >> 3);  // the first of the two lane groups
       __m512i bits;
       __m512 v;
       if constexpr (D == F32) {
@@ -469,14 +497,17 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
           v = _mm512_cvtph_ps(raw);
       }
       const int64_t m = (j0 + t) >> 1;
-      const __m512i ke = _mm512_xor_si512(_mm512_load_si512(tb.even_key + m), ckey);
-      const __m512i ko = _mm512_xor_si512(_mm512_load_si512(tb.odd_key + m), ckey);
       const __m512i odd = _mm512_srli_epi64(bits, 32);
-      fp_lo = _mm512_add_epi64(fp_lo, _mm512_add_epi64(_mm512_mul_epu32(ke, bits),
-                                                       _mm512_mul_epu32(ko, odd)));
+      fp_lo = _mm512_add_epi64(
+          fp_lo,
+          _mm512_add_epi64(
+              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.even_key + m), ckey), bits),
+              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.odd_key + m), ckey), odd)));
       fp_hi = _mm512_add_epi64(
-          fp_hi, _mm512_add_epi64(_mm512_mul_epu32(_mm512_srli_epi64(ke, 32), bits),
-                                  _mm512_mul_epu32(_mm512_srli_epi64(ko, 32), odd)));
+          fp_hi,
+          _mm512_add_epi64(
+              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.even_hi + m), ckey_hi), bits),
+              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.odd_hi + m), ckey_hi), odd)));
       const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
       allfinite &= fin;
       zeros += __builtin_popcount(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
@@ -489,18 +520,22 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
       s1 = _mm512_add_pd(s1, d1);
       ss0 = _mm512_fmadd_pd(d0, d0, ss0);
       ss1 = _mm512_fmadd_pd(d1, d1, ss1);
-      const __m512i sm = _mm512_xor_si512(_mm512_load_si512(signs + 256 * (q ^ shift_hi)), flip);
-      // two lane groups: each its own bucket group, lanes permuted by its own XOR
-      const uint32_t e0 = sg.place[2 * q], e1 = sg.place[2 * q + 1];
-      const __m512 p = _mm512_permutexvar_ps(
-          _mm512_load_si512(tb.perm16[e0 >> 5][e1 >> 5]),
-          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(f), sm)));
+      // Two lane groups, each to its own bucket group with its lanes permuted by its own XOR:
+      // sign bits (the table's XOR the block's) flipped in one ternary op, then the permute.
+      const uint32_t e0 = sg.place[q], e1 = sg.place[q + 1];
+      const __m512d p0 = _mm512_permutexvar_pd(
+          _mm512_load_si512(tb.perm8_64[e0 >> 5]),
+          _mm512_castsi512_pd(_mm512_ternarylogic_epi64(
+              _mm512_castpd_si512(d0), _mm512_load_si512(signs + 8 * (q ^ shift_hi)), flip, 0x96)));
+      const __m512d p1 = _mm512_permutexvar_pd(
+          _mm512_load_si512(tb.perm8_64[e1 >> 5]),
+          _mm512_castsi512_pd(_mm512_ternarylogic_epi64(
+              _mm512_castpd_si512(d1), _mm512_load_si512(signs + 8 * ((q + 1) ^ shift_hi)), flip,
+              0x96)));
       double* dst0 = a.sketch + (((8 * (e0 & 31)) ^ sg.high) & kmask);
       double* dst1 = a.sketch + (((8 * (e1 & 31)) ^ sg.high) & kmask);
-      _mm512_storeu_pd(dst0, _mm512_add_pd(_mm512_loadu_pd(dst0),
-                                           _mm512_cvtps_pd(_mm512_castps512_ps256(p))));
-      _mm512_storeu_pd(dst1, _mm512_add_pd(_mm512_loadu_pd(dst1),
-                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(p, 1))));
+      _mm512_storeu_pd(dst0, _mm512_add_pd(_mm512_loadu_pd(dst0), p0));
+      _mm512_storeu_pd(dst1, _mm512_add_pd(_mm512_loadu_pd(dst1), p1));
     }
     if (allfinite != 0xFFFF) classify_nonfinite<D>(xb, seg, a);
     done += seg;
@@ -533,9 +568,10 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
   int64_t zeros = 0;
   for (int64_t done = 0; done < n;) {
     const Segment sg(g + (uint64_t)done, n - done, kmask);
+    sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
     const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
-    const uint32_t* signs = &tb.sign[0][sg.shift & 7][0];
+    const uint64_t* signs64 = &tb.sign64[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m512i flip = _mm512_set1_epi64((int64_t)((uint64_t)sg.negative() << 63));
     const uint64_t* xb = x + done;
@@ -554,11 +590,7 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
       const __m512d f = _mm512_maskz_mov_pd(fin, v);
       s = _mm512_add_pd(s, f);
       ss = _mm512_fmadd_pd(f, f, ss);
-      const __m512i sm = _mm512_xor_si512(
-          _mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm256_load_si256(
-                                reinterpret_cast<const __m256i*>(signs + 64 * (q ^ shift_hi)))),
-                            32),
-          flip);
+      const __m512i sm = _mm512_xor_si512(_mm512_load_si512(signs64 + 8 * (q ^ shift_hi)), flip);
       const uint32_t e = sg.place[q];
       const __m512d p = _mm512_permutexvar_pd(
           _mm512_load_si512(tb.perm8_64[e >> 5]),
