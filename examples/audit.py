@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,17 +97,38 @@ def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=(
             raise SetupError(f"{script} did not finish in {JOB_TIMEOUT_S}s; see {log}; its last "
                              "lines:\n" + _tail(log)) from None
     if rc != 0:
-        raise SetupError(f"{script} failed (exit {rc}); see {log}; its last lines:\n"
-                         + _tail(log))
+        kept = _keep(log)
+        raise SetupError(f"{script} failed (exit {rc}); see {kept}; the lines that say why and "
+                         "its last lines:\n" + _tail(kept))
     return time.monotonic() - started
 
 
-def _tail(log: Path, lines: int = 25) -> str:
-    """The end of a job's log, so that a failure says why where it is reported (a CI log)."""
+FAILURE_MARKS = ("terminate called", "what():", "Traceback", "Error", "Signal ", "Aborted")
+"""Words of the lines that say why a rank died (a C++ exception ending the process, a Python
+traceback, torchrun's report of a signal); torchrun's summary at the end names only the rank."""
+
+
+def _keep(log: Path) -> Path:
+    """A failed job's log, copied beside it under a name of its own: a rerun of the job (a
+    later test, the next `make audit`) writes the same log afresh, and the ranks' own words on
+    why they died were lost with it."""
+    kept = log.with_name(f"{log.stem}.failed-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log")
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        shutil.copyfile(log, kept)
+        return kept
+    except OSError:
+        return log
+
+
+def _tail(log: Path, lines: int = 25, marked: int = 12) -> str:
+    """The lines of a job's log that say why it failed (the first `marked` with a word of
+    FAILURE_MARKS) and its end, so that a failure says why where it is reported (a CI log)."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(log unreadable: {exc})"
+    why = [line for line in text[:-lines] if any(m in line for m in FAILURE_MARKS)][:marked]
+    return "\n".join(why + (["..."] if why else []) + text[-lines:])
 
 
 @dataclasses.dataclass
