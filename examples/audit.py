@@ -84,8 +84,10 @@ class Daemon:
 
 def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=()) -> float:
     """One torchrun job with the agent pointed at the daemon; returns its wall time."""
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's
+    # Python stack into the log, so the failure says which code was running, not just the signal.
     env = dict(os.environ, NUMAUDIT_ADDR=address, NUMAUDIT_RUN=name, OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(ROOT / "examples" / script), "--name", name, *extra]
     started = time.monotonic()
@@ -103,9 +105,11 @@ def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=(
     return time.monotonic() - started
 
 
-FAILURE_MARKS = ("terminate called", "what():", "Traceback", "Error", "Signal ", "Aborted")
+FAILURE_MARKS = ("terminate called", "what():", "Traceback", "Error", "Signal ", "Aborted",
+                 "Fatal Python error", "Thread 0x", "Current thread 0x", "  File ")
 """Words of the lines that say why a rank died (a C++ exception ending the process, a Python
-traceback, torchrun's report of a signal); torchrun's summary at the end names only the rank."""
+traceback, the faulthandler's stacks of a rank killed by a signal, torchrun's report of the
+signal); torchrun's summary at the end names only the rank."""
 
 
 def _keep(log: Path) -> Path:
@@ -120,7 +124,7 @@ def _keep(log: Path) -> Path:
         return log
 
 
-def _tail(log: Path, lines: int = 25, marked: int = 12) -> str:
+def _tail(log: Path, lines: int = 25, marked: int = 40) -> str:
     """The lines of a job's log that say why it failed (the first `marked` with a word of
     FAILURE_MARKS) and its end, so that a failure says why where it is reported (a CI log)."""
     try:

@@ -18,6 +18,9 @@ def test_a_rank_that_aborts_is_reported_with_its_own_words_and_its_log_kept(tmp_
     # The rank's own message, printed long before torchrun's summary at the end of the log.
     assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in message
     assert "what():  [enforce fail" in message
+    # The faulthandler's stack of the rank that died: the line of the job that aborted.
+    assert "Fatal Python error: Aborted" in message
+    assert 'aborting_job.py", line' in message
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("ref.failed-")]
     assert len(kept) == 1 and str(kept[0]) in message
     log.write_text("a rerun of the job\n")  # what the next run does to the log
