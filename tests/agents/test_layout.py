@@ -258,12 +258,17 @@ def gloo_results(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("gloo")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Fresh processes, as with spawn, but torch and this module are imported once, in the fork
-    # server, not once per rank: four imports at once were most of this job on 2 cores.
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_gloo_worker, args=(str(out),), nprocs=4, join=True,
-                       start_method="forkserver")
+    # For these workers only: left in os.environ, it reached every later torchrun job of the
+    # suite, where torch 2.13's gloo then aborted ranks at exit ("terminate called without an
+    # active exception", after destroy_process_group: 4 of 24 DS3 reference jobs).
+    with pytest.MonkeyPatch.context() as env:
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            env.setenv("GLOO_SOCKET_IFNAME", "lo")
+        # Fresh processes, as with spawn, but torch and this module are imported once, in the
+        # fork server, not once per rank: four imports at once were most of this job on 2 cores.
+        multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+        mp.start_processes(_gloo_worker, args=(str(out),), nprocs=4, join=True,
+                           start_method="forkserver")
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
 
 

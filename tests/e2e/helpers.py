@@ -44,7 +44,9 @@ class Daemon:
 def torchrun(script: str, nproc: int, *args: str, env: dict | None = None,
              timeout: float = 180) -> subprocess.CompletedProcess:
     """Run an example under torchrun (gloo, CPU); fails the test with its output on error."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    # PYTHONFAULTHANDLER: a rank killed by a signal leaves its threads' Python stacks in stderr.
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                    PYTHONFAULTHANDLER="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(ROOT / "examples" / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
