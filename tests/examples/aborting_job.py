@@ -9,7 +9,7 @@ for i in range(200):
     print(f"rank {rank}: step {i}", flush=True)
 if rank == 1:
     sys.stderr.write("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
-                     "  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length"
-                     " <= op.nbytes\n")
+                     "  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] "
+                     "op.preamble.length <= op.nbytes\n")
     sys.stderr.flush()
     os.abort()
