@@ -27,11 +27,24 @@ FLUSH = 2.0
 
 
 def _job(how: str, address: str, spool: Path) -> subprocess.Popen:
+    # PYTHONFAULTHANDLER: a job that hangs is sent SIGABRT, which prints its threads' stacks.
     env = dict(os.environ, PYTHONPATH=str(ROOT), NUMAUDIT_ADDR=address, NUMAUDIT_RUN="exit",
-               NUMAUDIT_SPOOL=str(spool), NUMAUDIT_FLUSH_TIMEOUT=str(FLUSH))
+               NUMAUDIT_SPOOL=str(spool), NUMAUDIT_FLUSH_TIMEOUT=str(FLUSH),
+               PYTHONFAULTHANDLER="1")
     return subprocess.Popen([sys.executable, "-m", "tests.faults.exit_job", "--how", how,
                              "--records", str(N)], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 30.0) -> tuple[str, str]:
+    """The job's output once it has ended. One still running after `timeout` (far past the
+    documented close bound, FLUSH + 1 s) fails the test with its threads' stacks."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=20)
+        pytest.fail(f"the job did not end within {timeout}s; its stderr, stacks last:\n{err}")
 
 
 def _summary_line(stderr: str) -> str:
@@ -42,7 +55,7 @@ def _summary_line(stderr: str) -> str:
 def test_an_exception_out_of_step_still_delivers_the_queue(tmp_path):
     with BackgroundServer("127.0.0.1:0", tmp_path / "a.db", grace=1.0) as server:
         proc = _job("raise", server.address, tmp_path / "spool")
-        out, err = proc.communicate(timeout=90)
+        out, err = _finish(proc)
         assert proc.returncode == 1 and "RuntimeError: training failed" in err
         reader = Reader(server.db_path)
         try:
@@ -83,7 +96,7 @@ def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(
     assert proc.stdout.readline().strip() == "ready"
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=90)
+    out, err = _finish(proc)
     assert proc.returncode == (-signal.SIGTERM if how == "sigterm" else 0), err
     warnings = [ln for ln in err.splitlines() if "cannot reach" in ln]
     assert len(warnings) == 1, err  # one line per rank, at the default log level
