@@ -96,8 +96,9 @@ def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=(
             rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                  timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise SetupError(f"{script} did not finish in {JOB_TIMEOUT_S}s; see {log}; its last "
-                             "lines:\n" + _tail(log)) from None
+            kept = _keep(log)
+            raise SetupError(f"{script} did not finish in {JOB_TIMEOUT_S}s; see {kept}; the "
+                             "lines that say why and its last lines:\n" + _tail(kept)) from None
     if rc != 0:
         kept = _keep(log)
         raise SetupError(f"{script} failed (exit {rc}); see {kept}; the lines that say why and "
