@@ -20,6 +20,7 @@ waiting for each other, and one thread is what FIELD-NOTES' floors were measured
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ import torch
 from agents.digest import DEFAULT_SKETCH_K, _digest, digest_piece
 from agents.kernels import cpu
 from agents.layout import PieceLayout
+from agents.rows import RowBatch
 
 MiB = 1 << 20
 COMPONENTS = ("keys", "fingerprint", "moments", "sketch")
@@ -90,11 +92,11 @@ def measure(dtype: torch.dtype, nbytes: int, repeats: int, sketch_k: int) -> dic
     if cpu.load() is not None:
         base, gs = cpu.index_map(tuple(src.shape), layout)
         desc = [cpu.descriptor(src, base, cpu.descriptor_tail(src, gs))]
-        f64 = torch.empty((1, 5 + sketch_k), dtype=torch.float64)
-        i64 = torch.empty((1, 6), dtype=torch.int64)
-        f64_at, i64_at = f64.data_ptr(), i64.data_ptr()
+        rows = RowBatch(1, sketch_k)  # the agent's row buffer, one row reserved
+        f64_at, i64_at = rows.pointers(rows.reserve(1))
         fused_rounds = _paired_seconds(
             copy, lambda: cpu.digest_into(desc, sketch_k, f64_at, i64_at), repeats)
+        f64, i64 = rows.rows()
         copy_s = statistics.median(fused_rounds[0])
         op_s, _ = _median_seconds(lambda: cpu.digest_rows([src], [base], list(gs), sketch_k),
                                   repeats)
@@ -113,7 +115,9 @@ def measure(dtype: torch.dtype, nbytes: int, repeats: int, sketch_k: int) -> dic
         for c in COMPONENTS:
             parts[c].append(timings.get(c, 0.0))
     def gbps(s: float) -> float:
-        return s if s != s else (nbytes / s / 1e9 if s > 0 else float("inf"))  # nan: not run
+        if math.isnan(s):  # not run (no fused kernel)
+            return s
+        return nbytes / s / 1e9 if s > 0 else float("inf")
     row = {"copy": gbps(copy_s), "digest": gbps(digest_s), "digest_cpu": gbps(digest_cpu_s),
            "ratio": digest_s / copy_s, "fused": float("nan"), "fused_ratio": float("nan"),
            "fused_cpu": float("nan"), "op": gbps(op_s)}
