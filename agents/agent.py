@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
-import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -17,59 +14,10 @@ import torch
 from agents.capture import AUTO, Capturer, Counters, HostBatch
 from agents.config import AgentConfig, apply_env, check
 from agents.identity import RankIdentity, job_identity, rank_identity
+from agents import shutdown
 from agents.normalization import grad_scale
 
 log = logging.getLogger(__name__)
-
-_LIVE: "weakref.WeakSet[Agent]" = weakref.WeakSet()
-"""Agents not closed yet: closed at interpreter exit and on SIGTERM, so no queue is lost."""
-_EXIT_HOOKS = threading.Lock()
-_exit_hooks_installed = False
-
-
-def _close_live_agents(why: str) -> None:
-    for agent in list(_LIVE):
-        try:
-            agent.close(reason=why)
-        except Exception:  # pragma: no cover - close never raises; belt and braces at exit
-            pass
-
-
-def _on_sigterm(previous):
-    def handler(signum, frame):
-        _close_live_agents("SIGTERM")
-        if callable(previous):
-            previous(signum, frame)
-            return
-        # Die of SIGTERM as the process would have, so torchrun sees the same exit status.
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    return handler
-
-
-def _install_exit_hooks() -> None:
-    """Once per process: close live agents at exit, and on SIGTERM (torchrun stopping a job).
-
-    The SIGTERM handler is installed only from the main thread and only over the default or a
-    Python handler (which it then calls); a handler set to ignore SIGTERM is left alone.
-    """
-    global _exit_hooks_installed
-    with _EXIT_HOOKS:
-        if _exit_hooks_installed:
-            return
-        _exit_hooks_installed = True
-        atexit.register(_close_live_agents, "interpreter exit")
-        if threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous is signal.SIG_DFL or (callable(previous) and previous is not
-                                              signal.default_int_handler):
-                signal.signal(signal.SIGTERM, _on_sigterm(previous))
-        except (ValueError, OSError):  # not the main interpreter, or no signals here
-            pass
-
 
 class Agent:
     """Captures one rank's tensors and streams their digests to the auditor.
@@ -85,6 +33,9 @@ class Agent:
         self.counters = Counters()
         self._models: list[tuple[torch.nn.Module, int]] = []
         self._closed = False
+        self._close_lock = threading.RLock()
+        """Held for a whole close: a SIGTERM closing from the watcher thread and the main
+        thread's handler or own close() wait for each other (agents/shutdown.py)."""
         self._sender = None
         self.active = config.enabled and (config.ranks is None or ident.rank in config.ranks)
         if self.active and not config.run:
@@ -96,8 +47,7 @@ class Agent:
             from agents.sender import Sender  # grpc only where auditing is on
 
             self._sender = Sender(config, ident, self.counters)
-            _LIVE.add(self)
-            _install_exit_hooks()
+            shutdown.register(self)
         self.capturer = Capturer(config, ident, self._sink, self.counters)
 
     def _sink(self, batch: HostBatch) -> None:
@@ -216,24 +166,37 @@ class Agent:
             self.capturer.capture_parameters(module, grads=True, stage=stage)
             self.capturer.capture_parameters(module, grads=False, stage=stage)
 
-    def close(self, timeout: float | None = None, *, reason: str = "") -> dict:
+    def close(self, timeout: float | None = None, *, reason: str = "",
+              from_watcher: bool = False) -> dict:
         """Flush within `timeout` (default config.flush_timeout_s) + 1 s; returns the counts.
 
         Also called at interpreter exit and on SIGTERM for an agent not closed yet (`reason`
         says which): what is queued is delivered within the timeout or spilled to the spool.
+        `from_watcher`: closed by agents/shutdown.py's SIGTERM watcher while the training
+        thread is blocked: the capturer (the training thread's) is left alone, and the captures
+        it had not handed over are counted as dropped (unsent_at_close).
         """
-        if self._closed:
-            return self.summary()
-        self._closed = True
-        _LIVE.discard(self)
-        started = time.monotonic()
-        try:
-            self.capturer.flush()
-            self.capturer.remove_hooks()
-            if self._sender is not None:
-                self._sender.close(self.config.flush_timeout_s if timeout is None else timeout)
-        except Exception as exc:  # never into training
-            log.warning("rank %d: numaudit close failed: %r", self.ident.rank, exc)
+        with self._close_lock:
+            if self._closed:
+                return self.summary()
+            self._closed = True
+            started = time.monotonic()
+            try:
+                if from_watcher:
+                    self.counters.drop("unsent_at_close", self.capturer.unsent())
+                else:
+                    self.capturer.flush()
+                    self.capturer.remove_hooks()
+                if self._sender is not None:
+                    self._sender.close(self.config.flush_timeout_s if timeout is None
+                                       else timeout)
+            except Exception as exc:  # never into training
+                log.warning("rank %d: numaudit close failed: %r", self.ident.rank, exc)
+            shutdown.unregister(self)
+            return self._report(started, reason)
+
+    def _report(self, started: float, reason: str) -> dict:
+        """The close's summary line (see close); returns the counts."""
         s = self.summary()
         if self.active:
             # At WARNING when anything did not reach the auditor, or the process is ending

@@ -146,6 +146,12 @@ class Batcher:
         """Address of the arena's first byte."""
         self._arena_used = ARENA_BYTES
 
+    def unsent(self) -> int:
+        """Captures taken but not handed to the sink yet (read from another thread only when
+        the training thread is known to be blocked: agents/shutdown.py)."""
+        return (len(self._pending) + len(self.fused) + len(self._captures)
+                + len(self._dev_captures))
+
     def payload_buffer(self, nbytes: int) -> tuple[torch.Tensor | memoryview, int]:
         """A host buffer of ``nbytes`` for the fused kernel to copy a payload into, and its
         address. Small ones are slices of a shared arena: a ``torch.empty`` per payload cost

@@ -572,6 +572,10 @@ class Capturer:
         """Hand the pending digests to the sender (see Batcher.flush)."""
         self._batches.flush()
 
+    def unsent(self) -> int:
+        """Captures not handed to the sender yet (see Batcher.unsent)."""
+        return self._batches.unsent()
+
     def _failed(self, what: str, exc: Exception) -> None:
         self.counters.error()
         if what not in self._logged:

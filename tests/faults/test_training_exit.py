@@ -10,13 +10,16 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from agents.shutdown import WATCHER_GRACE_S
 from wire.packed import batch_record_count
 from auditor.daemon.server import BackgroundServer
 from auditor.store import Reader
+from tests.faults.exit_job import UNSENT
 from tests.faults.harness import figure, free_port
 from wire.spool import read_spool
 
@@ -69,6 +72,8 @@ def test_an_exception_out_of_step_still_delivers_the_queue(tmp_path):
 
 
 NO_AUDITOR = ("sigterm", "exit")
+SIGTERM_CASES = ("sigterm-blocked", "sigterm-blocked-midstep", "sigterm-user",
+                 "sigterm-user-blocked", "fork")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,7 @@ def jobs_without_an_auditor(tmp_path_factory):
     """One job per way of ending, all started at once: each spends most of its time importing
     torch and then waiting out its flush timeout, so side by side they cost about one."""
     jobs = {}
-    for how in NO_AUDITOR:
+    for how in NO_AUDITOR + SIGTERM_CASES:
         spool = tmp_path_factory.mktemp(f"exit_{how}") / "spool"
         address = f"127.0.0.1:{free_port()}"  # nobody listens
         jobs[how] = _job(how, address, spool), address, spool
@@ -89,6 +94,20 @@ def jobs_without_an_auditor(tmp_path_factory):
             proc.communicate()
 
 
+def _spilled(err: str, address: str, spool: Path, reason: str) -> str:
+    """Check what every case without an auditor must show; returns the summary line."""
+    warnings = [ln for ln in err.splitlines() if "cannot reach" in ln]
+    assert len(warnings) == 1, err  # one line per rank, at the default log level
+    assert address in warnings[0] and str(spool) in warnings[0]
+    line = _summary_line(err)
+    assert f"at {reason}" in line and "acked by the auditor 0" in line, line
+    assert f"spooled {N} in {spool}" in line, line
+    (path,) = spool.glob("*.spool")
+    c = read_spool(path)
+    assert sum(batch_record_count(b) for b in c.batches) == N and c.clean and c.close is not None
+    return line
+
+
 @pytest.mark.parametrize("how", NO_AUDITOR)
 def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(
         how, jobs_without_an_auditor):
@@ -98,16 +117,69 @@ def test_without_an_auditor_the_queue_is_spilled_and_one_warning_says_so(
         proc.send_signal(signal.SIGTERM)
     out, err = _finish(proc)
     assert proc.returncode == (-signal.SIGTERM if how == "sigterm" else 0), err
-    warnings = [ln for ln in err.splitlines() if "cannot reach" in ln]
-    assert len(warnings) == 1, err  # one line per rank, at the default log level
-    assert address in warnings[0] and str(spool) in warnings[0]
-    line = _summary_line(err)
-    reason = "SIGTERM" if how == "sigterm" else "interpreter exit"
-    assert f"at {reason}" in line and "acked by the auditor 0" in line, line
-    assert f"spooled {N} in {spool}" in line, line
+    line = _spilled(err, address, spool, "SIGTERM" if how == "sigterm" else "interpreter exit")
     close_s = float(re.search(r"closed in ([0-9.]+)s", line).group(1))
     figure(f"exit_{how}.close_s", close_s)
     assert close_s <= FLUSH + 1.0 + 0.5, line  # the documented bound (+ scheduling slack)
-    (path,) = spool.glob("*.spool")
-    c = read_spool(path)
-    assert sum(batch_record_count(b) for b in c.batches) == N and c.clean and c.close is not None
+
+
+WATCHER = "SIGTERM came while the main thread was blocked"
+
+
+def test_sigterm_while_the_main_thread_is_blocked_still_spills_and_ends_the_rank(
+        jobs_without_an_auditor):
+    """The main thread never returns to Python (a rank in a collective): Python's handler cannot
+    run, so the watcher thread closes the agent and the rank dies of SIGTERM within the grace,
+    the close deadline and its second. (Before the watcher: the rank slept on, queue unsent.)"""
+    proc, address, spool = jobs_without_an_auditor["sigterm-blocked"]
+    assert proc.stdout.readline().strip() == "ready"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = _finish(proc)
+    ended_s = time.monotonic() - sent
+    assert proc.returncode == -signal.SIGTERM, err
+    assert sum(WATCHER in ln for ln in err.splitlines()) == 1, err
+    _spilled(err, address, spool, "SIGTERM")
+    figure("exit_sigterm_blocked.end_s", ended_s)
+    assert ended_s <= WATCHER_GRACE_S + FLUSH + 1.0 + 3.0, err  # + slack for a busy machine
+
+
+def test_captures_not_handed_over_when_the_watcher_closes_are_counted_as_dropped(
+        jobs_without_an_auditor):
+    """The watcher leaves the training thread's capturer alone: what it held is counted
+    (unsent_at_close), so captured = spooled + dropped still holds exactly."""
+    proc, address, spool = jobs_without_an_auditor["sigterm-blocked-midstep"]
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, err = _finish(proc)
+    assert proc.returncode == -signal.SIGTERM, err
+    line = _spilled(err, address, spool, "SIGTERM")
+    assert f"captured {N + UNSENT}:" in line, line
+    assert f"dropped {UNSENT} (unsent_at_close {UNSENT})" in line, line
+
+
+@pytest.mark.parametrize("how", ("sigterm-user", "sigterm-user-blocked"))
+def test_a_scripts_own_sigterm_handler_still_runs_after_the_agent_is_closed(
+        how, jobs_without_an_auditor):
+    """A handler the script installed before attach (a checkpoint on preemption) is called
+    after the agent is closed and decides how the process ends; with the main thread blocked,
+    the watcher closes the agent but leaves the ending to that handler."""
+    proc, address, spool = jobs_without_an_auditor[how]
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, err = _finish(proc)
+    assert proc.returncode == 3 and out.strip() == "user handler ran", (out, err)
+    assert sum(WATCHER in ln for ln in err.splitlines()) == (how.endswith("blocked")), err
+    _spilled(err, address, spool, "SIGTERM")
+
+
+def test_a_forked_worker_killed_by_sigterm_leaves_the_parents_agent_alone(
+        jobs_without_an_auditor):
+    """A DataLoader-style forked child shares the watcher's pipe and the agent's memory: its
+    SIGTERM must neither close the parent's agent (through the pipe) nor report it."""
+    proc, address, spool = jobs_without_an_auditor["fork"]
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err
+    assert out.strip() == f"child {-signal.SIGTERM} parent_open True", (out, err)
+    assert not any(WATCHER in ln for ln in err.splitlines()), err
+    _spilled(err, address, spool, "interpreter exit")  # one summary: the parent's, at its exit
