@@ -156,7 +156,10 @@ class _Watcher:
                 except OSError:
                     pass
             if int(signal.SIGTERM) in data:
-                self.on_sigterm()
+                try:
+                    self.on_sigterm()
+                except Exception as exc:  # pragma: no cover - a bug; the handler remains
+                    log.warning("numaudit: SIGTERM watcher failed: %r", exc)
 
     def on_sigterm(self) -> None:
         if _handler_started.wait(WATCHER_GRACE_S):
