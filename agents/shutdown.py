@@ -70,7 +70,8 @@ def _forget_in_child() -> None:
     _LIVE.clear()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _on_sigterm(previous):
@@ -127,7 +128,8 @@ class _Watcher:
             os.close(w)
             return
         watcher = cls(r, w, previous, dies)
-        os.register_at_fork(after_in_child=watcher.after_fork_in_child)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=watcher.after_fork_in_child)
         threading.Thread(target=watcher.run, name="numaudit-sigterm", daemon=True).start()
 
     def after_fork_in_child(self) -> None:

@@ -4,10 +4,10 @@
     python -m tests.faults.exit_job --how HOW --records N
 
 HOW: raise, sigterm, exit, or
-- `sigterm-blocked`: SIGTERM comes while the main thread is blocked in a C call that does not
-  return for it (SIGTERM is blocked in the main thread, so another thread takes it: what a rank
-  waiting in a collective sees); `sigterm-blocked-midstep`: the same inside the next step's
-  microbatch, with UNSENT more captures not handed to the sender yet;
+- `sigterm-blocked-midstep`: SIGTERM comes while the main thread is blocked in a C call that
+  does not return for it (SIGTERM is blocked in the main thread, so another thread takes it:
+  what a rank waiting in a collective sees), inside the next step's microbatch, with UNSENT
+  more captures not handed to the sender yet;
 - `sigterm-user`, `sigterm-user-blocked`: the same two with the script's own SIGTERM handler
   (installed before `attach`), which prints "user handler ran" and exits 3; the blocked main
   thread returns to Python once the watcher has closed the agent;
@@ -37,8 +37,8 @@ UNSENT = 10
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--how", required=True,
-                   choices=("raise", "sigterm", "sigterm-blocked", "sigterm-blocked-midstep",
-                            "sigterm-user", "sigterm-user-blocked", "fork", "exit"))
+                   choices=("raise", "sigterm", "sigterm-blocked-midstep", "sigterm-user",
+                            "sigterm-user-blocked", "fork", "exit"))
     p.add_argument("--records", type=int, default=30)
     args = p.parse_args()
     if args.how.startswith("sigterm-user"):
@@ -58,7 +58,7 @@ def main() -> None:
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 print("ready", flush=True)
                 time.sleep(120)  # killed long before
-    if args.how.endswith("-blocked"):
+    if args.how == "sigterm-user-blocked":
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if args.how == "fork":
         child = os.fork()
