@@ -323,8 +323,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
         explained = " beyond the factor the runs' loss normalizations imply" \
             if ref_scale[j] != 1.0 else ""
         comp.notes.setdefault(i, []).append(
-            f"{comp.cand.name} is {comp.ref.name} scaled by {nr[j]:.3g}{explained} (away from a "
-            f"pure rescaling by {format_float(resid[j])} relative): a uniform factor no declared "
+            f"{comp.cand.name} is {comp.ref.name} scaled by {nr[j]:.3g}{explained} (what remains "
+            f"after that factor: {format_float(resid[j])} relative): a uniform factor no declared "
             "loss normalization explains")
     comp.value[keys] = value
     comp.sigma[keys] = np.where(sig > 0, sig, np.nan)
