@@ -14,7 +14,8 @@ signal arrived just before) runs it only when the call returns: the rank neither
 dies, and torchrun kills it after its grace period with the queue lost. Python's C-level
 handler also writes the signal number to the wakeup fd (`signal.set_wakeup_fd`), from whichever
 thread took the signal; the watcher reads it, gives the main thread WATCHER_GRACE_S to start
-the handler itself, and otherwise closes the agents' senders from its own thread (never the
+the handler itself, and otherwise (if the agent's handler is still SIGTERM's: a script that
+replaced it after `attach` decides alone) closes the agents' senders from its own thread (never the
 capturer, which belongs to the training thread: captures not handed over yet are counted as
 dropped, `unsent_at_close`) and, where SIGTERM had the default disposition, ends the process
 with SIGTERM. A previous wakeup fd (asyncio's) gets every byte forwarded; one set after ours
@@ -43,6 +44,8 @@ _INSTALL = threading.Lock()
 _installed = False
 _handler_started = threading.Event()
 """Set by the SIGTERM handler as it starts (in the main thread)."""
+_handler = None
+"""The SIGTERM handler installed here: the watcher acts only while it is still the one."""
 
 
 def register(agent) -> None:
@@ -92,7 +95,7 @@ def _install() -> None:
     """Once per process: the atexit hook; from the main thread, the SIGTERM handler over the
     default disposition or a Python handler (a process that ignores SIGTERM keeps ignoring it),
     with its watcher."""
-    global _installed
+    global _installed, _handler
     with _INSTALL:
         if _installed:
             return
@@ -104,7 +107,8 @@ def _install() -> None:
             previous = signal.getsignal(signal.SIGTERM)
             if previous is signal.SIG_DFL or (callable(previous) and previous is not
                                               signal.default_int_handler):
-                signal.signal(signal.SIGTERM, _on_sigterm(previous))
+                _handler = _on_sigterm(previous)
+                signal.signal(signal.SIGTERM, _handler)
                 _Watcher.start(dies=previous is signal.SIG_DFL)
         except (ValueError, OSError):  # not the main interpreter, or no signals here
             pass
@@ -164,8 +168,10 @@ class _Watcher:
                     log.warning("numaudit: SIGTERM watcher failed: %r", exc)
 
     def on_sigterm(self) -> None:
-        if _handler_started.wait(WATCHER_GRACE_S):
-            return  # the main thread is closing the agents itself
+        if _handler_started.wait(WATCHER_GRACE_S) or not _ours():
+            # The main thread is closing the agents itself; or the script replaced the agent's
+            # handler after attach, and its own handler decides what SIGTERM does.
+            return
         for rank in sorted({agent.ident.rank for agent in list(_LIVE)}):
             log.warning("rank %d: numaudit: SIGTERM came while the main thread was blocked (in "
                         "a C call, a collective); the agent is closed from a watcher thread",
@@ -174,6 +180,14 @@ class _Watcher:
         if not self.dies or _handler_started.is_set():
             return  # a previous Python handler, or the main thread's own, has the last word
         _die_of_sigterm()
+
+
+def _ours() -> bool:
+    """The agent's handler is still SIGTERM's (signal.getsignal reads it from any thread)."""
+    try:
+        return signal.getsignal(signal.SIGTERM) is _handler
+    except (ValueError, OSError):  # pragma: no cover
+        return False
 
 
 def _die_of_sigterm() -> None:

@@ -11,6 +11,9 @@ HOW: raise, sigterm, exit, or
 - `sigterm-user`, `sigterm-user-blocked`: the same two with the script's own SIGTERM handler
   (installed before `attach`), which prints "user handler ran" and exits 3; the blocked main
   thread returns to Python once the watcher has closed the agent;
+- `sigterm-user-after-blocked`: that handler installed after `attach`, replacing the agent's;
+  the main thread is blocked reading stdin until the test writes a line (after the watcher's
+  grace);
 - `fork`: a forked child (a DataLoader worker) is sent SIGTERM and dies of it; the job then
   prints whether its own agent is still open and ends normally.
 
@@ -38,12 +41,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--how", required=True,
                    choices=("raise", "sigterm", "sigterm-blocked-midstep", "sigterm-user",
-                            "sigterm-user-blocked", "fork", "exit"))
+                            "sigterm-user-blocked", "sigterm-user-after-blocked", "fork", "exit"))
     p.add_argument("--records", type=int, default=30)
     args = p.parse_args()
-    if args.how.startswith("sigterm-user"):
+    if args.how in ("sigterm-user", "sigterm-user-blocked"):
         signal.signal(signal.SIGTERM, _user_handler)
     agent = agents.attach(None, batch_records=8)
+    if args.how == "sigterm-user-after-blocked":  # replaces the agent's handler
+        signal.signal(signal.SIGTERM, _user_handler)
     with agent.step(0):
         with agent.microbatch(0):
             for i in range(args.records):
@@ -58,7 +63,7 @@ def main() -> None:
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 print("ready", flush=True)
                 time.sleep(120)  # killed long before
-    if args.how == "sigterm-user-blocked":
+    if args.how.endswith("-blocked"):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if args.how == "fork":
         child = os.fork()
@@ -79,6 +84,10 @@ def main() -> None:
         closed = threading.Event()
         threading.Thread(target=_when_closed, args=(agent, closed), daemon=True).start()
         closed.wait()
+    if args.how == "sigterm-user-after-blocked":
+        # Blocked in a C call (a read of stdin) until the test writes a line, after the
+        # watcher's grace; then the script's handler runs.
+        sys.stdin.readline()
     if args.how.startswith("sigterm"):
         time.sleep(120)  # killed long before
 

@@ -36,7 +36,7 @@ def _job(how: str, address: str, spool: Path) -> subprocess.Popen:
                PYTHONFAULTHANDLER="1")
     return subprocess.Popen([sys.executable, "-m", "tests.faults.exit_job", "--how", how,
                              "--records", str(N)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 30.0) -> tuple[str, str]:
@@ -72,7 +72,8 @@ def test_an_exception_out_of_step_still_delivers_the_queue(tmp_path):
 
 
 NO_AUDITOR = ("sigterm", "exit")
-SIGTERM_CASES = ("sigterm-blocked-midstep", "sigterm-user", "sigterm-user-blocked", "fork")
+SIGTERM_CASES = ("sigterm-blocked-midstep", "sigterm-user", "sigterm-user-blocked",
+                 "sigterm-user-after-blocked", "fork")
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,22 @@ def test_a_scripts_own_sigterm_handler_still_runs_after_the_agent_is_closed(
     assert proc.returncode == 3 and out.strip() == "user handler ran", (out, err)
     assert sum(WATCHER in ln for ln in err.splitlines()) == (how.endswith("blocked")), err
     _spilled(err, address, spool, "SIGTERM")
+
+
+def test_a_handler_installed_after_attach_decides_alone(jobs_without_an_auditor):
+    """The script replaced the agent's SIGTERM handler after attach: the watcher must not end
+    the process (nor close the agent) behind that handler's back, even with the main thread
+    blocked past the grace. The script's handler exits, and the agent is closed at exit."""
+    proc, address, spool = jobs_without_an_auditor["sigterm-user-after-blocked"]
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(WATCHER_GRACE_S + 2.0)  # the main thread stays blocked past the grace
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    out, err = _finish(proc)
+    assert proc.returncode == 3 and out.strip() == "user handler ran", (out, err)
+    assert not any(WATCHER in ln for ln in err.splitlines()), err
+    _spilled(err, address, spool, "interpreter exit")
 
 
 def test_a_forked_worker_killed_by_sigterm_leaves_the_parents_agent_alone(
