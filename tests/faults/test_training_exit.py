@@ -26,7 +26,7 @@ from wire.spool import read_spool
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 N = 30
-FLUSH = 2.0
+FLUSH = 1.0
 
 
 def _job(how: str, address: str, spool: Path) -> subprocess.Popen:
@@ -170,7 +170,7 @@ def test_a_handler_installed_after_attach_decides_alone(jobs_without_an_auditor)
     proc, address, spool = jobs_without_an_auditor["sigterm-user-after-blocked"]
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
-    time.sleep(WATCHER_GRACE_S + 2.0)  # the main thread stays blocked past the grace
+    time.sleep(WATCHER_GRACE_S + 1.0)  # the main thread stays blocked past the grace
     proc.stdin.write("go\n")
     proc.stdin.flush()
     out, err = _finish(proc)
