@@ -9,17 +9,20 @@ that fails seldom reaches `agent.close()`. So the first `attach` from the main t
 - a watcher thread for the SIGTERM that the handler cannot see in time.
 
 Why the watcher: Python runs a signal handler in the main thread, between bytecodes. A main
-thread blocked in a C call (a collective waiting for a dead peer, a long kernel, or a sleep the
-signal arrived just before) runs it only when the call returns: the rank neither flushes nor
-dies, and torchrun kills it after its grace period with the queue lost. Python's C-level
-handler also writes the signal number to the wakeup fd (`signal.set_wakeup_fd`), from whichever
-thread took the signal; the watcher reads it, gives the main thread WATCHER_GRACE_S to start
-the handler itself, and otherwise (if the agent's handler is still SIGTERM's: a script that
-replaced it after `attach` decides alone) closes the agents' senders from its own thread (never the
-capturer, which belongs to the training thread: captures not handed over yet are counted as
-dropped, `unsent_at_close`) and, where SIGTERM had the default disposition, ends the process
-with SIGTERM. A previous wakeup fd (asyncio's) gets every byte forwarded; one set after ours
-replaces it, and the handler alone remains, as before.
+thread blocked in a C call (a collective waiting for a dead peer, a long kernel, a sleep the
+signal arrived just before) runs it only when the call returns: the rank would neither flush
+nor die, and torchrun would kill it after its grace period, queue lost. What the watcher does:
+
+- Python's C-level handler writes the signal number to the wakeup fd
+  (`signal.set_wakeup_fd`), from whichever thread took the signal; the watcher reads it.
+- It gives the main thread WATCHER_GRACE_S to start the handler itself.
+- If the main thread has not, and the agent's handler is still SIGTERM's (a script that
+  replaced it after `attach` decides alone), it closes the agents' senders from its own thread.
+  It never touches the capturer, which belongs to the training thread: captures not handed
+  over yet are counted as dropped, `unsent_at_close`.
+- Where SIGTERM had the default disposition, it then ends the process with SIGTERM.
+- A previous wakeup fd (asyncio's) gets every byte forwarded; one set after ours replaces it,
+  and the handler alone remains, as before.
 """
 
 from __future__ import annotations
@@ -149,9 +152,7 @@ class _Watcher:
     def run(self) -> None:
         while True:
             try:
-                data = os.read(self.read_fd, 512)
-            except InterruptedError:  # pragma: no cover - retried by os.read itself
-                continue
+                data = os.read(self.read_fd, 512)  # EINTR is retried by os.read itself
             except OSError:
                 return
             if not data:
