@@ -122,13 +122,13 @@ def test_many_streams_and_watches_are_capped(tmp_path):
           f"idle_wait={idle_wait_s:.1f}s idle_codes={ {str(k): v for k, v in idle_codes.items()} }")
     exhausted = outcome.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0)
     # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller). On a
-    # loaded machine a few of 10,000 calls opened at once fail UNAVAILABLE in transport before
-    # the daemon sees them (seen: 1 of 10,000, once among those the cap would have held, once
-    # among the refused): they are neither held nor refused, so the cap is checked as a bound.
+    # loaded machine some of 10,000 calls opened at once fail UNAVAILABLE in transport before
+    # the daemon sees them: they are neither held nor refused. Among the calls over the cap
+    # that does not matter (229 did in one full `make test`, with exactly the cap held); among
+    # those the cap would have held, at most a few may (seen: 1), or the cap was not reached.
     unavailable = outcome.get(grpc.StatusCode.UNAVAILABLE, 0)
-    assert unavailable <= 10, outcome
     held = outcome.get(None, 0)
-    assert MAX_STREAMS - 1 + 8 - unavailable <= held <= MAX_STREAMS - 1 + 8, outcome
+    assert MAX_STREAMS - 1 + 8 - min(unavailable, 10) <= held <= MAX_STREAMS - 1 + 8, outcome
     # The rest were refused RESOURCE_EXHAUSTED; a client that has not half-closed its side may
     # see CANCELLED instead when the server's RST_STREAM overtakes the trailers (gRPC core).
     refused = exhausted + outcome.get(grpc.StatusCode.CANCELLED, 0)
@@ -138,4 +138,4 @@ def test_many_streams_and_watches_are_capped(tmp_path):
     assert during < 5.0  # still acks; the flood itself costs the event loop (docs/reliability.md)
     assert ack.stored == 1
     # every Ingest stream the daemon held was ended for idleness (or refused before)
-    assert idle_codes.get(grpc.StatusCode.UNAVAILABLE, 0) >= MAX_STREAMS - 1 - unavailable, idle_codes
+    assert idle_codes.get(grpc.StatusCode.UNAVAILABLE, 0) >= held - 8, idle_codes
