@@ -166,16 +166,18 @@ class Agent:
             self.capturer.capture_parameters(module, grads=True, stage=stage)
             self.capturer.capture_parameters(module, grads=False, stage=stage)
 
-    def close(self, timeout: float | None = None, *, reason: str = "",
-              from_watcher: bool = False) -> dict:
+    def close(self, timeout: float | None = None, *, reason: str = "") -> dict:
         """Flush within `timeout` (default config.flush_timeout_s) + 1 s; returns the counts.
 
         Also called at interpreter exit and on SIGTERM for an agent not closed yet (`reason`
         says which): what is queued is delivered within the timeout or spilled to the spool.
-        `from_watcher`: closed by agents/shutdown.py's SIGTERM watcher while the training
-        thread is blocked: the capturer (the training thread's) is left alone, and the captures
-        it had not handed over are counted as dropped (unsent_at_close).
         """
+        return self._close(timeout, reason, from_watcher=False)
+
+    def _close(self, timeout: float | None, reason: str, *, from_watcher: bool) -> dict:
+        """close(); `from_watcher`: by agents/shutdown.py's SIGTERM watcher while the training
+        thread is blocked, so the capturer (the training thread's) is left alone and the
+        captures it had not handed over are counted as dropped (unsent_at_close)."""
         with self._close_lock:
             if self._closed:
                 return self.summary()

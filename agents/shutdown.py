@@ -64,7 +64,7 @@ def unregister(agent) -> None:
 def close_live_agents(why: str, *, from_watcher: bool = False) -> None:
     for agent in list(_LIVE):
         try:
-            agent.close(reason=why, from_watcher=from_watcher)
+            agent._close(None, why, from_watcher=from_watcher)
         except Exception:  # pragma: no cover - close never raises; belt and braces at exit
             pass
 
