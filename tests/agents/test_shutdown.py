@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_an_asyncio_loops_signal_handler_still_runs_after_attach(tmp_path):
+def test_an_asyncio_loops_signal_handler_still_runs_after_attach():
     env = dict(os.environ, PYTHONPATH=str(ROOT), NUMAUDIT_ADDR="127.0.0.1:1",
                NUMAUDIT_RUN="signals", NUMAUDIT_SPOOL_MODE="off")
     proc = subprocess.run([sys.executable, "-m", "tests.agents.signal_job"], cwd=ROOT, env=env,
