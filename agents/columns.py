@@ -326,15 +326,16 @@ class PayloadCompressor:
         self._good = zstandard.ZstdCompressor(level=1, write_content_size=True)
         self._raw_left: dict[tuple, int] = {}
 
-    def __call__(self, capture, raw) -> tuple[str, bytes]:
-        """``(codec, stream)`` of one payload's bytes ``raw``: "zstd" or "raw"."""
+    def __call__(self, capture, raw: memoryview) -> tuple[str, bytes | memoryview]:
+        """``(codec, stream)`` of one payload's bytes ``raw``: "zstd" or "raw" (then ``raw``
+        itself, not a copy: the batch encoder copies it once, into the sealed batch)."""
         if raw.nbytes < self.SMALL:
-            return "raw", bytes(raw)
+            return "raw", raw
         key = (capture.phase, capture.site, capture.role)
         left = self._raw_left.get(key, 0)
         if left:
             self._raw_left[key] = left - 1
-            return "raw", bytes(raw)
+            return "raw", raw
         data = self._good.compress(raw)
         if len(data) > 0.9 * raw.nbytes:
             if len(self._raw_left) >= 4096:

@@ -61,13 +61,18 @@ _DROP_REASON = {grpc.StatusCode.ALREADY_EXISTS: "run_name_taken"}
 @dataclass
 class PendingBatch:
     seq: int
-    message: pb.RecordBatch
+    message: pb.RecordBatch | None
+    """The batch as a message; None for a batch the agent sealed straight to bytes
+    (wire/sealed.py), parsed from `body` only to convert it for a peer of an earlier build."""
     records: int
     nbytes: int
     body: bytes | None = None
-    """The message's serialization (a sealed batch), kept until its first send: sent as it is
-    instead of serialized again. Resends, and batches converted for an older peer, serialize
-    the message."""
+    """The batch serialized (sealed). With a message, kept until its first send (sent as it is
+    instead of serialized again; resends and conversions serialize the message); without one,
+    the batch's only form, kept until acked."""
+
+    def parsed(self) -> pb.RecordBatch:
+        return self.message if self.message is not None else pb.RecordBatch.FromString(self.body)
 
 
 class Delivery:
@@ -123,7 +128,7 @@ class Delivery:
               body: bytes | None = None) -> bool:
         """Queue a batch; False (nothing queued) when over the memory budget or given up.
 
-        `body`: the batch serialized (`wire.checksum.seal`), sent as it is. It is kept only while
+        `body`: the batch serialized (as a rank sent it to the node sidecar), sent as it is. It is kept only while
         a stream is open (the batch goes out at the next `service`): a batch waiting for a
         connection would otherwise hold its bytes twice, outside the budget.
         """
@@ -131,6 +136,15 @@ class Delivery:
             return False
         self.pending.append(PendingBatch(batch.seq, batch, records, nbytes,
                                          body if self._stream is not None else None))
+        self.pending_bytes += nbytes
+        return True
+
+    def offer_sealed(self, seq: int, records: int, nbytes: int, body: bytes) -> bool:
+        """:meth:`offer` for a batch that exists only as its sealed bytes (the agent's sender:
+        wire/sealed.py), kept as they are until acked."""
+        if self.fatal is not None or self.pending_bytes + nbytes > self.max_unacked_bytes:
+            return False
+        self.pending.append(PendingBatch(seq, None, records, nbytes, body))
         self.pending_bytes += nbytes
         return True
 
@@ -163,15 +177,20 @@ class Delivery:
         payloads_ok = getattr(self.transport, "packed_payloads", False)
         for b in list(self.pending):
             if b.seq > self._sent_upto:
-                try:  # converted once for a peer of an earlier build, kept for resends
-                    converted = for_peer(b.message, packed_ok, payloads_ok)
-                except Exception as exc:  # columns that do not fit: refused content
-                    self._drop_unconvertible(b, exc)
-                    continue
-                if converted is not b.message:
-                    b.message, b.body = converted, None
+                if b.message is not None or not (packed_ok and payloads_ok):
+                    try:  # converted once for a peer of an earlier build, kept for resends
+                        message = b.parsed()
+                        converted = for_peer(message, packed_ok, payloads_ok)
+                    except Exception as exc:  # columns that do not fit: refused content
+                        self._drop_unconvertible(b, exc)
+                        continue
+                    if converted is not message:
+                        b.message, b.body = converted, None
+                    elif b.message is None:
+                        b.message = message  # nothing to convert: the bytes still go as sealed
                 s.send(b.message, b.body)
-                b.body = None
+                if b.message is not None:
+                    b.body = None
                 self._sent_upto = b.seq
         if self.pending and time.monotonic() - self._last_progress > self.ack_timeout_s:
             log.warning("%s: no ack for %.1fs; reconnecting", self.name, self.ack_timeout_s)
@@ -319,8 +338,9 @@ class Delivery:
                     self.name, b.seq, exc)
 
     def _drop_stream(self) -> None:
-        for b in self.pending:  # resent on a new stream, serialized then
-            b.body = None
+        for b in self.pending:  # resent on a new stream, serialized then (sealed bytes stay)
+            if b.message is not None:
+                b.body = None
         if self._stream is not None:
             try:
                 self._stream.cancel()

@@ -26,8 +26,8 @@ from agents.delivery import Delivery
 from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
 from wire import limits
-from wire.checksum import seal
-from wire.packed import RecordColumns, concat, empty, split_batch
+from wire.packed import RecordColumns, concat, empty
+from wire.sealed import sealed_batch
 from wire.spool import SpoolWriter
 from wire.tls import TLSConfig
 from protos import numaudit_pb2 as pb
@@ -315,10 +315,9 @@ class Sender:
         n = cols.n
         if not n:
             return
-        msg = split_batch(self.session_id, self._next_seq, cols, None, checksum=False)
-        # Serialized once: the checksum is summed over these bytes, and they are what gRPC, the
-        # sidecar socket or the spool gets (wire.checksum.seal).
-        body = seal(msg)
+        # Encoded once, checksum included: these bytes are what gRPC, the sidecar socket or the
+        # spool gets, and what the delivery keeps until acked (wire/sealed.py).
+        body = sealed_batch(self.session_id, self._next_seq, cols)
         # The delivery's memory budget counts the record bytes (what the message carries
         # beside a few framing bytes per field): msg.ByteSize() serialized the whole message
         # once more, milliseconds per batch with payloads.
@@ -329,16 +328,16 @@ class Sender:
             self.counters.drop(d.fatal, n)
             return
         if d is None:
-            if self._spool_write(msg, body):
+            if self._spool_write(None, body):
                 self.spilled += n
             else:
                 self.counters.drop("no_auditor", n)
                 return
         else:
-            if self.config.spool_mode == "always" and not self._spool_write(msg, body):
+            if self.config.spool_mode == "always" and not self._spool_write(None, body):
                 self.counters.drop("spool_error", n)
                 return
-            if not d.offer(msg, n, nbytes, body):
+            if not d.offer_sealed(self._next_seq, n, nbytes, body):
                 self.counters.drop("buffer_full", n)
                 return
         self._next_seq += 1
@@ -383,7 +382,7 @@ class Sender:
         if unacked:
             d.warn_if_unreachable(force=True)
         if unacked and self.config.spool_mode == "spill":
-            if all(self._spool_write(b.message) for b in d.pending):
+            if all(self._spool_write(b.message, b.body) for b in d.pending):
                 self.spilled += unacked
                 unacked = 0
         elif unacked and self.config.spool_mode == "always":
@@ -415,9 +414,9 @@ class Sender:
 
     # -- spool ----------------------------------------------------------------------------------
 
-    def _spool_write(self, batch: pb.RecordBatch, body: bytes | None = None) -> bool:
+    def _spool_write(self, batch: pb.RecordBatch | None, body: bytes | None = None) -> bool:
         """Append a batch to this session's spool file (opened with its registration; `body`:
-        the batch serialized)."""
+        the batch serialized; ``batch`` None for sealed bytes alone)."""
         if self.config.spool_mode == "off":
             return False
         try:

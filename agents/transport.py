@@ -60,8 +60,9 @@ class Stream(Protocol):
     acks: queue.Queue
     """pb.Ack items, then EOF_MARK or a TransportError."""
 
-    def send(self, batch: pb.RecordBatch, body: bytes | None = None) -> None:
-        """Queue `batch` (`body`: its serialization, sent as it is when given)."""
+    def send(self, batch: pb.RecordBatch | None, body: bytes | None = None) -> None:
+        """Queue `batch` (`body`: its serialization, sent as it is when given; ``batch`` is
+        None for a batch that exists only as these bytes)."""
 
     def cancel(self) -> None: ...
 
@@ -84,7 +85,7 @@ INGEST_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Auditor'].full_name}/Ingest"
 
 def _request_bytes(item) -> bytes:
     """The Ingest call's request serializer: a sealed batch's bytes as they are (the sender
-    serialized the batch once, for its checksum: `wire.checksum.seal`), a message serialized."""
+    encoded the batch once, checksum included: wire/sealed.py), a message serialized."""
     return item if type(item) is bytes else item.SerializeToString()
 
 
@@ -112,7 +113,7 @@ class _GrpcStream:
         except Exception as exc:
             self.acks.put(as_transport_error(exc))
 
-    def send(self, batch: pb.RecordBatch, body: bytes | None = None) -> None:
+    def send(self, batch: pb.RecordBatch | None, body: bytes | None = None) -> None:
         self._outbox.put(batch if body is None else body)
 
     def cancel(self) -> None:
@@ -217,7 +218,7 @@ class _SocketStream:
             if not self._closed:
                 self.acks.put(TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar: {exc}"))
 
-    def send(self, batch: pb.RecordBatch, body: bytes | None = None) -> None:
+    def send(self, batch: pb.RecordBatch | None, body: bytes | None = None) -> None:
         try:
             self._sock.sendall(encode(batch, body))
         except OSError as exc:

@@ -62,7 +62,8 @@ class PayloadChunk:
     crc32: int
     chunk_index: int
     chunk_count: int
-    data: bytes
+    data: bytes | memoryview
+    """A view where the payload travels raw (the agent's host copy, kept alive by it)."""
 
 
 def put_payload(dst: pb.Payload, p: pb.Payload | PayloadChunk) -> None:
@@ -72,7 +73,7 @@ def put_payload(dst: pb.Payload, p: pb.Payload | PayloadChunk) -> None:
         return
     dst.codec, dst.raw_nbytes, dst.compressed_nbytes = p.codec, p.raw_nbytes, p.compressed_nbytes
     dst.crc32, dst.chunk_index, dst.chunk_count = p.crc32, p.chunk_index, p.chunk_count
-    dst.data = p.data
+    dst.data = p.data if type(p.data) is bytes else bytes(p.data)
 
 
 @dataclass
@@ -462,7 +463,7 @@ def split_batch(session_id: str, seq: int, packed: RecordColumns,
     """A batch of `packed` records and `single` ones sent per record (those carrying a
     payload), given apart: what packed_batch sends, without taking them out of one
     RecordColumns first (the agent keeps them apart from the start). Checksum set unless
-    `checksum` is False (for a caller that seals the batch: `wire.checksum.seal`)."""
+    `checksum` is False (for a caller that sums the bytes it sends itself)."""
     msg = pb.RecordBatch(schema_version=pb.SCHEMA_VERSION_1, session_id=session_id, seq=seq)
     if single is not None and single.n:
         to_records(single, into=msg.records)

@@ -68,9 +68,12 @@ def _frame(kind: int, body: bytes) -> bytes:
 
 def encode(message, body: bytes | None = None) -> bytes:
     """A frame of a protobuf message (kinds 1-4), or of an error's raw bytes (kind 5). `body`:
-    the message already serialized (a sealed batch, `wire.checksum.seal`)."""
+    the message already serialized (a sealed batch: `wire.checksum.seal`); with ``message``
+    None, the bytes of a RecordBatch that exists only serialized (`wire.sealed`)."""
     if isinstance(message, bytes):
         return _frame(KIND_ERROR, message)
+    if message is None:
+        return _frame(KIND_BATCH, body)
     return _frame(_KINDS[type(message)], message.SerializeToString() if body is None else body)
 
 

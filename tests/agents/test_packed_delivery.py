@@ -263,40 +263,77 @@ class _RecordingPeer:
         return stream
 
 
-def test_sealed_batches_go_out_as_their_bytes_and_resends_serialize_again(tmp_path):
-    """The sender serializes a batch once (wire.checksum.seal) and the delivery hands those
-    bytes to gRPC; a batch offered before the stream is open, or pending when it breaks, is
-    serialized at its send instead (its bytes are not held twice while it waits)."""
-    from wire.checksum import seal
+def _sealed(seq: int) -> bytes:
+    from wire.sealed import sealed_batch
 
-    def batch(seq):
-        msg = P.split_batch("seal-0", seq, P.from_records(
-            [record(seq, j, payload=b"\x07" * 48 if j == 1 else None) for j in range(4)]),
-            None, checksum=False)
-        return msg, seal(msg)
+    return sealed_batch("seal-0", seq, P.from_records(
+        [record(seq, j, payload=b"\x07" * 48 if j == 1 else None) for j in range(4)]))
 
-    def service_until_acked(d):
-        deadline = time.monotonic() + 20
-        while d.pending and time.monotonic() < deadline:
-            d.service()
-            time.sleep(0.01)
 
+def _service_until_acked(d: Delivery) -> None:
     import time
+    deadline = time.monotonic() + 20
+    while d.pending and time.monotonic() < deadline:
+        d.service()
+        time.sleep(0.01)
+
+
+def test_batches_with_their_bytes_go_out_as_those_bytes_and_resends_serialize_again(tmp_path):
+    """A batch offered as a message with its bytes (what a node sidecar relays) goes to gRPC as
+    those bytes; one offered before the stream is open, or pending when it breaks, is
+    serialized at its send instead (its bytes are not held twice while it waits)."""
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
         peer = _RecordingPeer(srv.address)
         req = register_request(run="seal", session_id="seal-0")
         drops = []
         d = Delivery(peer, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
-        (m1, b1), (m2, b2), (m3, b3) = batch(1), batch(2), batch(3)
+        b1, b2, b3 = _sealed(1), _sealed(2), _sealed(3)
+        m1, m2, m3 = (pb.RecordBatch.FromString(b) for b in (b1, b2, b3))
         assert d.offer(m1, 4, len(b1), b1)  # no stream yet: its bytes are not kept
-        service_until_acked(d)
+        _service_until_acked(d)
         assert d.offer(m2, 4, len(b2), b2)
-        service_until_acked(d)
+        _service_until_acked(d)
         assert d.offer(m3, 4, len(b3), b3)
         d._drop_stream()  # the stream breaks before batch 3 goes out
-        service_until_acked(d)
+        _service_until_acked(d)
         d.shutdown()
         assert not drops and not d.pending and d.acked_records == 12
         assert [(m.seq, body) for m, body in peer.sent] == [(1, None), (2, b2), (3, None)]
     assert len(_stored(tmp_path / "audit.db")) == 12
-    assert pb.RecordBatch.FromString(b2) == m2 and m2.records_crc32 == batch_checksum(m2)
+    assert m2.records_crc32 == batch_checksum(m2)
+
+
+def test_sealed_batches_are_kept_as_their_bytes_and_parsed_only_for_an_older_peer(tmp_path):
+    """The agent's batches exist only as sealed bytes (wire/sealed.py): sent as they are, also
+    when offered before the stream opens or resent after it breaks; a peer that does not take
+    packed payloads gets the batch parsed and its payload records moved out."""
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        peer = _RecordingPeer(srv.address)
+        req = register_request(run="seal", session_id="seal-0")
+        drops = []
+        d = Delivery(peer, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
+        bodies = [_sealed(seq) for seq in (1, 2, 3)]
+        assert d.offer_sealed(1, 4, len(bodies[0]), bodies[0])  # before the stream opens
+        _service_until_acked(d)
+        assert d.offer_sealed(2, 4, len(bodies[1]), bodies[1])
+        d._drop_stream()  # breaks before batch 2 goes out: its bytes stay, its only form
+        _service_until_acked(d)
+        assert d.offer_sealed(3, 4, len(bodies[2]), bodies[2])
+        _service_until_acked(d)
+        d.shutdown()
+        assert not drops and not d.pending and d.acked_records == 12
+        assert peer.sent == [(None, b) for b in bodies]
+    assert len(_stored(tmp_path / "audit.db")) == 12
+
+    with BackgroundServer("127.0.0.1:0", tmp_path / "old.db", synchronous="NORMAL") as srv:
+        old = _OldPeer(srv.address, packed_batches=True)
+        d = Delivery(old, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
+        assert d.offer_sealed(1, 4, len(bodies[0]), bodies[0])
+        _service_until_acked(d)
+        d.shutdown()
+        assert not drops and d.acked_records == 4
+        (sent,) = old.sent
+        assert sent.packed.count == 3 and not len(sent.packed.payloads)
+        assert [r.key.microbatch for r in sent.records] == [1]
+        assert sent.records[0].payload.data and sent.records_crc32 == batch_checksum(sent)
+    assert len(_stored(tmp_path / "old.db")) == 4

@@ -37,15 +37,32 @@ def test_incompressible_payloads_travel_raw_and_level_1_is_retried():
     assert z(relu, zeros)[0] == "zstd"
 
 
-def test_raw_payloads_are_copies_the_arena_can_reuse():
+def test_raw_payloads_are_the_callers_bytes_which_no_later_capture_overwrites():
+    """A raw payload is a view of the agent's host copy, not a copy: the batch encoder copies it
+    once, into the sealed batch (wire/sealed.py). That is only sound while no later capture
+    writes over the copy: payload buffers never overlap and a full arena is replaced, never
+    written again."""
+    from agents.batching import ARENA_BYTES, Batcher
+    from agents.config import AgentConfig
+    from agents.fastpath import Digester
+
     z = PayloadCompressor()
     buf = bytearray(np.random.default_rng(2).standard_normal(4096).astype("<f4").tobytes())
     view = memoryview(buf)
     z(_cap("x"), view)  # level 1 does not pay: raw next
     codec, data = z(_cap("x"), view)
-    kept = bytes(buf)
-    buf[:8] = bytes(8)  # the agent's payload arena is written again by later captures
-    assert codec == "raw" and data == kept
+    assert codec == "raw" and data is view
+
+    b = Batcher(Digester("eager"), AgentConfig(), lambda batch: None, None, None)
+    handed = []
+    for n in [3000, 5000, 16384, 1, 64] * 40:  # several arenas' worth
+        mem, at = b.payload_buffer(n)
+        mem[:] = bytes([len(handed) % 251]) * n
+        handed.append((mem, at, n, len(handed) % 251))
+    spans = sorted((at, at + n) for _, at, n, _ in handed)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+    assert sum(n for *_, n, _ in handed) > 3 * ARENA_BYTES
+    assert all(bytes(mem) == bytes([v]) * n for mem, _, n, v in handed)  # none written again
 
 
 def test_small_payloads_follow_the_same_rule():

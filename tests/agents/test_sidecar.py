@@ -141,7 +141,7 @@ def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
 
 
 def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
-    """A rank serializes each batch once (wire.checksum.seal); the sidecar spools those very
+    """A rank encodes each batch once (wire.sealed); the sidecar spools those very
     bytes, and relays them upstream as they are, instead of serializing the parsed message
     again. The rank's bytes are marked here with an unknown field in front, where no
     serializer writes one (it puts unknown fields last)."""
@@ -151,8 +151,9 @@ def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
     from wire.spool import KIND_BATCH, read_frame
 
     mark = bytes((0xC0, 0x3E, 0x01))  # field 1000, varint 1: unknown to RecordBatch
-    sent, seal = [], agents.sender.seal
-    monkeypatch.setattr(agents.sender, "seal", lambda msg: sent.append(mark + seal(msg)) or sent[-1])
+    sent, seal = [], agents.sender.sealed_batch
+    monkeypatch.setattr(agents.sender, "sealed_batch",
+                        lambda *a: sent.append(mark + seal(*a)) or sent[-1])
     sock = f"unix://{tmp_path}/s.sock"
     sidecar = Sidecar(sock, tmp_path / "relay")  # no auditor: the relay spool stays to be read
     sidecar.start()
