@@ -24,7 +24,7 @@ def _read(got: tuple[str, bytes]) -> bytes:
 
 def test_incompressible_payloads_travel_raw_and_level_1_is_retried():
     z = PayloadCompressor()
-    noise = memoryview(np.random.default_rng(0).standard_normal(1 << 16).astype("<f4")).cast("B")
+    noise = memoryview(np.random.default_rng(0).standard_normal(1 << 14).astype("<f4")).cast("B")
     zeros = memoryview(bytes(noise.nbytes))
     logits, relu = _cap("output"), _cap("relu")
     first = z(logits, noise)
@@ -63,6 +63,31 @@ def test_raw_payloads_are_the_callers_bytes_which_no_later_capture_overwrites():
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
     assert sum(n for *_, n, _ in handed) > 3 * ARENA_BYTES
     assert all(bytes(mem) == bytes([v]) * n for mem, _, n, v in handed)  # none written again
+
+
+def test_a_large_payloads_retry_compresses_a_probe_and_the_whole_only_when_it_pays():
+    """Float noise over 2 * PROBE bytes: its retry compresses PROBE bytes and travels raw; the
+    same (phase, site, role) turned compressible is compressed whole at its next retry."""
+    z = PayloadCompressor()
+    compressed = []
+    real = z._good.compress
+    z._good = type("Counting", (), {"compress": lambda self, b: compressed.append(
+        memoryview(b).nbytes) or real(b)})()
+    noise = memoryview(np.random.default_rng(3).standard_normal(1 << 18).astype("<f4")).cast("B")
+    zeros = memoryview(bytes(noise.nbytes))
+    logits = _cap("output")
+    assert z(logits, noise)[0] == "zstd" and compressed == [noise.nbytes]  # first: the whole
+    for _ in range(PayloadCompressor.RETRY):
+        assert z(logits, noise) == ("raw", noise)
+    assert compressed == [noise.nbytes]
+    assert z(logits, noise) == ("raw", noise)  # the retry: a probe said no
+    assert compressed == [noise.nbytes, PayloadCompressor.PROBE]
+    for _ in range(PayloadCompressor.RETRY):
+        z(logits, zeros)  # raw, without compressing
+    codec, data = z(logits, zeros)  # the next retry: the probe shrinks, so the whole
+    assert codec == "zstd" and _read((codec, data)) == zeros
+    assert compressed == [noise.nbytes, PayloadCompressor.PROBE, PayloadCompressor.PROBE,
+                          zeros.nbytes]
 
 
 def test_small_payloads_follow_the_same_rule():
