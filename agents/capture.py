@@ -186,7 +186,7 @@ class Capturer:
                            [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
                 for index, t in enumerate(tensors):
                     if fwd and not self._capture_fast(t, "fwd", site, "output", index, call,
-                                                      mb, st):
+                                                      mb, st, self.step):
                         self._capture_one(t, phase="fwd", site=site, role="output",
                                           index=index, call=call, microbatch=mb, stage=st)
                     if bwd and t.requires_grad:  # self._grad_hook(...), inlined
@@ -245,13 +245,15 @@ class Capturer:
             if grad is None or key in self._bwd_seen:
                 return
             self._bwd_seen.add(key)
+            if layout is None and self._capture_fast(grad, "bwd", site, role, index, call, mb,
+                                                     stage, step):
+                self._batches.drain()
+                return
             saved = self.step
-            self.step = step
+            self.step = step  # the general path keys captures by self.step
             try:
-                if layout is not None or not self._capture_fast(grad, "bwd", site, role, index,
-                                                                call, mb, stage):
-                    self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
-                                      call=call, microbatch=mb, stage=stage, layout=layout)
+                self._capture_one(grad, phase="bwd", site=site, role=role, index=index,
+                                  call=call, microbatch=mb, stage=stage, layout=layout)
                 self._batches.drain()
             finally:
                 self.step = saved
@@ -329,7 +331,7 @@ class Capturer:
                 and t is not None and phase != "loss" and reduce in (AUTO, None)
                 and self._capture_fast(t, phase, site, role, index, call,
                                        self.microbatch if microbatch is None else microbatch,
-                                       self.stage if stage is None else stage)):
+                                       self.stage if stage is None else stage, self.step)):
             self._drain()
             return
         self._capture_one(t, phase=phase, site=site, role=role, index=index, call=call,
@@ -449,7 +451,7 @@ class Capturer:
         return self._backward_hook((step, mb, site, "segments", role), step, capture)
 
     def _capture_fast(self, t: torch.Tensor, phase: str, site: str, role: str, index: int,
-                      call: int, microbatch: int, stage: int) -> bool:
+                      call: int, microbatch: int, stage: int, step: int) -> bool:
         """Capture a plain CPU tensor with the default layout through a cached plan; False
         (nothing done) when it takes the general path (:meth:`_capture_one`). Never raises.
 
@@ -478,7 +480,7 @@ class Capturer:
             payload, payload_at = (self._batches.payload_buffer(payload_n) if payload_n
                                    else (None, 0))
             self._batches.fused.append((
-                Capture(self.step, microbatch, phase_id, site, role_id, index, call, stage,
+                Capture(step, microbatch, phase_id, site, role_id, index, call, stage,
                         layout, dtype, False, moments, False, -1, payload),
                 pack_head(t.data_ptr(), code, ndim, base, payload_at) + tail, t))
         except Exception as exc:
@@ -562,7 +564,7 @@ class Capturer:
             site = normalize_site(name)
             t = p.grad if grads else p
             if t is None or not self._capture_fast(t, phase, site, "value", 0, 0, STEP_LEVEL,
-                                                   stage):
+                                                   stage, self.step):
                 self._capture_one(t, phase=phase, site=site, role="value",
                                   microbatch=STEP_LEVEL, stage=stage)
         self._drain()
