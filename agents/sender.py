@@ -312,9 +312,9 @@ class Sender:
         # Payload records travel packed too (PackedRecords.payloads); the delivery moves them
         # out per record for a peer that does not take them (agents/delivery.py).
         cols = self._columns(pending)
-        n = cols.n
-        if not n:
+        if not cols.n:
             return
+        n = cols.captures()  # what the counts count: a payload in chunks is one capture
         # Encoded once, checksum included: these bytes are what gRPC, the sidecar socket or the
         # spool gets, and what the delivery keeps until acked (wire/sealed.py).
         body = sealed_batch(self.session_id, self._next_seq, cols)

@@ -43,7 +43,7 @@ from agents.transport import GrpcTransport, unix_path
 from wire.channels import tls_from_env
 from wire.tls import TLSConfig, TLSError
 from wire.names import BadName, check_run_name, check_session_id
-from wire.packed import batch_record_count
+from wire.packed import batch_capture_count
 from wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_OUTCOME, KIND_REGISTER, SpoolError,
                         SpoolWriter, decode, encode, encode_error, encode_outcome, read_frame,
                         read_spool, spool_files)
@@ -184,7 +184,7 @@ class Sidecar:
             session = self._new_session(reg, SpoolWriter.reopen(path, truncate_to=contents.end))
             for batch in contents.batches:
                 session.spooled_seq = batch.seq
-                session.spooled_records += batch_record_count(batch)
+                session.spooled_records += batch_capture_count(batch)
                 if session.delivery is not None:
                     self._offer(session, batch)
             session.close = contents.close
@@ -220,7 +220,7 @@ class Sidecar:
         """Hand a spooled batch to the session's delivery; count it if it cannot be taken.
         `body`: the bytes it arrived as (sent upstream as they are)."""
         d = s.delivery
-        n = batch_record_count(batch)
+        n = batch_capture_count(batch)
         if d.offer(batch, n, batch.ByteSize() if body is None else len(body), body):
             return
         if d.fatal is not None:  # final, as in direct mode (the spool is kept for inspection)
@@ -418,7 +418,7 @@ class Sidecar:
                 except (OSError, ValueError) as exc:
                     return encode_error("UNAVAILABLE", f"sidecar spool: {exc}")
                 s.spooled_seq = batch.seq
-                s.spooled_records += batch_record_count(batch)
+                s.spooled_records += batch_capture_count(batch)
                 if s.delivery is not None:
                     self._offer(s, batch, body)
             return encode(pb.Ack(session_id=s.register.session_id, acked_seq=s.spooled_seq))

@@ -134,6 +134,10 @@ class RecordColumns:
         d = self.dims[s:s + 3 * nd].tolist()
         return d[:nd], d[nd:2 * nd], d[2 * nd:]
 
+    def captures(self) -> int:
+        """Rows less the later chunks of a payload (see batch_capture_count)."""
+        return self.n - sum(1 for p in self.payloads.values() if p.chunk_index > 0)
+
     @property
     def record_bytes(self) -> int:
         """Bytes of the record columns (what a bench counts as record bytes)."""
@@ -435,8 +439,21 @@ def batch_columns(batch: pb.RecordBatch) -> RecordColumns:
 
 
 def batch_record_count(batch: pb.RecordBatch) -> int:
-    """Records a batch carries (packed and per record), without converting anything."""
+    """Records a batch carries (packed and per record), without converting anything. A payload
+    in several chunks is a record per chunk here (what the batch limits count); see
+    :func:`batch_capture_count`."""
     return len(batch.records) + (batch.packed.count if batch.HasField("packed") else 0)
+
+
+def batch_capture_count(batch: pb.RecordBatch) -> int:
+    """Captures a batch carries: its records less the later chunks of a payload (each chunk
+    travels as a record of the same key; the store keeps one record). What an agent's or
+    sidecar's delivery counts, so that captured = acked + spooled + dropped holds with chunked
+    payloads too."""
+    later = sum(1 for r in batch.records if r.payload.chunk_index > 0)
+    if batch.HasField("packed"):
+        later += sum(1 for p in batch.packed.payloads if p.payload.chunk_index > 0)
+    return batch_record_count(batch) - later
 
 
 def packed_batch(session_id: str, seq: int, cols: RecordColumns) -> pb.RecordBatch:

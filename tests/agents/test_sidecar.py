@@ -140,6 +140,29 @@ def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
     assert len(_stored_sites(tmp_path / "late.db", "offline")) == 7
 
 
+def test_a_payload_in_chunks_counts_as_one_capture_through_the_sidecar(tmp_path, monkeypatch):
+    """Each chunk of a large payload travels as a record of the same key; the rank's and the
+    sidecar's counts count captures, so captured = acked + spooled + dropped still holds, and
+    the store keeps one record per capture."""
+    from wire import limits
+
+    monkeypatch.setattr(limits, "PAYLOAD_CHUNK_BYTES", 32 << 10)
+    sock = f"unix://{tmp_path}/s.sock"
+    sidecar = Sidecar(sock, tmp_path / "relay")
+    sidecar.start()
+    try:
+        agent = agents.attach(None, run="chunks", sidecar=sock, payload=("input:x",))
+        for step in range(3):
+            with agent.step(step), agent.microbatch(0):
+                agent.capture(torch.randn(200, 256), site="x", phase="input")  # 200 KiB
+        s = agent.close()
+        assert (s["captured"], s["held_by_sidecar"], s["spooled"], s["dropped"]) == (3, 3, 3, 0), s
+    finally:
+        sidecar.stop(grace=1)
+    (result,) = replay_into_db([tmp_path / "relay"], tmp_path / "late.db")
+    assert result.stored == 3 and result.rejected == []
+
+
 def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
     """A rank encodes each batch once (wire.sealed); the sidecar spools those very
     bytes, and relays them upstream as they are, instead of serializing the parsed message
