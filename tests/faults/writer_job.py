@@ -46,27 +46,30 @@ def instrument(agent, out: Path) -> None:
     import agents.sender as sender_module
     from wire.packed import batch_columns, content_hashes
 
+    from protos import numaudit_pb2 as pb
+
     sender = agent._sender
     delivery = sender.delivery
     batches, acks, fails = (_open(out / n) for n in ("batches.jsonl", "acks.jsonl", "fails.jsonl"))
     cut, ack = sender._cut, (delivery._ack if delivery is not None else None)
+    encode = sender_module.sealed_batch  # AttributeError here, at start-up, if it is renamed
 
     def logged_cut() -> None:
-        # the batch as it goes on the wire: the message the cut builds (split_batch's result)
-        seq, built, split = sender._next_seq, [], sender_module.split_batch
+        # the batch as it goes on the wire: the bytes the cut encodes (sealed_batch's result)
+        seq, built = sender._next_seq, []
 
         def keep(*args, **kwargs):
-            built.append(split(*args, **kwargs))
+            built.append(encode(*args, **kwargs))
             return built[-1]
 
-        sender_module.split_batch = keep
+        sender_module.sealed_batch = keep
         try:
             cut()
         finally:
-            sender_module.split_batch = split
+            sender_module.sealed_batch = encode
         if not built:
             return
-        cols = batch_columns(built[0])
+        cols = batch_columns(pb.RecordBatch.FromString(built[0]))
         line = {"t": time.monotonic(), "n": cols.n}
         if sender._next_seq == seq + 1:
             line["seq"] = seq
