@@ -18,7 +18,8 @@ gives what a step that is not captured costs: the module hooks are installed and
 once. A fifth model without an agent ("off again") measures the noise floor: its ratio would be
 1.00x on a quiet machine, and its distance from 1 is how far any other ratio of the same run
 can move by chance (identical models have differed by up to 6 % on this shared 2-core
-machine). One intra-op thread, as in bench/digest.py.
+machine). The last column is the "on" agent's sender thread CPU per step (median), part of
+its on/off ratio. One intra-op thread, as in bench/digest.py.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ def _model(scale: int) -> Transformer:
     return model
 
 
-def _step(model: torch.nn.Module, agent, step: int, microbatches) -> float:
+def _step(model: torch.nn.Module, agent, step: int, microbatches,
+          sender_cpu: list[float] | None = None) -> float:
     """One training step (no optimizer: the weights stay put so every step costs the same);
-    returns its process CPU seconds."""
+    returns its process CPU seconds (``sender_cpu``, if given, gets the agent's sender thread's
+    share of them appended)."""
+    sender = getattr(agent, "_sender", None)
+    clock = time.pthread_getcpuclockid(sender._thread.ident) if sender is not None else None
     start = time.process_time()
+    sender_start = time.clock_gettime(clock) if clock is not None else 0.0
     ctx = agent.step(step) if agent is not None else _null()
     with ctx:
         for j, (tokens, targets) in enumerate(microbatches):
@@ -60,12 +66,13 @@ def _step(model: torch.nn.Module, agent, step: int, microbatches) -> float:
                     agent.capture(loss, site=LOSS_SITE, phase="loss")
                 (loss / MICROBATCHES).backward()
     model.zero_grad(set_to_none=True)
-    sender = getattr(agent, "_sender", None)
     if sender is not None:
         # The sender's records of this step are built before the clock stops, so its work is
         # this step's, not the next side's (it runs on its own thread, counted in the
         # process CPU time).
         sender.wait_idle(10.0)
+    if clock is not None and sender_cpu is not None:
+        sender_cpu.append(time.clock_gettime(clock) - sender_start)
     return time.process_time() - start
 
 
@@ -102,9 +109,10 @@ def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
     for model, a in sides:  # warm-up every side
         _step(model, a, 0, mbs)
     times: list[list[float]] = [[] for _ in sides]
+    sender_cpu: list[float] = []  # the "on" agent's sender thread, per step
     for i in range(repeats):
         for (model, a), t in zip(sides, times):
-            t.append(_step(model, a, i + 1, mbs))
+            t.append(_step(model, a, i + 1, mbs, sender_cpu if a is agent else None))
     summary = agent.close(timeout=5.0)
     quiet.close(timeout=5.0)
     unselected.close(timeout=5.0)
@@ -113,6 +121,7 @@ def measure(scale: int, bwd: bool, repeats: int) -> dict[str, float]:
     return {"off": statistics.median(times[0]), "on": statistics.median(times[1]),
             "on_ratio": ratios[0], "capture_ratio": ratios[1], "unselected_ratio": ratios[2],
             "noise_ratio": ratios[3], "params": params,
+            "sender_ms": 1e3 * statistics.median(sender_cpu),
             "captured": summary["captured"] / (repeats + 1), "errors": summary["errors"]}
 
 
@@ -158,8 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
           f"{fused_us:.1f} us, eager {eager_us:.1f} us")
     print("| scale | params | phases | captures/step | off (s) | on (s) | on/off | "
-          "capture only/off | step not selected/off | off again/off (noise) |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "capture only/off | step not selected/off | off again/off (noise) | sender (ms/step) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for scale in (int(s) for s in args.scales.split(",")):
         for bwd in (False, True):
             r = measure(scale, bwd, repeats)
@@ -167,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {scale} | {r['params'] / 1e6:.1f}M | {phases} | {r['captured']:.0f} | "
                   f"{r['off']:.3f} | {r['on']:.3f} | {r['on_ratio']:.2f}x | "
                   f"{r['capture_ratio']:.2f}x | {r['unselected_ratio']:.2f}x | "
-                  f"{r['noise_ratio']:.2f}x |", flush=True)
+                  f"{r['noise_ratio']:.2f}x | {r['sender_ms']:.1f} |", flush=True)
     return 0
 
 
