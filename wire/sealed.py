@@ -1,16 +1,16 @@
 """A packed RecordBatch written straight to its bytes, checksum included: the sender's encoder.
 
-`sealed_batch(session_id, seq, cols)` returns what `wire.checksum.seal` returns for the
-`RecordBatch` that `wire.packed.split_batch` builds from `cols` (a message that parses equal to
-it, its `records_crc32` the checksum the daemon computes from these bytes), without building the
-message: each column array, sketch and payload chunk is copied once, into the returned bytes.
-Built through protobuf, a payload's bytes were copied into the message, then again by its
-serialization (the DS3-style model's logits: ~6 MB a step at scale 1), each copy into freshly
-faulted memory, and every column went through `tobytes` first.
+`sealed_batch(session_id, seq, cols)` returns the bytes of the `RecordBatch` that
+`wire.packed.split_batch` builds from `cols`, with `records_crc32` set to the checksum the daemon
+computes from them: the same bytes as protobuf's deterministic serialization of that message,
+written without building it. Each column array, sketch and payload chunk is copied once, into
+the returned bytes. Built through protobuf, a payload's bytes were copied into the message, then
+again by its serialization (the DS3-style model's logits: ~6 MB a step at scale 1), each copy
+into freshly allocated memory, and every column went through `tobytes` first.
 
 The encoding is protobuf's wire format as the schema (protos/numaudit.proto) defines it; fields
 are written in number order and zero scalars and empty columns are left out, as protobuf does.
-tests/wire/test_sealed.py holds the result to the protobuf-built batch, message for message.
+tests/wire/test_sealed.py holds the result to the protobuf-built batch, byte for byte.
 
 The agent's delivery keeps these bytes until the batch is acked, and parses them back into a
 message only for a peer of an earlier build that needs the batch converted.
