@@ -126,7 +126,12 @@ def _packed_fields(cols: RecordColumns) -> tuple[list, int]:
 
 
 def sealed_batch(session_id: str, seq: int, cols: RecordColumns) -> bytes:
-    """The bytes of ``split_batch(session_id, seq, cols, None)`` sealed (see the module)."""
+    """The bytes of ``split_batch(session_id, seq, cols, None)`` sealed (see the module).
+    ValueError for columns with records they cannot hold as sent (``cols.unfit``, from records
+    of other senders): those travel per record (`wire.packed.packed_batch`)."""
+    if cols.unfit:
+        raise ValueError(f"cols.unfit: {len(cols.unfit)} records the columns cannot hold; "
+                         "send them with packed_batch")
     packed, size = _packed_fields(cols)
     crc = 0
     for piece in packed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import pytest
 from hypothesis import given, strategies as st
 
 from protos import numaudit_pb2 as pb
@@ -79,3 +80,14 @@ def test_raw_payload_views_and_chunks_encode_as_their_bytes():
 def test_a_batch_without_records_has_no_packed_field():
     body = _check("s", 1, P.empty())
     assert not pb.RecordBatch.FromString(body).HasField("packed")
+
+
+def test_columns_with_records_they_cannot_hold_are_refused():
+    """Records whose layout lists differ in length travel per record (packed_batch); the
+    encoder, which writes columns only, refuses them rather than dropping them."""
+    odd = record(0, 1)
+    odd.layout.offsets.append(0)  # 3 offsets for a 2-dim tensor: not a column row
+    cols = P.from_records([record(0, 0), odd])
+    assert cols.unfit
+    with pytest.raises(ValueError, match="cols.unfit: 1 records"):
+        sealed_batch("s", 1, cols)
