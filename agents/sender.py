@@ -317,7 +317,13 @@ class Sender:
         n = cols.captures()  # what the counts count: a payload in chunks is one capture
         # Encoded once, checksum included: these bytes are what gRPC, the sidecar socket or the
         # spool gets, and what the delivery keeps until acked (wire/sealed.py).
-        body = sealed_batch(self.session_id, self._next_seq, cols)
+        try:
+            body = sealed_batch(self.session_id, self._next_seq, cols)
+        except Exception as exc:  # a bug: this batch is lost, counted, and the sender goes on
+            self.counters.drop("build_error", n)
+            log.warning("rank %d: numaudit could not encode a batch of %d records: %r",
+                        self.ident.rank, n, exc)
+            return
         # The delivery's memory budget counts the record bytes (what the message carries
         # beside a few framing bytes per field): msg.ByteSize() serialized the whole message
         # once more, milliseconds per batch with payloads.

@@ -337,3 +337,28 @@ def test_sealed_batches_are_kept_as_their_bytes_and_parsed_only_for_an_older_pee
         assert [r.key.microbatch for r in sent.records] == [1]
         assert sent.records[0].payload.data and sent.records_crc32 == batch_checksum(sent)
     assert len(_stored(tmp_path / "old.db")) == 4
+
+
+def test_a_batch_that_fails_to_encode_is_counted_and_the_sender_goes_on(tmp_path, monkeypatch):
+    """An encoder failure (a bug) loses that batch only: its records are counted as
+    build_error, the sender thread keeps running, and later batches are stored."""
+    import agents.sender
+
+    real, calls = agents.sender.sealed_batch, []
+
+    def flaky(session_id, seq, cols):
+        calls.append(seq)
+        if len(calls) == 1:
+            raise RuntimeError("injected encoder failure")
+        return real(session_id, seq, cols)
+
+    monkeypatch.setattr(agents.sender, "sealed_batch", flaky)
+    with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
+        agent = agents.attach(None, address=srv.address, run="flaky", phases=("input", "fwd"),
+                              payload=("input:pay",), sketch_k=16, batch_records=8)
+        _capture(agent, steps=3)
+        s = agent.close(timeout=10.0)
+    assert s["captured"] == 24 and s["dropped_by_reason"] == {"build_error": 8}, s
+    assert s["acked"] == 16 and s["errors"] == 0, s
+    assert len(_stored(tmp_path / "audit.db")) == 16
+    assert len(calls) >= 3
