@@ -128,9 +128,9 @@ class Delivery:
               body: bytes | None = None) -> bool:
         """Queue a batch; False (nothing queued) when over the memory budget or given up.
 
-        `body`: the batch serialized (as a rank sent it to the node sidecar), sent as it is. It is kept only while
-        a stream is open (the batch goes out at the next `service`): a batch waiting for a
-        connection would otherwise hold its bytes twice, outside the budget.
+        `body`: the batch serialized (as a rank sent it to the node sidecar), sent as it is.
+        It is kept only while a stream is open (the batch goes out at the next `service`): a
+        batch waiting for a connection would otherwise hold its bytes twice, outside the budget.
         """
         if self.fatal is not None or self.pending_bytes + nbytes > self.max_unacked_bytes:
             return False
