@@ -134,8 +134,26 @@ class RecordColumns:
         d = self.dims[s:s + 3 * nd].tolist()
         return d[:nd], d[nd:2 * nd], d[2 * nd:]
 
+    def repeated_rows(self) -> set[int]:
+        """Rows carrying a later chunk of a payload whose first chunk is in these columns too:
+        each repeats that record's key and content (the store keeps the record once, with
+        every chunk), so the store counts and flags the record with its first row only. A
+        later chunk that travels without its first is counted as the record it belongs to."""
+        later = [row for row, p in self.payloads.items() if p.chunk_index > 0]
+        if not later:
+            return set()
+        firsts = {self._key(row) for row, p in self.payloads.items() if p.chunk_index == 0}
+        return {row for row in later if self._key(row) in firsts}
+
+    def _key(self, row: int) -> tuple:
+        c = self.cols
+        return (self.sites[int(c["site"][row])] if self.sites else None,
+                *(int(c[name][row]) for name in ("step", "microbatch", "phase", "role",
+                                                  "index", "call")))
+
     def captures(self) -> int:
-        """Rows less the later chunks of a payload (see batch_capture_count)."""
+        """Rows less the later chunks of a payload: each capture once, in the batch that carries
+        its first chunk (see batch_capture_count)."""
         return self.n - sum(1 for p in self.payloads.values() if p.chunk_index > 0)
 
     @property

@@ -21,7 +21,7 @@ from typing import Iterable
 import grpc
 
 from wire.channels import open_channel
-from wire.packed import PackedFormatError, batch_record_count, for_peer
+from wire.packed import PackedFormatError, batch_capture_count, for_peer
 from wire.spool import SpoolError, read_spool, spool_files
 from wire.tls import TLSConfig
 from protos import numaudit_pb2_grpc
@@ -96,7 +96,7 @@ def _replay_file(stub, path: Path, metadata) -> ReplayResult:
         return result
     for batch in spool.batches:
         result.batches += 1
-        result.records += batch_record_count(batch)
+        result.records += batch_capture_count(batch)  # a payload in chunks: one record
         try:  # as a live agent sends it, for a daemon of an earlier build
             batch = for_peer(batch, peer.packed_batches, peer.packed_payloads)
         except PackedFormatError as exc:

@@ -60,7 +60,11 @@ def resent(conn: sqlite3.Connection, site_ids: dict[str, int], session_id: str, 
     c = cols.cols
     keys = zip(c["site"].tolist(), c["step"].tolist(), c["microbatch"].tolist(),
                c["phase"].tolist(), c["role"].tolist(), c["index"].tolist(), c["call"].tolist())
-    for (site, step, microbatch, phase, role, index, call), chash in zip(keys, hashes):
+    repeated = cols.repeated_rows()  # later chunks: counted with their record's first row
+    for i, ((site, step, microbatch, phase, role, index, call), chash) in enumerate(
+            zip(keys, hashes)):
+        if i in repeated:
+            continue
         site_id = site_ids.get(cols.sites[site]) if cols.sites else None
         row = None if site_id is None else conn.execute(
             "SELECT record_id, content_hash FROM records WHERE run_id=? AND step=? AND"

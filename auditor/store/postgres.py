@@ -135,8 +135,11 @@ _KEY_JOIN = (f"{_STAGE} s JOIN records r ON r.run_id = s.run_id AND r.rank = s.r
 _FLAG_CONFLICTS = (
     "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
     f" SELECT r.record_id, s.session_id, s.seq, s.content_hash, s.received FROM {_KEY_JOIN}"
-    " WHERE r.content_hash <> s.content_hash")
-_COUNT_SAME = f"SELECT COUNT(*) FROM {_KEY_JOIN} WHERE r.content_hash = s.content_hash"
+    " WHERE r.content_hash <> s.content_hash AND NOT s.pos = ANY(%s)")
+_COUNT_SAME = (f"SELECT COUNT(*) FROM {_KEY_JOIN} WHERE r.content_hash = s.content_hash"
+               " AND NOT s.pos = ANY(%s)")
+"""Both leave out the rows `RecordColumns.repeated_rows` names (their positions the parameter):
+later chunks of a payload whose first chunk is in the batch, counted and flagged with it."""
 _INSERT_CHUNKS = (
     "INSERT INTO payload_chunks SELECT r.record_id, c.chunk_index, c.chunk_count, c.codec,"
     f" c.raw_nbytes, c.compressed_nbytes, c.crc32, c.data FROM {_CHUNKS} c JOIN {_KEY_JOIN}"
@@ -401,18 +404,20 @@ class PgStore:
                 self._write_chunks(cur, "payload_chunks", rids, cols.payloads)
             return IngestResult(acked_seq=seq, stored=n)
         self._write(cur, _STAGE, copy_buffer(*args, pos=True))
+        repeated = sorted(cols.repeated_rows())
+        records = n - len(repeated)
         if not fresh:
-            same = cur.execute(_COUNT_SAME).fetchone()[0]
-            cur.execute(_FLAG_CONFLICTS)
-            return IngestResult(acked_seq=acked, duplicates=same, conflicts=n - same,
+            same = cur.execute(_COUNT_SAME, (repeated,)).fetchone()[0]
+            cur.execute(_FLAG_CONFLICTS, (repeated,))
+            return IngestResult(acked_seq=acked, duplicates=same, conflicts=records - same,
                                 resent_batch=True)
         stored = cur.execute(_INSERT_RECORDS).rowcount
-        conflicts = cur.execute(_FLAG_CONFLICTS).rowcount if stored < n else 0
+        conflicts = cur.execute(_FLAG_CONFLICTS, (repeated,)).rowcount if stored < n else 0
         if cols.payloads:
             self._write_chunks(cur, _CHUNKS, np.arange(n), cols.payloads)
             cur.execute(_INSERT_CHUNKS)
-        return IngestResult(acked_seq=seq, stored=stored, duplicates=n - stored - conflicts,
-                            conflicts=conflicts)
+        return IngestResult(acked_seq=seq, stored=stored,
+                            duplicates=records - stored - conflicts, conflicts=conflicts)
 
     @staticmethod
     def _write_chunks(cur: psycopg.Cursor, table: str, ids: np.ndarray,

@@ -388,6 +388,7 @@ class Store:
         """One row at a time: for a batch some of whose keys are already stored. Returns the
         rows stored and their record ids."""
         stored: tuple[list[tuple], list[int]] = ([], [])
+        repeated = cols.repeated_rows()  # counted, and flagged, with their record's first row
         for i, (row, chash) in enumerate(zip(rows, hashes)):
             cur = self.conn.execute(_INSERT_RECORD, row)
             found = self._record_id(row[:9])
@@ -396,12 +397,13 @@ class Store:
                 stored[0].append(row)
                 stored[1].append(found[0])
             elif found[1] != chash:
-                self.conn.execute(
-                    "INSERT INTO conflicts (record_id, session_id, seq, content_hash, received)"
-                    " VALUES (?,?,?,?,?)", (found[0], session_id, seq, chash, now))
-                result.conflicts += 1
+                if i not in repeated:
+                    self.conn.execute(
+                        "INSERT INTO conflicts (record_id, session_id, seq, content_hash,"
+                        " received) VALUES (?,?,?,?,?)", (found[0], session_id, seq, chash, now))
+                    result.conflicts += 1
                 continue
-            else:
+            elif i not in repeated:
                 result.duplicates += 1
             if i in cols.payloads:
                 self._store_chunk(found[0], cols.payloads[i])

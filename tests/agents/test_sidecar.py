@@ -142,8 +142,9 @@ def test_sidecar_without_auditor_spools_and_ingest_loads_it(tmp_path):
 
 def test_a_payload_in_chunks_counts_as_one_capture_through_the_sidecar(tmp_path, monkeypatch):
     """Each chunk of a large payload travels as a record of the same key; the rank's and the
-    sidecar's counts count captures, so captured = acked + spooled + dropped still holds, and
-    the store keeps one record per capture."""
+    sidecar's counts count captures, so captured = acked + spooled + dropped still holds, the
+    store keeps one record per capture, and the daemon's acks and `auditor ingest` count
+    records, not chunks."""
     from wire import limits
 
     monkeypatch.setattr(limits, "PAYLOAD_CHUNK_BYTES", 32 << 10)
@@ -160,7 +161,11 @@ def test_a_payload_in_chunks_counts_as_one_capture_through_the_sidecar(tmp_path,
     finally:
         sidecar.stop(grace=1)
     (result,) = replay_into_db([tmp_path / "relay"], tmp_path / "late.db")
-    assert result.stored == 3 and result.rejected == []
+    assert (result.records, result.stored, result.duplicates, result.conflicts,
+            result.rejected) == (3, 3, 0, 0, [])
+    # again: every record already stored, each counted once (not once per chunk)
+    (again,) = replay_into_db([tmp_path / "relay"], tmp_path / "late.db")
+    assert (again.records, again.stored, again.duplicates, again.conflicts) == (3, 0, 3, 0)
 
 
 def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):

@@ -172,6 +172,36 @@ def test_packed_payload_batches_store_their_chunks(writer, store_location):
     read(store_location, check)
 
 
+def test_a_payload_in_chunks_is_counted_and_flagged_as_one_record(writer, store_location):
+    """Each later chunk travels as a row repeating its record's key and content: stored,
+    duplicates and conflicts count the record once, and a conflicting record is flagged once,
+    on a fresh batch and on a resend alike (the agent and `auditor ingest` count the same)."""
+    from wire.packed import from_records, split_batch
+
+    data = float32_bytes(64)
+
+    def chunked(seq, fingerprint=0xDEADBEEF):
+        rows = [record(1, 1)]
+        for i, part in enumerate((data[:100], data[100:200], data[200:])):
+            r = record(1, 0, payload=data, fingerprint=fingerprint)
+            whole = r.payload.data
+            cut = -(-len(whole) // 3)
+            r.payload.chunk_index, r.payload.chunk_count = i, 3
+            r.payload.data = whole[i * cut:(i + 1) * cut]
+            rows.append(r)
+        return split_batch("sess-0", seq, from_records(rows), None)
+
+    register(writer)
+    counts = [(r.stored, r.duplicates, r.conflicts) for r in (
+        ingest(writer, chunked(1)),                   # fresh
+        ingest(writer, chunked(1)),                   # a resend
+        ingest(writer, chunked(1, fingerprint=5)),    # a resend with other content
+        ingest(writer, chunked(2, fingerprint=6)),    # a fresh batch with other content
+    )]
+    assert counts == [(2, 0, 0), (0, 2, 0), (0, 1, 1), (0, 1, 1)]
+    assert read(store_location, lambda r: r.conflicts("ref")) == 2
+
+
 # -- PostgreSQL: several writers (replicas) on one database -----------------------------------
 
 def test_replicas_serialize_a_sessions_batches(pg_url):
