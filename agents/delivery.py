@@ -186,8 +186,6 @@ class Delivery:
                         continue
                     if converted is not message:
                         b.message, b.body = converted, None
-                    elif b.message is None:
-                        b.message = message  # nothing to convert: the bytes still go as sealed
                 s.send(b.message, b.body)
                 if b.message is not None:
                     b.body = None

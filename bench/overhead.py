@@ -52,7 +52,8 @@ def _step(model: torch.nn.Module, agent, step: int, microbatches,
     returns its process CPU seconds (``sender_cpu``, if given, gets the agent's sender thread's
     share of them appended)."""
     sender = getattr(agent, "_sender", None)
-    clock = time.pthread_getcpuclockid(sender._thread.ident) if sender is not None else None
+    clock = (time.pthread_getcpuclockid(sender._thread.ident)
+             if sender is not None and sender_cpu is not None else None)
     start = time.process_time()
     sender_start = time.clock_gettime(clock) if clock is not None else 0.0
     ctx = agent.step(step) if agent is not None else _null()
@@ -71,7 +72,7 @@ def _step(model: torch.nn.Module, agent, step: int, microbatches,
         # this step's, not the next side's (it runs on its own thread, counted in the
         # process CPU time).
         sender.wait_idle(10.0)
-    if clock is not None and sender_cpu is not None:
+    if clock is not None:
         sender_cpu.append(time.clock_gettime(clock) - sender_start)
     return time.process_time() - start
 
