@@ -5,9 +5,10 @@ The fused CPU kernel (agents/kernels/cpu.py) computes the same digest as agents/
 pass and takes a whole list of pieces per call, so the captures of one hook (all outputs of a
 module) or of one parameter sweep cost one kernel call. Accelerator pieces go to the Triton
 digest where it is installed and passed its self-check on that device and dtype
-(agents/kernels/accel.py). Other pieces (float8 types, pieces Triton does not take) and every
-piece when the kernels are unavailable or switched off (``NUMAUDIT_DIGEST=eager``) go to the
-eager path, one piece at a time.
+(agents/kernels/accel.py), likewise a whole list per call (a few launches, whatever its
+length). Other pieces (float8 types, pieces Triton does not take) and every piece when the
+kernels are unavailable or switched off (``NUMAUDIT_DIGEST=eager``) go to the eager path, one
+piece at a time.
 """
 
 from __future__ import annotations
@@ -87,20 +88,29 @@ class Digester:
         that failed it (a bad layout: the caller decides what a failure costs).
 
         ``rows`` must have room for every piece. Pieces the kernel takes are digested in one
-        call, straight into ``rows``; the others one at a time, by Triton (accelerator pieces,
-        where trusted) or the eager reference.
+        call, straight into ``rows``; accelerator pieces Triton takes (where trusted) in one call
+        per device; the rest one at a time by the eager reference.
         """
         out: list = [None] * len(pieces)
         cpu = self._cpu
         fused_at: list[int] = []
         descs: list[bytes] = []
+        others: list[int] = []
         for i, (t, layout, payload) in enumerate(pieces):
-            try:
-                if payload is not None and cpu is not None:
+            if payload is not None and cpu is not None:
+                try:
                     descs.append(self._descriptor(cpu, t, layout, payload))
                     fused_at.append(i)
-                else:
-                    got = self._triton.digest(t, layout, sketch_k) if self._triton else None
+                except Exception as exc:
+                    out[i] = exc
+            else:
+                others.append(i)
+        if others:
+            routed = (self._triton.digest_many([pieces[i][:2] for i in others], sketch_k)
+                      if self._triton else [None] * len(others))
+            for i, got in zip(others, routed):
+                try:
+                    t, layout, _ = pieces[i]
                     f64, i64 = got or digest_piece(t, layout, sketch_k=sketch_k)
                     if f64.is_cpu:
                         row = rows.reserve(1)
@@ -108,8 +118,8 @@ class Digester:
                         out[i] = row
                     else:
                         out[i] = (f64, i64)
-            except Exception as exc:
-                out[i] = exc
+                except Exception as exc:
+                    out[i] = exc
         if fused_at:
             first = rows.reserve(len(fused_at))
             try:

@@ -7,10 +7,12 @@ One short run that says whether the accelerator paths hold and what they cost:
    within float64 rounding)? Only where it does will the agent use it.
 2. Digest throughput against a device-to-device copy of the same tensor (CUDA events, median):
    Triton and eager, float32 and bfloat16.
-3. Captures of CUDA tensors through the agent's capture path, with
+3. A hook's list of small pieces (256 float32 pieces of 4 KiB) digested as one list against one
+   piece at a time: host microseconds per piece and device milliseconds per list.
+4. Captures of CUDA tensors through the agent's capture path, with
    ``torch.cuda.set_sync_debug_mode("warn")``: host microseconds per capture and the number of
    synchronizing calls it made (the agent must make none per capture).
-4. Step overhead on the DS3-style model (bench/overhead.py's configuration, scale 8, fwd+grad
+5. Step overhead on the DS3-style model (bench/overhead.py's configuration, scale 8, fwd+grad
    and +bwd) on the GPU: wall time per step with a device synchronize at its end, agent off and
    on, interleaved; the ratio of medians.
 
@@ -77,10 +79,42 @@ def throughput(k: int, sizes: list[int], repeats: int) -> None:
             gb = src.nbytes / 1e9
             copy = gb / (_cuda_ms(lambda: dst.copy_(src), repeats) / 1e3)
             eager = gb / (_cuda_ms(lambda: digest_piece(src, layout, sketch_k=k), repeats) / 1e3)
-            tri = float("nan") if isinstance(impl, str) else \
-                gb / (_cuda_ms(lambda: impl(src, layout, sketch_k=k), repeats) / 1e3)
+            tri = float("nan") if isinstance(impl, str) else gb / (_cuda_ms(
+                lambda: impl.digest_piece_triton(src, layout, sketch_k=k), repeats) / 1e3)
             print(f"| {dtype} | {mib} MiB | {copy:.0f} | {tri:.0f} | {tri / copy:.0%} | "
                   f"{eager:.0f} | {eager / copy:.0%} |", flush=True)
+
+
+def lists(k: int, repeats: int, device: str = "cuda") -> None:
+    """A list of 256 pieces of 4 KiB in one call against 256 calls of one piece (``device``
+    "cpu" runs it under Triton's interpreter, where only whether it runs means anything)."""
+    from agents.kernels import accel
+    from agents.layout import PieceLayout
+
+    impl = accel._load()
+    if isinstance(impl, str):
+        return
+    pieces = [(torch.randn(1024, device=device), PieceLayout.full((1024,)))
+              for _ in range(256)]
+
+    def as_list():
+        return impl.digest_pieces_triton(pieces, sketch_k=k)
+
+    def one_by_one():
+        return [impl.digest_piece_triton(t, layout, sketch_k=k) for t, layout in pieces]
+
+    print("| 256 pieces of 4 KiB float32 | host us per piece | device ms per list |\n"
+          "|---|---:|---:|")
+    for label, fn in (("one list", as_list), ("one piece at a time", one_by_one)):
+        fn()
+        host = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - start)
+        dev = _cuda_ms(fn, repeats) if device == "cuda" else float("nan")
+        print(f"| {label} | {1e6 * statistics.median(host) / len(pieces):.1f} | {dev:.2f} |",
+              flush=True)
 
 
 def captures(n: int) -> None:
@@ -156,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     self_checks(args.sketch_k)
     throughput(args.sketch_k, [16, 256] if args.quick else [1, 16, 256, 1024],
                5 if args.quick else 20)
+    lists(args.sketch_k, 5 if args.quick else 20)
     captures(200 if args.quick else 2000)
     step_overhead(3 if args.quick else 7)
     return 0

@@ -1,12 +1,12 @@
 """The Triton digest for accelerator pieces, used only where it agrees with the eager reference.
 
-`agents.kernels.digest_triton` computes the digest in one kernel per piece, without a host
+`agents.kernels.digest_triton` digests a list of pieces in a few launches, without a host
 synchronization. It has been checked against the eager reference under Triton's CPU interpreter
 only, so the agent does not take it on trust: the first piece of each (device, dtype, sketch
 buckets) triggers a self-check that digests a few test pieces both ways on that device (one
 whole tensor for the kernel's aligned path, a shard starting mid-block and a transposed piece for
-its general path, with NaN, infinities and signed zeros for float dtypes). Only if fingerprints,
-counts and min/max/abs-max are bitwise equal and sums and sketches equal within float64
+its general path, in one call as the agent makes them, with NaN, infinities and signed zeros for
+float dtypes). Only if fingerprints, counts and min/max/abs-max are bitwise equal and sums and sketches equal within float64
 rounding is Triton used for that combination; otherwise, or when Triton is missing or fails to
 compile, the agent warns once and those pieces keep the eager path. Digests therefore never
 depend on which implementation ran.
@@ -18,7 +18,6 @@ the first such capture.
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import torch
 
@@ -30,13 +29,13 @@ log = logging.getLogger(__name__)
 Rows = tuple[torch.Tensor, torch.Tensor]
 
 
-def _load() -> Callable | str:
-    """The Triton digest function, or why it cannot be used."""
+def _load():
+    """The Triton digest module (``prepare``, ``digest_prepared``), or why it cannot be used."""
     try:
-        from agents.kernels.digest_triton import digest_piece_triton
+        from agents.kernels import digest_triton
     except Exception as exc:  # ImportError without triton; anything triton raises on import
         return f"{type(exc).__name__}: {exc}"
-    return digest_piece_triton
+    return digest_triton
 
 
 def _test_pieces(device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor,
@@ -82,7 +81,7 @@ class TritonDigest:
 
     def __init__(self, device_types: tuple[str, ...] = ("cuda",)) -> None:
         self.device_types = device_types
-        self._impl: Callable | None = None
+        self._impl = None
         self._unavailable: str | None = None
         self._trusted: dict[tuple[str, torch.dtype, int], bool] = {}
         self._warned = False
@@ -106,27 +105,51 @@ class TritonDigest:
             trusted = self._trusted[key] = self._check(device, dtype, sketch_k)
         return trusted
 
-    def digest(self, t: torch.Tensor, layout: PieceLayout, sketch_k: int) -> Rows | None:
-        """The piece's rows from Triton, or None: the caller takes the eager path."""
-        if not self.trusts(t.device, t.dtype, sketch_k):
-            return None
-        key = (str(t.device), t.dtype, sketch_k)
-        try:
-            return self._impl(t, layout, sketch_k=sketch_k)
-        except ValueError:  # a dtype or a shape the kernel does not take: eager, as documented
-            return None
-        except Exception as exc:
-            self._trusted[key] = False
-            self._warn(f"the Triton digest failed on {key[0]} {t.dtype} ({type(exc).__name__}: "
-                       f"{exc})")
-            return None
+    def digest_many(self, pieces: list[tuple[torch.Tensor, PieceLayout]],
+                    sketch_k: int) -> list[Rows | None]:
+        """Per piece its rows from Triton (views of one block per device), or None: the caller
+        takes the eager path for it. The pieces Triton takes are digested in one call per
+        device. Never raises: a failing call distrusts its (device, dtype, k) combinations,
+        with one warning, and leaves its pieces to the caller."""
+        out: list[Rows | None] = [None] * len(pieces)
+        by_device: dict[torch.device, list[tuple[int, object]]] = {}
+        for i, (t, layout) in enumerate(pieces):
+            try:
+                if not self.trusts(t.device, t.dtype, sketch_k):
+                    continue
+                prepared = self._impl.prepare(t, layout)
+            except ValueError:  # a dtype or a shape the kernel does not take: eager, as documented
+                continue
+            except Exception as exc:
+                self._distrust([(t.device, t.dtype)], sketch_k, exc)
+                continue
+            by_device.setdefault(t.device, []).append((i, prepared))
+        for device, items in by_device.items():
+            try:
+                f64, i64 = self._impl.digest_prepared([p for _, p in items], sketch_k=sketch_k)
+            except Exception as exc:
+                self._distrust([(device, pieces[i][0].dtype) for i, _ in items], sketch_k, exc)
+                continue
+            for j, (i, _) in enumerate(items):
+                out[i] = (f64[j], i64[j])
+        return out
+
+    def _distrust(self, combos: list[tuple[torch.device, torch.dtype]], sketch_k: int,
+                  exc: Exception) -> None:
+        names = sorted({f"{d} {t}" for d, t in combos})
+        for device, dtype in combos:
+            self._trusted[(str(device), dtype, sketch_k)] = False
+        self._warn(f"the Triton digest failed on {', '.join(names)} ({type(exc).__name__}: "
+                   f"{exc})")
 
     def _check(self, device: torch.device, dtype: torch.dtype, sketch_k: int) -> bool:
         try:
-            for piece, layout in _test_pieces(device, dtype):
-                got = self._impl(piece, layout, sketch_k=sketch_k)
+            pieces = _test_pieces(device, dtype)
+            f64, i64 = self._impl.digest_prepared(
+                [self._impl.prepare(p, layout) for p, layout in pieces], sketch_k=sketch_k)
+            for j, (piece, layout) in enumerate(pieces):
                 want = digest_piece(piece, layout, sketch_k=sketch_k)
-                if not _agree(got, want):
+                if not _agree((f64[j], i64[j]), want):
                     self._warn(f"the Triton digest disagrees with the eager reference on "
                                f"{device} {dtype} (k={sketch_k})")
                     return False

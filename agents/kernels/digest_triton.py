@@ -1,4 +1,4 @@
-"""The digest as one Triton kernel per piece, for accelerator tensors (CUDA, ROCm).
+"""The digest of a list of pieces in a few Triton launches, for accelerator tensors (CUDA, ROCm).
 
 Computes what agents/digest.py computes, on hash scheme version 2 (agents/hashing.py, whose
 constants and lane table it uses): fingerprint ``sum_i (T[j] ^ C(b)) * bits(x_i) mod 2**64``,
@@ -8,11 +8,23 @@ bucket ``((8 g + ((j & 7) ^ x)) ^ (W(b) & (k - 1) & ~255)) mod k`` with ``g`` an
 from the placement table (``hashing.tables``' PLACE_G and PLACE_X, passed flattened) at row
 ``(W(b) >> 40) mod 4096``, column ``j >> 3``; sign from ``bent`` of the lane and ``W(b)``.
 
-One pass per piece: each program reads a tile of ``ROWS x 256`` elements once, writes its
-fingerprint sum, counts, float64 sums and min/max as one row of partials, and adds its elements
-into the sketch with ``tl.atomic_add`` (Triton has no block-local scatter into shared memory; k
-buckets are few, so the atomics hit L2). A few torch reductions over the partials finish the
-rows on the device: no host synchronization per capture.
+A hook's captures (every output of a module, every gradient of a parameter sweep) are digested
+together, so their cost is per list, not per piece: one descriptor table (a row per piece) goes
+to the device in one asynchronous copy, one zeroed output block holds every row, and per group
+of pieces (same load dtype and index path) two launches do the rest:
+
+- ``_tiles_kernel``, one program per tile of ``ROWS x 256`` elements of any piece of the group:
+  the program finds its piece by a binary search over the pieces' first tiles, reads the tile
+  once, writes its fingerprint sum, counts, float64 sums and min/max as one row of partials,
+  and adds its elements into its piece's sketch with ``tl.atomic_add`` (Triton has no
+  block-local scatter into shared memory; k buckets are few, so the atomics hit L2). Pieces
+  are addressed by their offset in elements from one of them (the anchor), so the tensors of
+  a list need not be one allocation.
+- ``_finish_kernel``, one program per piece: sums its tiles' partials into its row.
+
+Before, each piece took its own launch and about fifteen small torch operations (allocations,
+fills, reductions of the partials): on a GPU that per-piece cost, not the digest, is what a
+model with thousands of captures a step would pay.
 
 Two ways to map a tile onto indices, chosen per piece on the host:
 
@@ -34,6 +46,9 @@ optional: importing this module without it raises ImportError.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -123,33 +138,55 @@ def _count(mask):
     return tl.sum(mask.to(tl.int64))
 
 
+_NM = tl.constexpr(N_MOMENTS)
+_W = tl.constexpr(19)
+"""Columns of a piece's descriptor row (int64): its first tile in its group, its tiles, its
+first element's offset in elements from the group's anchor tensor, numel, origin, lead, its row
+in the output, then (size, stride, gstride) of its 4 merged dims as s0..s3, t0..t3, g0..g3."""
+
+
 @triton.jit
-def _digest_kernel(
-    x_ptr, n, origin, lead,
-    s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
-    table_ptr, place_g_ptr, place_x_ptr, part_i64_ptr, part_f64_ptr, sketch_ptr,
+def _tiles_kernel(
+    x_ptr, desc_ptr, pieces, table_ptr, place_g_ptr, place_x_ptr, part_i64_ptr, part_f64_ptr,
+    f64_ptr,
     K: tl.constexpr, FLOAT: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
-    """One tile of a piece of ``n`` elements: (size, stride, gstride) of 4 merged dims in
-    ``s*, t*, g*``. ALIGNED: the piece's elements have global indices ``origin * 256 + lead``
-    on, one after the other. Otherwise ``origin`` is element 0's global index. (The host splits
-    the index, rather than the kernel shifting an argument: the interpreter stores an int
-    argument in [2**31, 2**32) as uint32 and shifts it wrongly.) ``place_*_ptr``: the
-    placement table's group and lane-XOR parts, int64 [4096 * 32], row-major."""
+    """One tile (ROWS x 256 elements) of one piece of a group: a group's tiles are numbered
+    piece after piece, so a program finds its piece by a binary search over the pieces' first
+    tiles (SEARCH >= log2(pieces) steps). Writes the tile's partial fingerprint and counts
+    (``part_i64[pid]``: fp, nan, +inf, -inf, zeros) and float64 sums and min/max
+    (``part_f64[pid]``), and adds its elements into its piece's sketch, ``f64[row, 5:]``.
+
+    ALIGNED: the piece's elements have global indices ``origin * 256 + lead`` on, one after
+    the other (any memory stride, ``t3``), and a tile row is one whole hash block. Otherwise
+    element ``e``'s coordinates in the 4 merged dims give its memory offset and its global index
+    from ``origin``. Pieces are addressed from ``x_ptr`` by their offset in elements (the
+    anchor is one of the group's pieces), so one launch reads pieces of many tensors."""
     pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0
+    hi = lo + pieces
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        go = tl.load(desc_ptr + mid * _W) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    d = desc_ptr + lo * _W
+    tile = pid - tl.load(d)
+    n = tl.load(d + 3)
+    origin = tl.load(d + 4)
     rows = tl.arange(0, ROWS).to(tl.int64)[:, None]
     cols = tl.arange(0, _LANES).to(tl.int64)[None, :]
     if ALIGNED:
-        # Row r of the tile is the whole hash block `blk`; the rows outside the piece are masked.
-        tile_row = pid * ROWS + rows  # [ROWS, 1]
+        tile_row = tile * ROWS + rows  # [ROWS, 1]
         blk = origin + tile_row
         lane = cols  # [1, LANES]
-        e = (tile_row << _LANE_BITS) + lane - lead
+        e = (tile_row << _LANE_BITS) + lane - tl.load(d + 5)
         live = (e >= 0) & (e < n)
-        off = e * t3
+        off = e * tl.load(d + 14)
     else:
-        # Consecutive piece elements; coordinates in the 4 merged dims, innermost last.
-        e = (pid * ROWS + rows) * _LANES + cols
+        s1, s2, s3 = tl.load(d + 8), tl.load(d + 9), tl.load(d + 10)
+        e = (tile * ROWS + rows) * _LANES + cols
         live = e < n
         c3 = e % s3
         r = e // s3
@@ -157,11 +194,13 @@ def _digest_kernel(
         r = r // s2
         c1 = r % s1
         c0 = r // s1
-        off = c0 * t0 + c1 * t1 + c2 * t2 + c3 * t3
-        g = origin + c0 * g0 + c1 * g1 + c2 * g2 + c3 * g3
+        off = (c0 * tl.load(d + 11) + c1 * tl.load(d + 12) + c2 * tl.load(d + 13)
+               + c3 * tl.load(d + 14))
+        g = (origin + c0 * tl.load(d + 15) + c1 * tl.load(d + 16) + c2 * tl.load(d + 17)
+             + c3 * tl.load(d + 18))
         lane = g & (_LANES - 1)
         blk = g >> _LANE_BITS
-    raw = tl.load(x_ptr + off, mask=live, other=0)
+    raw = tl.load(x_ptr + tl.load(d + 2) + off, mask=live, other=0)
     bits = raw.to(tl.int64).to(tl.uint64, bitcast=True)
     blk_u = blk.to(tl.uint64, bitcast=True)
     key = tl.load(table_ptr + lane).to(tl.uint64, bitcast=True) ^ (
@@ -191,7 +230,62 @@ def _digest_kernel(
         bucket = _bucket(lane, word, place_g_ptr, place_x_ptr, K)
         lane_u = lane.to(tl.uint64)
         minus = _bent((lane_u ^ (word >> 32)) & (_LANES - 1)) ^ (word >> 63)
-        tl.atomic_add(sketch_ptr + bucket, tl.where(minus != 0, -f, f), mask=live)
+        sketch = f64_ptr + tl.load(d + 6) * (_NM + K) + _NM
+        tl.atomic_add(sketch + bucket, tl.where(minus != 0, -f, f), mask=live)
+
+
+@triton.jit
+def _finish_kernel(desc_ptr, part_i64_ptr, part_f64_ptr, f64_ptr, i64_ptr,
+                   K: tl.constexpr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """One piece's row from its tiles' partials: ``i64[row]`` = numel, nan, +inf, -inf, zeros,
+    fingerprint; ``f64[row, :5]`` = sum, sum of squares, min, max, abs-max (0, 0, inf, -inf, 0
+    for integers and for a piece without finite values)."""
+    d = desc_ptr + tl.program_id(0).to(tl.int64) * _W
+    start = tl.load(d)
+    tiles = tl.load(d + 1)
+    row = tl.load(d + 6)
+    idx = tl.arange(0, BLOCK).to(tl.int64)
+    fp = tl.zeros([BLOCK], tl.int64)
+    zeros = tl.zeros([BLOCK], tl.int64)
+    nan = tl.zeros([BLOCK], tl.int64)
+    posinf = tl.zeros([BLOCK], tl.int64)
+    neginf = tl.zeros([BLOCK], tl.int64)
+    s = tl.zeros([BLOCK], tl.float64)
+    ss = tl.zeros([BLOCK], tl.float64)
+    lo = tl.full([BLOCK], _INF, tl.float64)
+    hi = tl.full([BLOCK], -_INF, tl.float64)
+    for i in range(0, tiles, BLOCK):
+        live = i + idx < tiles
+        at = start + i + idx
+        fp += tl.load(part_i64_ptr + at * 5, mask=live, other=0)
+        zeros += tl.load(part_i64_ptr + at * 5 + 4, mask=live, other=0)
+        if FLOAT is not None:
+            nan += tl.load(part_i64_ptr + at * 5 + 1, mask=live, other=0)
+            posinf += tl.load(part_i64_ptr + at * 5 + 2, mask=live, other=0)
+            neginf += tl.load(part_i64_ptr + at * 5 + 3, mask=live, other=0)
+            s += tl.load(part_f64_ptr + at * 4, mask=live, other=0.0)
+            ss += tl.load(part_f64_ptr + at * 4 + 1, mask=live, other=0.0)
+            lo = tl.minimum(lo, tl.load(part_f64_ptr + at * 4 + 2, mask=live, other=_INF))
+            hi = tl.maximum(hi, tl.load(part_f64_ptr + at * 4 + 3, mask=live, other=-_INF))
+    out_i = i64_ptr + row * 6
+    tl.store(out_i, tl.load(d + 3))
+    tl.store(out_i + 1, tl.sum(nan))
+    tl.store(out_i + 2, tl.sum(posinf))
+    tl.store(out_i + 3, tl.sum(neginf))
+    tl.store(out_i + 4, tl.sum(zeros))
+    tl.store(out_i + 5, tl.sum(fp))  # int64 addition wraps: the fingerprint mod 2**64
+    out_f = f64_ptr + row * (_NM + K)
+    low = tl.min(lo)
+    high = tl.max(hi)
+    tl.store(out_f, tl.sum(s))
+    tl.store(out_f + 1, tl.sum(ss))
+    tl.store(out_f + 2, low)
+    tl.store(out_f + 3, high)
+    tl.store(out_f + 4, tl.where(low <= high, tl.maximum(tl.abs(low), tl.abs(high)), 0.0))
+
+
+FINISH_BLOCK = 128
+"""Tile partials a finishing program reads per step."""
 
 
 def _merged(t: torch.Tensor, gs: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -208,18 +302,50 @@ def _merged(t: torch.Tensor, gs: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return [tuple(d) for d in dims]  # type: ignore[misc]
 
 
-def digest_piece_triton(
-    t: torch.Tensor, layout: PieceLayout, *, sketch_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as agents.digest.digest_piece: ``(f64 [5 + k], i64 [6])`` on ``t``'s device.
+@dataclass(slots=True)
+class Prepared:
+    """A piece as the kernels read it, worked out on the host (:func:`prepare`)."""
 
-    Raises ValueError for a dtype the kernel does not read (float8 types), more than
-    ``MAX_DIMS`` dims after merging, or a bad layout.
-    """
-    if sketch_k < 1 or sketch_k & (sketch_k - 1):
-        raise ValueError(f"sketch_k: {sketch_k} is not a power of two")
+    x: torch.Tensor
+    """The piece viewed as its load dtype (``_LOAD_VIEW``)."""
+    float_type: object
+    """Its Triton float type (moments and sketch), or None."""
+    aligned: bool
+    n: int
+    origin: int
+    lead: int
+    tiles: int
+    dims: tuple[int, ...]
+    """s0..s3, t0..t3, g0..g3 (see ``_W``)."""
+
+
+MAX_PLANS = 4096
+"""Plans :func:`prepare` keeps (per layout, shape, strides and dtype) before starting afresh."""
+
+_PLANS: dict[tuple, tuple] = {}
+"""(id(layout), shape, strides, dtype) -> (layout, plan): what a piece's descriptor holds apart
+from its address is the same for every capture of a site and shape, so it is worked out once
+(the layout is kept so that its id is not reused while cached)."""
+
+
+def prepare(t: torch.Tensor, layout: PieceLayout) -> Prepared:
+    """Work out how the kernels read piece ``t`` of ``layout``. Raises ValueError for a dtype
+    the kernels do not read (float8 types), more than ``MAX_DIMS`` dims after merging, or a bad
+    layout."""
     t = t.detach()
-    if t.is_complex():
+    key = (id(layout), t.shape, t.stride(), t.dtype)
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not layout:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        hit = _PLANS[key] = (layout, _plan(t, layout))
+    x = torch.view_as_real(t) if t.dtype.is_complex else t
+    return Prepared(x.view(_LOAD_VIEW[x.dtype]), *hit[1])
+
+
+def _plan(t: torch.Tensor, layout: PieceLayout) -> tuple:
+    """Everything of :class:`Prepared` but the tensor, for pieces like ``t``."""
+    if t.dtype.is_complex:
         if len(layout.shape) == t.dim():
             layout = complex_real_layout(layout)
         t = torch.view_as_real(t)
@@ -232,35 +358,100 @@ def digest_piece_triton(
     aligned = len(dims) <= 1 and all(g == 1 for _, _, g in dims)
     dims = [(1, 0, 0)] * (MAX_DIMS - len(dims)) + dims
     n = t.numel()
-    device = t.device
-    f64 = torch.zeros(N_MOMENTS + sketch_k, dtype=torch.float64, device=device)
-    i64 = torch.zeros(6, dtype=torch.int64, device=device)
-    i64[0] = n
-    f64[2], f64[3] = float("inf"), float("-inf")
-    if n == 0:
-        return f64, i64
     if aligned:  # tiles of whole hash blocks, from the one holding index `base` on
         origin, lead = base >> hashing.LANE_BITS, base & (hashing.LANES - 1)
     else:
         origin, lead = base, 0
-    blocks = triton.cdiv(lead + n, hashing.LANES)
-    programs = triton.cdiv(blocks, ROWS)
-    part_i64 = torch.zeros((programs, 5), dtype=torch.int64, device=device)
-    part_f64 = torch.zeros((programs, 4), dtype=torch.float64, device=device)
-    float_type = _FLOAT.get(t.dtype)
-    (s0, t0, g0), (s1, t1, g1), (s2, t2, g2), (s3, t3, g3) = dims
+    tiles = triton.cdiv(triton.cdiv(lead + n, hashing.LANES), ROWS) if n else 0
+    flat = tuple(d[0] for d in dims) + tuple(d[1] for d in dims) + tuple(d[2] for d in dims)
+    return _FLOAT.get(t.dtype), aligned, n, origin, lead, tiles, flat
+
+
+def _search_steps(pieces: int) -> int:
+    """Binary search steps over ``pieces`` first tiles, rounded up to a multiple of 4 so that
+    few kernel variants are compiled."""
+    return -(-(pieces - 1).bit_length() // 4) * 4
+
+
+def _upload(desc: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The descriptor table on ``device``, without a host synchronization: through pinned
+    memory on CUDA (the caching host allocator keeps the buffer until the copy has run)."""
+    host = torch.from_numpy(desc)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)
+        return pinned.to(device, non_blocking=True)
+    return host.to(device)
+
+
+def digest_prepared(pieces: list[Prepared], *, sketch_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``pieces`` (all on one device): ``(f64 [m, 5 + k], i64 [m, 6])`` on that
+    device, row j the digest of piece j, as agents.digest.digest_piece computes it.
+
+    Pieces are grouped by load dtype and index path (and by address alignment, for the offsets
+    from the anchor): per group one launch digests every tile of every piece and one launch
+    finishes every row, after one descriptor upload and one zeroed output for the whole list.
+    No host synchronization."""
+    if sketch_k < 1 or sketch_k & (sketch_k - 1):
+        raise ValueError(f"sketch_k: {sketch_k} is not a power of two")
+    m = len(pieces)
+    if not m:
+        raise ValueError("pieces: empty list")
+    device = pieces[0].x.device
+    if any(p.x.device != device for p in pieces):
+        raise ValueError("pieces: on more than one device")
+    groups: dict[tuple, list[int]] = {}
+    for j, p in enumerate(pieces):
+        x = p.x
+        groups.setdefault((x.dtype, p.aligned, x.data_ptr() % x.element_size() if p.n else 0),
+                          []).append(j)
+    desc: list[tuple[int, ...]] = []
+    spans = []
+    for members in groups.values():
+        live = [j for j in members if pieces[j].n]
+        anchor = pieces[live[0]].x if live else None
+        at, size = (anchor.data_ptr(), anchor.element_size()) if live else (0, 1)
+        first, tile = len(desc), 0
+        for j in members:
+            p = pieces[j]
+            off = (p.x.data_ptr() - at) // size if p.n else 0
+            desc.append((tile, p.tiles, off, p.n, p.origin, p.lead, j, *p.dims))
+            tile += p.tiles
+        spans.append((pieces[members[0]], first, len(members), tile, anchor))
+    table_d = _upload(np.array(desc, dtype=np.int64), device)
+    f64 = torch.zeros((m, N_MOMENTS + sketch_k), dtype=torch.float64, device=device)
+    i64 = torch.empty((m, 6), dtype=torch.int64, device=device)
     table, _, _, _, place_g, place_x = hashing.tables(device)
-    _digest_kernel[(programs,)](
-        t.view(_LOAD_VIEW[t.dtype]), n, origin, lead,
-        s0, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
-        table, place_g.reshape(-1), place_x.reshape(-1), part_i64, part_f64, f64[N_MOMENTS:],
-        K=sketch_k, FLOAT=float_type, ALIGNED=aligned, ROWS=ROWS,
-    )
-    i64[5] = part_i64[:, 0].sum()  # int64 addition wraps: the fingerprint mod 2**64
-    i64[1:5] = part_i64[:, 1:5].sum(dim=0)
-    if float_type is not None:
-        f64[0:2] = part_f64[:, 0:2].sum(dim=0)
-        lo, hi = part_f64[:, 2].amin(), part_f64[:, 3].amax()
-        f64[2], f64[3] = lo, hi
-        f64[4] = torch.where(lo <= hi, torch.maximum(lo.abs(), hi.abs()), 0.0)
+    for p0, first, count, tiles, anchor in spans:
+        d = table_d[first:first + count]
+        part_i64 = torch.empty((max(tiles, 1), 5), dtype=torch.int64, device=device)
+        part_f64 = torch.empty((max(tiles, 1), 4), dtype=torch.float64, device=device)
+        if tiles:
+            _tiles_kernel[(tiles,)](
+                anchor, d, count, table, place_g.reshape(-1), place_x.reshape(-1), part_i64,
+                part_f64, f64,
+                K=sketch_k, FLOAT=p0.float_type, ALIGNED=p0.aligned, ROWS=ROWS,
+                SEARCH=_search_steps(count),
+            )
+        _finish_kernel[(count,)](d, part_i64, part_f64, f64, i64,
+                                 K=sketch_k, FLOAT=p0.float_type, BLOCK=FINISH_BLOCK)
     return f64, i64
+
+
+def digest_pieces_triton(
+    pieces: list[tuple[torch.Tensor, PieceLayout]], *, sketch_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`digest_prepared` of ``(tensor, layout)`` pieces; raises ValueError where
+    :func:`prepare` does for any of them."""
+    return digest_prepared([prepare(t, layout) for t, layout in pieces], sketch_k=sketch_k)
+
+
+def digest_piece_triton(
+    t: torch.Tensor, layout: PieceLayout, *, sketch_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as agents.digest.digest_piece: ``(f64 [5 + k], i64 [6])`` on ``t``'s device
+    (one piece through :func:`digest_pieces_triton`)."""
+    f64, i64 = digest_pieces_triton([(t, layout)], sketch_k=sketch_k)
+    return f64[0], i64[0]

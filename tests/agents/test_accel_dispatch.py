@@ -51,21 +51,33 @@ def _same(a, b) -> bool:
 
 
 class _Stand:
-    """A stand-in for the Triton kernel: the eager digest, optionally wrong or failing."""
+    """A stand-in for the Triton digest module (``prepare``, ``digest_prepared``): the eager
+    digest, optionally wrong, failing, or refusing pieces. ``calls`` counts the pieces it
+    digested (or failed on), ``lists`` its digest calls."""
 
-    def __init__(self, *, flip_fingerprint=False, fail_after=None, error=RuntimeError):
-        self.calls = 0
-        self.flip, self.fail_after, self.error = flip_fingerprint, fail_after, error
+    def __init__(self, *, flip_fingerprint=False, fail_after=None, refuse=lambda t: False):
+        self.calls = self.lists = 0
+        self.flip, self.fail_after, self.refuse = flip_fingerprint, fail_after, refuse
 
-    def __call__(self, t, layout, *, sketch_k):
-        self.calls += 1
-        if self.fail_after is not None and self.calls > self.fail_after:
-            raise self.error("device-side assert")
-        f64, i64 = digest_piece(t, layout, sketch_k=sketch_k)
-        if self.flip:
-            i64 = i64.clone()
-            i64[5] ^= 1
-        return f64, i64
+    def prepare(self, t, layout):
+        if self.refuse(t):
+            raise ValueError("shape: 5 dims after merging > 4")
+        return t, layout
+
+    def digest_prepared(self, prepared, *, sketch_k):
+        self.lists += 1
+        f64s, i64s = [], []
+        for t, layout in prepared:
+            self.calls += 1
+            if self.fail_after is not None and self.calls > self.fail_after:
+                raise RuntimeError("device-side assert")
+            f64, i64 = digest_piece(t, layout, sketch_k=sketch_k)
+            if self.flip:
+                i64 = i64.clone()
+                i64[5] ^= 1
+            f64s.append(f64)
+            i64s.append(i64)
+        return torch.stack(f64s), torch.stack(i64s)
 
 
 def _digester_with(monkeypatch, stand) -> Digester:
@@ -80,6 +92,8 @@ def test_a_kernel_that_agrees_is_used(monkeypatch):
     assert _same(got, _eager(pieces))
     # three self-check pieces per (device, dtype, k): float32 and int64 here, then the pieces
     assert stand.calls == 3 * 2 + len(pieces)
+    # one call per self-check and one for the whole list (float32 and int64 pieces together)
+    assert stand.lists == 3
 
 
 def _digest_twice(monkeypatch, caplog, stand) -> tuple[list, list, list]:
@@ -96,25 +110,37 @@ def test_a_kernel_that_disagrees_is_never_used(monkeypatch, caplog):
     assert _same(got, _eager(pieces)) and _same(again, got)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "disagrees with the eager reference" in warnings[0]
-    assert stand.calls == 2  # the first self-check piece of each dtype, nothing after
+    assert stand.calls == 6  # the self-check pieces of each dtype, nothing after
 
 
 def test_a_kernel_that_fails_later_falls_back_for_good(monkeypatch, caplog):
     stand = _Stand(fail_after=8)
     pieces, got, more = _digest_twice(monkeypatch, caplog, stand)
     assert _same(got, _eager(pieces)) and _same(more, got)
-    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
-    # float32: 3 checks and 2 pieces; int64: 3 checks and its piece, which fails (eager rows);
-    # second round: float32's first piece fails; after that nothing reaches the kernel
-    assert stand.calls == 10
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 1 and "float32" in failed[0] and "int64" in failed[0], failed
+    # 3 checks each for float32 and int64, then the list of 3 fails at its third piece: every
+    # piece of that list gets eager rows, both dtypes are distrusted, and the second round
+    # never reaches the kernel
+    assert stand.calls == 9 and stand.lists == 3
 
 
 def test_shapes_the_kernel_refuses_take_the_eager_path_silently(monkeypatch, caplog):
-    stand = _Stand(fail_after=6, error=ValueError)  # after the checks: "too many dims"
+    stand = _Stand(refuse=lambda t: t.shape[-1] in (300, 40))  # every piece, not the checks
     pieces = _pieces()
     with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
         got = _rows(_digester_with(monkeypatch, stand), pieces)
     assert _same(got, _eager(pieces)) and not caplog.records
+    assert stand.calls == 6  # the checks only
+
+
+def test_a_refused_piece_leaves_the_rest_of_its_list_to_triton(monkeypatch, caplog):
+    stand = _Stand(refuse=lambda t: t.shape == (3, 300))  # the shard only
+    pieces = _pieces()
+    with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
+        got = _rows(_digester_with(monkeypatch, stand), pieces)
+    assert _same(got, _eager(pieces)) and not caplog.records
+    assert stand.calls == 6 + 2 and stand.lists == 3  # the whole tensor and the ints: one list
 
 
 def test_without_triton_the_eager_path_is_used(monkeypatch):

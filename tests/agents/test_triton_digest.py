@@ -81,9 +81,14 @@ def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 
 
 def _assert_same(mod, t: torch.Tensor, layout: PieceLayout, k: int = K) -> None:
+    _assert_rows(mod.digest_piece_triton(t.to(_device()), layout, sketch_k=k), t, layout, k)
+
+
+def _assert_rows(got, t: torch.Tensor, layout: PieceLayout, k: int = K) -> None:
+    """Rows ``got`` are the eager reference's digest of ``t``: bitwise where the contract says
+    so, sums and sketch within float64 rounding."""
     ref64, ref_i64 = _digest(t, layout, k, sync_free=None)
-    got64, got_i64 = mod.digest_piece_triton(t.to(_device()), layout, sketch_k=k)
-    got64, got_i64 = got64.cpu(), got_i64.cpu()
+    got64, got_i64 = got[0].cpu().reshape(ref64.shape), got[1].cpu().reshape(ref_i64.shape)
     assert torch.equal(got_i64, ref_i64), (got_i64.tolist(), ref_i64.tolist())
     assert torch.equal(got64[2:N_MOMENTS], ref64[2:N_MOMENTS]), (got64[:5], ref64[:5])
     if t.is_floating_point() and t.numel():
@@ -207,3 +212,78 @@ def test_complex_is_digested_as_its_real_view(triton_digest):
     got64, got_i64 = triton_digest.digest_piece_triton(t.to(_device()), layout, sketch_k=K)
     assert torch.equal(got_i64.cpu(), ref_i64)
     assert torch.equal(got64.cpu()[2:N_MOMENTS], ref64[2:N_MOMENTS])
+
+
+# -- lists of pieces: what a hook hands over, digested in a few launches ------------------------
+
+def _mixed_pieces() -> list[tuple[torch.Tensor, PieceLayout]]:
+    """Pieces of several tensors (so offsets from the anchor run both ways), dtypes (several
+    launch groups), both index paths and empty pieces, in an order that interleaves them."""
+    big = _values(torch.float32, 6 * 700, 21).reshape(6, 700)
+    other = _values(torch.float32, 999, 22)
+    half = _values(torch.bfloat16, 40 * 30, 23).reshape(40, 30)
+    return [
+        (other, PieceLayout.full((999,))),
+        (big[1:4], PieceLayout((6, 700), (1, 0), (3, 700))),  # aligned, starts mid-block
+        (torch.zeros(0), PieceLayout.full((0,))),
+        (_values(torch.int32, 300, 24), PieceLayout((1000,), (517,), (300,))),
+        (big[:, 100:400].t(), PieceLayout((700, 6), (100, 0), (300, 6))),  # general path
+        (half.t(), PieceLayout((30, 40), (0, 0), (30, 40))),
+        (big, PieceLayout.full((6, 700))),  # the same tensor again, whole
+        (torch.zeros(0, dtype=torch.int32), PieceLayout.full((0,))),
+        (_values(torch.bool, 257, 25), PieceLayout.full((257,))),
+        (other[::3], PieceLayout((1000,), (1,), (333,))),  # aligned, memory stride 3
+        (half, PieceLayout((80, 30), (40, 0), (40, 30))),
+        (_values(torch.float64, 1, 26), PieceLayout((9,), (8,), (1,))),
+    ]
+
+
+@pytest.mark.parametrize("k", [8, 256])
+def test_a_list_of_pieces_gives_each_piece_its_own_digest(triton_digest, k):
+    pieces = _mixed_pieces()
+    f64, i64 = triton_digest.digest_pieces_triton([(t.to(_device()), lay) for t, lay in pieces],
+                                                  sketch_k=k)
+    assert f64.shape == (len(pieces), N_MOMENTS + k) and i64.shape == (len(pieces), 6)
+    for j, (t, layout) in enumerate(pieces):
+        _assert_rows((f64[j], i64[j]), t, layout, k)
+
+
+def test_many_pieces_of_one_group_find_their_tiles(triton_digest):
+    """70 pieces in one launch, many of them empty or of one tile: each program's binary search
+    over the pieces' first tiles must land on its own piece (a piece that took a neighbour's
+    tile would show in the neighbour's fingerprint and counts)."""
+    g = torch.Generator().manual_seed(7)
+    sizes = torch.randint(0, 1500, (70,), generator=g).tolist()
+    sizes[3] = sizes[4] = sizes[40] = sizes[69] = 0
+    pieces = [(_values(torch.float32, n, 100 + j), PieceLayout((n + 300,), (j,), (n,)))
+              for j, n in enumerate(sizes)]
+    f64, i64 = triton_digest.digest_pieces_triton(pieces, sketch_k=K)
+    for j, (t, layout) in enumerate(pieces):
+        _assert_rows((f64[j], i64[j]), t, layout)
+
+
+def test_a_piece_of_more_tiles_than_one_finishing_step(triton_digest):
+    """More tile partials than the finishing program reads in one step (FINISH_BLOCK)."""
+    n = (triton_digest.FINISH_BLOCK + 3) * triton_digest.ROWS * hashing.LANES + 5
+    t = _values(torch.float32, n, 31)
+    _assert_same(triton_digest, t, PieceLayout((n + 10,), (3,), (n,)))
+
+
+def test_pieces_on_two_devices_are_refused(triton_digest):
+    """One call is one device's launches (the agent groups pieces by device first); "meta"
+    stands for a second device, refused before anything is launched."""
+    with pytest.raises(ValueError, match="more than one device"):
+        triton_digest.digest_pieces_triton(
+            [(torch.zeros(3, device=_device()), PieceLayout.full((3,))),
+             (torch.zeros(3, device="meta"), PieceLayout.full((3,)))], sketch_k=K)
+
+
+def test_a_layout_seen_with_other_strides_or_dtype_is_planned_again(triton_digest):
+    """Plans are cached per layout, shape, strides and dtype: the same layout object with a
+    transposed tensor of the same shape, or another dtype, must not reuse the first plan."""
+    layout = PieceLayout((60, 40), (30, 0), (30, 40))
+    rows = _values(torch.float32, 1200, 41).reshape(30, 40)
+    cols = _values(torch.float32, 1200, 42).reshape(40, 30).t()
+    ints = _values(torch.int16, 1200, 43).reshape(30, 40)
+    for t in (rows, cols, ints, rows):
+        _assert_rows(triton_digest.digest_pieces_triton([(t, layout)], sketch_k=K), t, layout)
