@@ -11,8 +11,9 @@
 // b = i div 256; one splitmix64 per block draws the block's words, and per element only table
 // loads, XORs and 32x32->64-bit multiplies remain. For contiguous float32/bfloat16/float16 runs
 // (the bulk of activations and gradients) an AVX2 loop takes 8 elements per step:
-//   - fingerprint: keys T[j..j+7] XOR C(b), times the raw bits (two vpmuludq per 4 lanes, the
-//     key's high half summed apart and shifted once at the end);
+//   - fingerprint: keys T[j..j+7] XOR C(b), times the raw bits (the key's low half by two
+//     vpmuludq per 4 lanes; its high half, which counts only mod 2**32, by one vpmulld per 8
+//     lanes, summed apart and shifted once at the end);
 //   - moments on float32 lanes (min/max, zeros, finiteness exact there), sums in float64;
 //   - sketch: a group of 8 consecutive lanes lands in 8 consecutive buckets, permuted (the
 //     block's placement row), so the scatter-add of version 1 (one dependent load-add-store per
@@ -62,6 +63,7 @@ constexpr int64_t PLACE_ROWS = 4096;
 constexpr uint64_t PLACE_SEED = SKETCH_SEED ^ 0x706C616365000000ULL;  // b"place"
 constexpr int N_MOMENTS = 5;
 constexpr int MAX_DIMS = 16;
+constexpr int64_t PREFETCH_BLOCKS = 4;
 
 // Dtype codes: keep in step with agents/kernels/cpu.py DTYPE_CODES.
 enum Dtype : int64_t {
@@ -90,10 +92,11 @@ struct Tables {
   // key[] split by parity (even_key[m] = T[2m], odd_key[m] = T[2m + 1]): the vector loops
   // multiply the even elements of a 32-bit vector in place and the odd ones shifted down.
   alignas(64) uint64_t even_key[LANES / 2], odd_key[LANES / 2];
-  // Their high halves (even_hi[m] = T[2m] >> 32, ...): the AVX-512 loop XORs them with the
-  // block key's high half instead of shifting the XORed key (shifts of 512-bit vectors have
-  // one port; XORs have two).
-  alignas(64) uint64_t even_hi[LANES / 2], odd_hi[LANES / 2];
+  // Their high halves in lane order (hi32[j] = T[j] >> 32): the key's high half enters the
+  // fingerprint only mod 2**32 (shifted up by 32), so the vector loops multiply it with the
+  // element bits in 32-bit lanes (one vpmulld for all lanes) instead of in the even and odd
+  // 64-bit halves (two vpmuludq and the shifts or tables that line them up).
+  alignas(64) uint32_t hi32[LANES];
   // sign[w & 7][q ^ (w >> 3)][r] = bent((8q + r) XOR w) << 31: the sign bits of lanes
   // 8q .. 8q + 7 for the block's sign shift w, ready to XOR into float32 lanes. A block reads
   // one contiguous 1 KiB slice (w & 7 first): in a training step, where the tables are evicted
@@ -112,7 +115,7 @@ struct Tables {
       key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
     for (int64_t m = 0; m < LANES / 2; ++m) {
       even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
-      even_hi[m] = even_key[m] >> 32, odd_hi[m] = odd_key[m] >> 32;
+      hi32[2 * m] = (uint32_t)(key[2 * m] >> 32), hi32[2 * m + 1] = (uint32_t)(key[2 * m + 1] >> 32);
     }
     for (uint32_t qq = 0; qq < LANES / 8; ++qq)
       for (uint32_t wl = 0; wl < 8; ++wl)
@@ -235,13 +238,14 @@ struct Segment {
     shift = (uint32_t)(word >> 32) & (LANES - 1);
   }
   uint32_t negative() const { return (uint32_t)(word >> 63); }
-  // Start loading the next block's placement row while this block runs: in a training step
-  // the 128 KiB table is out of cache at every call, and the row decides where the block's
-  // sketch adds go.
+  // Start loading the placement row of the block PREFETCH_BLOCKS ahead while this block runs:
+  // in a training step the 128 KiB table is out of cache at every call, and the row decides
+  // where the block's sketch adds go. One block ahead (about 100 ns of work) did not hide a
+  // miss on a large piece, whose stream evicts the table from L2; four did (2-5 % on 16 MiB).
   void prefetch_next(int64_t left) const {
 #if NA_VECTOR
-    if (left > len) {
-      const uint64_t w = Block::sketch_word((start >> LANE_BITS) + 1);
+    if (left > len + (PREFETCH_BLOCKS - 1) * LANES) {
+      const uint64_t w = Block::sketch_word((start >> LANE_BITS) + PREFETCH_BLOCKS);
       _mm_prefetch(reinterpret_cast<const char*>(tables().place[(w >> 40) & (PLACE_ROWS - 1)]),
                    _MM_HINT_T0);
     }
@@ -363,7 +367,7 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 zero = _mm256_setzero_ps();
-  __m256i fp_lo = _mm256_setzero_si256(), fp_hi = _mm256_setzero_si256();
+  __m256i fp_lo = _mm256_setzero_si256(), fp_hi = _mm256_setzero_si256();  // hi: 32-bit lanes
   __m256 lo = inf, hi = ninf;
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
   for (int64_t done = 0; done < n;) {
@@ -371,6 +375,7 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
     sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
     const __m256i ckey = _mm256_set1_epi64x((int64_t)sg.key);
+    const __m256i ckey_hi = _mm256_set1_epi32((int32_t)(uint32_t)(sg.key >> 32));
     const uint32_t* signs = &tb.sign[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m256i flip = _mm256_set1_epi32((int32_t)(sg.negative() << 31));
@@ -392,8 +397,9 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
         else
           v = _mm256_cvtph_ps(raw);
       }
-      // Fingerprint: key * bits mod 2**64 = lo32(key) * bits + (hi32(key) * bits) << 32; even
-      // elements sit in the low halves of the 64-bit lanes, odd ones are shifted there.
+      // Fingerprint: key * bits mod 2**64 = lo32(key) * bits + (hi32(key) * bits mod 2**32) << 32;
+      // for the low half even elements sit in the low halves of the 64-bit lanes, odd ones are
+      // shifted there; the high half's products are summed mod 2**32 in 32-bit lanes.
       const int64_t m = (j0 + t) >> 1;
       const __m256i ke = _mm256_xor_si256(
           _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.even_key + m)), ckey);
@@ -402,9 +408,12 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
       const __m256i odd = _mm256_srli_epi64(bits, 32);
       fp_lo = _mm256_add_epi64(fp_lo, _mm256_add_epi64(_mm256_mul_epu32(ke, bits),
                                                        _mm256_mul_epu32(ko, odd)));
-      fp_hi = _mm256_add_epi64(
-          fp_hi, _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(ke, 32), bits),
-                                  _mm256_mul_epu32(_mm256_srli_epi64(ko, 32), odd)));
+      fp_hi = _mm256_add_epi32(
+          fp_hi, _mm256_mullo_epi32(
+                     _mm256_xor_si256(
+                         _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.hi32 + j0 + t)),
+                         ckey_hi),
+                     bits));
       // Moments over the finite lanes.
       const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), inf, _CMP_LT_OQ);
       allfinite = _mm256_and_ps(allfinite, fin);
@@ -437,7 +446,10 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
     if (_mm256_movemask_ps(allfinite) != 0xFF) classify_nonfinite<D>(xb, seg, a);
     done += seg;
   }
-  a.fp += hsum64(fp_lo) + (hsum64(fp_hi) << 32);
+  alignas(32) uint32_t h[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), fp_hi);
+  a.fp += hsum64(fp_lo) +
+          ((uint64_t)(uint32_t)(h[0] + h[1] + h[2] + h[3] + h[4] + h[5] + h[6] + h[7]) << 32);
   alignas(32) float l[8], u[8];
   alignas(32) double s[4], q[4];
   _mm256_store_ps(l, lo);
@@ -475,7 +487,7 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
     sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
     const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
-    const __m512i ckey_hi = _mm512_set1_epi64((int64_t)(sg.key >> 32));
+    const __m512i ckey_hi = _mm512_set1_epi32((int32_t)(uint32_t)(sg.key >> 32));
     const uint64_t* signs = &tb.sign64[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m512i flip = _mm512_set1_epi64((int64_t)((uint64_t)sg.negative() << 63));
@@ -503,11 +515,9 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
           _mm512_add_epi64(
               _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.even_key + m), ckey), bits),
               _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.odd_key + m), ckey), odd)));
-      fp_hi = _mm512_add_epi64(
-          fp_hi,
-          _mm512_add_epi64(
-              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.even_hi + m), ckey_hi), bits),
-              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.odd_hi + m), ckey_hi), odd)));
+      fp_hi = _mm512_add_epi32(
+          fp_hi, _mm512_mullo_epi32(
+                     _mm512_xor_si512(_mm512_load_si512(tb.hi32 + j0 + t), ckey_hi), bits));
       const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
       allfinite &= fin;
       zeros += __builtin_popcount(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
@@ -542,7 +552,7 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
   }
   a.zeros += zeros;
   a.fp += (uint64_t)_mm512_reduce_add_epi64(fp_lo) +
-          ((uint64_t)_mm512_reduce_add_epi64(fp_hi) << 32);
+          ((uint64_t)(uint32_t)_mm512_reduce_add_epi32(fp_hi) << 32);
   const double l = _mm512_reduce_min_ps(lo), u = _mm512_reduce_max_ps(hi);
   a.lo = l < a.lo ? l : a.lo;
   a.hi = u > a.hi ? u : a.hi;
