@@ -5,6 +5,7 @@ bitwise, moments and sketches within float64 rounding (the eager digest is the r
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from agents.capture import Capturer, Counters
 from agents.columns import payload_bytes
@@ -103,3 +104,102 @@ def test_add_grad_hook_sees_what_register_hook_sees():
     assert [n for n, _ in ours] == [n for n, _ in ref] == ["user", "agent"]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, ref))
     assert torch.equal(ours[1][1], torch.full((6,), 3.0)) and torch.equal(grad, ref_grad)
+
+
+class _Scale(torch.nn.Module):
+    """y = tanh(x * w) on DTensors of one sharding: no communication, so a fake world runs it."""
+
+    def __init__(self, w) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    def forward(self, x):
+        return torch.tanh(x * self.w)
+
+
+def _dtensor_records(digest: str, rank: int) -> tuple[dict, Capturer]:
+    """Records of DTensor captures on rank ``rank`` of a fake 2 x 2 mesh: a module's DTensor
+    output and its gradient, parameters and their DTensor gradients, and direct captures of
+    the same global shape under other placements (uneven, replicated, partial, an empty
+    shard)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))
+    g = torch.Generator().manual_seed(10 + rank)
+
+    def local(*shape, dtype=torch.float32):
+        return torch.randn(shape, generator=g).to(dtype)
+
+    place = [Shard(0), Shard(1)]
+    model = torch.nn.Sequential(_Scale(DTensor.from_local(local(3, 5), mesh, place,
+                                                           run_check=False)))
+    x = DTensor.from_local(local(3, 5), mesh, place, run_check=False)
+    direct = [
+        DTensor.from_local(local(3, 5), mesh, [Shard(1), Shard(0)], run_check=False),
+        DTensor.from_local(local(3, 10), mesh, [Shard(0), Replicate()], run_check=False),
+        DTensor.from_local(local(6, 10, dtype=torch.bfloat16), mesh, [Replicate(), Partial()],
+                           run_check=False),
+        # uneven: global (5, 7) over Shard(0), Shard(1): torch computes each rank's box
+        DTensor.from_local(local(3 if rank < 2 else 2, 4 if rank % 2 == 0 else 3), mesh,
+                           place, run_check=False, shape=(5, 7),
+                           stride=(7, 1)),
+        DTensor.from_local(local(0, 5), mesh, [Shard(0), Replicate()], run_check=False,
+                           shape=(1, 5), stride=(5, 1)) if rank >= 2 else None,
+    ]
+    batches = []
+    cfg = AgentConfig(digest=digest, sketch_k=K, phases=("fwd", "bwd", "grad", "param"),
+                      device_batch=8)
+    cap = Capturer(cfg, RankIdentity(), batches.append, Counters())
+    cap.hook_modules(model, stage=0)
+    for step in range(2):
+        cap.start_step(step)
+        x.requires_grad_(True)
+        model(x).to_local().square().sum().backward()
+        for i, d in enumerate(direct):
+            if d is not None:
+                cap.capture(d, phase="fwd", site=f"direct{i}")
+        cap.capture_parameters(model, grads=True)
+        cap.capture_parameters(model, grads=False)
+        model.zero_grad(set_to_none=True)
+        cap.flush()
+    out = {}
+    for b in batches:
+        for c in b.captures:
+            key = (c.step, c.microbatch, c.phase, c.site, c.role, c.index, c.call, c.stage)
+            out[key] = (c.layout, c.dtype, b.i64[c.row].clone(), b.f64[c.row].clone())
+    return out, cap
+
+
+def test_dtensor_captures_take_the_fast_path_and_record_what_the_general_path_does(fake_rank):
+    """FSDP2 parameters and gradients and tensor-parallel activations are DTensors: the fast
+    path digests their local shards under the DTensor's layout (cached per mesh, placements
+    and global shape) and must record exactly what the general path records, on every rank."""
+    assert cpu.load() is not None, cpu.load_error()
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    for rank in range(4):
+        fake_rank(rank)
+        # DTensor caches sharding propagation by specs that compare equal across ranks: a
+        # rank change within one process would get the previous rank's mesh back
+        _clear_sharding_prop_cache()
+        fast, cap = _dtensor_records("auto", rank)
+        ref, _ = _dtensor_records("eager", rank)
+        assert fast.keys() == ref.keys()
+        # fwd, bwd, grad, param; per step the module's output and its gradient, the direct
+        # captures (the empty shard on ranks 2 and 3) and the parameter's gradient and value
+        assert {k[2] for k in fast} == {1, 2, 3, 4}, sorted(fast)
+        assert len(fast) == 2 * (1 + 1 + 4 + (rank >= 2) + 1 + 1), sorted(fast)
+        dtensor_plans = [p for key, p in cap._plans.items() if len(key) == 7]
+        assert dtensor_plans and all(p is not None for p in dtensor_plans)
+        for key, (layout, dtype, i64, f64) in fast.items():
+            r_layout, r_dtype, r_i64, r_f64 = ref[key]
+            assert (layout, dtype) == (r_layout, r_dtype), key
+            assert torch.equal(i64, r_i64), key
+            assert torch.equal(f64[2:5], r_f64[2:5]), key
+            assert torch.allclose(f64, r_f64, rtol=1e-9, atol=1e-9), key
+        # the same mesh and global shape under other placements got its own layout
+        a, b = divmod(rank, 2)  # the mesh coordinate
+        lays = {(k[2], k[3]): v[0] for k, v in fast.items() if k[0] == 1}
+        assert lays[(1, "0")].offsets == lays[(3, "0.w")].offsets == (3 * a, 5 * b)
+        assert lays[(1, "direct0")].offsets == (3 * b, 5 * a)

@@ -126,24 +126,7 @@ def test_interleaved_strided_shard_is_refused():
 
 
 # ----------------------------------------------------------------- DTensors, fake process group
-
-
-@pytest.fixture
-def fake_rank():
-    """Make this process rank r of a fake 4-rank world (no communication happens)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-
-    def init(rank: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# (the fake_rank fixture is in conftest.py)
 
 
 def test_dtensor_layout_matches_placements(fake_rank):
