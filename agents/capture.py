@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+import struct
 from collections import Counter, deque
 from typing import Callable
 
@@ -27,7 +29,7 @@ from agents.digest import has_moments
 from agents.fastpath import Digester
 from agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
 from agents.identity import RankIdentity
-from agents.kernels.cpu import pack_head
+from agents.kernels.cpu import DTYPE_CODES, pack_head
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
@@ -100,6 +102,8 @@ class Capturer:
         tensor shares (layout, dtype name, descriptor base and tail, payload size, ...), or None
         when it takes the general path: see :meth:`_capture_fast`. A DTensor's local shard is
         keyed by its DTensor layout too."""
+        self._ragged_layouts: dict[tuple, PieceLayout] = {}
+        """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
         self._dtensor_layouts: dict[tuple, tuple] = {}
         """(id(mesh), placements, global shape) -> (mesh, layout of this rank's shard): worked
         out once (torch's local shape and offset computation cost ~50 us a capture), the mesh
@@ -433,12 +437,11 @@ class Capturer:
             microbatch = self.microbatch if microbatch is None else microbatch
             stage = self.stage if stage is None else stage
             counts = [int(c) for c in counts]
-            layouts = [ragged_layout((n, *t.shape[1:]), r.offset, r.total, part=r.part,
-                                     parts=r.parts, span=r.span) for n, r in zip(counts, rows)]
+            layouts = self._segment_layouts(tuple(t.shape[1:]), counts, rows)
             if len(layouts) != len(counts):
                 raise ValueError(f"rows: {len(layouts)} places for {len(counts)} segments")
-            for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
-                self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+            self._capture_split(t, counts, layouts, phase, site, role, microbatch, stage,
+                                self.step)
             self._drain()
             if backward and phase == "fwd" and self.wants("bwd") and t.requires_grad:
                 t.register_hook(self._segments_grad_hook(site, counts, layouts, microbatch,
@@ -449,11 +452,96 @@ class Capturer:
     def _segments_grad_hook(self, site: str, counts: list[int], layouts: list[PieceLayout],
                             mb: int, stage: int, step: int, role: str = "grad_output"):
         def capture(grad):
-            for e, (g, layout) in enumerate(zip(grad.split(counts), layouts)):
-                self._capture(g, "bwd", site, role, e, 0, mb, stage, layout)
+            self._capture_split(grad, counts, layouts, "bwd", site, role, mb, stage, step)
             self._drain()
 
         return self._backward_hook((step, mb, site, "segments", role), step, capture)
+
+    def _segment_layouts(self, rest: tuple[int, ...], counts: list[int], rows) -> list[PieceLayout]:
+        """The ragged layout of each segment (``rows[e]`` places segment e's ``counts[e]``
+        rows), one object per distinct place: cached, as a segment's layout repeats whenever
+        its expert's share of the routing does."""
+        cache = self._ragged_layouts
+        out = []
+        for n, r in zip(counts, rows):
+            key = (n, rest, r.offset, r.total, r.part, r.parts, r.span)
+            layout = cache.get(key)
+            if layout is None:
+                layout = ragged_layout((n, *rest), r.offset, r.total, part=r.part,
+                                       parts=r.parts, span=r.span)
+                if len(cache) >= MAX_CACHED_LAYOUTS:
+                    cache.clear()
+                cache[key] = layout
+            out.append(layout)
+        return out
+
+    def _capture_split(self, t: torch.Tensor, counts: list[int], layouts: list[PieceLayout],
+                       phase: str, site: str, role: str, microbatch: int, stage: int,
+                       step: int) -> None:
+        """Queue ``t.split(counts)`` under ``layouts``, segment e under index e: through a
+        plan cached per site, inner shape, strides and dtype when the fused kernel reads ``t``
+        (the segments' descriptors then differ only in their row count, address and base),
+        else piece by piece through the general path. Raises for counts that do not split
+        ``t``."""
+        if self._split_fast(t, counts, layouts, phase, site, role, microbatch, stage, step):
+            return
+        saved = self.step
+        self.step = step  # the general path keys captures by self.step
+        try:
+            for e, (piece, layout) in enumerate(zip(t.split(counts), layouts)):
+                self._capture(piece, phase, site, role, e, 0, microbatch, stage, layout)
+        finally:
+            self.step = saved
+
+    def _split_fast(self, t: torch.Tensor, counts: list[int], layouts: list[PieceLayout],
+                    phase: str, site: str, role: str, microbatch: int, stage: int,
+                    step: int) -> bool:
+        if type(t) is not torch.Tensor or not t.is_cpu or not t.dim() or sum(counts) != len(t):
+            return False
+        key = ("split", phase, site, role, t.shape[1:], t.stride(), t.dtype)
+        plan = self._plans.get(key, False)
+        if plan is False:
+            plan = self._new_split_plan(t, phase, site, role)
+            if len(self._plans) >= MAX_CACHED_LAYOUTS:
+                self._plans.clear()
+            self._plans[key] = plan
+        if plan is None:
+            return False
+        dtype, moments, code, ndim, row_bytes, row_gstride, row_step, stride0, tail, \
+            payload_all, phase_id, role_id = plan
+        limit = self.config.payload_max_bytes
+        batches = self._batches
+        queue = batches.fused
+        at = t.data_ptr()
+        for e, (n, layout) in enumerate(zip(counts, layouts)):
+            nbytes = n * row_bytes
+            payload, payload_at = (batches.payload_buffer(nbytes)
+                                   if payload_all or 0 < nbytes <= limit else (None, 0))
+            queue.append((
+                Capture(step, microbatch, phase_id, site, role_id, e, 0, stage, layout, dtype,
+                        False, moments, False, -1, payload),
+                pack_head(at, code, ndim, layout.offsets[0] * row_gstride, payload_at)
+                + _DIM(n, stride0, row_gstride) + tail, t))
+            at += n * row_step
+        self.counters.captured += len(counts)
+        return True
+
+    def _new_split_plan(self, t: torch.Tensor, phase: str, site: str, role: str) -> tuple | None:
+        """What :meth:`_split_fast` needs for row segments of tensors like ``t``; None when the
+        fused kernel does not read it (complex included)."""
+        if t.dtype.is_complex or not self._digester.takes(t):
+            return None
+        rest = tuple(t.shape[1:])
+        gstrides = [1] * t.dim()
+        for d in range(t.dim() - 2, -1, -1):  # row-major over the logical (rows, *rest)
+            gstrides[d] = gstrides[d + 1] * t.shape[d + 1]
+        stride0 = t.stride(0)
+        tail = struct.pack(f"<{3 * len(rest)}q", *[v for d in zip(rest, t.stride()[1:],
+                                                                   gstrides[1:]) for v in d])
+        return (_dtype_name(t.dtype), has_moments(t.dtype), DTYPE_CODES[t.dtype], t.dim(),
+                math.prod(rest) * t.element_size(), gstrides[0], stride0 * t.element_size(),
+                stride0, tail, bool(self.config.payload and self._wants_payload(phase, site, role)),
+                PHASE_IDS[phase], ROLE_IDS[role])
 
     def _capture_fast(self, t: torch.Tensor, phase: str, site: str, role: str, index: int,
                       call: int, microbatch: int, stage: int, step: int) -> bool:
@@ -652,6 +740,9 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
 
 
 _DTENSOR: list = []
+
+_DIM = struct.Struct("<3q").pack
+"""One dim of a descriptor's tail: ``(size, stride, gstride)``."""
 
 
 def _local_shard(t):

@@ -148,6 +148,51 @@ def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]
     return out[0], out[1]
 
 
+def kind_costs(repeats: int = 1000) -> dict[str, float]:
+    """Median CPU microseconds of the captures that take their own fast path: a DTensor's
+    (4 KiB float32 local shard, Shard(0)) and one segment of ``capture_segments`` (8 segments of
+    a (64, 64) float32 tensor per call), in a process group of one gloo rank made here."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from agents.capture import Capturer, Counters
+    from agents.config import AgentConfig
+    from agents.identity import RankIdentity
+    from agents.ragged import rows_from_counts
+
+    if dist.is_initialized():
+        raise RuntimeError("kind_costs makes its own process group")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", rank=0, world_size=1,
+                                init_method=f"file://{os.path.join(tmp, 'store')}")
+        try:
+            dt = distribute_tensor(torch.randn(1024), init_device_mesh("cpu", (1,)), [Shard(0)])
+            cap = Capturer(AgentConfig(), RankIdentity(), lambda batch: None, Counters())
+            times = []
+            for i in range(repeats):
+                start = time.thread_time_ns()
+                cap.capture(dt, phase="fwd", site="x", index=i % 64)
+                times.append(time.thread_time_ns() - start)
+            out = {"dtensor": statistics.median(times) / 1e3}
+        finally:
+            dist.destroy_process_group()
+    counts = [9, 3, 0, 14, 7, 5, 11, 15]
+    x, rows = torch.randn(64, 64), rows_from_counts([counts], 0)
+    cap = Capturer(AgentConfig(phases=("fwd",)), RankIdentity(), lambda batch: None, Counters())
+    times = []
+    for i in range(repeats):
+        cap.microbatch = i
+        start = time.thread_time_ns()
+        cap.capture_segments(x, counts, rows, phase="fwd", site="experts", role="output")
+        times.append(time.thread_time_ns() - start)
+    out["segment"] = statistics.median(times) / 1e3 / len(counts)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead",
                                      description=__doc__.splitlines()[0])
@@ -167,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fused_us, eager_us = capture_cost()
     print(f"one 4 KiB float32 capture (hook to rows ready, median CPU time): fused "
           f"{fused_us:.1f} us, eager {eager_us:.1f} us")
+    kinds = kind_costs()
+    print(f"one capture of a DTensor's 4 KiB shard: {kinds['dtensor']:.1f} us; one expert "
+          f"segment of capture_segments (8 a call): {kinds['segment']:.1f} us")
     print("| scale | params | phases | captures/step | off (s) | on (s) | on/off | "
           "capture only/off | step not selected/off | off again/off (noise) | sender (ms/step) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -115,7 +115,8 @@ struct Tables {
       key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
     for (int64_t m = 0; m < LANES / 2; ++m) {
       even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
-      hi32[2 * m] = (uint32_t)(key[2 * m] >> 32), hi32[2 * m + 1] = (uint32_t)(key[2 * m + 1] >> 32);
+      hi32[2 * m] = (uint32_t)(key[2 * m] >> 32);
+      hi32[2 * m + 1] = (uint32_t)(key[2 * m + 1] >> 32);
     }
     for (uint32_t qq = 0; qq < LANES / 8; ++qq)
       for (uint32_t wl = 0; wl < 8; ++wl)

@@ -203,3 +203,70 @@ def test_dtensor_captures_take_the_fast_path_and_record_what_the_general_path_do
         lays = {(k[2], k[3]): v[0] for k, v in fast.items() if k[0] == 1}
         assert lays[(1, "0")].offsets == lays[(3, "0.w")].offsets == (3 * a, 5 * b)
         assert lays[(1, "direct0")].offsets == (3 * b, 5 * a)
+
+
+def _segment_records(digest: str) -> dict[tuple, tuple]:
+    """Records of expert segments (agents.Agent.capture_segments) over two steps: float32 rows
+    with their gradients, a strided bfloat16 tensor, 1-D token ids, empty segments, a payload
+    glob that asks for a large segment's bytes, and routing that changes between calls."""
+    from agents.ragged import rows_from_counts
+
+    g = torch.Generator().manual_seed(5)
+    cfg = AgentConfig(digest=digest, sketch_k=K, phases=("fwd", "bwd"), device_batch=16,
+                      payload=("fwd:experts.big",), payload_max_bytes=512)
+    batches = []
+    cap = Capturer(cfg, RankIdentity(), batches.append, Counters())
+    # (every part's counts, this rank's part): the last has rows of another part before its own
+    routings = [([[4, 0, 7, 1]], 0), ([[0, 5, 5, 2]], 0), ([[3, 3, 3, 3], [1, 0, 6, 2]], 1)]
+    for step in range(2):
+        cap.start_step(step)
+        for mb, (counts, part) in enumerate(routings):
+            cap.microbatch = mb
+            mine = counts[part]
+            rows = rows_from_counts(counts, part)
+            w = torch.randn(sum(mine), 6, generator=g, requires_grad=True)
+            out = torch.tanh(w * 3)
+            cap.capture_segments(out, mine, rows, phase="fwd", site="experts", role="output",
+                                 backward=True)
+            wide = torch.randn(12, sum(mine), generator=g).to(torch.bfloat16).t()  # strided
+            cap.capture_segments(wide, mine, rows, phase="fwd", site="experts.t", role="input")
+            ids = torch.randint(0, 1000, (sum(mine),), generator=g)
+            cap.capture_segments(ids, mine, rows, phase="fwd", site="experts.ids", role="input")
+            big = torch.randn(sum(mine), 40, generator=g)
+            cap.capture_segments(big, mine, rows, phase="fwd", site="experts.big", role="input")
+            out.square().sum().backward()
+        cap.flush()
+    out = {}
+    for b in batches:
+        for c in b.captures:
+            key = (c.step, c.microbatch, c.phase, c.site, c.role, c.index, c.call, c.stage)
+            assert key not in out, key
+            payload = None if c.payload is None else bytes(payload_bytes(c.payload))
+            out[key] = (c.layout, c.dtype, payload, b.i64[c.row].clone(), b.f64[c.row].clone())
+    return out, cap
+
+
+def test_expert_segments_take_the_fast_path_and_record_what_the_general_path_does():
+    """A MoE layer's segments are digested through a plan per site, inner shape and strides
+    (one descriptor each, no layout or index map worked out per segment), and must record
+    what the general path records: keys, ragged layouts, payload bytes, digests."""
+    assert cpu.load() is not None, cpu.load_error()
+    fast, cap = _segment_records("auto")
+    ref, _ = _segment_records("eager")
+    assert fast.keys() == ref.keys()
+    # per step: 3 microbatches x 4 segments x (output, its gradient, strided, ids, big)
+    assert len(fast) == 2 * 3 * 4 * 5
+    assert [p for key, p in cap._plans.items() if key[0] == "split" and p is not None]
+    for key, (layout, dtype, payload, i64, f64) in fast.items():
+        r_layout, r_dtype, r_payload, r_i64, r_f64 = ref[key]
+        assert (layout, dtype) == (r_layout, r_dtype), key
+        assert payload == r_payload, key
+        assert torch.equal(i64, r_i64), key
+        assert torch.equal(f64[2:5], r_f64[2:5]), key
+        assert torch.allclose(f64, r_f64, rtol=1e-9, atol=1e-9), key
+    sizes: dict[str, int] = {}
+    for k, v in fast.items():
+        if v[2] is not None:
+            sizes[k[3]] = max(sizes.get(k[3], 0), len(v[2]))
+    assert sizes["experts.big"] == 7 * 40 * 4 and "experts.t" in sizes  # the glob; small ones
+    assert {v[0].offsets[0] for k, v in fast.items() if k[1] == 2} == {3}  # after part 0's
