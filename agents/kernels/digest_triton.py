@@ -405,8 +405,9 @@ def digest_prepared(pieces: list[Prepared], *, sketch_k: int) -> tuple[torch.Ten
     groups: dict[tuple, list[int]] = {}
     for j, p in enumerate(pieces):
         x = p.x
-        groups.setdefault((x.dtype, p.aligned, x.data_ptr() % x.element_size() if p.n else 0),
-                          []).append(j)
+        # The float type too: bfloat16, float16 and uint16 all load as uint16.
+        groups.setdefault((x.dtype, p.float_type, p.aligned,
+                           x.data_ptr() % x.element_size() if p.n else 0), []).append(j)
     desc: list[tuple[int, ...]] = []
     spans = []
     for members in groups.values():

@@ -235,6 +235,8 @@ def _mixed_pieces() -> list[tuple[torch.Tensor, PieceLayout]]:
         (other[::3], PieceLayout((1000,), (1,), (333,))),  # aligned, memory stride 3
         (half, PieceLayout((80, 30), (40, 0), (40, 30))),
         (_values(torch.float64, 1, 26), PieceLayout((9,), (8,), (1,))),
+        # the same load dtype as bfloat16 (uint16), another float type: its own launch
+        (_values(torch.float16, 600, 27), PieceLayout.full((600,))),
     ]
 
 
@@ -246,6 +248,21 @@ def test_a_list_of_pieces_gives_each_piece_its_own_digest(triton_digest, k):
     assert f64.shape == (len(pieces), N_MOMENTS + k) and i64.shape == (len(pieces), 6)
     for j, (t, layout) in enumerate(pieces):
         _assert_rows((f64[j], i64[j]), t, layout, k)
+
+
+def test_types_that_load_alike_keep_their_own_digests_in_one_list(triton_digest):
+    """float32 and uint32 load as uint32, bfloat16, float16 and uint16 as uint16: in one list
+    each keeps its own digest (floats their moments and sketch, unsigned ints their values)."""
+    layout = PieceLayout((700,), (30,), (600,))
+    ints = _values(torch.int64, 600, 51).abs() % 60000
+    pieces = [_values(torch.bfloat16, 600, 52), _values(torch.float16, 600, 53),
+              _values(torch.float32, 600, 54), ints.to(torch.uint16), ints.to(torch.uint32)]
+    f64, i64 = triton_digest.digest_pieces_triton([(t, layout) for t in pieces], sketch_k=K)
+    for j, t in enumerate(pieces[:3]):
+        _assert_rows((f64[j], i64[j]), t, layout)
+    want = triton_digest.digest_piece_triton(ints, layout, sketch_k=K)  # by value, as int64
+    for j in (3, 4):
+        assert torch.equal(i64[j], want[1]) and torch.equal(f64[j], want[0]), j
 
 
 def test_many_pieces_of_one_group_find_their_tiles(triton_digest):
