@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import struct
+import weakref
 from collections import Counter, deque
 from typing import Callable
 
@@ -105,9 +106,10 @@ class Capturer:
         self._ragged_layouts: dict[tuple, PieceLayout] = {}
         """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
         self._dtensor_layouts: dict[tuple, tuple] = {}
-        """(id(mesh), placements, global shape) -> (mesh, layout of this rank's shard): worked
-        out once (torch's local shape and offset computation cost ~50 us a capture), the mesh
-        kept so that its id is not reused while cached."""
+        """(id(mesh), placements, global shape) -> (weak reference to the mesh, layout of this
+        rank's shard): worked out once (torch's local shape and offset computation cost ~50 us
+        a capture). The reference tells a reused id apart without keeping the mesh, and with
+        it its process groups, alive until the interpreter's teardown."""
         self._logged: set[str] = set()
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
@@ -620,11 +622,11 @@ class Capturer:
         mesh = t.device_mesh
         key = (id(mesh), tuple(t.placements), t.shape)
         hit = self._dtensor_layouts.get(key)
-        if hit is None or hit[0] is not mesh:
+        if hit is None or hit[0]() is not mesh:
             layout = dtensor_layout(t)  # raises for placements it cannot place: not cached
             if len(self._dtensor_layouts) >= MAX_CACHED_LAYOUTS:
                 self._dtensor_layouts.clear()
-            hit = self._dtensor_layouts[key] = (mesh, layout)
+            hit = self._dtensor_layouts[key] = (weakref.ref(mesh), layout)
         return hit[1]
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:

@@ -52,6 +52,7 @@ from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
 from examples.dsv3.data import batches, local_batch
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
 from examples.dsv3_spmd import full_grads
+from examples.teardown import exit_rank
 
 RUN_ENV = "NUMAUDIT_RUN"
 """Run name when --name is not given. The agent reads it too and, when both are set, lets it win
@@ -463,3 +464,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()  # skips a gloo teardown abort (examples/teardown.py)

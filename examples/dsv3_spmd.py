@@ -36,6 +36,7 @@ from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
                                     capture_experts, capture_input_tokens, close_agent)
 from examples.dsv3.data import batches
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn
+from examples.teardown import exit_rank
 
 RUN_ENV = "NUMAUDIT_RUN"
 """Run name when --name is not given. The agent reads it too and, when both are set, lets it win
@@ -165,3 +166,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()  # skips a gloo teardown abort (examples/teardown.py)

@@ -12,13 +12,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import agents
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: `examples.*`
+
+import agents  # noqa: E402
+from examples.teardown import exit_rank  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -97,3 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()  # skips a gloo teardown abort (examples/teardown.py)

@@ -270,3 +270,30 @@ def test_expert_segments_take_the_fast_path_and_record_what_the_general_path_doe
             sizes[k[3]] = max(sizes.get(k[3], 0), len(v[2]))
     assert sizes["experts.big"] == 7 * 40 * 4 and "experts.t" in sizes  # the glob; small ones
     assert {v[0].offsets[0] for k, v in fast.items() if k[1] == 2} == {3}  # after part 0's
+
+
+def test_the_dtensor_layout_cache_keeps_no_mesh_alive(fake_rank):
+    """A mesh holds its process groups; the agent outlives the model (it closes at exit), so a
+    cached layout must not keep the mesh alive into the interpreter's teardown."""
+    import gc
+    import weakref
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    fake_rank(1)
+    cap = Capturer(AgentConfig(sketch_k=K), RankIdentity(), lambda batch: None, Counters())
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    dt = DTensor.from_local(torch.randn(3, 5), mesh, [Shard(0)], run_check=False)
+    cap.capture(dt, phase="fwd", site="x")
+    assert cap._dtensor_layouts and cap.counters.captured == 1 and not cap.counters.errors
+    gone = weakref.ref(mesh)
+    del dt, mesh
+    gc.collect()
+    assert gone() is None
+    # a new mesh, maybe at the old one's address, gets its own layout
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))
+    dt = DTensor.from_local(torch.randn(3, 5), mesh, [Replicate(), Shard(0)], run_check=False)
+    cap.capture(dt, phase="fwd", site="x")
+    lay = cap._dtensor_layout(dt)
+    assert lay.logical_shape == (6, 5) and lay.replica and not cap.counters.errors

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import agents  # noqa: E402
 from agents.pipeline import agent_loss, watch_stages  # noqa: E402
+from examples.teardown import exit_rank  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LAYERS = 16, 8, 16, 4
 MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
@@ -292,3 +293,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()  # skips a gloo teardown abort (examples/teardown.py)
