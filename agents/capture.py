@@ -30,7 +30,7 @@ from agents.digest import has_moments
 from agents.fastpath import Digester
 from agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
 from agents.identity import RankIdentity
-from agents.kernels.cpu import DTYPE_CODES, pack_head
+from agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
                            last_dim_shard_layout, ragged_layout, reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
@@ -459,7 +459,8 @@ class Capturer:
 
         return self._backward_hook((step, mb, site, "segments", role), step, capture)
 
-    def _segment_layouts(self, rest: tuple[int, ...], counts: list[int], rows) -> list[PieceLayout]:
+    def _segment_layouts(self, rest: tuple[int, ...], counts: list[int],
+                         rows) -> list[PieceLayout]:
         """The ragged layout of each segment (``rows[e]`` places segment e's ``counts[e]``
         rows), one object per distinct place: cached, as a segment's layout repeats whenever
         its expert's share of the routing does."""
@@ -538,8 +539,7 @@ class Capturer:
         for d in range(t.dim() - 2, -1, -1):  # row-major over the logical (rows, *rest)
             gstrides[d] = gstrides[d + 1] * t.shape[d + 1]
         stride0 = t.stride(0)
-        tail = struct.pack(f"<{3 * len(rest)}q", *[v for d in zip(rest, t.stride()[1:],
-                                                                   gstrides[1:]) for v in d])
+        tail = descriptor_tail(t, gstrides)[_DIM_BYTES:]  # dims 1..: the same for every segment
         return (_dtype_name(t.dtype), has_moments(t.dtype), DTYPE_CODES[t.dtype], t.dim(),
                 math.prod(rest) * t.element_size(), gstrides[0], stride0 * t.element_size(),
                 stride0, tail, bool(self.config.payload and self._wants_payload(phase, site, role)),
@@ -745,6 +745,7 @@ _DTENSOR: list = []
 
 _DIM = struct.Struct("<3q").pack
 """One dim of a descriptor's tail: ``(size, stride, gstride)``."""
+_DIM_BYTES = struct.calcsize("<3q")
 
 
 def _local_shard(t):

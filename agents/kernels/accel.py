@@ -7,9 +7,9 @@ buckets) triggers a self-check that digests a few test pieces both ways on that 
 whole tensor for the kernel's aligned path, a shard starting mid-block and a transposed piece for
 its general path, in one call as the agent makes them, with NaN, infinities and signed zeros for
 float dtypes). Only if fingerprints, counts and min/max/abs-max are bitwise equal and sums and
-sketches equal within float64 rounding is Triton used for that combination; otherwise, or when Triton is missing or fails to
-compile, the agent warns once and those pieces keep the eager path. Digests therefore never
-depend on which implementation ran.
+sketches equal within float64 rounding is Triton used for that combination; otherwise, or when
+Triton is missing or fails to compile, the agent warns once and those pieces keep the eager
+path. Digests therefore never depend on which implementation ran.
 
 The check compiles the kernel for that combination (seconds, once per process), in the step of
 the first such capture.
