@@ -138,6 +138,12 @@ def test_strided_and_sharded_pieces(triton_digest, k, dtype):
     # Strided rows of a batch split.
     v = _values(dtype, 2 * 601, 5).reshape(2, 601)[:, ::2]
     _assert_same(triton_digest, v, batch_layout((2, 301), dp_rank=1, dp_size=3), k)
+    # Broadcast views (stride 0), as expand() and the gradients of broadcast ops give them:
+    # every logical element is read, some of them from one address.
+    _assert_same(triton_digest, _values(dtype, 300, 6).expand(4, 300), PieceLayout.full((4, 300)),
+                 k)
+    _assert_same(triton_digest, _values(dtype, 5, 7).reshape(5, 1).expand(5, 600),
+                 PieceLayout((10, 600), (5, 0), (5, 600)), k)
 
 
 def test_all_nonfinite_piece(triton_digest):
