@@ -686,11 +686,17 @@ class Capturer:
     def capture_parameters(self, model: torch.nn.Module, *, grads: bool, stage: int = -1) -> None:
         """Capture every parameter's gradient (None recorded explicitly) or value."""
         phase = "grad" if grads else "param"
-        if not self.wants(phase):
+        if self.wants(phase):
+            self.capture_values(((normalize_site(name), stage, p.grad if grads else p)
+                                 for name, p in model.named_parameters()), phase=phase)
+
+    def capture_values(self, items, *, phase: str) -> None:
+        """Capture step-level values, ``(site, stage, tensor or None)`` items, under ``phase``
+        (role value; None recorded explicitly): a sweep over parameters or their gradients,
+        digested in one kernel call and handed to the sender. Never raises."""
+        if not self._step_on:
             return
-        for name, p in model.named_parameters():
-            site = normalize_site(name)
-            t = p.grad if grads else p
+        for site, stage, t in items:
             if t is None or not self._capture_fast(t, phase, site, "value", 0, 0, STEP_LEVEL,
                                                    stage, self.step):
                 self._capture_one(t, phase=phase, site=site, role="value",

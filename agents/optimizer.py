@@ -68,12 +68,12 @@ class OptimizerWatch:
         try:
             if not self._stepping():
                 return
-            for site, stage, p in self._named():
-                capturer.capture(p.grad, phase="optim_grad", site=site, role="value",
-                                 microbatch=STEP_LEVEL, stage=stage)
-                if self.updates:
-                    self._before.append((p, p.detach().clone()))
-            capturer.flush()
+            named = self._named()
+            # one sweep: every gradient digested in one kernel call
+            capturer.capture_values(((site, stage, p.grad) for site, stage, p in named),
+                                    phase="optim_grad")
+            if self.updates:
+                self._before.extend((p, p.detach().clone()) for _, _, p in named)
         except Exception as exc:
             self._before.clear()
             capturer._failed("optimizer step pre-hook", exc)
