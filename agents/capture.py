@@ -749,9 +749,9 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
 
 _DTENSOR: list = []
 
-_DIM = struct.Struct("<3q").pack
+_DIM_STRUCT = struct.Struct("<3q")
 """One dim of a descriptor's tail: ``(size, stride, gstride)``."""
-_DIM_BYTES = struct.calcsize("<3q")
+_DIM, _DIM_BYTES = _DIM_STRUCT.pack, _DIM_STRUCT.size
 
 
 def _local_shard(t):

@@ -390,8 +390,8 @@ def digest_prepared(pieces: list[Prepared], *, sketch_k: int) -> tuple[torch.Ten
     """The rows of ``pieces`` (all on one device): ``(f64 [m, 5 + k], i64 [m, 6])`` on that
     device, row j the digest of piece j, as agents.digest.digest_piece computes it.
 
-    Pieces are grouped by load dtype and index path (and by address alignment, for the offsets
-    from the anchor): per group one launch digests every tile of every piece and one launch
+    Pieces are grouped by load dtype, float type and index path (and by address alignment, for
+    the offsets from the anchor): per group one launch digests every tile of every piece and one launch
     finishes every row, after one descriptor upload and one zeroed output for the whole list.
     No host synchronization."""
     if sketch_k < 1 or sketch_k & (sketch_k - 1):
