@@ -341,17 +341,30 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
 
     # The comparison engine wires these two; the decorator already maps its errors.
     @_rpc("unary_unary")
-    async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
+    async def Compare(self, request: pb.CompareRequest, context: Any) -> bytes:
         from auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
 
         return await rpc_compare.compare(self, request, context)
 
     @_rpc("unary_stream")
-    async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
+    async def Watch(self, request: pb.WatchRequest,
+                    context: Any) -> AsyncIterator[pb.WatchEvent | bytes]:
         from auditor.daemon import compare_service as rpc_compare
 
         async for event in rpc_compare.watch(self, request, context):
             yield event
+
+
+def _serializer(cls: type) -> Callable[[Any], bytes]:
+    """A response serializer that passes bytes through: a handler whose reply was serialized
+    in a worker process (Compare) returns those bytes, so the daemon never holds a large reply
+    as a message or serializes it on its event loop."""
+    serialize = cls.SerializeToString
+
+    def to_bytes(reply: Any) -> bytes:
+        return reply if type(reply) is bytes else serialize(reply)
+
+    return to_bytes
 
 
 def add_auditor_service(service: AuditorService, server: grpc.aio.Server) -> None:
@@ -370,7 +383,7 @@ def add_auditor_service(service: AuditorService, server: grpc.aio.Server) -> Non
         handlers[method.name] = make(
             getattr(service, method.name),
             request_deserializer=_lenient_parser(GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString)
+            response_serializer=_serializer(GetMessageClass(method.output_type)))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

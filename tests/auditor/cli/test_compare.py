@@ -180,6 +180,24 @@ def test_cli_against_the_daemon_prints_the_same_report(daemon, db):
     assert gone.exit_code == 2 and "nope" in gone.output
 
 
+def test_watch_rpc_hands_a_large_poll_out_in_chunks(daemon, monkeypatch):
+    """A poll that finds many keys at once reaches the client in chunks of
+    WATCH_EVENTS_PER_CALL events from the watch worker: the same events, in the same order, as
+    in one piece (the daemon never unpickles a whole store's findings at once)."""
+    from auditor.daemon import compare_service
+
+    _, stub = daemon
+    request = pb.WatchRequest(ref="ref", cand="bumped", poll_interval_s=0.05, timeout_s=5)
+    whole = [e.SerializeToString() for e in stub.Watch(request, timeout=T)]
+    monkeypatch.setattr(compare_service, "WATCH_EVENTS_PER_CALL", 2)
+    chunked = [e.SerializeToString() for e in stub.Watch(request, timeout=T)]
+    events = [pb.WatchEvent.FromString(e) for e in whole]
+    findings = [e for e in events if e.finding_json and not e.first_divergence]
+    assert len(findings) > 4  # several chunks of 2
+    assert chunked == whole
+    assert events[-1].status == f"done: both runs finished, {len(findings)} findings"
+
+
 def test_watch_rpc_streams_findings_and_announces_once(daemon):
     _, stub = daemon
     events = list(stub.Watch(pb.WatchRequest(ref="ref", cand="bumped", poll_interval_s=0.05,
