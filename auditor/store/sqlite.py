@@ -125,7 +125,12 @@ larger pages slowed by 5-10%; it reads key segments now (`auditor.store.key_segm
 WAL_CHECKPOINT_BYTES = 4 << 20
 """The WAL is checkpointed into the database when it passes this size (SQLite counts it in
 pages, 1000 by default: 4 MiB with 4 KiB pages, 16 MiB with 16 KiB ones; the same bytes whatever
-the page size keep the WAL file, and the disk it needs, as small as before)."""
+the page size keep the WAL file, and the disk it needs, as small as before). The daemon's writer
+leaves this to a background checkpointer (`auditor.store.writer`) and checkpoints itself only
+past WAL_BACKSTOP_BYTES."""
+WAL_BACKSTOP_BYTES = 16 * WAL_CHECKPOINT_BYTES
+"""The WAL size at which a writer whose checkpoints run in the background checkpoints at commit
+anyway (the background thread fell behind, or stopped)."""
 
 # Columns added after version 1 of the schema: (table, column, declaration), for `_upgrade`.
 _ADDED_COLUMNS = (
@@ -177,8 +182,10 @@ def content_hash(record: pb.Record) -> bytes:
     return content_hashes(from_records([record]))[0]
 
 
-def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
-    """Open the store (creating the schema on first write) with the pragmas numaudit relies on."""
+def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = False,
+            checkpoint_bytes: int = WAL_CHECKPOINT_BYTES) -> sqlite3.Connection:
+    """Open the store (creating the schema on first write) with the pragmas numaudit relies on;
+    a writing connection checkpoints the WAL at commit once it passes `checkpoint_bytes`."""
     check_store_file(path, create=not readonly)
     if readonly:
         uri = f"file:{Path(path).resolve()}?mode=ro"
@@ -190,7 +197,7 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         conn.execute("PRAGMA journal_mode=WAL")
         page = conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.execute(f"PRAGMA wal_autocheckpoint = {max(1, WAL_CHECKPOINT_BYTES // page)}")
+        conn.execute(f"PRAGMA wal_autocheckpoint = {max(1, checkpoint_bytes // page)}")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         _upgrade(conn)
         conn.executescript(_SCHEMA)
@@ -215,9 +222,10 @@ def _upgrade(conn: sqlite3.Connection) -> None:
 class Store:
     """Write side of the store. Not thread-safe: owned by one writer thread."""
 
-    def __init__(self, path: str | Path, *, synchronous: str = "FULL") -> None:
+    def __init__(self, path: str | Path, *, synchronous: str = "FULL",
+                 checkpoint_bytes: int = WAL_CHECKPOINT_BYTES) -> None:
         self.path = Path(path)
-        self.conn = connect(path, synchronous=synchronous)
+        self.conn = connect(path, synchronous=synchronous, checkpoint_bytes=checkpoint_bytes)
         self._site_ids: dict[str, int] = dict(
             (name, sid) for sid, name in self.conn.execute("SELECT site_id, name FROM sites")
         )

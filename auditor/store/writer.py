@@ -5,20 +5,75 @@ the transaction holding that work has committed — which is what lets the serve
 once it is durable. Work queued while a commit runs is committed together in the next
 transaction; each item sits in its own savepoint, so one failing item rolls back alone
 (`auditor.store.work_queue`).
+
+The WAL is checkpointed by a second thread on its own connection (`Checkpointer`), not at
+commit: a checkpoint copies pages into the database and syncs it, which on a busy disk took
+30-340 ms, and a commit that ran it held every ack of its group that long (while readers hold
+old snapshots the WAL stays past the threshold and every commit tried again). SQLite lets a
+checkpoint run beside the writer; the writer checkpoints itself only past WAL_BACKSTOP_BYTES.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sqlite3
+import threading
 from pathlib import Path
 
 from auditor.store import Store
+from auditor.store.sqlite import WAL_BACKSTOP_BYTES
 from auditor.store.work_queue import QueuedWriter, WriterClosed, fail, resolve, run_group
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StoreWriter", "WriterClosed"]
+__all__ = ["Checkpointer", "StoreWriter", "WriterClosed"]
+
+CHECKPOINT_INTERVAL_S = 0.25
+"""How often the checkpointer looks for committed pages to copy into the database."""
+
+
+class Checkpointer:
+    """Checkpoints a store's WAL (PRAGMA wal_checkpoint(PASSIVE): never waits for the writer or
+    readers; copies what no reader still needs) on its own connection and thread, at most every
+    CHECKPOINT_INTERVAL_S and only after a commit (`committed`)."""
+
+    def __init__(self, path: str | Path, synchronous: str) -> None:
+        self._conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30,
+                                     isolation_level=None)
+        self._conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self.checkpoints = 0
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="numaudit-store-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def committed(self) -> None:
+        """The writer committed: there may be pages to checkpoint."""
+        self._dirty.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._dirty.wait(CHECKPOINT_INTERVAL_S) and not self._stop.is_set():
+                self._dirty.clear()
+                try:
+                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    self.checkpoints += 1
+                except sqlite3.Error as exc:  # the writer's backstop checkpoints instead
+                    if not self._failed:
+                        log.warning("store checkpoint failed (the writer checkpoints past "
+                                    "%d MiB of WAL): %s", WAL_BACKSTOP_BYTES >> 20, exc)
+                        self._failed = True
+                self._stop.wait(CHECKPOINT_INTERVAL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._dirty.set()
+        self._thread.join(30)
+        self._conn.close()
+
 
 
 class StoreWriter(QueuedWriter):
@@ -34,11 +89,17 @@ class StoreWriter(QueuedWriter):
         self._ready.result()  # raises if the store could not be opened
 
     def _serve(self) -> None:
+        store = None
         try:
-            store = Store(self._path, synchronous=self._synchronous)
+            store = Store(self._path, synchronous=self._synchronous,
+                          checkpoint_bytes=WAL_BACKSTOP_BYTES)
+            checkpointer = Checkpointer(self._path, self._synchronous)
         except BaseException as exc:  # reported to the constructor
+            if store is not None:
+                store.close()
             self._ready.set_exception(exc)
             return
+        self.checkpointer = checkpointer
         self._ready.set_result(None)
         try:
             stop = False
@@ -46,7 +107,9 @@ class StoreWriter(QueuedWriter):
                 items, stop = self._take()
                 if items:
                     self._commit(store, items)
+                    checkpointer.committed()
         finally:
+            checkpointer.close()  # first: the writer's connection, closed last, checkpoints all
             store.close()
 
     @staticmethod

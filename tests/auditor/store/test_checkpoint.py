@@ -1,0 +1,87 @@
+"""The daemon's writer leaves WAL checkpoints to a background thread: a commit never copies pages
+into the database or syncs it (that held acks for 30-340 ms on a busy disk), yet the WAL is
+still checkpointed, and closing the writer leaves no WAL behind."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+
+from auditor.store import Reader
+from auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
+from auditor.store.writer import StoreWriter
+from tests.auditor.builders import batch, record, register_request
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _ingest(writer: StoreWriter, seq: int, n: int) -> None:
+    writer.submit(lambda s: s.ingest(batch(seq, [record(seq, j, f"layers.{j}")
+                                                 for j in range(n)]))).result(10)
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_commits_leave_checkpoints_to_the_background_thread(tmp_path):
+    db = tmp_path / "audit.db"
+    w = StoreWriter(db, synchronous="NORMAL")
+    try:
+        # The writer's own connection checkpoints only past the backstop.
+        page = w.submit(lambda s: s.conn.execute("PRAGMA page_size").fetchone()[0]).result(10)
+        auto = w.submit(lambda s: s.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+        assert auto.result(10) == WAL_BACKSTOP_BYTES // page > WAL_CHECKPOINT_BYTES // page
+        w.submit(lambda s: s.register(register_request())).result(10)
+        before = w.checkpointer.checkpoints
+        for seq in range(1, 41):  # a few MB of WAL, in many small commits as agents send
+            _ingest(w, seq, 32)
+        # The background thread checkpoints after the last commit: every frame of the WAL is
+        # then in the database (a passive checkpoint from here finds nothing left to copy).
+        assert _wait(lambda: w.checkpointer.checkpoints > before and not w.checkpointer._dirty
+                     .is_set())
+        conn = sqlite3.connect(str(db))
+        try:
+            busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        finally:
+            conn.close()
+        assert busy == 0 and frames == copied
+    finally:
+        w.close()
+    # The writer's connection closed last, so SQLite checkpointed everything and removed the WAL.
+    wal = db.with_name(db.name + "-wal")
+    assert not wal.exists() or wal.stat().st_size == 0
+    reader = Reader(db)
+    try:
+        assert sum(1 for _ in reader.records("ref")) == 40 * 32
+    finally:
+        reader.close()
+
+
+def test_a_reader_holding_a_snapshot_does_not_stop_commits(tmp_path):
+    """A passive checkpoint copies only what no reader still needs; the writer goes on."""
+    db = tmp_path / "audit.db"
+    w = StoreWriter(db, synchronous="NORMAL")
+    try:
+        w.submit(lambda s: s.register(register_request())).result(10)
+        _ingest(w, 1, 8)
+        reader = sqlite3.connect(str(db), isolation_level=None)
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 8
+        for seq in range(2, 12):
+            _ingest(w, seq, 8)
+        assert _wait(lambda: w.checkpointer.checkpoints >= 1)
+        # The snapshot still reads what it saw; the writer's commits all landed.
+        assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 8
+        reader.execute("COMMIT")
+        assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 88
+        reader.close()
+    finally:
+        w.close()
