@@ -1,0 +1,78 @@
+"""Mixed precision as training code writes it: `torch.autocast` around the forward (bfloat16
+activations and gradients, float32 weights), against a real daemon and SQLite store.
+
+Two identical autocast runs compare bitwise identical, forward and backward captures included;
+an autocast run against the same model in float32 breaches the bitwise policy, and its findings
+carry both dtypes, so the report says why (an unflagged dtype change would read as numerics)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import agents
+from auditor.compare.engine import compare_runs
+from auditor.compare.policy import preset_policy
+from auditor.store import RECORD_COLUMNS, Reader
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.a = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.b = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(self.norm(torch.relu(self.a(self.emb(x)))))
+
+
+def _job(address: str, run: str, amp: bool) -> dict:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    agent = agents.attach(model, run=run, address=address, optimizer=opt,
+                          phases=("fwd", "bwd", "grad", "loss", "param"))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        with agent.step(step):
+            for j in range(2):
+                with agent.microbatch(j):
+                    x = torch.randint(0, 32, (4, 6), generator=gen)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                        logits = model(x)
+                        loss = torch.nn.functional.cross_entropy(
+                            logits.flatten(0, 1).float(), x.flatten())
+                    agent.capture(loss, site="loss", phase="loss")
+                    (loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return agent.close()
+
+
+def test_autocast_runs_compare_bitwise_and_a_dtype_change_is_named(auditor_server):
+    addr, db = auditor_server.address, auditor_server.db_path
+    for run, amp in (("amp1", True), ("amp2", True), ("fp32", False)):
+        summary = _job(addr, run, amp)
+        assert summary["acked"] == summary["captured"] > 0 and summary["errors"] == 0
+    reader = Reader(db)
+    try:
+        col = {name: i for i, name in enumerate(RECORD_COLUMNS)}
+        dtypes = {r[col["dtype"]] for r in reader.records("amp1")}
+    finally:
+        reader.close()
+    assert {"bfloat16", "float32"} <= dtypes  # activations and their gradients, and weights
+    same = compare_runs(db, "amp1", "amp2", preset_policy("bitwise"))
+    assert same.exit_code == 0 and same.first is None
+    assert {f.verdict for f in same.findings()} == {"identical"}
+    phases = {f.key.phase for f in same.findings()}
+    assert {"fwd", "bwd", "grad", "loss", "param"} <= phases
+    mixed = compare_runs(db, "fp32", "amp1", preset_policy("bitwise"))
+    assert mixed.exit_code == 1
+    first = mixed.first
+    assert (first.key.step, first.key.microbatch, first.key.phase, first.key.site) == \
+        (0, 0, "fwd", "a")
+    assert first.as_dict()["dtype"] == {"ref": "float32", "cand": "bfloat16"}
