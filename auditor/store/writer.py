@@ -75,7 +75,6 @@ class Checkpointer:
         self._conn.close()
 
 
-
 class StoreWriter(QueuedWriter):
     """Owns the write connection; `submit` from any thread, `close` flushes and stops."""
 
