@@ -3,9 +3,10 @@
 Guarantees checked: the daemon answers UNAVAILABLE (never INTERNAL or UNKNOWN) and logs the store
 error, nothing acked is lost, it recovers by itself when space returns, the agent's resends are
 stored once, and the file passes `PRAGMA integrity_check`. A write that still fits is stored and
-acked: once a background checkpoint has copied the WAL into the database, SQLite writes the WAL
-from its start again, so a fresh client's one-record batch may fit where the writer's batches no
-longer do; whatever it was told, it was told the truth.
+acked: commits no longer checkpoint (a background thread does, auditor/store/writer.py), so a
+fresh client's one-record batch only appends a few WAL frames, which may fit under the limit
+where the writer's batches of hundreds of records no longer do; whatever it was told, it was
+told the truth.
 
 Two ways to run out of space: a tiny tmpfs filled up by a file (needs root and CAP_SYS_ADMIN;
 skipped otherwise), and RLIMIT_FSIZE lowered on the running daemon with prlimit (any Linux), which
