@@ -44,6 +44,10 @@ class Checkpointer:
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
         self._dirty = threading.Event()
         self._stop = threading.Event()
+        self.commits = 0
+        """Commits the writer reported (`committed`)."""
+        self.covered = 0
+        """Commits whose pages the last finished checkpoint was run after."""
         self.checkpoints = 0
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="numaudit-store-checkpoint",
@@ -51,16 +55,19 @@ class Checkpointer:
         self._thread.start()
 
     def committed(self) -> None:
-        """The writer committed: there may be pages to checkpoint."""
+        """The writer committed: there may be pages to checkpoint (writer thread only)."""
+        self.commits += 1
         self._dirty.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._dirty.wait(CHECKPOINT_INTERVAL_S) and not self._stop.is_set():
                 self._dirty.clear()
+                upto = self.commits  # read after the clear: a later commit sets it again
                 try:
                     self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                     self.checkpoints += 1
+                    self.covered = upto
                 except sqlite3.Error as exc:  # the writer's backstop checkpoints instead
                     if not self._failed:
                         log.warning("store checkpoint failed (the writer checkpoints past "
@@ -105,16 +112,16 @@ class StoreWriter(QueuedWriter):
             while not stop:
                 items, stop = self._take()
                 if items:
-                    self._commit(store, items)
-                    checkpointer.committed()
+                    self._commit(store, items, checkpointer)
         finally:
             checkpointer.close()  # first: the writer's connection, closed last, checkpoints all
             store.close()
 
     @staticmethod
-    def _commit(store: Store, items: list) -> None:
+    def _commit(store: Store, items: list, checkpointer: Checkpointer) -> None:
         try:
             outcomes = run_group(store, items)
+            checkpointer.committed()  # before the acks: whoever got one can wait for its pages
         except Exception as exc:  # the commit itself failed (disk full, I/O error)
             log.error("store commit failed: %s", exc)
             try:

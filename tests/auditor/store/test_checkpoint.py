@@ -5,7 +5,6 @@ still checkpointed, and closing the writer leaves no WAL behind."""
 from __future__ import annotations
 
 import sqlite3
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from auditor.store import Reader
 from auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
 from auditor.store.writer import StoreWriter
 from tests.auditor.builders import batch, record, register_request
+from tests.faults.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,15 +20,6 @@ pytestmark = pytest.mark.timeout(60)
 def _ingest(writer: StoreWriter, seq: int, n: int) -> None:
     writer.submit(lambda s: s.ingest(batch(seq, [record(seq, j, f"layers.{j}")
                                                  for j in range(n)]))).result(10)
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_commits_leave_checkpoints_to_the_background_thread(tmp_path):
@@ -40,13 +31,13 @@ def test_commits_leave_checkpoints_to_the_background_thread(tmp_path):
         auto = w.submit(lambda s: s.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
         assert auto.result(10) == WAL_BACKSTOP_BYTES // page > WAL_CHECKPOINT_BYTES // page
         w.submit(lambda s: s.register(register_request())).result(10)
-        before = w.checkpointer.checkpoints
         for seq in range(1, 41):  # a few MB of WAL, in many small commits as agents send
             _ingest(w, seq, 32)
         # The background thread checkpoints after the last commit: every frame of the WAL is
         # then in the database (a passive checkpoint from here finds nothing left to copy).
-        assert _wait(lambda: w.checkpointer.checkpoints > before and not w.checkpointer._dirty
-                     .is_set())
+        cp = w.checkpointer
+        wait_until(lambda: cp.covered == cp.commits, 10, "a checkpoint after the last commit")
+        assert cp.commits >= 41
         conn = sqlite3.connect(str(db))
         try:
             busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -77,7 +68,7 @@ def test_a_reader_holding_a_snapshot_does_not_stop_commits(tmp_path):
         assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 8
         for seq in range(2, 12):
             _ingest(w, seq, 8)
-        assert _wait(lambda: w.checkpointer.checkpoints >= 1)
+        wait_until(lambda: w.checkpointer.checkpoints >= 1, 10, "a checkpoint")
         # The snapshot still reads what it saw; the writer's commits all landed.
         assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 8
         reader.execute("COMMIT")
