@@ -1,9 +1,13 @@
 """Mixed precision as training code writes it: `torch.autocast` around the forward (bfloat16
-activations and gradients, float32 weights), against a real daemon and SQLite store.
+activations and gradients, float32 weights), and loss scaling with `torch.amp.GradScaler`,
+against a real daemon and SQLite store (docs/parallelisms.md, "Mixed precision").
 
 Two identical autocast runs compare bitwise identical, forward and backward captures included;
 an autocast run against the same model in float32 breaches the bitwise policy, and its findings
-carry both dtypes, so the report says why (an unflagged dtype change would read as numerics)."""
+carry both dtypes, so the report says why (an unflagged dtype change would read as numerics).
+Two runs whose scalers scale by different powers of two agree bitwise wherever the gradients
+are unscaled (the optimizer's side) and differ where they are not (`bwd`, `grad`); a declared
+`grad_scale` brings `bwd` within tolerance."""
 
 from __future__ import annotations
 
@@ -31,11 +35,13 @@ class Net(torch.nn.Module):
         return self.b(self.norm(torch.relu(self.a(self.emb(x)))))
 
 
+PHASES = ("fwd", "bwd", "grad", "loss", "param")
+
+
 def _job(address: str, run: str, amp: bool) -> dict:
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    agent = agents.attach(model, run=run, address=address, optimizer=opt,
-                          phases=("fwd", "bwd", "grad", "loss", "param"))
+    agent = agents.attach(model, run=run, address=address, optimizer=opt, phases=PHASES)
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
         with agent.step(step):
@@ -76,3 +82,44 @@ def test_autocast_runs_compare_bitwise_and_a_dtype_change_is_named(auditor_serve
     assert (first.key.step, first.key.microbatch, first.key.phase, first.key.site) == \
         (0, 0, "fwd", "a")
     assert first.as_dict()["dtype"] == {"ref": "float32", "cand": "bfloat16"}
+
+
+def _scaled_job(address: str, run: str, scale: float) -> dict:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000)  # stays put
+    agent = agents.attach(model, run=run, address=address, optimizer=opt, grad_scale=scale,
+                          phases=PHASES + ("optim_grad", "update"))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        with agent.step(step):
+            for j in range(2):
+                with agent.microbatch(j):
+                    x = torch.randint(0, 32, (4, 6), generator=gen)
+                    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+                    agent.capture(loss, site="loss", phase="loss")
+                    scaler.scale(loss / 2).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return agent.close()
+
+
+def test_loss_scaling_differs_only_where_gradients_are_scaled(auditor_server):
+    addr, db = auditor_server.address, auditor_server.db_path
+    for run, scale in (("s1024", 1024.0), ("s16", 16.0)):
+        summary = _scaled_job(addr, run, scale)
+        assert summary["acked"] == summary["captured"] > 0 and summary["errors"] == 0
+    verdicts = {}
+    for preset in ("bitwise", "fp32"):
+        report = compare_runs(db, "s1024", "s16", preset_policy(preset))
+        assert report.exit_code == 1  # `grad` holds scaled gradients in both presets
+        verdicts[preset] = {}
+        for f in report.findings():
+            verdicts[preset].setdefault(f.key.phase, set()).add(f.verdict)
+    bitwise, fp32 = verdicts["bitwise"], verdicts["fp32"]
+    for phase in ("fwd", "loss", "optim_grad", "update", "param"):
+        assert bitwise[phase] == {"identical"}, phase  # unscaled before the optimizer runs
+    assert bitwise["bwd"] == bitwise["grad"] == {"diverged"}
+    assert fp32["bwd"] == {"close"}  # normalized by the declared grad_scale
+    assert fp32["grad"] == {"diverged"}  # compared as captured
