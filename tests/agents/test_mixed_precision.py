@@ -38,10 +38,18 @@ class Net(torch.nn.Module):
 PHASES = ("fwd", "bwd", "grad", "loss", "param")
 
 
-def _job(address: str, run: str, amp: bool) -> dict:
+def _job(address: str, run: str, *, amp: bool = False, scale: float | None = None) -> dict:
+    """Two steps of two microbatches: the forward under autocast when `amp`, the loss scaled by
+    a GradScaler of fixed `scale` (declared as the run's grad_scale) when given."""
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    agent = agents.attach(model, run=run, address=address, optimizer=opt, phases=PHASES)
+    if scale is None:
+        agent = agents.attach(model, run=run, address=address, optimizer=opt, phases=PHASES)
+        scaler = None
+    else:
+        agent = agents.attach(model, run=run, address=address, optimizer=opt, grad_scale=scale,
+                              phases=PHASES + ("optim_grad", "update"))
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000)  # stays
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
         with agent.step(step):
@@ -53,8 +61,12 @@ def _job(address: str, run: str, amp: bool) -> dict:
                         loss = torch.nn.functional.cross_entropy(
                             logits.flatten(0, 1).float(), x.flatten())
                     agent.capture(loss, site="loss", phase="loss")
-                    (loss / 2).backward()
-        opt.step()
+                    (loss / 2 if scaler is None else scaler.scale(loss / 2)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
     return agent.close()
 
@@ -62,7 +74,7 @@ def _job(address: str, run: str, amp: bool) -> dict:
 def test_autocast_runs_compare_bitwise_and_a_dtype_change_is_named(auditor_server):
     addr, db = auditor_server.address, auditor_server.db_path
     for run, amp in (("amp1", True), ("amp2", True), ("fp32", False)):
-        summary = _job(addr, run, amp)
+        summary = _job(addr, run, amp=amp)
         assert summary["acked"] == summary["captured"] > 0 and summary["errors"] == 0
     reader = Reader(db)
     try:
@@ -84,31 +96,10 @@ def test_autocast_runs_compare_bitwise_and_a_dtype_change_is_named(auditor_serve
     assert first.as_dict()["dtype"] == {"ref": "float32", "cand": "bfloat16"}
 
 
-def _scaled_job(address: str, run: str, scale: float) -> dict:
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000)  # stays put
-    agent = agents.attach(model, run=run, address=address, optimizer=opt, grad_scale=scale,
-                          phases=PHASES + ("optim_grad", "update"))
-    gen = torch.Generator().manual_seed(1)
-    for step in range(2):
-        with agent.step(step):
-            for j in range(2):
-                with agent.microbatch(j):
-                    x = torch.randint(0, 32, (4, 6), generator=gen)
-                    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-                    agent.capture(loss, site="loss", phase="loss")
-                    scaler.scale(loss / 2).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-    return agent.close()
-
-
 def test_loss_scaling_differs_only_where_gradients_are_scaled(auditor_server):
     addr, db = auditor_server.address, auditor_server.db_path
     for run, scale in (("s1024", 1024.0), ("s16", 16.0)):
-        summary = _scaled_job(addr, run, scale)
+        summary = _job(addr, run, scale=scale)
         assert summary["acked"] == summary["captured"] > 0 and summary["errors"] == 0
     verdicts = {}
     for preset in ("bitwise", "fp32"):
