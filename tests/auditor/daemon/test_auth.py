@@ -381,3 +381,28 @@ def test_tokens_never_reach_the_daemon_log_and_cli_uses_numaudit_token(tmp_path)
     for secret in filter(None, SECRET.values()):
         assert secret not in log
         assert hashlib.sha256(secret.encode()).hexdigest() not in log.lower()
+
+
+def test_list_runs_is_filtered_whatever_form_the_reply_takes():
+    """The ListRuns filter fails closed: a reply the handler serialized itself (bytes, as the
+    Compare reply is) is parsed and filtered like a message, never passed through whole."""
+    import asyncio
+
+    from auditor.daemon.tokens import Grant
+
+    reply = pb.ListRunsResponse()
+    for name in ("run-a", "run-b"):
+        reply.runs.add(run=name)
+    grant = Grant(name="reader-a", digest=b"", read=("run-a",))
+
+    async def call(form):
+        async def handler(request, context):
+            return form(reply)
+        inner = grpc.unary_unary_rpc_method_handler(handler)
+        checked = auth._Checked(None, inner, "ListRuns", auth.RULES["ListRuns"], grant)
+        return await checked.handler().unary_unary(pb.ListRunsRequest(), None)
+
+    for form in (lambda r: r.SerializeToString(), lambda r: pb.ListRunsResponse.FromString(
+            r.SerializeToString())):
+        got = asyncio.run(call(form))
+        assert [r.run for r in got.runs] == ["run-a"]
