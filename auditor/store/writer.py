@@ -31,6 +31,9 @@ __all__ = ["Checkpointer", "StoreWriter", "WriterClosed"]
 
 CHECKPOINT_INTERVAL_S = 0.25
 """How often the checkpointer looks for committed pages to copy into the database."""
+HELD_BACK_WARN_BYTES = WAL_BACKSTOP_BYTES // 4
+"""WAL a checkpoint could not copy (a reader still needs the pages it would overwrite) past
+which the checkpointer warns, once until it catches up."""
 
 
 class Checkpointer:
@@ -42,6 +45,8 @@ class Checkpointer:
         self._conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30,
                                      isolation_level=None)
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._page = self._conn.execute("PRAGMA page_size").fetchone()[0]
+        self._held_back = False
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self.commits = 0
@@ -65,15 +70,29 @@ class Checkpointer:
                 self._dirty.clear()
                 upto = self.commits  # read after the clear: a later commit sets it again
                 try:
-                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    _, frames, copied = self._conn.execute(
+                        "PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    self._report((frames - copied) * self._page)
                     self.checkpoints += 1
-                    self.covered = upto
+                    self.covered = upto  # last: whoever waits on it finds the rest done
                 except sqlite3.Error as exc:  # the writer's backstop checkpoints instead
                     if not self._failed:
                         log.warning("store checkpoint failed (the writer checkpoints past "
                                     "%d MiB of WAL): %s", WAL_BACKSTOP_BYTES >> 20, exc)
                         self._failed = True
                 self._stop.wait(CHECKPOINT_INTERVAL_S)
+
+    def _report(self, held_back: int) -> None:
+        """Say when a reader keeps checkpoints from copying the WAL (it grows until the reader
+        ends), and when they caught up."""
+        if held_back > HELD_BACK_WARN_BYTES and not self._held_back:
+            self._held_back = True
+            log.warning("store checkpoints are held back: %.1f MiB of WAL cannot be copied into "
+                        "the database while a reader keeps an older snapshot (a long compare, "
+                        "watch or read); the WAL grows until it ends", held_back / (1 << 20))
+        elif held_back == 0 and self._held_back:
+            self._held_back = False
+            log.info("store checkpoints caught up")
 
     def close(self) -> None:
         self._stop.set()

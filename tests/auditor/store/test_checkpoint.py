@@ -4,12 +4,14 @@ still checkpointed, and closing the writer leaves no WAL behind."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 
 import pytest
 
 from auditor.store import Reader
 from auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
+from auditor.store import writer as writer_module
 from auditor.store.writer import StoreWriter
 from tests.auditor.builders import batch, record, register_request
 from tests.faults.harness import wait_until
@@ -56,10 +58,14 @@ def test_commits_leave_checkpoints_to_the_background_thread(tmp_path):
         reader.close()
 
 
-def test_a_reader_holding_a_snapshot_does_not_stop_commits(tmp_path):
-    """A passive checkpoint copies only what no reader still needs; the writer goes on."""
+def test_a_reader_holding_a_snapshot_does_not_stop_commits(tmp_path, monkeypatch, caplog):
+    """A passive checkpoint copies only what no reader still needs; the writer goes on, and the
+    checkpointer says when a reader holds it back and when it caught up."""
+    monkeypatch.setattr(writer_module, "HELD_BACK_WARN_BYTES", 16 << 10)
+    caplog.set_level(logging.INFO, logger="auditor.store.writer")
     db = tmp_path / "audit.db"
     w = StoreWriter(db, synchronous="NORMAL")
+    cp = w.checkpointer
     try:
         w.submit(lambda s: s.register(register_request())).result(10)
         _ingest(w, 1, 8)
@@ -68,11 +74,17 @@ def test_a_reader_holding_a_snapshot_does_not_stop_commits(tmp_path):
         assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 8
         for seq in range(2, 12):
             _ingest(w, seq, 8)
-        wait_until(lambda: w.checkpointer.checkpoints >= 1, 10, "a checkpoint")
+        wait_until(lambda: cp.covered == cp.commits, 10, "a checkpoint after the last commit")
+        held = [r for r in caplog.records if "held back" in r.getMessage()]
+        assert len(held) == 1 and held[0].levelno == logging.WARNING
         # The snapshot still reads what it saw; the writer's commits all landed.
         assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 8
         reader.execute("COMMIT")
         assert reader.execute("SELECT count(*) FROM records").fetchone()[0] == 88
         reader.close()
+        _ingest(w, 12, 8)
+        wait_until(lambda: cp.covered == cp.commits, 10, "a checkpoint after the reader ended")
+        assert any("caught up" in r.getMessage() for r in caplog.records)
+        assert len([r for r in caplog.records if "held back" in r.getMessage()]) == 1
     finally:
         w.close()
