@@ -357,8 +357,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
 
 def _serializer(cls: type) -> Callable[[Any], bytes]:
     """A response serializer that passes bytes through: a handler whose reply was serialized
-    in a worker process (Compare) returns those bytes, so the daemon never holds a large reply
-    as a message or serializes it on its event loop."""
+    in a worker process (Compare's reply, Watch's events) returns those bytes, so the daemon
+    never holds a large reply as a message or serializes it on its event loop."""
     serialize = cls.SerializeToString
 
     def to_bytes(reply: Any) -> bytes:
