@@ -27,6 +27,7 @@ MAX_STREAMS = 2000
 IDLE_S = 8.0
 RSS_BOUND = 300 << 20
 """The daemon's resident memory with MAX_STREAMS idle streams held (docs/reliability.md)."""
+IDLE = "held, then ended for idleness"
 
 
 async def _flood(address: str) -> tuple[dict, list]:
@@ -43,9 +44,9 @@ async def _flood(address: str) -> tuple[dict, list]:
     await asyncio.sleep(8.0)  # the daemon has seen every call by now
     outcome: dict = {}
     for call in calls + watches:
-        code = call.code() if call.done() else None
-        if asyncio.iscoroutine(code):
-            code = await code
+        code = (await call.code()) if call.done() else None
+        if code == grpc.StatusCode.UNAVAILABLE and "no batch for" in await call.details():
+            code = IDLE  # the daemon held it, then ended it for idleness (IDLE_S is near the sleep)
         outcome[code] = outcome.get(code, 0) + 1
     return outcome, [channels, calls, watches]
 
@@ -123,12 +124,15 @@ def test_many_streams_and_watches_are_capped(tmp_path):
     exhausted = outcome.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0)
     # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller). On a
     # loaded machine some of 10,000 calls opened at once fail UNAVAILABLE in transport before
-    # the daemon sees them: they are neither held nor refused. Among the calls over the cap
-    # that does not matter (229 did in one full `make test`, with exactly the cap held); among
-    # those the cap would have held, at most a few may (seen: 1), or the cap was not reached.
+    # the daemon sees them: they are neither held nor refused, and they may fall anywhere in the
+    # flood. Over the cap that does not matter (229 did in one full `make test`, with exactly the
+    # cap held); under it each one leaves a slot unused (39 did in CI, with 39 fewer held). So the
+    # cap is an upper bound, and every slot under it is either held or lost in transport.
     unavailable = outcome.get(grpc.StatusCode.UNAVAILABLE, 0)
-    held = outcome.get(None, 0)
-    assert MAX_STREAMS - 1 + 8 - min(unavailable, 10) <= held <= MAX_STREAMS - 1 + 8, outcome
+    held = outcome.get(None, 0) + outcome.get(IDLE, 0)
+    cap = MAX_STREAMS - 1 + 8
+    assert held <= cap <= held + unavailable, outcome
+    assert held >= MAX_STREAMS // 2, outcome  # the flood did reach the cap's order of magnitude
     # The rest were refused RESOURCE_EXHAUSTED; a client that has not half-closed its side may
     # see CANCELLED instead when the server's RST_STREAM overtakes the trailers (gRPC core).
     refused = exhausted + outcome.get(grpc.StatusCode.CANCELLED, 0)
