@@ -17,6 +17,7 @@ clip_grad_norm_ does; `pp_clip_local` is the bug: each stage clips by its own no
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -37,7 +38,7 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 """4 microbatches of 4 sequences (the global batch of each microbatch) of 4 tokens, 2 steps."""
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
-            "ddp_wrong_data"}
+            "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always"}
 TP_CASES = {"tp", "tp_partial"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
             "pp_clip_local"}
@@ -88,16 +89,18 @@ def microbatch_tokens(step: int, j: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=None) -> None:
+def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=None,
+                no_sync=None) -> None:
     """The README's snippet, verbatim but for where the microbatches and loss_fn come from
-    (and `clip(model)` before the optimizer step, when given)."""
+    (and `clip(model)` before the optimizer step, when given; and DDP's gradient accumulation,
+    `no_sync(j)` a context for microbatch j, when given)."""
     n = STEPS
     for step in range(n):
         microbatches = microbatches_of(step)
         loss_fn = loss_of
         with agent.step(step):                 # parameter gradients captured when the block exits
             for j, x in enumerate(microbatches):
-                with agent.microbatch(j):
+                with (no_sync(j) if no_sync else contextlib.nullcontext()), agent.microbatch(j):
                     loss = loss_fn(model(x))
                     agent.capture(loss, site="loss", phase="loss")
                     loss.backward()
@@ -144,9 +147,16 @@ def run_dp(case: str, run: str) -> None:
     agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
+    # Gradient accumulation as DDP users write it: no all-reduce but in the last microbatch's
+    # backward (ddp_no_sync); planted: in none of them (ddp_no_sync_always).
+    no_sync = None
+    if case == "ddp_no_sync":
+        no_sync = lambda j: model.no_sync() if j < MICROBATCHES - 1 else contextlib.nullcontext()  # noqa: E731
+    elif case == "ddp_no_sync_always":
+        no_sync = lambda j: model.no_sync()  # noqa: E731
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j)[reader * share:(reader + 1) * share]
-                              for j in range(MICROBATCHES)], loss_of)
+                              for j in range(MICROBATCHES)], loss_of, no_sync=no_sync)
     agent.close()
 
 

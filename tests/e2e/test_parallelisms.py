@@ -1,5 +1,5 @@
-"""Issue 9's acceptance matrix: a single-process reference against DDP-2, FSDP2-2, TP-2 and
-pipelining (GPipe, 1F1B, Interleaved1F1B), each as users write it (tests/e2e/parallel_job.py),
+"""Issue 9's acceptance matrix: a single-process reference against DDP-2 (also accumulating
+gradients under no_sync, as DDP users do), FSDP2-2, TP-2 and pipelining (GPipe, 1F1B, Interleaved1F1B), each as users write it (tests/e2e/parallel_job.py),
 2 steps of 4 microbatches, `bwd` captured; clean pairs pass the fp32 preset (PP bitwise), and
 each planted bug is caught where it was planted. One daemon serves the whole matrix; all
 two-rank cases run in one torchrun job (cases in sequence in one process group), so the module
@@ -30,9 +30,9 @@ from tests.e2e.helpers import ROOT, Daemon
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
-CLEAN = ("ddp", "fsdp", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
-BUGS = ("ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen", "ddp_wrong_data", "tp_partial",
-        "pp_detach", "pp_swap")
+CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
+        "ddp_wrong_data", "tp_partial", "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
 
 
@@ -141,6 +141,20 @@ def test_gradient_all_reduce_skipped_on_one_rank(matrix):
     assert first["verdict"] == "replica_divergence"
     assert _key(first)[0] == "grad" and _key(first)[2] == 0
     assert "ranks 1 disagree with rank 0" in first["detail"]
+
+
+def test_gradients_never_synced_under_no_sync(matrix):
+    """Every microbatch's backward under DDP's no_sync (the accumulation's last one included):
+    each rank steps on its own gradients, caught in the first step's gradients as replicas
+    that disagree; the forward of that step is still identical to the clean accumulation."""
+    _, report = matrix.compare("ddp_no_sync_always")
+    first = _first(report)
+    assert first["verdict"] == "replica_divergence"
+    assert _key(first)[0] == "grad" and _key(first)[2] == 0
+    assert "a collective over dp is missing or wrong" in first["cause"]["reason"]
+    verdicts = {_key(f): f["verdict"] for f in report["findings"]}
+    assert all(v in ("identical", "close") for k, v in verdicts.items()
+               if k[2] == 0 and k[0] in ("fwd", "bwd", "loss")), verdicts
 
 
 def test_loss_scaled_by_a_quarter(matrix):
