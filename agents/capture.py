@@ -32,7 +32,7 @@ from agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
 from agents.identity import RankIdentity
 from agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
 from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
-                           last_dim_shard_layout, ragged_layout, reduction_layout)
+                           dim_shard_layout, ragged_layout, reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -114,8 +114,14 @@ class Capturer:
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
-        self._column_shards: dict[str, tuple[int, int]] = {}
-        """Module site -> (shards, coordinate) of a tensor-parallel output split by columns."""
+        self._output_shards: dict[str, tuple[int, int, int]] = {}
+        """Module site -> (dim, shards, coordinate) of a tensor-parallel output that each rank
+        holds a block of as a plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
+        self._declared: set[str] = set()
+        """Sites whose output layout a tensor-parallel style (or a Colwise-like weight) states:
+        not inferred from their inputs."""
+        self._follow = ident.ranks_per_dp_rank > 1
+        """Ranks besides the dp ranks exist (tp, cp, ep): plain outputs may be shards."""
         self._digester = Digester(config.digest)
         self._batches = Batcher(self._digester, config, sink, counters, self._failed)
         """Captures of the running hook whose digests are not computed yet, and the batch
@@ -159,11 +165,10 @@ class Capturer:
         n = 0
         cfg = self.config
         for site, module in select_modules(model, cfg.modules, cfg.exclude, cfg.max_depth):
-            shards = column_sharded_output(module, self.ident)
-            if shards is not None:
-                self._column_shards[site] = shards
-                self._layouts.clear()
-                self._plans.clear()
+            declared, shards = output_sharding(module, self.ident)
+            if declared:
+                self._declared.add(site)
+                self._set_shards(site, shards)
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -195,6 +200,8 @@ class Capturer:
                 st = stage if stage >= 0 else self.stage
                 tensors = ([output] if type(output) is torch.Tensor else
                            [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+                if self._follow:
+                    self._follow_shards(site, inputs, tensors)
                 for index, t in enumerate(tensors):
                     if fwd and not self._capture_fast(t, "fwd", site, "output", index, call,
                                                       mb, st, self.step):
@@ -214,6 +221,47 @@ class Capturer:
             self._batches.drain()
 
         return not_traced(hook)
+
+    def _set_shards(self, site: str, shards: tuple[int, int, int] | None) -> None:
+        if self._output_shards.get(site) == shards:
+            return
+        if shards is None:
+            del self._output_shards[site]
+        else:
+            self._output_shards[site] = shards
+        self._layouts.clear()  # cached layouts and plans of this site are stale
+        self._plans.clear()
+
+    def _follow_shards(self, site: str, inputs: tuple, tensors: list) -> None:
+        """Follow tensor-parallel blocks held as plain tensors through modules no style
+        declares, and mark this call's plain outputs with their block (SHARD_MARK).
+
+        A sequence-parallel model passes each rank's tokens between blocks as plain tensors
+        (``x + self.w2(...)`` of two local blocks): a transformer block's output holds the
+        same tokens as its input. So a module whose positional input is marked as a block of
+        dim d, and whose output has that dim at the same size, outputs the same block; a
+        module that gathers the dim (another size), reduces it away, or has no marked input
+        does not. Inferred wrongly either way, the pieces do not rebuild the reference's
+        logical tensor and the comparison breaches: never a false pass.
+        """
+        shards = self._output_shards.get(site)
+        if site not in self._declared:
+            found = None
+            for x in inputs:
+                mark = getattr(x, SHARD_MARK, None) if isinstance(x, torch.Tensor) else None
+                if mark is not None:
+                    found = _followed(mark, x, tensors)
+                    break
+            if found != shards:
+                self._set_shards(site, found)
+                shards = found
+        if shards is not None:
+            for t in tensors:  # plain tensors, and the AsyncCollectiveTensor a style's
+                if not _is_dtensor(t):  # redistribute(async_op=True) leaves before to_local()
+                    try:
+                        setattr(t, SHARD_MARK, shards)
+                    except (AttributeError, TypeError):  # a subclass without attributes:
+                        pass  # modules it flows into are then taken as replicas
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.
@@ -419,9 +467,11 @@ class Capturer:
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
         layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size)
-        shards = self._column_shards.get(site) if phase in ("fwd", "bwd") else None
-        if shards is not None and replicate is None:
-            return last_dim_shard_layout(layout, *shards)
+        shards = self._output_shards.get(site) if phase in ("fwd", "bwd") else None
+        if shards is not None and replicate is None and not (
+                self.config.replicate_sites
+                and matches(f"{phase}:{site}", self.config.replicate_sites)):
+            return dim_shard_layout(layout, *shards)
         return dataclasses.replace(layout, replica=self.replicated(phase, site, replicate))
 
     def capture_segments(self, t: torch.Tensor, counts, rows, *, phase: str, site: str,
@@ -720,18 +770,49 @@ class Capturer:
                         self.ident.rank, what, exc)
 
 
-def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple[int, int] | None:
-    """(shards, coordinate) when `module`'s output is split by columns over a non-dp mesh dim.
+SHARD_MARK = "_numaudit_shard"
+"""Attribute a plain tensor-parallel output carries: its (dim, shards, coordinate), so that the
+modules it flows into can tell their outputs are blocks too (`Capturer._follow_shards`)."""
 
-    A ColwiseParallel Linear (weight Shard(0)) or Embedding (weight Shard(1)) hands each rank a
-    plain tensor holding its block of the last dim (use_local_output=True): such an output is a
-    piece of the logical output, not a replica. Anything else: None.
-    """
-    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+
+def _followed(mark: tuple[int, int, int], x: torch.Tensor,
+              tensors: list) -> tuple[int, int, int] | None:
+    """The block of a module's output whose input `x` is the block `mark`: the same when the
+    first output keeps x's rank and the sharded dim's size, else None."""
+    dim, shards, coordinate = mark
+    n = x.dim()
+    d = dim + n if dim < 0 else dim
+    out = tensors[0] if tensors else None
+    if (out is None or _is_dtensor(out) or out.dim() != n or not 0 < d < n
+            or out.shape[d] != x.shape[d]):
         return None
+    return d, shards, coordinate
+
+
+def output_sharding(module: torch.nn.Module,
+                    ident: RankIdentity) -> tuple[bool, tuple[int, int, int] | None]:
+    """(declared, block): whether `module`'s output layout is stated by a tensor-parallel
+    style or its weights, and if so the (dim, shards, coordinate) of the plain tensor each rank
+    holds (None: a replica, or a DTensor that carries its own layout).
+
+    A ColwiseParallel or RowwiseParallel module converts its output to ``output_layouts`` in a
+    forward hook (``torch.distributed.tensor.parallel``), and hands each rank its local tensor
+    when ``use_local_output``: a Shard(d) there is a block of dim d (Colwise's default Shard(-1)
+    is a column block, a sequence-parallel Rowwise's Shard(1) a block of tokens); Replicate is
+    a replica. PrepareModuleOutput states it the same way. Without such a hook, a Linear whose
+    weight is Shard(0) (an Embedding's Shard(1)) over a non-dp mesh dim outputs column blocks.
+    """
+    declared = _style_output(module)
+    if declared is not None:
+        placements, local, mesh = declared
+        if not local:
+            return True, None
+        return True, _mesh_block(placements, mesh, ident)
+    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return False, None
     weight = getattr(module, "weight", None)
     if not _is_dtensor(weight):
-        return None
+        return False, None
     from torch.distributed.tensor.placement_types import Shard
 
     col_dim = 0 if isinstance(module, torch.nn.Linear) else 1
@@ -739,12 +820,53 @@ def column_sharded_output(module: torch.nn.Module, ident: RankIdentity) -> tuple
     names = tuple(mesh.mesh_dim_names or ())
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        return None
+        return False, None
     for mesh_dim, p in enumerate(weight.placements):
         name = names[mesh_dim] if mesh_dim < len(names) else ""
         if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
-            return int(mesh.size(mesh_dim)), int(coordinate[mesh_dim])
+            return True, (-1, int(mesh.size(mesh_dim)), int(coordinate[mesh_dim]))
+    return False, None
+
+
+def _style_output(module: torch.nn.Module):
+    """(output placements, use_local_output, mesh) a tensor-parallel style's forward hook on
+    `module` converts its output to, or None (no such hook, or one this cannot read)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import PrepareModuleOutput
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    for hook in module._forward_hooks.values():
+        cells = []
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        mesh = next((c for c in cells if isinstance(c, DeviceMesh)), None)
+        if mesh is None:
+            continue
+        for c in cells:
+            if (isinstance(c, functools.partial) and len(c.args) == 2
+                    and getattr(c.func, "__name__", "") == "_prepare_output_fn"):
+                return tuple(c.args[0]), bool(c.args[1]), mesh  # Colwise/RowwiseParallel
+            if isinstance(c, PrepareModuleOutput) and len(c.desired_output_layouts) == 1:
+                return tuple(c.desired_output_layouts), bool(c.use_local_output), mesh
     return None
+
+
+def _mesh_block(placements: tuple, mesh, ident: RankIdentity) -> tuple[int, int, int] | None:
+    """(dim, shards, coordinate) of this rank's local tensor under `placements` on a 1-dim
+    non-dp `mesh` when they shard one dim; None for a replica (or what this cannot place)."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+        return None
+    names = tuple(mesh.mesh_dim_names or ())
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or (names and names[0] == ident.dp_dim_name):
+        return None
+    return int(placements[0].dim), int(mesh.size(0)), int(coordinate[0])
 
 
 _DTENSOR: list = []

@@ -212,14 +212,20 @@ def reduction_layout(local_shape: Sequence[int], reduce: str, weight: float, dp_
                                reduce_index=dp_rank, reduce_count=dp_size)
 
 
-def last_dim_shard_layout(layout: PieceLayout, shards: int, coordinate: int) -> PieceLayout:
-    """`layout` with its last dim one of `shards` equal column blocks (a ColwiseParallel output)."""
-    if not layout.shape or shards <= 1:
+def dim_shard_layout(layout: PieceLayout, dim: int, shards: int, coordinate: int) -> PieceLayout:
+    """`layout` with dim `dim` (negative: from the end) one of `shards` equal blocks, block
+    `coordinate`: a tensor-parallel output held as a plain tensor (a ColwiseParallel output's
+    columns, dim -1; a sequence-parallel output's tokens, dim 1). Dim 0, the batch dim the
+    data-parallel split owns, and dims the tensor does not have leave `layout` as it is."""
+    n = len(layout.shape)
+    d = dim + n if dim < 0 else dim
+    if not 0 < d < n or shards <= 1:
         return layout
-    cols = layout.shape[-1]
+    size = layout.shape[d]
     return dataclasses.replace(
-        layout, logical_shape=(*layout.logical_shape[:-1], cols * shards),
-        offsets=(*layout.offsets[:-1], cols * coordinate), replica=False)
+        layout, logical_shape=(*layout.logical_shape[:d], size * shards,
+                               *layout.logical_shape[d + 1:]),
+        offsets=(*layout.offsets[:d], size * coordinate, *layout.offsets[d + 1:]), replica=False)
 
 
 def fill_reduction(msg: Any, layout: PieceLayout) -> None:

@@ -39,7 +39,7 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always"}
-TP_CASES = {"tp", "tp_partial"}
+TP_CASES = {"tp", "tp_partial", "tp_sp", "tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
             "pp_clip_local"}
 MAX_NORM = 0.5
@@ -149,14 +149,14 @@ def run_dp(case: str, run: str) -> None:
     loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
     # Gradient accumulation as DDP users write it: no all-reduce but in the last microbatch's
     # backward (ddp_no_sync); planted: in none of them (ddp_no_sync_always).
-    no_sync = None
-    if case == "ddp_no_sync":
-        no_sync = lambda j: model.no_sync() if j < MICROBATCHES - 1 else contextlib.nullcontext()  # noqa: E731
-    elif case == "ddp_no_sync_always":
-        no_sync = lambda j: model.no_sync()  # noqa: E731
+    def no_sync(j: int):
+        last = j == MICROBATCHES - 1 and case != "ddp_no_sync_always"
+        return contextlib.nullcontext() if last else model.no_sync()
+
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j)[reader * share:(reader + 1) * share]
-                              for j in range(MICROBATCHES)], loss_of, no_sync=no_sync)
+                              for j in range(MICROBATCHES)], loss_of,
+                no_sync=no_sync if case.startswith("ddp_no_sync") else None)
     agent.close()
 
 
@@ -184,16 +184,42 @@ def run_tp(case: str, run: str) -> None:
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
     model = Model()
     plan = {}
-    for i in range(LAYERS):
-        plan[f"layers.{i}.w1"] = ColwiseParallel()
-        partial = case == "tp_partial" and i == 1  # planted: the all-reduce is missing
-        plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Partial() if partial else None)
+    if case.startswith("tp_sp"):
+        plan = _sequence_parallel_plan(case)
+    else:
+        for i in range(LAYERS):
+            plan[f"layers.{i}.w1"] = ColwiseParallel()
+            partial = case == "tp_partial" and i == 1  # planted: the all-reduce is missing
+            plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Partial() if partial else None)
     parallelize_module(model, mesh["tp"], plan)
     agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)])
     agent.close()
+
+
+def _sequence_parallel_plan(case: str) -> dict:
+    """Tensor parallelism with sequence parallelism, as torchtitan plans a transformer: the
+    embedding's output and every block's output are each rank's block of tokens (Shard(1),
+    plain tensors), norms run on them under SequenceParallel, Colwise layers gather the tokens
+    and Rowwise layers reduce-scatter them back; the head gathers them and replicates its
+    output. Planted (tp_sp_norm_plain): layers.1.norm left out of the plan, so its parameters
+    stay plain and each rank's gradient for them covers its own tokens only (the all-reduce
+    SequenceParallel's replicated parameters get is missing)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(LAYERS):
+        if not (case == "tp_sp_norm_plain" and i == 1):
+            plan[f"layers.{i}.norm"] = SequenceParallel()
+        plan[f"layers.{i}.w1"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
 
 
 def stage_module(model: Model, layers: list[int], first: bool, last: bool) -> Model:

@@ -1,10 +1,11 @@
 """Issue 9's acceptance matrix: a single-process reference against DDP-2 (also accumulating
-gradients under no_sync, as DDP users do), FSDP2-2, TP-2 and pipelining (GPipe, 1F1B, Interleaved1F1B), each as users write it (tests/e2e/parallel_job.py),
-2 steps of 4 microbatches, `bwd` captured; clean pairs pass the fp32 preset (PP bitwise), and
-each planted bug is caught where it was planted. One daemon serves the whole matrix; all
-two-rank cases run in one torchrun job (cases in sequence in one process group), so the module
-costs three process starts: the reference and the matrix job (side by side), and a rerun under
-a taken name.
+gradients under no_sync, as DDP users do), FSDP2-2, TP-2 (also with sequence parallelism, as
+torchtitan plans a transformer) and pipelining (GPipe, 1F1B, Interleaved1F1B), each as users
+write it (tests/e2e/parallel_job.py), 2 steps of 4 microbatches, `bwd` captured; clean pairs
+pass the fp32 preset (PP bitwise), and each planted bug is caught where it was planted. One
+daemon serves the whole matrix; all two-rank cases run in one torchrun job (cases in sequence
+in one process group), so the module costs three process starts: the reference and the matrix
+job (side by side), and a rerun under a taken name.
 
 Gradient clipping (issue 11) has its own reference in the reference's process, `ref_clip`: the
 same loop with clip_grad_norm_ and the optimizer watched (phases optim_grad and update), so
@@ -26,13 +27,14 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import ROOT, Daemon
+from tests.e2e.parallel_job import BATCH, DIM, SEQ
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
-CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
-        "ddp_wrong_data", "tp_partial", "pp_detach", "pp_swap")
+        "ddp_wrong_data", "tp_partial", "tp_sp_norm_plain", "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
 
 
@@ -199,6 +201,28 @@ def test_rowwise_output_left_partial(matrix):
     first = _first(matrix.compare("tp_partial")[1])
     assert (first["verdict"], _key(first)) == ("replica_divergence", ("fwd", "layers.1.w2", 0, 0))
     assert "ranks 1 disagree with rank 0" in first["detail"]
+
+
+def test_sequence_parallel_blocks_rebuild_from_each_ranks_tokens(matrix):
+    """TP with sequence parallelism: the embedding's and every block's output are plain tensors
+    holding each rank's tokens. They are pieces of the logical activation (rebuilt, compared
+    with the reference's, not replicas), as are their gradients."""
+    _, report = matrix.compare("tp_sp")
+    found = {(f["key"]["phase"], f["key"]["site"]): f for f in report["findings"]
+             if f["key"]["step"] == 0 and f["key"]["microbatch"] == 0}
+    for phase in ("fwd", "bwd"):
+        for site in ("tok", "layers.0", "layers.3", "layers.2.w2"):
+            f = found[(phase, site)]
+            assert f["verdict"] in ("identical", "close"), f
+            assert f["shape"] == [BATCH, SEQ, DIM] and f["ranks"]["cand"] == [0, 1], f
+
+
+def test_sequence_parallel_norm_left_out_of_the_plan(matrix):
+    first = _first(matrix.compare("tp_sp_norm_plain")[1])
+    assert first["verdict"] == "replica_divergence"
+    assert _key(first)[:3] in (("grad", "layers.1.norm.weight", 0),
+                               ("grad", "layers.1.norm.bias", 0)), first
+    assert "a collective over tp is missing or wrong" in first["cause"]["reason"]
 
 
 def test_two_microbatches_swapped(matrix):

@@ -1,0 +1,156 @@
+"""Plain tensor-parallel outputs: which are replicas and which are each rank's block.
+
+A tensor-parallel style states its module's output layout (torch.distributed.tensor.parallel);
+the agent reads it (`output_sharding`), and follows a block of tokens through the modules no
+style declares, such as a sequence-parallel transformer block (`Capturer._follow_shards`).
+Each rank of a fake 4-rank world (no communication: values are meaningless, layouts are real).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from agents.capture import Capturer, Counters, output_sharding
+from agents.config import AgentConfig
+from agents.identity import rank_identity
+from agents.layout import PieceLayout, dim_shard_layout
+
+B, S, D, H, V = 2, 8, 4, 8, 12
+TP = 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(D)
+        self.w1 = torch.nn.Linear(D, H)
+        self.act = torch.nn.GELU()
+        self.w2 = torch.nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.w2(self.act(self.w1(self.norm(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(V, D)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.norm = torch.nn.LayerNorm(D)
+        self.out = torch.nn.Linear(D, V)
+        self.pool = torch.nn.Identity()  # applied to a mean over tokens: not a block of them
+
+    def forward(self, x):
+        h = self.tok(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(self.norm(h)), self.pool(h.mean(1))
+
+
+def _sequence_parallel(model: Model, mesh) -> None:
+    plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(len(model.layers)):
+        plan[f"layers.{i}.norm"] = SequenceParallel()
+        plan[f"layers.{i}.w1"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Shard(1))
+    parallelize_module(model, mesh, plan)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_each_style_states_its_output_layout(fake_rank, rank):
+    fake_rank(rank)
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+    ident = rank_identity(mesh, dp_dim="dp")
+
+    def styled(module, style):
+        return output_sharding(parallelize_module(module, mesh["tp"], style), ident)
+
+    lin, emb = (lambda: torch.nn.Linear(D, H)), (lambda: torch.nn.Embedding(V, D))
+    assert styled(lin(), ColwiseParallel()) == (True, (-1, TP, rank))  # column blocks
+    assert styled(emb(), ColwiseParallel()) == (True, (-1, TP, rank))
+    assert styled(lin(), ColwiseParallel(output_layouts=Replicate())) == (True, None)
+    assert styled(lin(), ColwiseParallel(use_local_output=False)) == (True, None)  # a DTensor
+    assert styled(lin(), RowwiseParallel()) == (True, None)  # all-reduced: a replica
+    assert styled(lin(), RowwiseParallel(output_layouts=Shard(1))) == (True, (1, TP, rank))
+    assert styled(emb(), RowwiseParallel(input_layouts=Replicate(),
+                                         output_layouts=Shard(1))) == (True, (1, TP, rank))
+    assert styled(torch.nn.GELU(), PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1))) == (True, (1, TP, rank))
+    # SequenceParallel outputs DTensors; a module without a style states nothing
+    assert styled(torch.nn.LayerNorm(D), SequenceParallel()) == (False, None)
+    assert output_sharding(torch.nn.Linear(D, H), ident) == (False, None)
+
+
+def _captured_layouts(rank: int, **config) -> dict[tuple[str, str], PieceLayout]:
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    # DTensor caches sharding propagation by specs that compare equal across ranks: another
+    # rank in this process would get the previous rank's mesh back
+    _clear_sharding_prop_cache()
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+    model = Model()
+    _sequence_parallel(model, mesh["tp"])
+    batches = []
+    cap = Capturer(AgentConfig(phases=("fwd", "bwd"), **config), rank_identity(mesh, dp_dim="dp"),
+                   batches.append, Counters())
+    cap.hook_modules(model)
+    cap.start_step(0)
+    tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(rank))
+    logits, pooled = model(tokens)
+    (logits.float().sum() + pooled.sum()).backward()
+    cap.flush()
+    return {(c.phase, c.site): c.layout for b in batches for c in b.captures}
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_tokens_are_followed_through_blocks_no_style_declares(fake_rank, rank):
+    """The embedding's and every block's output hold this rank's S/TP tokens: pieces of the
+    logical (B, S, D) activation at token offset rank * S/TP, not replicas; so are the modules
+    inside a block that keep the tokens (an activation between w1 and w2 keeps w1's columns),
+    and their gradients. What gathers the tokens or reduces them away is not a block."""
+    from agents.capture import PHASE_IDS
+
+    fake_rank(rank)
+    lays = _captured_layouts(rank)
+    fwd, bwd = PHASE_IDS["fwd"], PHASE_IDS["bwd"]
+    tokens = PieceLayout((B, S, D), (0, rank * S // TP, 0), (B, S // TP, D))
+    for site in ("tok", "layers.0", "layers.1", "layers.0.w2", "layers.1.w2"):
+        for phase in (fwd, bwd):
+            assert lays[(phase, site)] == tokens, (phase, site)
+    columns = PieceLayout((B, S, H), (0, 0, rank * H // TP), (B, S, H // TP))
+    for site in ("layers.0.w1", "layers.0.act"):
+        assert lays[(fwd, site)] == columns, site
+    # SequenceParallel norms output DTensors: the same block, from the DTensor's own layout
+    assert lays[(fwd, "layers.1.norm")] == tokens
+    # the head gathers the tokens and replicates its output; the pool sees a mean over them
+    assert lays[(fwd, "out")].replica and lays[(fwd, "out")].logical_shape == (B, S, V)
+    assert lays[(fwd, "pool")].replica and lays[(fwd, "pool")].logical_shape == (B, D)
+
+
+def test_dim_shard_layout_places_a_block_of_any_dim_but_the_batch_dim():
+    piece = PieceLayout((6, 5, 4), (2, 0, 0), (2, 5, 4))  # a dp rank's rows
+    assert dim_shard_layout(piece, 1, 5, 3) == PieceLayout((6, 25, 4), (2, 15, 0), (2, 5, 4))
+    assert dim_shard_layout(piece, -1, 2, 1) == PieceLayout((6, 5, 8), (2, 0, 4), (2, 5, 4))
+    assert dim_shard_layout(piece, 0, 2, 1) == piece  # dim 0 is the data-parallel split's
+    assert dim_shard_layout(piece, 3, 2, 1) == piece  # a dim it does not have
+    assert dim_shard_layout(piece, 1, 1, 0) == piece  # one shard: the whole dim
+
+
+def test_replicate_sites_overrides_a_followed_block(fake_rank):
+    fake_rank(1)
+    lays = _captured_layouts(1, replicate_sites=("fwd:layers.1",))
+    from agents.capture import PHASE_IDS
+
+    assert lays[(PHASE_IDS["fwd"], "layers.1")].replica  # as declared
+    assert lays[(PHASE_IDS["fwd"], "layers.1")].logical_shape == (B, S // TP, D)
+    assert not lays[(PHASE_IDS["bwd"], "layers.1")].replica  # the glob names fwd only
+    assert not lays[(PHASE_IDS["fwd"], "layers.0")].replica
