@@ -106,8 +106,8 @@ class Capturer:
         self._ragged_layouts: dict[tuple, PieceLayout] = {}
         """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
         self._dtensor_layouts: dict[tuple, tuple] = {}
-        """(id(mesh), placements, global shape) -> (weak reference to the mesh, layout of this
-        rank's shard): worked out once (torch's local shape and offset computation cost ~50 us
+        """(id(mesh), placements, global shape, phase) -> (weak reference to the mesh, layout
+        of this rank's shard): worked out once (torch's local shape and offset computation cost ~50 us
         a capture). The reference tells a reused id apart without keeping the mesh, and with
         it its process groups, alive until the interpreter's teardown."""
         self._logged: set[str] = set()
@@ -248,7 +248,7 @@ class Capturer:
         if site not in self._declared:
             found = None
             for x in inputs:
-                mark = getattr(x, SHARD_MARK, None) if isinstance(x, torch.Tensor) else None
+                mark = _mark_of(x) if isinstance(x, torch.Tensor) else None
                 if mark is not None:
                     found = _followed(mark, x, tensors)
                     break
@@ -258,10 +258,7 @@ class Capturer:
         if shards is not None:
             for t in tensors:  # plain tensors, and the AsyncCollectiveTensor a style's
                 if not _is_dtensor(t):  # redistribute(async_op=True) leaves before to_local()
-                    try:
-                        setattr(t, SHARD_MARK, shards)
-                    except (AttributeError, TypeError):  # a subclass without attributes:
-                        pass  # modules it flows into are then taken as replicas
+                    _mark(t, shards)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.
@@ -617,7 +614,7 @@ class Capturer:
                 # its local shard with the DTensor's layout, without the DTensor ops that
                 # detach() and to_local() dispatch (~35 us a capture).
                 try:
-                    dt_layout = self._dtensor_layout(t)
+                    dt_layout = self._dtensor_layout(t, phase)
                 except Exception:  # placements it cannot place: the general path reports it
                     return False
                 t = _local_shard(t)
@@ -666,18 +663,42 @@ class Capturer:
         return (layout, _dtype_name(t.dtype), has_moments(t.dtype), *plan, payload_n,
                 PHASE_IDS[phase], ROLE_IDS[role])
 
-    def _dtensor_layout(self, t) -> PieceLayout:
-        """The layout of this rank's shard of DTensor ``t`` (agents.layout.dtensor_layout),
-        cached per mesh, placements and global shape."""
+    def _dtensor_layout(self, t, phase: str) -> PieceLayout:
+        """The layout of this rank's shard of DTensor ``t`` (agents.layout.dtensor_layout)
+        captured under `phase` (:meth:`_in_world`), cached per mesh, placements, global
+        shape and phase."""
         mesh = t.device_mesh
-        key = (id(mesh), tuple(t.placements), t.shape)
+        key = (id(mesh), tuple(t.placements), t.shape, phase)
         hit = self._dtensor_layouts.get(key)
         if hit is None or hit[0]() is not mesh:
-            layout = dtensor_layout(t)  # raises for placements it cannot place: not cached
+            # raises for placements it cannot place: not cached
+            layout = self._in_world(dtensor_layout(t), mesh, phase)
             if len(self._dtensor_layouts) >= MAX_CACHED_LAYOUTS:
                 self._dtensor_layouts.clear()
             hit = self._dtensor_layouts[key] = (weakref.ref(mesh), layout)
         return hit[1]
+
+    def _in_world(self, layout: PieceLayout, mesh, phase: str) -> PieceLayout:
+        """Place a DTensor whose mesh leaves out some dims of the job's mesh (the one given to
+        attach). Without the dp dim (a tensor-parallel activation on ``mesh["tp"]`` beside
+        FSDP2 or DDP) it is one dp rank's value: its activations are that dp rank's rows of
+        the batch, placed as a plain tensor's are, and its per-step values replicas over dp.
+        Without another dim (an FSDP2 parameter on ``mesh["dp"]`` that no tensor-parallel plan
+        covers) the ranks along that dim hold copies of it: replicas, which the comparison
+        checks against each other. (Along a pipeline's dim the copies are other stages' other
+        sites: each box still has one holder.)"""
+        ident = self.ident
+        names = tuple(mesh.mesh_dim_names or ())
+        beside_dp = ident.dp_size > 1 and bool(ident.dp_dim_name) and ident.dp_dim_name not in names
+        copies = any(n not in names for n in ident.mesh_dim_names if n != ident.dp_dim_name)
+        if (beside_dp and phase in PER_STEP_PHASES) or (copies and not layout.partial):
+            layout = dataclasses.replace(layout, replica=True)
+        if not beside_dp or phase in PER_STEP_PHASES or phase == "loss" or not layout.shape:
+            return layout
+        rows = layout.logical_shape[0]
+        return dataclasses.replace(
+            layout, logical_shape=(rows * ident.dp_size, *layout.logical_shape[1:]),
+            offsets=(layout.offsets[0] + ident.dp_rank * rows, *layout.offsets[1:]))
 
     def _capture(self, t, phase, site, role, index, call, microbatch, stage, layout) -> None:
         cap = Capture(
@@ -692,7 +713,7 @@ class Capturer:
         if _is_dtensor(t):
             local = _local_shard(t)
             if layout is None:
-                layout = self._dtensor_layout(t)
+                layout = self._dtensor_layout(t, phase)
         else:
             if type(t) is not torch.Tensor:
                 t = t.detach()  # a Parameter becomes a plain tensor, which the fused kernel reads
@@ -773,6 +794,26 @@ class Capturer:
 SHARD_MARK = "_numaudit_shard"
 """Attribute a plain tensor-parallel output carries: its (dim, shards, coordinate), so that the
 modules it flows into can tell their outputs are blocks too (`Capturer._follow_shards`)."""
+
+
+def _mark(t: torch.Tensor, shards: tuple[int, int, int]) -> None:
+    """Mark `t`, and its base when `t` is a whole view of it: a module's input is often such
+    a view of what an earlier module returned (FSDP2's pre-forward hands its module views of
+    the arguments, and their base is the tensor the previous module's view was made from)."""
+    try:
+        setattr(t, SHARD_MARK, shards)
+        if t._is_view() and t._base.shape == t.shape:
+            setattr(t._base, SHARD_MARK, shards)
+    except (AttributeError, TypeError, RuntimeError):  # a subclass without attributes: the
+        pass  # modules it flows into are taken as replicas
+
+
+def _mark_of(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """The block `x` is marked as: its own mark, or its base's when it is a whole view of it."""
+    mark = getattr(x, SHARD_MARK, None)
+    if mark is None and x._is_view() and x._base.shape == x.shape:
+        mark = getattr(x._base, SHARD_MARK, None)
+    return mark
 
 
 def _followed(mark: tuple[int, int, int], x: torch.Tensor,

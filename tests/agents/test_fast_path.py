@@ -295,5 +295,5 @@ def test_the_dtensor_layout_cache_keeps_no_mesh_alive(fake_rank):
     mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))
     dt = DTensor.from_local(torch.randn(3, 5), mesh, [Replicate(), Shard(0)], run_check=False)
     cap.capture(dt, phase="fwd", site="x")
-    lay = cap._dtensor_layout(dt)
+    lay = cap._dtensor_layout(dt, "fwd")
     assert lay.logical_shape == (6, 5) and lay.replica and not cap.counters.errors

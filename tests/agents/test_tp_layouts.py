@@ -154,3 +154,53 @@ def test_replicate_sites_overrides_a_followed_block(fake_rank):
     assert lays[(PHASE_IDS["fwd"], "layers.1")].logical_shape == (B, S // TP, D)
     assert not lays[(PHASE_IDS["bwd"], "layers.1")].replica  # the glob names fwd only
     assert not lays[(PHASE_IDS["fwd"], "layers.0")].replica
+
+
+def test_dtensors_on_part_of_the_mesh_are_placed_in_the_whole(fake_rank):
+    """On a dp=2 x tp=2 mesh: a DTensor on the tp mesh only (a SequenceParallel norm's
+    output beside FSDP2) holds this dp rank's rows; a per-step DTensor on the tp mesh is a
+    replica over dp, and one on the dp mesh only (an FSDP2 parameter no tensor-parallel plan
+    covers) a replica over tp; a DTensor on both dims is placed by them."""
+    from torch.distributed.tensor import DTensor
+
+    from agents.capture import PHASE_IDS
+
+    rank = 3
+    fake_rank(rank)
+    dp, tp = divmod(rank, 2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    batches = []
+    cap = Capturer(AgentConfig(phases=("fwd", "grad")), rank_identity(mesh, dp_dim="dp"),
+                   batches.append, Counters())
+    act = DTensor.from_local(torch.randn(B, S // 2, D), mesh["tp"], [Shard(1)], run_check=False)
+    grad_tp = DTensor.from_local(torch.randn(D, 3), mesh["tp"], [Shard(1)], run_check=False)
+    grad_dp = DTensor.from_local(torch.randn(2, D), mesh["dp"], [Shard(0)], run_check=False)
+    both = DTensor.from_local(torch.randn(2, 3), mesh, [Shard(0), Shard(1)], run_check=False)
+    cap.capture(act, phase="fwd", site="norm")
+    for site, t in (("tp", grad_tp), ("dp", grad_dp), ("both", both)):
+        cap.capture(t, phase="grad", site=site)
+    cap.flush()
+    lays = {(c.phase, c.site): c.layout for b in batches for c in b.captures}
+    fwd, grad = PHASE_IDS["fwd"], PHASE_IDS["grad"]
+    assert not cap.counters.errors
+    assert lays[(fwd, "norm")] == PieceLayout((2 * B, S, D), (dp * B, tp * S // 2, 0),
+                                              (B, S // 2, D))
+    assert lays[(grad, "tp")] == PieceLayout((D, 6), (0, 3 * tp), (D, 3), replica=True)
+    assert lays[(grad, "dp")] == PieceLayout((4, D), (2 * dp, 0), (2, D), replica=True)
+    assert lays[(grad, "both")] == PieceLayout((4, 6), (2 * dp, 3 * tp), (2, 3))
+
+
+def test_a_whole_view_of_a_block_is_the_block():
+    """FSDP2's pre-forward hands its module views of the arguments: a whole view of a marked
+    block, or of the tensor a marked whole view was made from, is the same block; a slice of
+    it is not."""
+    from agents.capture import _mark, _mark_of
+
+    x = torch.randn(B, S, D)
+    _mark(x, (1, TP, 2))
+    assert _mark_of(x.view_as(x)) == (1, TP, 2)
+    base = torch.randn(B, S, D)
+    _mark(base.view_as(base), (1, TP, 1))  # marks its base too
+    assert _mark_of(base.view_as(base)) == (1, TP, 1)
+    assert _mark_of(x[:, :2]) is None and _mark_of(base[:, 4:]) is None
+    assert _mark_of(torch.randn(B, S, D)) is None

@@ -39,7 +39,8 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always"}
-TP_CASES = {"tp", "tp_partial", "tp_sp", "tp_sp_norm_plain"}
+TP_CASES = {"tp", "tp_partial", "tp_sp", "tp_sp_norm_plain", "fsdp_tp_sp",
+            "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
             "pp_clip_local"}
 MAX_NORM = 0.5
@@ -181,10 +182,13 @@ def run_tp(case: str, run: str) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    two_d = case.startswith("fsdp_")  # 2-D: FSDP2 over dp x tensor and sequence parallel
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2) if two_d else (1, world),
+                            mesh_dim_names=("dp", "tp"))
     model = Model()
     plan = {}
-    if case.startswith("tp_sp"):
+    if "tp_sp" in case:
         plan = _sequence_parallel_plan(case)
     else:
         for i in range(LAYERS):
@@ -192,10 +196,18 @@ def run_tp(case: str, run: str) -> None:
             partial = case == "tp_partial" and i == 1  # planted: the all-reduce is missing
             plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Partial() if partial else None)
     parallelize_module(model, mesh["tp"], plan)
+    if two_d:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp, share = mesh["dp"].get_local_rank(), BATCH // mesh["dp"].size()
     readme_loop(agent, model, optimizer,
-                lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)])
+                lambda step: [microbatch_tokens(step, j)[dp * share:(dp + 1) * share]
+                              for j in range(MICROBATCHES)])
     agent.close()
 
 
@@ -204,7 +216,7 @@ def _sequence_parallel_plan(case: str) -> dict:
     embedding's output and every block's output are each rank's block of tokens (Shard(1),
     plain tensors), norms run on them under SequenceParallel, Colwise layers gather the tokens
     and Rowwise layers reduce-scatter them back; the head gathers them and replicates its
-    output. Planted (tp_sp_norm_plain): layers.1.norm left out of the plan, so its parameters
+    output. Planted (*tp_sp_norm_plain): layers.1.norm left out of the plan, so its parameters
     stay plain and each rank's gradient for them covers its own tokens only (the all-reduce
     SequenceParallel's replicated parameters get is missing)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -215,7 +227,7 @@ def _sequence_parallel_plan(case: str) -> dict:
             "norm": SequenceParallel(),
             "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
     for i in range(LAYERS):
-        if not (case == "tp_sp_norm_plain" and i == 1):
+        if not (case.endswith("tp_sp_norm_plain") and i == 1):
             plan[f"layers.{i}.norm"] = SequenceParallel()
         plan[f"layers.{i}.w1"] = ColwiseParallel(input_layouts=Shard(1))
         plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Shard(1))

@@ -4,8 +4,9 @@ torchtitan plans a transformer) and pipelining (GPipe, 1F1B, Interleaved1F1B), e
 write it (tests/e2e/parallel_job.py), 2 steps of 4 microbatches, `bwd` captured; clean pairs
 pass the fp32 preset (PP bitwise), and each planted bug is caught where it was planted. One
 daemon serves the whole matrix; all two-rank cases run in one torchrun job (cases in sequence
-in one process group), so the module costs three process starts: the reference and the matrix
-job (side by side), and a rerun under a taken name.
+in one process group), so the module costs four process starts: the reference and the matrix
+job (side by side), a rerun under a taken name, and a 4-rank job of the 2-D cases (FSDP2 over
+dp=2 x TP with sequence parallelism over tp=2).
 
 Gradient clipping (issue 11) has its own reference in the reference's process, `ref_clip`: the
 same loop with clip_grad_norm_ and the optimizer watched (phases optim_grad and update), so
@@ -36,6 +37,8 @@ CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
         "ddp_wrong_data", "tp_partial", "tp_sp_norm_plain", "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
+FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain")
+"""2-D cases, FSDP2 over dp=2 x TP with sequence parallelism over tp=2: their own 4-rank job."""
 
 
 def _env(daemon: Daemon, **extra: str) -> dict:
@@ -55,9 +58,9 @@ def _run(cmd: list[str], env: dict, timeout: float = 300) -> subprocess.Complete
     return proc
 
 
-def _torchrun(*cases: str, env: dict) -> subprocess.CompletedProcess:
+def _torchrun(*cases: str, env: dict, nproc: int = 2) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node=2", str(JOB), *cases], env)
+                 f"--nproc-per-node={nproc}", str(JOB), *cases], env)
 
 
 class Matrix:
@@ -103,12 +106,13 @@ def matrix(tmp_path_factory) -> Matrix:
             ref.result()
         # A second job under a name the first one owns: refused; then asked to rename.
         rerun = _torchrun("ddp:ddp", "ddp+rename:ddp", env=env)
+        _torchrun(*(f"{c}:{c}" for c in FOUR_RANKS), env=env, nproc=4)
         yield Matrix(daemon, tmp, rerun)
     finally:
         daemon.stop()
 
 
-@pytest.mark.parametrize("cand", CLEAN)
+@pytest.mark.parametrize("cand", CLEAN + ("fsdp_tp_sp",))
 def test_clean_pairs_pass_the_fp32_preset(matrix, cand):
     code, report = matrix.compare(cand)
     summary = report["summary"]
@@ -217,12 +221,28 @@ def test_sequence_parallel_blocks_rebuild_from_each_ranks_tokens(matrix):
             assert f["shape"] == [BATCH, SEQ, DIM] and f["ranks"]["cand"] == [0, 1], f
 
 
-def test_sequence_parallel_norm_left_out_of_the_plan(matrix):
-    first = _first(matrix.compare("tp_sp_norm_plain")[1])
+@pytest.mark.parametrize("cand", ["tp_sp_norm_plain", "fsdp_tp_sp_norm_plain"])
+def test_sequence_parallel_norm_left_out_of_the_plan(matrix, cand):
+    """Also under FSDP2 (2-D), where the norm's parameters are DTensors over dp only: copies
+    over tp, compared with each other as replicas."""
+    first = _first(matrix.compare(cand)[1])
     assert first["verdict"] == "replica_divergence"
     assert _key(first)[:3] in (("grad", "layers.1.norm.weight", 0),
                                ("grad", "layers.1.norm.bias", 0)), first
     assert "a collective over tp is missing or wrong" in first["cause"]["reason"]
+
+
+def test_fsdp_and_sequence_parallel_place_each_ranks_rows_and_tokens(matrix):
+    """2-D: each rank's activations are its dp rank's rows and its tp rank's tokens; the
+    SequenceParallel norms' DTensor outputs (on the tp mesh only) are placed in the batch
+    too."""
+    _, report = matrix.compare("fsdp_tp_sp")
+    found = {(f["key"]["phase"], f["key"]["site"]): f for f in report["findings"]
+             if f["key"]["step"] == 0 and f["key"]["microbatch"] == 0}
+    for site in ("tok", "layers.0.norm", "layers.0", "layers.3.w2", "norm"):
+        f = found[("fwd", site)]
+        assert f["verdict"] in ("identical", "close"), f
+        assert f["shape"] == [BATCH, SEQ, DIM] and f["ranks"]["cand"] == [0, 1, 2, 3], f
 
 
 def test_two_microbatches_swapped(matrix):
