@@ -404,6 +404,10 @@ class Capturer:
             stage = self.stage if stage is None else stage
             if reduce == AUTO:
                 reduce = "mean" if phase == "loss" else None
+            if (layout is None and rows is None and reduce is not None and t is not None
+                    and _is_dtensor(t)):
+                layout, t = self._dtensor_reduction(t, reduce, weight, microbatch, phase, site,
+                                                    replicate)
             plain = layout is None and t is not None and not _is_dtensor(t)
             if rows is not None and t is not None:
                 layout = ragged_layout(tuple(t.shape), rows.offset, rows.total, part=rows.part,
@@ -421,6 +425,37 @@ class Capturer:
                                                  layout, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
+
+    def _dtensor_reduction(self, t, reduce: str, weight, microbatch: int, phase: str, site: str,
+                           replicate) -> tuple[PieceLayout | None, torch.Tensor]:
+        """(layout, tensor) of a DTensor that is this rank's reduction over its batch share: a
+        loss computed from DTensor logits. Replicated (loss_parallel's cross entropy): its
+        local tensor is the value, an addend over dp like a plain loss. A mean left
+        Partial(avg) (``logits.square().mean()`` of column-sharded logits): its local tensor
+        is one addend of a mean over the partial mesh dims too, so the addends are indexed
+        over dp x those dims. Anything else: (None, t), placed by its own layout."""
+        from torch.distributed.tensor.placement_types import Partial, Replicate
+
+        placements = tuple(t.placements)
+        mesh = t.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return None, t
+        partial = [d for d, p in enumerate(placements)
+                   if isinstance(p, Partial) and p.reduce_op == "avg"]
+        if any(not isinstance(p, Replicate) for d, p in enumerate(placements)
+               if d not in partial) or (partial and reduce != "mean"):
+            return None, t
+        index, count = 0, 1
+        for d in partial:
+            index, count = index * mesh.size(d) + int(coordinate[d]), count * mesh.size(d)
+        ident = self.ident
+        if ident.dp_dim_name not in tuple(mesh.mesh_dim_names or ()) or not ident.dp_dim_name:
+            index, count = ident.dp_rank * count + index, ident.dp_size * count
+        local = _local_shard(t)
+        layout = reduction_layout(tuple(local.shape), reduce, self._weight(weight, microbatch),
+                                  index, count, replica=self.replicated(phase, site, replicate))
+        return layout, local
 
     def _weight(self, weight: float | None, microbatch: int) -> float:
         if weight is not None:

@@ -204,3 +204,39 @@ def test_a_whole_view_of_a_block_is_the_block():
     assert _mark_of(base.view_as(base)) == (1, TP, 1)
     assert _mark_of(x[:, :2]) is None and _mark_of(base[:, 4:]) is None
     assert _mark_of(torch.randn(B, S, D)) is None
+
+
+def test_a_loss_from_dtensor_logits_is_a_reduction_over_its_addends(fake_rank):
+    """A loss computed from DTensor logits is a DTensor: loss_parallel's cross entropy is
+    Replicate (the value, one addend per dp rank), a mean of column-sharded logits is
+    Partial(avg) (one addend per dp x tp rank, averaged). Either way the auditor rebuilds the
+    global-batch loss from the addends, as for a plain per-rank loss."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    rank = 3
+    fake_rank(rank)
+    dp, tp = divmod(rank, 2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    batches = []
+    cap = Capturer(AgentConfig(phases=("loss",), microbatch_size=4),
+                   rank_identity(mesh, dp_dim="dp"), batches.append, Counters())
+    value = torch.tensor(1.5)
+    cases = {
+        "replicate": DTensor.from_local(value, mesh["tp"], [Replicate()], run_check=False),
+        "avg": DTensor.from_local(value, mesh["tp"], [Partial("avg")], run_check=False),
+        "avg_2d": DTensor.from_local(value, mesh, [Partial("avg"), Partial("avg")],
+                                     run_check=False),
+        "sum": DTensor.from_local(value, mesh["tp"], [Partial("sum")], run_check=False),
+    }
+    for site, t in cases.items():
+        cap.capture(t, phase="loss", site=site)
+    cap.flush()
+    lays = {c.site: c.layout for b in batches for c in b.captures}
+    assert not cap.counters.errors
+    for site, (index, count) in {"replicate": (dp, 2), "avg": (2 * dp + tp, 4),
+                                 "avg_2d": (2 * dp + tp, 4)}.items():
+        lay = lays[site]
+        assert (lay.reduce, lay.reduce_index, lay.reduce_count) == ("mean", index, count), site
+        assert lay.reduce_weight == 4.0 and lay.logical_shape == () and lay.replica, site
+    # a Partial sum averaged over dp is no weighted mean of its addends: its own layout
+    assert lays["sum"].partial and not lays["sum"].reduce

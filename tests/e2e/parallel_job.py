@@ -39,7 +39,7 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always"}
-TP_CASES = {"tp", "tp_partial", "tp_sp", "tp_sp_norm_plain", "fsdp_tp_sp",
+TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_norm_plain", "fsdp_tp_sp",
             "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
             "pp_clip_local"}
@@ -195,6 +195,8 @@ def run_tp(case: str, run: str) -> None:
             plan[f"layers.{i}.w1"] = ColwiseParallel()
             partial = case == "tp_partial" and i == 1  # planted: the all-reduce is missing
             plan[f"layers.{i}.w2"] = RowwiseParallel(output_layouts=Partial() if partial else None)
+        if case == "tp_dtensor_logits":  # the head's logits stay DTensors (column-sharded), so
+            plan["out"] = ColwiseParallel(use_local_output=False)  # the loss is Partial(avg)
     parallelize_module(model, mesh["tp"], plan)
     if two_d:
         from torch.distributed.fsdp import fully_shard

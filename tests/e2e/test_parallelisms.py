@@ -33,7 +33,8 @@ from tests.e2e.parallel_job import BATCH, DIM, SEQ
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
-CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "tp_dtensor_logits", "tp_sp", "pp_gpipe", "pp_1f1b",
+         "pp_interleaved")
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
         "ddp_wrong_data", "tp_partial", "tp_sp_norm_plain", "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
@@ -205,6 +206,16 @@ def test_rowwise_output_left_partial(matrix):
     first = _first(matrix.compare("tp_partial")[1])
     assert (first["verdict"], _key(first)) == ("replica_divergence", ("fwd", "layers.1.w2", 0, 0))
     assert "ranks 1 disagree with rank 0" in first["detail"]
+
+
+def test_a_loss_from_dtensor_logits_rebuilds_from_each_ranks_addend(matrix):
+    """The head left as DTensors (ColwiseParallel(use_local_output=False)): the loss,
+    ``logits.square().mean()``, is a Partial(avg) DTensor, each tp rank's local mean one
+    addend; it rebuilds as the reference's loss."""
+    _, report = matrix.compare("tp_dtensor_logits")
+    losses = [f for f in report["findings"] if f["key"]["phase"] == "loss"]
+    assert len(losses) == 8 and {f["verdict"] for f in losses} <= {"identical", "close"}
+    assert all(f["ranks"]["cand"] == [0, 1] for f in losses), losses[0]
 
 
 def test_sequence_parallel_blocks_rebuild_from_each_ranks_tokens(matrix):
