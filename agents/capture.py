@@ -867,41 +867,22 @@ def _followed(mark: tuple[int, int, int], x: torch.Tensor,
 
 def output_sharding(module: torch.nn.Module,
                     ident: RankIdentity) -> tuple[bool, tuple[int, int, int] | None]:
-    """(declared, block): whether `module`'s output layout is stated by a tensor-parallel
-    style or its weights, and if so the (dim, shards, coordinate) of the plain tensor each rank
-    holds (None: a replica, or a DTensor that carries its own layout).
+    """(declared, block): whether a tensor-parallel style states `module`'s output layout,
+    and if so the (dim, shards, coordinate) of the plain tensor each rank holds (None: a
+    replica, or a DTensor that carries its own layout).
 
     A ColwiseParallel or RowwiseParallel module converts its output to ``output_layouts`` in a
     forward hook (``torch.distributed.tensor.parallel``), and hands each rank its local tensor
     when ``use_local_output``: a Shard(d) there is a block of dim d (Colwise's default Shard(-1)
     is a column block, a sequence-parallel Rowwise's Shard(1) a block of tokens); Replicate is
-    a replica. PrepareModuleOutput states it the same way. Without such a hook, a Linear whose
-    weight is Shard(0) (an Embedding's Shard(1)) over a non-dp mesh dim outputs column blocks.
+    a replica. PrepareModuleOutput states it the same way. (A sharded weight says nothing by
+    itself: FSDP2 shards weights on dim 0 too, and gathers them before the forward.)
     """
     declared = _style_output(module)
-    if declared is not None:
-        placements, local, mesh = declared
-        if not local:
-            return True, None
-        return True, _mesh_block(placements, mesh, ident)
-    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+    if declared is None:
         return False, None
-    weight = getattr(module, "weight", None)
-    if not _is_dtensor(weight):
-        return False, None
-    from torch.distributed.tensor.placement_types import Shard
-
-    col_dim = 0 if isinstance(module, torch.nn.Linear) else 1
-    mesh = weight.device_mesh
-    names = tuple(mesh.mesh_dim_names or ())
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return False, None
-    for mesh_dim, p in enumerate(weight.placements):
-        name = names[mesh_dim] if mesh_dim < len(names) else ""
-        if isinstance(p, Shard) and p.dim == col_dim and name != ident.dp_dim_name:
-            return True, (-1, int(mesh.size(mesh_dim)), int(coordinate[mesh_dim]))
-    return False, None
+    placements, local, mesh = declared
+    return True, (_mesh_block(placements, mesh, ident) if local else None)
 
 
 def _style_output(module: torch.nn.Module):

@@ -38,7 +38,7 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 """4 microbatches of 4 sequences (the global batch of each microbatch) of 4 tokens, 2 steps."""
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
-            "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always"}
+            "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp"}
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_norm_plain", "fsdp_tp_sp",
             "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
@@ -130,22 +130,30 @@ def run_dp(case: str, run: str) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    shard_mesh = mesh
+    if case == "hsdp":  # FSDP2 sharding over dp_shard, replicated over dp_replicate
+        shard_mesh = init_device_mesh("cpu", (2, world // 2),
+                                      mesh_dim_names=("dp_replicate", "dp_shard"))
+        mesh = shard_mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the batch split
     model = Model()
     if case == "ddp_frozen":
         model.layers["1"].w1.weight.requires_grad_(False)
-    if case == "fsdp":
+    if case in ("fsdp", "fsdp_no_mesh", "hsdp"):
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
     else:
         model = DDP(model)
         if case == "ddp_skip_allreduce":
             model.register_comm_hook(None, _allreduce_skipped_on_rank(1))
     share = BATCH // world
     reader = 0 if case == "ddp_wrong_data" else rank  # planted: rank 1 reads rank 0's rows
-    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
+    if case == "fsdp_no_mesh":  # no mesh given: the batch split is the whole world
+        agent = agents.attach(model, run=run)
+    else:
+        agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
     # Gradient accumulation as DDP users write it: no all-reduce but in the last microbatch's

@@ -33,13 +33,14 @@ from tests.e2e.parallel_job import BATCH, DIM, SEQ
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
-CLEAN = ("ddp", "ddp_no_sync", "fsdp", "tp", "tp_dtensor_logits", "tp_sp", "pp_gpipe", "pp_1f1b",
-         "pp_interleaved")
+CLEAN = ("ddp", "ddp_no_sync", "fsdp", "fsdp_no_mesh", "tp", "tp_dtensor_logits", "tp_sp",
+         "pp_gpipe", "pp_1f1b", "pp_interleaved")
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
         "ddp_wrong_data", "tp_partial", "tp_sp_norm_plain", "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
-FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain")
-"""2-D cases, FSDP2 over dp=2 x TP with sequence parallelism over tp=2: their own 4-rank job."""
+FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp")
+"""2-D cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over
+tp=2, and HSDP (FSDP2 sharding over dp_shard=2, replicated over dp_replicate=2)."""
 
 
 def _env(daemon: Daemon, **extra: str) -> dict:
@@ -113,7 +114,7 @@ def matrix(tmp_path_factory) -> Matrix:
         daemon.stop()
 
 
-@pytest.mark.parametrize("cand", CLEAN + ("fsdp_tp_sp",))
+@pytest.mark.parametrize("cand", CLEAN + ("fsdp_tp_sp", "hsdp"))
 def test_clean_pairs_pass_the_fp32_preset(matrix, cand):
     code, report = matrix.compare(cand)
     summary = report["summary"]
