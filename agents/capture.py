@@ -122,6 +122,11 @@ class Capturer:
         not inferred from their inputs."""
         self._follow = ident.ranks_per_dp_rank > 1
         """Ranks besides the dp ranks exist (tp, cp, ep): plain outputs may be shards."""
+        self._hook_seq = 0
+        self._site_seq: dict[str, int] = {}
+        """Forward hooks run so far, and the count at each site's last one."""
+        self._last_output: tuple | None = None
+        """(site, shape, block or None, hook count) of the last hooked output."""
         self._digester = Digester(config.digest)
         self._batches = Batcher(self._digester, config, sink, counters, self._failed)
         """Captures of the running hook whose digests are not computed yet, and the batch
@@ -240,10 +245,15 @@ class Capturer:
         (``x + self.w2(...)`` of two local blocks): a transformer block's output holds the
         same tokens as its input. So a module whose positional input is marked as a block of
         dim d, and whose output has that dim at the same size, outputs the same block; a
-        module that gathers the dim (another size), reduces it away, or has no marked input
-        does not. Inferred wrongly either way, the pieces do not rebuild the reference's
-        logical tensor and the comparison breaches: never a false pass.
+        module that gathers the dim (another size) or reduces it away does not. Without a
+        marked input (a pipeline stage's first block, fed by the previous stage), a module
+        whose last hooked submodule in this call output a block of its output's shape outputs
+        that block (the residual add). Inferred wrongly either way, the pieces do not rebuild
+        the reference's logical tensor and the comparison breaches: never a false pass.
         """
+        self._hook_seq += 1
+        seq, since = self._hook_seq, self._site_seq.get(site, 0)
+        self._site_seq[site] = seq
         shards = self._output_shards.get(site)
         if site not in self._declared:
             found = None
@@ -252,6 +262,14 @@ class Capturer:
                 if mark is not None:
                     found = _followed(mark, x, tensors)
                     break
+            last = self._last_output
+            if (found is None and last is not None and last[2] is not None and tensors
+                    and last[3] > since and last[0].startswith(f"{site}." if site else "")
+                    and last[1] == tuple(tensors[0].shape) and not _is_dtensor(tensors[0])):
+                # No marked input (a pipeline stage's first block gets its tokens from the
+                # previous stage), but the submodule that ran last in this call output a
+                # block of this output's shape: ``x + self.w2(...)`` adds that block to x.
+                found = last[2]
             if found != shards:
                 self._set_shards(site, found)
                 shards = found
@@ -259,6 +277,8 @@ class Capturer:
             for t in tensors:  # plain tensors, and the AsyncCollectiveTensor a style's
                 if not _is_dtensor(t):  # redistribute(async_op=True) leaves before to_local()
                     _mark(t, shards)
+        if tensors:
+            self._last_output = (site, tuple(tensors[0].shape), shards, seq)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.

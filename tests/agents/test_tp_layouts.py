@@ -240,3 +240,37 @@ def test_a_loss_from_dtensor_logits_is_a_reduction_over_its_addends(fake_rank):
         assert lay.reduce_weight == 4.0 and lay.logical_shape == () and lay.replica, site
     # a Partial sum averaged over dp is no weighted mean of its addends: its own layout
     assert lays["sum"].partial and not lays["sum"].reduce
+
+
+def test_a_block_is_not_inferred_from_a_shape_that_only_looks_alike(fake_rank):
+    """Plain TP with an FFN of 4 x D over tp=4: w1's column block is (B, S, D), the shape of
+    the block's output too, but the block's last submodule (w2, all-reduced) outputs a
+    replica, so the block's output is one; a block of w1's columns is not carried over."""
+    from agents.capture import PHASE_IDS
+
+    fake_rank(2)
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+
+    class Wide(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = torch.nn.Linear(D, TP * D)
+            self.w2 = torch.nn.Linear(TP * D, D)
+
+        def forward(self, x):
+            return x + self.w2(torch.relu(self.w1(x)))
+
+    model = torch.nn.Sequential(Wide(), Wide())
+    parallelize_module(model, mesh["tp"], {f"{i}.{w}": style for i in range(2) for w, style in
+                                           (("w1", ColwiseParallel()), ("w2", RowwiseParallel()))})
+    batches = []
+    cap = Capturer(AgentConfig(phases=("fwd",)), rank_identity(mesh, dp_dim="dp"),
+                   batches.append, Counters())
+    cap.hook_modules(model)
+    cap.start_step(0)
+    model(torch.randn(B, S, D))
+    cap.flush()
+    lays = {c.site: c.layout for b in batches for c in b.captures if c.phase == PHASE_IDS["fwd"]}
+    assert lays["0.w1"].shape == (B, S, D) and not lays["0.w1"].replica  # a column block
+    for site in ("0", "1", "0.w2"):
+        assert lays[site].replica and lays[site].logical_shape == (B, S, D), site

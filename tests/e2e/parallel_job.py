@@ -42,7 +42,7 @@ DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_norm_plain", "fsdp_tp_sp",
             "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
-            "pp_clip_local"}
+            "pp_clip_local", "pp_tp_sp"}
 MAX_NORM = 0.5
 """Clipping threshold of the clip cases: the total gradient norm is ~2.5 in both steps and each
 stage's own norm is above it too (~0.7 and ~2.4), so every clip is active."""
@@ -257,24 +257,42 @@ def stage_module(model: Model, layers: list[int], first: bool, last: bool) -> Mo
     return stage
 
 
+def _submodule(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    for part in name.split("."):
+        module = getattr(module, part, None) if not isinstance(module, torch.nn.ModuleDict) \
+            else module[part] if part in module else None
+        if module is None:
+            return None
+    return module
+
+
 def run_pp(case: str, run: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    world = dist.get_world_size()
+    tp = 2 if case == "pp_tp_sp" else 1  # 3-D: pipeline stages, each TP + SP over 2 ranks
+    mesh = (init_device_mesh("cpu", (1, world // tp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            if tp > 1 else init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp")))
+    rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()
     model = Model()
     interleaved = case == "pp_interleaved"
-    n_stages = 2 * world if interleaved else world
+    n_stages = 2 * pp if interleaved else pp
     per_stage = LAYERS // n_stages
-    mine = [rank, rank + world] if interleaved else [rank]
+    mine = [rank, rank + pp] if interleaved else [rank]
     stages, params = [], []
     for s in mine:
         module = stage_module(model, list(range(s * per_stage, (s + 1) * per_stage)),
                               s == 0, s == n_stages - 1)
         if case == "pp_detach" and s == 1:
             module.layers[str(per_stage)].detach_input = True  # planted: the boundary is cut
+        if tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(module, mesh["tp"], {
+                name: style for name, style in _sequence_parallel_plan(case).items()
+                if _submodule(module, name) is not None})
         params += list(module.parameters())
         stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"),
                                     group=mesh.get_group("pp")))
@@ -298,7 +316,7 @@ def run_pp(case: str, run: str) -> None:
         x = torch.cat([microbatch_tokens(step, j) for j in order])
         target = torch.zeros(MICROBATCHES * BATCH)
         with agent.step(step):
-            if rank == 0:
+            if rank == 0:  # the first stage (every tp rank of it feeds the same batch)
                 schedule.step(x)
             else:
                 schedule.step(target=target)
