@@ -107,9 +107,9 @@ class Capturer:
         """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
         self._dtensor_layouts: dict[tuple, tuple] = {}
         """(id(mesh), placements, global shape, phase) -> (weak reference to the mesh, layout
-        of this rank's shard): worked out once (torch's local shape and offset computation cost ~50 us
-        a capture). The reference tells a reused id apart without keeping the mesh, and with
-        it its process groups, alive until the interpreter's teardown."""
+        of this rank's shard): worked out once (torch's local shape and offset computation
+        cost ~50 us a capture). The reference tells a reused id apart without keeping the
+        mesh, and with it its process groups, alive until the interpreter's teardown."""
         self._logged: set[str] = set()
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
@@ -118,8 +118,8 @@ class Capturer:
         """Module site -> (dim, shards, coordinate) of a tensor-parallel output that each rank
         holds a block of as a plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
         self._declared: set[str] = set()
-        """Sites whose output layout a tensor-parallel style (or a Colwise-like weight) states:
-        not inferred from their inputs."""
+        """Sites whose output layout a tensor-parallel style states: not inferred from their
+        inputs."""
         self._follow = ident.ranks_per_dp_rank > 1
         """Ranks besides the dp ranks exist (tp, cp, ep): plain outputs may be shards."""
         self._hook_seq = 0
@@ -470,7 +470,7 @@ class Capturer:
         for d in partial:
             index, count = index * mesh.size(d) + int(coordinate[d]), count * mesh.size(d)
         ident = self.ident
-        if ident.dp_dim_name not in tuple(mesh.mesh_dim_names or ()) or not ident.dp_dim_name:
+        if not ident.dp_dim_name or ident.dp_dim_name not in tuple(mesh.mesh_dim_names or ()):
             index, count = ident.dp_rank * count + index, ident.dp_size * count
         local = _local_shard(t)
         layout = reduction_layout(tuple(local.shape), reduce, self._weight(weight, microbatch),
