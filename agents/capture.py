@@ -246,7 +246,8 @@ class Capturer:
         same tokens as its input. So a module whose positional input is marked as a block of
         dim d, and whose output has that dim at the same size, outputs the same block; a
         module that gathers the dim (another size) or reduces it away does not. Without a
-        marked input (a pipeline stage's first block, fed by the previous stage), a module
+        marked input (a pipeline stage's first block, fed by the previous stage; a module
+        whose input a PrepareModuleInput style gathers), a module
         whose last hooked submodule in this call output a block of its output's shape outputs
         that block (the residual add). Inferred wrongly either way, the pieces do not rebuild
         the reference's logical tensor and the comparison breaches: never a false pass.
@@ -267,8 +268,9 @@ class Capturer:
                     and last[3] > since and last[0].startswith(f"{site}." if site else "")
                     and last[1] == tuple(tensors[0].shape) and not _is_dtensor(tensors[0])):
                 # No marked input (a pipeline stage's first block gets its tokens from the
-                # previous stage), but the submodule that ran last in this call output a
-                # block of this output's shape: ``x + self.w2(...)`` adds that block to x.
+                # previous stage; PrepareModuleInput hands a module its input gathered), but
+                # the submodule that ran last in this call output a block of this output's
+                # shape: ``x + self.w2(...)`` adds that block to x.
                 found = last[2]
             if found != shards:
                 self._set_shards(site, found)

@@ -274,3 +274,52 @@ def test_a_block_is_not_inferred_from_a_shape_that_only_looks_alike(fake_rank):
     assert lays["0.w1"].shape == (B, S, D) and not lays["0.w1"].replica  # a column block
     for site in ("0", "1", "0.w2"):
         assert lays[site].replica and lays[site].logical_shape == (B, S, D), site
+
+
+def test_a_submodule_whose_input_a_style_gathers_outputs_the_tokens_of_its_last_child(fake_rank):
+    """torchtitan's plan gathers an attention or feed-forward module's input
+    (PrepareModuleInput: Shard(1) -> Replicate), so the module's hook sees no marked input;
+    its last child (the Rowwise w2 with output_layouts=Shard(1)) outputs the tokens, and so
+    does the module."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from agents.capture import PHASE_IDS
+
+    rank = 1
+    fake_rank(rank)
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+
+    class FeedForward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = torch.nn.Linear(D, H)
+            self.w2 = torch.nn.Linear(H, D)
+
+        def forward(self, x):
+            return self.w2(torch.relu(self.w1(x)))
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(D)
+            self.ff = FeedForward()
+
+        def forward(self, x):
+            return x + self.ff(self.norm(x))
+
+    model = torch.nn.Sequential(torch.nn.Identity(), Layer())
+    parallelize_module(model, mesh["tp"], {
+        "1.norm": SequenceParallel(),
+        "1.ff": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "1.ff.w1": ColwiseParallel(),
+        "1.ff.w2": RowwiseParallel(output_layouts=Shard(1))})
+    batches = []
+    cap = Capturer(AgentConfig(phases=("fwd",)), rank_identity(mesh, dp_dim="dp"),
+                   batches.append, Counters())
+    cap.hook_modules(model)
+    cap.start_step(0)
+    model(torch.randn(B, S // TP, D))  # this rank's tokens, as the previous stage sends them
+    cap.flush()
+    lays = {c.site: c.layout for b in batches for c in b.captures if c.phase == PHASE_IDS["fwd"]}
+    tokens = PieceLayout((B, S, D), (0, rank * S // TP, 0), (B, S // TP, D))
+    assert lays["1.ff.w2"] == tokens and lays["1.ff"] == tokens and lays["1"] == tokens
