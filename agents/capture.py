@@ -247,10 +247,10 @@ class Capturer:
         dim d, and whose output has that dim at the same size, outputs the same block; a
         module that gathers the dim (another size) or reduces it away does not. Without a
         marked input (a pipeline stage's first block, fed by the previous stage; a module
-        whose input a PrepareModuleInput style gathers), a module
-        whose last hooked submodule in this call output a block of its output's shape outputs
-        that block (the residual add). Inferred wrongly either way, the pieces do not rebuild
-        the reference's logical tensor and the comparison breaches: never a false pass.
+        whose input a PrepareModuleInput style gathers), a module whose last hooked submodule
+        in this call output a block of its output's shape outputs that block (the residual
+        add). Inferred wrongly either way, the pieces do not rebuild the reference's logical
+        tensor and the comparison breaches: never a false pass.
         """
         self._hook_seq += 1
         seq, since = self._hook_seq, self._site_seq.get(site, 0)
