@@ -39,8 +39,8 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp"}
-TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_norm_plain", "fsdp_tp_sp",
-            "fsdp_tp_sp_norm_plain"}
+TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "tp_sp_norm_plain",
+            "fsdp_tp_sp", "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
             "pp_clip_local", "pp_tp_sp"}
 MAX_NORM = 0.5
@@ -206,6 +206,12 @@ def run_tp(case: str, run: str) -> None:
         if case == "tp_dtensor_logits":  # the head's logits stay DTensors (column-sharded), so
             plan["out"] = ColwiseParallel(use_local_output=False)  # the loss is Partial(avg)
     parallelize_module(model, mesh["tp"], plan)
+    if case == "tp_sp_ac":  # activation checkpointing on every block, as torchtitan applies it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+
+        for name in list(model.layers.keys()):
+            model.layers[name] = checkpoint_wrapper(model.layers[name])
     if two_d:
         from torch.distributed.fsdp import fully_shard
 

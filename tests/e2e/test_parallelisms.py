@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
 CLEAN = ("ddp", "ddp_no_sync", "fsdp", "fsdp_no_mesh", "tp", "tp_dtensor_logits", "tp_sp",
-         "pp_gpipe", "pp_1f1b", "pp_interleaved")
+         "tp_sp_ac", "pp_gpipe", "pp_1f1b", "pp_interleaved")
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
         "ddp_wrong_data", "tp_partial", "tp_sp_norm_plain", "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
