@@ -122,11 +122,9 @@ class Capturer:
         inputs."""
         self._follow = ident.ranks_per_dp_rank > 1
         """Ranks besides the dp ranks exist (tp, cp, ep): plain outputs may be shards."""
-        self._hook_seq = 0
-        self._site_seq: dict[str, int] = {}
-        """Forward hooks run so far, and the count at each site's last one."""
         self._last_output: tuple | None = None
-        """(site, shape, block or None, hook count) of the last hooked output."""
+        """(site, shape, block or None) of the last hooked output: a module's hook runs after
+        its submodules', so when that is a submodule's, it ran in this call of the module."""
         self._digester = Digester(config.digest)
         self._batches = Batcher(self._digester, config, sink, counters, self._failed)
         """Captures of the running hook whose digests are not computed yet, and the batch
@@ -252,9 +250,6 @@ class Capturer:
         add). Inferred wrongly either way, the pieces do not rebuild the reference's logical
         tensor and the comparison breaches: never a false pass.
         """
-        self._hook_seq += 1
-        seq, since = self._hook_seq, self._site_seq.get(site, 0)
-        self._site_seq[site] = seq
         shards = self._output_shards.get(site)
         if site not in self._declared:
             found = None
@@ -265,7 +260,7 @@ class Capturer:
                     break
             last = self._last_output
             if (found is None and last is not None and last[2] is not None and tensors
-                    and last[3] > since and last[0].startswith(f"{site}." if site else "")
+                    and last[0].startswith(f"{site}." if site else "")
                     and last[1] == tuple(tensors[0].shape) and not _is_dtensor(tensors[0])):
                 # No marked input (a pipeline stage's first block gets its tokens from the
                 # previous stage; PrepareModuleInput hands a module its input gathered), but
@@ -280,7 +275,7 @@ class Capturer:
                 if not _is_dtensor(t):  # redistribute(async_op=True) leaves before to_local()
                     _mark(t, shards)
         if tensors:
-            self._last_output = (site, tuple(tensors[0].shape), shards, seq)
+            self._last_output = (site, tuple(tensors[0].shape), shards)
 
     def _replayed(self, site: str, stage: int, output) -> None:
         """A forward run again during backward: a checkpoint's recomputation, not a new call.

@@ -263,13 +263,13 @@ def stage_module(model: Model, layers: list[int], first: bool, last: bool) -> Mo
     return stage
 
 
-def _submodule(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    for part in name.split("."):
-        module = getattr(module, part, None) if not isinstance(module, torch.nn.ModuleDict) \
-            else module[part] if part in module else None
-        if module is None:
-            return None
-    return module
+def _present(module: torch.nn.Module, name: str) -> bool:
+    """Whether `module` has the submodule `name` (a stage keeps only its own parts)."""
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def run_pp(case: str, run: str) -> None:
@@ -298,7 +298,7 @@ def run_pp(case: str, run: str) -> None:
 
             parallelize_module(module, mesh["tp"], {
                 name: style for name, style in _sequence_parallel_plan(case).items()
-                if _submodule(module, name) is not None})
+                if _present(module, name)})
         params += list(module.parameters())
         stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"),
                                     group=mesh.get_group("pp")))
