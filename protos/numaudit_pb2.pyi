@@ -78,7 +78,7 @@ class Key(_message.Message):
     def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., site: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., index: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("logical_shape", "offsets", "shape", "replica", "partial", "dtype", "complex_as_real", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span")
+    __slots__ = ("logical_shape", "offsets", "shape", "replica", "partial", "dtype", "complex_as_real", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "flat")
     LOGICAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Layout(_message.Message):
     RAGGED_PARTS_FIELD_NUMBER: _ClassVar[int]
     RAGGED_FIRST_FIELD_NUMBER: _ClassVar[int]
     RAGGED_SPAN_FIELD_NUMBER: _ClassVar[int]
+    FLAT_FIELD_NUMBER: _ClassVar[int]
     logical_shape: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -107,7 +108,8 @@ class Layout(_message.Message):
     ragged_parts: int
     ragged_first: int
     ragged_span: int
-    def __init__(self, logical_shape: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., replica: _Optional[bool] = ..., partial: _Optional[bool] = ..., dtype: _Optional[str] = ..., complex_as_real: _Optional[bool] = ..., reduce: _Optional[_Union[Reduction, str]] = ..., reduce_weight: _Optional[float] = ..., reduce_index: _Optional[int] = ..., reduce_count: _Optional[int] = ..., ragged_parts: _Optional[int] = ..., ragged_first: _Optional[int] = ..., ragged_span: _Optional[int] = ...) -> None: ...
+    flat: bool
+    def __init__(self, logical_shape: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., replica: _Optional[bool] = ..., partial: _Optional[bool] = ..., dtype: _Optional[str] = ..., complex_as_real: _Optional[bool] = ..., reduce: _Optional[_Union[Reduction, str]] = ..., reduce_weight: _Optional[float] = ..., reduce_index: _Optional[int] = ..., reduce_count: _Optional[int] = ..., ragged_parts: _Optional[int] = ..., ragged_first: _Optional[int] = ..., ragged_span: _Optional[int] = ..., flat: _Optional[bool] = ...) -> None: ...
 
 class Digest(_message.Message):
     __slots__ = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "has_moments", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch", "sketch_seed")

@@ -23,8 +23,8 @@ import numpy as np
 
 from protos import numaudit_pb2 as pb
 
-IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, HAS_MOMENTS = 1, 2, 4, 8, 16
-FLAG_BITS = IS_NONE | REPLICA | PARTIAL | COMPLEX_AS_REAL | HAS_MOMENTS
+IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, HAS_MOMENTS, FLAT = 1, 2, 4, 8, 16, 32
+FLAG_BITS = IS_NONE | REPLICA | PARTIAL | COMPLEX_AS_REAL | HAS_MOMENTS | FLAT
 
 # Per-record numeric columns: (name, little-endian dtype on the wire and in memory).
 SCALAR_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -349,7 +349,7 @@ def from_records(records: Iterable[pb.Record], label: str = "records") -> Record
             logical = offsets = shape = ()
         flags = ((IS_NONE if r.is_none else 0) | (REPLICA if lay.replica else 0)
                  | (PARTIAL if lay.partial else 0) | (COMPLEX_AS_REAL if lay.complex_as_real else 0)
-                 | (HAS_MOMENTS if d.has_moments else 0))
+                 | (HAS_MOMENTS if d.has_moments else 0) | (FLAT if lay.flat else 0))
         b.add({"site": k.site, "step": k.step, "microbatch": k.microbatch, "phase": k.phase,
                "role": k.role, "index": k.index, "call": k.call, "stage": r.stage, "flags": flags,
                "dtype": lay.dtype, "reduce": lay.reduce, "reduce_weight": lay.reduce_weight,
@@ -393,7 +393,7 @@ def to_records(c: RecordColumns, into=None) -> list[pb.Record]:
         lay.offsets.extend(dims[s + nd:s + 2 * nd])
         lay.shape.extend(dims[s + 2 * nd:s + 3 * nd])
         lay.replica, lay.partial = bool(f & REPLICA), bool(f & PARTIAL)
-        lay.complex_as_real = bool(f & COMPLEX_AS_REAL)
+        lay.complex_as_real, lay.flat = bool(f & COMPLEX_AS_REAL), bool(f & FLAT)
         if not f & IS_NONE:
             lay.dtype = c.dtypes[cols["dtype"][i]] if c.dtypes else ""
         for name in ("reduce", "reduce_weight", "reduce_index", "reduce_count",
