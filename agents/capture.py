@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from agents import fsdp1
 from agents.config import AgentConfig, step_selected
 from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from agents.digest import has_moments
@@ -809,21 +810,39 @@ class Capturer:
     def capture_parameters(self, model: torch.nn.Module, *, grads: bool, stage: int = -1) -> None:
         """Capture every parameter's gradient (None recorded explicitly) or value."""
         phase = "grad" if grads else "param"
-        if self.wants(phase):
-            self.capture_values(((normalize_site(name), stage, p.grad if grads else p)
-                                 for name, p in model.named_parameters()), phase=phase)
+        if not self.wants(phase):
+            return
+        try:
+            views = self.flat_views([model])
+        except Exception as exc:  # FSDP1 internals it does not know: its flat parameters as is
+            self._failed("reading FSDP1's flat parameters", exc)
+            views = {}
+        items = ((normalize_site(name), stage, p) for name, p in model.named_parameters())
+        self.capture_values(fsdp1.sweep(items, views, grads), phase=phase)
+
+    def flat_views(self, models) -> dict[int, list[fsdp1.FlatView]]:
+        """The FSDP1 FlatParameters of `models`, as views per original parameter
+        (agents.fsdp1.expand)."""
+        views: dict[int, list[fsdp1.FlatView]] = {}
+        for model in models:
+            views.update(fsdp1.expand(model, self.ident.dp_size, self.ident.ranks_per_dp_rank > 1))
+        return views
 
     def capture_values(self, items, *, phase: str) -> None:
-        """Capture step-level values, ``(site, stage, tensor or None)`` items, under ``phase``
-        (role value; None recorded explicitly): a sweep over parameters or their gradients,
-        digested in one kernel call and handed to the sender. Never raises."""
+        """Capture step-level values, ``(site, stage, tensor or None, layout or None)`` items,
+        under ``phase`` (role value; None recorded explicitly; layout None: the tensor's own): a
+        sweep over parameters or their gradients, digested in one kernel call and handed to the
+        sender. Never raises."""
         if not self._step_on:
             return
-        for site, stage, t in items:
-            if t is None or not self._capture_fast(t, phase, site, "value", 0, 0, STEP_LEVEL,
-                                                   stage, self.step):
-                self._capture_one(t, phase=phase, site=site, role="value",
-                                  microbatch=STEP_LEVEL, stage=stage)
+        try:
+            for site, stage, t, layout in items:
+                if t is None or layout is not None or not self._capture_fast(
+                        t, phase, site, "value", 0, 0, STEP_LEVEL, stage, self.step):
+                    self._capture_one(t, phase=phase, site=site, role="value",
+                                      microbatch=STEP_LEVEL, stage=stage, layout=layout)
+        except Exception as exc:
+            self._failed(f"sweep of {phase}", exc)
         self._drain()
         self.flush()
 

@@ -20,8 +20,8 @@ import numpy as np
 from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from wire import limits
 from wire.checksum import crc32
-from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, SCALAR_COLUMNS,
-                         PayloadChunk, RecordColumns, _ranges)
+from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
+                         SCALAR_COLUMNS, PayloadChunk, RecordColumns, _ranges)
 from protos import numaudit_pb2 as pb
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
@@ -144,7 +144,7 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     if any_none:
         complex_ &= live
         moments &= live
-    flags = lint[:, 0].astype(np.uint8)  # REPLICA | PARTIAL of the layout
+    flags = lint[:, 0].astype(np.uint8)  # REPLICA | PARTIAL | FLAT of the layout
     flags |= none * np.uint8(IS_NONE)
     flags |= complex_ * np.uint8(COMPLEX_AS_REAL)
     flags |= moments * np.uint8(HAS_MOMENTS)
@@ -196,7 +196,7 @@ as variable sequence lengths, would otherwise grow it without bound)."""
 
 class _Layouts:
     """One generation of the layout table: a row per layout object with its record columns
-    (REPLICA | PARTIAL flags then _LAYOUT_COLUMNS in ``ints``, ``weights``, and its dims,
+    (REPLICA | PARTIAL | FLAT flags then _LAYOUT_COLUMNS in ``ints``, ``weights``, and its dims,
     logical_shape + offsets + shape, at ``dims[dim_start:]``).
 
     A layout is worked out once: a batch's layout columns are then one gather over the rows of
@@ -236,7 +236,8 @@ class _Layouts:
             ints, weight, dims = (0,) * (len(_LAYOUT_COLUMNS) + 1), 0.0, ()
         else:
             red, rag = lay.reduce, lay.ragged
-            ints = ((REPLICA if lay.replica else 0) | (PARTIAL if lay.partial else 0),
+            ints = ((REPLICA if lay.replica else 0) | (PARTIAL if lay.partial else 0)
+                    | (FLAT if lay.flat else 0),
                     len(lay.logical_shape), _REDUCE[red] if red else 0,
                     lay.reduce_index if red else 0, lay.reduce_count if red else 0,
                     rag.parts if rag else 0, rag.first if rag else 0, rag.span if rag else 0)

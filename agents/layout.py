@@ -56,6 +56,9 @@ class PieceLayout:
     ragged: RaggedParts | None = None
     """The logical tensor is a concatenation of parts on dim 0 and this piece holds some of them
     (:func:`ragged_layout`); None for every other piece."""
+    flat: bool = False
+    """``logical_shape`` is the tensor's flattening (one dim) and the piece a row-major range of
+    it (:func:`flat_layout`): an FSDP1 rank's share of a parameter."""
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> PieceLayout:
@@ -111,6 +114,7 @@ class PieceLayout:
         fill_reduction(pb, self)
         if self.ragged is not None:
             pb.ragged_first, pb.ragged_span, pb.ragged_parts = self.ragged
+        pb.flat = self.flat
         return pb
 
     @classmethod
@@ -124,6 +128,7 @@ class PieceLayout:
             partial=pb.partial,
             ragged=(RaggedParts(pb.ragged_first, pb.ragged_span, pb.ragged_parts)
                     if pb.ragged_parts else None),
+            flat=pb.flat,
         )
 
 
@@ -166,6 +171,19 @@ def ragged_layout(local_shape: Sequence[int], row_offset: int, total_rows: int, 
         replica=replica,
         ragged=RaggedParts(int(part), int(span), int(parts)),
     )
+    layout.validate()
+    return layout
+
+
+def flat_layout(numel: int, start: int, count: int, *, replica: bool = False) -> PieceLayout:
+    """Layout of elements ``start .. start + count`` (row-major) of a tensor of `numel` elements,
+    whatever its shape: the piece is a range of the tensor's flattening, which the digest indexes
+    as it indexes the tensor itself (by flat index). FSDP1 holds each rank's share of a
+    parameter this way; ``count`` 0 is a rank that holds none of it."""
+    if not 0 <= start or not 0 <= count or start + count > numel:
+        raise ValueError(f"start: elements {start} + {count} exceed numel {numel}")
+    layout = PieceLayout(logical_shape=(int(numel),), offsets=(int(start),), shape=(int(count),),
+                         replica=replica, flat=True)
     layout.validate()
     return layout
 

@@ -12,7 +12,7 @@ that differ with no cause. `OptimizerWatch` hooks `optimizer.step`:
 
 Both are keyed by the agent's current step (the last `agent.step(i)` block entered, so calling
 `optimizer.step()` after the block is fine) and by the parameter's normalized name in the watched
-model. Cost: one digest per parameter per phase; capturing updates holds one copy of the
+model (an FSDP1 FlatParameter: each original parameter's, agents/fsdp1.py). Cost: one digest per parameter per phase; capturing updates holds one copy of the
 parameters on their device during `optimizer.step()`.
 """
 
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agents import fsdp1
 from agents.capture import STEP_LEVEL
 from agents.config import step_selected
 from agents.sites import normalize_site
@@ -69,9 +70,9 @@ class OptimizerWatch:
             if not self._stepping():
                 return
             named = self._named()
+            views = capturer.flat_views(module for module, _ in self.agent._models)
             # one sweep: every gradient digested in one kernel call
-            capturer.capture_values(((site, stage, p.grad) for site, stage, p in named),
-                                    phase="optim_grad")
+            capturer.capture_values(fsdp1.sweep(named, views, True), phase="optim_grad")
             if self.updates:
                 self._before.extend((p, p.detach().clone()) for _, _, p in named)
         except Exception as exc:
@@ -84,10 +85,17 @@ class OptimizerWatch:
             if not self._before:
                 return
             names = {id(p): (site, stage) for site, stage, p in self._named()}
+            views = capturer.flat_views(module for module, _ in self.agent._models)
             for p, before in self._before:
                 site, stage = names[id(p)]
-                capturer.capture(p.detach() - before, phase="update", site=site, role="value",
-                                 microbatch=STEP_LEVEL, stage=stage)
+                update = p.detach() - before
+                for view in views.get(id(p), ()):  # FSDP1: each original parameter's (sharded)
+                    capturer.capture(view.part(update), phase="update", site=view.site,
+                                     role="value", microbatch=STEP_LEVEL, stage=stage,
+                                     layout=view.layout)
+                if id(p) not in views:
+                    capturer.capture(update, phase="update", site=site, role="value",
+                                     microbatch=STEP_LEVEL, stage=stage)
             capturer.flush()
         except Exception as exc:
             capturer._failed("optimizer step post-hook", exc)

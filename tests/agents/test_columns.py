@@ -67,6 +67,7 @@ def _layouts():
         PieceLayout((2,), (0,), (2,), reduce="sum", reduce_index=3, reduce_count=4),
         PieceLayout((9, 2), (3, 0), (2, 2), ragged=RaggedParts(first=1, span=2, parts=4)),
         PieceLayout.full((1, 1, 1, 7)),
+        PieceLayout((12,), (5,), (7,), flat=True),  # an FSDP1 rank's range of a (4, 3) weight
     ]
 
 
@@ -81,7 +82,7 @@ def _expected_layout_columns(lay):
             "ragged_parts": rag.parts if rag else 0, "ragged_first": rag.first if rag else 0,
             "ragged_span": rag.span if rag else 0,
             "flags": (P.REPLICA if lay.replica else 0) | (P.PARTIAL if lay.partial else 0)
-                     | P.HAS_MOMENTS,
+                     | (P.FLAT if lay.flat else 0) | P.HAS_MOMENTS,
             "dims": [*lay.logical_shape, *lay.offsets, *lay.shape]}
 
 

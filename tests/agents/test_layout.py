@@ -22,6 +22,7 @@ from agents.layout import (
     batch_layout,
     complex_real_layout,
     dtensor_layout,
+    flat_layout,
     placements_layout,
 )
 
@@ -48,6 +49,21 @@ def test_layout_proto_round_trip():
     msg = lay.to_proto(pb.Layout(), dtype="float32", complex_as_real=True)
     assert (msg.dtype, msg.complex_as_real) == ("float32", True)
     assert PieceLayout.from_proto(pb.Layout.FromString(msg.SerializeToString())) == lay
+
+
+def test_flat_layout_is_a_range_of_the_flattening_and_travels_flat():
+    """An FSDP1 rank's range of a parameter: its flattening, elements start .. start + count."""
+    from protos import numaudit_pb2 as pb
+
+    lay = flat_layout(12, 5, 7)
+    assert lay == PieceLayout((12,), (5,), (7,), flat=True) and lay.numel == 7
+    assert flat_layout(12, 0, 0).numel == 0  # a rank that holds none of it
+    msg = lay.to_proto(pb.Layout(), dtype="float32")
+    assert msg.flat and PieceLayout.from_proto(pb.Layout.FromString(
+        msg.SerializeToString())) == lay
+    assert not PieceLayout.full((4, 3)).to_proto(pb.Layout(), dtype="float32").flat
+    with pytest.raises(ValueError, match="start"):
+        flat_layout(12, 6, 7)
 
 
 def test_batch_layout():

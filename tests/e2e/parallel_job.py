@@ -38,7 +38,8 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 """4 microbatches of 4 sequences (the global batch of each microbatch) of 4 tokens, 2 steps."""
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
-            "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp"}
+            "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp",
+            "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen"}
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "tp_sp_norm_plain",
             "fsdp_tp_sp", "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
@@ -136,9 +137,18 @@ def run_dp(case: str, run: str) -> None:
                                       mesh_dim_names=("dp_replicate", "dp_shard"))
         mesh = shard_mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the batch split
     model = Model()
-    if case == "ddp_frozen":
+    if case in ("ddp_frozen", "fsdp1_frozen"):
         model.layers["1"].w1.weight.requires_grad_(False)
-    if case in ("fsdp", "fsdp_no_mesh", "hsdp"):
+    if case.startswith("fsdp1"):  # FSDP1: FlatParameters (use_orig_params=False: the default)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         use_orig_params=case in ("fsdp1_orig", "fsdp1_frozen"),
+                                         device_id=torch.device("cpu"))
+        if case == "fsdp1_comm_sum":  # planted: the gradients' reduce-scatter sums, not averages
+            model.register_comm_hook(None, _reduce_scatter_summed)
+    elif case in ("fsdp", "fsdp_no_mesh", "hsdp"):
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.layers.values():
@@ -156,8 +166,9 @@ def run_dp(case: str, run: str) -> None:
         agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
-    # Gradient accumulation as DDP users write it: no all-reduce but in the last microbatch's
-    # backward (ddp_no_sync); planted: in none of them (ddp_no_sync_always).
+    # Gradient accumulation as DDP and FSDP1 users write it: no all-reduce (reduce-scatter) but
+    # in the last microbatch's backward (ddp_no_sync, fsdp1_orig); planted: in none of them
+    # (ddp_no_sync_always).
     def no_sync(j: int):
         last = j == MICROBATCHES - 1 and case != "ddp_no_sync_always"
         return contextlib.nullcontext() if last else model.no_sync()
@@ -165,8 +176,13 @@ def run_dp(case: str, run: str) -> None:
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j)[reader * share:(reader + 1) * share]
                               for j in range(MICROBATCHES)], loss_of,
-                no_sync=no_sync if case.startswith("ddp_no_sync") else None)
+                no_sync=no_sync if "no_sync" in case or case == "fsdp1_orig" else None)
     agent.close()
+
+
+def _reduce_scatter_summed(state, grad: torch.Tensor, output: torch.Tensor) -> None:
+    """An FSDP1 comm hook that forgets to average: each rank's shard is the sum over ranks."""
+    dist.reduce_scatter_single(output, grad)
 
 
 def _allreduce_skipped_on_rank(bad: int):

@@ -32,10 +32,11 @@ from tests.e2e.parallel_job import BATCH, DIM, SEQ
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
-CLEAN = ("ddp", "ddp_no_sync", "fsdp", "fsdp_no_mesh", "tp", "tp_dtensor_logits", "tp_sp",
-         "tp_sp_ac", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+CLEAN = ("ddp", "ddp_no_sync", "fsdp", "fsdp_no_mesh", "fsdp1", "fsdp1_orig", "tp",
+         "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "pp_gpipe", "pp_1f1b", "pp_interleaved")
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
-        "ddp_wrong_data", "tp_partial", "tp_sp_norm_plain", "pp_detach", "pp_swap")
+        "ddp_wrong_data", "fsdp1_comm_sum", "fsdp1_frozen", "tp_partial", "tp_sp_norm_plain",
+        "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
 FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "pp_tp_sp")
 """Cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over tp=2,
@@ -164,6 +165,41 @@ def test_gradients_never_synced_under_no_sync(matrix):
     verdicts = {_key(f): f["verdict"] for f in report["findings"]}
     assert all(v in ("identical", "close") for k, v in verdicts.items()
                if k[2] == 0 and k[0] in ("fwd", "bwd", "loss")), verdicts
+
+
+def test_fsdp1_flat_parameters_compare_with_whole_and_sharded_ones(matrix):
+    """FSDP1 (FlatParameters, both forms) keeps each rank's range of a parameter, which is not a
+    box of its shape: captured as flat pieces, they rebuild each original parameter, and
+    compare with FSDP2's Shard(0) boxes and with one another as with the single process."""
+    for cand, ref in (("fsdp1", "fsdp"), ("fsdp1_orig", "fsdp1")):
+        code, report = matrix.compare(cand, ref=ref)
+        assert (code, report["summary"]["breaches"], report["summary"]["keys"]) == (0, 0, 370)
+    _, report = matrix.compare("fsdp1")
+    weight = [f for f in report["findings"] if _key(f) == ("grad", "layers.0.w1.weight", 0, -1)]
+    assert weight and weight[0]["verdict"] in ("identical", "close")
+
+
+def test_fsdp1_reduce_scatter_that_sums(matrix):
+    """An FSDP1 comm hook that sums the gradients' reduce-scatter instead of averaging: the first
+    divergence is step 0's first parameter gradient, scaled by the dp size, while that step's
+    forward and backward still match."""
+    _, report = matrix.compare("fsdp1_comm_sum")
+    first = _first(report)
+    assert (first["verdict"], _key(first)[0], _key(first)[2]) == ("diverged", "grad", 0)
+    assert first["metrics"]["norm_ratio"] == pytest.approx(2.0, rel=1e-5)
+    verdicts = {_key(f): f["verdict"] for f in report["findings"]}
+    assert all(v in ("identical", "close") for k, v in verdicts.items()
+               if k[2] == 0 and k[0] in ("fwd", "bwd", "loss")), verdicts
+
+
+def test_fsdp1_frozen_parameter_is_a_graph_break_on_every_rank(matrix):
+    """A frozen parameter under FSDP1 (use_orig_params=True): its gradient is None on the rank
+    that holds its range and on those that hold none of it alike, so it is one graph break."""
+    _, report = matrix.compare("fsdp1_frozen")
+    first = _first(report)
+    assert (first["verdict"], _key(first)) == ("grad_none", ("grad", "layers.1.w1.weight", 0, -1))
+    (brk,) = report["graph_breaks"]
+    assert (brk["side"], brk["kind"], brk["sites"]) == ("cand", "none", ["layers.1.w1.weight"])
 
 
 def test_loss_scaled_by_a_quarter(matrix):
