@@ -39,7 +39,7 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp",
-            "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen"}
+            "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen", "fsdp1_hybrid"}
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "tp_sp_norm_plain",
             "fsdp_tp_sp", "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
@@ -143,9 +143,16 @@ def run_dp(case: str, run: str) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        hybrid = {}
+        if case == "fsdp1_hybrid":  # sharded over 2 ranks, replicated over the 2 such groups
+            from torch.distributed.fsdp import ShardingStrategy
+
+            hybrid = dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                          device_mesh=init_device_mesh("cpu", (world // 2, 2),
+                                                       mesh_dim_names=("replicate", "shard")))
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                          use_orig_params=case in ("fsdp1_orig", "fsdp1_frozen"),
-                                         device_id=torch.device("cpu"))
+                                         device_id=torch.device("cpu"), **hybrid)
         if case == "fsdp1_comm_sum":  # planted: the gradients' reduce-scatter sums, not averages
             model.register_comm_hook(None, _reduce_scatter_summed)
     elif case in ("fsdp", "fsdp_no_mesh", "hsdp"):

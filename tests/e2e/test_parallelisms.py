@@ -38,10 +38,10 @@ BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_fro
         "ddp_wrong_data", "fsdp1_comm_sum", "fsdp1_frozen", "tp_partial", "tp_sp_norm_plain",
         "pp_detach", "pp_swap")
 CLIP = ("pp_clip_global", "pp_clip_local")
-FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "pp_tp_sp")
+FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "fsdp1_hybrid", "pp_tp_sp")
 """Cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over tp=2,
-HSDP (FSDP2 sharding over dp_shard=2, replicated over dp_replicate=2), and 2 pipeline stages x
-TP with sequence parallelism over tp=2."""
+HSDP (FSDP2 sharding over dp_shard=2, replicated over dp_replicate=2), FSDP1's HYBRID_SHARD
+(the same split), and 2 pipeline stages x TP with sequence parallelism over tp=2."""
 
 
 def _env(daemon: Daemon, **extra: str) -> dict:
@@ -115,7 +115,7 @@ def matrix(tmp_path_factory) -> Matrix:
         daemon.stop()
 
 
-@pytest.mark.parametrize("cand", CLEAN + ("fsdp_tp_sp", "hsdp", "pp_tp_sp"))
+@pytest.mark.parametrize("cand", CLEAN + ("fsdp_tp_sp", "hsdp", "fsdp1_hybrid", "pp_tp_sp"))
 def test_clean_pairs_pass_the_fp32_preset(matrix, cand):
     code, report = matrix.compare(cand)
     summary = report["summary"]
