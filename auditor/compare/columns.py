@@ -214,8 +214,9 @@ class Catalog:
             self.dtypes.append(dtype)
         return code
 
-    def shape_code(self, shape: tuple, complex_as_real: bool) -> int:
-        k = (tuple(shape), complex_as_real)
+    def shape_code(self, shape: tuple, complex_as_real: bool, flat: bool = False) -> int:
+        """Code of a key's logical shape: ``shapes[code]`` is (shape, complex_as_real, flat)."""
+        k = (tuple(shape), complex_as_real, flat)
         code = self._shape_ids.get(k)
         if code is None:
             code = self._shape_ids[k] = len(self.shapes)
@@ -344,12 +345,16 @@ class Catalog:
 def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
     """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists), and
     further `Piece` fields: ``ragged`` (first, span, parts) from a fourth list ``[1,1,2]``, the
-    reduction fields from a ``|reduce,index,count,weight`` suffix."""
+    reduction fields from a ``|reduce,index,count,weight`` suffix, ``flat`` from a
+    `reads.FLAT_PREFIX` (``flat:float32[12][0][5]``)."""
     extra: dict = {}
+    if text.startswith(reads.FLAT_PREFIX):
+        text = text[len(reads.FLAT_PREFIX):]
+        extra["flat"] = True
     if "|" in text:
         text, tail = text.split("|", 1)
         kind, index, count, weight = tail.split(",")
-        extra = dict(reduce=int(kind), reduce_index=int(index), reduce_count=int(count),
+        extra.update(reduce=int(kind), reduce_index=int(index), reduce_count=int(count),
                      reduce_weight=float(weight))
     i = text.index("[")
     parts = text[i + 1:-1].split("][")

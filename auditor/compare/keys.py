@@ -152,7 +152,7 @@ def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.
         return
     if plan.dtype:
         dtype[groups] = catalog.dtype_code(plan.dtype)
-        shape[groups] = catalog.shape_code(plan.logical_shape, plan.complex_as_real)
+        shape[groups] = catalog.shape_code(plan.logical_shape, plan.complex_as_real, plan.flat)
     if plan.status == INCOMPLETE:
         status[groups] = INCOMPLETE
         _describe(plan, groups, rows, cols, messages)

@@ -18,6 +18,10 @@ order of cost:
   box of the finer run; without payloads in both runs it says what would be needed;
 - boxes that cross, Partial addends, reductions over the batch: cannot be localized, and says so.
 
+Flat pieces (ranges of a tensor's flattening, as FSDP1 holds a parameter) against boxes of the
+tensor's own shape: the boxes are taken as the ranges of the flattening they span, and the pieces
+are told apart as above, named by those ranges; boxes that are no such range cannot be localized.
+
 The result is the finding's ``pieces`` field (docs/report-schema.md).
 """
 
@@ -85,6 +89,13 @@ def localize(comp, i: int) -> dict | None:
     rb, cb = key_boxes(comp, "ref", ri), key_boxes(comp, "cand", ci)
     if len(rb) <= 1 and len(cb) <= 1:
         return None  # one piece (or its replicas) in each run: nothing to tell apart
+    shapes = comp.catalog.shapes
+    mixed = shapes[rk.shape[ri]][2] != shapes[ck.shape[ci]][2]
+    if mixed:  # flat pieces in one run, boxes of the tensor's shape in the other
+        rb, cb = _as_ranges(comp, rk, ri, rb), _as_ranges(comp, ck, ci, cb)
+        if rb is None or cb is None:
+            return _cannot("one run holds flat pieces (ranges of the tensor's flattening), the "
+                           "other boxes of its shape that are not such ranges")
     scale = comp.bwd_factor if (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
     check = _check(comp, i)
     if set(rb) == set(cb):
@@ -117,12 +128,33 @@ def localize(comp, i: int) -> dict | None:
         cand_vals, _, _ = logical_values(comp, "cand", ci)
     except PayloadUnavailable as exc:
         return _cannot(f"{need} ({exc})")
+    if mixed:
+        ref_vals, cand_vals = ref_vals.reshape(-1), cand_vals.reshape(-1)
     ref_vals = ref_vals * scale
     results = []
     for box, brow in boxes.items():
         sl = tuple(slice(o, o + s) for o, s in zip(*box))
         results.append((box, brow, *_measure(ref_vals[sl], cand_vals[sl], check)))
     return _result(comp, fine, "payload", results)
+
+
+def _as_ranges(comp, keys, g: int, boxes: dict) -> dict | None:
+    """A key's boxes (`key_boxes`) as ranges of its tensor's flattening, 1-D boxes as a flat
+    piece's: those of a flat key as they are, a box as the row-major range it spans when it is
+    one (rows of a dim-0 shard are; a column shard is not), else None."""
+    shape, _, flat = comp.catalog.shapes[keys.shape[g]]
+    if flat:
+        return boxes
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    out: dict[tuple, list[int]] = {}
+    for (offsets, size), rows in boxes.items():
+        start = sum(o * s for o, s in zip(offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, size, strides))
+        numel = math.prod(size)
+        if last - start + 1 != numel:
+            return None
+        out[((start,), (numel,))] = rows
+    return out
 
 
 def _inside(small: dict, big: dict) -> bool:

@@ -10,7 +10,8 @@ a run share a handful) and then applied to the digests of every key that has it:
   comparison is unavailable for that key;
 - distinct boxes must not overlap, must stay inside the logical shape, and must cover all of it;
   anything else is ``incomplete``, with the ranks and the missing region named;
-- pieces of one key must agree on logical shape and dtype;
+- pieces of one key must agree on logical shape and dtype, and be all flat or all boxes (a flat
+  piece, a range of the tensor's flattening, tiles as a 1-D box of it);
 - a None piece (a gradient that was None on that rank) next to pieces that are not None is a
   ``replica_divergence`` when the others still tile the tensor (a replica disagrees), else
   ``incomplete``.
@@ -66,6 +67,9 @@ class Piece:
     """Weight of the addend in a mean (its batch elements)."""
     ragged: tuple[int, int, int] | None = None
     """(first, span, parts): the ragged parts this piece holds (proto Layout.ragged_*)."""
+    flat: bool = False
+    """`logical_shape` is the tensor's flattening (one dim) and the piece a row-major range of it
+    (proto Layout.flat): it tiles as a 1-D box; another run may hold the tensor in its own shape."""
 
     @property
     def numel(self) -> int:
@@ -115,6 +119,9 @@ class TilingPlan:
     dtype: str = ""
     logical_shape: tuple[int, ...] = ()
     complex_as_real: bool = False
+    flat: bool = False
+    """The pieces are flat (`Piece.flat`): `logical_shape` is the tensor's flattening, so the
+    key's shape agrees with another run's of as many elements."""
     problems: tuple[Problem, ...] = ()
     reduce: int = REDUCE_NONE
     """A reduction over the batch: `take` holds one addend per dp rank."""
@@ -139,6 +146,13 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
     first = pieces[present[0]]
     problems: list[Problem] = []
 
+    flat = [i for i in present if pieces[i].flat]
+    if flat and len(flat) < len(present):
+        boxes = [i for i in present if not pieces[i].flat]
+        problem = _multi_problem(
+            "disagree", [flat, boxes], "ranks disagree on the layout: ranks {r0} send flat "
+            "pieces (ranges of the tensor's flattening), ranks {r1} boxes of its own shape")
+        return TilingPlan(status=INCOMPLETE, problems=(problem,))
     for attr, what in (("logical_shape", "logical shape"), ("dtype", "dtype"),
                        ("complex_as_real", "complex flag")):
         values: dict = {}
@@ -218,7 +232,8 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
 
     plan = TilingPlan(status=OK, take=tuple(sorted(take)), replica_sets=tuple(replica_sets),
                       dedupe_sets=tuple(dedupe_sets), partial=partial, dtype=first.dtype,
-                      logical_shape=shape, complex_as_real=first.complex_as_real)
+                      logical_shape=shape, complex_as_real=first.complex_as_real,
+                      flat=first.flat)
     if nones:
         full_copies = all(pieces[i].replica for i in present)
         kind = REPLICA_DIVERGENCE if full_copies else INCOMPLETE
@@ -228,7 +243,8 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
                                                f"the others; {what}")
         return TilingPlan(status=kind, take=plan.take, replica_sets=plan.replica_sets,
                           partial=partial, dtype=first.dtype, logical_shape=shape,
-                          complex_as_real=first.complex_as_real, problems=(problem,))
+                          complex_as_real=first.complex_as_real, flat=first.flat,
+                          problems=(problem,))
     return plan
 
 
@@ -315,7 +331,8 @@ def _plan_reduction(pieces: Sequence[Piece], present: list[int],
     """
     first = pieces[present[0]]
     shape = first.logical_shape
-    base = dict(dtype=first.dtype, logical_shape=shape, complex_as_real=first.complex_as_real)
+    base = dict(dtype=first.dtype, logical_shape=shape, complex_as_real=first.complex_as_real,
+                flat=first.flat)
     kinds = {(pieces[i].reduce, pieces[i].reduce_count) for i in present}
     if len(kinds) > 1:
         groups: dict = {}

@@ -41,6 +41,9 @@ MAX_MICROBATCH = (1 << 20) - 2
 MAX_SITE_ID = (1 << 31) - 1
 MAX_INDEX = MAX_CALL = (1 << 14) - 1
 
+FLAT_PREFIX = "flat:"
+"""Starts the layout text of a flat piece (`merge.Piece.flat`)."""
+
 SELECT = (
     # Portable SQL (SQLite and PostgreSQL): booleans become bits through CASE, not by shifting
     # a comparison (PostgreSQL has no integer value for a boolean); every shift is in
@@ -57,7 +60,8 @@ SELECT = (
     f"  | CASE WHEN step > {MAX_STEP} OR microbatch > {MAX_MICROBATCH} OR site_id > {MAX_SITE_ID}"
     f"     OR idx > {MAX_INDEX} OR call > {MAX_CALL} OR stage > 2147483646"
     "     THEN 549755813888 ELSE 0 END,"  # 1 << 39
-    " dtype || logical_shape || offsets || shape"
+    f" CASE WHEN flat <> 0 THEN '{FLAT_PREFIX}' ELSE '' END"
+    "  || dtype || logical_shape || offsets || shape"
     "  || CASE WHEN ragged_parts > 0 THEN '[' || ragged_first || ',' || ragged_span || ','"
     "     || ragged_parts || ']' ELSE '' END"
     "  || CASE WHEN reduce <> 0 THEN '|' || reduce"
@@ -217,6 +221,14 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
     seeds_ok = np.array([e[at["fingerprint_seed"]] == fs and e[at["sketch_seed"]] == ss
                          for e in table], dtype=np.int64)
     flags = c["flags"].astype(np.int64)
+    flat = (flags & key_segments.FLAT) != 0
+    if flat.any():  # a flag of the record, not of its table entry: flat texts of their own
+        flat_codes = np.unique(code[flat])
+        text_of = np.arange(len(texts), dtype=np.int64)
+        text_of[flat_codes] = len(texts) + np.arange(len(flat_codes))
+        texts += [FLAT_PREFIX + texts[u] for u in flat_codes.tolist()]
+        seeds_ok = np.concatenate([seeds_ok, seeds_ok[flat_codes]])
+        code = np.where(flat, text_of[code], code)
 
     def bit(mask: int, shift: int) -> np.ndarray:
         return ((flags & mask) != 0).astype(np.int64) << shift
@@ -238,7 +250,8 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
 
 
 def layout_text(reader: Reader, entry: tuple, at: dict[str, int]) -> str:
-    """The layout text `SELECT` builds from a record with these layout columns."""
+    """The layout text `SELECT` builds from a record with these layout columns (a flat record's
+    has `FLAT_PREFIX` before it)."""
     text = "".join(entry[at[k]] for k in ("dtype", "logical_shape", "offsets", "shape"))
     if entry[at["ragged_parts"]] > 0:
         text += (f"[{entry[at['ragged_first']]},{entry[at['ragged_span']]},"

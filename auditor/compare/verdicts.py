@@ -133,14 +133,15 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     # from here on both sides hold an OK logical digest
     sh_r, sh_c = side(rk.shape, ck.shape, -1)
     n_r, n_c = side(rk.numel, ck.numel, -1)
+    same_shape = same_shapes(catalog, sh_r, sh_c, n_r, n_c)
     # tensors without elements: equal when their logical shapes are (nothing else to compare)
-    out_metric[assign((n_r == 0) & (n_c == 0) & (sh_r == sh_c), F.IDENTICAL)] = \
+    out_metric[assign((n_r == 0) & (n_c == 0) & same_shape, F.IDENTICAL)] = \
         METRIC_CODES["exact"]
-    m = assign(sh_r != sh_c, F.DIVERGED)
+    m = assign(~same_shape, F.DIVERGED)
     out_metric[m] = M_SHAPE
     for i in np.flatnonzero(m):
-        a, b = catalog.shapes[sh_r[i]][0], catalog.shapes[sh_c[i]][0]
-        notes.setdefault(int(i), []).append(f"logical shape {list(a)} in {ref.name}, {list(b)} "
+        a, b = _shape_text(catalog.shapes[sh_r[i]]), _shape_text(catalog.shapes[sh_c[i]])
+        notes.setdefault(int(i), []).append(f"logical shape {a} in {ref.name}, {b} "
                                             f"in {cand.name}")
     nf_r, nf_c = side(rk.nonfinite, ck.nonfinite, 0)
     assign((nfmode == 1) & ((nf_r > 0) | (nf_c > 0)), F.NONFINITE)
@@ -208,6 +209,27 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     t4 = time.perf_counter()
     comp.timings.update(merge=t1 - t0, verdicts=t2 - t1, metrics=t3 - t2, order=t4 - t3)
     return comp
+
+
+def same_shapes(catalog: Catalog, sh_r: np.ndarray, sh_c: np.ndarray, n_r: np.ndarray,
+                n_c: np.ndarray) -> np.ndarray:
+    """Per key, whether the runs' logical shapes (codes into `Catalog.shapes`, -1: none) agree:
+    equal, or, where either run's pieces are flat (ranges of the tensor's flattening, as FSDP1
+    holds a parameter), as many elements (`n_r`, `n_c`) and the same complex flag. Flat pieces'
+    digests index elements by flat index as boxes' do, so such keys compare as they are."""
+    same = sh_r == sh_c
+    shapes = catalog.shapes
+    if any(flat for _, _, flat in shapes):
+        flat = np.array([f for _, _, f in shapes] + [False])  # -1 picks the last: no shape
+        car = np.array([c for _, c, _ in shapes] + [False])
+        same |= ((sh_r >= 0) & (sh_c >= 0) & (flat[sh_r] | flat[sh_c]) & (n_r == n_c)
+                 & (car[sh_r] == car[sh_c]))
+    return same
+
+
+def _shape_text(entry: tuple) -> str:
+    shape, _, flat = entry
+    return f"{list(shape)} (flat pieces)" if flat else str(list(shape))
 
 
 def _check_for(combo: int, catalog: Catalog, policy: Policy) -> Check:

@@ -10,6 +10,8 @@ Contracts checked here that a sender must know (docs/protocol.md has the full li
   when a piece has no finite element; NaN in any moment or sketch bucket is refused.
 - `complex_as_real`: the tensor was complex and travels as its real view, so `dtype` is the real
   dtype (float32 for complex64) and the shapes carry a trailing dim of 2 that is never split.
+- `flat`: the piece is a row-major range of its tensor's flattening, so `logical_shape` has one
+  dim; such a piece is not ragged, Partial, a reduction or complex_as_real.
 - A payload's `raw_nbytes` is exactly `prod(layout.shape) * itemsize(layout.dtype)`.
 - zstd payloads: one frame that declares its content size (== raw_nbytes), no dictionary, a window
   of at most `limits.MAX_ZSTD_WINDOW_BYTES`. The header is checked before decompressing, and
@@ -306,6 +308,8 @@ def _check_layout(lay: pb.Layout, where: str) -> int:
             )
     if math.prod(logical) > _INT64_MAX:
         raise ValidationError(f"{where}.logical_shape", "has more elements than an int64 counts")
+    if lay.flat:
+        _check_flat(lay, where)
     if lay.complex_as_real:
         if lay.dtype not in REAL_FLOAT_DTYPES:
             raise ValidationError(f"{where}.dtype", f"complex_as_real needs the real floating dtype, "
@@ -318,6 +322,23 @@ def _check_layout(lay: pb.Layout, where: str) -> int:
     if lay.ragged_parts or lay.ragged_first or lay.ragged_span:
         _check_ragged(lay, where)
     return math.prod(shape)
+
+
+def _check_flat(lay: pb.Layout, where: str) -> None:
+    """A flat piece is a row-major range of its tensor's flattening, and nothing else besides
+    (a replica of that range at most)."""
+    if len(lay.logical_shape) != 1:
+        raise ValidationError(f"{where}.logical_shape",
+                              "a flat piece's logical_shape is its tensor's flattening: one dim, "
+                              f"not {len(lay.logical_shape)}")
+    if lay.ragged_parts or lay.ragged_first or lay.ragged_span:
+        raise ValidationError(f"{where}.ragged_parts", "a flat piece is not ragged")
+    if lay.partial:
+        raise ValidationError(f"{where}.partial", "a flat piece is not a Partial addend")
+    if lay.reduce != pb.REDUCTION_NONE:
+        raise ValidationError(f"{where}.reduce", "a flat piece is not a reduction over the batch")
+    if lay.complex_as_real:
+        raise ValidationError(f"{where}.complex_as_real", "a flat piece is not complex_as_real")
 
 
 def _check_ragged(lay: pb.Layout, where: str) -> None:

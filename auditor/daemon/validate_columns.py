@@ -18,7 +18,7 @@ import functools
 import numpy as np
 
 from wire import limits
-from wire.packed import (COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, RecordColumns,
+from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, RecordColumns,
                          check_tables, take, to_records)
 from protos import numaudit_pb2 as pb
 
@@ -125,6 +125,10 @@ def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: f
     ragged = live & ((rp != 0) | (rf != 0) | (rs != 0))
     bad |= ragged & (~_in(rp, 1, limits.MAX_WORLD_SIZE) | (rf < 0) | (rf >= rp) | (rs < 1)
                      | (rs > rp - rf) | ~has_dims | ~rows_only | (red != 0))
+    # flat pieces: one dim, and none of the above
+    flat = live & ((flags & FLAT) != 0)
+    bad |= flat & ((ndim != 1) | ((flags & (PARTIAL | COMPLEX_AS_REAL)) != 0) | (red != 0)
+                   | (rp != 0) | (rf != 0) | (rs != 0))
     # digest
     numel = cols["numel"]
     bad |= live & (numel != shape_i)

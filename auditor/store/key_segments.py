@@ -44,12 +44,13 @@ LAYOUT_COLUMNS = ("dtype", "logical_shape", "offsets", "shape", "ragged_parts", 
                   "fingerprint_seed", "sketch_seed")
 """What a layout table entry holds: the columns that describe a piece rather than name it."""
 
-IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, HAS_MOMENTS, NONFINITE, ALL_ZERO = (
-    1 << i for i in range(7))
+IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, HAS_MOMENTS, NONFINITE, ALL_ZERO, FLAT = (
+    1 << i for i in range(8))
 FLAG_BITS = (("is_none", IS_NONE), ("replica", REPLICA), ("partial", PARTIAL),
-             ("complex_as_real", COMPLEX_AS_REAL), ("has_moments", HAS_MOMENTS))
+             ("complex_as_real", COMPLEX_AS_REAL), ("has_moments", HAS_MOMENTS), ("flat", FLAT))
 """Flag columns stored as bits; NONFINITE (nan + posinf + neginf > 0) and ALL_ZERO (zeros =
-numel > 0) are derived from the counts."""
+numel > 0) are derived from the counts. Segments written before FLAT existed have its bit clear:
+their records read as not flat, as they are."""
 
 SOURCE_COLUMNS = tuple(c for c in INTS if c != "record_id") + LAYOUT_COLUMNS + tuple(
     c for c, _ in FLAG_BITS) + tuple(c for c, _ in MOMENTS)

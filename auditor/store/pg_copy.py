@@ -26,7 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from wire.packed import COMPLEX_AS_REAL, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA, RecordColumns
+from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
+                         RecordColumns)
 
 HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 TRAILER = struct.pack(">h", -1)
@@ -39,7 +40,7 @@ FIXED = (
     ("has_moments", "i8"), ("fingerprint", "i8"), ("fingerprint_seed", "i8"),
     ("sketch_seed", "i8"), ("seq", "i8"), ("received", "f8"), ("reduce", "i8"),
     ("reduce_weight", "f8"), ("reduce_index", "i8"), ("reduce_count", "i8"),
-    ("ragged_parts", "i8"), ("ragged_first", "i8"), ("ragged_span", "i8"),
+    ("ragged_parts", "i8"), ("ragged_first", "i8"), ("ragged_span", "i8"), ("flat", "i8"),
 )
 MOMENTS = ("sum", "sum_sq", "min", "max", "abs_max")
 BLOBS = ("content_hash", "sketch")
@@ -160,7 +161,7 @@ def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
         "reduce_index": cols["reduce_index"],
         "reduce_count": np.where(reducing, cols["reduce_count"], 1),
         "ragged_parts": cols["ragged_parts"], "ragged_first": cols["ragged_first"],
-        "ragged_span": cols["ragged_span"],
+        "ragged_span": cols["ragged_span"], "flat": (flags & FLAT) != 0,
     }
     lead: tuple[str, ...] = ()
     if pos:

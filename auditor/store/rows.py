@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from wire.packed import HAS_MOMENTS, IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, RecordColumns
+from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
+                         RecordColumns)
 
 INSERT_COLUMNS = (
     "run_id", "step", "microbatch", "phase", "site_id", "role", "idx", "call", "rank",
@@ -24,7 +25,7 @@ INSERT_COLUMNS = (
     "complex_as_real", "numel", "nan", "posinf", "neginf", "zeros", "has_moments", "sum",
     "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch",
     "sketch_seed", "content_hash", "session_id", "seq", "received", "reduce", "reduce_weight",
-    "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span",
+    "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "flat",
 )
 """Columns of a row of `record_rows`; the first 9 are the unique key (run, key, rank)."""
 
@@ -32,7 +33,7 @@ INSERT_RECORD = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) VALUES "
                  f"({', '.join('?' * len(INSERT_COLUMNS))}) ON CONFLICT DO NOTHING")
 
 ROWS_PER_INSERT = 128
-"""Rows one multi-row INSERT carries (`insert_rows`): 128 x 44 = 5,632 bound values, under
+"""Rows one multi-row INSERT carries (`insert_rows`): 128 x 45 = 5,760 bound values, under
 SQLite's limit of 32,766 (3.32+). One statement per 128 rows instead of one step per row: the
 writer thread drops and retakes the GIL once per statement step, and under load each retake can
 wait for the event loop's or validation's thread; fewer, larger steps spend less time queued."""
@@ -138,7 +139,7 @@ def record_columns(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank:
         signed("fingerprint"), signed("fingerprint_seed"), _sketch_blobs(c),
         signed("sketch_seed"), list(hashes), [session_id] * n, [seq] * n, [now] * n,
         cols["reduce"], weight, cols["reduce_index"], rcount,
-        cols["ragged_parts"], cols["ragged_first"], cols["ragged_span"],
+        cols["ragged_parts"], cols["ragged_first"], cols["ragged_span"], bit(FLAT),
     )))
 
 

@@ -89,7 +89,8 @@ CREATE TABLE IF NOT EXISTS records (
     reduce INTEGER NOT NULL DEFAULT 0, reduce_weight REAL NOT NULL DEFAULT 1,
     reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1,
     ragged_parts INTEGER NOT NULL DEFAULT 0, ragged_first INTEGER NOT NULL DEFAULT 0,
-    ragged_span INTEGER NOT NULL DEFAULT 0
+    ragged_span INTEGER NOT NULL DEFAULT 0,
+    flat INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
@@ -145,6 +146,7 @@ _ADDED_COLUMNS = (
     ("records", "ragged_parts", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "ragged_first", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "ragged_span", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "flat", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # Columns of `records` as read by the comparison engine, in this order.
@@ -154,7 +156,7 @@ RECORD_COLUMNS = (
     "numel", "nan", "posinf", "neginf", "zeros", "has_moments",
     "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "sketch", "record_id", "has_payload",
     "reduce", "reduce_weight", "reduce_index", "reduce_count",
-    "ragged_parts", "ragged_first", "ragged_span",
+    "ragged_parts", "ragged_first", "ragged_span", "flat",
 )
 
 

@@ -36,7 +36,10 @@ def _variants() -> list[pb.Record]:
     ints.layout.dtype = "int64"
     ints.digest.has_moments = False
     ints.digest.ClearField("sketch")
-    return out + [red, rag, cplx, ints]
+    flat = record(site="fsdp1.weight", shape=(4, 3))  # elements 12 .. 24 of a flattened (8, 3)
+    flat.layout.logical_shape[:], flat.layout.offsets[:], flat.layout.shape[:] = [24], [12], [12]
+    flat.layout.flat = True
+    return out + [red, rag, cplx, ints, flat]
 
 
 # (path, values): a field set to each value breaks (or keeps) some rule.
@@ -52,7 +55,7 @@ _MUTATIONS = [
     ("layout.reduce", [1, 2, 7]), ("layout.reduce_weight", [0.0, -1.0, math.nan, math.inf]),
     ("layout.reduce_index", [-1, 2, 5]), ("layout.reduce_count", [0, 3, limits.MAX_WORLD_SIZE + 1]),
     ("layout.ragged_parts", [0, 1, 3]), ("layout.ragged_first", [-1, 3, 0]),
-    ("layout.ragged_span", [0, 9, 1]),
+    ("layout.ragged_span", [0, 9, 1]), ("layout.flat", [True, False]),
     ("digest.numel", [0, 11, -1]), ("digest.nan_count", [-1, 13, 12]),
     ("digest.posinf_count", [5, 100]), ("digest.neginf_count", [11, -4]),
     ("digest.zero_count", [10, 12]), ("digest.has_moments", [False, True]),

@@ -255,6 +255,44 @@ def test_ragged_fields():
     assert str(refused(validate_record, r)).startswith("record.layout.")
 
 
+def _flat(logical=(12,), offsets=(5,), shape=(7,)) -> pb.Record:
+    r = _piece(logical=logical, offsets=offsets, shape=shape)
+    r.layout.flat = True
+    return r
+
+
+def test_flat_fields():
+    validate_record(_flat())
+    validate_record(_flat(offsets=(12,), shape=(0,)))  # a rank that holds none of it
+    r = _flat()
+    r.layout.replica = True  # the same range on another rank (hybrid sharding)
+    validate_record(r)
+    err = refused(validate_record, _flat(logical=(4, 3), offsets=(0, 0), shape=(2, 3)))
+    assert str(err) == ("record.layout.logical_shape: a flat piece's logical_shape is its "
+                        "tensor's flattening: one dim, not 2")
+    assert refused(validate_record, _flat(logical=(), offsets=(), shape=())).field == \
+        "record.layout.logical_shape"
+    for name, value, field in (("ragged_parts", 2, "ragged_parts"),
+                               ("ragged_span", 1, "ragged_parts"), ("partial", True, "partial"),
+                               ("reduce", pb.REDUCTION_SUM, "reduce"),
+                               ("complex_as_real", True, "complex_as_real")):
+        r = _flat()
+        setattr(r.layout, name, value)
+        err = refused(validate_record, r)
+        assert (err.field, err.kind) == (f"record.layout.{field}", "invalid"), name
+        assert "a flat piece is not" in err.why, name
+    # the batch names the record, as every other check does
+    err = refused(validate_batch, batch(1, [record(), _flat(logical=(4, 3), offsets=(0, 0),
+                                                            shape=(2, 3))]))
+    assert err.field == "records[1].layout.logical_shape"
+
+
+def test_a_none_record_carries_no_flat_flag():
+    r = none_record()
+    r.layout.flat = True
+    assert str(refused(validate_record, r, "r")) == "r.layout: must be empty when is_none is set"
+
+
 def test_register_identity_and_grad_scale_fields():
     validate_register(register_request(job_id="torchelastic-123", grad_scale=2.0,
                                        grad_scale_source="inferred: dp_size 2"))

@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from auditor.store import Reader, RunNameTaken, StoreError, UnknownSession, summary
+from auditor.store import (RECORD_COLUMNS, Reader, RunNameTaken, StoreError, UnknownSession,
+                           summary)
 from auditor.store.backend import open_writer
 from protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, float32_bytes, record, register_request
@@ -200,6 +201,75 @@ def test_a_payload_in_chunks_is_counted_and_flagged_as_one_record(writer, store_
     )]
     assert counts == [(2, 0, 0), (0, 2, 0), (0, 1, 1), (0, 1, 1)]
     assert read(store_location, lambda r: r.conflicts("ref")) == 2
+
+
+def flat_record(step: int = 0, microbatch: int = 0, *, flat: bool = True, **kw) -> pb.Record:
+    """`record`'s 12 elements as elements 0 .. 12 of a flattened (8, 3): a flat piece, or
+    (`flat` False) a box of a 1-D tensor of the same numbers."""
+    r = record(step, microbatch, **kw)
+    r.layout.logical_shape[:], r.layout.offsets[:], r.layout.shape[:] = [24], [0], [12]
+    r.layout.flat = flat
+    return r
+
+
+def flat_column(reader, run: str = "ref") -> dict[tuple[int, int], int]:
+    at = RECORD_COLUMNS.index("flat")
+    return {(row[0], row[1]): row[at] for row in reader.records(run)}
+
+
+def test_a_flat_piece_comes_back_flat(writer, store_location):
+    """Per record and packed, on a fresh batch and through a resend: the flag is stored, read
+    back, and part of what a record says (sent again with only the flag changed, a conflict)."""
+    from wire.packed import from_records, split_batch
+
+    register(writer)
+    first = [flat_record(0, 0), flat_record(0, 1, flat=False), record(0, 2)]
+    assert ingest(writer, batch(1, first)).stored == 3
+    packed = split_batch("sess-0", 2, from_records([flat_record(1, 0), record(1, 1)]), None)
+    assert not len(packed.records) and ingest(writer, packed).stored == 2
+    stored = {(0, 0): 1, (0, 1): 0, (0, 2): 0, (1, 0): 1, (1, 1): 0}
+    assert read(store_location, flat_column) == stored
+    again = ingest(writer, batch(3, first))
+    assert (again.stored, again.duplicates, again.conflicts) == (0, 3, 0)
+    flipped = ingest(writer, batch(4, [flat_record(0, 0, flat=False), flat_record(0, 1)]))
+    assert (flipped.stored, flipped.duplicates, flipped.conflicts) == (0, 0, 2)
+    assert read(store_location, lambda r: r.conflicts("ref")) == 2
+    assert read(store_location, flat_column) == stored  # the first stored is kept
+
+
+def _drop_flat_column(location) -> None:
+    """Make the store one written before flat pieces: no `flat` column in `records`."""
+    if str(location).startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(str(location), autocommit=True) as conn:
+            conn.execute("ALTER TABLE records DROP COLUMN flat")
+        return
+    import sqlite3
+
+    conn = sqlite3.connect(location)
+    try:
+        conn.execute("ALTER TABLE records DROP COLUMN flat")
+    finally:
+        conn.close()
+
+
+def test_a_store_made_before_flat_pieces_gets_the_column(store_location):
+    """Its records read as not flat once a writer opened it (which adds the column), and flat
+    records stored after that read as flat."""
+    w = open_writer(store_location, synchronous="NORMAL")
+    try:
+        register(w)
+        ingest(w, batch(1, [record(0, 0), record(0, 1)]))
+    finally:
+        w.close()
+    _drop_flat_column(store_location)
+    w = open_writer(store_location, synchronous="NORMAL")
+    try:
+        ingest(w, batch(2, [flat_record(1, 0)]))
+    finally:
+        w.close()
+    assert read(store_location, flat_column) == {(0, 0): 0, (0, 1): 0, (1, 0): 1}
 
 
 # -- PostgreSQL: several writers (replicas) on one database -----------------------------------

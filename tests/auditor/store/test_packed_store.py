@@ -35,10 +35,14 @@ def _records() -> list[pb.Record]:
     ints = record(0, 0, site="ids", shape=(2, 2))
     ints.layout.dtype, ints.digest.has_moments = "int64", False
     ints.digest.ClearField("sketch")
-    return out + [none_record(), red, ints, record(0, 0, site="emb", payload=b"\x07" * 48)]
+    flat = record(0, 0, site="fsdp1.weight")
+    flat.layout.logical_shape[:], flat.layout.offsets[:], flat.layout.shape[:] = [24], [12], [12]
+    flat.layout.flat = True
+    return out + [none_record(), red, ints, flat,
+                  record(0, 0, site="emb", payload=b"\x07" * 48)]
 
 
-_COLUMNS = ('step', 'microbatch', 'phase', 'role', 'idx', 'call', 'rank', 'stage', 'is_none', 'dtype', 'logical_shape', 'offsets', 'shape', 'replica', 'partial', 'complex_as_real', 'numel', 'nan', 'posinf', 'neginf', 'zeros', 'has_moments', 'sum', 'sum_sq', 'min', 'max', 'abs_max', 'fingerprint', 'fingerprint_seed', 'sketch', 'sketch_seed', 'content_hash', 'reduce', 'reduce_weight', 'reduce_index', 'reduce_count', 'ragged_parts', 'ragged_first', 'ragged_span')
+_COLUMNS = ('step', 'microbatch', 'phase', 'role', 'idx', 'call', 'rank', 'stage', 'is_none', 'dtype', 'logical_shape', 'offsets', 'shape', 'replica', 'partial', 'complex_as_real', 'numel', 'nan', 'posinf', 'neginf', 'zeros', 'has_moments', 'sum', 'sum_sq', 'min', 'max', 'abs_max', 'fingerprint', 'fingerprint_seed', 'sketch', 'sketch_seed', 'content_hash', 'reduce', 'reduce_weight', 'reduce_index', 'reduce_count', 'ragged_parts', 'ragged_first', 'ragged_span', 'flat')
 
 
 def _rows(db, run):

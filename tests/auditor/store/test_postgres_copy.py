@@ -2,7 +2,7 @@
 stores read back equal, field for field, to the rows `auditor.store.rows.record_rows` gives the
 SQLite store, for batches that mix what makes rows differ in width (is_none records, records
 without moments, sketches of several lengths, layouts of several ranks and lengths, reductions,
-ragged pieces, several dtypes)."""
+ragged pieces, flat pieces, several dtypes)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def _record(i: int, variety: int = 1000) -> pb.Record:
         r.layout.reduce_count = 3
     if i % 9 == 8:
         r.layout.ragged_parts, r.layout.ragged_first, r.layout.ragged_span = 4, 1, 2
+    r.layout.flat = i % 8 == 3
     d = r.digest
     d.numel, d.nan_count, d.posinf_count, d.neginf_count, d.zero_count = 10 + i, i % 2, 0, 1, 3
     d.fingerprint = (0xF000_0000_0000_0000 + i * 1_000_003) & ((1 << 64) - 1)

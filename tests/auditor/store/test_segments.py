@@ -50,7 +50,13 @@ def _odd_records() -> list[pb.Record]:
     seeds.digest.fingerprint_seed, seeds.digest.sketch_seed = 99, 98
     far = record(7_000_000, 3, site="late", fingerprint=(1 << 64) - 5)
     far.key.index, far.key.call, far.stage = 9000, 16000, 3
-    return out + [zeros, inf, ints, seeds, far, none_record(step=2)]
+    # a flat piece, and a 1-D box of the same dims: one layout table entry, told apart by the
+    # flag bit alone
+    flat, box = record(1, 6, site="fsdp1.weight"), record(1, 7, site="fsdp1.weight")
+    for r in (flat, box):
+        r.layout.logical_shape[:], r.layout.offsets[:], r.layout.shape[:] = [24], [12], [12]
+    flat.layout.flat = True
+    return out + [zeros, inf, ints, seeds, far, flat, box, none_record(step=2)]
 
 
 def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
