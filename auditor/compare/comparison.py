@@ -131,6 +131,8 @@ class Comparison:
         dt_c = cat.dtypes[ck.dtype[ci]] if ci >= 0 and ck.dtype[ci] >= 0 else None
         shape_code = ck.shape[ci] if ci >= 0 and ck.shape[ci] >= 0 else (
             rk.shape[ri] if ri >= 0 else -1)
+        if shape_code >= 0 and cat.shapes[shape_code][2] and ri >= 0 and rk.shape[ri] >= 0:
+            shape_code = int(rk.shape[ri])  # a flat side's shape is its count: the other's says more
         shape = list(cat.shapes[shape_code][0]) if shape_code >= 0 else None
         numel = int(ck.numel[ci]) if ci >= 0 and ck.status[ci] != M.NONE else (
             int(rk.numel[ri]) if ri >= 0 and rk.status[ri] != M.NONE else None)

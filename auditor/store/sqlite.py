@@ -192,6 +192,7 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
     if readonly:
         uri = f"file:{Path(path).resolve()}?mode=ro"
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
+        _shadow_missing_columns(conn)
     else:
         conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30, isolation_level=None)
         # Takes effect only when the file is new (before WAL mode and the schema).
@@ -219,6 +220,24 @@ def _upgrade(conn: sqlite3.Connection) -> None:
             have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+
+def _shadow_missing_columns(conn: sqlite3.Connection) -> None:
+    """A store written before some of `_ADDED_COLUMNS` existed, opened read-only (no writer
+    has upgraded it since, and this connection cannot): a temporary view named like each such
+    table, which unqualified names find first, adds the missing columns with their defaults,
+    so readers see the current schema."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    missing: dict[str, list[str]] = {}
+    for table, column, decl in _ADDED_COLUMNS:
+        if table in tables:
+            have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                default = decl.rsplit("DEFAULT ", 1)[1]
+                missing.setdefault(table, []).append(f"{default} AS {column}")
+    for table, columns in missing.items():
+        conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(columns)} "
+                     f"FROM main.{table}")
 
 
 class Store:

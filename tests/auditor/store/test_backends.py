@@ -272,6 +272,24 @@ def test_a_store_made_before_flat_pieces_gets_the_column(store_location):
     assert read(store_location, flat_column) == {(0, 0): 0, (0, 1): 0, (1, 0): 1}
 
 
+def test_a_store_made_before_flat_pieces_reads_without_a_writer(tmp_path):
+    """A SQLite store from before flat pieces, read (and compared) before any writer opened it
+    again: the read-only connection cannot add the column, so its records read as not flat."""
+    location = tmp_path / "old.db"
+    w = open_writer(location, synchronous="NORMAL")
+    try:
+        register(w)
+        ingest(w, batch(1, [record(0, 0), record(0, 1)]))
+    finally:
+        w.close()
+    _drop_flat_column(location)
+    assert read(location, flat_column) == {(0, 0): 0, (0, 1): 0}
+    import sqlite3
+
+    with sqlite3.connect(location) as conn:  # the read left the file as it was
+        assert "flat" not in {r[1] for r in conn.execute("PRAGMA table_info(records)")}
+
+
 # -- PostgreSQL: several writers (replicas) on one database -----------------------------------
 
 def test_replicas_serialize_a_sessions_batches(pg_url):
