@@ -169,11 +169,13 @@ def test_gradients_never_synced_under_no_sync(matrix):
 
 def test_fsdp1_flat_parameters_compare_with_whole_and_sharded_ones(matrix):
     """FSDP1 (FlatParameters, both forms) keeps each rank's range of a parameter, which is not a
-    box of its shape: captured as flat pieces, they rebuild each original parameter, and
-    compare with FSDP2's Shard(0) boxes and with one another as with the single process."""
+    box of its shape: captured as flat pieces, they rebuild each original parameter, bitwise
+    equal to FSDP2's Shard(0) boxes of it, and compare with one another as with the single
+    process."""
     for cand, ref in (("fsdp1", "fsdp"), ("fsdp1_orig", "fsdp1")):
         code, report = matrix.compare(cand, ref=ref)
         assert (code, report["summary"]["breaches"], report["summary"]["keys"]) == (0, 0, 370)
+    assert matrix.compare("fsdp1", ref="fsdp")[1]["summary"]["verdicts"]["identical"] == 370
     _, report = matrix.compare("fsdp1")
     weight = [f for f in report["findings"] if _key(f) == ("grad", "layers.0.w1.weight", 0, -1)]
     assert weight and weight[0]["verdict"] in ("identical", "close")
