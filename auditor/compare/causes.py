@@ -15,6 +15,7 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, site_module
+from auditor.compare.ranks import key_boxes
 from auditor.compare.segments import unique
 
 if TYPE_CHECKING:
@@ -315,9 +316,41 @@ def _consumed_scaling(comp: Comparison, step: int) -> str:
                 f"{comp.ref.name}: a different clipping coefficient (max_norm, or a norm over a "
                 "different set of gradients) or gradient scale")
     else:
-        text = generic
+        per_rank = _per_rank_factors(comp, keys, factor)
+        if len(per_rank) > 1 and len({round(f, 6) for f in per_rank.values()}) > 1:
+            each = ", ".join(f"rank {r} x{F.format_float(f)}" for r, f in sorted(per_rank.items()))
+            text = (f"the gradients each rank of {comp.cand.name} holds are scaled by a factor of "
+                    f"its own relative to {comp.ref.name} ({each}), so the coefficient was "
+                    "computed per rank: gradients sharded over ranks (FSDP) clipped by the norm "
+                    "of each rank's shard instead of the global norm (torch.nn.utils."
+                    "clip_grad_norm_ on FSDP1's flat parameters, where the FSDP module's own "
+                    "clip_grad_norm_ takes the norm over every shard)")
+        else:
+            text = generic
     memo[step] = text
     return text
+
+
+def _per_rank_factors(comp: Comparison, keys: np.ndarray, factor: np.ndarray) -> dict[int, float]:
+    """The factor shared by the candidate's gradients that one rank holds alone, per rank
+    (parameters sharded whole to ranks, or a rank's only range of them); {} where a rank's
+    gradients do not share one, or no rank holds any alone."""
+    per: dict[int, list[float]] = {}
+    for g, f in zip(comp.ci[keys].tolist(), factor.tolist()):
+        if g < 0:
+            continue
+        rows = [r for held in key_boxes(comp, "cand", g).values() for r in held]
+        ranks = {int(comp.cand.rank[r]) for r in rows}
+        if len(ranks) == 1:
+            per.setdefault(ranks.pop(), []).append(f)
+    out: dict[int, float] = {}
+    for rank, fs in per.items():
+        f = np.array(fs)
+        mid = float(np.median(f))
+        if not np.isfinite(f).all() or np.abs(f - mid).max() > SCALE_AGREEMENT * mid:
+            return {}
+        out[rank] = mid
+    return out
 
 
 # -- graph breaks ------------------------------------------------------------------------------------

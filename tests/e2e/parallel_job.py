@@ -39,7 +39,8 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp",
-            "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen", "fsdp1_hybrid"}
+            "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen", "fsdp1_hybrid", "fsdp1_clip",
+            "fsdp1_clip_local"}
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "tp_sp_norm_plain",
             "fsdp_tp_sp", "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
@@ -167,11 +168,18 @@ def run_dp(case: str, run: str) -> None:
             model.register_comm_hook(None, _allreduce_skipped_on_rank(1))
     share = BATCH // world
     reader = 0 if case == "ddp_wrong_data" else rank  # planted: rank 1 reads rank 0's rows
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = None
+    if case.startswith("fsdp1_clip"):  # the optimizer watched, as in ref_clip
+        # FSDP1's own clip_grad_norm_ takes the norm over every rank's shard; planted: torch's,
+        # which sees only this rank's shard of each FlatParameter, so each rank clips by its own
+        clip = ((lambda m: m.clip_grad_norm_(MAX_NORM)) if case == "fsdp1_clip" else
+                (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)))
     if case == "fsdp_no_mesh":  # no mesh given: the batch split is the whole world
         agent = agents.attach(model, run=run)
     else:
-        agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp",
+                              optimizer=optimizer if clip else None)
     loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
     # Gradient accumulation as DDP and FSDP1 users write it: no all-reduce (reduce-scatter) but
     # in the last microbatch's backward (ddp_no_sync, fsdp1_orig); planted: in none of them
@@ -182,7 +190,7 @@ def run_dp(case: str, run: str) -> None:
 
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j)[reader * share:(reader + 1) * share]
-                              for j in range(MICROBATCHES)], loss_of,
+                              for j in range(MICROBATCHES)], loss_of, clip=clip,
                 no_sync=no_sync if "no_sync" in case or case == "fsdp1_orig" else None)
     agent.close()
 

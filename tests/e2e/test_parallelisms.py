@@ -37,7 +37,7 @@ CLEAN = ("ddp", "ddp_no_sync", "fsdp", "fsdp_no_mesh", "fsdp1", "fsdp1_orig", "t
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
         "ddp_wrong_data", "fsdp1_comm_sum", "fsdp1_frozen", "tp_partial", "tp_sp_norm_plain",
         "pp_detach", "pp_swap")
-CLIP = ("pp_clip_global", "pp_clip_local")
+CLIP = ("pp_clip_global", "pp_clip_local", "fsdp1_clip", "fsdp1_clip_local")
 FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "fsdp1_hybrid", "pp_tp_sp")
 """Cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over tp=2,
 HSDP (FSDP2 sharding over dp_shard=2, replicated over dp_replicate=2), FSDP1's HYBRID_SHARD
@@ -355,6 +355,29 @@ def test_pipeline_clipping_by_the_global_norm_passes_bitwise(matrix):
     assert summary["verdicts"]["identical"] == CLIP_KEYS  # optim_grad and update included
     phases = {f["key"]["phase"] for f in report["findings"]}
     assert {"optim_grad", "update"} <= phases
+
+
+def test_fsdp1_clipping_by_its_own_clip_grad_norm_passes(matrix):
+    """FSDP1's clip_grad_norm_ takes the norm over every rank's shard: the optimizer-side
+    gradients and updates of its flat parameters, captured per original parameter, match."""
+    code, report = matrix.compare("fsdp1_clip", ref="ref_clip")
+    summary = report["summary"]
+    assert (code, summary["breaches"], summary["keys"]) == (0, 0, CLIP_KEYS), summary
+    phases = {f["key"]["phase"] for f in report["findings"]}
+    assert {"optim_grad", "update"} <= phases
+
+
+def test_fsdp1_clipping_by_each_ranks_shard_norm_is_told_per_rank(matrix):
+    """torch.nn.utils.clip_grad_norm_ on FSDP1's flat parameters sees only this rank's shard:
+    each rank clips by its own norm. Caught at step 0's optim_grad, and the cause gives each
+    rank's factor."""
+    _, report = matrix.compare("fsdp1_clip_local", ref="ref_clip")
+    first = _first(report)
+    assert (_key(first)[0], _key(first)[2]) == ("optim_grad", 0)
+    reason = first["cause"]["reason"]
+    assert first["cause"]["kind"] == "introduced", reason
+    assert re.search(r"rank 0 x[0-9.]+, rank 1 x[0-9.]+\)", reason), reason
+    assert "norm of each rank's shard instead of the global norm" in reason
 
 
 def test_pipeline_clipping_by_each_stages_local_norm_breaches_at_optim_grad(matrix):
