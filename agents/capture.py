@@ -818,7 +818,7 @@ class Capturer:
             self._failed("reading FSDP1's flat parameters", exc)
             views = {}
         items = ((normalize_site(name), stage, p) for name, p in model.named_parameters())
-        self.capture_values(fsdp1.sweep(items, views, grads), phase=phase)
+        self.capture_values(fsdp1.sweep(items, views, grads, self._failed), phase=phase)
 
     def flat_views(self, models) -> dict[int, list[fsdp1.FlatView]]:
         """The FSDP1 FlatParameters of `models`, as views per original parameter

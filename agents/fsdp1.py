@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -67,42 +67,55 @@ class FlatView:
     def tensor(self, grads: bool) -> tuple[torch.Tensor | None, PieceLayout]:
         """This rank's range of the parameter's gradient (`grads`) or value, 1-D, and its
         layout; None where the gradient is None (on a rank that holds none of it: where the
-        ranks that hold it have None). Under ``no_sync()`` the gradient is not sharded yet:
-        each rank's whole unreduced gradient of the parameter, a replica of the others' (which
-        a missing reduction makes them disagree with)."""
-        flat, whole = self.flat, self.whole
-        if grads and flat.grad is not None and flat.grad.numel() != flat._sharded_size.numel():
-            at = self.unsharded_offset
-            return flat.grad.detach()[at:at + whole.numel], whole
-        holder = flat if self.param is None else self.param
-        if not grads:
-            if self.param is None and flat.numel() != flat._sharded_size.numel():
-                return flat.detach()[self.unsharded_offset:][:whole.numel], whole
-            if self.param is not None and self.param.numel() not in (self.count, whole.numel):
-                raise ValueError(f"{self.site}: {self.param.numel()} elements, neither this "
-                                 f"rank's {self.count} nor the parameter's {whole.numel}")
-            if self.param is not None and self.param.numel() != self.count:
-                return self.param.detach().reshape(-1), whole
-            return self.part(holder), self.layout
-        if self.param is not None and not self.count:
-            if flat.grad is None or not self.param.requires_grad:
-                return None, self.layout
-            return flat.grad.detach()[:0], self.layout
-        return (None if holder.grad is None else self.part(holder.grad)), self.layout
+        ranks that hold it have None). Under ``no_sync()`` the gradient is not reduce-scattered
+        yet: each rank's whole unreduced gradient of the parameter, a replica of the others'
+        (which a missing reduction makes them disagree with). ValueError where the tensor is
+        not what the metadata places (an unsharded FlatParameter): never mislabelled."""
+        flat, param = self.flat, self.param
+        sharded = flat._sharded_size.numel()
+        if grads:
+            g = flat.grad
+            if g is not None and g.numel() != sharded:
+                at = self.unsharded_offset
+                return g.detach()[at:at + self.whole.numel], self.whole
+            if param is not None and not self.count:
+                if g is None or not param.requires_grad:
+                    return None, self.layout
+                return g.detach()[:0], self.layout
+            t = g if param is None else param.grad
+        else:
+            t = flat if param is None else param
+        if t is None:
+            return None, self.layout
+        if param is None and t.numel() != sharded:
+            raise ValueError(f"{self.site}: its FlatParameter holds {t.numel()} elements, "
+                             f"not its shard's {sharded}")
+        piece = self.part(t)
+        if piece.numel() != self.count:
+            raise ValueError(f"{self.site}: {piece.numel()} elements where this rank's range "
+                             f"has {self.count}")
+        return piece, self.layout
 
 
 def sweep(items: Iterable[tuple[str, int, torch.Tensor]], views: dict[int, list[FlatView]],
-          grads: bool) -> Iterator[tuple[str, int, torch.Tensor | None, PieceLayout | None]]:
+          grads: bool, failed: Callable[[str, Exception], None],
+          ) -> Iterator[tuple[str, int, torch.Tensor | None, PieceLayout | None]]:
     """``(site, stage, parameter)`` items as ``(site, stage, gradient or value, layout)``: a
     parameter in `views` (:func:`expand`) becomes its original parameters' ranges with their
-    flat layouts, any other keeps its own tensor (layout None: worked out as usual)."""
+    flat layouts, any other keeps its own tensor (layout None: worked out as usual). A view
+    that cannot be read is left out and told to `failed` (never recorded as None)."""
     for site, stage, p in items:
         held = views.get(id(p))
         if held is None:
             yield site, stage, (p.grad if grads else p), None
-        else:
-            for view in held:
-                yield (view.site, stage, *view.tensor(grads))
+            continue
+        for view in held:
+            try:
+                t, layout = view.tensor(grads)
+            except Exception as exc:
+                failed(f"reading {view.site} from its FSDP1 FlatParameter", exc)
+                continue
+            yield view.site, stage, t, layout
 
 
 def is_flat_parameter(p: torch.Tensor) -> bool:

@@ -72,7 +72,8 @@ class OptimizerWatch:
             named = self._named()
             views = capturer.flat_views(module for module, _ in self.agent._models)
             # one sweep: every gradient digested in one kernel call
-            capturer.capture_values(fsdp1.sweep(named, views, True), phase="optim_grad")
+            capturer.capture_values(fsdp1.sweep(named, views, True, capturer._failed),
+                                    phase="optim_grad")
             if self.updates:
                 self._before.extend((p, p.detach().clone()) for _, _, p in named)
         except Exception as exc:

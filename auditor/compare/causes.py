@@ -268,7 +268,8 @@ def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause
 
 
 SCALE_AGREEMENT = 1e-4
-"""Relative spread within which the optim_grad keys of one stage share one scaling factor."""
+"""Relative spread within which the optim_grad keys of one stage (or rank) share one scaling
+factor."""
 
 
 def _consumed_scaling(comp: Comparison, step: int) -> str:
