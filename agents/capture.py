@@ -670,6 +670,8 @@ class Capturer:
                     dt_layout = self._dtensor_layout(t, phase)
                 except Exception:  # placements it cannot place: the general path reports it
                     return False
+                if dt_layout.partial and _avg_ranks(t) > 1:  # its addend is not its bytes
+                    return False
                 t = _local_shard(t)
                 if type(t) is not torch.Tensor:  # e.g. a collective's result not waited for yet
                     return False
@@ -767,6 +769,11 @@ class Capturer:
             local = _local_shard(t)
             if layout is None:
                 layout = self._dtensor_layout(t, phase)
+                n = _avg_ranks(t) if layout.partial else 1
+                if n > 1 and (local.dtype.is_floating_point or local.dtype.is_complex):
+                    # Partial("avg"): the value is the mean of the addends, so each is its local
+                    # tensor over their count as a Partial sum's addend
+                    local = local.detach() / n
         else:
             if type(t) is not torch.Tensor:
                 t = t.detach()  # a Parameter becomes a plain tensor, which the fused kernel reads
@@ -967,6 +974,15 @@ _DTENSOR: list = []
 _DIM_STRUCT = struct.Struct("<3q")
 """One dim of a descriptor's tail: ``(size, stride, gstride)``."""
 _DIM, _DIM_BYTES = _DIM_STRUCT.pack, _DIM_STRUCT.size
+
+
+def _avg_ranks(t) -> int:
+    """The addends a DTensor's Partial("avg") placements average over (1: none)."""
+    n = 1
+    for d, p in enumerate(t.placements):
+        if p.is_partial() and getattr(p, "reduce_op", "") == "avg":
+            n *= t.device_mesh.size(d)
+    return n
 
 
 def _local_shard(t):

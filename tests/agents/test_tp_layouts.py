@@ -242,6 +242,32 @@ def test_a_loss_from_dtensor_logits_is_a_reduction_over_its_addends(fake_rank):
     assert lays["sum"].partial and not lays["sum"].reduce
 
 
+def test_a_partial_avg_activation_is_an_addend_of_a_sum_over_its_count(fake_rank):
+    """A DTensor activation left Partial("avg") (a mean over a sharded dim) is the mean of its
+    addends: each rank's record is its local tensor over the partial ranks, as a Partial sum's
+    addend, so the auditor's sum of addends rebuilds the value (not that value times tp).
+    Partial("sum") keeps its local tensor; the fast path must not take either's bytes as is."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    fake_rank(1)
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+    batches = []
+    cap = Capturer(AgentConfig(phases=("fwd",)), rank_identity(mesh, dp_dim="dp"),
+                   batches.append, Counters())
+    local = torch.arange(12.0).reshape(B, 6)
+    for op in ("avg", "sum"):
+        cap.capture(DTensor.from_local(local, mesh["tp"], [Partial(op)], run_check=False),
+                    phase="fwd", site=op, role="output")
+    cap.flush()
+    assert not cap.counters.errors
+    rows = {c.site: (c, b) for b in batches for c in b.captures}
+    for op, want in (("avg", local / TP), ("sum", local)):
+        c, b = rows[op]
+        assert c.layout.partial and c.layout.logical_shape == (B, 6), op
+        moments = b.f64[c.row, :2].tolist()
+        assert moments == pytest.approx([want.sum().item(), want.square().sum().item()]), op
+
+
 def test_a_block_is_not_inferred_from_a_shape_that_only_looks_alike(fake_rank):
     """Plain TP with an FFN of 4 x D over tp=4: w1's column block is (B, S, D), the shape of
     the block's output too, but the block's last submodule (w2, all-reduced) outputs a
