@@ -15,7 +15,7 @@ from agents.capture import AUTO, Capturer, Counters, HostBatch
 from agents.config import AgentConfig, apply_env, check
 from agents.identity import RankIdentity, job_identity, rank_identity
 from agents import shutdown
-from agents.normalization import grad_scale
+from agents.normalization import grad_scale, note_batch_norms
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Agent:
             return 0
         try:
             self._models.append((module, stage))
+            note_batch_norms(self.ident, module)
             return self.capturer.hook_modules(module, stage, pipelined=pipelined)
         except Exception as exc:
             self.capturer._failed("watch", exc)

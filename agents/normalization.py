@@ -27,6 +27,8 @@ from typing import Any
 
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
+from agents.sites import normalize_site
+from wire.labels import BATCH_STATS_LABEL
 
 
 def grad_scale(config: AgentConfig, ident: RankIdentity) -> tuple[float, str]:
@@ -63,3 +65,25 @@ def note_schedule(ident: RankIdentity, schedule: Any) -> None:
     ident.labels.setdefault("pp_microbatches", str(n))
     ident.labels.setdefault(
         "pp_param_grads", f"divided by {n} (scale_grads=True)" if scale_grads else "summed")
+
+
+def note_batch_norms(ident: RankIdentity, module: Any, max_chars: int = 1024) -> None:
+    """Record the BatchNorm modules (SyncBatchNorm aside) of a data-parallel run in its labels:
+    in training mode each normalizes its rank's share of the batch with that share's mean and
+    variance, which is not what one process does over the whole batch. The auditor names this
+    where such a module introduces a difference (docs/parallelisms.md)."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if ident.dp_size <= 1:
+        return
+    sites = [normalize_site(name) for name, m in module.named_modules()
+             if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
+    known = [s for s in ident.labels.get(BATCH_STATS_LABEL, "").split(", ") if s]
+    merged = list(dict.fromkeys(known + [s for s in sites if s]))
+    text = ", ".join(merged)
+    while len(text) > max_chars and merged:  # the label's limit: the first ones, and "..."
+        merged.pop()
+        text = ", ".join(merged + ["..."])
+    if merged:
+        ident.labels[BATCH_STATS_LABEL] = text

@@ -16,6 +16,7 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, site_module
 from auditor.compare.ranks import key_boxes
+from wire.labels import BATCH_STATS_LABEL
 from auditor.compare.segments import unique
 
 if TYPE_CHECKING:
@@ -24,6 +25,28 @@ if TYPE_CHECKING:
 
 
 def cause(comp: Comparison, i: int) -> F.Cause:
+    found = _cause(comp, i)
+    if found.kind == "introduced" and int(comp.A[i] & 0xF) == PHASE_IDS["fwd"]:
+        note = _batch_stats_note(comp, comp.key(i).site)
+        if note:
+            return F.Cause(found.kind, f"{found.reason}; {note}", found.previous)
+    return found
+
+
+def _batch_stats_note(comp: Comparison, site: str) -> str:
+    """Where a run's label lists `site` among its BatchNorms: why that alone differs."""
+    for side in ("cand", "ref"):
+        listed = comp.labels.get(side, {}).get(BATCH_STATS_LABEL, "")
+        if site in listed.split(", "):
+            name = comp.cand.name if side == "cand" else comp.ref.name
+            return (f"{site} is a BatchNorm of data-parallel {name}: in training each rank "
+                    "normalizes its share of the batch with that share's mean and variance, "
+                    "not the whole batch's as one process does (SyncBatchNorm computes those, "
+                    "or compare against a reference that splits the batch the same way)")
+    return ""
+
+
+def _cause(comp: Comparison, i: int) -> F.Cause:
     step = int(comp.A[i] >> 24)
     phase = int(comp.A[i] & 0xF)
     if int(comp.verdict[i]) == F.REPLICA_DIVERGENCE:

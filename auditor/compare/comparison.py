@@ -87,6 +87,8 @@ class Comparison:
     mesh: dict[str, dict] = field(default_factory=dict)
     """Per side ("ref", "cand"): the run's mesh dim names and each rank's coordinate
     (`ranks.mesh_of`), read while the store was open."""
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per side ("ref", "cand"): the run's labels, as registered."""
     scaled_resid: np.ndarray | None = None
     """||cand - a*ref|| / ||cand|| with a = ||cand||/||ref||, where measured: how far the
     candidate is from a pure rescaling of the reference."""

@@ -64,6 +64,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         comp.timings["load"] = t1 - t0
         # the store is open only until this returns: read what findings name ranks by now
         comp.mesh = {"ref": mesh_of(reader, ref), "cand": mesh_of(reader, cand)}
+        comp.labels = {"ref": ref_info["labels"], "cand": cand_info["labels"]}
         t2 = time.perf_counter()
         localize_breaches(comp)
         comp.timings["localize"] = time.perf_counter() - t2

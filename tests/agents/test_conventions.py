@@ -112,6 +112,35 @@ def test_grad_scale_and_job_reach_the_store(auditor_server):
     assert info["grad_scale_sources"][0].startswith("inferred: per-rank mean loss")
 
 
+def test_a_data_parallel_run_lists_its_batchnorms_in_a_label(auditor_server):
+    """BatchNorms (SyncBatchNorm aside) of a data-parallel run reach the store as the label the
+    auditor explains differences with; one process, or no BatchNorm, sets none."""
+    from agents.normalization import note_batch_norms
+    from wire.labels import BATCH_STATS_LABEL
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4),
+                                   torch.nn.SyncBatchNorm(4), torch.nn.LayerNorm(4),
+                                   torch.nn.BatchNorm1d(4))
+
+    agent = agents.attach(net(), run="bn", address=auditor_server.address, dp_rank=1,
+                          dp_size=2)
+    _one_step(agent)
+    agent.close()
+    info, _ = _run_info(auditor_server.db_path, "bn")
+    assert info["labels"][BATCH_STATS_LABEL] == "1, 4"
+    for dp_size, model in ((1, net()), (2, torch.nn.Linear(2, 2))):
+        ident = RankIdentity(rank=0, world_size=dp_size, dp_rank=0, dp_size=dp_size)
+        note_batch_norms(ident, model)
+        assert BATCH_STATS_LABEL not in ident.labels
+    # many of them: the first ones that fit the label's limit, and "..."
+    ident = RankIdentity(rank=0, world_size=2, dp_rank=0, dp_size=2)
+    note_batch_norms(ident, torch.nn.ModuleDict({f"block{i:03d}": torch.nn.BatchNorm1d(2)
+                                                 for i in range(200)}))
+    text = ident.labels[BATCH_STATS_LABEL]
+    assert len(text) <= 1024 and text.startswith("block000, block001") and text.endswith(", ...")
+
+
 def test_plain_tensors_are_replicas_when_other_ranks_share_the_dp_rank(auditor_server,
                                                                         monkeypatch):
     monkeypatch.setenv("RANK", "1")

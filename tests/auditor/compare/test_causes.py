@@ -180,3 +180,25 @@ def test_one_parameter_without_gradient_in_an_unpipelined_model_is_not_a_cut(tmp
     assert "gradients stop" not in gb.boundary
     assert "activation gradients reached layers.1" in gb.boundary
     assert "frozen (requires_grad=False) or unused" in gb.boundary
+
+
+def test_a_batchnorm_of_a_data_parallel_run_is_named_where_it_introduces_a_difference(tmp_path):
+    """A data-parallel agent lists its BatchNorm sites in a run label: where one of them
+    introduces the first divergence, the cause says why (each rank's statistics); a module the
+    label does not list gets no such text."""
+    from tests.auditor.synth import mlp_run
+
+    def per_rank_stats(kind, step, mb, site, t):
+        if kind == "fwd" and site == "layers.1":  # each half normalized by its own mean
+            return torch.cat([h - h.mean() for h in t.chunk(2)])
+        return t
+
+    for label, named in (("layers.1, head.bn", True), ("layers.10, layers.0", False)):
+        db = tmp_path / f"{named}.db"
+        cand = mlp_run("cand", world=2, perturb=per_rank_stats)
+        cand.register = {"labels": {"local_batch_stats": label}}
+        write_runs(db, mlp_run("ref"), cand)
+        f = compare_runs(db, "ref", "cand", preset_policy("fp32")).first
+        assert (f.key.phase, f.key.site, f.cause.kind) == ("fwd", "layers.1", "introduced")
+        said = "layers.1 is a BatchNorm of data-parallel cand" in f.cause.reason
+        assert said == named, f.cause.reason
