@@ -254,16 +254,21 @@ def _drop_flat_column(location) -> None:
         conn.close()
 
 
-def test_a_store_made_before_flat_pieces_gets_the_column(store_location):
-    """Its records read as not flat once a writer opened it (which adds the column), and flat
-    records stored after that read as flat."""
-    w = open_writer(store_location, synchronous="NORMAL")
+def _store_from_before_flat_pieces(location) -> None:
+    """A store with two records, as written before the `flat` column existed."""
+    w = open_writer(location, synchronous="NORMAL")
     try:
         register(w)
         ingest(w, batch(1, [record(0, 0), record(0, 1)]))
     finally:
         w.close()
-    _drop_flat_column(store_location)
+    _drop_flat_column(location)
+
+
+def test_a_store_made_before_flat_pieces_gets_the_column(store_location):
+    """Its records read as not flat once a writer opened it (which adds the column), and flat
+    records stored after that read as flat."""
+    _store_from_before_flat_pieces(store_location)
     w = open_writer(store_location, synchronous="NORMAL")
     try:
         ingest(w, batch(2, [flat_record(1, 0)]))
@@ -276,13 +281,7 @@ def test_a_store_made_before_flat_pieces_reads_without_a_writer(tmp_path):
     """A SQLite store from before flat pieces, read (and compared) before any writer opened it
     again: the read-only connection cannot add the column, so its records read as not flat."""
     location = tmp_path / "old.db"
-    w = open_writer(location, synchronous="NORMAL")
-    try:
-        register(w)
-        ingest(w, batch(1, [record(0, 0), record(0, 1)]))
-    finally:
-        w.close()
-    _drop_flat_column(location)
+    _store_from_before_flat_pieces(location)
     assert read(location, flat_column) == {(0, 0): 0, (0, 1): 0}
     import sqlite3
 
