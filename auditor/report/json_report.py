@@ -30,6 +30,8 @@ class _IdenticalWriter:
         self._rules = [json.dumps(r) for r in comp.rule_labels]
         self._dtypes = [json.dumps(d) for d in comp.catalog.dtypes]
         self._shapes = [json.dumps(list(s[0])) for s in comp.catalog.shapes]
+        self._flat = np.array([s[2] for s in comp.catalog.shapes] + [False], bool)
+        """Per shape code (-1: the last), whether it is a flat key's (only its count)."""
         self._ref_ranks = comp.ref.rank.tolist()
         self._cand_ranks = comp.cand.rank.tolist()
 
@@ -53,7 +55,9 @@ class _IdenticalWriter:
         r_first, r_count = rk.first[ri].tolist(), rk.count[ri].tolist()
         c_first, c_count = ck.first[ci].tolist(), ck.count[ci].tolist()
         dt_r, dt_c = rk.dtype[ri].tolist(), ck.dtype[ci].tolist()
-        shape, numel = ck.shape[ci].tolist(), ck.numel[ci].tolist()
+        shape, numel = ck.shape[ci], ck.numel[ci].tolist()
+        # a flat candidate's shape is only its count: the reference's says more (as in Finding)
+        shape = np.where(self._flat[shape] & (rk.shape[ri] >= 0), rk.shape[ri], shape).tolist()
         st_r, st_c = rk.stage[ri].tolist(), ck.stage[ci].tolist()
         nf_r, nf_c = (rk.nonfinite[ri] > 0).tolist(), (ck.nonfinite[ci] > 0).tolist()
         rule, order = c.rule[idx].tolist(), c.rank_in_order[idx].tolist()

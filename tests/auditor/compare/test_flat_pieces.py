@@ -79,6 +79,7 @@ def test_flat_pieces_are_identical_to_the_box_of_the_same_values(store_location,
     assert (f.verdict, f.breach, f.metric) == ("identical", False, "exact")
     assert f.ranks == {"ref": [0], "cand": [0, 1]} and f.numel == 12
     assert f.shape == [4, 3]  # the reference's: the flat side's says only its count
+    assert json_finding(report)["shape"] == [4, 3]  # the JSON report's own renderer too
     assert json_finding(report)["verdict"] == "identical"
     to_text(report)
 
