@@ -9,11 +9,12 @@ elements of it this rank holds. Digests index elements by flat index, so the aud
 ranks' ranges into the parameter's digest, which compares with a reference that holds the same
 parameter whole or in boxes.
 
-Both of FSDP1's forms are read from the ``FlatParameter``'s own metadata (``_fqns``, ``_numels``,
-``_shard_param_infos``):
+Both of FSDP1's forms are read from the ``FlatParameter``'s own metadata (``_fqns``,
+``_numels_with_padding``, ``_is_padding_mask``, ``_shard_param_infos``):
 
 - ``use_orig_params=False``: ``named_parameters()`` yields the ``FlatParameter``
-  (``..._flat_param``) and the optimizer holds it: :func:`expand` turns it into one view per original parameter.
+  (``..._flat_param``) and the optimizer holds it: :func:`expand` turns it into one view per
+  original parameter.
 - ``use_orig_params=True``: ``named_parameters()`` yields the original parameters, each a 1-D view
   of this rank's range (empty where the rank holds none of it) with its gradient likewise:
   :func:`expand` gives each its flat layout.
@@ -56,7 +57,7 @@ class FlatView:
     layout: PieceLayout
     """This rank's range of the parameter's flattening."""
     whole: PieceLayout
-    """All of it, as every rank holds it when the FlatParameter is not sharded."""
+    """All of it, a replica: what every rank holds of its gradient under ``no_sync()``."""
 
     def part(self, t: torch.Tensor) -> torch.Tensor:
         """This view's range of `t`, a tensor shaped like its holder: the FlatParameter's local
