@@ -209,6 +209,7 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
             app = conn.execute("SELECT value FROM meta WHERE key = 'application'").fetchone()
             if app is None or app[0] != "numaudit":
                 raise NotAStore(f"db: {redact(url)} has a meta table but is not a numaudit store")
+            _shadow_missing_columns(conn)
         else:
             conn.execute("SET synchronous_commit = "
                          + ("off" if synchronous.upper() == "NORMAL" else "on"))
@@ -217,6 +218,26 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
         conn.close()
         raise
     return conn
+
+
+_ADDED_COLUMNS = (("records", "flat", "0::bigint"),)
+"""Columns added to the schema after stores were made: (table, column, default)."""
+
+
+def _shadow_missing_columns(conn: psycopg.Connection) -> None:
+    """A store made before some of `_ADDED_COLUMNS`, read before any writer added them (a
+    reader does not change the schema): a temporary view named like each such table, which
+    unqualified names find first (pg_temp leads the search path), adds them with their
+    defaults for this session."""
+    for table in {t for t, _, _ in _ADDED_COLUMNS}:
+        have = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = %s"
+            " AND table_schema = current_schema()", (table,))}
+        missing = [f"{default} AS {column}" for t, column, default in _ADDED_COLUMNS
+                   if t == table and column not in have]
+        if have and missing:
+            conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(missing)} "
+                         f"FROM {table}")
 
 
 def _create_schema(conn: psycopg.Connection, url: str) -> None:
