@@ -821,25 +821,28 @@ class Capturer:
         phase = "grad" if grads else "param"
         if not self.wants(phase):
             return
-        try:
-            views = self.flat_views([model])
-        except Exception as exc:  # FSDP1 internals it does not know: its flat parameters as is
-            self._failed("reading FSDP1's flat parameters", exc)
-            views = {}
         items = ((normalize_site(name), stage, p) for name, p in model.named_parameters())
-        self.capture_values(fsdp1.sweep(items, views, grads, self._failed), phase=phase)
+        self.capture_values(fsdp1.sweep(items, self.flat_views([model]), grads, self._failed),
+                            phase=phase)
 
     def flat_views(self, models) -> dict[int, list[fsdp1.FlatView]]:
         """The FSDP1 FlatParameters of `models`, as views per original parameter
         (agents.fsdp1.expand). Worked out at a model's first sweep and kept: FSDP1 makes its
         FlatParameters when it wraps the model, before training (a walk over the modules cost
-        1.8 ms a sweep for 1,200 of them), and the views read gradients when asked."""
+        1.8 ms a sweep for 1,200 of them), and the views read gradients when asked. Never
+        raises: FSDP1 internals it does not know leave that model's flat parameters as they
+        are (counted)."""
         views: dict[int, list[fsdp1.FlatView]] = {}
         for model in models:
             hit = self._flat_views.get(id(model))
             if hit is None or hit[0]() is not model:
-                hit = self._flat_views[id(model)] = (weakref.ref(model), fsdp1.expand(
-                    model, self.ident.dp_size, self.ident.ranks_per_dp_rank > 1))
+                try:
+                    found = fsdp1.expand(model, self.ident.dp_size,
+                                         self.ident.ranks_per_dp_rank > 1)
+                except Exception as exc:
+                    self._failed("reading FSDP1's flat parameters", exc)
+                    found = {}
+                hit = self._flat_views[id(model)] = (weakref.ref(model), found)
             views.update(hit[1])
         return views
 

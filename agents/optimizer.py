@@ -12,8 +12,9 @@ that differ with no cause. `OptimizerWatch` hooks `optimizer.step`:
 
 Both are keyed by the agent's current step (the last `agent.step(i)` block entered, so calling
 `optimizer.step()` after the block is fine) and by the parameter's normalized name in the watched
-model (an FSDP1 FlatParameter: each original parameter's, agents/fsdp1.py). Cost: one digest per parameter per phase; capturing updates holds one copy of the
-parameters on their device during `optimizer.step()`.
+model (an FSDP1 FlatParameter: each original parameter's, agents/fsdp1.py). Cost: one digest per
+parameter per phase; capturing updates holds one copy of the parameters on their device during
+`optimizer.step()`.
 """
 
 from __future__ import annotations

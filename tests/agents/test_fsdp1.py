@@ -122,3 +122,24 @@ def test_original_parameters_map_to_their_own_view_and_replicas_follow_the_group
     # ranks beside the data-parallel ones hold the same ranges: replicas
     (b,) = fsdp1.expand(module, dp_size=2, copies=True)[id(params[1])]
     assert b.layout.replica
+
+
+def test_flat_parameters_it_cannot_read_are_captured_as_they_are_and_counted():
+    """FSDP1 internals other than these (a FlatParameter without the metadata read here): the
+    sweep goes on, that parameter is captured under its own name, and the failure is counted."""
+    from agents.capture import Capturer, Counters
+    from agents.config import AgentConfig
+    from agents.identity import rank_identity
+
+    module, flat, _ = flat_module(0, 2)
+    del flat._fqns
+    module.head = torch.nn.Linear(2, 2)
+    batches = []
+    cap = Capturer(AgentConfig(phases=("param",)), rank_identity(None, dp_rank=0, dp_size=2),
+                   batches.append, Counters())
+    cap.start_step(0)
+    cap.capture_parameters(module, grads=False)
+    cap.capture_parameters(module, grads=False)  # the failure is not worked out again
+    sites = [c.site for b in batches for c in b.captures]
+    assert sites == ["layer._flat_param", "head.weight", "head.bias"] * 2
+    assert cap.counters.errors == 1
