@@ -131,19 +131,23 @@ class LiveComparison:
         idx = np.flatnonzero(~self.done[side])
         return self.cols[side].take(idx), idx
 
-    def _mesh(self) -> dict:
-        """Both runs' mesh coordinates (read each poll: ranks may register late)."""
-        return {"ref": mesh_of(self.reader, self.names["ref"]),
-                "cand": mesh_of(self.reader, self.names["cand"])}
+    def _evaluate(self, rc: RunColumns, cc: RunColumns):
+        """The comparison of these records, as `compare` makes it: with the runs' activation
+        gradient scale, mesh coordinates and labels (read each poll: ranks may register
+        late)."""
+        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
+                        bwd_factor=self.bwd_factor)
+        comp.mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}
+        comp.labels = {side: self.reader.run_info(name)["labels"]
+                       for side, name in self.names.items()}
+        return comp
 
     def _emit(self, past: float, *, everything: bool) -> list[LiveEvent]:
         rc, ridx = self._pending("ref")
         cc, cidx = self._pending("cand")
         if not len(rc) and not len(cc):
             return []
-        comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
-                        bwd_factor=self.bwd_factor)
-        comp.mesh = self._mesh()
+        comp = self._evaluate(rc, cc)
         rk, ck = comp.ref_keys, comp.cand_keys
         step = comp.A >> 24
         if everything:
@@ -186,8 +190,7 @@ class LiveComparison:
         for side in ("ref", "cand"):
             c = self.cols[side]
             parts[side] = c.take(np.flatnonzero((c.A >> 24) <= step))
-        comp = evaluate(parts["ref"], parts["cand"], self.catalog, self.policy, self.reader)
-        comp.mesh = self._mesh()
+        comp = self._evaluate(parts["ref"], parts["cand"])
         fd = comp.first_divergence()
         if fd < 0:
             return []

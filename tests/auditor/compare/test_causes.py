@@ -202,3 +202,49 @@ def test_a_batchnorm_of_a_data_parallel_run_is_named_where_it_introduces_a_diffe
         assert (f.key.phase, f.key.site, f.cause.kind) == ("fwd", "layers.1", "introduced")
         said = "layers.1 is a BatchNorm of data-parallel cand" in f.cause.reason
         assert said == named, f.cause.reason
+        if named:  # `auditor watch` says it too
+            from auditor.compare.live import LiveComparison
+            from auditor.store import Reader
+
+            reader = Reader(db)
+            try:
+                live = LiveComparison(reader, "ref", "cand", preset_policy("fp32"))
+                events = live.poll() + live.flush()
+            finally:
+                reader.close()
+            (first,) = [e.finding for e in events if e.first_divergence]
+            assert "layers.1 is a BatchNorm of data-parallel cand" in first.cause.reason
+
+
+def test_watch_announces_the_first_divergence_with_the_runs_gradient_scale(tmp_path):
+    """`auditor watch` re-evaluates the steps up to the first breach to announce it: with the
+    activation-gradient scale the runs' loss normalizations imply, as `compare` does, so the
+    x2 activation gradients of a per-rank mean loss over 2 dp ranks are not announced as the
+    first divergence ahead of the real one (a parameter gradient here)."""
+    from auditor.compare.live import LiveComparison
+    from auditor.store import Reader
+    from tests.auditor.synth import mlp_run
+
+    def dp2(kind, step, mb, site, t):
+        if kind == "bwd":
+            return t * 2  # each rank's loss a mean over its half: activation gradients x2
+        if kind == "grad" and site == "layers.0.weight":
+            return t * 1.5  # the real divergence
+        return t
+
+    db = tmp_path / "a.db"
+    ref = mlp_run("ref")
+    ref.register = {"grad_scale": 1.0}
+    cand = mlp_run("cand", world=2, perturb=dp2)
+    cand.register = {"grad_scale": 2.0}
+    write_runs(db, ref, cand)
+    want = compare_runs(db, "ref", "cand", preset_policy("fp32")).first
+    assert (want.key.phase, want.key.site) == ("grad", "layers.0.weight")
+    reader = Reader(db)
+    try:
+        live = LiveComparison(reader, "ref", "cand", preset_policy("fp32"))
+        events = live.poll() + live.flush()
+    finally:
+        reader.close()
+    (first,) = [e.finding for e in events if e.first_divergence]
+    assert first.key == want.key
