@@ -203,17 +203,23 @@ def test_a_batchnorm_of_a_data_parallel_run_is_named_where_it_introduces_a_diffe
         said = "layers.1 is a BatchNorm of data-parallel cand" in f.cause.reason
         assert said == named, f.cause.reason
         if named:  # `auditor watch` says it too
-            from auditor.compare.live import LiveComparison
-            from auditor.store import Reader
+            assert "layers.1 is a BatchNorm of data-parallel cand" in \
+                _watched_first(db).cause.reason
 
-            reader = Reader(db)
-            try:
-                live = LiveComparison(reader, "ref", "cand", preset_policy("fp32"))
-                events = live.poll() + live.flush()
-            finally:
-                reader.close()
-            (first,) = [e.finding for e in events if e.first_divergence]
-            assert "layers.1 is a BatchNorm of data-parallel cand" in first.cause.reason
+
+def _watched_first(db: Path):
+    """The first divergence `auditor watch` announces for ref and cand, both runs stored."""
+    from auditor.compare.live import LiveComparison
+    from auditor.store import Reader
+
+    reader = Reader(db)
+    try:
+        live = LiveComparison(reader, "ref", "cand", preset_policy("fp32"))
+        events = live.poll() + live.flush()
+    finally:
+        reader.close()
+    (first,) = [e.finding for e in events if e.first_divergence]
+    return first
 
 
 def test_watch_announces_the_first_divergence_with_the_runs_gradient_scale(tmp_path):
@@ -221,8 +227,6 @@ def test_watch_announces_the_first_divergence_with_the_runs_gradient_scale(tmp_p
     activation-gradient scale the runs' loss normalizations imply, as `compare` does, so the
     x2 activation gradients of a per-rank mean loss over 2 dp ranks are not announced as the
     first divergence ahead of the real one (a parameter gradient here)."""
-    from auditor.compare.live import LiveComparison
-    from auditor.store import Reader
     from tests.auditor.synth import mlp_run
 
     def dp2(kind, step, mb, site, t):
@@ -240,11 +244,4 @@ def test_watch_announces_the_first_divergence_with_the_runs_gradient_scale(tmp_p
     write_runs(db, ref, cand)
     want = compare_runs(db, "ref", "cand", preset_policy("fp32")).first
     assert (want.key.phase, want.key.site) == ("grad", "layers.0.weight")
-    reader = Reader(db)
-    try:
-        live = LiveComparison(reader, "ref", "cand", preset_policy("fp32"))
-        events = live.poll() + live.flush()
-    finally:
-        reader.close()
-    (first,) = [e.finding for e in events if e.first_divergence]
-    assert first.key == want.key
+    assert _watched_first(db).key == want.key
