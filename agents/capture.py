@@ -111,6 +111,9 @@ class Capturer:
         of this rank's shard): worked out once (torch's local shape and offset computation
         cost ~50 us a capture). The reference tells a reused id apart without keeping the
         mesh, and with it its process groups, alive until the interpreter's teardown."""
+        self._batch_dims: dict[tuple[str, int], int] = {}
+        """(site, output index) -> the dim a torch module's output holds the batch on, where
+        it is not `config.batch_dim` (`output_batch_dims`)."""
         self._flat_views: dict[int, tuple] = {}
         """id(model) -> (weak reference to it, its FSDP1 views): `flat_views`."""
         self._logged: set[str] = set()
@@ -175,6 +178,8 @@ class Capturer:
             if declared:
                 self._declared.add(site)
                 self._set_shards(site, shards)
+            for index, dim in output_batch_dims(module).items():
+                self._batch_dims[(site, index)] = dim
             hook = self._forward_hook(site, stage, pipelined)
             self._handles.append(module.register_forward_hook(hook))
             n += 1
@@ -437,7 +442,7 @@ class Capturer:
                     tuple(t.shape), reduce, self._weight(weight, microbatch), self.ident.dp_rank,
                     self.ident.dp_size, replica=self.replicated(phase, site, replicate))
             elif plain:
-                layout = self._plain_layout(t, phase, site, replicate)
+                layout = self._plain_layout(t, phase, site, replicate, index)
             self._capture(t, phase, site, role, index, call, microbatch, stage, layout)
             if (backward and phase == "fwd" and self.wants("bwd") and t is not None
                     and t.requires_grad):
@@ -500,25 +505,29 @@ class Capturer:
         return self.ident.ranks_per_dp_rank > 1
 
     def _plain_layout(self, t: torch.Tensor, phase: str, site: str,
-                      replicate: bool | None) -> PieceLayout:
+                      replicate: bool | None, index: int = 0) -> PieceLayout:
         shape = tuple(t.shape)
         if phase == "input" and shape:
-            self._local_batch[(self.step, self.microbatch)] = shape[0]
-        key = (phase, site, shape, replicate)
+            dim = self.config.batch_dim
+            self._local_batch[(self.step, self.microbatch)] = shape[dim if dim < len(shape)
+                                                                    else 0]
+        key = (phase, site, shape, replicate, index)
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= MAX_CACHED_LAYOUTS:
                 self._layouts.clear()
-            layout = self._layouts[key] = self._new_plain_layout(shape, phase, site, replicate)
+            layout = self._layouts[key] = self._new_plain_layout(shape, phase, site, replicate,
+                                                                 index)
         return layout
 
     def _new_plain_layout(self, shape: tuple[int, ...], phase: str, site: str,
-                          replicate: bool | None) -> PieceLayout:
+                          replicate: bool | None, index: int) -> PieceLayout:
         if phase in PER_STEP_PHASES:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
-        layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size)
+        dim = self._batch_dims.get((site, index), self.config.batch_dim)
+        layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size, dim)
         shards = self._output_shards.get(site) if phase in ("fwd", "bwd") else None
         if shards is not None and replicate is None and not (
                 self.config.replicate_sites
@@ -679,12 +688,12 @@ class Capturer:
                     return False
             if not t.is_cpu:
                 return False
-            key = ((phase, site, role, t.shape, t.stride(), t.dtype) if dt_layout is None else
-                   (phase, site, role, t.shape, t.stride(), t.dtype, id(dt_layout)))
+            key = ((phase, site, role, index, t.shape, t.stride(), t.dtype) if dt_layout is None
+                   else (phase, site, role, index, t.shape, t.stride(), t.dtype, id(dt_layout)))
             plan = self._plans.get(key, False)
             if plan is False or (dt_layout is not None and plan is not None
                                  and plan[0] is not dt_layout):
-                plan = self._new_plan(t, phase, site, role, dt_layout)
+                plan = self._new_plan(t, phase, site, role, dt_layout, index)
                 if len(self._plans) >= MAX_CACHED_LAYOUTS:
                     self._plans.clear()
                 self._plans[key] = plan
@@ -703,14 +712,14 @@ class Capturer:
         return True
 
     def _new_plan(self, t: torch.Tensor, phase: str, site: str, role: str,
-                  layout: PieceLayout | None = None) -> tuple | None:
+                  layout: PieceLayout | None = None, index: int = 0) -> tuple | None:
         """What :meth:`_capture_fast` needs for tensors like ``t`` (of ``layout``; None: a plain
         tensor's); None for the general path (no fused kernel, a dtype it does not read,
         complex)."""
         if phase == "input":  # its layout also records the microbatch's batch size
             return None
         if layout is None:
-            layout = self._plain_layout(t, phase, site, None)
+            layout = self._plain_layout(t, phase, site, None, index)
         plan = self._digester.fused_plan(t, layout)
         if plan is None:
             return None
@@ -781,7 +790,7 @@ class Capturer:
                 t = t.detach()  # a Parameter becomes a plain tensor, which the fused kernel reads
             local = t
             if layout is None:
-                layout = self._plain_layout(t, phase, site, None)
+                layout = self._plain_layout(t, phase, site, None, index)
         cap.dtype = _dtype_name(local.dtype)
         if local.dtype.is_complex:  # the dtype attribute: Tensor.is_complex() is a dispatched call
             local = torch.view_as_real(local.detach())
@@ -985,6 +994,27 @@ _DTENSOR: list = []
 _DIM_STRUCT = struct.Struct("<3q")
 """One dim of a descriptor's tail: ``(size, stride, gstride)``."""
 _DIM, _DIM_BYTES = _DIM_STRUCT.pack, _DIM_STRUCT.size
+
+
+def output_batch_dims(module: torch.nn.Module) -> dict[int, int]:
+    """Output index -> the dim holding the batch, for torch modules that say so themselves:
+    RNNs (output: 0 with `batch_first`, else 1; the hidden states (h_n, c_n): always 1),
+    MultiheadAttention (output as `batch_first` says; attention weights: 0) and the Transformer
+    layers and stacks (`batch_first`). Other modules: {} (config.batch_dim)."""
+    nn = torch.nn
+    if isinstance(module, nn.RNNBase):
+        return {0: 0 if module.batch_first else 1, 1: 1, 2: 1}
+    if isinstance(module, nn.MultiheadAttention):
+        return {0: 0 if module.batch_first else 1, 1: 0}
+    if isinstance(module, nn.Transformer):
+        first = module.batch_first
+    elif isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        first = module.self_attn.batch_first
+    elif isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and module.layers:
+        first = module.layers[0].self_attn.batch_first
+    else:
+        return {}
+    return {0: 0 if first else 1}
 
 
 def _avg_ranks(t) -> int:

@@ -41,6 +41,7 @@ ENV_SHARD = "NUMAUDIT_SHARD_SITES"    # "phase:site" globs of plain tensors that
 ENV_GRAD_SCALE = "NUMAUDIT_GRAD_SCALE"  # activation-gradient scale of this run (docs/parallelisms.md)
 ENV_LOSS_NORM = "NUMAUDIT_LOSS_NORMALIZATION"  # per_rank_mean | global_mean | sum
 ENV_MICROBATCH_SIZE = "NUMAUDIT_MICROBATCH_SIZE"  # this rank's batch elements per microbatch
+ENV_BATCH_DIM = "NUMAUDIT_BATCH_DIM"  # the dim the data-parallel split concatenates on
 ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (default: torchrun's)
 ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
 SPOOL_MODES = ("spill", "always", "off")
@@ -138,6 +139,10 @@ class AgentConfig:
     """"per_rank_mean" | "global_mean" | "sum"; None = inferred ("per_rank_mean")."""
     microbatch_size: int | None = None
     """This rank's batch elements per microbatch: the weight of its mean reductions."""
+    batch_dim: int = 0
+    """The dim of activations and inputs that the data-parallel split concatenates ranks on:
+    1 for sequence-first code ((seq, batch, ...) tensors). torch's RNNs, MultiheadAttention and
+    Transformer modules say their own (`batch_first`; an RNN's hidden state: dim 1)."""
     job_id: str | None = None
     """The job's id, the same on every rank; default TORCHELASTIC_RUN_ID (docs/agent.md)."""
     rename_if_taken: bool = False
@@ -223,6 +228,8 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["loss_normalization"] = env[ENV_LOSS_NORM].strip()
     if env.get(ENV_MICROBATCH_SIZE):
         changes["microbatch_size"] = int(env[ENV_MICROBATCH_SIZE])
+    if env.get(ENV_BATCH_DIM):
+        changes["batch_dim"] = int(env[ENV_BATCH_DIM])
     if env.get(ENV_JOB_ID):
         changes["job_id"] = env[ENV_JOB_ID].strip()
     if ENV_RENAME in env:
@@ -278,6 +285,8 @@ def check(config: AgentConfig) -> None:
                          f"{', '.join(LOSS_NORMALIZATIONS)}")
     if config.microbatch_size is not None and config.microbatch_size < 1:
         raise ValueError(f"microbatch_size: {config.microbatch_size} < 1")
+    if not 0 <= config.batch_dim < 64:
+        raise ValueError(f"batch_dim: {config.batch_dim} is not in [0, 64)")
 
 
 def step_selected(config: AgentConfig, step: int) -> bool:

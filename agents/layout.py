@@ -188,12 +188,14 @@ def flat_layout(numel: int, start: int, count: int, *, replica: bool = False) ->
     return layout
 
 
-def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int) -> PieceLayout:
-    """Layout of a data-parallel rank's activations: the batch is split on dim 0.
+def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int,
+                 dim: int = 0) -> PieceLayout:
+    """Layout of a data-parallel rank's activations: the batch is split on dim `dim` (0; 1 for
+    a sequence-first tensor or an RNN's hidden state; a tensor without that dim: 0).
 
-    The logical tensor is the concatenation of all dp ranks' local tensors on dim 0, in dp-rank
-    order (the order a DistributedSampler feeds them). A 0-dim tensor (a per-rank scalar loss)
-    becomes element ``dp_rank`` of a logical vector of ``dp_size`` elements.
+    The logical tensor is the concatenation of all dp ranks' local tensors on that dim, in
+    dp-rank order (the order a DistributedSampler feeds them). A 0-dim tensor (a per-rank scalar
+    loss) becomes element ``dp_rank`` of a logical vector of ``dp_size`` elements.
     """
     local_shape = tuple(int(s) for s in local_shape)
     if dp_size < 1:
@@ -204,10 +206,11 @@ def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int) -> Piec
         return PieceLayout.full(local_shape)
     if not local_shape:
         return PieceLayout(logical_shape=(dp_size,), offsets=(dp_rank,), shape=(1,))
-    rows = local_shape[0]
+    d = dim if dim < len(local_shape) else 0
+    rows = local_shape[d]
     return PieceLayout(
-        logical_shape=(rows * dp_size, *local_shape[1:]),
-        offsets=(dp_rank * rows,) + (0,) * (len(local_shape) - 1),
+        logical_shape=(*local_shape[:d], rows * dp_size, *local_shape[d + 1:]),
+        offsets=(0,) * d + (dp_rank * rows,) + (0,) * (len(local_shape) - d - 1),
         shape=local_shape,
     )
 

@@ -141,8 +141,10 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     out_metric[m] = M_SHAPE
     for i in np.flatnonzero(m):
         a, b = _shape_text(catalog.shapes[sh_r[i]]), _shape_text(catalog.shapes[sh_c[i]])
+        hint = _batch_dim_hint(catalog.shapes[sh_r[i]], catalog.shapes[sh_c[i]], ref.name,
+                               cand.name)
         notes.setdefault(int(i), []).append(f"logical shape {a} in {ref.name}, {b} "
-                                            f"in {cand.name}")
+                                            f"in {cand.name}{hint}")
     nf_r, nf_c = side(rk.nonfinite, ck.nonfinite, 0)
     assign((nfmode == 1) & ((nf_r > 0) | (nf_c > 0)), F.NONFINITE)
     assign((nfmode == 0) & ((nf_r > 0) != (nf_c > 0)), F.NONFINITE)
@@ -225,6 +227,26 @@ def same_shapes(catalog: Catalog, sh_r: np.ndarray, sh_c: np.ndarray, n_r: np.nd
         same |= ((sh_r >= 0) & (sh_c >= 0) & (flat[sh_r] | flat[sh_c]) & (n_r == n_c)
                  & (car[sh_r] == car[sh_c]))
     return same
+
+
+def _batch_dim_hint(ref_entry: tuple, cand_entry: tuple, ref: str, cand: str) -> str:
+    """Where one run's shape is the other's with dim 0 k times larger and another dim d k times
+    smaller, that run joined its data-parallel ranks' pieces on dim 0 while the tensor holds the
+    batch on dim d (sequence-first code): say so, and what to declare."""
+    (a, _, flat_a), (b, _, flat_b) = ref_entry, cand_entry
+    if flat_a or flat_b or len(a) != len(b) or len(a) < 2 or a == b:
+        return ""
+    for joined, other, name in ((b, a, cand), (a, b, ref)):
+        if other[0] == 0 or joined[0] % other[0]:
+            continue
+        k = joined[0] // other[0]
+        dims = [d for d in range(1, len(a)) if joined[d] != other[d]]
+        if k > 1 and len(dims) == 1 and joined[dims[0]] * k == other[dims[0]]:
+            d = dims[0]
+            return (f"; {name} joined its data-parallel ranks' pieces on dim 0, and the tensor "
+                    f"looks to hold the batch on dim {d}: for sequence-first code, attach "
+                    f"{name}'s agent with batch_dim={d} (NUMAUDIT_BATCH_DIM={d})")
+    return ""
 
 
 def _shape_text(entry: tuple) -> str:

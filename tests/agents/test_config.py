@@ -8,12 +8,12 @@ from agents.config import AgentConfig, apply_env, check, parse_int_set
 def test_environment_overrides_arguments():
     cfg = AgentConfig(address="a:1", run="ref", phases=("fwd",))
     env = {"NUMAUDIT_ADDR": "b:2", "NUMAUDIT_RUN": "pp8", "NUMAUDIT_PHASES": "fwd,bwd,grad",
-           "NUMAUDIT_STEPS": "0-2,7", "NUMAUDIT_DEPTH": "2"}
+           "NUMAUDIT_STEPS": "0-2,7", "NUMAUDIT_DEPTH": "2", "NUMAUDIT_BATCH_DIM": "1"}
     out = apply_env(cfg, env)
     assert (out.address, out.run) == ("b:2", "pp8")
     assert out.phases == ("fwd", "bwd", "grad")
     assert out.steps == frozenset({0, 1, 2, 7})
-    assert out.max_depth == 2
+    assert out.max_depth == 2 and out.batch_dim == 1
     assert cfg.address == "a:1"  # the argument object is not mutated
 
 
@@ -37,6 +37,7 @@ def test_bad_ranges_are_named(spec, why):
     (dict(sketch_k=100), "sketch_k"),
     (dict(sketch_k=1 << 17), "sketch_k"),  # over wire.limits.MAX_SKETCH_BUCKETS
     (dict(address="h:1"), "run"),
+    (dict(batch_dim=-1), "batch_dim"),
 ])
 def test_check_names_the_field(changes, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -73,6 +73,9 @@ def test_batch_layout():
     assert batch_layout((), 0, 1) == PieceLayout.full(())
     with pytest.raises(ValueError, match="dp_rank"):
         batch_layout((4,), 4, 4)
+    # sequence-first tensors and an RNN's hidden state: the batch on dim 1
+    assert batch_layout((5, 2, 8), 1, 2, dim=1) == PieceLayout((5, 4, 8), (0, 2, 0), (5, 2, 8))
+    assert batch_layout((6,), 1, 2, dim=1) == PieceLayout((12,), (6,), (6,))  # no dim 1: dim 0
 
 
 def test_complex_real_layout():
