@@ -511,22 +511,22 @@ class Capturer:
             dim = self.config.batch_dim
             self._local_batch[(self.step, self.microbatch)] = shape[dim if dim < len(shape)
                                                                     else 0]
-        key = (phase, site, shape, replicate, index)
+        dim = self._batch_dims.get((site, index), self.config.batch_dim)
+        key = (phase, site, shape, replicate, dim)
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= MAX_CACHED_LAYOUTS:
                 self._layouts.clear()
             layout = self._layouts[key] = self._new_plain_layout(shape, phase, site, replicate,
-                                                                 index)
+                                                                 dim)
         return layout
 
     def _new_plain_layout(self, shape: tuple[int, ...], phase: str, site: str,
-                          replicate: bool | None, index: int) -> PieceLayout:
+                          replicate: bool | None, dim: int) -> PieceLayout:
         if phase in PER_STEP_PHASES:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
-        dim = self._batch_dims.get((site, index), self.config.batch_dim)
         layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size, dim)
         shards = self._output_shards.get(site) if phase in ("fwd", "bwd") else None
         if shards is not None and replicate is None and not (
@@ -688,8 +688,11 @@ class Capturer:
                     return False
             if not t.is_cpu:
                 return False
-            key = ((phase, site, role, index, t.shape, t.stride(), t.dtype) if dt_layout is None
-                   else (phase, site, role, index, t.shape, t.stride(), t.dtype, id(dt_layout)))
+            # the batch dim, where a torch module states one for this output (rarely: no lookup
+            # when none does), so that captures under other indices share the plan
+            dim = self._batch_dims.get((site, index), -1) if self._batch_dims else -1
+            key = ((phase, site, role, dim, t.shape, t.stride(), t.dtype) if dt_layout is None
+                   else (phase, site, role, dim, t.shape, t.stride(), t.dtype, id(dt_layout)))
             plan = self._plans.get(key, False)
             if plan is False or (dt_layout is not None and plan is not None
                                  and plan[0] is not dt_layout):
