@@ -55,3 +55,22 @@ def torchrun(script: str, nproc: int, *args: str, env: dict | None = None,
         raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-4000:]}")
     return proc
+
+
+def run_cases(run_one) -> None:
+    """The main of a job script of cases (tests/e2e/parallel_job.py, seq_job.py): each argument
+    CASE:RUN runs `run_one(case, run)`, one after another in one process group (gloo, when
+    torchrun started several ranks), all ranks meeting at a barrier after each."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    for arg in sys.argv[1:]:
+        case, run = arg.split(":", 1)
+        run_one(case, run)
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import agents  # noqa: E402
 from agents.pipeline import agent_loss, watch_stages  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
+from tests.e2e.helpers import run_cases  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LAYERS = 16, 8, 16, 4
 MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
@@ -378,30 +379,25 @@ def clip_global(params: list, max_norm: float, group) -> torch.Tensor:
     return total
 
 
+def run_case(case: str, run: str) -> None:
+    case, _, option = case.partition("+")
+    if option == "rename":  # as an operator would: NUMAUDIT_RENAME_IF_TAKEN=1 for this run
+        os.environ["NUMAUDIT_RENAME_IF_TAKEN"] = "1"
+    if case in ("single", "single_clip"):
+        run_single(run, clip=case == "single_clip")
+    elif case in DP_CASES:
+        run_dp(case, run)
+    elif case in TP_CASES:
+        run_tp(case, run)
+    elif case in PP_CASES:
+        run_pp(case, run)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    cases = [arg.split(":", 1) for arg in sys.argv[1:]]
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        dist.init_process_group("gloo")
-    for case, run in cases:
-        case, _, option = case.partition("+")
-        if option == "rename":  # as an operator would: NUMAUDIT_RENAME_IF_TAKEN=1 for this run
-            os.environ["NUMAUDIT_RENAME_IF_TAKEN"] = "1"
-        if case in ("single", "single_clip"):
-            run_single(run, clip=case == "single_clip")
-        elif case in DP_CASES:
-            run_dp(case, run)
-        elif case in TP_CASES:
-            run_tp(case, run)
-        elif case in PP_CASES:
-            run_pp(case, run)
-        else:
-            raise SystemExit(f"unknown case {case!r}")
-        if dist.is_initialized():
-            dist.barrier()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_cases(run_case)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ throughout) and attach with `batch_dim=1`, but for `_seq_undeclared`.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import agents  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
+from tests.e2e.helpers import run_cases  # noqa: E402
 
 VOCAB, DIM, BATCH, SEQ, STEPS, MICROBATCHES = 20, 8, 4, 5, 2, 2
 
@@ -85,16 +85,7 @@ def run(case: str, name: str) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        dist.init_process_group("gloo")
-    for arg in sys.argv[1:]:
-        case, name = arg.split(":", 1)
-        run(case, name)
-        if dist.is_initialized():
-            dist.barrier()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_cases(run)
 
 
 if __name__ == "__main__":
