@@ -212,14 +212,18 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
     return conn
 
 
+def _missing_columns(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
+    """The `_ADDED_COLUMNS` entries a store written by an earlier schema version lacks."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    have = {t: {r[1] for r in conn.execute(f"PRAGMA table_info({t})")}
+            for t in {t for t, _, _ in _ADDED_COLUMNS} & tables}
+    return [(t, c, decl) for t, c, decl in _ADDED_COLUMNS if t in have and c not in have[t]]
+
+
 def _upgrade(conn: sqlite3.Connection) -> None:
     """Add the columns of later schema versions to a store written by an earlier one."""
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    for table, column, decl in _ADDED_COLUMNS:
-        if table in tables:
-            have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    for table, column, decl in _missing_columns(conn):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 def _shadow_missing_columns(conn: sqlite3.Connection) -> None:
@@ -227,14 +231,9 @@ def _shadow_missing_columns(conn: sqlite3.Connection) -> None:
     has upgraded it since, and this connection cannot): a temporary view named like each such
     table, which unqualified names find first, adds the missing columns with their defaults,
     so readers see the current schema."""
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     missing: dict[str, list[str]] = {}
-    for table, column, decl in _ADDED_COLUMNS:
-        if table in tables:
-            have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                default = decl.rsplit("DEFAULT ", 1)[1]
-                missing.setdefault(table, []).append(f"{default} AS {column}")
+    for table, column, decl in _missing_columns(conn):
+        missing.setdefault(table, []).append(f"{decl.rsplit('DEFAULT ', 1)[1]} AS {column}")
     for table, columns in missing.items():
         conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(columns)} "
                      f"FROM main.{table}")
