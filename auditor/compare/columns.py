@@ -342,6 +342,15 @@ class Catalog:
         return found
 
 
+def shape_flags(shapes: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+    """Per code of `Catalog.shapes` ((shape, complex_as_real, flat) entries): (flat,
+    complex_as_real) as bool arrays, one entry more at the end so that code -1 (no shape) reads
+    False."""
+    flat = np.array([f for _, _, f in shapes] + [False], bool)
+    car = np.array([c for _, c, _ in shapes] + [False], bool)
+    return flat, car
+
+
 def _split_layout(text: str) -> tuple[str, tuple, tuple, tuple, dict]:
     """``float32[8, 4][0, 0][4, 4]`` → dtype, logical shape, offsets, shape (JSON lists), and
     further `Piece` fields: ``ragged`` (first, span, parts) from a fourth list ``[1,1,2]``, the

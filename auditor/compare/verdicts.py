@@ -15,7 +15,7 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
-from auditor.compare.columns import Catalog, RunColumns
+from auditor.compare.columns import Catalog, RunColumns, shape_flags
 from auditor.compare.keys import LogicalKeys, build_keys
 from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
 from auditor.compare.metrics import FLOAT_DTYPES
@@ -220,10 +220,8 @@ def same_shapes(catalog: Catalog, sh_r: np.ndarray, sh_c: np.ndarray, n_r: np.nd
     holds a parameter), as many elements (`n_r`, `n_c`) and the same complex flag. Flat pieces'
     digests index elements by flat index as boxes' do, so such keys compare as they are."""
     same = sh_r == sh_c
-    shapes = catalog.shapes
-    if any(flat for _, _, flat in shapes):
-        flat = np.array([f for _, _, f in shapes] + [False])  # -1 picks the last: no shape
-        car = np.array([c for _, c, _ in shapes] + [False])
+    flat, car = shape_flags(catalog.shapes)
+    if flat.any():
         same |= ((sh_r >= 0) & (sh_c >= 0) & (flat[sh_r] | flat[sh_c]) & (n_r == n_c)
                  & (car[sh_r] == car[sh_c]))
     return same

@@ -12,6 +12,7 @@ import numpy as np
 from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import ROLE_NAMES, phase_name
+from auditor.compare.columns import shape_flags
 from auditor.compare.comparison import METRIC_NAMES
 from auditor.compare.result import Report
 
@@ -30,7 +31,7 @@ class _IdenticalWriter:
         self._rules = [json.dumps(r) for r in comp.rule_labels]
         self._dtypes = [json.dumps(d) for d in comp.catalog.dtypes]
         self._shapes = [json.dumps(list(s[0])) for s in comp.catalog.shapes]
-        self._flat = np.array([s[2] for s in comp.catalog.shapes] + [False], bool)
+        self._flat = shape_flags(comp.catalog.shapes)[0]
         """Per shape code (-1: the last), whether it is a flat key's (only its count)."""
         self._ref_ranks = comp.ref.rank.tolist()
         self._cand_ranks = comp.cand.rank.tolist()
