@@ -45,7 +45,7 @@ audit: $(STAMP) $(KERNEL)
 	$(PY) -m examples.audit --build $(BUILD) $(if $(INJECT),--inject $(INJECT))
 
 test: $(STAMP) $(KERNEL) postgres
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP) $(KERNEL) postgres
 	$(PY) -m pytest -q -m "not slow"
