@@ -15,7 +15,7 @@ from agents.capture import AUTO, Capturer, Counters, HostBatch
 from agents.config import AgentConfig, apply_env, check
 from agents.identity import RankIdentity, job_identity, rank_identity
 from agents import shutdown
-from agents.normalization import grad_scale, note_batch_norms
+from agents.normalization import grad_scale, note_batch_norms, note_dropouts
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Agent:
         try:
             self._models.append((module, stage))
             note_batch_norms(self.ident, module)
+            note_dropouts(self.ident, module)
             return self.capturer.hook_modules(module, stage, pipelined=pipelined)
         except Exception as exc:
             self.capturer._failed("watch", exc)

@@ -19,6 +19,10 @@ backward from that loss unscaled; `scale_grads=True` (their default) divides *pa
 gradients by n_microbatches after the last backward (`PipelineStage.scale_grads`), which leaves
 activation gradients alone. So a schedule changes no activation-gradient scale; `note_schedule`
 records what it does to parameter gradients so a reader of `auditor show` can see it.
+
+`note_batch_norms` and `note_dropouts` list, in run labels (wire/labels.py), the modules of the
+user's code that make a correct run differ from the reference by design (each rank's batch
+statistics; random masks), so that the auditor can say so where one introduces a difference.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
 from agents.sites import normalize_site
-from wire.labels import BATCH_STATS_LABEL
+from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL
 
 
 def grad_scale(config: AgentConfig, ident: RankIdentity) -> tuple[float, str]:
@@ -67,7 +71,7 @@ def note_schedule(ident: RankIdentity, schedule: Any) -> None:
         "pp_param_grads", f"divided by {n} (scale_grads=True)" if scale_grads else "summed")
 
 
-def note_batch_norms(ident: RankIdentity, module: Any, max_chars: int = 1024) -> None:
+def note_batch_norms(ident: RankIdentity, module: Any) -> None:
     """Record the BatchNorm modules (SyncBatchNorm aside) of a data-parallel run in its labels:
     in training mode each normalizes its rank's share of the batch with that share's mean and
     variance, which is not what one process does over the whole batch. The auditor names this
@@ -77,13 +81,34 @@ def note_batch_norms(ident: RankIdentity, module: Any, max_chars: int = 1024) ->
 
     if ident.dp_size <= 1:
         return
-    sites = [normalize_site(name) for name, m in module.named_modules()
-             if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
-    known = [s for s in ident.labels.get(BATCH_STATS_LABEL, "").split(", ") if s]
-    merged = list(dict.fromkeys(known + [s for s in sites if s]))
+    _note_sites(ident, BATCH_STATS_LABEL, [
+        name for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)])
+
+
+def note_dropouts(ident: RankIdentity, module: Any) -> None:
+    """Record the modules that drop elements at random in training (torch's dropout modules with
+    p > 0, MultiheadAttention with dropout > 0) in the run's labels, whatever its parallelism:
+    runs whose random streams differ (one process against data-parallel ranks, another schedule,
+    another seed) drop different elements there, so their outputs differ by design. The auditor
+    names this where such a module, or a module holding one, introduces a difference."""
+    import torch
+    from torch.nn.modules.dropout import _DropoutNd
+
+    _note_sites(ident, DROPOUT_LABEL, [
+        name for name, m in module.named_modules()
+        if (isinstance(m, _DropoutNd) and m.p > 0)
+        or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0)])
+
+
+def _note_sites(ident: RankIdentity, label: str, names: list[str], max_chars: int = 1024) -> None:
+    """Add the normalized sites of ``names`` to the run label ``label`` (", "-joined, sites of
+    models attached earlier first); past the label's limit, the first ones that fit and "..."."""
+    known = [s for s in ident.labels.get(label, "").split(", ") if s]
+    merged = list(dict.fromkeys(known + [s for s in map(normalize_site, names) if s]))
     text = ", ".join(merged)
-    while len(text) > max_chars and merged:  # the label's limit: the first ones, and "..."
+    while len(text) > max_chars and merged:
         merged.pop()
         text = ", ".join(merged + ["..."])
     if merged:
-        ident.labels[BATCH_STATS_LABEL] = text
+        ident.labels[label] = text

@@ -7,3 +7,8 @@ to explain a difference they account for.
 BATCH_STATS_LABEL = "local_batch_stats"
 """The BatchNorm sites (SyncBatchNorm aside) of a data-parallel run, joined by ", ": in training
 each normalizes its rank's share of the batch with that share's statistics."""
+
+DROPOUT_LABEL = "dropout_sites"
+"""The module sites of a run that draw random masks in training (dropout modules with p > 0,
+MultiheadAttention with dropout > 0), joined by ", ": two runs whose random streams differ (another
+data-parallel split, pipeline schedule or seed) drop different elements there."""

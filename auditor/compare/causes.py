@@ -16,7 +16,7 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, site_module
 from auditor.compare.ranks import key_boxes
-from wire.labels import BATCH_STATS_LABEL
+from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL
 from auditor.compare.segments import unique
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 def cause(comp: Comparison, i: int) -> F.Cause:
     found = _cause(comp, i)
     if found.kind == "introduced" and int(comp.A[i] & 0xF) == PHASE_IDS["fwd"]:
-        note = _batch_stats_note(comp, comp.key(i).site)
+        site = comp.key(i).site
+        note = _batch_stats_note(comp, site) or _dropout_note(comp, site)
         if note:
             return F.Cause(found.kind, f"{found.reason}; {note}", found.previous)
     return found
@@ -44,6 +45,29 @@ def _batch_stats_note(comp: Comparison, site: str) -> str:
                     "not the whole batch's as one process does (SyncBatchNorm computes those, "
                     "or compare against a reference that splits the batch the same way)")
     return ""
+
+
+def _dropout_note(comp: Comparison, site: str) -> str:
+    """Where a run's label lists `site`, or modules inside it, among its dropouts: why the
+    module can differ in a correct run."""
+    listed: dict[str, None] = {}
+    runs = []
+    for side, run in (("ref", comp.ref.name), ("cand", comp.cand.name)):
+        mine = [s for s in comp.labels.get(side, {}).get(DROPOUT_LABEL, "").split(", ")
+                if s == site or s.startswith(site + ".")]
+        if mine:
+            runs.append(run)
+            listed.update(dict.fromkeys(mine))
+    if not runs:
+        return ""
+    names = list(listed)
+    what = (f"{site} is a dropout" if names == [site] else
+            f"{site} holds dropout ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return (f"{what} in {' and '.join(runs)}: in training each run draws its own random masks, "
+            "so runs whose random streams differ (one process against data-parallel ranks, "
+            "another pipeline schedule, another seed) drop different elements; audit with "
+            "dropout off (p=0, or the module in eval mode) or against a reference that draws "
+            "the same masks")
 
 
 def _cause(comp: Comparison, i: int) -> F.Cause:

@@ -141,6 +141,29 @@ def test_a_data_parallel_run_lists_its_batchnorms_in_a_label(auditor_server):
     assert len(text) <= 1024 and text.startswith("block000, block001") and text.endswith(", ...")
 
 
+def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
+    """Modules that drop elements at random in training (dropout modules with p > 0,
+    MultiheadAttention with dropout > 0) reach the store as the label the auditor explains
+    differences with, in one process too; p = 0 and modules without dropout are left out."""
+    from agents.normalization import note_dropouts
+    from wire.labels import DROPOUT_LABEL
+
+    net = torch.nn.ModuleDict({
+        "drop": torch.nn.Dropout(0.1), "off": torch.nn.Dropout(0.0),
+        "attn": torch.nn.MultiheadAttention(4, 2, dropout=0.2),
+        "quiet": torch.nn.MultiheadAttention(4, 2),
+        "block": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout2d(0.5)),
+        "alpha": torch.nn.AlphaDropout(0.3), "norm": torch.nn.LayerNorm(4)})
+    agent = agents.attach(net, run="drop", address=auditor_server.address)
+    _one_step(agent)
+    agent.close()
+    info, _ = _run_info(auditor_server.db_path, "drop")
+    assert info["labels"][DROPOUT_LABEL] == "drop, attn, block.1, alpha"
+    ident = RankIdentity(rank=0, world_size=1)
+    note_dropouts(ident, torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+    assert DROPOUT_LABEL not in ident.labels
+
+
 def test_plain_tensors_are_replicas_when_other_ranks_share_the_dp_rank(auditor_server,
                                                                         monkeypatch):
     monkeypatch.setenv("RANK", "1")

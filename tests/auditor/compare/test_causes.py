@@ -207,6 +207,34 @@ def test_a_batchnorm_of_a_data_parallel_run_is_named_where_it_introduces_a_diffe
                 _watched_first(db).cause.reason
 
 
+def test_a_module_holding_dropout_is_named_where_it_introduces_a_difference(tmp_path):
+    """An agent lists its dropout sites in a run label: where the module that introduces the
+    first divergence is one of them, or holds one, the cause says that runs drawing other random
+    masks differ there by design; a module the label does not cover gets no such text."""
+    from tests.auditor.synth import mlp_run
+
+    def other_masks(kind, step, mb, site, t):
+        if kind == "fwd" and site == "layers.1":
+            return t * (torch.arange(t.numel()).reshape(t.shape) % 5 != 0)
+        return t
+
+    cases = (("layers.1.drop", "layers.1 holds dropout (layers.1.drop) in cand"),
+             ("layers.1", "layers.1 is a dropout in cand"),
+             ("layers.10.drop, layers.0.drop", None))
+    for i, (label, said) in enumerate(cases):
+        db = tmp_path / f"{i}.db"
+        cand = mlp_run("cand", perturb=other_masks)
+        cand.register = {"labels": {"dropout_sites": label}}
+        write_runs(db, mlp_run("ref"), cand)
+        f = compare_runs(db, "ref", "cand", preset_policy("fp32")).first
+        assert (f.key.phase, f.key.site, f.cause.kind) == ("fwd", "layers.1", "introduced")
+        if said is None:
+            assert "dropout" not in f.cause.reason, f.cause.reason
+        else:
+            assert said in f.cause.reason and "draws its own random masks" in f.cause.reason
+    assert "layers.1 is a dropout in cand" in _watched_first(tmp_path / "1.db").cause.reason
+
+
 def _watched_first(db: Path):
     """The first divergence `auditor watch` announces for ref and cand, both runs stored."""
     from auditor.compare.live import LiveComparison
