@@ -91,14 +91,15 @@ def note_dropouts(ident: RankIdentity, module: Any) -> None:
     p > 0, MultiheadAttention with dropout > 0) in the run's labels, whatever its parallelism:
     runs whose random streams differ (one process against data-parallel ranks, another schedule,
     another seed) drop different elements there, so their outputs differ by design. The auditor
-    names this where such a module, or a module holding one, introduces a difference."""
+    names this where such a module, or a module holding one, introduces a difference. Modules
+    in eval mode when the model is attached (which drop nothing) are left out."""
     import torch
     from torch.nn.modules.dropout import _DropoutNd
 
     _note_sites(ident, DROPOUT_LABEL, [
         name for name, m in module.named_modules()
-        if (isinstance(m, _DropoutNd) and m.p > 0)
-        or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0)])
+        if m.training and ((isinstance(m, _DropoutNd) and m.p > 0)
+                           or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0))])
 
 
 def _note_sites(ident: RankIdentity, label: str, names: list[str], max_chars: int = 1024) -> None:

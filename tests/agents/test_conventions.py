@@ -161,6 +161,7 @@ def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
     assert info["labels"][DROPOUT_LABEL] == "drop, attn, block.1, alpha"
     ident = RankIdentity(rank=0, world_size=1)
     note_dropouts(ident, torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+    note_dropouts(ident, torch.nn.Sequential(torch.nn.Dropout(0.5)).eval())  # drops nothing
     assert DROPOUT_LABEL not in ident.labels
 
 
