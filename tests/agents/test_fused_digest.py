@@ -203,6 +203,22 @@ def test_payload_of_expanded_and_size_one_pieces():
                        u.contiguous().reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_element_late_in_a_piece_redoes_it_whole(dtype, special):
+    """The vector loop's first pass assumes finite elements; a NaN or infinity in a later run of
+    a strided piece (its earlier runs finite) sends the whole piece to the masked pass again:
+    the rows are the eager digest's, with the piece's every run counted once, and the payload
+    copied in the first pass holds every element."""
+    t = _values(dtype, (6, 520), 11, [])
+    t[4, 300] = special
+    piece = t[:, 4:516]  # six runs of 512 elements, 2080 bytes apart
+    layout = PieceLayout((6, 512), (0, 0), (6, 512))
+    assert_same(piece, layout, k=256)
+    want = piece.contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(_payload_via_kernel(piece, layout), want)
+
+
 def test_op_is_registered_with_a_fake_implementation():
     t = _values(torch.float32, (3, 4), 0, [])
     base, gs = cpu.index_map((3, 4), PieceLayout.full((3, 4)))
