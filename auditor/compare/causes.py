@@ -34,12 +34,15 @@ def cause(comp: Comparison, i: int) -> F.Cause:
     return found
 
 
+def _label_sites(comp: Comparison, side: str, label: str) -> list[str]:
+    """The sites a run's label lists (wire/labels.py: joined by ", ")."""
+    return comp.labels.get(side, {}).get(label, "").split(", ")
+
+
 def _batch_stats_note(comp: Comparison, site: str) -> str:
     """Where a run's label lists `site` among its BatchNorms: why that alone differs."""
-    for side in ("cand", "ref"):
-        listed = comp.labels.get(side, {}).get(BATCH_STATS_LABEL, "")
-        if site in listed.split(", "):
-            name = comp.cand.name if side == "cand" else comp.ref.name
+    for side, name in (("cand", comp.cand.name), ("ref", comp.ref.name)):
+        if site in _label_sites(comp, side, BATCH_STATS_LABEL):
             return (f"{site} is a BatchNorm of data-parallel {name}: in training each rank "
                     "normalizes its share of the batch with that share's mean and variance, "
                     "not the whole batch's as one process does (SyncBatchNorm computes those, "
@@ -53,7 +56,7 @@ def _dropout_note(comp: Comparison, site: str) -> str:
     listed: dict[str, None] = {}
     runs = []
     for side, run in (("ref", comp.ref.name), ("cand", comp.cand.name)):
-        mine = [s for s in comp.labels.get(side, {}).get(DROPOUT_LABEL, "").split(", ")
+        mine = [s for s in _label_sites(comp, side, DROPOUT_LABEL)
                 if s == site or s.startswith(site + ".")]
         if mine:
             runs.append(run)

@@ -144,7 +144,8 @@ def test_a_data_parallel_run_lists_its_batchnorms_in_a_label(auditor_server):
 def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
     """Modules that drop elements at random in training (dropout modules with p > 0,
     MultiheadAttention with dropout > 0) reach the store as the label the auditor explains
-    differences with, in one process too; p = 0 and modules without dropout are left out."""
+    differences with, in one process too; p = 0, eval mode and modules without dropout are left
+    out."""
     from agents.normalization import note_dropouts
     from wire.labels import DROPOUT_LABEL
 
