@@ -451,11 +451,14 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
 def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
     """Name where gradients stop, from the captured evidence.
 
-    A break of a whole run or stage: the first stage (in pipeline order) without parameter
-    gradients, and what its activation gradients show (all zero: a cut at its boundary; its
-    input activation's backward captured: backward reached it; none captured). A break of some
-    modules only, while other parameters got gradients: those modules' own evidence (frozen or
-    unused, or a cut before them when their activation gradients are all zero)."""
+    A break of a whole run or stage: for each run of consecutive stages without parameter
+    gradients, its last stage in pipeline order, the first one backward reaches (it runs the
+    stages last to first, whatever ranks hold them: a V schedule puts stages 0 and 3 of four on
+    one rank), and what that stage's activation gradients show (all zero: a cut at its boundary
+    with the next stage; its input activation's backward captured: backward reached it; none
+    captured). The stages before it lack gradients because nothing flows back past it. A break
+    of some modules only, while other parameters got gradients: those modules' own evidence
+    (frozen or unused, or a cut before them when their activation gradients are all zero)."""
     for side, kind in (("cand", "none"), ("cand", "zero"), ("ref", "none"), ("ref", "zero")):
         mine = [b for b in breaks if b.side == side and b.kind == kind]
         if not mine:
@@ -465,9 +468,22 @@ def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
         for b in mine:
             if b.scope == "module":
                 b.boundary = _module_boundary(comp, b, keys, run)
-        cut = [b for b in mine if b.scope in ("run", "stage")]
-        if cut:
-            cut[0].boundary = _stage_boundary(comp, cut, keys, run, kind)
+        for group in _consecutive_stages([b for b in mine if b.scope in ("run", "stage")]):
+            group[-1].boundary = _stage_boundary(comp, group, keys, run, kind)
+
+
+def _consecutive_stages(cut: list[F.GraphBreak]) -> list[list[F.GraphBreak]]:
+    """Whole-stage breaks in runs of consecutive stages, each in stage order (a whole-run
+    break, without a stage, alone)."""
+    groups: list[list[F.GraphBreak]] = []
+    for b in sorted(cut, key=lambda b: (b.stage is None, b.stage if b.stage is not None else 0)):
+        last = groups[-1][-1] if groups else None
+        if (last is not None and b.stage is not None and last.stage is not None
+                and b.stage >= 0 and b.stage == last.stage + 1):
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 def _bwd_of(comp, keys, sites_mask: np.ndarray) -> tuple[int, int]:
@@ -500,15 +516,18 @@ def _module_boundary(comp, b: F.GraphBreak, keys, run: str) -> str:
 def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) -> str:
     what = "parameter gradients" if kind == "none" else "non-zero parameter gradients"
     stages = sorted({b.stage for b in cut if b.stage is not None and b.stage >= 0})
-    in_stage = keys.stage == stages[0] if stages else np.ones(len(keys), bool)
-    where = f"stage {stages[0]}" if stages else "the model"
+    stop = stages[-1] if stages else None  # the first stage backward reaches without them
+    in_stage = keys.stage == stop if stages else np.ones(len(keys), bool)
+    where = f"stage {stop}" if stages else "the model"
     phase = keys.A & 0xF
     bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
     fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
-    text = f"gradients stop at {where} (the first without {what} in {run})"
-    later = stages[0] + 1 if stages else None
+    before = (f", as backward runs the stages last to first; stages {stages[0]}-{stop} are all "
+              "without them" if len(stages) > 1 else "")
+    text = f"gradients stop at {where} (the first without {what} in {run}{before})"
+    later = stop + 1 if stages else None
     if later is not None and later not in stages and (keys.stage == later).any():
-        text += (f", at the stage {stages[0]} -> {later} boundary (stage {later}'s parameters "
+        text += (f", at the stage {stop} -> {later} boundary (stage {later}'s parameters "
                  "received gradients)")
     n_bwd, n_zero = _bwd_of(comp, keys, in_stage)
     if not ((keys.A & 0xF) == PHASE_IDS["bwd"]).any():
