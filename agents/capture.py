@@ -54,6 +54,10 @@ PER_STEP_PHASES = ("grad", "param", "optim_grad", "update")
 MAX_NO_GRAD_CALLS = 64
 """No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
+NOT_CAPTURED_SHAPE_INFERENCE = "pipeline_shape_inference"
+"""Captures made while a watched pipeline stage's module ran outside the schedule's chunk
+methods: the schedule inferring shapes on the first step. No microbatch was running, so no key
+is right for them (see :attr:`Capturer.outside_chunk`)."""
 AUTO = "auto"
 """`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
 MAX_CACHED_LAYOUTS = 8192
@@ -92,6 +96,15 @@ class Capturer:
         self._ambiguous: set[tuple] = set()
         self.in_chunk = 0
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
+        self.outside_chunk = False
+        """A watched pipeline stage's module started a forward outside any chunk method, and
+        no chunk or step has started since: the schedule's shape inference (forward, then the
+        loss and backward it runs to infer the gradients' shapes), which runs stage 0 on
+        microbatch 0's data and later stages on empty tensors. What is captured meanwhile (the
+        hooks' captures and `capture()` calls from the user's own hooks) would be stored under
+        microbatch 0's key and conflict with the real one: counted as not captured instead
+        (NOT_CAPTURED_SHAPE_INFERENCE). Set by the stage module's pre-hook, which runs before
+        any other hook of it; cleared by the chunk methods (agents/pipeline.py)."""
         self.loss_microbatch: int | None = None
         """Microbatch of the last forward chunk whose loss has not been captured yet."""
         self._payload_sites: dict[tuple[str, str, str], bool] = {}
@@ -169,10 +182,15 @@ class Capturer:
 
         `pipelined`: the module is driven by a pipeline schedule, and only forwards inside the
         schedule's chunk methods (`in_chunk`) are captured — not the schedule's own shape
-        inference, which runs the stage once outside them.
+        inference, which runs the stage once outside them: what it would capture is counted
+        as not captured, and so is whatever `capture()` is asked for until the next chunk
+        (:attr:`outside_chunk`).
         """
         n = 0
         cfg = self.config
+        if pipelined:
+            self._handles.append(model.register_forward_pre_hook(
+                not_traced(self._stage_pre_hook), prepend=True))
         for site, module in select_modules(model, cfg.modules, cfg.exclude, cfg.max_depth):
             declared, shards = output_sharding(module, self.ident)
             if declared:
@@ -184,6 +202,12 @@ class Capturer:
             self._handles.append(module.register_forward_hook(hook))
             n += 1
         return n
+
+    def _stage_pre_hook(self, module, inputs) -> None:
+        """Runs first at every forward of a pipeline stage's module: outside a chunk method it
+        is the schedule's shape inference (:attr:`outside_chunk`)."""
+        if not self.in_chunk:
+            self.outside_chunk = True
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -202,7 +226,10 @@ class Capturer:
                     self._replayed(site, stage, output)
                     return
                 fwd, bwd = self._fwd_on, self._bwd_on
-                if not (fwd or bwd) or (pipelined and not self.in_chunk):
+                if not (fwd or bwd):
+                    return
+                if pipelined and not self.in_chunk:  # the schedule's shape inference
+                    self._skip_outside_chunk(output, fwd, bwd)
                     return
                 mb = self.microbatch
                 calls, key = self._calls, (mb, site)
@@ -232,6 +259,13 @@ class Capturer:
             self._batches.drain()
 
         return not_traced(hook)
+
+    def _skip_outside_chunk(self, output, fwd: bool, bwd: bool) -> None:
+        """Count what a hooked module's output outside any chunk would have been captured as."""
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        n = len(tensors) * fwd + sum(t.requires_grad for t in tensors) * bwd
+        if n:
+            self.counters.miss(NOT_CAPTURED_SHAPE_INFERENCE, n)
 
     def _set_shards(self, site: str, shards: tuple[int, int, int] | None) -> None:
         if self._output_shards.get(site) == shards:
@@ -369,6 +403,7 @@ class Capturer:
         self.step = step
         self._step_on = step_selected(self.config, step)
         self.microbatch = 0
+        self.outside_chunk = False
         self._calls.clear()
         self._bwd_seen.clear()
         self._local_batch.clear()
@@ -404,9 +439,13 @@ class Capturer:
         batch share, `weight` the elements a mean averaged over (default: microbatch_size, else
         dim 0 of this microbatch's input capture, else 1). `replicate` overrides whether a plain
         tensor is a replica over the non-dp mesh dims. Nothing is captured in a step that the
-        step selection (`steps`, `step_every`, `step_first`) leaves out.
+        step selection (`steps`, `step_every`, `step_first`) leaves out, nor during a pipeline
+        schedule's shape inference (:attr:`outside_chunk`: counted as not captured).
         """
         if not self._step_on:
+            return
+        if self.outside_chunk:
+            self.counters.miss(NOT_CAPTURED_SHAPE_INFERENCE)
             return
         if (layout is None and rows is None and not backward and replicate is None
                 and t is not None and phase != "loss" and reduce in (AUTO, None)
@@ -542,9 +581,13 @@ class Capturer:
 
         `backward`: one hook on `t` itself (the segments are views autograd never reaches)
         splits the gradient the same way and captures each segment under phase bwd. Nothing
-        is captured in a step that the step selection leaves out.
+        is captured in a step that the step selection leaves out, nor during a pipeline
+        schedule's shape inference (counted as not captured, one per segment).
         """
         if not self._step_on:
+            return
+        if self.outside_chunk:
+            self.counters.miss(NOT_CAPTURED_SHAPE_INFERENCE, len(counts))
             return
         try:
             microbatch = self.microbatch if microbatch is None else microbatch

@@ -61,6 +61,7 @@ def _keyed(agent: Agent, stage_index: int, method: Callable) -> Callable:
         # after its forward, and `agent_loss` reads the microbatch from here.
         capturer.microbatch, capturer.stage = int(chunk_id), stage_index
         capturer.in_chunk += 1
+        capturer.outside_chunk = False  # the schedule's shape inference, if any, is over
         try:
             result = method(chunk_id, *args, **kwargs)
             if forward:
@@ -82,10 +83,13 @@ def agent_loss(agent: Agent, loss_fn: Callable[..., torch.Tensor], *,
         value = loss_fn(*args, **kwargs)
         capturer = agent.capturer
         # Only the loss of a forward chunk the schedule ran: a schedule inferring shapes calls
-        # the loss function once more, outside any chunk, and that value is no microbatch's.
+        # the loss function once more, outside any chunk, and that value is no microbatch's
+        # (agent.capture counts it as not captured: capturer.outside_chunk).
         if capturer.loss_microbatch is not None:
             agent.capture(value, site=site, phase="loss", microbatch=capturer.loss_microbatch)
             capturer.loss_microbatch = None
+        elif capturer.outside_chunk:
+            agent.capture(value, site=site, phase="loss")
         return value
 
     return loss
