@@ -15,7 +15,8 @@ from agents.capture import AUTO, Capturer, Counters, HostBatch
 from agents.config import AgentConfig, apply_env, check
 from agents.identity import RankIdentity, job_identity, rank_identity
 from agents import shutdown
-from agents.normalization import grad_scale, note_batch_norms, note_dropouts
+from agents.normalization import (grad_scale, note_batch_norms, note_capture_depth,
+                                  note_dropouts, note_tied_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Agent:
             self._models.append((module, stage))
             note_batch_norms(self.ident, module)
             note_dropouts(self.ident, module)
+            note_tied_parameters(self.ident, module)
             return self.capturer.hook_modules(module, stage, pipelined=pipelined)
         except Exception as exc:
             self.capturer._failed("watch", exc)
@@ -280,6 +282,7 @@ def attach(
                           dp_size=_given(dp_size, cfg.dp_size), stages=tuple(stages))
     ident.dtype, ident.seed, ident.labels = dtype, seed, dict(labels or {})
     ident.grad_scale, ident.grad_scale_source = grad_scale(cfg, ident)
+    note_capture_depth(ident, cfg)
     if cfg.enabled and cfg.run:
         ident.job_id, ident.job_id_source = job_identity(cfg.job_id)
     if cfg.sidecar and cfg.start_sidecar and cfg.enabled:

@@ -23,6 +23,9 @@ records what it does to parameter gradients so a reader of `auditor show` can se
 `note_batch_norms` and `note_dropouts` list, in run labels (wire/labels.py), the modules of the
 user's code that make a correct run differ from the reference by design (each rank's batch
 statistics; random masks), so that the auditor can say so where one introduces a difference.
+`note_tied_parameters` lists the parameters held under two names (captured under the first only)
+and `note_capture_depth` the agent's max_depth, so that the auditor tells a parameter or module
+that was not captured apart from one captured under another name or left out by the depth.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
 from agents.sites import normalize_site
-from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL
+from wire.labels import BATCH_STATS_LABEL, CAPTURE_DEPTH_LABEL, DROPOUT_LABEL, TIED_LABEL
 
 
 def grad_scale(config: AgentConfig, ident: RankIdentity) -> tuple[float, str]:
@@ -100,6 +103,29 @@ def note_dropouts(ident: RankIdentity, module: Any) -> None:
         name for name, m in module.named_modules()
         if m.training and ((isinstance(m, _DropoutNd) and m.p > 0)
                            or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0))])
+
+
+def note_tied_parameters(ident: RankIdentity, module: Any) -> None:
+    """Record the parameters ``module`` holds under more than one name (``model.output.weight =
+    model.tok_embeddings.weight``) in the run's labels, as "alias=name" with ``name`` the first
+    one, the name `named_parameters()` gives it and the agent captures it under: the auditor
+    then knows why the alias has no captures, and says so where the other run holds the two
+    names as separate parameters."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        site = normalize_site(name)
+        if id(p) not in first:
+            first[id(p)] = site
+        elif site != first[id(p)]:
+            pairs.append(f"{site}={first[id(p)]}")
+    _note_sites(ident, TIED_LABEL, pairs)
+
+
+def note_capture_depth(ident: RankIdentity, config: AgentConfig) -> None:
+    """Record the agent's max_depth in the run's labels: a module deeper than it has no fwd or
+    bwd captures, and the auditor says so rather than asking to capture a phase that was."""
+    ident.labels.setdefault(CAPTURE_DEPTH_LABEL, str(config.max_depth))
 
 
 def _note_sites(ident: RankIdentity, label: str, names: list[str], max_chars: int = 1024) -> None:

@@ -12,3 +12,12 @@ DROPOUT_LABEL = "dropout_sites"
 """The module sites of a run that draw random masks in training (dropout modules with p > 0,
 MultiheadAttention with dropout > 0), joined by ", ": two runs whose random streams differ (another
 data-parallel split, pipeline schedule or seed) drop different elements there."""
+
+TIED_LABEL = "tied_parameters"
+"""The parameters a run's model holds under more than one name (an output head tied to the token
+embedding), as "alias=name" entries joined by ", ": the agent captures each such parameter once,
+under its first name (`named_parameters()`), so the alias has no captures of its own."""
+
+CAPTURE_DEPTH_LABEL = "capture_max_depth"
+"""The agent's max_depth: modules deeper than this many dotted levels are not hooked, so they
+have no activation (fwd) or activation-gradient (bwd) captures of their own."""

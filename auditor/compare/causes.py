@@ -1,9 +1,9 @@
-"""Why a key diverged, and where backward graphs break: causes from the captured evidence.
+"""Why a key diverged: causes from the captured evidence.
 
 `cause` says whether a diverged key introduced its difference or inherited it (its input, the
-previous capture in execution order, the step's parameters, its module's activation gradients);
-`graph_breaks` groups gradients that are None or all zero in one run by run, stage and module
-and names the stage boundary where they stop. Both read a filled `Comparison`.
+previous capture in execution order, the step's parameters, its module's activation gradients),
+and where the evidence is missing, whether it was not captured or excluded by the policy. It
+reads a filled `Comparison`; where backward graphs break is `auditor.compare.breaks`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS, site_module
+from auditor.compare.align import PHASE_IDS
 from auditor.compare.ranks import key_boxes
 from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL
 from auditor.compare.segments import unique
+from auditor.compare.tied import tied_note
 
 if TYPE_CHECKING:
     from auditor.compare.comparison import Comparison
@@ -31,6 +32,9 @@ def cause(comp: Comparison, i: int) -> F.Cause:
         note = _batch_stats_note(comp, site) or _dropout_note(comp, site)
         if note:
             return F.Cause(found.kind, f"{found.reason}; {note}", found.previous)
+    note = tied_note(comp, i)
+    if note:
+        return F.Cause(found.kind, f"{found.reason}; {note}", found.previous)
     return found
 
 
@@ -208,8 +212,26 @@ def _block_start_cause(comp: Comparison, step: int) -> F.Cause:
                            comp.key(j))
         return F.Cause("introduced", "first capture of its microbatch, and every parameter "
                                      "value of the step matched")
+    excluded = excluded_by_policy(comp, step, (PHASE_IDS["param"],))
+    if excluded:
+        return F.Cause("unknown", f"first capture of its microbatch; parameter values {excluded}"
+                                  ", so the weights cannot be ruled out")
     return F.Cause("unknown", "first capture of its microbatch; parameter values were not "
                               "captured, so the weights cannot be ruled out")
+
+
+def excluded_by_policy(comp: Comparison, step: int, phases: tuple[int, ...]) -> str:
+    """"were captured but excluded by the policy (rule ...)" where every key of `step` in
+    `phases` was excluded by the policy (there is at least one), else "": what tells "not
+    captured" apart from "not compared" when a step has no compared key of those phases."""
+    lo = int(np.searchsorted(comp.A, step << 24, "left"))
+    hi = int(np.searchsorted(comp.A, (step + 1) << 24, "left"))
+    mine = np.isin(comp.A[lo:hi] & 0xF, phases)
+    ignored = mine & (comp.verdict[lo:hi] == F.IGNORED)
+    if not ignored.any() or (mine & ~ignored).any():
+        return ""
+    rules = ", ".join(comp.rule_labels[int(r)] for r in unique(comp.rule[lo:hi][ignored]))
+    return f"were captured but excluded by the policy ({rules})"
 
 def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     site = comp.catalog.site_names.get(int(comp.B[i] >> 32), "")
@@ -223,9 +245,14 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
             j = int(bad[np.argmin(comp.rank_in_order[bad])])
             return F.Cause("inherited", f"its module's activation gradient differs "
                                         f"({comp.key(j)})", comp.key(j))
-    act = comp.step_keys(step, (PHASE_IDS["fwd"], PHASE_IDS["bwd"], PHASE_IDS["loss"],
-                                 PHASE_IDS["input"]))
+    act_phases = (PHASE_IDS["fwd"], PHASE_IDS["bwd"], PHASE_IDS["loss"], PHASE_IDS["input"])
+    act = comp.step_keys(step, act_phases)
     if not len(act):
+        excluded = excluded_by_policy(comp, step, act_phases)
+        if excluded:
+            return F.Cause("unknown", f"the step's activations and activation gradients "
+                                      f"{excluded}: let the policy compare phases fwd and bwd "
+                                      "to locate it")
         return F.Cause("unknown", "no activation or activation gradient of the step was "
                                   "captured: capture phases fwd and bwd to locate it")
     bad = act[comp.breach[act]]
@@ -239,6 +266,13 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     close_fwd = int(np.count_nonzero(comp.verdict[act[~is_bwd]] == F.CLOSE))
     close_bwd = int(np.count_nonzero(comp.verdict[act[is_bwd]] == F.CLOSE))
     if bwd_n == 0:
+        excluded = excluded_by_policy(comp, step, (PHASE_IDS["bwd"],))
+        if excluded:
+            return F.Cause("unknown", f"the {fwd_n} compared activations of the step match; "
+                                      f"its activation gradients (phase bwd) {excluded}: let "
+                                      f"the policy compare them around {module or 'the model'} "
+                                      "to tell a backward difference from one in reduction, "
+                                      "accumulation or scaling")
         return F.Cause("unknown", f"the {fwd_n} captured activations of the step match but "
                                   "no activation gradient was captured: capture phase bwd "
                                   f"around {module or 'the model'} to tell a backward "
@@ -275,17 +309,53 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     for phase, what in (("update", "the update applied to it"),
                         ("optim_grad", "the gradient the optimizer consumed")):
         j = comp.find(step - 1, -1, PHASE_IDS[phase], site_id, role)
-        if j >= 0 and comp.breach[j]:
+        if j >= 0 and comp.breach[j] and not _uncompared(comp, j):
             return F.Cause("inherited", f"{what} at step {step - 1} differs ({phase})",
                            comp.key(j))
-    if g >= 0 and comp.breach[g]:
+    g_gap, p_gap = _uncompared(comp, g), _uncompared(comp, p)
+    if not g_gap and comp.breach[g]:
         return F.Cause("inherited", f"its gradient at step {step - 1} differs", comp.key(g))
-    if p >= 0 and comp.breach[p]:
+    if not p_gap and comp.breach[p]:
         return F.Cause("inherited", f"its value at step {step - 1} already differs", comp.key(p))
-    if g >= 0 and p >= 0:
+    if not g_gap and not p_gap:
         return F.Cause("introduced", f"its value and gradient matched at step {step - 1}: the "
                                      "optimizer update differs", comp.key(g))
-    return F.Cause("unknown", f"its gradient or value at step {step - 1} was not captured")
+    gaps = [f"its {what} at step {step - 1} {gap}" for what, gap in (("gradient", g_gap),
+                                                                     ("value", p_gap)) if gap]
+    if g_gap == p_gap:
+        gaps = [f"its gradient and value at step {step - 1} {_plural(g_gap)}"]
+    return F.Cause("unknown", " and ".join(gaps))
+
+
+def _uncompared(comp: Comparison, j: int) -> str:
+    """Why key j (-1: no such key in either run) gives no evidence, as a predicate ("was not
+    captured in ref"); "" where it was compared. A key the policy excluded was captured: saying
+    it was not would send the user to capture what the store already holds."""
+    if j < 0:
+        return "was not captured in either run"
+    v = int(comp.verdict[j])
+    if v == F.IGNORED:
+        held = [run for run, k in ((comp.ref.name, comp.ri[j]), (comp.cand.name, comp.ci[j]))
+                if k >= 0]
+        where = "" if len(held) == 2 else f" in {held[0]} only"
+        rule = comp.rule_labels[int(comp.rule[j])]
+        return f"was captured{where} but excluded by the policy ({rule})"
+    if v == F.MISSING_IN_REF:
+        return f"was not captured in {comp.ref.name}"
+    if v == F.MISSING_IN_CAND:
+        return f"was not captured in {comp.cand.name}"
+    return ""
+
+
+def _gap_remedy(comp: Comparison, j: int) -> str:
+    """What gives the evidence key j lacks (see `_uncompared`): compare it, or capture it."""
+    if j >= 0 and int(comp.verdict[j]) == F.IGNORED:
+        return "let the policy compare it"
+    return "capture it in both runs"
+
+
+def _plural(predicate: str) -> str:
+    return predicate.replace("was ", "were ", 1)
 
 
 def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
@@ -297,9 +367,10 @@ def _optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause
     else:
         before, name = PHASE_IDS["optim_grad"], "optim_grad"
     j = comp.find(step, -1, before, site_id, role)
-    if j < 0 or comp.verdict[j] == F.IGNORED:
-        return F.Cause("unknown", f"phase {name} of this parameter was not captured in both "
-                                  f"runs: capture it to tell where the difference arises")
+    gap = _uncompared(comp, j)
+    if gap:
+        return F.Cause("unknown", f"phase {name} of this parameter {gap}: "
+                                  f"{_gap_remedy(comp, j)} to tell where the difference arises")
     v = int(comp.verdict[j])
     if comp.breach[j]:
         return F.Cause("inherited", f"its {name} already differs ({F.VERDICT_NAMES[v]})",
@@ -402,158 +473,3 @@ def _per_rank_factors(comp: Comparison, keys: np.ndarray, factor: np.ndarray) ->
             return {}
         out[rank] = mid
     return out
-
-
-# -- graph breaks ------------------------------------------------------------------------------------
-
-def graph_breaks(comp) -> list[F.GraphBreak]:
-    """Group grad_none and all-zero parameter gradients (GRAD phase) by run, stage and module."""
-    grad = PHASE_IDS["grad"]
-    is_grad = (comp.A & 0xF) == grad
-    if not is_grad.any():
-        return []
-    rk, ck = comp.ref_keys, comp.cand_keys
-    names = {"ref": comp.ref.name, "cand": comp.cand.name}
-    site_names = comp.catalog.site_names
-    idx = np.flatnonzero(is_grad & (comp.verdict != F.IGNORED))
-    ri, ci = comp.ri[idx], comp.ci[idx]
-    both_ok = (ri >= 0) & (ci >= 0)
-    zr = np.where(both_ok, rk.all_zero[np.maximum(ri, 0)] if len(rk) else -1, -1)
-    zc = np.where(both_ok, ck.all_zero[np.maximum(ci, 0)] if len(ck) else -1, -1)
-    zero_diff = both_ok & (zr >= 0) & (zc >= 0) & (zr != zc) & (comp.verdict[idx] != F.GRAD_NONE)
-    none = comp.verdict[idx] == F.GRAD_NONE
-    if not (none.any() or zero_diff.any()):  # the common case: nothing to group
-        return []
-    entries: list[tuple] = []
-    totals_stage: dict[tuple, set[str]] = {}
-    totals_run: dict[str, set[str]] = {"ref": set(), "cand": set()}
-    totals_module: dict[tuple[str, str], set[str]] = {}
-    for i, r, c, is_none, zd, z_ref in zip(idx.tolist(), ri.tolist(), ci.tolist(),
-                                            none.tolist(), zero_diff.tolist(), zr.tolist()):
-        site = site_names.get(int(comp.B[i] >> 32), "")
-        stage = int(comp.order_stage[i])
-        for side, present in (("ref", r >= 0), ("cand", c >= 0)):
-            if present:
-                totals_run[side].add(site)
-                totals_stage.setdefault((side, stage), set()).add(site)
-                totals_module.setdefault((side, site_module(site)), set()).add(site)
-        step = int(comp.A[i] >> 24)
-        if is_none:
-            side = "cand" if ck.status[c] == M.NONE else "ref"
-            entries.append((side, "none", stage, site, step))
-        elif zd:
-            entries.append(("ref" if z_ref == 1 else "cand", "zero", stage, site, step))
-    breaks = F.group_graph_breaks(entries, totals_stage, totals_run, names, totals_module)
-    _add_boundary(comp, breaks)
-    return breaks
-
-
-def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:
-    """Name where gradients stop, from the captured evidence.
-
-    A break of a whole run or stage: for each run of consecutive stages without parameter
-    gradients, its last stage in pipeline order, the first one backward reaches (it runs the
-    stages last to first, whatever ranks hold them: a V schedule puts stages 0 and 3 of four on
-    one rank), and what that stage's activation gradients show (all zero: a cut at its boundary
-    with the next stage; its input activation's backward captured: backward reached it; none
-    captured). The stages before it lack gradients because nothing flows back past it. A break
-    of some modules only, while other parameters got gradients: those modules' own evidence
-    (frozen or unused, or a cut before them when their activation gradients are all zero)."""
-    for side, kind in (("cand", "none"), ("cand", "zero"), ("ref", "none"), ("ref", "zero")):
-        mine = [b for b in breaks if b.side == side and b.kind == kind]
-        if not mine:
-            continue
-        keys = comp.cand_keys if side == "cand" else comp.ref_keys
-        run = (comp.cand if side == "cand" else comp.ref).name
-        for b in mine:
-            if b.scope == "module":
-                b.boundary = _module_boundary(comp, b, keys, run)
-        for group in _consecutive_stages([b for b in mine if b.scope in ("run", "stage")]):
-            group[-1].boundary = _stage_boundary(comp, group, keys, run, kind)
-
-
-def _consecutive_stages(cut: list[F.GraphBreak]) -> list[list[F.GraphBreak]]:
-    """Whole-stage breaks in runs of consecutive stages, each in stage order (a whole-run
-    break, without a stage, alone)."""
-    groups: list[list[F.GraphBreak]] = []
-    for b in sorted(cut, key=lambda b: (b.stage is None, b.stage if b.stage is not None else 0)):
-        last = groups[-1][-1] if groups else None
-        if (last is not None and b.stage is not None and last.stage is not None
-                and b.stage >= 0 and b.stage == last.stage + 1):
-            groups[-1].append(b)
-        else:
-            groups.append([b])
-    return groups
-
-
-def _bwd_of(comp, keys, sites_mask: np.ndarray) -> tuple[int, int]:
-    """(captured, all zero) activation gradients (phase bwd, merged) among the masked keys."""
-    bwd = sites_mask & ((keys.A & 0xF) == PHASE_IDS["bwd"]) & (keys.status == M.OK)
-    return int(bwd.sum()), int((bwd & (keys.all_zero == 1)).sum())
-
-
-def _module_boundary(comp, b: F.GraphBreak, keys, run: str) -> str:
-    module = b.module or "(root)"
-    if b.total_params > b.params:
-        return (f"the other {b.total_params - b.params} parameters of {module} received "
-                f"gradients in {run}, so backward reached the module and the graph is not cut "
-                f"there: the {b.params} without were frozen (requires_grad=False) or unused in "
-                f"{run}'s forward, or their weight gradients were never computed or were "
-                "dropped (a split backward's weight step); the captures cannot tell which")
-    site_ids = np.array([sid for sid, name in comp.catalog.site_names.items()
-                         if name == b.module or name.startswith(b.module + ".")], np.int64)
-    n, zero = _bwd_of(comp, keys, np.isin(keys.B >> 32, site_ids))
-    if n == 0:
-        return (f"{run} captured no activation gradient (phase bwd) of {module}: capture bwd to "
-                "tell frozen parameters from a graph cut before the module")
-    if zero == n:
-        return (f"activation gradients arriving at {module} are all zero ({zero} of {n} bwd "
-                f"captures in {run}): the graph is cut before it (a detach or a no_grad)")
-    return (f"activation gradients reached {module} ({n - zero} of {n} bwd captures in {run} "
-            "are not all zero): its parameters are frozen (requires_grad=False) or unused")
-
-
-def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) -> str:
-    what = "parameter gradients" if kind == "none" else "non-zero parameter gradients"
-    stages = sorted({b.stage for b in cut if b.stage is not None and b.stage >= 0})
-    stop = stages[-1] if stages else None  # the first stage backward reaches without them
-    in_stage = keys.stage == stop if stages else np.ones(len(keys), bool)
-    where = f"stage {stop}" if stages else "the model"
-    phase = keys.A & 0xF
-    bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
-    fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
-    before = (f", as backward runs the stages last to first; stages {stages[0]}-{stop} are all "
-              "without them" if len(stages) > 1 else "")
-    text = f"gradients stop at {where} (the first without {what} in {run}{before})"
-    later = stop + 1 if stages else None
-    if later is not None and later not in stages and (keys.stage == later).any():
-        text += (f", at the stage {stop} -> {later} boundary (stage {later}'s parameters "
-                 "received gradients)")
-    n_bwd, n_zero = _bwd_of(comp, keys, in_stage)
-    if not ((keys.A & 0xF) == PHASE_IDS["bwd"]).any():
-        return text + (f"; {run} captured no activation gradients (phase bwd), so whether "
-                       "backward reached the stage cannot be told: capture bwd to locate the cut")
-    if n_bwd and n_zero == n_bwd:
-        return text + (f": activation gradients arriving at {where} are all zero ({n_zero} of "
-                       f"{n_bwd} bwd captures): the graph is cut at the boundary (a detach or a "
-                       "no_grad)")
-    if len(fwd):
-        # the stage's input activation: its earliest forward capture
-        first = fwd[np.argmin(keys.pos[fwd])]
-        site_id = int(keys.B[first] >> 32)
-        site = comp.catalog.site_names.get(site_id, "?")
-        back = bwd & ((keys.B >> 32) == site_id)
-        if back.any():
-            zeros = f"; {n_zero} of them all zero" if n_zero else ", none all zero"
-            return text + (f": the backward of its input activation ({site}) was captured "
-                           f"({n_bwd} activation gradients in the stage{zeros}), so gradients "
-                           "reached the stage but its parameters received none (a skipped "
-                           "weight-gradient step, or gradients dropped or freed before capture)")
-        if bwd.any():
-            return text + (f": {n_bwd} activation gradients were captured in it but not the "
-                           f"backward of its input activation ({site})")
-        return text + (f": no activation gradient was captured in it, not even for its input "
-                       f"activation ({site}): backward never reached it")
-    if bwd.any():
-        return text + f": {n_bwd} activation gradients were captured in it"
-    return text + ": no activation gradient was captured in it either"

@@ -14,7 +14,8 @@ from typing import Iterator
 
 from auditor.compare import findings as F
 from auditor.compare.align import PHASE_IDS
-from auditor.compare.causes import graph_breaks
+from auditor.compare.breaks import graph_breaks
+from auditor.compare.causes import excluded_by_policy
 from auditor.compare.comparison import Comparison
 from auditor.compare.policy import Policy
 
@@ -68,7 +69,9 @@ class Report:
         warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info)
         if first is not None and first.cause and first.key.step > 0 \
                 and not comp.step_keys(first.key.step, (PHASE_IDS["param"],)).size:
-            first.notes.append("parameter values were not captured: a divergence of the weights "
+            params = (PHASE_IDS["param"],)
+            what = excluded_by_policy(comp, first.key.step, params) or "were not captured"
+            first.notes.append(f"parameter values {what}: a divergence of the weights "
                                "(an optimizer difference) would first show here")
         return cls(comparison=comp, ref=ref_info, cand=cand_info, policy=policy, counts=counts,
                    first=first, graph_breaks=graph_breaks(comp), warnings=warnings)
