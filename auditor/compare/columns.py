@@ -131,6 +131,9 @@ class Catalog:
         self.seeds_ok: list[bool] = []
         self._seeds: tuple[int, int] | None = None
         self.has_moments: list[bool] = []
+        self.placed: list[bool] = []
+        """False for layouts `derived_piece` made for records moved to another place, whose
+        fingerprints and sketches describe where they were digested, not where they now lie."""
         self._layout_ids: dict[str, int] = {}
         self.dtypes: list[str] = []
         self._dtype_ids: dict[str, int] = {}
@@ -205,6 +208,23 @@ class Catalog:
                 is_none=bool(bits & 32), **extra))
             self.seeds_ok.append(bool(bits & 1))
             self.has_moments.append(bool(bits & 2))
+            self.placed.append(True)
+        return code
+
+    def derived_piece(self, piece: Piece, like: int, *, placed: bool) -> int:
+        """Code of a layout the comparison made itself (a record re-keyed into another run's
+        microbatches: auditor.compare.regroup), with the flags of layout ``like`` it replaces;
+        ``placed`` False when the record's fingerprint and sketch do not describe the piece at
+        its new place (they are then never merged or compared)."""
+        seeds_ok, has_moments = self.seeds_ok[like] and placed, self.has_moments[like]
+        k = (piece, seeds_ok, has_moments, placed)
+        code = self._layout_ids.get(k)
+        if code is None:
+            code = self._layout_ids[k] = len(self.pieces)
+            self.pieces.append(piece)
+            self.seeds_ok.append(seeds_ok)
+            self.has_moments.append(has_moments)
+            self.placed.append(placed)
         return code
 
     def dtype_code(self, dtype: str) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 from auditor.compare import causes
 from auditor.compare import findings as F
 from auditor.compare import merge as M
+from auditor.compare import tied
 from auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.keys import LogicalKeys
@@ -80,6 +81,9 @@ class Comparison:
     bwd_factor: float = 1.0
     """The reference's activation gradients (phase bwd) are compared scaled by this: the
     candidate's grad_scale over the reference's (their loss normalizations)."""
+    bwd_inferred: str = ""
+    """Why `bwd_factor` is what it is when the evidence gave it, not the runs' declared scales
+    (`auditor.compare.conventions`); "" when declared."""
     scaled_by: np.ndarray | None = None
     """Norm ratio of keys that breach as a pure rescaling of the reference (NaN elsewhere)."""
     pieces: dict[int, dict] = field(default_factory=dict)
@@ -167,7 +171,7 @@ class Comparison:
                 out["exact_unavailable"] = ("Partial placement: the logical tensor's fingerprint "
                                             "cannot be rebuilt from addends"
                                             if rk.partial[ri] or ck.partial[ci]
-                                            else "digests were made with other seeds")
+                                            else F.OTHER_DIGESTS)
             out["nonfinite_present"] = {"ref": bool(rk.nonfinite[ri]),
                                         "cand": bool(ck.nonfinite[ci])}
         if not math.isnan(self.rel_l2[i]):
@@ -205,12 +209,11 @@ class Comparison:
             return f"None in {side}"
         if v == F.IDENTICAL and ri >= 0 and rk.status[ri] == M.NONE:
             return "None in both runs"
-        if v == F.MISSING_IN_REF:
-            return f"not captured in {self.ref.name}" + (" (expected by policy)"
-                                                        if self.expected[i] else "")
-        if v == F.MISSING_IN_CAND:
-            return f"not captured in {self.cand.name}" + (" (expected by policy)"
-                                                         if self.expected[i] else "")
+        if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND):
+            side, run = ("ref", self.ref.name) if v == F.MISSING_IN_REF else ("cand",
+                                                                             self.cand.name)
+            text = tied.missing_detail(self, i, side) or f"not captured in {run}"
+            return text + (" (expected by policy)" if self.expected[i] else "")
         if v == F.NONFINITE:
             d = self.nonfinite_detail(i)
             if d is None:

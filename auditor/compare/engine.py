@@ -5,6 +5,8 @@
 Pipeline, vectorized over keys (numpy columns, no Python object per record on the hot path):
 
 1. read each run's records as columns (`auditor.compare.columns`), sites normalized and renamed;
+   runs whose steps group their samples into other microbatches are re-keyed into one grouping
+   (`auditor.compare.regroup`);
 2. merge each key's pieces into a logical digest (`auditor.compare.keys.build_keys`): tiling, replica
    and Partial checks, once per distinct layout signature;
 3. align the two runs on the key;
@@ -28,9 +30,11 @@ from pathlib import Path
 
 from auditor.compare.columns import Catalog
 from auditor.compare.comparison import CompareError
+from auditor.compare.conventions import evaluate_runs
 from auditor.compare.localize import localize_breaches
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
+from auditor.compare.regroup import regroup
 from auditor.compare.result import Report
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
@@ -59,12 +63,15 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         cc = catalog.load(cand, "cand")
         ref_info["records"], cand_info["records"] = len(rc), len(cc)
         t1 = time.perf_counter()
-        factor, scale_warnings = bwd_factor(ref_info, cand_info)
-        comp = evaluate(rc, cc, catalog, policy, reader, bwd_factor=factor)
+        rc, cc, grouping = regroup(rc, cc, catalog)
+        # the store is open only until this returns: read what findings name ranks by now;
+        # the runs' conventions as declared, or as the evidence shows (`conventions`)
+        comp, scale_warnings = evaluate_runs(
+            rc, cc, catalog, policy, reader, ref_info, cand_info,
+            mesh={"ref": mesh_of(reader, ref), "cand": mesh_of(reader, cand)},
+            labels={"ref": ref_info["labels"], "cand": cand_info["labels"]})
+        scale_warnings = grouping + scale_warnings
         comp.timings["load"] = t1 - t0
-        # the store is open only until this returns: read what findings name ranks by now
-        comp.mesh = {"ref": mesh_of(reader, ref), "cand": mesh_of(reader, cand)}
-        comp.labels = {"ref": ref_info["labels"], "cand": cand_info["labels"]}
         t2 = time.perf_counter()
         localize_breaches(comp)
         comp.timings["localize"] = time.perf_counter() - t2
@@ -77,21 +84,6 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
             # Findings read payloads and sites lazily only through the comparison's arrays, so the
             # reader may close; the report keeps no cursor.
             reader.close()
-
-
-def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
-    """What the runs' loss normalizations make cand's activation gradients relative to ref's
-    (cand grad_scale / ref grad_scale), and warnings when a run's scale is unknown."""
-    warnings = []
-    for info in (ref_info, cand_info):
-        if info.get("grad_scale", 1.0) is None:
-            warnings.append(f"{info['name']}: its ranks declared different gradient scales "
-                            f"({', '.join(info.get('grad_scale_sources') or []) or 'no source'}):"
-                            " activation gradients (phase bwd) are compared unscaled")
-    r, c = ref_info.get("grad_scale", 1.0), cand_info.get("grad_scale", 1.0)
-    if r is None or c is None or not r or not c:
-        return 1.0, warnings
-    return float(c) / float(r), warnings
 
 
 def _run_info(reader: Reader, name: str) -> dict:

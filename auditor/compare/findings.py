@@ -33,6 +33,9 @@ VERDICT_NAMES = ("identical", "close", "diverged", "missing_in_ref", "missing_in
 VERDICTS = VERDICT_NAMES[:IGNORED]
 """Verdicts a finding can have (ignored keys produce no finding, only a count)."""
 PASSING = frozenset({IDENTICAL, CLOSE, IGNORED})
+OTHER_DIGESTS = ("digests were made with other seeds, or at other places (pieces re-keyed into "
+                 "another grouping of microbatches)")
+"""Why a key's fingerprint cannot be compared when it is not a Partial one."""
 
 
 def judge(value: np.ndarray, sigma: np.ndarray, threshold: np.ndarray, sigmas: float,

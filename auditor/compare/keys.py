@@ -8,13 +8,14 @@ key's status (ok, None, incomplete, replica divergence) with the message explain
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from auditor.compare.merge import INCOMPLETE, NONE, REPLICA_DIVERGENCE, TilingPlan, plan_tiling
+from auditor.compare.merge import (INCOMPLETE, NONE, REDUCE_MEAN, REDUCE_SUM, REPLICA_DIVERGENCE,
+                                   TilingPlan, plan_tiling)
 from auditor.compare.ranges import format_ranges
-from auditor.compare.segments import unique
+from auditor.compare.segments import ranges_index, unique
 
 
 @dataclass
@@ -141,6 +142,24 @@ def build_keys(cols, catalog) -> LogicalKeys:
         pos=cols.rid[starts], taken_start=taken_start, taken_row=tr, taken_coef=tc,
         reduced=reduced, conflict=conflict, messages=messages, bad_ranks=bad_ranks,
     )
+
+
+def merged_as_sum(lk: LogicalKeys, phase: int) -> LogicalKeys:
+    """``lk`` with its means over several addends at ``phase`` merged as sums instead: what the
+    addends make when each rank's value was a sum (or normalized by the whole batch), not a
+    mean over its share (`auditor.compare.conventions`). Their addend-tuple fingerprints no
+    longer describe the merged value, so such keys are compared by their metrics."""
+    sel = ((lk.A & 0xF) == phase) & (lk.reduced == REDUCE_MEAN) & lk.partial
+    if not sel.any():
+        return lk
+    g = np.flatnonzero(sel)
+    rows_idx, _ = ranges_index(lk.taken_start[g], lk.taken_start[g + 1])
+    coef = lk.taken_coef.copy()
+    coef[rows_idx] = 1.0
+    exact, reduced = lk.exact.copy(), lk.reduced.copy()
+    exact[g] = False
+    reduced[g] = REDUCE_SUM
+    return replace(lk, taken_coef=coef, exact=exact, reduced=reduced)
 
 
 def _apply(plan: TilingPlan, sig: tuple[int, ...], groups: np.ndarray, rows: np.ndarray, cols,

@@ -49,7 +49,7 @@ class LiveComparison:
         reader.run_id(ref)
         reader.run_id(cand)
         self.catalog = Catalog(reader, self.policy.renames)
-        from auditor.compare.engine import bwd_factor
+        from auditor.compare.conventions import bwd_factor
         self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
         self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
         self.marks = {side: ReadMark() for side in self.names}

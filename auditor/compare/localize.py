@@ -251,7 +251,12 @@ def _piece_values(comp, cols, row: int) -> np.ndarray:
 
 
 def _sketched(comp, todo: list, scale: float, check) -> list | None:
-    """Per-box differences from the pieces' moments and sketches (None: no usable sketch)."""
+    """Per-box differences from the pieces' moments and sketches (None: no usable sketch, as
+    for pieces whose digests were made at another place: regrouped)."""
+    placed = comp.catalog.placed
+    if not all(placed[int(comp.ref.layout[t[2]])] and placed[int(comp.cand.layout[t[1][0]])]
+               for t in todo):
+        return None
     R = comp.catalog.fetch_digests(comp.ref.rid[[t[2] for t in todo]])
     C = comp.catalog.fetch_digests(comp.cand.rid[[t[1][0] for t in todo]])
     k = R["sketch"].shape[1]

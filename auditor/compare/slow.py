@@ -80,7 +80,9 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     ok = np.ones(len(keys_idx), bool)
     ok[np.diff(np.append(offsets, len(rows))) == 0] = k > 0  # no elements: a zero sketch
     # sketches of another length or seed (another hash scheme) do not add or compare
-    bad_rows = (ks != k) | (d["sketch_seed"] != catalog.sketch_seed)
+    # and pieces whose digests describe another place (re-keyed by auditor.compare.regroup)
+    placed = np.asarray(catalog.placed, bool)[cols.layout[rows]]
+    bad_rows = (ks != k) | (d["sketch_seed"] != catalog.sketch_seed) | ~placed
     if bad_rows.any():
         ok[unique(seg[bad_rows])] = False
     out["sketch"] = segment_reduce(np.add, d["sketch"] * coef[:, None], offsets, n, 0.0) if k \
@@ -110,7 +112,9 @@ def scale_bwd(comp: Comparison, keys: np.ndarray, R: dict) -> np.ndarray:
     R["abs_max"] = R["abs_max"] * np.abs(fs)
     if "sketch" in R and R["sketch"].size:
         R["sketch"] = R["sketch"] * fs[:, None]
-    text = (f"compared after the x{format_float(f)} the runs' loss normalizations imply "
+    text = (f"compared after the x{format_float(f)} inferred from the evidence "
+            f"({comp.bwd_inferred})" if comp.bwd_inferred else
+            f"compared after the x{format_float(f)} the runs' loss normalizations imply "
             f"(gradient scale of {comp.cand.name} over {comp.ref.name})")
     for j in np.flatnonzero(bwd):
         comp.notes.setdefault(int(keys[j]), []).append(text)
@@ -180,8 +184,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
                 sketch_ok & (cn > 0), np.sqrt(np.einsum("ij,ij->i", resid, resid)) / cn, np.nan)
     for j in np.flatnonzero(~sketch_ok):
         comp.notes.setdefault(int(keys[j]), []).append(
-            "sketches not comparable (different bucket counts or seeds): rel_l2 is only a lower "
-            "bound from the moments")
+            "sketches not comparable (different bucket counts or seeds, or pieces re-keyed into "
+            "another grouping of microbatches): rel_l2 is only a lower bound from the moments")
 
     # payload metrics where both runs sent every piece's bytes
     rtol, atol = rtol_all[keys], atol_all[keys]
@@ -309,7 +313,9 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             "no comparable sketch or payload: the distance cannot be shown within policy")
     unc |= blind
     breach |= blind & (pol.on_uncertain != "pass")
-    # a pure rescaling (cosine ~ 1, norm ratio != 1) is said as such: "scaled by 4.00"
+    # a pure rescaling (cosine ~ 1, norm ratio != 1) is said as such: "scaled by 4.00"; what
+    # the factor is and means at the key's phase is said once every verdict is in
+    # (`auditor.compare.factors.annotate`)
     if comp.scaled_by is None:
         comp.scaled_by = np.full(len(comp), np.nan)
     tol = np.where(has_explicit & (eff == REL_L2), explicit, rel_thr)
@@ -317,15 +323,7 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     nr = comp.norm_ratio[keys]
     with np.errstate(invalid="ignore"):
         pure = breach & (resid <= tol) & (np.abs(nr - 1.0) > tol) & np.isfinite(nr) & (nr > 0)
-    for j in np.flatnonzero(pure):
-        i = int(keys[j])
-        comp.scaled_by[i] = nr[j]
-        explained = " beyond the factor the runs' loss normalizations imply" \
-            if ref_scale[j] != 1.0 else ""
-        comp.notes.setdefault(i, []).append(
-            f"{comp.cand.name} is {comp.ref.name} scaled by {nr[j]:.3g}{explained} (what remains "
-            f"after that factor: {format_float(resid[j])} relative): a uniform factor no declared "
-            "loss normalization explains")
+    comp.scaled_by[keys[pure]] = nr[pure]
     comp.value[keys] = value
     comp.sigma[keys] = np.where(sig > 0, sig, np.nan)
     comp.threshold[keys] = thr

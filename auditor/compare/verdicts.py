@@ -16,7 +16,7 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
 from auditor.compare.columns import Catalog, RunColumns, shape_flags
-from auditor.compare.keys import LogicalKeys, build_keys
+from auditor.compare.keys import LogicalKeys, build_keys, merged_as_sum
 from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
 from auditor.compare.metrics import FLOAT_DTYPES
 from auditor.compare.order import order_keys
@@ -54,16 +54,24 @@ def align_keys(r: LogicalKeys, c: LogicalKeys):
 
 
 def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy,
-             reader: Reader, bwd_factor: float = 1.0) -> Comparison:
+             reader: Reader, bwd_factor: float = 1.0, *, loss_sum: str | None = None,
+             bwd_inferred: str = "") -> Comparison:
     """Verdicts and metrics for every key of two runs' columns.
 
     ``bwd_factor`` (cand grad_scale / ref grad_scale) is what the runs' loss normalizations make
     the candidate's activation gradients (phase bwd) relative to the reference's: those keys are
-    compared against the reference scaled by it.
+    compared against the reference scaled by it (``bwd_inferred``: why, when the evidence gave
+    it rather than the runs' declarations). ``loss_sum`` ("ref" or "cand") merges that run's
+    per-rank losses as sums over its dp ranks instead of means (`auditor.compare.conventions`
+    decides when the evidence says so).
     """
     t0 = time.perf_counter()
     rk = build_keys(ref, catalog)
     ck = build_keys(cand, catalog)
+    if loss_sum == "ref":
+        rk = merged_as_sum(rk, PHASE_IDS["loss"])
+    elif loss_sum == "cand":
+        ck = merged_as_sum(ck, PHASE_IDS["loss"])
     t1 = time.perf_counter()
     A, B, ri, ci = align_keys(rk, ck)
     K = len(A)
@@ -192,6 +200,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         abs_max_ratio=nan.copy(), lower_bound=nan.copy(), order=np.arange(K),
         rank_in_order=np.arange(K), pred=np.full(K, -1, np.int64),
         order_stage=np.zeros(K, np.int64), notes=notes, bwd_factor=bwd_factor,
+        bwd_inferred=bwd_inferred,
     )
     nf_keys = np.flatnonzero(verdict == F.NONFINITE)
     slow = np.flatnonzero(verdict < 0)

@@ -86,7 +86,7 @@ class _IdenticalWriter:
                     ex = f'"exact": {"true" if fp_eq[j] else "false"}'
                 else:
                     ex = '"exact": null, "exact_unavailable": ' + (
-                        _PARTIAL_WHY if partial[j] else '"digests were made with other seeds"')
+                        _PARTIAL_WHY if partial[j] else json.dumps(F.OTHER_DIGESTS))
                 extra = ""
                 if rel != "null":
                     extra = (f', "rel_l2": {{"estimate": {rel}, "sigma": {rels}, "lower_bound": '

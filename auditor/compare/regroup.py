@@ -1,0 +1,427 @@
+"""Regrouped microbatches: compare runs whose steps split their samples into other microbatches.
+
+One run accumulates 4 microbatches of 4 samples, the other runs one of 16; a data-parallel run
+with 2 local microbatches a rank against one process with one. Such runs share no per-microbatch
+key, yet they compute the same step. Before the keys are built, this stage re-keys the records
+of the per-microbatch phases (input, fwd, bwd and the loss) of one run, or of both, into one
+grouping, along the batch dim, so that the engine rebuilds and compares them as pieces of the
+same logical tensors (docs/comparison.md, "Regrouped microbatches").
+
+- The grouping of a step is read from the runs' own layouts: a key captured in every microbatch
+  of both runs whose logical shapes agree but in one dim, whose sizes add up to the same total,
+  holds the batch on that dim; the sizes are the microbatches' sample counts.
+- Samples are placed in each run's order (microbatch 0's samples first; within a microbatch the
+  dp ranks' shares in rank order, as the layouts say) and then aligned by content where both
+  runs sent the bytes of a batch-holding key: the input (phase ``input``) or, else, the earliest
+  activation, matched row by row (bitwise, or nearest row with a clear margin). So a
+  data-parallel run whose ranks took contiguous shares of the step and split them into local
+  microbatches aligns with one process that ran the step whole.
+- The target grouping is the other run's when every re-keyed piece lands inside one of its
+  microbatches, else the step as one microbatch (microbatch 0 then stands for the whole step).
+- A re-keyed piece sits at another place of another logical tensor than the one its digest was
+  made for: its fingerprint and sketch (functions of the element's global index) no longer
+  describe it, so it is marked as made with other seeds — never compared by fingerprint or
+  sketch. Keys whose pieces all carry payloads are compared exactly from the bytes; the others
+  breach as uncertain, saying so, unless the policy lets uncertain findings pass.
+- Per-rank losses (mean or sum addends) are renumbered as addends of the target microbatch,
+  weighted by their samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from auditor.compare.columns import Catalog, RunColumns, unpack_a
+from auditor.compare.merge import REDUCE_NONE, Piece
+from auditor.compare.metrics import PayloadUnavailable, bits_to_values, decode_payload
+from protos import numaudit_pb2 as pb
+
+BATCH_PHASES = (pb.PHASE_INPUT, pb.PHASE_FWD, pb.PHASE_BWD)
+"""Per-microbatch phases whose tensors hold the microbatch's samples along a batch dim."""
+ALIGN_MAX_ROWS = 4096
+"""Rows matched one by one to align samples (the nearest-row search is quadratic)."""
+ALIGN_MAX_BYTES = 64 << 20
+"""Bytes of one run's step read back to align samples."""
+
+
+@dataclass
+class StepPlan:
+    """How one step's samples are regrouped."""
+
+    step: int
+    dim_of: dict[tuple[int, int], int]
+    """(phase, B) of each batch-holding key → its batch dim."""
+    rows_ref: dict[int, int]
+    """Microbatch → samples, in ref."""
+    rows_cand: dict[int, int]
+    perm: np.ndarray
+    """perm[g] = ref's sample position of cand's sample g (both in their runs' order)."""
+    aligned_by: str
+    """How perm was found, for the report."""
+
+
+def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
+            ) -> tuple[RunColumns, RunColumns, list[str]]:
+    """The two runs' columns with differently grouped steps re-keyed into one grouping, and one
+    line per kind of regrouping for the report's warnings (empty when the runs group alike)."""
+    notes: dict[str, list[int]] = {}
+    s_r, mb_r, ph_r = unpack_a(rc.A)
+    s_c, mb_c, ph_c = unpack_a(cc.A)
+    new_r = {"A": rc.A.copy(), "layout": rc.layout.copy()}
+    new_c = {"A": cc.A.copy(), "layout": cc.layout.copy()}
+    changed = False
+    for step in np.intersect1d(np.unique(s_r), np.unique(s_c)):
+        at_r = np.flatnonzero((s_r == step) & (mb_r >= 0))
+        at_c = np.flatnonzero((s_c == step) & (mb_c >= 0))
+        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog)
+        if plan is None:
+            if why:
+                notes.setdefault(why, []).append(int(step))
+            continue
+        text = _apply(plan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, new_r, new_c)
+        notes.setdefault(text, []).append(int(step))
+        changed = True
+    if not changed:
+        return rc, cc, _lines(notes)
+    return _rebuilt(rc, new_r), _rebuilt(cc, new_c), _lines(notes)
+
+
+def _lines(notes: dict[str, list[int]]) -> list[str]:
+    from auditor.compare.ranges import format_ranges
+    return [f"step {format_ranges(steps)}: {text}" if len(steps) == 1 else
+            f"steps {format_ranges(steps)}: {text}" for text, steps in notes.items()]
+
+
+def _rebuilt(cols: RunColumns, new: dict) -> RunColumns:
+    out = RunColumns(cols.name, cols.side, new["A"], cols.B.copy(), cols.rank.copy(),
+                     cols.stage.copy(), cols.flags.copy(), new["layout"], cols.fp.copy(),
+                     cols.rid.copy(), max_rid=cols.max_rid)
+    out.sort()
+    return out
+
+
+# -- the plan of a step ----------------------------------------------------------------------------
+
+def _shapes(cols: RunColumns, at: np.ndarray, mb: np.ndarray, ph: np.ndarray, catalog: Catalog
+            ) -> dict[tuple[int, int], dict[int, tuple[int, ...]]]:
+    """(phase, B) → microbatch → logical shape, for the batch phases' records at ``at``
+    (None pieces and flat or ragged pieces left out); one look per distinct layout of a key."""
+    at = at[np.isin(ph[at], BATCH_PHASES)]
+    out: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
+    if not len(at):
+        return out
+    combo = np.stack([cols.A[at], cols.B[at], cols.layout[at].astype(np.int64)], axis=1)
+    _, first = np.unique(combo, axis=0, return_index=True)
+    for r in at[np.sort(first)]:
+        piece = catalog.pieces[cols.layout[r]]
+        if piece.is_none or piece.flat or piece.ragged is not None:
+            continue
+        out.setdefault((int(ph[r]), int(cols.B[r])), {})[int(mb[r])] = piece.logical_shape
+    return out
+
+
+def _batch_dim(ref: dict[int, tuple], cand: dict[int, tuple]) -> int | None:
+    """The dim on which a key's logical shapes differ between microbatches and runs while the
+    totals agree: the batch dim; None when the key holds no batch that way."""
+    shapes = list(ref.values()) + list(cand.values())
+    ndim = len(shapes[0])
+    if ndim == 0 or any(len(s) != ndim for s in shapes):
+        return None
+    varying = [d for d in range(ndim) if len({s[d] for s in shapes}) > 1]
+    if len(varying) != 1:
+        return None
+    d = varying[0]
+    if sum(s[d] for s in ref.values()) != sum(s[d] for s in cand.values()):
+        return None
+    return d
+
+
+def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
+          ) -> tuple[StepPlan | None, str]:
+    sh_r = _shapes(rc, at_r, mb_r, ph_r, catalog)
+    sh_c = _shapes(cc, at_c, mb_c, ph_c, catalog)
+    mbs_r = sorted({int(m) for m in mb_r[at_r]})
+    mbs_c = sorted({int(m) for m in mb_c[at_c]})
+    dim_of: dict[tuple[int, int], int] = {}
+    rows_r: dict[int, int] | None = None
+    rows_c: dict[int, int] | None = None
+    # keys in ref's capture order: the earliest batch-holding key sets the grouping
+    first_rid = {k: None for k in sh_r}
+    for r in at_r:
+        k = (int(ph_r[r]), int(rc.B[r]))
+        if k in first_rid and first_rid[k] is None:
+            first_rid[k] = int(rc.rid[r])
+    for k in sorted((k for k in sh_r if k in sh_c), key=lambda k: first_rid[k]):
+        ref, cand = sh_r[k], sh_c[k]
+        if sorted(ref) != mbs_r or sorted(cand) != mbs_c:
+            continue  # not captured in every microbatch of the step
+        d = _batch_dim(ref, cand)
+        if d is None:
+            continue
+        kr = {m: s[d] for m, s in ref.items()}
+        kc = {m: s[d] for m, s in cand.items()}
+        if rows_r is None:
+            rows_r, rows_c = kr, kc
+        if kr == rows_r and kc == rows_c:
+            dim_of[k] = d
+    if rows_r is None:
+        return None, ""
+    if [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]:
+        return None, ""  # grouped alike: nothing to do
+    perm, aligned_by = _align(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,
+                              rows_r, rows_c)
+    if perm is None:
+        return None, aligned_by
+    return StepPlan(step, dim_of, rows_r, rows_c, perm, aligned_by), ""
+
+
+# -- aligning samples ------------------------------------------------------------------------------
+
+def _starts(rows: dict[int, int]) -> dict[int, int]:
+    out, at = {}, 0
+    for m in sorted(rows):
+        out[m] = at
+        at += rows[m]
+    return out
+
+
+def _step_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
+    """One run's step of batch-holding key ``key`` as [samples, features] float64 rows, rebuilt
+    from its pieces' payloads (None when a piece has none)."""
+    starts = _starts(rows)
+    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    if not len(sel):
+        return None
+    pieces = [catalog.pieces[cols.layout[r]] for r in sel]
+    total = sum(rows.values())
+    shape = list(pieces[0].logical_shape)
+    shape[d] = total
+    n = int(np.prod(shape))
+    if n == 0 or n * 8 > ALIGN_MAX_BYTES or total > ALIGN_MAX_ROWS:
+        return None
+    if not catalog.payload_rids(cols.rid[sel]) >= {int(x) for x in cols.rid[sel]}:
+        return None
+    values = np.full(shape, np.nan)
+    for r, piece in zip(sel, pieces):
+        got = catalog.reader.payload(int(cols.rid[r]))
+        if got is None:
+            return None
+        try:
+            bits = decode_payload(got[0], got[1], piece.dtype, piece.shape,
+                                  max_bytes=ALIGN_MAX_BYTES)
+        except PayloadUnavailable:
+            return None
+        v = bits_to_values(bits, piece.dtype).reshape(piece.shape)
+        box = [slice(o, o + s) for o, s in zip(piece.offsets, piece.shape)]
+        box[d] = slice(starts[int(mb[r])] + piece.offsets[d],
+                       starts[int(mb[r])] + piece.offsets[d] + piece.shape[d])
+        values[tuple(box)] = v
+    rows_2d = np.moveaxis(values, d, 0).reshape(total, -1)
+    if np.isnan(rows_2d).all(axis=1).any():
+        return None
+    return rows_2d
+
+
+def match_rows(ref: np.ndarray, cand: np.ndarray) -> np.ndarray | None:
+    """perm with cand[g] ~ ref[perm[g]]: equal rows first (bitwise), then each remaining cand
+    row to its nearest ref row when that is clearly nearer than the next (distance at most a
+    tenth of the second nearest); None when the rows do not pair up one to one."""
+    n = len(ref)
+    if len(cand) != n:
+        return None
+    if np.array_equal(ref, cand, equal_nan=True):
+        return np.arange(n)
+    perm = np.full(n, -1)
+    free: dict[bytes, list[int]] = {}
+    for i in range(n):
+        free.setdefault(ref[i].tobytes(), []).append(i)
+    for g in range(n):
+        slot = free.get(cand[g].tobytes())
+        if slot:
+            perm[g] = slot.pop(0)
+    rest = np.flatnonzero(perm < 0)
+    if len(rest):
+        used = np.zeros(n, bool)
+        used[perm[perm >= 0]] = True
+        open_ref = np.flatnonzero(~used)
+        a = np.nan_to_num(cand[rest])
+        b = np.nan_to_num(ref[open_ref])
+        dist = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0))
+        order = np.argsort(dist, axis=1)
+        best = order[:, 0]
+        d0 = dist[np.arange(len(rest)), best]
+        if len(open_ref) > 1:
+            d1 = dist[np.arange(len(rest)), order[:, 1]]
+            if not np.all(d0 <= 0.1 * d1):
+                return None
+        perm[rest] = open_ref[best]
+    if len(np.unique(perm)) != n:
+        return None
+    return perm
+
+
+def _align(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, rows_r, rows_c
+           ) -> tuple[np.ndarray | None, str]:
+    n = sum(rows_r.values())
+    keys = sorted(dim_of, key=lambda k: (k[0] != pb.PHASE_INPUT, k[0] != pb.PHASE_FWD))
+    # input first, then activations in ref's capture order (dim_of's insertion order)
+    order = [k for k in keys if k[0] == pb.PHASE_INPUT] + \
+        [k for k in dim_of if k[0] == pb.PHASE_FWD]
+    for key in order[:4]:
+        d = dim_of[key]
+        ref = _step_rows(rc, at_r, mb_r, ph_r, catalog, key, d, rows_r)
+        cand = _step_rows(cc, at_c, mb_c, ph_c, catalog, key, d, rows_c)
+        if ref is None or cand is None:
+            continue
+        perm = match_rows(ref, cand)
+        site = catalog.site_names.get(key[1] >> 32, f"site {key[1] >> 32}")
+        phase = "input" if key[0] == pb.PHASE_INPUT else "fwd"
+        if perm is None:
+            return None, (f"the runs group their samples differently, and the rows of "
+                          f"{phase} {site} do not pair up one to one between them: their "
+                          "microbatches were not regrouped (are they the same samples?)")
+        return perm, f"samples aligned by the rows of {phase} {site}"
+    return np.arange(n), ("samples assumed in the same order (microbatch 0's first; no "
+                          "batch-holding key with payloads in both runs to align them by: "
+                          "capture the input with agent.capture(x, site=..., phase=\"input\"))")
+
+
+# -- re-keying -------------------------------------------------------------------------------------
+
+def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
+                to_target: np.ndarray | None) -> dict[int, tuple[int, int]] | None:
+    """Record → (target sample position of its first row, rows) for the batch-holding records
+    at ``at``, in the target's sample order (``to_target`` maps the run's positions; None:
+    identity); None when a piece's samples are not consecutive there."""
+    starts = _starts(rows)
+    out = {}
+    for r in at[np.isin(ph[at], BATCH_PHASES)]:
+        d = plan.dim_of.get((int(ph[r]), int(cols.B[r])))
+        if d is None:
+            continue
+        piece = catalog.pieces[cols.layout[r]]
+        if piece.is_none:
+            continue
+        g0 = starts[int(mb[r])] + piece.offsets[d]
+        n = piece.shape[d]
+        if to_target is not None and n:
+            pos = to_target[g0:g0 + n]
+            if not np.array_equal(pos, np.arange(pos[0], pos[0] + n)):
+                return None
+            g0 = int(pos[0])
+        out[int(r)] = (g0, n)
+    return out
+
+
+def _fits(place: dict[int, tuple[int, int]], rows: dict[int, int]) -> bool:
+    starts = _starts(rows)
+    bounds = [(starts[m], starts[m] + rows[m]) for m in sorted(rows)]
+    for g0, n in place.values():
+        if n and not any(lo <= g0 and g0 + n <= hi for lo, hi in bounds):
+            return False
+    return True
+
+
+def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
+           new_r: dict, new_c: dict) -> str:
+    inverse = np.empty_like(plan.perm)
+    inverse[plan.perm] = np.arange(len(plan.perm))
+    grouping = _grouping(plan, rc.name, cc.name)
+    place_c = _placements(cc, at_c, mb_c, ph_c, catalog, plan, plan.rows_cand, plan.perm)
+    place_r = None
+    # (side, its placements in the target's order, the map of its positions to it)
+    if place_c is not None and _fits(place_c, plan.rows_ref):
+        target, what = plan.rows_ref, f"{cc.name}'s re-keyed into {rc.name}'s"
+        moves = [("cand", place_c, plan.perm)]
+    elif (place_r := _placements(rc, at_r, mb_r, ph_r, catalog, plan, plan.rows_ref, inverse)
+          ) is not None and _fits(place_r, plan.rows_cand):
+        target, what = plan.rows_cand, f"{rc.name}'s re-keyed into {cc.name}'s"
+        moves = [("ref", place_r, inverse)]
+    elif place_c is not None:
+        target, what = {0: len(plan.perm)}, ("both re-keyed into one of the whole step "
+                                             "(microbatch 0)")
+        moves = [("ref", _placements(rc, at_r, mb_r, ph_r, catalog, plan, plan.rows_ref, None),
+                  None), ("cand", place_c, plan.perm)]
+    else:
+        return (f"{grouping}, and {cc.name}'s pieces do not hold consecutive samples in "
+                f"{rc.name}'s order (samples dealt round-robin to ranks?): not regrouped; "
+                "compare runs whose ranks take consecutive shares of the batch")
+    starts = _starts(target)
+    for side, place, to_target in moves:
+        cols, new, mb, ph, at, rows = (
+            (rc, new_r, mb_r, ph_r, at_r, plan.rows_ref) if side == "ref" else
+            (cc, new_c, mb_c, ph_c, at_c, plan.rows_cand))
+        for r, (g0, n) in place.items():
+            t = _target_mb(g0, n, starts, target)
+            d = plan.dim_of[(int(ph[r]), int(cols.B[r]))]
+            piece = catalog.pieces[cols.layout[r]]
+            logical, offsets = list(piece.logical_shape), list(piece.offsets)
+            logical[d], offsets[d] = target[t], g0 - starts[t]
+            new["layout"][r] = catalog.derived_piece(
+                replace(piece, logical_shape=tuple(logical), offsets=tuple(offsets)),
+                int(cols.layout[r]), placed=False)
+            new["A"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
+        _regroup_losses(cols, at, mb, ph, catalog, plan.step, rows, target, starts, to_target,
+                        new)
+    return (f"{grouping}: {what} microbatches along the batch dim; {plan.aligned_by}; "
+            "re-keyed pieces are compared by their payloads (their fingerprints and sketches "
+            "describe their old places): a key without payloads from both runs breaches as "
+            "uncertain (payloads: NUMAUDIT_PAYLOAD_MAX_BYTES, NUMAUDIT_PAYLOAD)")
+
+
+def _target_mb(g0: int, n: int, starts: dict[int, int], target: dict[int, int]) -> int:
+    """The target microbatch holding positions g0 .. g0 + n - 1 (-1: none holds them all)."""
+    for m in sorted(target):
+        if starts[m] <= g0 and g0 + n <= starts[m] + target[m]:
+            return m
+    return -1
+
+
+def _regroup_losses(cols, at, mb, ph, catalog, step: int, rows: dict[int, int],
+                    target: dict[int, int], starts: dict[int, int], to_target, new) -> None:
+    """Per-rank loss addends of the step as addends of the target microbatches, weighted by
+    their samples (each addend holds an equal share of its microbatch, in dp-rank order); the
+    step's losses are left as they are when an addend's samples are not one run of a target
+    microbatch."""
+    src_starts = _starts(rows)
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for r in at[ph[at] == pb.PHASE_LOSS]:
+        piece = catalog.pieces[cols.layout[r]]
+        m = int(mb[r])
+        if piece.reduce == REDUCE_NONE or piece.is_none or m not in rows:
+            return
+        share, rest = divmod(rows[m], max(piece.reduce_count, 1))
+        if rest or not share:
+            return
+        g0 = src_starts[m] + piece.reduce_index * share
+        if to_target is not None:
+            pos = to_target[g0:g0 + share]
+            if len(pos) != share or not np.array_equal(pos, np.arange(pos[0], pos[0] + share)):
+                return
+            g0 = int(pos[0])
+        t = _target_mb(g0, share, starts, target)
+        if t < 0:
+            return
+        groups.setdefault((int(cols.B[r]), t), []).append((g0, int(r), share))
+    for (_, t), addends in groups.items():
+        addends.sort()
+        for i, (_, r, share) in enumerate(addends):
+            code = cols.layout[r]
+            new["layout"][r] = catalog.derived_piece(
+                replace(catalog.pieces[code], reduce_index=i, reduce_count=len(addends),
+                        reduce_weight=float(share)), int(code), placed=True)
+            new["A"][r] = (step << 24) | ((t + 1) << 4) | pb.PHASE_LOSS
+
+
+def _grouping(plan: StepPlan, ref: str, cand: str) -> str:
+    return (f"{ref} groups the step's {len(plan.perm)} samples as {_sizes(plan.rows_ref)}, "
+            f"{cand} as {_sizes(plan.rows_cand)}")
+
+
+def _sizes(rows: dict[int, int]) -> str:
+    sizes = [rows[m] for m in sorted(rows)]
+    if len(set(sizes)) == 1:
+        return f"{len(sizes)} microbatch{'es' if len(sizes) > 1 else ''} of {sizes[0]}"
+    return "microbatches of " + ", ".join(map(str, sizes))

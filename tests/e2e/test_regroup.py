@@ -1,0 +1,128 @@
+"""Runs whose steps group the same samples into other microbatches (issue 29): gradient
+accumulation against one large batch, and DDP ranks with local microbatches against one process
+(tests/e2e/group_job.py). Clean pairs pass the fp32 preset with every activation, activation
+gradient and loss compared; planted bugs are first found where they were planted; samples that
+cannot be regrouped, or keys without payloads, never pass."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.helpers import ROOT, Daemon
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+JOB = ROOT / "tests" / "e2e" / "group_job.py"
+
+
+def _run(cmd: list[str], env: dict) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("regroup")
+    daemon = Daemon(tmp)
+    try:
+        env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES="fwd,bwd,grad,loss",
+                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        for var in ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES"):
+            env.pop(var, None)
+        single = dict(env, WORLD_SIZE="1")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            jobs = [pool.submit(_run, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
+                                       "acc4_bug:acc4_bug"], single),
+                    pool.submit(_run, [sys.executable, str(JOB), "acc4:acc4_nopay"],
+                                dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0"))]
+            _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node=2", str(JOB), "ddp_local:ddp_local",
+                  "ddp_local_bug:ddp_local_bug", "ddp_rr:ddp_rr"], env)
+            for job in jobs:
+                job.result()
+        yield daemon.db
+    finally:
+        daemon.stop()
+
+
+def _compare(db, ref: str, cand: str, *extra: str) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", ref, cand, "--db",
+                           str(db), "--preset", "fp32", "--format", "json", *extra], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _phases(report: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in report["findings"]:
+        out[f["key"]["phase"]] = out.get(f["key"]["phase"], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("cand, grouping", [
+    ("acc4", "acc1 groups the step's 16 samples as 1 microbatch of 16, acc4 as 4 microbatches of 4"),
+    ("ddp_local", "acc1 groups the step's 16 samples as 1 microbatch of 16, ddp_local as 2 "
+                  "microbatches of 8")])
+def test_accumulation_and_local_microbatches_compare_with_one_batch(store, cand, grouping):
+    """Every activation, activation gradient and loss of the candidate is rebuilt into the
+    reference's one microbatch and compared, and the report says how the runs group samples."""
+    code, report = _compare(store, "acc1", cand)
+    summary = report["summary"]
+    assert (code, summary["breaches"]) == (0, 0), summary
+    v = summary["verdicts"]
+    assert v["missing_in_ref"] == v["missing_in_cand"] == 0, v
+    # 2 steps x (10 modules fwd + 10 bwd + the loss) + 15 parameter gradients a step
+    assert _phases(report) == {"fwd": 20, "bwd": 20, "loss": 2, "grad": 30}
+    assert all(f["key"]["microbatch"] in (0, -1) for f in report["findings"])
+    warnings = " ".join(report["warnings"])
+    assert grouping in warnings and "samples aligned by the rows of fwd tok" in warnings
+
+
+@pytest.mark.parametrize("cand, site, rank", [("acc4_bug", "layers.1", 0),
+                                               ("ddp_local_bug", "layers.0", 1)])
+def test_a_bug_in_one_microbatch_is_found_where_it_was_planted(store, cand, site, rank):
+    """The module that adds 1e-3 in one (local) microbatch is the first divergence, introduced
+    there, and the rank and the rows of the reference's batch it changed are named."""
+    code, report = _compare(store, "acc1", cand)
+    first = report["first_divergence"]
+    assert code == 1 and first["verdict"] == "diverged", first
+    assert (first["key"]["site"], first["key"]["phase"], first["key"]["step"]) == (site, "fwd", 0)
+    assert first["cause"]["kind"] == "introduced"
+    pieces = first["pieces"]
+    assert (pieces["method"], pieces["differ_count"]) == ("payload", 1), pieces
+    differing = pieces["differ"][0]
+    assert differing["ranks"] == [rank], pieces
+    # acc4_bug's microbatch 2 = rows 8..11; ddp_local_bug's rank 1, local microbatch 1 = 12..15
+    assert differing["box"].startswith("[8:12," if cand == "acc4_bug" else "[12:16,"), pieces
+
+
+def test_regrouped_keys_without_payloads_never_pass(store):
+    """Without the bytes, a re-keyed piece's fingerprint and sketch say nothing at its new
+    place: the keys breach as uncertain instead of passing on moments."""
+    code, report = _compare(store, "acc1", "acc4_nopay")
+    summary = report["summary"]
+    assert code == 1 and summary["uncertain"] > 0, summary
+    assert summary["verdicts"]["identical"] == 0
+    fwd = [f for f in report["findings"] if f["key"]["phase"] == "fwd"]
+    assert fwd and all(f["verdict"] == "diverged" for f in fwd)
+    assert "a key without payloads from both runs breaches as uncertain" in \
+        " ".join(report["warnings"])
+
+
+def test_round_robin_ranks_are_not_regrouped_and_the_report_says_why(store):
+    """DistributedSampler's dealing puts sequences 0, 2, 4, ... on rank 0: its pieces hold no
+    consecutive samples of the reference's batch, so nothing is re-keyed and the report says
+    what it would take, instead of comparing rows that are not the same samples."""
+    code, report = _compare(store, "acc1", "ddp_rr")
+    assert code == 1
+    warnings = " ".join(report["warnings"])
+    assert "do not hold consecutive samples" in warnings and "round-robin" in warnings
+    assert report["summary"]["verdicts"]["close"] < 72
