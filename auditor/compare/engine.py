@@ -35,6 +35,7 @@ from auditor.compare.localize import localize_breaches
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
 from auditor.compare.regroup import regroup
+from auditor.compare.uneven import place_uneven
 from auditor.compare.result import Report
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
@@ -63,6 +64,8 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         cc = catalog.load(cand, "cand")
         ref_info["records"], cand_info["records"] = len(rc), len(cc)
         t1 = time.perf_counter()
+        rc, uneven_ref = place_uneven(rc, catalog, cc)
+        cc, uneven_cand = place_uneven(cc, catalog, rc)
         rc, cc, grouping = regroup(rc, cc, catalog)
         # the store is open only until this returns: read what findings name ranks by now;
         # the runs' conventions as declared, or as the evidence shows (`conventions`)
@@ -70,7 +73,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
             rc, cc, catalog, policy, reader, ref_info, cand_info,
             mesh={"ref": mesh_of(reader, ref), "cand": mesh_of(reader, cand)},
             labels={"ref": ref_info["labels"], "cand": cand_info["labels"]})
-        scale_warnings = grouping + scale_warnings
+        scale_warnings = uneven_ref + uneven_cand + grouping + scale_warnings
         comp.timings["load"] = t1 - t0
         t2 = time.perf_counter()
         localize_breaches(comp)

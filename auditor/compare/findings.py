@@ -33,8 +33,8 @@ VERDICT_NAMES = ("identical", "close", "diverged", "missing_in_ref", "missing_in
 VERDICTS = VERDICT_NAMES[:IGNORED]
 """Verdicts a finding can have (ignored keys produce no finding, only a count)."""
 PASSING = frozenset({IDENTICAL, CLOSE, IGNORED})
-OTHER_DIGESTS = ("digests were made with other seeds, or at other places (pieces re-keyed into "
-                 "another grouping of microbatches)")
+OTHER_DIGESTS = ("digests were made with other seeds, or for other places (pieces re-placed by "
+                 "the auditor: uneven rows per rank, or microbatches regrouped)")
 """Why a key's fingerprint cannot be compared when it is not a Partial one."""
 
 

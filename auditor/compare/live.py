@@ -16,6 +16,7 @@ from auditor.compare.metrics import PayloadUnavailable
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
 from auditor.compare.segments import ranges_index
+from auditor.compare.uneven import place_uneven
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
 
@@ -135,6 +136,8 @@ class LiveComparison:
         """The comparison of these records, as `compare` makes it: with the runs' activation
         gradient scale, mesh coordinates and labels (read each poll: ranks may register
         late)."""
+        rc = place_uneven(rc, self.catalog, cc)[0]
+        cc = place_uneven(cc, self.catalog, rc)[0]
         comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
                         bwd_factor=self.bwd_factor)
         comp.mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}

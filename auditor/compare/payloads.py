@@ -54,6 +54,10 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
     d["cosine_distance"] = (1.0 - float(rz @ cz) / (rn * cn)) if rn > 0 and cn > 0 else None
     d["_scaled_resid"] = (float(np.linalg.norm(cz - (cn / rn) * rz)) / cn
                           if rn > 0 and cn > 0 else float("nan"))
+    # equal bytes of the same dtype are bitwise-equal tensors, whatever the digests could say
+    # (pieces re-placed by auditor.compare.uneven or regroup have no usable fingerprint)
+    d["_bitwise"] = bool(ref_bits is not None and cand_bits is not None and dt_r == dt_c
+                         and np.array_equal(ref_bits, cand_bits))
     comp.payload[i] = d
     comp.payload[i]["rel_l2"] = pm.rel_l2
     comp.payload[i]["allclose"] = pm.allclose

@@ -184,8 +184,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
                 sketch_ok & (cn > 0), np.sqrt(np.einsum("ij,ij->i", resid, resid)) / cn, np.nan)
     for j in np.flatnonzero(~sketch_ok):
         comp.notes.setdefault(int(keys[j]), []).append(
-            "sketches not comparable (different bucket counts or seeds, or pieces re-keyed into "
-            "another grouping of microbatches): rel_l2 is only a lower bound from the moments")
+            "sketches not comparable (different bucket counts or seeds, or pieces re-placed by the "
+            "auditor): rel_l2 is only a lower bound from the moments")
 
     # payload metrics where both runs sent every piece's bytes
     rtol, atol = rtol_all[keys], atol_all[keys]
@@ -328,4 +328,6 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     comp.sigma[keys] = np.where(sig > 0, sig, np.nan)
     comp.threshold[keys] = thr
     comp.uncertain[keys] = unc
-    comp.verdict[keys] = np.where(breach, F.DIVERGED, F.CLOSE)
+    bitwise = np.array([comp.payload[int(i)].get("_bitwise", False) if ok else False
+                        for i, ok in zip(keys, pm_ok)], bool)
+    comp.verdict[keys] = np.where(breach, F.DIVERGED, np.where(bitwise, F.IDENTICAL, F.CLOSE))
