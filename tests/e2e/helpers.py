@@ -74,3 +74,22 @@ def run_cases(run_one) -> None:
             dist.barrier()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_ok(cmd: list[str], env: dict, timeout: float = 240) -> None:
+    """Run a job script (a torchrun job or one process); fails the test with its output."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def compare_json(db: Path, ref: str, cand: str, *extra: str, preset: str = "fp32"
+                 ) -> tuple[int, dict]:
+    """`auditor compare REF CAND --format json` as a user runs it: (exit code, report)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", ref, cand, "--db",
+                           str(db), "--preset", preset, "--format", "json", *extra], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)

@@ -7,23 +7,17 @@ hidden states hold it on dim 1 whatever `batch_first` says); sequence-first code
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon
+from tests.e2e.helpers import ROOT, Daemon, compare_json, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 JOB = ROOT / "tests" / "e2e" / "seq_job.py"
 
-
-def _run(cmd: list[str], env: dict) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +29,9 @@ def store(tmp_path_factory):
                    OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         env.pop("NUMAUDIT_BATCH_DIM", None)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            ref = pool.submit(_run, [sys.executable, str(JOB), "single:ref",
+            ref = pool.submit(run_ok, [sys.executable, str(JOB), "single:ref",
                                      "single_seq:ref_seq"], dict(env, WORLD_SIZE="1"))
-            _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+            run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node=2", str(JOB), "ddp:ddp", "fsdp:fsdp", "ddp_seq:ddp_seq",
                   "ddp_seq_undeclared:ddp_seq_undeclared"], env)
             ref.result()
@@ -46,20 +40,12 @@ def store(tmp_path_factory):
         daemon.stop()
 
 
-def _compare(db, ref: str, cand: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", ref, cand, "--db",
-                           str(db), "--preset", "fp32", "--format", "json"], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode in (0, 1), proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
-
 
 @pytest.mark.parametrize("ref, cand", [("ref", "ddp"), ("ref", "fsdp"), ("ref_seq", "ddp_seq")])
 def test_rnn_and_attention_outputs_rebuild_on_their_batch_dim(store, ref, cand):
     """The LSTM's output and hidden states, the attention's output and weights and the model's
     own modules: every key aligned and within policy."""
-    code, report = _compare(store, ref, cand)
+    code, report = compare_json(store, ref, cand)
     summary = report["summary"]
     assert (code, summary["breaches"], summary["keys"]) == (0, 0, 102), summary
     sites = {f["key"]["site"] for f in report["findings"]}
@@ -69,7 +55,7 @@ def test_rnn_and_attention_outputs_rebuild_on_their_batch_dim(store, ref, cand):
 def test_sequence_first_code_that_does_not_say_so_is_told_which_dim(store):
     """Sequence-first tensors concatenated on dim 0 do not rebuild the reference's: the shape
     differs, and the note says the batch looks to be on dim 1 and how to declare it."""
-    code, report = _compare(store, "ref_seq", "ddp_seq_undeclared")
+    code, report = compare_json(store, "ref_seq", "ddp_seq_undeclared")
     first = report["first_divergence"]
     assert code == 1 and first["key"]["site"] == "emb"
     notes = " ".join(first["notes"])

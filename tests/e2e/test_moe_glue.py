@@ -7,23 +7,17 @@ a bug in one expert on one rank is the first divergence, at that expert and rank
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon
+from tests.e2e.helpers import ROOT, Daemon, compare_json, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 JOB = ROOT / "tests" / "e2e" / "moe_glue_job.py"
 
-
-def _run(cmd: list[str], env: dict) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +29,9 @@ def store(tmp_path_factory):
         for var in ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES"):
             env.pop(var, None)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            ref = pool.submit(_run, [sys.executable, str(JOB), "ref:ref"],
+            ref = pool.submit(run_ok, [sys.executable, str(JOB), "ref:ref"],
                               dict(env, WORLD_SIZE="1"))
-            _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+            run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node=2", str(JOB), "ddp:ddp", "ddp_bug:ddp_bug"], env)
             ref.result()
         yield daemon.db
@@ -45,17 +39,9 @@ def store(tmp_path_factory):
         daemon.stop()
 
 
-def _compare(db, cand: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", "ref", cand, "--db",
-                           str(db), "--preset", "fp32", "--format", "json"], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode in (0, 1), proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
-
 
 def test_experts_with_rows_differing_per_rank_compare_without_a_declaration(store):
-    code, report = _compare(store, "ddp")
+    code, report = compare_json(store, "ref", "ddp")
     summary = report["summary"]
     assert (code, summary["breaches"]) == (0, 0), summary
     v = summary["verdicts"]
@@ -69,7 +55,7 @@ def test_experts_with_rows_differing_per_rank_compare_without_a_declaration(stor
 def test_a_bug_in_one_expert_on_one_rank_is_found_there(store):
     from tests.e2e.moe_glue_job import BUG_EXPERT
 
-    code, report = _compare(store, "ddp_bug")
+    code, report = compare_json(store, "ref", "ddp_bug")
     first = report["first_divergence"]
     assert code == 1 and first["verdict"] == "diverged", first
     assert (first["key"]["site"], first["key"]["phase"]) == (f"moe.experts.{BUG_EXPERT}", "fwd")

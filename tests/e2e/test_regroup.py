@@ -7,23 +7,17 @@ cannot be regrouped, or keys without payloads, never pass."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon
+from tests.e2e.helpers import ROOT, Daemon, compare_json, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 JOB = ROOT / "tests" / "e2e" / "group_job.py"
 
-
-def _run(cmd: list[str], env: dict) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +31,11 @@ def store(tmp_path_factory):
             env.pop(var, None)
         single = dict(env, WORLD_SIZE="1")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            jobs = [pool.submit(_run, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
+            jobs = [pool.submit(run_ok, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
                                        "acc4_bug:acc4_bug"], single),
-                    pool.submit(_run, [sys.executable, str(JOB), "acc4:acc4_nopay"],
+                    pool.submit(run_ok, [sys.executable, str(JOB), "acc4:acc4_nopay"],
                                 dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0"))]
-            _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+            run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node=2", str(JOB), "ddp_local:ddp_local",
                   "ddp_local_bug:ddp_local_bug", "ddp_rr:ddp_rr"], env)
             for job in jobs:
@@ -50,14 +44,6 @@ def store(tmp_path_factory):
     finally:
         daemon.stop()
 
-
-def _compare(db, ref: str, cand: str, *extra: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", ref, cand, "--db",
-                           str(db), "--preset", "fp32", "--format", "json", *extra], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode in (0, 1), proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
 
 
 def _phases(report: dict) -> dict[str, int]:
@@ -74,7 +60,7 @@ def _phases(report: dict) -> dict[str, int]:
 def test_accumulation_and_local_microbatches_compare_with_one_batch(store, cand, grouping):
     """Every activation, activation gradient and loss of the candidate is rebuilt into the
     reference's one microbatch and compared, and the report says how the runs group samples."""
-    code, report = _compare(store, "acc1", cand)
+    code, report = compare_json(store, "acc1", cand)
     summary = report["summary"]
     assert (code, summary["breaches"]) == (0, 0), summary
     v = summary["verdicts"]
@@ -91,7 +77,7 @@ def test_accumulation_and_local_microbatches_compare_with_one_batch(store, cand,
 def test_a_bug_in_one_microbatch_is_found_where_it_was_planted(store, cand, site, rank):
     """The module that adds 1e-3 in one (local) microbatch is the first divergence, introduced
     there, and the rank and the rows of the reference's batch it changed are named."""
-    code, report = _compare(store, "acc1", cand)
+    code, report = compare_json(store, "acc1", cand)
     first = report["first_divergence"]
     assert code == 1 and first["verdict"] == "diverged", first
     assert (first["key"]["site"], first["key"]["phase"], first["key"]["step"]) == (site, "fwd", 0)
@@ -107,7 +93,7 @@ def test_a_bug_in_one_microbatch_is_found_where_it_was_planted(store, cand, site
 def test_regrouped_keys_without_payloads_never_pass(store):
     """Without the bytes, a re-keyed piece's fingerprint and sketch say nothing at its new
     place: the keys breach as uncertain instead of passing on moments."""
-    code, report = _compare(store, "acc1", "acc4_nopay")
+    code, report = compare_json(store, "acc1", "acc4_nopay")
     summary = report["summary"]
     assert code == 1 and summary["uncertain"] > 0, summary
     assert summary["verdicts"]["identical"] == 0
@@ -121,7 +107,7 @@ def test_round_robin_ranks_are_not_regrouped_and_the_report_says_why(store):
     """DistributedSampler's dealing puts sequences 0, 2, 4, ... on rank 0: its pieces hold no
     consecutive samples of the reference's batch, so nothing is re-keyed and the report says
     what it would take, instead of comparing rows that are not the same samples."""
-    code, report = _compare(store, "acc1", "ddp_rr")
+    code, report = compare_json(store, "acc1", "ddp_rr")
     assert code == 1
     warnings = " ".join(report["warnings"])
     assert "do not hold consecutive samples" in warnings and "round-robin" in warnings
