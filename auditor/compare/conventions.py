@@ -60,7 +60,7 @@ def evaluate_runs(rc: RunColumns, cc: RunColumns, catalog: Catalog, policy: Poli
         return comp
 
     comp = run()
-    loss_side = None
+    loss_side, loss_notes = None, {}  # noted once comp is final (the bwd trial may redo it)
     grads_ok, grads_why = grads_agree(comp)
     trial = _loss_trial(comp, rc, cc, run)
     if trial is not None:
@@ -69,12 +69,11 @@ def evaluate_runs(rc: RunColumns, cc: RunColumns, catalog: Catalog, policy: Poli
             loss_side = side
             comp = run(loss_sum=side)
             warnings.append(_loss_warning(comp, side, ratios))
-            for i in _compared(comp, LOSS):
-                comp.notes.setdefault(int(i), []).append(_loss_note(comp, side, ratios))
+            for i in _compared(comp, LOSS).tolist():
+                loss_notes[i] = _loss_note(comp, side, ratios)
         else:
             for i in np.flatnonzero(comp.breach & _phase(comp, LOSS)).tolist():
-                comp.notes.setdefault(i, []).append(
-                    _loss_refusal(comp, side, ratios, sum_comp, grads_why))
+                loss_notes[i] = _loss_refusal(comp, side, ratios, sum_comp, grads_why)
     inferred = _bwd_trial(comp, ref_info, cand_info, grads_ok)
     if inferred is not None:
         g, total, why = inferred
@@ -90,6 +89,8 @@ def evaluate_runs(rc: RunColumns, cc: RunColumns, catalog: Catalog, policy: Poli
                             f"their data-parallel sizes, while the parameter gradients agree: "
                             f"compared after the x{F.format_float(total)} inferred from the "
                             f"evidence ({why})")
+    for i, note in loss_notes.items():
+        comp.notes.setdefault(i, []).append(note)
     factors.annotate(comp)
     return comp, warnings
 
@@ -189,8 +190,8 @@ def _loss_warning(comp: Comparison, side: str, ratios: dict) -> str:
 def _loss_note(comp: Comparison, side: str, ratios: dict) -> str:
     name = comp.cand.name if side == "cand" else comp.ref.name
     other = comp.ref.name if side == "cand" else comp.cand.name
-    return (f"{name}'s per-rank losses are sums (a loss normalized by the whole batch, "
-            f"gradients summed over ranks): merged as a sum they equal {other}'s loss, merged "
+    return (f"{name}'s per-rank losses are sums (each rank's loss normalized by the whole "
+            f"batch's count, or a plain sum): merged as a sum they equal {other}'s loss, merged "
             f"as a mean x{F.format_float(ratios['mean'])}; inferred from the evidence, with the "
             "parameter gradients agreeing")
 
@@ -202,6 +203,14 @@ def _loss_refusal(comp: Comparison, side: str, ratios: dict, summed: Comparison,
     name = comp.cand.name if side == "cand" else comp.ref.name
     other = comp.ref.name if side == "cand" else comp.cand.name
     n = _dp_count(comp, side)
+    loss = _compared(summed, LOSS)
+    held = int(np.count_nonzero(~summed.breach[loss]))
+    if summed.breach.any() and held and grads_why:
+        # the sum explains the first losses, and training parted afterwards: the gradients
+        # are what differs, not the reduction
+        return (f"merged as a sum over its {n} dp ranks, {name}'s per-rank losses equal "
+                f"{other}'s loss at {held} of {len(loss)} loss keys and not at the others, and "
+                f"{grads_why}: not taken as a convention")
     if summed.breach.any():
         return (f"neither as a mean nor as a sum over its {n} dp ranks do {name}'s per-rank "
                 f"losses make {other}'s loss (mean x{F.format_float(ratios['mean'])}, sum "

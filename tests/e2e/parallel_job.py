@@ -41,7 +41,7 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp",
             "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen", "fsdp1_hybrid", "fsdp1_clip",
-            "fsdp1_clip_local"}
+            "fsdp1_clip_local", "ddp_loss_sum", "ddp_grad_sum", "ddp_loss_sum_bug"}
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "tp_sp_norm_plain",
             "fsdp_tp_sp", "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
@@ -94,10 +94,11 @@ def microbatch_tokens(step: int, j: int) -> torch.Tensor:
 
 
 def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=None,
-                no_sync=None) -> None:
+                no_sync=None, backward=torch.Tensor.backward) -> None:
     """The README's snippet, verbatim but for where the microbatches and loss_fn come from
-    (and `clip(model)` before the optimizer step, when given; and DDP's gradient accumulation,
-    `no_sync(j)` a context for microbatch j, when given)."""
+    (and `clip(model)` before the optimizer step, when given; DDP's gradient accumulation,
+    `no_sync(j)` a context for microbatch j, when given; and `backward(loss)`, for code that
+    backpropagates a scaled loss)."""
     n = STEPS
     for step in range(n):
         microbatches = microbatches_of(step)
@@ -107,7 +108,7 @@ def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=
                 with (no_sync(j) if no_sync else contextlib.nullcontext()), agent.microbatch(j):
                     loss = loss_fn(model(x))
                     agent.capture(loss, site="loss", phase="loss")
-                    loss.backward()
+                    backward(loss)
         if clip is not None:
             clip(model)
         optimizer.step(); optimizer.zero_grad()
@@ -167,6 +168,8 @@ def run_dp(case: str, run: str) -> None:
         model = DDP(model)
         if case == "ddp_skip_allreduce":
             model.register_comm_hook(None, _allreduce_skipped_on_rank(1))
+        elif case == "ddp_grad_sum":  # gradients summed over ranks, as torchtitan's are
+            model.register_comm_hook(None, _allreduce_summed)
     share = BATCH // world
     reader = 0 if case == "ddp_wrong_data" else rank  # planted: rank 1 reads rank 0's rows
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -182,6 +185,19 @@ def run_dp(case: str, run: str) -> None:
         agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp",
                               optimizer=optimizer if clip else None)
     loss_of = (lambda out: loss_fn(out) / 4) if case == "ddp_loss_quarter" else loss_fn
+    backward = torch.Tensor.backward
+    if case in ("ddp_loss_sum", "ddp_grad_sum", "ddp_loss_sum_bug"):
+        # torchtitan's normalization: each rank sums its per-token losses and divides by the
+        # microbatch's global token count (an all-reduce of the ranks' counts; per microbatch,
+        # as the reference's loss is), so the ranks' losses add up to the single process's.
+        # Either backward on loss * world, so that DDP's averaging gives the single process's
+        # gradients (ddp_loss_sum), or backward as is with the gradients summed (ddp_grad_sum;
+        # accumulated under no_sync: DDP all-reduces a parameter's accumulated gradient, so a
+        # sum in every microbatch's backward would add the earlier microbatches' again).
+        # Planted (ddp_loss_sum_bug): rank 1 divides by its own token count.
+        loss_of = _globally_normalized(rank == 1 and case == "ddp_loss_sum_bug")
+        if case != "ddp_grad_sum":
+            backward = lambda loss: (loss * world).backward()  # noqa: E731
     # Gradient accumulation as DDP and FSDP1 users write it: no all-reduce (reduce-scatter) but
     # in the last microbatch's backward (ddp_no_sync, fsdp1_orig); planted: in none of them
     # (ddp_no_sync_always).
@@ -192,13 +208,33 @@ def run_dp(case: str, run: str) -> None:
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j)[reader * share:(reader + 1) * share]
                               for j in range(MICROBATCHES)], loss_of, clip=clip,
-                no_sync=no_sync if "no_sync" in case or case == "fsdp1_orig" else None)
+                no_sync=no_sync if "no_sync" in case or case in ("fsdp1_orig", "ddp_grad_sum")
+                else None,
+                backward=backward)
     agent.close()
+
+
+def _globally_normalized(local: bool = False):
+    """A loss function that sums this rank's per-token losses (loss_fn's, per token) and divides
+    by the global token count of the microbatch; by its own count when `local` (the bug)."""
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        per_token = out.square().mean(-1)
+        tokens = torch.tensor(per_token.numel())
+        global_tokens = tokens.clone()
+        dist.all_reduce(global_tokens)
+        return per_token.sum() / (tokens if local else global_tokens)
+    return loss_of
 
 
 def _reduce_scatter_summed(state, grad: torch.Tensor, output: torch.Tensor) -> None:
     """An FSDP1 comm hook that forgets to average: each rank's shard is the sum over ranks."""
     dist.reduce_scatter_single(output, grad)
+
+
+def _allreduce_summed(state, bucket):
+    """A DDP comm hook that sums the gradients over ranks (no division by the world size)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(
+        lambda f: f.value()[0])
 
 
 def _allreduce_skipped_on_rank(bad: int):

@@ -12,6 +12,13 @@ same loop with clip_grad_norm_ and the optimizer watched (phases optim_grad and 
 `ref` and the clean pairs against it are unchanged. Against it, a pipeline clipping by the
 global norm is bitwise identical and one clipping each stage by its local norm breaches in
 step 0 at optim_grad.
+
+Loss conventions inferred from the evidence (auditor/compare/conventions.py): torchtitan's
+normalization (each rank's summed loss over the global token count), captured as every case
+captures its loss (default reduce), either backpropagated times the world size under DDP's
+averaging (`ddp_loss_sum`) or as is with the gradients summed (`ddp_grad_sum`), passes with the
+convention said in the warnings; one rank normalizing by its own token count
+(`ddp_loss_sum_bug`) is not taken as a sum and breaches at the loss.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ROOT / "tests" / "e2e" / "parallel_job.py"
 CLEAN = ("ddp", "ddp_no_sync", "fsdp", "fsdp_no_mesh", "fsdp1", "fsdp1_orig", "tp",
-         "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+         "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "pp_gpipe", "pp_1f1b", "pp_interleaved",
+         "ddp_loss_sum", "ddp_grad_sum")
 BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_frozen",
         "ddp_wrong_data", "fsdp1_comm_sum", "fsdp1_frozen", "tp_partial", "tp_sp_norm_plain",
-        "pp_detach", "pp_swap")
+        "pp_detach", "pp_swap", "ddp_loss_sum_bug")
 CLIP = ("pp_clip_global", "pp_clip_local", "fsdp1_clip", "fsdp1_clip_local")
 FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "fsdp1_hybrid", "pp_tp_sp")
 """Cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over tp=2,
@@ -133,6 +141,55 @@ def test_activation_gradient_scale_is_inferred_per_run(matrix):
     assert report["runs"]["cand"]["grad_scale"] == 2.0
     assert report["runs"]["cand"]["grad_scale_sources"][0].startswith(
         "inferred: per-rank mean loss with gradients averaged over 2 dp ranks")
+
+
+LOSS_AS_SUM = ("{}'s per-rank losses are sums over its 2 dp ranks, not means: merged as a sum "
+               "they equal ref's loss (as a mean, the default for phase loss, x0.5), and the "
+               "parameter gradients agree")
+
+
+@pytest.mark.parametrize("cand", ["ddp_loss_sum", "ddp_grad_sum"])
+def test_a_globally_normalized_loss_is_taken_as_the_runs_convention(matrix, cand):
+    """Each rank's loss is its summed per-token losses over the step's global token count: the
+    ranks' losses add up to the reference's, read as sums (said in the warnings and on every
+    loss key). Backpropagated times the world size under DDP's averaging, the activation
+    gradients are the x2 the agent infers; backpropagated as is with the gradients summed, they
+    are the reference's, the x1 taken from the evidence."""
+    code, report = matrix.compare(cand)
+    assert (code, report["summary"]["breaches"]) == (0, 0), report["summary"]
+    warnings = report["warnings"]
+    assert warnings[0].startswith(LOSS_AS_SUM.format(cand)), warnings
+    losses = [f for f in report["findings"] if f["key"]["phase"] == "loss"]
+    assert len(losses) == 8 and all("inferred from the evidence" in " ".join(f["notes"])
+                                    for f in losses), losses[0]
+    if cand == "ddp_loss_sum":
+        assert len(warnings) == 1, warnings
+    else:
+        assert len(warnings) == 2, warnings
+        assert warnings[1].startswith(
+            "activation gradients (phase bwd): every one of ddp_grad_sum's is x0.5 of what the "
+            "runs' agents inferred from their data-parallel sizes, while the parameter gradients "
+            "agree: compared after the x1 inferred from the evidence (each rank's loss "
+            "normalized by the whole batch, gradients summed over ranks"), warnings
+
+
+def test_a_loss_normalized_by_one_ranks_own_tokens_is_not_taken_as_a_sum(matrix):
+    """Rank 1 divides its summed loss by its own token count: neither a mean nor a sum of the
+    ranks' losses is the reference's, and the gradients differ, so nothing is inferred: the
+    first divergence is step 0's first loss, introduced there, and the activation gradients
+    below it differ on rank 1's rows only."""
+    _, report = matrix.compare("ddp_loss_sum_bug")
+    first = _first(report)
+    assert (first["verdict"], _key(first), first["cause"]["kind"]) == (
+        "diverged", ("loss", "loss", 0, 0), "introduced")
+    assert any("neither as a mean nor as a sum over its 2 dp ranks" in n and
+               "no loss reduction explains the difference" in n for n in first["notes"])
+    assert not any("per-rank losses are sums" in w or "inferred from the evidence" in w
+                   for w in report["warnings"]), report["warnings"]
+    found = {(f["key"]["phase"], f["key"]["site"]): f for f in report["findings"]
+             if f["key"]["step"] == 0 and f["key"]["microbatch"] in (0, -1)}
+    assert found[("grad", "out.weight")]["verdict"] == "diverged"
+    assert [d["ranks"] for d in found[("bwd", "out")]["pieces"]["differ"]] == [[1]]
 
 
 def _first(report) -> dict:
