@@ -35,15 +35,11 @@ import numpy as np
 
 from auditor.compare.columns import Catalog, RunColumns, unpack_a
 from auditor.compare.merge import REDUCE_NONE, Piece
-from auditor.compare.metrics import PayloadUnavailable, bits_to_values, decode_payload
+from auditor.compare.samples import align_samples, sample_starts
 from protos import numaudit_pb2 as pb
 
 BATCH_PHASES = (pb.PHASE_INPUT, pb.PHASE_FWD, pb.PHASE_BWD)
 """Per-microbatch phases whose tensors hold the microbatch's samples along a batch dim."""
-ALIGN_MAX_ROWS = 4096
-"""Rows matched one by one to align samples (the nearest-row search is quadratic)."""
-ALIGN_MAX_BYTES = 64 << 20
-"""Bytes of one run's step read back to align samples."""
 
 
 @dataclass
@@ -170,122 +166,11 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
         return None, ""
     if [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]:
         return None, ""  # grouped alike: nothing to do
-    perm, aligned_by = _align(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,
+    perm, aligned_by = align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,
                               rows_r, rows_c)
     if perm is None:
         return None, aligned_by
     return StepPlan(step, dim_of, rows_r, rows_c, perm, aligned_by), ""
-
-
-# -- aligning samples ------------------------------------------------------------------------------
-
-def _starts(rows: dict[int, int]) -> dict[int, int]:
-    out, at = {}, 0
-    for m in sorted(rows):
-        out[m] = at
-        at += rows[m]
-    return out
-
-
-def _step_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
-    """One run's step of batch-holding key ``key`` as [samples, features] float64 rows, rebuilt
-    from its pieces' payloads (None when a piece has none)."""
-    starts = _starts(rows)
-    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
-    if not len(sel):
-        return None
-    pieces = [catalog.pieces[cols.layout[r]] for r in sel]
-    total = sum(rows.values())
-    shape = list(pieces[0].logical_shape)
-    shape[d] = total
-    n = int(np.prod(shape))
-    if n == 0 or n * 8 > ALIGN_MAX_BYTES or total > ALIGN_MAX_ROWS:
-        return None
-    if not catalog.payload_rids(cols.rid[sel]) >= {int(x) for x in cols.rid[sel]}:
-        return None
-    values = np.full(shape, np.nan)
-    for r, piece in zip(sel, pieces):
-        got = catalog.reader.payload(int(cols.rid[r]))
-        if got is None:
-            return None
-        try:
-            bits = decode_payload(got[0], got[1], piece.dtype, piece.shape,
-                                  max_bytes=ALIGN_MAX_BYTES)
-        except PayloadUnavailable:
-            return None
-        v = bits_to_values(bits, piece.dtype).reshape(piece.shape)
-        box = [slice(o, o + s) for o, s in zip(piece.offsets, piece.shape)]
-        box[d] = slice(starts[int(mb[r])] + piece.offsets[d],
-                       starts[int(mb[r])] + piece.offsets[d] + piece.shape[d])
-        values[tuple(box)] = v
-    rows_2d = np.moveaxis(values, d, 0).reshape(total, -1)
-    if np.isnan(rows_2d).all(axis=1).any():
-        return None
-    return rows_2d
-
-
-def match_rows(ref: np.ndarray, cand: np.ndarray) -> np.ndarray | None:
-    """perm with cand[g] ~ ref[perm[g]]: equal rows first (bitwise), then each remaining cand
-    row to its nearest ref row when that is clearly nearer than the next (distance at most a
-    tenth of the second nearest); None when the rows do not pair up one to one."""
-    n = len(ref)
-    if len(cand) != n:
-        return None
-    if np.array_equal(ref, cand, equal_nan=True):
-        return np.arange(n)
-    perm = np.full(n, -1)
-    free: dict[bytes, list[int]] = {}
-    for i in range(n):
-        free.setdefault(ref[i].tobytes(), []).append(i)
-    for g in range(n):
-        slot = free.get(cand[g].tobytes())
-        if slot:
-            perm[g] = slot.pop(0)
-    rest = np.flatnonzero(perm < 0)
-    if len(rest):
-        used = np.zeros(n, bool)
-        used[perm[perm >= 0]] = True
-        open_ref = np.flatnonzero(~used)
-        a = np.nan_to_num(cand[rest])
-        b = np.nan_to_num(ref[open_ref])
-        dist = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0))
-        order = np.argsort(dist, axis=1)
-        best = order[:, 0]
-        d0 = dist[np.arange(len(rest)), best]
-        if len(open_ref) > 1:
-            d1 = dist[np.arange(len(rest)), order[:, 1]]
-            if not np.all(d0 <= 0.1 * d1):
-                return None
-        perm[rest] = open_ref[best]
-    if len(np.unique(perm)) != n:
-        return None
-    return perm
-
-
-def _align(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, rows_r, rows_c
-           ) -> tuple[np.ndarray | None, str]:
-    n = sum(rows_r.values())
-    keys = sorted(dim_of, key=lambda k: (k[0] != pb.PHASE_INPUT, k[0] != pb.PHASE_FWD))
-    # input first, then activations in ref's capture order (dim_of's insertion order)
-    order = [k for k in keys if k[0] == pb.PHASE_INPUT] + \
-        [k for k in dim_of if k[0] == pb.PHASE_FWD]
-    for key in order[:4]:
-        d = dim_of[key]
-        ref = _step_rows(rc, at_r, mb_r, ph_r, catalog, key, d, rows_r)
-        cand = _step_rows(cc, at_c, mb_c, ph_c, catalog, key, d, rows_c)
-        if ref is None or cand is None:
-            continue
-        perm = match_rows(ref, cand)
-        site = catalog.site_names.get(key[1] >> 32, f"site {key[1] >> 32}")
-        phase = "input" if key[0] == pb.PHASE_INPUT else "fwd"
-        if perm is None:
-            return None, (f"the runs group their samples differently, and the rows of "
-                          f"{phase} {site} do not pair up one to one between them: their "
-                          "microbatches were not regrouped (are they the same samples?)")
-        return perm, f"samples aligned by the rows of {phase} {site}"
-    return np.arange(n), ("samples assumed in the same order (microbatch 0's first; no "
-                          "batch-holding key with payloads in both runs to align them by: "
-                          "capture the input with agent.capture(x, site=..., phase=\"input\"))")
 
 
 # -- re-keying -------------------------------------------------------------------------------------
@@ -295,7 +180,7 @@ def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
     """Record → (target sample position of its first row, rows) for the batch-holding records
     at ``at``, in the target's sample order (``to_target`` maps the run's positions; None:
     identity); None when a piece's samples are not consecutive there."""
-    starts = _starts(rows)
+    starts = sample_starts(rows)
     out = {}
     for r in at[np.isin(ph[at], BATCH_PHASES)]:
         d = plan.dim_of.get((int(ph[r]), int(cols.B[r])))
@@ -316,7 +201,7 @@ def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
 
 
 def _fits(place: dict[int, tuple[int, int]], rows: dict[int, int]) -> bool:
-    starts = _starts(rows)
+    starts = sample_starts(rows)
     bounds = [(starts[m], starts[m] + rows[m]) for m in sorted(rows)]
     for g0, n in place.values():
         if n and not any(lo <= g0 and g0 + n <= hi for lo, hi in bounds):
@@ -348,7 +233,7 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
         return (f"{grouping}, and {cc.name}'s pieces do not hold consecutive samples in "
                 f"{rc.name}'s order (samples dealt round-robin to ranks?): not regrouped; "
                 "compare runs whose ranks take consecutive shares of the batch")
-    starts = _starts(target)
+    starts = sample_starts(target)
     for side, place, to_target in moves:
         cols, new, mb, ph, at, rows = (
             (rc, new_r, mb_r, ph_r, at_r, plan.rows_ref) if side == "ref" else
@@ -385,7 +270,7 @@ def _regroup_losses(cols, at, mb, ph, catalog, step: int, rows: dict[int, int],
     their samples (each addend holds an equal share of its microbatch, in dp-rank order); the
     step's losses are left as they are when an addend's samples are not one run of a target
     microbatch."""
-    src_starts = _starts(rows)
+    src_starts = sample_starts(rows)
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for r in at[ph[at] == pb.PHASE_LOSS]:
         piece = catalog.pieces[cols.layout[r]]

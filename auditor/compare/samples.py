@@ -1,0 +1,134 @@
+"""Aligning two runs' samples within a step, by content: which of the candidate's rows is which of
+the reference's (`auditor.compare.regroup` re-keys records with it).
+
+Where both runs sent the bytes of a batch-holding key (the input, else the earliest activation),
+the step's rows are rebuilt from the pieces' payloads and matched one to one: equal rows first,
+bitwise, then each remaining row to its nearest with a clear margin. `round_robin` recognizes the
+one reordering that ordinary data-parallel code makes on purpose: a DistributedSampler deals the
+step's samples to the dp ranks in turn (rank r takes samples r, r + n, r + 2n, ...).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from auditor.compare.metrics import PayloadUnavailable, bits_to_values, decode_payload
+from protos import numaudit_pb2 as pb
+
+ALIGN_MAX_ROWS = 4096
+"""Rows matched one by one to align samples (the nearest-row search is quadratic)."""
+ALIGN_MAX_BYTES = 64 << 20
+"""Bytes of one run's step read back to align samples."""
+
+
+def sample_starts(rows: dict[int, int]) -> dict[int, int]:
+    """Microbatch -> position of its first sample in the step (microbatches in order)."""
+    out, at = {}, 0
+    for m in sorted(rows):
+        out[m] = at
+        at += rows[m]
+    return out
+
+
+def step_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
+    """One run's step of batch-holding key ``key`` as [samples, features] float64 rows, rebuilt
+    from its pieces' payloads (None when a piece has none)."""
+    starts = sample_starts(rows)
+    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    if not len(sel):
+        return None
+    pieces = [catalog.pieces[cols.layout[r]] for r in sel]
+    total = sum(rows.values())
+    shape = list(pieces[0].logical_shape)
+    shape[d] = total
+    n = int(np.prod(shape))
+    if n == 0 or n * 8 > ALIGN_MAX_BYTES or total > ALIGN_MAX_ROWS:
+        return None
+    if not catalog.payload_rids(cols.rid[sel]) >= {int(x) for x in cols.rid[sel]}:
+        return None
+    values = np.full(shape, np.nan)
+    for r, piece in zip(sel, pieces):
+        got = catalog.reader.payload(int(cols.rid[r]))
+        if got is None:
+            return None
+        try:
+            bits = decode_payload(got[0], got[1], piece.dtype, piece.shape,
+                                  max_bytes=ALIGN_MAX_BYTES)
+        except PayloadUnavailable:
+            return None
+        v = bits_to_values(bits, piece.dtype).reshape(piece.shape)
+        box = [slice(o, o + s) for o, s in zip(piece.offsets, piece.shape)]
+        box[d] = slice(starts[int(mb[r])] + piece.offsets[d],
+                       starts[int(mb[r])] + piece.offsets[d] + piece.shape[d])
+        values[tuple(box)] = v
+    rows_2d = np.moveaxis(values, d, 0).reshape(total, -1)
+    if np.isnan(rows_2d).all(axis=1).any():
+        return None
+    return rows_2d
+
+
+def match_rows(ref: np.ndarray, cand: np.ndarray) -> np.ndarray | None:
+    """perm with cand[g] ~ ref[perm[g]]: equal rows first (bitwise), then each remaining cand
+    row to its nearest ref row when that is clearly nearer than the next (distance at most a
+    tenth of the second nearest); None when the rows do not pair up one to one."""
+    n = len(ref)
+    if len(cand) != n:
+        return None
+    if np.array_equal(ref, cand, equal_nan=True):
+        return np.arange(n)
+    perm = np.full(n, -1)
+    free: dict[bytes, list[int]] = {}
+    for i in range(n):
+        free.setdefault(ref[i].tobytes(), []).append(i)
+    for g in range(n):
+        slot = free.get(cand[g].tobytes())
+        if slot:
+            perm[g] = slot.pop(0)
+    rest = np.flatnonzero(perm < 0)
+    if len(rest):
+        used = np.zeros(n, bool)
+        used[perm[perm >= 0]] = True
+        open_ref = np.flatnonzero(~used)
+        a = np.nan_to_num(cand[rest])
+        b = np.nan_to_num(ref[open_ref])
+        dist = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0))
+        order = np.argsort(dist, axis=1)
+        best = order[:, 0]
+        d0 = dist[np.arange(len(rest)), best]
+        if len(open_ref) > 1:
+            d1 = dist[np.arange(len(rest)), order[:, 1]]
+            if not np.all(d0 <= 0.1 * d1):
+                return None
+        perm[rest] = open_ref[best]
+    if len(np.unique(perm)) != n:
+        return None
+    return perm
+
+
+def align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, rows_r, rows_c
+                  ) -> tuple[np.ndarray | None, str]:
+    """(perm, how) with cand's sample g being ref's sample perm[g] (both in their runs' order),
+    from the rows of the input, else the earliest activations; perm None (and why) when the rows
+    do not pair up, the identity when no key has payloads in both runs."""
+    n = sum(rows_r.values())
+    keys = sorted(dim_of, key=lambda k: (k[0] != pb.PHASE_INPUT, k[0] != pb.PHASE_FWD))
+    # input first, then activations in ref's capture order (dim_of's insertion order)
+    order = [k for k in keys if k[0] == pb.PHASE_INPUT] + \
+        [k for k in dim_of if k[0] == pb.PHASE_FWD]
+    for key in order[:4]:
+        d = dim_of[key]
+        ref = step_rows(rc, at_r, mb_r, ph_r, catalog, key, d, rows_r)
+        cand = step_rows(cc, at_c, mb_c, ph_c, catalog, key, d, rows_c)
+        if ref is None or cand is None:
+            continue
+        perm = match_rows(ref, cand)
+        site = catalog.site_names.get(key[1] >> 32, f"site {key[1] >> 32}")
+        phase = "input" if key[0] == pb.PHASE_INPUT else "fwd"
+        if perm is None:
+            return None, (f"the runs group their samples differently, and the rows of "
+                          f"{phase} {site} do not pair up one to one between them: their "
+                          "microbatches were not regrouped (are they the same samples?)")
+        return perm, f"samples aligned by the rows of {phase} {site}"
+    return np.arange(n), ("samples assumed in the same order (microbatch 0's first; no "
+                          "batch-holding key with payloads in both runs to align them by: "
+                          "capture the input with agent.capture(x, site=..., phase=\"input\"))")
