@@ -131,6 +131,10 @@ class Catalog:
         self.seeds_ok: list[bool] = []
         self._seeds: tuple[int, int] | None = None
         self.has_moments: list[bool] = []
+        self.sample_orders: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        """(A, B) of a key re-keyed by `auditor.compare.regroup` for runs whose samples lie in
+        other orders → (perm, batch dim): the candidate's row g is the reference's row
+        perm[g]; the reference's values are put in the candidate's order before comparing."""
         self.placed: list[bool] = []
         """False for layouts `derived_piece` made for records moved to another place, whose
         fingerprints and sketches describe where they were digested, not where they now lie."""

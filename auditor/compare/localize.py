@@ -98,9 +98,12 @@ def localize(comp, i: int) -> dict | None:
                            "other boxes of its shape that are not such ranges")
     scale = comp.bwd_factor if (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
     check = _check(comp, i)
-    if set(rb) == set(cb):
+    # samples in other orders (auditor.compare.regroup): only the logical values, the
+    # reference's in the candidate's order, compare box by box
+    permuted = (int(comp.A[i]), int(comp.B[i])) in comp.catalog.sample_orders
+    if set(rb) == set(cb) and not permuted:
         return _equal_boxes(comp, i, rb, cb, scale, check)
-    if _inside(cb, rb):
+    if permuted or _inside(cb, rb):
         fine = "cand"
     elif _inside(rb, cb):
         fine = "ref"

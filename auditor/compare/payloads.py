@@ -110,5 +110,10 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
     if bits is not None:
         bits = bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[
             ITEMSIZE[dtype]])
+    order = cat.sample_orders.get((int(lk.A[g]), int(lk.B[g]))) if which == "ref" else None
+    if order is not None:  # the reference's rows in the candidate's sample order
+        perm, d = order
+        values = np.take(values, perm, axis=d)
+        bits = None if bits is None else np.take(bits, perm, axis=d)
     return values, bits, dtype
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from auditor.compare.columns import Catalog, RunColumns, unpack_a
 from auditor.compare.merge import REDUCE_NONE, Piece
-from auditor.compare.samples import align_samples, sample_starts
+from auditor.compare.samples import align_samples, round_robin, sample_starts, share_dim
 from protos import numaudit_pb2 as pb
 
 BATCH_PHASES = (pb.PHASE_INPUT, pb.PHASE_FWD, pb.PHASE_BWD)
@@ -56,6 +56,11 @@ class StepPlan:
     """perm[g] = ref's sample position of cand's sample g (both in their runs' order)."""
     aligned_by: str
     """How perm was found, for the report."""
+    dealt: tuple[str, int] | None = None
+    """(run, dp size) when that run's dp ranks were dealt the samples in turn (a
+    DistributedSampler): its pieces hold no consecutive samples in the other run's order, so
+    both runs are re-keyed in their own orders and compared row by sample
+    (`Catalog.sample_orders`)."""
 
 
 def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
@@ -101,21 +106,28 @@ def _rebuilt(cols: RunColumns, new: dict) -> RunColumns:
 # -- the plan of a step ----------------------------------------------------------------------------
 
 def _shapes(cols: RunColumns, at: np.ndarray, mb: np.ndarray, ph: np.ndarray, catalog: Catalog
-            ) -> dict[tuple[int, int], dict[int, tuple[int, ...]]]:
+            ) -> tuple[dict[tuple[int, int], dict[int, tuple[int, ...]]],
+                       dict[tuple[int, int], int]]:
     """(phase, B) → microbatch → logical shape, for the batch phases' records at ``at``
-    (None pieces and flat or ragged pieces left out); one look per distinct layout of a key."""
+    (None pieces and flat or ragged pieces left out), and (phase, B) → the dim its pieces are
+    dp batch shares on (`samples.share_dim`), where they are; one look per distinct layout."""
     at = at[np.isin(ph[at], BATCH_PHASES)]
     out: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
+    shares: dict[tuple[int, int], int] = {}
     if not len(at):
-        return out
+        return out, shares
     combo = np.stack([cols.A[at], cols.B[at], cols.layout[at].astype(np.int64)], axis=1)
     _, first = np.unique(combo, axis=0, return_index=True)
     for r in at[np.sort(first)]:
         piece = catalog.pieces[cols.layout[r]]
         if piece.is_none or piece.flat or piece.ragged is not None:
             continue
-        out.setdefault((int(ph[r]), int(cols.B[r])), {})[int(mb[r])] = piece.logical_shape
-    return out
+        k = (int(ph[r]), int(cols.B[r]))
+        out.setdefault(k, {})[int(mb[r])] = piece.logical_shape
+        d = share_dim(piece)
+        if d is not None:
+            shares.setdefault(k, d)
+    return out, shares
 
 
 def _batch_dim(ref: dict[int, tuple], cand: dict[int, tuple]) -> int | None:
@@ -136,8 +148,8 @@ def _batch_dim(ref: dict[int, tuple], cand: dict[int, tuple]) -> int | None:
 
 def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
           ) -> tuple[StepPlan | None, str]:
-    sh_r = _shapes(rc, at_r, mb_r, ph_r, catalog)
-    sh_c = _shapes(cc, at_c, mb_c, ph_c, catalog)
+    sh_r, shares_r = _shapes(rc, at_r, mb_r, ph_r, catalog)
+    sh_c, shares_c = _shapes(cc, at_c, mb_c, ph_c, catalog)
     mbs_r = sorted({int(m) for m in mb_r[at_r]})
     mbs_c = sorted({int(m) for m in mb_c[at_c]})
     dim_of: dict[tuple[int, int], int] = {}
@@ -154,6 +166,9 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
         if sorted(ref) != mbs_r or sorted(cand) != mbs_c:
             continue  # not captured in every microbatch of the step
         d = _batch_dim(ref, cand)
+        if d is None and len(set(ref.values()) | set(cand.values())) == 1:
+            # one shape everywhere: the dim a run's dp ranks split, if either run has them
+            d = shares_c.get(k, shares_r.get(k))
         if d is None:
             continue
         kr = {m: s[d] for m, s in ref.items()}
@@ -164,13 +179,26 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
             dim_of[k] = d
     if rows_r is None:
         return None, ""
-    if [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]:
-        return None, ""  # grouped alike: nothing to do
+    alike = [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]
+    shared = [k for k in dim_of if k in shares_c or k in shares_r]
+    if alike and not shared:
+        return None, ""  # grouped alike, and no dp ranks that could have been dealt samples
     perm, aligned_by = align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,
-                              rows_r, rows_c)
+                                     rows_r, rows_c)
     if perm is None:
-        return None, aligned_by
-    return StepPlan(step, dim_of, rows_r, rows_c, perm, aligned_by), ""
+        return None, "" if alike else aligned_by
+    dealt = None
+    if shared:
+        k = shared[0]
+        inverse = np.empty_like(perm)
+        inverse[perm] = np.arange(len(perm))
+        if (n := round_robin(cc, at_c, mb_c, ph_c, catalog, k, dim_of[k], rows_c, perm)):
+            dealt = (cc.name, n)
+        elif (n := round_robin(rc, at_r, mb_r, ph_r, catalog, k, dim_of[k], rows_r, inverse)):
+            dealt = (rc.name, n)
+    if alike and dealt is None:
+        return None, ""  # the same grouping, the same order (or an order no sampler deals)
+    return StepPlan(step, dim_of, rows_r, rows_c, perm, aligned_by, dealt), ""
 
 
 # -- re-keying -------------------------------------------------------------------------------------
@@ -229,6 +257,19 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
                                              "(microbatch 0)")
         moves = [("ref", _placements(rc, at_r, mb_r, ph_r, catalog, plan, plan.rows_ref, None),
                   None), ("cand", place_c, plan.perm)]
+    elif plan.dealt is not None:
+        run, n = plan.dealt
+        target, what = {0: len(plan.perm)}, (
+            f"{run}'s {n} dp ranks were dealt the samples in turn (a DistributedSampler's "
+            "order): both runs re-keyed into one microbatch of the whole step, each in its own "
+            f"order, and {cc.name}'s rows compared with {rc.name}'s rows of the same samples "
+            f"(boxes and element indices in {cc.name}'s order)")
+        moves = [("ref", _placements(rc, at_r, mb_r, ph_r, catalog, plan, plan.rows_ref, None),
+                  None),
+                 ("cand", _placements(cc, at_c, mb_c, ph_c, catalog, plan, plan.rows_cand, None),
+                  None)]
+        for (phase, b), d in plan.dim_of.items():
+            catalog.sample_orders[((plan.step << 24) | (1 << 4) | phase, b)] = (plan.perm, d)
     else:
         return (f"{grouping}, and {cc.name}'s pieces do not hold consecutive samples in "
                 f"{rc.name}'s order (samples dealt round-robin to ranks?): not regrouped; "
@@ -250,7 +291,8 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
             new["A"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
         _regroup_losses(cols, at, mb, ph, catalog, plan.step, rows, target, starts, to_target,
                         new)
-    return (f"{grouping}: {what} microbatches along the batch dim; {plan.aligned_by}; "
+    how = what if plan.dealt else f"{what} microbatches along the batch dim"
+    return (f"{grouping}: {how}; {plan.aligned_by}; "
             "re-keyed pieces are compared by their payloads (their fingerprints and sketches "
             "describe their old places): a key without payloads from both runs breaches as "
             "uncertain (payloads: NUMAUDIT_PAYLOAD_MAX_BYTES, NUMAUDIT_PAYLOAD)")

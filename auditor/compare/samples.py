@@ -132,3 +132,49 @@ def align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, r
     return np.arange(n), ("samples assumed in the same order (microbatch 0's first; no "
                           "batch-holding key with payloads in both runs to align them by: "
                           "capture the input with agent.capture(x, site=..., phase=\"input\"))")
+
+
+def share_dim(piece) -> int | None:
+    """The dim on which ``piece`` (merge.Piece) is its dp rank's share of an evenly split batch
+    (logical = rows x n for n >= 2, offset a multiple of rows), else None."""
+    if piece.is_none or piece.flat or piece.ragged is not None or piece.reduce or piece.partial:
+        return None
+    dims = [d for d, (s, n) in enumerate(zip(piece.shape, piece.logical_shape)) if s != n]
+    if len(dims) != 1:
+        return None
+    d = dims[0]
+    rows = piece.shape[d]
+    if not rows or piece.logical_shape[d] % rows or piece.offsets[d] % rows \
+            or piece.logical_shape[d] // rows < 2:
+        return None
+    return d
+
+
+def round_robin(cols, at, mb, ph, catalog, key, d, rows, perm: np.ndarray) -> int | None:
+    """The dp size n when the run's sample g (in its order: microbatches in turn, dp ranks in
+    rank order within each) is the other run's sample perm[g] = r + n k for the k-th sample of
+    its dp rank r over the step: the samples were dealt to the dp ranks in turn, as a
+    DistributedSampler does; else None (the identity included)."""
+    if np.array_equal(perm, np.arange(len(perm))):
+        return None
+    starts = sample_starts(rows)
+    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    boxes = sorted({(int(mb[r]), catalog.pieces[cols.layout[r]].offsets[d],
+                     catalog.pieces[cols.layout[r]].shape[d],
+                     catalog.pieces[cols.layout[r]].logical_shape[d]) for r in sel
+                    if share_dim(catalog.pieces[cols.layout[r]]) == d})
+    sizes = {logical // n for _, _, n, logical in boxes}
+    if not boxes or len(sizes) != 1:
+        return None
+    (dp,) = sizes
+    if sum(n for _, _, n, _ in boxes) != len(perm):
+        return None  # some samples are in no share (replicated, or not captured)
+    seen: dict[int, int] = {}
+    for m, offset, n, _ in boxes:
+        rank = offset // n
+        k0 = seen.get(rank, 0)
+        g0 = starts[m] + offset
+        if not np.array_equal(perm[g0:g0 + n], rank + dp * np.arange(k0, k0 + n)):
+            return None
+        seen[rank] = k0 + n
+    return dp

@@ -14,7 +14,10 @@ Every step feeds the same 16 sequences. Cases:
 - ``ddp_local_bug`` (2 ranks): as ddp_local, but rank 1's ``layers.0`` adds 1e-3 to its output
   in its local microbatch 1 of step 0;
 - ``ddp_rr`` (2 ranks): the 16 dealt round-robin (rank r takes sequences r, r+2, ...), as
-  DistributedSampler does.
+  DistributedSampler does, in 2 local microbatches of 4;
+- ``ddp_rr1`` (2 ranks): dealt round-robin, one local microbatch of 8 (grouped as acc1 is);
+- ``ddp_rr_bug`` (2 ranks): as ddp_rr, but rank 1's ``layers.1`` adds 1e-3 to its output in
+  its local microbatch 0 of step 0.
 """
 
 from __future__ import annotations
@@ -83,15 +86,17 @@ def train(case: str, run: str) -> None:
         perturb(model.layers[1], lambda: state["step"] == 0 and state["mb"] == 2)
     if case == "ddp_local_bug":
         perturb(model.layers[0], lambda: state["step"] == 0 and state["mb"] == 1 and rank == 1)
+    if case == "ddp_rr_bug":
+        perturb(model.layers[1], lambda: state["step"] == 0 and state["mb"] == 0 and rank == 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ddp = world > 1
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     agent = agents.attach(model, run=run)
-    n_local = {"acc1": 1}.get(case, 4 if world == 1 else 2)
+    n_local = {"acc1": 1, "ddp_rr1": 1}.get(case, 4 if world == 1 else 2)
     for step in range(STEPS):
         tokens = step_tokens(step)
-        share = tokens[rank::world] if case == "ddp_rr" else \
+        share = tokens[rank::world] if case.startswith("ddp_rr") else \
             tokens.chunk(world)[rank]
         state["step"] = step
         with agent.step(step):

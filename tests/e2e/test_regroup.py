@@ -37,7 +37,8 @@ def store(tmp_path_factory):
                                 dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0"))]
             run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node=2", str(JOB), "ddp_local:ddp_local",
-                  "ddp_local_bug:ddp_local_bug", "ddp_rr:ddp_rr"], env)
+                  "ddp_local_bug:ddp_local_bug", "ddp_rr:ddp_rr", "ddp_rr1:ddp_rr1",
+                    "ddp_rr_bug:ddp_rr_bug"], env)
             for job in jobs:
                 job.result()
         yield daemon.db
@@ -103,12 +104,34 @@ def test_regrouped_keys_without_payloads_never_pass(store):
         " ".join(report["warnings"])
 
 
-def test_round_robin_ranks_are_not_regrouped_and_the_report_says_why(store):
-    """DistributedSampler's dealing puts sequences 0, 2, 4, ... on rank 0: its pieces hold no
-    consecutive samples of the reference's batch, so nothing is re-keyed and the report says
-    what it would take, instead of comparing rows that are not the same samples."""
-    code, report = compare_json(store, "acc1", "ddp_rr")
-    assert code == 1
+@pytest.mark.parametrize("cand, grouping", [
+    ("ddp_rr", "acc1 groups the step's 16 samples as 1 microbatch of 16, ddp_rr as 2 "
+               "microbatches of 8"),
+    ("ddp_rr1", "acc1 groups the step's 16 samples as 1 microbatch of 16, ddp_rr1 as 1 "
+                "microbatch of 16")])
+def test_samples_dealt_round_robin_are_compared_sample_by_sample(store, cand, grouping):
+    """DistributedSampler's dealing puts sequences 0, 2, 4, ... on rank 0: no piece holds
+    consecutive samples of the reference's batch, so both runs are re-keyed into the whole step
+    in their own orders and each row is compared with the reference's row of the same sample;
+    the clean pair passes with every activation compared, whether or not the groupings differ."""
+    code, report = compare_json(store, "acc1", cand)
+    summary = report["summary"]
+    assert (code, summary["breaches"]) == (0, 0), summary
+    v = summary["verdicts"]
+    assert v["missing_in_ref"] == v["missing_in_cand"] == 0, v
+    assert _phases(report) == {"fwd": 20, "bwd": 20, "loss": 2, "grad": 30}
     warnings = " ".join(report["warnings"])
-    assert "do not hold consecutive samples" in warnings and "round-robin" in warnings
-    assert report["summary"]["verdicts"]["close"] < 72
+    assert grouping in warnings, warnings
+    assert f"{cand}'s 2 dp ranks were dealt the samples in turn" in warnings
+
+
+def test_a_bug_on_a_round_robin_rank_is_found_at_its_rows(store):
+    """Rank 1's layers.1 adds 1e-3 in its local microbatch 0 of step 0: its samples 1, 3, 5, 7
+    of the step; the first divergence is there, introduced, on rank 1's piece only."""
+    code, report = compare_json(store, "acc1", "ddp_rr_bug")
+    first = report["first_divergence"]
+    assert code == 1 and first["verdict"] == "diverged", first
+    assert (first["key"]["site"], first["key"]["phase"], first["key"]["step"]) == (
+        "layers.1", "fwd", 0)
+    assert first["cause"]["kind"] == "introduced", first["cause"]
+    assert [d["ranks"] for d in first["pieces"]["differ"]] == [[1]], first["pieces"]
