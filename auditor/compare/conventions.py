@@ -182,8 +182,8 @@ def _loss_warning(comp: Comparison, side: str, ratios: dict) -> str:
     other = comp.ref.name if side == "cand" else comp.cand.name
     n = _dp_count(comp, side)
     return (f"{name}'s per-rank losses are sums over its {n} dp ranks, not means: merged as a "
-            f"sum they equal {other}'s loss (as a mean, the default for phase loss, "
-            f"x{F.format_float(ratios['mean'])}), and the parameter gradients agree; its losses "
+            f"sum they equal {other}'s loss (as a mean, the default for phase loss"
+            f"{_times(ratios['mean'], ', x')}), and the parameter gradients agree; its losses "
             f"are compared as sums (capture(loss, reduce=\"sum\") declares it)")
 
 
@@ -192,8 +192,8 @@ def _loss_note(comp: Comparison, side: str, ratios: dict) -> str:
     other = comp.ref.name if side == "cand" else comp.cand.name
     return (f"{name}'s per-rank losses are sums (each rank's loss normalized by the whole "
             f"batch's count, or a plain sum): merged as a sum they equal {other}'s loss, merged "
-            f"as a mean x{F.format_float(ratios['mean'])}; inferred from the evidence, with the "
-            "parameter gradients agreeing")
+            f"as a mean{_times(ratios['mean'], ' x', ' not')}; inferred from the evidence, with "
+            "the parameter gradients agreeing")
 
 
 def _loss_refusal(comp: Comparison, side: str, ratios: dict, summed: Comparison,
@@ -213,8 +213,8 @@ def _loss_refusal(comp: Comparison, side: str, ratios: dict, summed: Comparison,
                 f"{grads_why}: not taken as a convention")
     if summed.breach.any():
         return (f"neither as a mean nor as a sum over its {n} dp ranks do {name}'s per-rank "
-                f"losses make {other}'s loss (mean x{F.format_float(ratios['mean'])}, sum "
-                f"x{F.format_float(ratios['sum'])}): no loss reduction explains the difference")
+                f"losses make {other}'s loss{_ratios_text(ratios)}: no loss reduction explains "
+                "the difference")
     return (f"merged as a sum over its {n} dp ranks, {name}'s per-rank losses equal {other}'s "
             f"loss, but {grads_why}: not taken as a convention")
 
@@ -252,3 +252,15 @@ def _bwd_trial(comp: Comparison, ref_info: dict, cand_info: dict, grads_ok: bool
         why = (f"{comp.cand.name}'s activation gradients are x{F.format_float(total)} "
                f"{comp.ref.name}'s" + (f" ({named})" if named else ""))
     return g, total, why
+
+
+def _ratios_text(ratios: dict) -> str:
+    """" (mean x0.5, sum x1.3)" with the ratios that were measured (a verdict from fingerprints
+    alone measures none)."""
+    shown = [f"{k}{_times(v, ' x')}" for k, v in ratios.items() if np.isfinite(v)]
+    return f" ({', '.join(shown)})" if shown else ""
+
+
+def _times(ratio: float, before: str, unmeasured: str = "") -> str:
+    """``before`` + the ratio where it was measured, else ``unmeasured``."""
+    return f"{before}{F.format_float(ratio)}" if np.isfinite(ratio) else unmeasured

@@ -257,6 +257,8 @@ def annotate(comp: Comparison) -> None:
         f = float(comp.scaled_by[i])
         phase = int(comp.A[i] & 0xF)
         named = name_factor(f, run_counts(comp, phase))
+        if phase == PHASE_IDS["update"] and "no count of the runs' work" in named:
+            named = ""  # an update's factor no count explains is said by its phase's meaning
         resid = comp.scaled_resid[i] if comp.scaled_resid is not None else np.nan
         scaled_ref = comp.bwd_factor != 1.0 and phase == PHASE_IDS["bwd"]
         beyond = " beyond the factor the runs' loss normalizations imply" if scaled_ref else ""

@@ -267,6 +267,7 @@ def test_an_update_scaled_while_optim_grad_matches_is_a_learning_rate(db):
     [note] = [n for n in up.notes if "scaled by 2" in n]
     assert "its optim_grad matched (identical)" in note and "learning rate" in note, note
     assert "loss normalization" not in note
+    assert "no count of the runs' work" not in note  # the learning rate is the explanation
     # both scaled: the update inherits the optimizer's gradient, no learning rate is blamed
     both = _optimizer_runs(db.with_name("both.db"), update=2.0, optim_grad=2.0)
     [note] = [n for n in _finding(both, "update").notes if "scaled by 2" in n]
@@ -503,3 +504,14 @@ def test_an_update_whose_excluded_optim_grad_was_captured_asks_to_compare_it(db)
     assert f.cause.reason == ("phase optim_grad of this parameter was captured but excluded by "
                               "the policy (rule 1 (skip)): let the policy compare it to tell "
                               "where the difference arises")
+
+
+def test_a_loss_refused_under_bitwise_shows_no_unmeasured_ratio(db):
+    """Under the bitwise preset a loss's verdict can come from fingerprints alone, which
+    measure no ratio: the refusal says what no reduction explains without printing 'xnan'."""
+    _loss_runs(db, cand_loss=lambda rows, n: rows.sum() / n * 1.3)
+    report = compare_runs(db, "ref", "dp", preset_policy("bitwise"))
+    loss = _json_finding(report, "loss")
+    assert loss["breach"]
+    notes = " ".join(loss["notes"])
+    assert "no loss reduction explains the difference" in notes and "nan" not in notes, notes
