@@ -73,10 +73,15 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     new_r = {"A": rc.A.copy(), "layout": rc.layout.copy()}
     new_c = {"A": cc.A.copy(), "layout": cc.layout.copy()}
     changed = False
+    in_order = {"known": False}
+    """Whether alike-grouped steps are still worth aligning: reading a step's rows costs
+    payload reads, so once a step grouped alike shows its samples in the same order, the
+    later ones are taken to come from the same data pipeline."""
     for step in np.intersect1d(np.unique(s_r), np.unique(s_c)):
         at_r = np.flatnonzero((s_r == step) & (mb_r >= 0))
         at_c = np.flatnonzero((s_c == step) & (mb_c >= 0))
-        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog)
+        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
+                          in_order)
         if plan is None:
             if why:
                 notes.setdefault(why, []).append(int(step))
@@ -146,7 +151,7 @@ def _batch_dim(ref: dict[int, tuple], cand: dict[int, tuple]) -> int | None:
     return d
 
 
-def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
+def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, in_order: dict
           ) -> tuple[StepPlan | None, str]:
     sh_r, shares_r = _shapes(rc, at_r, mb_r, ph_r, catalog)
     sh_c, shares_c = _shapes(cc, at_c, mb_c, ph_c, catalog)
@@ -181,8 +186,10 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
         return None, ""
     alike = [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]
     shared = [k for k in dim_of if k in shares_c or k in shares_r]
-    if alike and not shared:
-        return None, ""  # grouped alike, and no dp ranks that could have been dealt samples
+    if alike and (not shared or in_order["known"]):
+        # grouped alike, and no dp ranks that could have been dealt samples, or an earlier
+        # step grouped alike had its samples in the same order
+        return None, ""
     perm, aligned_by = align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,
                                      rows_r, rows_c)
     if perm is None:
@@ -197,7 +204,10 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog
         elif (n := round_robin(rc, at_r, mb_r, ph_r, catalog, k, dim_of[k], rows_r, inverse)):
             dealt = (rc.name, n)
     if alike and dealt is None:
-        return None, ""  # the same grouping, the same order (or an order no sampler deals)
+        # the same grouping, the same order (or an order no sampler deals)
+        in_order["known"] = aligned_by.startswith("samples aligned") and np.array_equal(
+            perm, np.arange(len(perm)))
+        return None, ""
     return StepPlan(step, dim_of, rows_r, rows_c, perm, aligned_by, dealt), ""
 
 
