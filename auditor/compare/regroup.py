@@ -77,9 +77,21 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     """Whether alike-grouped steps are still worth aligning: reading a step's rows costs
     payload reads, so once a step grouped alike shows its samples in the same order, the
     later ones are taken to come from the same data pipeline."""
+    codes = _code_arrays(catalog)
     for step in np.intersect1d(np.unique(s_r), np.unique(s_c)):
-        at_r = np.flatnonzero((s_r == step) & (mb_r >= 0))
-        at_c = np.flatnonzero((s_c == step) & (mb_c >= 0))
+        at_r, at_c = _step_rows_of(rc, mb_r, int(step)), _step_rows_of(cc, mb_c, int(step))
+        if _alike(rc, cc, at_r, at_c, ph_r, ph_c, codes):
+            # the same microbatches, every key of the same logical shape in both runs: only
+            # samples dealt to dp ranks in turn can need re-keying, the first such step tells
+            shares = codes[1]
+            if in_order["known"] or not ((shares[rc.layout[at_r]] >= 0).any()
+                                         or (shares[cc.layout[at_c]] >= 0).any()):
+                continue
+            probe_r, probe_c = _probe(rc, cc, at_r, at_c, ph_r, ph_c)
+            plan, _ = _plan(int(step), rc, cc, probe_r, probe_c, mb_r, mb_c, ph_r, ph_c,
+                            catalog, in_order)
+            if plan is None:
+                continue
         plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
                           in_order)
         if plan is None:
@@ -92,6 +104,57 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     if not changed:
         return rc, cc, _lines(notes)
     return _rebuilt(rc, new_r), _rebuilt(cc, new_c), _lines(notes)
+
+
+def _step_rows_of(cols: RunColumns, mb: np.ndarray, step: int) -> np.ndarray:
+    """Rows of ``step``'s per-microbatch records (columns are sorted by A, step first)."""
+    lo, hi = np.searchsorted(cols.A, [step << 24, (step + 1) << 24])
+    return lo + np.flatnonzero(mb[lo:hi] >= 0)
+
+
+def _code_arrays(catalog: Catalog) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout code: an id equal for equal logical shapes (-1 for None, flat or ragged
+    pieces), and the dim on which the piece is a dp batch share (-1: none)."""
+    ids: dict[tuple[int, ...], int] = {}
+    shape_id = np.array([-1 if p.is_none or p.flat or p.ragged is not None else
+                         ids.setdefault(p.logical_shape, len(ids)) for p in catalog.pieces]
+                        or [-1], np.int64)
+    shares = np.array([-1 if (d := share_dim(p)) is None else d for p in catalog.pieces]
+                      or [-1], np.int64)
+    return shape_id, shares
+
+
+def _alike(rc, cc, at_r, at_c, ph_r, ph_c, codes) -> bool:
+    """Both runs hold the step's batch-phase keys in the same microbatches with the same
+    logical shapes (vectorized: most steps of most comparisons are so)."""
+    def signature(cols, at, ph):
+        # rows are sorted by key: one row per run of equal (key, logical shape) is the set of
+        # them when a key's pieces agree on the shape (else a longer list: "not alike", which
+        # costs the full plan, never a wrong answer)
+        at = at[np.isin(ph[at], BATCH_PHASES)]
+        sid = codes[0][cols.layout[at]]
+        keep = sid >= 0
+        A, B, sid = cols.A[at][keep], cols.B[at][keep], sid[keep]
+        new = np.ones(len(A), bool)
+        new[1:] = (A[1:] != A[:-1]) | (B[1:] != B[:-1]) | (sid[1:] != sid[:-1])
+        return A[new], B[new], sid[new]
+
+    a, b = signature(rc, at_r, ph_r), signature(cc, at_c, ph_c)
+    return all(len(x) == len(y) and np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _probe(rc, cc, at_r, at_c, ph_r, ph_c) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of the keys `align_samples` reads (the input, the first activations) in both
+    runs: enough to tell whether samples were dealt, without looking at every key."""
+    fwd = at_r[ph_r[at_r] == pb.PHASE_FWD]
+    first = fwd[np.argsort(rc.rid[fwd], kind="stable")]
+    _, at = np.unique(rc.B[first], return_index=True)
+    keys = set(rc.B[first[np.sort(at)[:4]]].tolist())
+
+    def rows(cols, at, ph):
+        return at[(ph[at] == pb.PHASE_INPUT) | ((ph[at] == pb.PHASE_FWD)
+                                                & np.isin(cols.B[at], list(keys)))]
+    return rows(rc, at_r, ph_r), rows(cc, at_c, ph_c)
 
 
 def _lines(notes: dict[str, list[int]]) -> list[str]:
