@@ -73,27 +73,27 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     new_r = {"A": rc.A.copy(), "layout": rc.layout.copy()}
     new_c = {"A": cc.A.copy(), "layout": cc.layout.copy()}
     changed = False
-    in_order = {"known": False}
-    """Whether alike-grouped steps are still worth aligning: reading a step's rows costs
-    payload reads, so once a step grouped alike shows its samples in the same order, the
-    later ones are taken to come from the same data pipeline."""
+    probed = False
+    """Whether a step grouped alike was aligned already: reading a step's rows costs payload
+    reads, and the first such step tells the order of the data pipeline, unless its samples
+    were dealt to dp ranks in turn (then every step is re-keyed, and so aligned)."""
     codes = _code_arrays(catalog)
     for step in np.intersect1d(np.unique(s_r), np.unique(s_c)):
         at_r, at_c = _step_rows_of(rc, mb_r, int(step)), _step_rows_of(cc, mb_c, int(step))
         if _alike(rc, cc, at_r, at_c, ph_r, ph_c, codes):
             # the same microbatches, every key of the same logical shape in both runs: only
-            # samples dealt to dp ranks in turn can need re-keying, the first such step tells
-            shares = codes[1]
-            if in_order["known"] or not ((shares[rc.layout[at_r]] >= 0).any()
-                                         or (shares[cc.layout[at_c]] >= 0).any()):
+            # the keys alignment reads are planned, to see whether the samples are in order
+            if probed:
                 continue
             probe_r, probe_c = _probe(rc, cc, at_r, at_c, ph_r, ph_c)
-            plan, _ = _plan(int(step), rc, cc, probe_r, probe_c, mb_r, mb_c, ph_r, ph_c,
-                            catalog, in_order)
+            plan, why = _plan(int(step), rc, cc, probe_r, probe_c, mb_r, mb_c, ph_r, ph_c,
+                              catalog, probe=True)
             if plan is None:
+                probed = True
+                if why:
+                    notes.setdefault(why, []).append(int(step))
                 continue
-        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
-                          in_order)
+        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog)
         if plan is None:
             if why:
                 notes.setdefault(why, []).append(int(step))
@@ -214,8 +214,12 @@ def _batch_dim(ref: dict[int, tuple], cand: dict[int, tuple]) -> int | None:
     return d
 
 
-def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, in_order: dict
+def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool = False
           ) -> tuple[StepPlan | None, str]:
+    """How step ``step`` is regrouped (None: it is not, and why, "" for nothing to say).
+    ``probe``: a step grouped alike, whose keys' batch dim no shape shows: the dp ranks'
+    split says it, else the batch is taken on dim 0 (only to tell whether the samples are in
+    order: no dp shares, nothing to re-key)."""
     sh_r, shares_r = _shapes(rc, at_r, mb_r, ph_r, catalog)
     sh_c, shares_c = _shapes(cc, at_c, mb_c, ph_c, catalog)
     mbs_r = sorted({int(m) for m in mb_r[at_r]})
@@ -236,7 +240,7 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, in_order: d
         d = _batch_dim(ref, cand)
         if d is None and len(set(ref.values()) | set(cand.values())) == 1:
             # one shape everywhere: the dim a run's dp ranks split, if either run has them
-            d = shares_c.get(k, shares_r.get(k))
+            d = shares_c.get(k, shares_r.get(k, 0 if probe else None))
         if d is None:
             continue
         kr = {m: s[d] for m, s in ref.items()}
@@ -249,10 +253,6 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, in_order: d
         return None, ""
     alike = [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]
     shared = [k for k in dim_of if k in shares_c or k in shares_r]
-    if alike and (not shared or in_order["known"]):
-        # grouped alike, and no dp ranks that could have been dealt samples, or an earlier
-        # step grouped alike had its samples in the same order
-        return None, ""
     perm, aligned_by = align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,
                                      rows_r, rows_c)
     if perm is None:
@@ -267,10 +267,16 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, in_order: d
         elif (n := round_robin(rc, at_r, mb_r, ph_r, catalog, k, dim_of[k], rows_r, inverse)):
             dealt = (rc.name, n)
     if alike and dealt is None:
-        # the same grouping, the same order (or an order no sampler deals)
-        in_order["known"] = aligned_by.startswith("samples aligned") and np.array_equal(
-            perm, np.arange(len(perm)))
-        return None, ""
+        # the same grouping, and the same order (or one no sampler deals: compared as it is)
+        if np.array_equal(perm, np.arange(len(perm))) or not aligned_by.startswith(
+                "samples aligned"):
+            return None, ""
+        moved = int(np.count_nonzero(perm != np.arange(len(perm))))
+        return None, (f"{cc.name} holds {rc.name}'s samples in another order ({moved} of "
+                      f"{len(perm)} moved; {aligned_by}), one that no sampler's dealing to dp "
+                      "ranks explains (shuffled, or microbatches fed in another order): the "
+                      "per-microbatch keys are compared as they are and differ where the order "
+                      "does")
     return StepPlan(step, dim_of, rows_r, rows_c, perm, aligned_by, dealt), ""
 
 

@@ -16,6 +16,7 @@ Every step feeds the same 16 sequences. Cases:
 - ``ddp_rr`` (2 ranks): the 16 dealt round-robin (rank r takes sequences r, r+2, ...), as
   DistributedSampler does, in 2 local microbatches of 4;
 - ``ddp_rr1`` (2 ranks): dealt round-robin, one local microbatch of 8 (grouped as acc1 is);
+- ``shuffled``: one process, one microbatch of 16, the sequences in another order (reversed);
 - ``ddp_rr_bug`` (2 ranks): as ddp_rr, but rank 1's ``layers.1`` adds 1e-3 to its output in
   its local microbatch 0 of step 0.
 """
@@ -93,9 +94,11 @@ def train(case: str, run: str) -> None:
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     agent = agents.attach(model, run=run)
-    n_local = {"acc1": 1, "ddp_rr1": 1}.get(case, 4 if world == 1 else 2)
+    n_local = {"acc1": 1, "ddp_rr1": 1, "shuffled": 1}.get(case, 4 if world == 1 else 2)
     for step in range(STEPS):
         tokens = step_tokens(step)
+        if case == "shuffled":
+            tokens = tokens.flip(0)
         share = tokens[rank::world] if case.startswith("ddp_rr") else \
             tokens.chunk(world)[rank]
         state["step"] = step

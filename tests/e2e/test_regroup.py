@@ -32,7 +32,7 @@ def store(tmp_path_factory):
         single = dict(env, WORLD_SIZE="1")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             jobs = [pool.submit(run_ok, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
-                                       "acc4_bug:acc4_bug"], single),
+                                       "acc4_bug:acc4_bug", "shuffled:shuffled"], single),
                     pool.submit(run_ok, [sys.executable, str(JOB), "acc4:acc4_nopay"],
                                 dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0"))]
             run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -135,3 +135,15 @@ def test_a_bug_on_a_round_robin_rank_is_found_at_its_rows(store):
         "layers.1", "fwd", 0)
     assert first["cause"]["kind"] == "introduced", first["cause"]
     assert [d["ranks"] for d in first["pieces"]["differ"]] == [[1]], first["pieces"]
+
+
+def test_samples_in_an_order_no_sampler_deals_are_a_finding_said_as_such(store):
+    """The same sequences fed in another order (reversed) are not re-aligned: the activations
+    breach, and the report says the samples were reordered rather than leaving the user to
+    guess from the first module that differs."""
+    code, report = compare_json(store, "acc1", "shuffled")
+    assert code == 1
+    warnings = " ".join(report["warnings"])
+    assert "shuffled holds acc1's samples in another order (16 of 16 moved" in warnings, warnings
+    assert "compared as they are" in warnings
+    assert report["summary"]["verdicts"]["diverged"] > 0
