@@ -194,7 +194,9 @@ def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int,
     a sequence-first tensor or an RNN's hidden state; a tensor without that dim: 0).
 
     The logical tensor is the concatenation of all dp ranks' local tensors on that dim, in
-    dp-rank order (the order a DistributedSampler feeds them). A 0-dim tensor (a per-rank scalar
+    dp-rank order: each rank's consecutive share of the batch. (A DistributedSampler deals the
+    samples in turn instead; the auditor recognizes that order from the rows themselves,
+    docs/comparison.md section 1a.) A 0-dim tensor (a per-rank scalar
     loss) becomes element ``dp_rank`` of a logical vector of ``dp_size`` elements.
     """
     local_shape = tuple(int(s) for s in local_shape)
