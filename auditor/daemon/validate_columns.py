@@ -41,6 +41,8 @@ def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: f
     whose record is not marked otherwise, so records with a payload are not all rebuilt and
     checked one by one (that cost ~50 us a payload)."""
     n = c.n
+    if n == 0:  # an empty batch breaks no record rule (and the array code below needs rows)
+        return np.zeros(0, np.int64)
     cols = c.cols
     flags = cols["flags"]
     none = (flags & IS_NONE) != 0

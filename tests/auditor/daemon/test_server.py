@@ -115,6 +115,15 @@ def test_round_trip(auditor_server, auditor_stub):
         reader.close()
 
 
+def test_an_empty_batch_is_acked_and_the_stream_goes_on(auditor_server, auditor_stub):
+    """A batch of no records breaks no rule: acked with nothing stored, and the next batch on
+    the stream is stored (it was UNAVAILABLE 'unexpected ValueError' from the column checks)."""
+    registered(auditor_stub, session_id="e0")
+    acks = ingest(auditor_stub, [batch(1, [], session_id="e0"),
+                                 batch(2, [record(0, 0, "layers.0")], session_id="e0")])
+    assert [(a.acked_seq, a.stored) for a in acks] == [(1, 0), (2, 1)]
+
+
 def test_ack_only_after_commit(auditor_server, auditor_stub):
     """Each ack is read back through a separate connection before the next batch is sent."""
     registered(auditor_stub)
