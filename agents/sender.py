@@ -30,6 +30,7 @@ from wire.packed import RecordColumns, concat, empty
 from wire.sealed import sealed_batch
 from wire.spool import SpoolWriter
 from wire.tls import TLSConfig
+from wire.version import package_version
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -357,6 +358,7 @@ class Sender:
             host=i.host, local_rank=i.local_rank, dtype=i.dtype, seed=i.seed,
             job_id=i.job_id, rename_if_taken=self.config.rename_if_taken,
             grad_scale=i.grad_scale, grad_scale_source=i.grad_scale_source[:256],
+            agent_version=package_version()[:256],
         )
         req.mesh_shape.extend(i.mesh_shape)
         req.mesh_dim_names.extend(i.mesh_dim_names)

@@ -180,7 +180,7 @@ class Record(_message.Message):
     def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source")
+    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source", "agent_version")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class RegisterRequest(_message.Message):
     RENAME_IF_TAKEN_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     run: str
     session_id: str
@@ -226,7 +227,8 @@ class RegisterRequest(_message.Message):
     rename_if_taken: bool
     grad_scale: float
     grad_scale_source: str
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ...) -> None: ...
+    agent_version: str
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "acked_seq", "run", "packed_batches", "packed_payloads")
@@ -426,7 +428,7 @@ class DescribeRunRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "session_id", "mesh_coordinate", "stages", "host", "records_stored", "records_sent", "records_dropped", "closed", "dropped_by_reason")
+    __slots__ = ("rank", "session_id", "mesh_coordinate", "stages", "host", "records_stored", "records_sent", "records_dropped", "closed", "dropped_by_reason", "agent_version")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +446,7 @@ class RankInfo(_message.Message):
     RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session_id: str
     mesh_coordinate: _containers.RepeatedScalarFieldContainer[int]
@@ -454,7 +457,8 @@ class RankInfo(_message.Message):
     records_dropped: int
     closed: bool
     dropped_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, rank: _Optional[int] = ..., session_id: _Optional[str] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., records_stored: _Optional[int] = ..., records_sent: _Optional[int] = ..., records_dropped: _Optional[int] = ..., closed: _Optional[bool] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    agent_version: str
+    def __init__(self, rank: _Optional[int] = ..., session_id: _Optional[str] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., records_stored: _Optional[int] = ..., records_sent: _Optional[int] = ..., records_dropped: _Optional[int] = ..., closed: _Optional[bool] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class PhaseCount(_message.Message):
     __slots__ = ("phase", "sites", "records", "none_records")

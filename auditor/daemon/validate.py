@@ -104,6 +104,7 @@ def validate_register(req: pb.RegisterRequest) -> None:
         raise ValidationError("grad_scale", f"{req.grad_scale} is not a finite number >= 0 "
                                             "(0 = not declared)")
     _check_text(req.grad_scale_source, "grad_scale_source")
+    _check_text(req.agent_version, "agent_version")
     if len(req.labels) > limits.MAX_LABELS:
         raise TooLarge("labels", f"{len(req.labels)} entries exceed the limit of {limits.MAX_LABELS}")
     for k, v in req.labels.items():

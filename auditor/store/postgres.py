@@ -66,7 +66,9 @@ CREATE TABLE IF NOT EXISTS sessions (
     acked_seq BIGINT NOT NULL DEFAULT 0, closed DOUBLE PRECISION, records_sent BIGINT,
     records_dropped BIGINT, capture_errors BIGINT, dropped_by_reason TEXT,
     job_id TEXT NOT NULL DEFAULT '', grad_scale DOUBLE PRECISION NOT NULL DEFAULT 0,
-    grad_scale_source TEXT NOT NULL DEFAULT '');
+    grad_scale_source TEXT NOT NULL DEFAULT '', agent_version TEXT NOT NULL DEFAULT '');
+-- a database made before sessions carried the agent's version gets the column ('' = unknown)
+ALTER TABLE sessions ADD COLUMN IF NOT EXISTS agent_version TEXT NOT NULL DEFAULT '';
 CREATE TABLE IF NOT EXISTS sites (site_id BIGSERIAL PRIMARY KEY, name TEXT UNIQUE NOT NULL);
 CREATE TABLE IF NOT EXISTS records (
     record_id BIGSERIAL PRIMARY KEY, run_id BIGINT NOT NULL,
@@ -220,7 +222,7 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
     return conn
 
 
-_ADDED_COLUMNS = (("records", "flat", "0::bigint"),)
+_ADDED_COLUMNS = (("records", "flat", "0::bigint"), ("sessions", "agent_version", "''::text"))
 """Columns added to the schema after stores were made: (table, column, default)."""
 
 
@@ -334,11 +336,11 @@ class PgStore:
             return existing[2], name
         self.raw.execute(
             "INSERT INTO sessions (session_id, run_id, rank, local_rank, host, mesh_coordinate,"
-            " stages, registered, job_id, grad_scale, grad_scale_source)"
-            " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+            " stages, registered, job_id, grad_scale, grad_scale_source, agent_version)"
+            " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
             (req.session_id, run_id, req.rank, req.local_rank, req.host,
              json.dumps(list(req.mesh_coordinate)), json.dumps(list(req.stages)), time.time(),
-             req.job_id, req.grad_scale, req.grad_scale_source))
+             req.job_id, req.grad_scale, req.grad_scale_source, req.agent_version))
         return 0, name
 
     def session(self, session_id: str, *, lock: bool = False) -> tuple[int, int, int]:

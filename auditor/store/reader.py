@@ -89,12 +89,12 @@ class Reader:
             "SELECT s.session_id, s.rank, s.local_rank, s.host, s.mesh_coordinate, s.stages,"
             " s.registered, s.acked_seq, s.closed, s.records_sent, s.records_dropped,"
             " s.capture_errors, s.dropped_by_reason,"
-            " (SELECT COUNT(*) FROM records r WHERE r.session_id = s.session_id)"
+            " (SELECT COUNT(*) FROM records r WHERE r.session_id = s.session_id), s.agent_version"
             " FROM sessions s WHERE s.run_id = ? ORDER BY s.rank, s.registered", (run_id,)
         )
         keys = ("session_id", "rank", "local_rank", "host", "mesh_coordinate", "stages",
                 "registered", "acked_seq", "closed", "records_sent", "records_dropped",
-                "capture_errors", "dropped_by_reason", "records_stored")
+                "capture_errors", "dropped_by_reason", "records_stored", "agent_version")
         out = []
         for row in cur:
             s = dict(zip(keys, row))

@@ -29,9 +29,10 @@ from wire.packed import RecordColumns, batch_columns, content_hashes, from_recor
 from auditor.store.files import APPLICATION_ID, check_store_file
 from auditor.store import key_segments
 
-SCHEMA_VERSION = 2
-"""2 added the reduction columns of records and the job and gradient scale of sessions; a store
-of version 1 is upgraded in place when opened for writing (`_upgrade`)."""
+SCHEMA_VERSION = 3
+"""2 added the reduction columns of records and the job and gradient scale of sessions, 3 the
+agent version of sessions; a store of an earlier version is upgraded in place when opened for
+writing (`_upgrade`) and read through views that supply the defaults when opened read-only."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -65,7 +66,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     dropped_by_reason TEXT,
     job_id TEXT NOT NULL DEFAULT '',
     grad_scale REAL NOT NULL DEFAULT 0,
-    grad_scale_source TEXT NOT NULL DEFAULT ''
+    grad_scale_source TEXT NOT NULL DEFAULT '',
+    agent_version TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS sites (site_id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL);
 CREATE TABLE IF NOT EXISTS records (
@@ -139,6 +141,7 @@ _ADDED_COLUMNS = (
     ("sessions", "job_id", "TEXT NOT NULL DEFAULT ''"),
     ("sessions", "grad_scale", "REAL NOT NULL DEFAULT 0"),
     ("sessions", "grad_scale_source", "TEXT NOT NULL DEFAULT ''"),
+    ("sessions", "agent_version", "TEXT NOT NULL DEFAULT ''"),
     ("records", "reduce", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "reduce_weight", "REAL NOT NULL DEFAULT 1"),
     ("records", "reduce_index", "INTEGER NOT NULL DEFAULT 0"),
@@ -317,11 +320,11 @@ class Store:
             return existing[2], name
         self.conn.execute(
             "INSERT INTO sessions (session_id, run_id, rank, local_rank, host, mesh_coordinate,"
-            " stages, registered, job_id, grad_scale, grad_scale_source)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            " stages, registered, job_id, grad_scale, grad_scale_source, agent_version)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (req.session_id, run_id, req.rank, req.local_rank, req.host,
              json.dumps(list(req.mesh_coordinate)), json.dumps(list(req.stages)), time.time(),
-             req.job_id, req.grad_scale, req.grad_scale_source),
+             req.job_id, req.grad_scale, req.grad_scale_source, req.agent_version),
         )
         return 0, name
 

@@ -59,6 +59,7 @@ def describe_run(reader: Reader, name: str) -> pb.DescribeRunResponse:
             records_dropped=s["records_dropped"] if closed else -1,
             closed=closed,
             dropped_by_reason=s["dropped_by_reason"],
+            agent_version=s["agent_version"],
         ))
     for phase, sites, records, none_records in reader.phase_counts(name):
         resp.phases.append(pb.PhaseCount(phase=phase, sites=sites, records=records,
