@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 BUILD   := build
 INJECT  ?=
 
-.PHONY: audit test test-fast bench proto clean kernels postgres
+.PHONY: audit test test-fast bench proto clean kernels postgres chromium
 
 # The fused CPU digest kernel (agents/kernels/): built here, never inside training. If it cannot
 # be built the agent warns once and uses the eager digest.
@@ -41,13 +41,31 @@ else
 	@true
 endif
 
+# Headless Chromium for the browser tests of the HTML report (tests/browser.py runs it with
+# --dump-dom and --screenshot; nothing is configured system-wide). Installed from the
+# distribution's packages when missing; the browser tests fail, saying why, when it still cannot
+# start (NUMAUDIT_BROWSER=skip skips them explicitly).
+CHROMIUM := $(firstword $(foreach b,chromium chromium-browser google-chrome,$(shell command -v $(b) 2>/dev/null)))
+
+chromium:
+ifeq ($(CHROMIUM),)
+	@if [ "$$NUMAUDIT_BROWSER" = skip ]; then echo "make: NUMAUDIT_BROWSER=skip: not installing Chromium"; \
+	elif command -v apt-get >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium \
+	  || echo "make: could not install chromium; the browser tests will fail saying so"; \
+	else echo "make: no chromium and no apt-get: install Chromium for the browser tests"; fi
+else
+	@true
+endif
+
 audit: $(STAMP) $(KERNEL)
 	$(PY) -m examples.audit --build $(BUILD) $(if $(INJECT),--inject $(INJECT))
 
-test: $(STAMP) $(KERNEL) postgres
+test: $(STAMP) $(KERNEL) postgres chromium
 	$(PY) -m pytest -q --durations=15
 
-test-fast: $(STAMP) $(KERNEL) postgres
+test-fast: $(STAMP) $(KERNEL) postgres chromium
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP) $(KERNEL)

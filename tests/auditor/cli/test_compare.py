@@ -42,7 +42,7 @@ def test_exit_codes(db):
 @pytest.mark.parametrize("args, message", [
     (("compare", "ref", "nope"), "no run named 'nope'"),
     (("compare", "ref", "same", "--address", "127.0.0.1:1"), "either --db or --address"),
-    (("compare", "ref", "same", "--format", "html"), "html"),
+    (("compare", "ref", "same", "--format", "pdf"), "pdf"),
     (("compare", "ref", "same", "-o", "/nonexistent/dir/report.txt"), "does not exist"),
 ])
 def test_usage_and_input_errors_exit_2_in_one_line(db, args, message):
