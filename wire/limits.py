@@ -123,6 +123,10 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),  # 0 = never GOAWAY for pings
         ("grpc.so_reuseport", 0),  # port 0 must mean a port of our own
+        # A stream whose handler has not asked for a message is held to the 64 KiB stream window
+        # (BDP probing would grow it): what the daemon receives is bounded by its receive slots
+        # (auditor/daemon/receive_slots.py). A read still opens the window to the whole message.
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 

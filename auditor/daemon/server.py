@@ -26,18 +26,22 @@ import functools
 import logging
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from wire import limits
 from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBusy
 from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
+from auditor.daemon.reflection import enable_reflection
 from auditor.daemon import reads
+from auditor.daemon.metrics import DaemonMetrics
+from auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
+from auditor.daemon.ingest_wait import next_batch
 from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
 from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
 from wire.packed import RecordColumns, content_hashes
@@ -172,8 +176,9 @@ def _rpc(kind: str) -> Callable:
     def decorate(fn: Callable) -> Callable:
         method = f"{SERVICE_NAME}/{fn.__name__}"
 
-        async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        async def abort(context: grpc.aio.ServicerContext, exc: Exception, self: Any) -> None:
             code, details = status_for(exc, method)
+            self.metrics.refused(fn.__name__, code.name, exc)
             if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
                 log.info("%s refused: %s %s", method, code.name, details)
             await context.abort(code, details)
@@ -186,7 +191,7 @@ def _rpc(kind: str) -> Callable:
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
-                    await abort(context, exc)
+                    await abort(context, exc, self)
             return unary
 
         @functools.wraps(fn)
@@ -198,20 +203,13 @@ def _rpc(kind: str) -> Callable:
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await abort(context, exc)
+                await abort(context, exc, self)
         return streaming
 
     return decorate
 
 
 # -- The service ---------------------------------------------------------------------------------
-
-def _abandon(task: asyncio.Future) -> None:
-    """Cancel a task nobody will await, and retrieve its outcome so that asyncio does not log
-    "Task exception was never retrieved" (StopAsyncIteration of a stream that ended meanwhile)."""
-    task.cancel()
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
 
 def _validate_and_hash(batch: pb.RecordBatch) -> tuple[RecordColumns, list[bytes]]:
     """The batch's records as columns (packed and per record), validated, and their hashes."""
@@ -224,7 +222,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
 
     def __init__(self, writer: StoreWriter, db_path: str | Path,
                  pool: concurrent.futures.Executor, *,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, metrics: DaemonMetrics | None = None) -> None:
         """`pool` validates batches (the ingest path only); reads, watches and comparisons run
         in worker processes (`auditor.daemon.workers`), so that they can never delay an ack."""
         self._writer = writer
@@ -232,6 +230,10 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         self._pool = pool
         self._limits = limits or ServerLimits()
         self._admission = Admission(self._limits)
+        self.metrics = metrics or DaemonMetrics()
+        self._slots = ReceiveSlots.for_budget(self._limits.max_inflight_bytes,
+                                              on_evict=self.metrics.evictions.inc)
+        self.metrics.watch_admission(self._admission, self._slots)
         self._read_workers = Workers("Read", self._limits.read_processes)
         self._stopping = asyncio.Event()
 
@@ -265,28 +267,10 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                 reader.close()
         return await self._offload(run)
 
-    async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch]) -> pb.RecordBatch:
-        """The next batch; ShuttingDown when the daemon stops first, IdleStream after the idle
-        timeout, StopAsyncIteration at the end of the stream."""
-        if self._stopping.is_set():
-            raise ShuttingDown()
-        nxt = asyncio.ensure_future(batches.__anext__())
-        stop = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED,
-                               timeout=self._limits.idle_stream_s or None)
-        except BaseException:  # the call was cancelled (the agent closed it) while we waited
-            _abandon(nxt)
-            raise
-        finally:
-            stop.cancel()
-        if not nxt.done():
-            _abandon(nxt)
-            if self._stopping.is_set():
-                raise ShuttingDown()
-            raise IdleStream(f"Ingest: no batch for {self._limits.idle_stream_s:g} s; the stream "
-                             "is closed (reconnect to send more)")
-        return nxt.result()  # StopAsyncIteration at the end of the stream
+    async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch],
+                            slot: StreamSlot) -> pb.RecordBatch:
+        return await next_batch(batches, slot, self._slots, self._stopping,
+                                self._limits.idle_stream_s, ShuttingDown)
 
     @_rpc("unary_unary")
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
@@ -302,21 +286,27 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     @_rpc("stream_stream")
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
                      context: Any) -> AsyncIterator[pb.Ack]:
-        with self._admission.ingest_stream():
+        slot = StreamSlot()
+        with self._admission.ingest_stream(), contextlib.ExitStack() as leave:
+            leave.callback(self._slots.release, slot)
             while True:
                 try:
-                    batch = await self._next_or_stop(request_iterator)
+                    batch = await self._next_or_stop(request_iterator, slot)
                 except StopAsyncIteration:
                     return
-                async with self._admission.bytes_in_flight(batch.ByteSize()):
+                t0, nbytes = time.monotonic(), batch.ByteSize()
+                async with self._admission.bytes_in_flight(nbytes):
+                    self._slots.release(slot)
                     cols, hashes = await self._offload(_validate_and_hash, batch)
+                    session, seq = batch.session_id, batch.seq
                     result = await self._commit(
-                        lambda store, b=batch, c=cols, h=hashes:
-                        store.ingest_columns(b.session_id, b.seq, c, h))
-                log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d",
-                          batch.session_id, batch.seq, result.stored, result.duplicates,
-                          result.conflicts)
-                yield pb.Ack(session_id=batch.session_id, acked_seq=result.acked_seq,
+                        lambda store, c=cols, h=hashes: store.ingest_columns(session, seq, c, h))
+                    del batch, cols, hashes  # not held while the stream waits for the next one
+                log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d", session, seq,
+                          result.stored, result.duplicates, result.conflicts)
+                self.metrics.acked(nbytes, result.stored, result.duplicates, result.conflicts,
+                                   time.monotonic() - t0)
+                yield pb.Ack(session_id=session, acked_seq=result.acked_seq,
                              stored=result.stored, duplicates=result.duplicates,
                              conflicts=result.conflicts)
 
@@ -327,6 +317,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         stored = await self._commit(lambda store: store.close_session(request))
         log.info("closed session=%s sent=%d dropped=%d stored=%d", request.session_id,
                  request.records_sent, request.records_dropped, stored)
+        self.metrics.dropped.inc(request.records_dropped)
         return pb.CloseSessionResponse(records_stored=stored)
 
     @_rpc("unary_unary")
@@ -344,7 +335,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     async def Compare(self, request: pb.CompareRequest, context: Any) -> bytes:
         from auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
 
-        return await rpc_compare.compare(self, request, context)
+        with self.metrics.compare_seconds.time():
+            return await rpc_compare.compare(self, request, context)
 
     @_rpc("unary_stream")
     async def Watch(self, request: pb.WatchRequest,
@@ -401,8 +393,11 @@ def _check_synchronous(synchronous: str) -> str:
 async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numaudit.db", *,
                 synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
                 tokens: Tokens | None = None, tls: ServerTLS | None = None,
-                server_limits: ServerLimits | None = None) -> AsyncIterator[str]:
+                server_limits: ServerLimits | None = None, metrics: DaemonMetrics | None = None,
+                metrics_listen: str | None = None) -> AsyncIterator[str]:
     """Runs the daemon while the block runs; yields the bound address ("HOST:PORT").
+    With `metrics_listen` the metrics (`metrics`, or its own) are served over HTTP there and
+    `metrics.address` is the bound address (docs/metrics.md).
 
     `listen` may use port 0 (the yielded address has the real port). With `tokens` every Auditor
     call needs a token of the file with the right scope (health and reflection stay open); with
@@ -416,7 +411,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
     writer = await asyncio.to_thread(open_writer, db_path, synchronous=level)
     pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
                                                  thread_name_prefix="numaudit-validate")
-    service = AuditorService(writer, db_path, pool, limits=server_limits)
+    service = AuditorService(writer, db_path, pool, limits=server_limits, metrics=metrics)
     interceptors = []
     if tokens is not None:
         async def session_run(session_id: str) -> str:
@@ -431,8 +426,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), server)
+        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)  # v1 and v1alpha
         if credentials is not None:
             try:
                 port = server.add_secure_port(listen, credentials)
@@ -458,6 +452,8 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
                         "access=%s db=%s synchronous=%s", address,
                         ": tokens cross the network in clear" if tokens is not None else "",
                         access, describe(db_path), level)
+        if metrics_listen:
+            service.metrics.serve_http(metrics_listen)
         yield address
     finally:
         log.info("stopping: no new calls, %.1f s grace for in-flight ones", grace)
@@ -467,6 +463,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
         await server.stop(grace)
         await asyncio.to_thread(writer.close)
         service.close()
+        service.metrics.close()
         pool.shutdown(wait=True)
         log.info("stopped; store flushed and closed")
 
@@ -481,10 +478,12 @@ class BackgroundServer:
     def __init__(self, listen: str = "127.0.0.1:0", db_path: str | Path = "numaudit.db", *,
                  synchronous: str = "FULL", grace: float = limits.SHUTDOWN_GRACE_S,
                  tokens: Tokens | None = None, tls: ServerTLS | None = None,
-                 server_limits: ServerLimits | None = None) -> None:
+                 server_limits: ServerLimits | None = None,
+                 metrics: DaemonMetrics | None = None, metrics_listen: str | None = None) -> None:
         self.listen, self.db_path = listen, store_location(db_path)
         self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls,
-                            server_limits=server_limits)
+                            server_limits=server_limits, metrics=metrics,
+                            metrics_listen=metrics_listen)
         self.address = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None

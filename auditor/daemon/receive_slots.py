@@ -1,0 +1,136 @@
+"""Receive slots: how many Ingest streams may be receiving a batch at once.
+
+gRPC core accepts a whole message (up to `wire.limits.MAX_MESSAGE_BYTES`) for every stream whose
+handler is waiting for its next message, before any admission check can see its size: 24 streams
+each sending a 40 MiB batch put ~1.8 GB in the daemon although `max_inflight_bytes` was 512 MiB.
+So a stream asks for the next message only while it holds one of `slots` receive slots, and keeps
+the slot until its batch is admitted to the in-flight budget (`Admission.bytes_in_flight`). A
+stream without a slot has not asked gRPC for a message: HTTP/2 flow control holds its sender to
+the stream window (64 KiB, BDP probing off: `wire.limits.server_options`).
+
+Agents keep one long-lived stream per rank and it waits for the next batch holding its slot. So
+when streams wait for a slot, every `evict_after_s` the streams that have held a slot without
+receiving anything for that long are ended (`IdleStream`, UNAVAILABLE: the agent reconnects and
+resends, nothing is lost), at most one per waiter. Streams that have delivered a batch before get
+freed slots first (a flood of streams that never send cannot starve working agents). The trade-off
+is documented in docs/reliability.md ("Memory bounded by what is in flight").
+
+Pure bookkeeping on the event loop, like `admission`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Callable
+
+from wire import limits
+
+
+class StreamSlot:
+    """One Ingest stream's place: whether it holds a slot, since when it waits for a message,
+    and the event that ends it when its slot is taken back."""
+
+    __slots__ = ("holding", "reading_since", "batches", "evicted", "_grant")
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.reading_since: float | None = None
+        self.batches = 0
+        self.evicted = asyncio.Event()
+        self._grant: asyncio.Future | None = None
+
+
+class ReceiveSlots:
+    """`slots` streams at most receive (or hold a received, not yet admitted batch) at once."""
+
+    def __init__(self, slots: int, evict_after_s: float = 1.0,
+                 on_evict: Callable[[], None] | None = None) -> None:
+        self.slots = max(1, slots)
+        self.evict_after_s = evict_after_s
+        self.held = 0
+        self._holders: set[StreamSlot] = set()
+        self._waiters: dict[StreamSlot, tuple[int, int]] = {}
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._on_evict = on_evict
+
+    @classmethod
+    def for_budget(cls, inflight_bytes: int, **kw) -> "ReceiveSlots":
+        """As many slots as whole messages of the largest size fit in the in-flight budget."""
+        return cls(inflight_bytes // limits.MAX_MESSAGE_BYTES, **kw)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, stream: StreamSlot) -> None:
+        """Waits for a slot (cancellable); the stream holds it until `release`."""
+        if stream.holding:
+            return
+        if self.held < self.slots and not self._waiters:
+            self._take(stream)
+            return
+        stream._grant = asyncio.get_running_loop().create_future()
+        self._waiters[stream] = (0 if stream.batches else 1, next(self._order))
+        self._arm()
+        try:
+            await stream._grant
+        except BaseException:
+            if stream._grant.done() and not stream._grant.cancelled():
+                self.release(stream)  # granted just as the wait was cancelled
+            raise
+        finally:
+            self._waiters.pop(stream, None)
+            stream._grant = None
+
+    def reading(self, stream: StreamSlot) -> None:
+        """The stream, holding its slot, now waits for gRPC's next message."""
+        stream.reading_since = time.monotonic()
+
+    def received(self, stream: StreamSlot) -> None:
+        stream.reading_since = None
+        stream.batches += 1
+
+    def release(self, stream: StreamSlot) -> None:
+        """Gives the slot back (idempotent) and hands it to the best waiter."""
+        stream.reading_since = None
+        if not stream.holding:
+            return
+        stream.holding = False
+        self._holders.discard(stream)
+        self.held -= 1
+        self._grant_next()
+
+    def _take(self, stream: StreamSlot) -> None:
+        stream.holding = True
+        self._holders.add(stream)
+        self.held += 1
+
+    def _grant_next(self) -> None:
+        while self.held < self.slots and self._waiters:
+            stream = min(self._waiters, key=self._waiters.__getitem__)
+            del self._waiters[stream]
+            if stream._grant is not None and not stream._grant.done():
+                self._take(stream)
+                stream._grant.set_result(None)
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.evict_after_s, self._tick)
+
+    def _tick(self) -> None:
+        """Ends streams that hold a slot idle, one per waiter, oldest first."""
+        self._timer = None
+        if not self._waiters:
+            return
+        now = time.monotonic()
+        idle = sorted((s.reading_since, id(s), s) for s in self._holders
+                      if s.reading_since is not None and not s.evicted.is_set()
+                      and now - s.reading_since >= self.evict_after_s)
+        for _, _, stream in idle[:len(self._waiters)]:
+            stream.evicted.set()
+            if self._on_evict is not None:
+                self._on_evict()
+        self._arm()
