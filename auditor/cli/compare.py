@@ -1,10 +1,12 @@
 """`auditor compare` and `auditor watch` (registered on `auditor.cli.main`).
 
-    auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit]
-                             [-o FILE] [--json-output FILE] [--all] [--limit N]
+    auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit|html]
+                             [-o FILE] [--json-output FILE] [--html-output FILE] [--all]
+                             [--limit N]
                              [--store PATH|URL | --address HOST:PORT]
     auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
-                           [--poll S] [--timeout S] [--store PATH|URL | --address HOST:PORT]
+                           [--poll S] [--timeout S] [--wait [--wait-timeout S]]
+                           [--store PATH|URL | --address HOST:PORT]
 
 Exit codes: 0 = every finding within policy, 1 = some finding breaches it, 2 = usage or input
 error (one line on stderr). With --address the daemon compares (the Compare RPC) and the report
@@ -26,6 +28,7 @@ import grpc
 from auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, StoreSource, client_tls, main,
                          store_or_address, tls_options)
 from auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
+from auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
 from auditor.store import UnknownRun
 from protos import numaudit_pb2 as pb
 
@@ -81,32 +84,40 @@ def _width() -> int:
 @click.argument("ref")
 @click.argument("cand")
 @_policy_options
-@click.option("--format", "fmt", type=click.Choice(["text", "json", "junit"]), default="text",
-              show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "junit", "html"]),
+              default="text", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the report here instead of stdout.")
 @click.option("--json-output", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the JSON report to this file, whatever --format (one comparison "
                    "for a log and an artifact).")
+@click.option("--html-output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the HTML report (docs/report-html.md) to this file, whatever "
+                   "--format.")
 @click.option("--all", "show_all", is_flag=True, help="Text: list passing findings too.")
 @click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
               show_default=True, help="Text: findings listed per phase and stage (0 = all).")
 @_sources
 @tls_options
 def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
-            output: Path | None, json_output: Path | None, show_all: bool, limit: int,
+            output: Path | None, json_output: Path | None, html_output: Path | None,
+            show_all: bool, limit: int,
             db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
             tls_cert: str | None, tls_key: str | None) -> int:
     """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
     policy, policy_text = _load_policy(policy_file, preset)
-    for name, path in (("output", output), ("json-output", json_output)):
+    outputs = (("output", output), ("json-output", json_output), ("html-output", html_output))
+    for name, path in outputs:
         if path is not None and not path.parent.is_dir():
             raise InputError(f"{name}: directory {path.parent} does not exist")
-    if output is not None and json_output is not None and output.resolve() == json_output.resolve():
-        raise InputError(f"json-output: {json_output} is also the --output file")
+    seen: dict[Path, str] = {}
+    for name, path in outputs:
+        if path is not None and seen.setdefault(path.resolve(), name) != name:
+            raise InputError(f"{name}: {path} is also the --{seen[path.resolve()]} file")
     remote_json: str | None = None
     from auditor.compare.columns import KeyRangeError
     from auditor.compare.engine import compare_runs
+    from auditor.report.html import render_html, to_html
     from auditor.report.junit import render_junit, to_junit
     from auditor.report.text import render_text, to_text
 
@@ -118,8 +129,11 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
             except (UnknownRun, KeyRangeError) as exc:
                 raise InputError(str(exc)) from None
             exit_code = report.exit_code
+            html_text = to_html(report) if fmt == "html" or html_output is not None else None
             if fmt == "json":
                 text = None
+            elif fmt == "html":
+                text = html_text
             elif fmt == "junit":
                 text = to_junit(report)
             else:
@@ -134,8 +148,12 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
             report = None
             remote_json = resp.report_json if resp.report_json.endswith("\n") \
                 else resp.report_json + "\n"
+            html_text = render_html(doc, doc["findings"]) \
+                if fmt == "html" or html_output is not None else None
             if fmt == "json":
                 text = remote_json
+            elif fmt == "html":
+                text = html_text
             elif fmt == "junit":
                 text = render_junit(doc, doc["findings"])
             else:
@@ -150,6 +168,8 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
     _write(output, text, report)
     if json_output is not None:
         _write(json_output, remote_json, report)
+    if html_output is not None:
+        _write(html_output, html_text, report)
     return exit_code
 
 
@@ -238,11 +258,16 @@ def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: s
 @click.option("--idle-timeout", "idle", type=click.FloatRange(min=0), default=0,
               show_default=True, help="Stop after this many seconds without new keys (0 = wait "
                                       "until both runs finish).")
+@click.option("--wait", is_flag=True, help="Wait for runs not registered yet instead of "
+                                           "refusing them (see --wait-timeout).")
+@click.option("--wait-timeout", type=click.FloatRange(min=0), default=DEFAULT_WAIT_TIMEOUT_S,
+              show_default=True, help="With --wait: seconds to wait for both runs to register.")
 @_sources
 @tls_options
 def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
-          show_all: bool, poll: float, idle: float, db: Path | None, address: str | None,
-          timeout: float, tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> int:
+          show_all: bool, poll: float, idle: float, wait: bool, wait_timeout: float,
+          db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
+          tls_cert: str | None, tls_key: str | None) -> int:
     """Compare REF and CAND while they run: findings as soon as keys are final in both."""
     from auditor.compare.columns import KeyRangeError
 
@@ -250,6 +275,9 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     breaches = 0
     try:
+        if wait:
+            wait_for_runs(source, (ref, cand), timeout=wait_timeout, poll=poll,
+                          status=lambda s: _print_event(None, False, s, fmt, show_all))
         if isinstance(source, StoreSource):
             try:
                 stream = ((ev.finding.as_dict() if ev.finding else None, ev.first_divergence,

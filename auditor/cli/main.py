@@ -1,6 +1,7 @@
 """`auditor`: the daemon and the commands that read what it stored.
 
     auditor serve --listen HOST:PORT --store PATH|postgresql://... [--sync full|normal] [--port-file PATH]
+                  [--metrics-listen HOST:PORT] [--max-streams N --max-inflight-mib N ...]
                   [--tokens FILE] [--tls-cert CERT --tls-key KEY [--tls-client-ca CA]]
     auditor runs  [--store PATH|URL | --address HOST:PORT [--tls-ca CA --tls-cert C --tls-key K]]
                   [--format text|json]
@@ -41,6 +42,7 @@ from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_
 from auditor.store import Reader, StoreError, UnknownRun, check_store_file
 from auditor.store.location import describe, is_postgres_url, store_location
 from wire.tls import ServerTLS, TLSConfig, TLSError
+from auditor.cli.about import print_version
 from auditor.daemon.admission import ServerLimits
 from auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
@@ -96,6 +98,8 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=print_version,
+              help="Print the numaudit version and the wire schema version, and exit.")
 def main() -> None:
     """numaudit auditor: stores what rank agents send, and shows it."""
 
@@ -274,11 +278,14 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
 @click.option("--compare-budget", type=click.FloatRange(min=0.01),
               default=ServerLimits.compare_budget_s, show_default=True,
               help="Seconds a comparison may run before it is stopped (DEADLINE_EXCEEDED).")
+@click.option("--metrics-listen", metavar="HOST:PORT",
+              help="Serve Prometheus metrics (docs/metrics.md) over plain HTTP at "
+                   "http://HOST:PORT/metrics; port 0 picks one (written to PORT_FILE.metrics).")
 def serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
           log_level: str, tokens_file: Path | None, tls_cert: str | None, tls_key: str | None,
           tls_client_ca: str | None, max_streams: int, max_watches: int,
           max_watches_per_caller: int, max_compares: int, max_inflight_mib: int,
-          idle_timeout: float, compare_budget: float) -> None:
+          idle_timeout: float, compare_budget: float, metrics_listen: str | None) -> None:
     """Run the auditor daemon until SIGTERM or SIGINT."""
     server_limits = ServerLimits(
         max_ingest_streams=max_streams, max_watches=max_watches,
@@ -307,33 +314,45 @@ def serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace:
             log.warning("tokens: %s holds plaintext tokens and is readable by other users "
                         "(chmod 600 it, or give sha256 digests instead)", tokens_file)
     try:
-        asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls, server_limits))
+        asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls, server_limits,
+                           metrics_listen))
     except TLSError as exc:
         raise InputError(str(exc)) from None
     except StoreError as exc:  # NotAStore: a database that cannot be reached or is not a store
         raise InputError(str(exc)) from None
-    except (RuntimeError, OSError, sqlite3.Error) as exc:
+    except (RuntimeError, OSError, ValueError, sqlite3.Error) as exc:
         raise InputError(f"cannot serve on {listen} with db={describe(db)}: {exc}") from None
 
 
 async def _serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
                  tokens: Tokens | None, tls: ServerTLS | None,
-                 server_limits: ServerLimits | None = None) -> None:
+                 server_limits: ServerLimits | None = None, metrics_listen: str | None = None) -> None:
+    from auditor.daemon.metrics import DaemonMetrics
     from auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
 
+    metrics = DaemonMetrics()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with serve_daemon(listen, db, synchronous=sync, grace=grace, tokens=tokens,
-                            tls=tls, server_limits=server_limits) as address:
+                            tls=tls, server_limits=server_limits, metrics=metrics,
+                            metrics_listen=metrics_listen) as address:
+        if port_file is not None and metrics.address:  # before the port file: it means "ready"
+            _write_port(port_file.with_name(port_file.name + ".metrics"), metrics.address)
         if port_file is not None:
-            tmp = port_file.with_name(port_file.name + ".tmp")
-            tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")
-            tmp.replace(port_file)  # readers never see a half-written file
+            _write_port(port_file, address)
+        if metrics.address:
+            click.echo(f"numaudit auditor metrics on http://{metrics.address}/metrics", err=True)
         click.echo(f"numaudit auditor listening on {address} db={describe(db)}", err=True)
         await stop.wait()
         log.info("signal received, shutting down")
+
+
+def _write_port(path: Path, address: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")
+    tmp.replace(path)  # readers never see a half-written file
 
 
 # -- runs and show -------------------------------------------------------------------------------
@@ -394,7 +413,8 @@ def _summary_dict(s: pb.RunSummary) -> dict:
 def describe_dict(resp: pb.DescribeRunResponse) -> dict:
     """The JSON form of `auditor show` (sent/dropped are null while a rank is still open)."""
     ranks = [dict(rank=r.rank, session_id=r.session_id, mesh_coordinate=list(r.mesh_coordinate),
-                  stages=list(r.stages), host=r.host, stored=r.records_stored,
+                  stages=list(r.stages), host=r.host, agent_version=r.agent_version,
+                  stored=r.records_stored,
                   sent=r.records_sent if r.closed else None,
                   dropped=r.records_dropped if r.closed else None, closed=r.closed,
                   dropped_by_reason=dict(sorted(r.dropped_by_reason.items())))
@@ -439,9 +459,10 @@ def _print_describe(d: dict) -> None:
     ]
     click.echo("\n".join(lines) + "\n")
     _print_table(
-        ("rank", "mesh coordinate", "stages", "host", "stored", "sent", "dropped"),
+        ("rank", "mesh coordinate", "stages", "host", "agent", "stored", "sent", "dropped"),
         [(r["rank"], ",".join(map(str, r["mesh_coordinate"])) or "-",
-          ",".join(map(str, r["stages"])) or "-", r["host"] or "-", r["stored"],
+          ",".join(map(str, r["stages"])) or "-", r["host"] or "-", r["agent_version"] or "?",
+          r["stored"],
           "open" if r["sent"] is None else r["sent"], "open" if r["dropped"] is None else r["dropped"])
          for r in d["ranks"]],
     )
