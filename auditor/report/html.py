@@ -21,7 +21,7 @@ from auditor.compare import findings as F
 from auditor.compare.align import ROLE_NAMES, phase_name
 from auditor.compare.result import Report
 from auditor.report.html_assets import CSS, JS, SVG_DEFS
-from auditor.report.text import _run_text, summary_line
+from auditor.report.text import run_text, summary_line
 
 MAX_ROWS = 100
 """Heatmap rows per phase; more modules are bucketed into this many rows."""
@@ -196,7 +196,7 @@ def page_data(doc: dict, findings: Iterable[dict]) -> dict:
     pol = doc["policy"]
     return {
         "title": f"numaudit: {runs['ref']['name']} vs {runs['cand']['name']}",
-        "headline": f"numaudit: {_run_text(runs['ref'])} vs {_run_text(runs['cand'])}",
+        "headline": f"numaudit: {run_text(runs['ref'])} vs {run_text(runs['cand'])}",
         "policy": f"policy: {pol['name']} ({pol['source']}, sha256 {pol['sha256'][:12]})",
         "summary": summary_line(doc["summary"]), "exit_code": doc["summary"]["exit_code"],
         "runs": {side: {"name": r["name"], "world_size": r["world_size"],

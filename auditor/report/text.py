@@ -19,7 +19,8 @@ def _ranks_text(ranks: list[int]) -> str:
     return format_ranges(ranks, "-")
 
 
-def _run_text(info: dict) -> str:
+def run_text(info: dict) -> str:
+    """A run as the headline names it: "4 ranks, stages 0-3, float32" (the HTML page too)."""
     stages = info.get("stages") or []
     parts = [f"{info['world_size']} rank" + ("s" if info["world_size"] != 1 else "")]
     if len(stages) > 1:
@@ -46,7 +47,7 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
     con = Console(file=buf, width=width or 100, force_terminal=color, no_color=not color,
                   highlight=False, soft_wrap=False)
     runs, pol, summ = doc["runs"], doc["policy"], doc["summary"]
-    con.print(Text(f"numaudit: {_run_text(runs['ref'])} vs {_run_text(runs['cand'])}",
+    con.print(Text(f"numaudit: {run_text(runs['ref'])} vs {run_text(runs['cand'])}",
                    style="bold"))
     con.print(f"policy: {pol['name']} ({pol['source']}, sha256 {pol['sha256'][:12]})")
     con.print(Text(summary_line(summ), style="bold red" if summ["breaches"] else "bold green"))
