@@ -31,12 +31,7 @@ PG_INITDB := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb) $(shell co
 
 postgres:
 ifeq ($(PG_INITDB),)
-	@if [ "$$NUMAUDIT_PG" = skip ]; then echo "make: NUMAUDIT_PG=skip: not installing PostgreSQL"; \
-	elif command -v apt-get >/dev/null; then \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q postgresql \
-	  || echo "make: could not install postgresql; the PostgreSQL tests will fail saying so"; \
-	else echo "make: no initdb and no apt-get: install PostgreSQL server binaries for the PG tests"; fi
+	@bash tests/apt_install.sh postgresql NUMAUDIT_PG "the PostgreSQL tests"
 else
 	@true
 endif
@@ -49,12 +44,7 @@ CHROMIUM := $(firstword $(foreach b,chromium chromium-browser google-chrome,$(sh
 
 chromium:
 ifeq ($(CHROMIUM),)
-	@if [ "$$NUMAUDIT_BROWSER" = skip ]; then echo "make: NUMAUDIT_BROWSER=skip: not installing Chromium"; \
-	elif command -v apt-get >/dev/null; then \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium \
-	  || echo "make: could not install chromium; the browser tests will fail saying so"; \
-	else echo "make: no chromium and no apt-get: install Chromium for the browser tests"; fi
+	@bash tests/apt_install.sh chromium NUMAUDIT_BROWSER "the browser tests"
 else
 	@true
 endif
