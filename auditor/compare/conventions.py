@@ -173,14 +173,10 @@ def _median_ratio(comp: Comparison, keys: np.ndarray) -> float:
     return float(np.median(r)) if len(r) else float("nan")
 
 
-def _dp_count(comp: Comparison, side: str) -> int:
-    return factors._dp_size(comp, side)
-
-
 def _loss_warning(comp: Comparison, side: str, ratios: dict) -> str:
     name = comp.cand.name if side == "cand" else comp.ref.name
     other = comp.ref.name if side == "cand" else comp.cand.name
-    n = _dp_count(comp, side)
+    n = factors.dp_size(comp, side)
     return (f"{name}'s per-rank losses are sums over its {n} dp ranks, not means: merged as a "
             f"sum they equal {other}'s loss (as a mean, the default for phase loss"
             f"{_times(ratios['mean'], ', x')}), and the parameter gradients agree; its losses "
@@ -202,7 +198,7 @@ def _loss_refusal(comp: Comparison, side: str, ratios: dict, summed: Comparison,
     the gradients cannot vouch for the step."""
     name = comp.cand.name if side == "cand" else comp.ref.name
     other = comp.ref.name if side == "cand" else comp.cand.name
-    n = _dp_count(comp, side)
+    n = factors.dp_size(comp, side)
     loss = _compared(summed, LOSS)
     held = int(np.count_nonzero(~summed.breach[loss]))
     if summed.breach.any() and held and grads_why:

@@ -98,7 +98,7 @@ def run_counts(comp: Comparison, phase: int) -> list[Count]:
         cols = comp.cand if side == "cand" else comp.ref
         name = cols.name
         labels = comp.labels.get(side, {})
-        dp = _dp_size(comp, side)
+        dp = dp_size(comp, side)
         if dp > 1:
             out.append(Count(dp, f"dp ranks of {name}", (
                 "gradients summed over the dp ranks where they should be averaged, or averaged "
@@ -126,7 +126,7 @@ def run_counts(comp: Comparison, phase: int) -> list[Count]:
     return out
 
 
-def _dp_size(comp: Comparison, side: str) -> int:
+def dp_size(comp: Comparison, side: str) -> int:
     """The addends of a run's reductions over the batch (its dp size; 1 without any)."""
     lk = comp.cand_keys if side == "cand" else comp.ref_keys
     cols = comp.cand if side == "cand" else comp.ref

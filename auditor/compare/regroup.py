@@ -80,20 +80,22 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     codes = _code_arrays(catalog)
     for step in np.intersect1d(np.unique(s_r), np.unique(s_c)):
         at_r, at_c = _step_rows_of(rc, mb_r, int(step)), _step_rows_of(cc, mb_c, int(step))
+        probe_plan = None
         if _alike(rc, cc, at_r, at_c, ph_r, ph_c, codes):
             # the same microbatches, every key of the same logical shape in both runs: only
             # the keys alignment reads are planned, to see whether the samples are in order
             if probed:
                 continue
             probe_r, probe_c = _probe(rc, cc, at_r, at_c, ph_r, ph_c)
-            plan, why = _plan(int(step), rc, cc, probe_r, probe_c, mb_r, mb_c, ph_r, ph_c,
-                              catalog, probe=True)
-            if plan is None:
+            probe_plan, why = _plan(int(step), rc, cc, probe_r, probe_c, mb_r, mb_c, ph_r,
+                                    ph_c, catalog, probe=True)
+            if probe_plan is None:
                 probed = True
                 if why:
                     notes.setdefault(why, []).append(int(step))
                 continue
-        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog)
+        plan, why = _plan(int(step), rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
+                          known=probe_plan)
         if plan is None:
             if why:
                 notes.setdefault(why, []).append(int(step))
@@ -214,12 +216,13 @@ def _batch_dim(ref: dict[int, tuple], cand: dict[int, tuple]) -> int | None:
     return d
 
 
-def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool = False
-          ) -> tuple[StepPlan | None, str]:
+def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool = False,
+          known: StepPlan | None = None) -> tuple[StepPlan | None, str]:
     """How step ``step`` is regrouped (None: it is not, and why, "" for nothing to say).
     ``probe``: a step grouped alike, whose keys' batch dim no shape shows: the dp ranks'
     split says it, else the batch is taken on dim 0 (only to tell whether the samples are in
-    order: no dp shares, nothing to re-key)."""
+    order: no dp shares, nothing to re-key). ``known``: the probe's plan of this step, whose
+    alignment is kept (the payloads are not read twice); only the keys are planned again."""
     sh_r, shares_r = _shapes(rc, at_r, mb_r, ph_r, catalog)
     sh_c, shares_c = _shapes(cc, at_c, mb_c, ph_c, catalog)
     mbs_r = sorted({int(m) for m in mb_r[at_r]})
@@ -251,6 +254,8 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool
             dim_of[k] = d
     if rows_r is None:
         return None, ""
+    if known is not None:
+        return replace(known, dim_of={**dim_of, **known.dim_of}), ""
     alike = [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]
     shared = [k for k in dim_of if k in shares_c or k in shares_r]
     perm, aligned_by = align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of,

@@ -27,6 +27,7 @@ import numpy as np
 
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.ragged_hint import undeclared_ragged
+from auditor.compare.samples import share_dim
 
 
 def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
@@ -91,17 +92,10 @@ def _layout_arrays(catalog: Catalog) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def _even_shares(pieces: list, present: list[int]) -> bool:
     """Every present piece is its dp rank's share of an evenly split batch on dim 0 (the layout
-    an ordinary hook records), of one dp size >= 2, with rows."""
-    sizes = set()
-    for j in present:
-        p = pieces[j]
-        if (p.ragged is not None or p.reduce or p.partial or p.flat or not p.shape
-                or not p.shape[0] or len(p.logical_shape) != len(p.shape)
-                or p.logical_shape[1:] != p.shape[1:] or any(p.offsets[1:])
-                or p.logical_shape[0] % p.shape[0] or p.offsets[0] % p.shape[0]):
-            return False
-        sizes.add(p.logical_shape[0] // p.shape[0])
-    return len(sizes) == 1 and min(sizes) >= 2
+    an ordinary hook records: `samples.share_dim`), all of one dp size."""
+    if not present or any(share_dim(pieces[j]) != 0 for j in present):
+        return False
+    return len({pieces[j].logical_shape[0] // pieces[j].shape[0] for j in present}) == 1
 
 
 def _shape_in(cols: RunColumns, catalog: Catalog, a: int, b: int) -> tuple[int, ...] | None:
