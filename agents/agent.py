@@ -162,6 +162,29 @@ class Agent:
                                            role=role, microbatch=microbatch, stage=stage,
                                            backward=backward)
 
+    def capture_state_dict(self, state_dict, *, step: int, stage: int = -1) -> None:
+        """Digest a (nested) state dict as it is saved or loaded: phase ``state`` at `step`.
+
+        Call it where the checkpoint is saved (``dcp.save(sd, ...)``) and where a resumed run
+        has loaded it: each entry is keyed by the name DCP gives it on disk
+        (``optim.state.layers.0.wq.weight.exp_avg``; agents/state.py), DTensors by their
+        shards, so the capture compares with the saved files (``auditor checkpoint``) and with
+        another run's capture. Plain tensors on several dp ranks are replicas, as parameters
+        are; name per-rank entries (an RNG state seeded per rank) in `shard_sites`
+        (``"state:rng*"``). Captured whatever the step selection; never raises.
+        """
+        if not self.active:
+            return
+        try:
+            from agents.state import flatten, leaf_tensor
+
+            items = [(name, stage, leaf_tensor(value), None)
+                     for name, value in flatten(state_dict)]
+            with self.capturer.at_step(step):
+                self.capturer.capture_values(items, phase="state")
+        except Exception as exc:
+            self.capturer._failed("capture_state_dict", exc)
+
     def capture_gradients(self) -> None:
         """Capture every watched parameter's gradient now (None recorded explicitly)."""
         if not self.active:

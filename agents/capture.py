@@ -12,6 +12,7 @@ are counted, logged once per kind with the rank, and the capture is dropped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -19,7 +20,7 @@ import math
 import struct
 import weakref
 from collections import Counter, deque
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -42,15 +43,15 @@ log = logging.getLogger(__name__)
 PHASE_IDS = {
     "fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
     "param": pb.PHASE_PARAM, "loss": pb.PHASE_LOSS, "input": pb.PHASE_INPUT,
-    "optim_grad": pb.PHASE_OPTIM_GRAD, "update": pb.PHASE_UPDATE,
+    "optim_grad": pb.PHASE_OPTIM_GRAD, "update": pb.PHASE_UPDATE, "state": pb.PHASE_STATE,
 }
 ROLE_IDS = {
     "output": pb.ROLE_OUTPUT, "input": pb.ROLE_INPUT, "grad_output": pb.ROLE_GRAD_OUTPUT,
     "grad_input": pb.ROLE_GRAD_INPUT, "value": pb.ROLE_VALUE,
 }
 STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param, optim_grad, update)
-PER_STEP_PHASES = ("grad", "param", "optim_grad", "update")
-"""Phases captured once per step, of parameters: full tensors (replicas over dp) unless DTensors."""
+PER_STEP_PHASES = ("grad", "param", "optim_grad", "update", "state")
+"""Phases captured once per step, of parameters and state_dict entries: full tensors (replicas over dp) unless DTensors."""
 MAX_NO_GRAD_CALLS = 64
 """No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"
@@ -409,6 +410,17 @@ class Capturer:
         self._local_batch.clear()
         self._no_grad_calls.clear()
         self._ambiguous.clear()
+
+    @contextlib.contextmanager
+    def at_step(self, step: int) -> Iterator[None]:
+        """Key the captures inside the block by `step` (selected whatever the step selection),
+        then return to the current step: a checkpoint saved or loaded between steps."""
+        saved = self.step, self._step_on
+        self.step, self._step_on = step, True
+        try:
+            yield
+        finally:
+            self.step, self._step_on = saved
 
     # -- captures -------------------------------------------------------------------------------
 

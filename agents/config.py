@@ -46,7 +46,7 @@ ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (defaul
 ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
 SPOOL_MODES = ("spill", "always", "off")
 
-PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update")
+PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update", "state")
 REDUCTIONS = ("mean", "sum")
 LOSS_NORMALIZATIONS = ("per_rank_mean", "global_mean", "sum")
 """How a rank's loss is normalized (docs/parallelisms.md): the mean over this rank's share of the

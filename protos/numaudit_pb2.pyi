@@ -29,6 +29,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_INPUT: _ClassVar[Phase]
     PHASE_OPTIM_GRAD: _ClassVar[Phase]
     PHASE_UPDATE: _ClassVar[Phase]
+    PHASE_STATE: _ClassVar[Phase]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ PHASE_LOSS: Phase
 PHASE_INPUT: Phase
 PHASE_OPTIM_GRAD: Phase
 PHASE_UPDATE: Phase
+PHASE_STATE: Phase
 ROLE_UNSPECIFIED: Role
 ROLE_OUTPUT: Role
 ROLE_INPUT: Role

@@ -9,6 +9,7 @@ everything below it (daemon, store, compare, report, wire); nothing imports the 
 from auditor.cli.main import main
 from auditor.cli import compare as _compare  # noqa: F401  (registers compare, watch)
 from auditor.cli import ingest as _ingest  # noqa: F401  (registers ingest)
+from auditor.cli import checkpoint as _checkpoint  # noqa: F401  (registers checkpoint)
 from auditor.cli.about import attach_environment_help
 
 attach_environment_help(main)  # after every command is registered: each help names its variables

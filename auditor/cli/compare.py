@@ -97,48 +97,45 @@ def _width() -> int:
 @click.option("--all", "show_all", is_flag=True, help="Text: list passing findings too.")
 @click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
               show_default=True, help="Text: findings listed per phase and stage (0 = all).")
+@click.option("--steps", metavar="K:|K:M|K", help="Compare only steps K..M-1 of both runs (K: = "
+              "from K on: a run resumed at step K against the uninterrupted one).")
 @_sources
 @tls_options
 def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
             output: Path | None, json_output: Path | None, html_output: Path | None,
-            show_all: bool, limit: int,
+            show_all: bool, limit: int, steps: str | None,
             db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
             tls_cert: str | None, tls_key: str | None) -> int:
     """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
     policy, policy_text = _load_policy(policy_file, preset)
-    outputs = (("output", output), ("json-output", json_output), ("html-output", html_output))
-    for name, path in outputs:
-        if path is not None and not path.parent.is_dir():
-            raise InputError(f"{name}: directory {path.parent} does not exist")
-    seen: dict[Path, str] = {}
-    for name, path in outputs:
-        if path is not None and seen.setdefault(path.resolve(), name) != name:
-            raise InputError(f"{name}: {path} is also the --{seen[path.resolve()]} file")
+    check_outputs(output, json_output, html_output)
     remote_json: str | None = None
     from auditor.compare.columns import KeyRangeError
     from auditor.compare.engine import compare_runs
-    from auditor.report.html import render_html, to_html
-    from auditor.report.junit import render_junit, to_junit
-    from auditor.report.text import render_text, to_text
+    from auditor.compare.selection import KeySelection
+    from auditor.report.html import render_html
+    from auditor.report.junit import render_junit
+    from auditor.report.text import render_text
 
+    select = None
+    if steps is not None:
+        try:
+            select = KeySelection.parse_steps(steps)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     try:
         if isinstance(source, StoreSource):
             try:
-                report = compare_runs(source.reader, ref, cand, policy)
+                report = compare_runs(source.reader, ref, cand, policy, select=select)
             except (UnknownRun, KeyRangeError) as exc:
                 raise InputError(str(exc)) from None
             exit_code = report.exit_code
-            html_text = to_html(report) if fmt == "html" or html_output is not None else None
-            if fmt == "json":
-                text = None
-            elif fmt == "html":
-                text = html_text
-            elif fmt == "junit":
-                text = to_junit(report)
-            else:
-                text = to_text(report, width=_text_width(output), show_all=show_all,
-                               limit=limit, color=output is None and sys.stdout.isatty())
+            text, html_text = render_report(report, fmt, output, show_all, limit,
+                                            html=html_output is not None)
+        elif select is not None:
+            raise InputError("steps: needs the store (--db); the daemon's Compare has no "
+                             "step selection")
         else:
             req = pb.CompareRequest(ref=ref, cand=cand, policy_toml=policy_text,
                                     preset=preset or "")
@@ -165,12 +162,51 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
                              f"{doc.get('findings_omitted', {})})\n")
     finally:
         source.close()
+    write_outputs(output, json_output, html_output, text, html_text, report, remote_json)
+    return exit_code
+
+
+def check_outputs(output: Path | None, json_output: Path | None,
+                  html_output: Path | None) -> None:
+    """InputError for an output file in a missing directory, or one file named twice."""
+    outputs = (("output", output), ("json-output", json_output), ("html-output", html_output))
+    for name, path in outputs:
+        if path is not None and not path.parent.is_dir():
+            raise InputError(f"{name}: directory {path.parent} does not exist")
+    seen: dict[Path, str] = {}
+    for name, path in outputs:
+        if path is not None and seen.setdefault(path.resolve(), name) != name:
+            raise InputError(f"{name}: {path} is also the --{seen[path.resolve()]} file")
+
+
+def render_report(report: Any, fmt: str, output: Path | None, show_all: bool, limit: int, *,
+                  html: bool) -> tuple[str | None, str | None]:
+    """(text for --format, HTML text when `html` or the format is html) of a local report; the
+    text is None for json (written from the report itself)."""
+    from auditor.report.html import to_html
+    from auditor.report.junit import to_junit
+    from auditor.report.text import to_text
+
+    html_text = to_html(report) if fmt == "html" or html else None
+    if fmt == "json":
+        return None, html_text
+    if fmt == "html":
+        return html_text, html_text
+    if fmt == "junit":
+        return to_junit(report), html_text
+    return to_text(report, width=_text_width(output), show_all=show_all, limit=limit,
+                   color=output is None and sys.stdout.isatty()), html_text
+
+
+def write_outputs(output: Path | None, json_output: Path | None, html_output: Path | None,
+                  text: str | None, html_text: str | None, report: Any,
+                  remote_json: str | None = None) -> None:
+    """Write the report (stdout or --output), and the --json-output and --html-output files."""
     _write(output, text, report)
     if json_output is not None:
         _write(json_output, remote_json, report)
     if html_output is not None:
         _write(html_output, html_text, report)
-    return exit_code
 
 
 def _text_width(output: Path | None) -> int:

@@ -28,7 +28,7 @@ from protos import numaudit_pb2 as pb
 PHASE_NAMES: dict[int, str] = {
     pb.PHASE_FWD: "fwd", pb.PHASE_BWD: "bwd", pb.PHASE_GRAD: "grad",
     pb.PHASE_PARAM: "param", pb.PHASE_LOSS: "loss", pb.PHASE_INPUT: "input",
-    pb.PHASE_OPTIM_GRAD: "optim_grad", pb.PHASE_UPDATE: "update",
+    pb.PHASE_OPTIM_GRAD: "optim_grad", pb.PHASE_UPDATE: "update", pb.PHASE_STATE: "state",
 }
 PHASE_IDS: dict[str, int] = {v: k for k, v in PHASE_NAMES.items()}
 ROLE_NAMES: dict[int, str] = {
@@ -40,10 +40,11 @@ ROLE_IDS: dict[str, int] = {v: k for k, v in ROLE_NAMES.items()}
 # Rank of each phase inside a microbatch (per-microbatch phases) or a step (per-step phases).
 PHASE_RANK: dict[int, int] = {
     pb.PHASE_PARAM: 0, pb.PHASE_INPUT: 1, pb.PHASE_FWD: 2, pb.PHASE_LOSS: 3, pb.PHASE_BWD: 4,
-    pb.PHASE_GRAD: 5, pb.PHASE_OPTIM_GRAD: 6, pb.PHASE_UPDATE: 7,
+    pb.PHASE_GRAD: 5, pb.PHASE_OPTIM_GRAD: 6, pb.PHASE_UPDATE: 7, pb.PHASE_STATE: 8,
 }
-PER_STEP_PHASES = frozenset({pb.PHASE_PARAM, pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE})
-AFTER_BACKWARD_PHASES = (pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE)
+PER_STEP_PHASES = frozenset({pb.PHASE_PARAM, pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE,
+                             pb.PHASE_STATE})
+AFTER_BACKWARD_PHASES = (pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE, pb.PHASE_STATE)
 """Per-step phases that come after every microbatch of the step, in this order."""
 
 # Wrapper components dropped wherever they appear (agents/sites.py does the same on capture).

@@ -18,6 +18,7 @@ from auditor.compare.align import PHASE_IDS
 from auditor.compare.ranks import key_boxes
 from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL
 from auditor.compare.segments import unique
+from auditor.compare.state_cause import state_cause
 from auditor.compare.tied import tied_note
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ def _cause(comp: Comparison, i: int) -> F.Cause:
         return _grad_cause(comp, i, step)
     if phase in (PHASE_IDS["optim_grad"], PHASE_IDS["update"]):
         return _optimizer_cause(comp, i, step, phase)
+    if phase == PHASE_IDS["state"]:
+        return state_cause(comp, i)
     key = comp.key(i)
     if key.role == "output":
         site_id = int(comp.B[i] >> 32)

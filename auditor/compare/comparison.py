@@ -212,7 +212,9 @@ class Comparison:
         if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND):
             side, run = ("ref", self.ref.name) if v == F.MISSING_IN_REF else ("cand",
                                                                              self.cand.name)
-            text = tied.missing_detail(self, i, side) or f"not captured in {run}"
+            text = tied.missing_detail(self, i, side) or (
+                f"not in {run}'s state (not saved, or left out when it was saved or loaded)"
+                if int(self.A[i] & 0xF) == PHASE_IDS["state"] else f"not captured in {run}")
             return text + (" (expected by policy)" if self.expected[i] else "")
         if v == F.NONFINITE:
             d = self.nonfinite_detail(i)

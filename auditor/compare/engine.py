@@ -37,6 +37,7 @@ from auditor.compare.ranks import mesh_of
 from auditor.compare.regroup import regroup
 from auditor.compare.uneven import place_uneven
 from auditor.compare.result import Report
+from auditor.compare.selection import KeySelection
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
 
@@ -51,8 +52,11 @@ def _open(reader_or_path: Reader | str | Path) -> tuple[Reader, bool]:
 
 
 def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
-                 policy: Policy | None = None):
-    """Compare two stored runs; returns the report model (`auditor.compare.result.Report`)."""
+                 policy: Policy | None = None, *, select: KeySelection | None = None):
+    """Compare two stored runs; returns the report model (`auditor.compare.result.Report`).
+
+    `select` keeps only some steps and phases of both runs (a resumed run from its first step
+    on; a checkpoint's state); the report says what was left out."""
 
     policy = policy or Policy()
     reader, owned = _open(reader_or_path)
@@ -62,6 +66,9 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         catalog = Catalog(reader, policy.renames)
         rc = catalog.load(ref, "ref")
         cc = catalog.load(cand, "cand")
+        selected = []
+        if select is not None:
+            rc, cc, selected = select.apply(rc), select.apply(cc), [select.describe()]
         ref_info["records"], cand_info["records"] = len(rc), len(cc)
         t1 = time.perf_counter()
         rc, uneven_ref = place_uneven(rc, catalog, cc)
@@ -73,7 +80,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
             rc, cc, catalog, policy, reader, ref_info, cand_info,
             mesh={"ref": mesh_of(reader, ref), "cand": mesh_of(reader, cand)},
             labels={"ref": ref_info["labels"], "cand": cand_info["labels"]})
-        scale_warnings = uneven_ref + uneven_cand + grouping + scale_warnings
+        scale_warnings = selected + uneven_ref + uneven_cand + grouping + scale_warnings
         comp.timings["load"] = t1 - t0
         t2 = time.perf_counter()
         localize_breaches(comp)

@@ -22,6 +22,10 @@ def _ranks_text(ranks: list[int]) -> str:
 def run_text(info: dict) -> str:
     """A run as the headline names it: "4 ranks, stages 0-3, float32" (the HTML page too)."""
     stages = info.get("stages") or []
+    labels = info.get("labels") or {}
+    if labels.get("checkpoint"):  # read from files by `auditor checkpoint`: its readers are no ranks
+        return (f"{info['name']} ({labels.get('checkpoint_format', 'checkpoint')} "
+                f"{labels['checkpoint']})")
     parts = [f"{info['world_size']} rank" + ("s" if info["world_size"] != 1 else "")]
     if len(stages) > 1:
         parts.append(f"stages {format_ranges(stages)}")

@@ -1,0 +1,71 @@
+"""State dicts as the auditor keys them (phase ``state``): DCP's flat names, every leaf a tensor.
+
+A checkpoint holds a nested state dict (``{"model": ..., "optim": ..., "lr_scheduler": ...}``).
+torch.distributed.checkpoint (DCP) saves it flattened: dict keys and list positions joined with
+dots (``optim.state.layers.0.wq.weight.exp_avg``, ``optim.param_groups.0.lr``), tensors as
+tensors (DTensors as their shards) and everything else (numbers, strings, lists of them) as
+pickled bytes. Two sides must name and value every entry alike for a live capture
+(`Agent.capture_state_dict`) to compare with the files it was saved to (`auditor checkpoint`):
+both use :func:`flatten` for the names and :func:`leaf_tensor` for the non-tensor values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from agents.sites import normalize_site
+
+
+def flatten(state_dict: Any) -> Iterator[tuple[str, Any]]:
+    """(name, leaf) of a nested state dict, named as DCP names them on disk.
+
+    DCP's own flattening where this torch has it (lists of plain values stay one leaf, as DCP
+    stores them); a traversal with the same rules otherwise. Names are normalized as sites are
+    (wrapper components such as ``_orig_mod`` or ``_fsdp_wrapped_module`` dropped)."""
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    except ImportError:  # pragma: no cover - every torch this project pins has it
+        flat = dict(_walk(state_dict, ()))
+    else:
+        flat, _ = flatten_state_dict(state_dict)
+    for name, value in flat.items():
+        yield normalize_site(str(name)), value
+
+
+def _walk(value: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(v, (*path, str(k)))
+    elif isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor))
+                                         for v in value):
+        for i, v in enumerate(value):
+            yield from _walk(v, (*path, str(i)))
+    else:
+        yield ".".join(path), value
+
+
+def leaf_tensor(value: Any) -> torch.Tensor:
+    """A state dict leaf as the tensor the auditor digests.
+
+    Tensors (DTensors included) are themselves. A bool is a bool tensor, an int int64, a float
+    float64 (so a learning rate compares by value, under the policy's tolerance); a list or
+    tuple of numbers (Adam's ``betas``) a 1-D tensor of them. Anything else (a string, None, a
+    list of names) is the UTF-8 bytes of its ``repr``, a uint8 tensor compared bitwise.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool):
+        return torch.tensor(value, dtype=torch.bool)
+    if isinstance(value, int) and -(1 << 63) <= value < (1 << 63):
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    if (isinstance(value, (list, tuple)) and value
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        if all(isinstance(v, int) for v in value) and all(-(1 << 63) <= v < (1 << 63)
+                                                          for v in value):
+            return torch.tensor(value, dtype=torch.int64)
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return torch.frombuffer(bytearray(repr(value).encode("utf-8")), dtype=torch.uint8)

@@ -1,0 +1,216 @@
+"""Digest a checkpoint into a run: every entry a ``state`` record, read in bounded memory.
+
+The checkpoint is read as an agent would capture it: each chunk is cut into boxes of at most
+half the memory cap (`sources.boxes`), each box read from the file into one reused buffer and
+digested by the agent's digest (the fused kernel on CPU) as a piece of the logical tensor, at
+its offsets; the records travel to an auditor daemon over the agent's own gRPC path (the
+daemon validates and stores them as any agent's). So a checkpoint and a live run's
+`capture_state_dict` land in the store in one form, and the comparison engine, the policies and
+the renderers apply unchanged. Nothing is dropped silently: the reader waits for the daemon's
+acks to keep the backlog bounded, and a record the agent could not deliver fails the read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from agents.agent import Agent
+from agents.config import AgentConfig, check
+from agents.identity import job_identity, rank_identity
+from agents.layout import PieceLayout
+from agents.sites import normalize_site
+from agents.state import leaf_tensor
+from auditor.checkpoint.mapping import NameMap
+from auditor.checkpoint.sources import CheckpointError, Entry, Source, boxes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MEMORY = 256 << 20
+"""Bytes of checkpoint data held at once: half for the box being read, half for a transposed
+copy of it (a mapped conversion) and the records not yet acked."""
+SMALL_BOX_BYTES = 1 << 20
+"""Boxes up to this size get their own tensor and are digested 64 at a time."""
+BACKLOG_RECORDS = 2048
+"""Records digested but not yet acked before the reader waits for the daemon."""
+ACK_TIMEOUT_S = 300.0
+MAX_READERS = 1024
+"""Most pieces one tensor is cut into (each needs a reader of its own: `_Readers`)."""
+
+
+@dataclass
+class DigestStats:
+    """What reading one checkpoint did."""
+
+    entries: int = 0
+    tensors: int = 0
+    values: int = 0
+    pieces: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
+                      max_memory: int = DEFAULT_MAX_MEMORY, name_map: NameMap | None = None,
+                      labels: dict[str, str] | None = None) -> DigestStats:
+    """Read every entry of `source` into run `run` of the daemon at `address` (phase state,
+    `step`); CheckpointError when the checkpoint is unreadable or a record was not stored."""
+    if max_memory < 4096:
+        raise CheckpointError(f"max-memory: {max_memory} bytes is too small (4096 at least)")
+    box_bytes = max_memory // 2
+    stats = DigestStats()
+    t0 = time.perf_counter()
+    entries = list(source.entries())
+    width = max((e.pieces(box_bytes) for e in entries), default=1)
+    if width > MAX_READERS:
+        raise CheckpointError(f"max-memory: {max_memory} bytes would cut a tensor into {width} "
+                              f"pieces (at most {MAX_READERS}): raise it")
+    readers = _Readers(address, run, width, labels or {}, step)
+    buffer = torch.empty(0, dtype=torch.uint8)
+    try:
+        for entry in entries:
+            stats.entries += 1
+            site, transpose = name_map.apply(entry.name) if name_map else (entry.name, False)
+            site = normalize_site(site)
+            if entry.note:
+                stats.notes.append(f"{entry.name}: {entry.note}")
+            if entry.load_value is not None:
+                stats.values += 1
+                value, note = entry.load_value()
+                if note:
+                    stats.notes.append(f"{entry.name}: {note}")
+                readers.add(0, (site, -1, leaf_tensor(value), None), 0)
+                continue
+            stats.tensors += 1
+            if transpose and len(entry.shape) != 2:
+                raise CheckpointError(f"{entry.name}: the map says transposed, but it has "
+                                      f"{len(entry.shape)} dims (2 needed)")
+            buffer = _read_entry(readers, entry, site, transpose, box_bytes, buffer, stats)
+        summary = readers.close()
+    except BaseException:
+        readers.abandon()
+        raise
+    stats.seconds = time.perf_counter() - t0
+    stats.bytes_read = source.files.bytes_read
+    lost = summary["dropped"] + summary["errors"] + summary["conflicts"]
+    if lost or summary["acked"] != summary["captured"]:
+        raise CheckpointError(
+            f"run {run}: {summary['captured']} records digested, {summary['acked']} stored "
+            f"(dropped {summary['dropped']}, errors {summary['errors']}, conflicts "
+            f"{summary['conflicts']}): the digests are incomplete, not compared")
+    return stats
+
+
+def _read_entry(readers: _Readers, entry: Entry, site: str, transpose: bool, box_bytes: int,
+                buffer: torch.Tensor, stats: DigestStats) -> torch.Tensor:
+    assert entry.dtype is not None
+    itemsize = torch.empty((), dtype=entry.dtype).element_size()
+    logical = entry.shape[::-1] if transpose else entry.shape
+    piece = 0
+    for chunk in entry.chunks:
+        for off, shape, start in boxes(chunk.shape, box_bytes // itemsize):
+            count = math.prod(shape)
+            nbytes = count * itemsize
+            offsets = tuple(a + b for a, b in zip(chunk.offsets, off))
+            big = nbytes > SMALL_BOX_BYTES
+            if big and buffer.numel() < nbytes:
+                buffer = torch.empty(max(nbytes, min(box_bytes, 4 * nbytes)), dtype=torch.uint8)
+            t = chunk.read(start, count, buffer if big else None).reshape(shape)
+            if transpose:
+                t, offsets, shape = t.t().contiguous(), offsets[::-1], shape[::-1]
+            layout = PieceLayout(logical_shape=logical, offsets=offsets, shape=tuple(shape))
+            stats.pieces += 1
+            # a big box is digested now, before the buffer is read into again
+            readers.add(piece, (site, -1, t, layout), nbytes, now=big)
+            piece += 1
+    return buffer
+
+
+class _Readers:
+    """One agent per piece index: the store keeps one record per (key, rank), so the k-th piece
+    of every entry is sent as rank k of a job of `width` ranks (the report's "ranks" of a
+    checkpoint are these readers). Agents are made when first needed."""
+
+    def __init__(self, address: str, run: str, width: int, labels: dict[str, str],
+                 step: int) -> None:
+        self.address, self.run, self.width, self.step = address, run, width, step
+        self.labels = dict(labels, checkpoint_readers=str(width))
+        self.job_id = f"checkpoint-{run}-{time.time_ns()}"
+        self.agents: list[Agent | None] = [None] * width
+        self.pending: list[list] = [[] for _ in range(width)]
+
+    def add(self, k: int, item: tuple, nbytes: int, *, now: bool = False) -> None:
+        self.pending[k].append(item)
+        if now or len(self.pending[k]) >= 64:
+            self._capture(k)
+
+    def _agent(self, k: int) -> Agent:
+        agent = self.agents[k]
+        if agent is None:
+            cfg = AgentConfig(address=self.address, run=self.run, phases=("state",),
+                              spool_mode="off", queue_records=1 << 30,
+                              max_unacked_bytes=1 << 40, flush_timeout_s=ACK_TIMEOUT_S)
+            check(cfg)
+            ident = rank_identity(None, dp_rank=0, dp_size=1)
+            ident.rank, ident.world_size, ident.local_rank = k, self.width, k
+            ident.labels = dict(self.labels)
+            ident.job_id, ident.job_id_source = job_identity(self.job_id)
+            agent = self.agents[k] = Agent(cfg, ident)
+        return agent
+
+    def _capture(self, k: int) -> None:
+        items = self.pending[k]
+        if not items:
+            return
+        agent = self._agent(k)
+        with agent.capturer.at_step(self.step):
+            agent.capturer.capture_values(list(items), phase="state")
+        items.clear()
+        self._wait(BACKLOG_RECORDS)
+
+    def _summaries(self) -> list[dict]:
+        return [a.summary() for a in self.agents if a is not None]
+
+    def _wait(self, keep: int) -> None:
+        """Wait until at most `keep` records are digested and not yet acked (bounded memory)."""
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        last = -1
+        while True:
+            ss = self._summaries()
+            acked = sum(s["acked"] for s in ss)
+            behind = sum(s["captured"] - s["dropped"] for s in ss) - acked
+            if behind <= keep:
+                return
+            if acked != last:
+                last, deadline = acked, time.monotonic() + ACK_TIMEOUT_S
+            elif time.monotonic() > deadline:
+                raise CheckpointError(f"the auditor acked nothing for {ACK_TIMEOUT_S:.0f} s "
+                                      f"({behind} records waiting)")
+            time.sleep(0.002)
+
+    def close(self) -> dict:
+        """Flush every reader and close them; the summed counts."""
+        for k in range(self.width):
+            self._capture(k)
+        self._wait(0)
+        total = {"captured": 0, "acked": 0, "dropped": 0, "errors": 0, "conflicts": 0}
+        for agent in self.agents:
+            if agent is not None:
+                s = agent.close(timeout=ACK_TIMEOUT_S)
+                for name in total:
+                    total[name] += s[name]
+        return total
+
+    def abandon(self) -> None:
+        for agent in self.agents:
+            if agent is not None:
+                agent.close(timeout=1.0)

@@ -1,0 +1,27 @@
+"""Which reader a checkpoint path needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from auditor.checkpoint.dcp import DcpSource
+from auditor.checkpoint.safetensors import SafetensorsSource
+from auditor.checkpoint.sources import CheckpointError, Source
+
+
+def open_source(spec: str) -> Source:
+    """The checkpoint at `spec`: a DCP directory (it has ``.metadata``), a ``.safetensors``
+    file, or a directory of them. CheckpointError when it is none of these."""
+    path = Path(spec)
+    if not path.exists():
+        raise CheckpointError(f"{spec}: no such file or directory")
+    if path.is_dir() and (path / ".metadata").is_file():
+        return DcpSource(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return SafetensorsSource([path])
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            return SafetensorsSource(files)
+    raise CheckpointError(f"{spec}: not a checkpoint (a torch.distributed.checkpoint directory "
+                          "with .metadata, a .safetensors file or a directory of them)")

@@ -1,0 +1,170 @@
+"""What a checkpoint holds, read lazily: entries, their chunks, and bounded reads of a chunk.
+
+Every format comes down to the same model. An `Entry` is one flat state-dict name (DCP's
+``optim.state.layers.0.wq.weight.exp_avg``, a safetensors tensor name) with its logical shape
+and dtype; its `Chunk`s are boxes of it (a DCP save writes one per shard; a safetensors tensor
+is one box) whose bytes are row-major and contiguous somewhere in a file. A chunk is read in
+`boxes` of at most a given number of elements, each contiguous in the file, so a tensor of any
+size is digested in bounded memory. Non-tensor values (a learning rate, a scheduler's
+``last_epoch``) are `Entry.value` objects, made into tensors by `agents.state.leaf_tensor` as
+the live capture does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the file and what is wrong."""
+
+
+@dataclass
+class Chunk:
+    """One box of an entry: `offsets` and `shape` inside the logical tensor, its elements
+    row-major from `read(start, count, buffer)`."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    read: Callable[[int, int, torch.Tensor | None], torch.Tensor]
+    """(first element, element count, a uint8 buffer to read into or None) -> a 1-D tensor of
+    the entry's dtype holding those elements (a view of the buffer when one was given)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Entry:
+    """One flat state-dict name: a tensor (`chunks`) or a plain value (`value`)."""
+
+    name: str
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    load_value: Callable[[], tuple[Any, str]] | None = None
+    """A plain value's loader: (the value, a note when it is compared other than as the
+    checkpoint meant it, e.g. as raw pickle bytes). None for a tensor."""
+    note: str = ""
+    """Why this tensor is compared other than as the checkpoint meant it."""
+
+    def pieces(self, cap: int) -> int:
+        """Boxes the entry is read in with at most `cap` bytes a box (1 for a value)."""
+        if self.load_value is not None or self.dtype is None:
+            return 1
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(sum(1 for _ in boxes(c.shape, cap // itemsize)) for c in self.chunks)
+
+
+class FileRanges:
+    """Open files of one checkpoint, read by (path, byte offset, length) into buffers."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, BinaryIO] = {}
+        self.bytes_read = 0
+
+    def read_into(self, path: Path, offset: int, nbytes: int,
+                  buffer: torch.Tensor | None) -> torch.Tensor:
+        """`nbytes` bytes of `path` from `offset` as a uint8 tensor (in `buffer` if given)."""
+        f = self._files.get(path)
+        if f is None:
+            try:
+                f = self._files[path] = open(path, "rb", buffering=0)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+        out = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer[:nbytes]
+        view = memoryview(out.numpy()).cast("B")
+        f.seek(offset)
+        got = 0
+        while got < nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{path}: ends at byte {offset + got}, {nbytes - got} bytes "
+                                      f"short of the data its metadata places at {offset}")
+            got += n
+        self.bytes_read += nbytes
+        return out
+
+    def size(self, path: Path) -> int:
+        try:
+            return os.stat(path).st_size
+        except OSError as exc:
+            raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def file_chunk(files: FileRanges, path: Path, base: int, dtype: torch.dtype,
+               offsets: tuple[int, ...], shape: tuple[int, ...]) -> Chunk:
+    """A chunk whose elements lie row-major and contiguous in `path` from byte `base`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def read(start: int, count: int, buffer: torch.Tensor | None) -> torch.Tensor:
+        raw = files.read_into(path, base + start * itemsize, count * itemsize, buffer)
+        return raw.view(dtype) if count else torch.empty(0, dtype=dtype)
+
+    return Chunk(offsets, shape, read)
+
+
+def tensor_chunk(load: Callable[[], torch.Tensor], offsets: tuple[int, ...],
+                 shape: tuple[int, ...]) -> Chunk:
+    """A chunk read whole by `load` (a layout the streaming reader does not take), then sliced;
+    the tensor is kept only while its boxes are read."""
+    held: dict[str, torch.Tensor] = {}
+
+    def read(start: int, count: int, buffer: torch.Tensor | None) -> torch.Tensor:
+        t = held.get("t")
+        if t is None:
+            t = held["t"] = load().contiguous().reshape(-1)
+        out = t[start:start + count]
+        if start + count >= t.numel():
+            held.clear()
+        return out
+
+    return Chunk(offsets, shape, read)
+
+
+def boxes(shape: tuple[int, ...], cap: int) -> Iterator[tuple[tuple[int, ...],
+                                                             tuple[int, ...], int]]:
+    """(offsets, shape, first element) of boxes that tile a row-major array of `shape`, each
+    contiguous in memory and of at most `cap` elements (at least one row of one element)."""
+    cap = max(1, cap)
+    n = math.prod(shape)
+    if not shape or n <= cap:
+        yield (0,) * len(shape), tuple(shape), 0
+        return
+    inner = math.prod(shape[1:])
+    if inner <= cap:
+        rows = max(1, cap // max(inner, 1))
+        for r in range(0, shape[0], rows):
+            k = min(rows, shape[0] - r)
+            yield (r, *(0,) * (len(shape) - 1)), (k, *shape[1:]), r * inner
+        return
+    for r in range(shape[0]):
+        for off, sub, start in boxes(shape[1:], cap):
+            yield (r, *off), (1, *sub), r * inner + start
+
+
+class Source:
+    """A checkpoint's entries (`entries()`), its format's name and the bytes read so far."""
+
+    format = ""
+
+    def __init__(self) -> None:
+        self.files = FileRanges()
+
+    def entries(self) -> Iterator[Entry]:  # pragma: no cover - each format has its own
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.files.close()
