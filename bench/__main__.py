@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from bench import compare, digest, gpu, ingest, overhead
+from bench import checkpoint, compare, digest, gpu, ingest, overhead
 
 BENCHES: list[Callable[[Sequence[str]], int]] = [digest.main, overhead.main, compare.main,
-                                                  ingest.main, gpu.main]
+                                                  ingest.main, checkpoint.main, gpu.main]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,8 +33,8 @@ from auditor.checkpoint.sources import CheckpointError, Entry, Source, boxes
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MEMORY = 256 << 20
-"""Bytes of checkpoint data held at once: half for the box being read, half for a transposed
-copy of it (a mapped conversion) and the records not yet acked."""
+"""Bytes of checkpoint data held at once: a third for the box being digested, a third for the
+next box being read, a third for a transposed copy (a mapped conversion) and small boxes."""
 SMALL_BOX_BYTES = 1 << 20
 """Boxes up to this size get their own tensor and are digested 64 at a time."""
 BACKLOG_RECORDS = 2048
@@ -66,7 +68,7 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
     `step`); CheckpointError when the checkpoint is unreadable or a record was not stored."""
     if max_memory < 4096:
         raise CheckpointError(f"max-memory: {max_memory} bytes is too small (4096 at least)")
-    box_bytes = max_memory // 2
+    box_bytes = max_memory // 3
     stats = DigestStats()
     t0 = time.perf_counter()
     entries = list(source.entries())
@@ -75,28 +77,16 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
         raise CheckpointError(f"max-memory: {max_memory} bytes would cut a tensor into {width} "
                               f"pieces (at most {MAX_READERS}): raise it")
     readers = _Readers(address, run, width, labels or {}, step)
-    buffer = torch.empty(0, dtype=torch.uint8)
+    boxes_in = _Prefetch(entries, name_map, box_bytes, stats)
     try:
-        for entry in entries:
-            stats.entries += 1
-            site, transpose = name_map.apply(entry.name) if name_map else (entry.name, False)
-            site = normalize_site(site)
-            if entry.note:
-                stats.notes.append(f"{entry.name}: {entry.note}")
-            if entry.load_value is not None:
-                stats.values += 1
-                value, note = entry.load_value()
-                if note:
-                    stats.notes.append(f"{entry.name}: {note}")
-                readers.add(0, (site, -1, leaf_tensor(value), None), 0)
-                continue
-            stats.tensors += 1
-            if transpose and len(entry.shape) != 2:
-                raise CheckpointError(f"{entry.name}: the map says transposed, but it has "
-                                      f"{len(entry.shape)} dims (2 needed)")
-            buffer = _read_entry(readers, entry, site, transpose, box_bytes, buffer, stats)
+        for piece, item, done in boxes_in:
+            # a buffer's box is digested now, before the reader may fill that buffer again
+            readers.add(piece, item, now=done is not None)
+            if done is not None:
+                done.release()
         summary = readers.close()
     except BaseException:
+        boxes_in.stop()
         readers.abandon()
         raise
     stats.seconds = time.perf_counter() - t0
@@ -110,29 +100,111 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
     return stats
 
 
-def _read_entry(readers: _Readers, entry: Entry, site: str, transpose: bool, box_bytes: int,
-                buffer: torch.Tensor, stats: DigestStats) -> torch.Tensor:
-    assert entry.dtype is not None
-    itemsize = torch.empty((), dtype=entry.dtype).element_size()
-    logical = entry.shape[::-1] if transpose else entry.shape
-    piece = 0
-    for chunk in entry.chunks:
-        for off, shape, start in boxes(chunk.shape, box_bytes // itemsize):
-            count = math.prod(shape)
-            nbytes = count * itemsize
-            offsets = tuple(a + b for a, b in zip(chunk.offsets, off))
-            big = nbytes > SMALL_BOX_BYTES
-            if big and buffer.numel() < nbytes:
-                buffer = torch.empty(max(nbytes, min(box_bytes, 4 * nbytes)), dtype=torch.uint8)
-            t = chunk.read(start, count, buffer if big else None).reshape(shape)
-            if transpose:
-                t, offsets, shape = t.t().contiguous(), offsets[::-1], shape[::-1]
-            layout = PieceLayout(logical_shape=logical, offsets=offsets, shape=tuple(shape))
-            stats.pieces += 1
-            # a big box is digested now, before the buffer is read into again
-            readers.add(piece, (site, -1, t, layout), nbytes, now=big)
-            piece += 1
-    return buffer
+class _Prefetch:
+    """The boxes of every entry, read by a thread of their own one box ahead of the digest
+    (file reads and the digest kernel both run without the GIL): items ``(piece index,
+    capture item, buffer lock or None)``. Two buffers of `box_bytes` alternate; a box read
+    into one is handed over with the buffer's lock, which the consumer releases once the box
+    is digested. Small boxes get tensors of their own (at most 64 in flight, a sixth of the
+    memory cap in all)."""
+
+    def __init__(self, entries: list[Entry], name_map: NameMap | None, box_bytes: int,
+                 stats: DigestStats) -> None:
+        self.entries, self.name_map, self.box_bytes, self.stats = (entries, name_map,
+                                                                   box_bytes, stats)
+        self.small = min(SMALL_BOX_BYTES, max(1, box_bytes // 128))
+        self.buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        self.free = [threading.Semaphore(1) for _ in range(2)]
+        self.out: queue.Queue = queue.Queue(maxsize=64)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="numaudit-ckpt-read", daemon=True)
+        self.thread.start()
+
+    def __iter__(self):
+        while True:
+            item = self.out.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def stop(self) -> None:
+        """End the reader thread (the consumer failed)."""
+        self.stopped.set()
+        for lock in self.free:
+            lock.release()
+        while self.thread.is_alive():
+            try:
+                self.out.get(timeout=0.05)
+            except queue.Empty:
+                pass
+
+    def _put(self, item) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.out.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self) -> None:
+        try:
+            for entry in self.entries:
+                if self.stopped.is_set():
+                    return
+                self._entry(entry)
+            self._put(None)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(exc)
+
+    def _entry(self, entry: Entry) -> None:
+        stats = self.stats
+        stats.entries += 1
+        site, transpose = self.name_map.apply(entry.name) if self.name_map else (entry.name,
+                                                                                  False)
+        site = normalize_site(site)
+        if entry.note:
+            stats.notes.append(f"{entry.name}: {entry.note}")
+        if entry.load_value is not None:
+            stats.values += 1
+            value, note = entry.load_value()
+            if note:
+                stats.notes.append(f"{entry.name}: {note}")
+            self._put((0, (site, -1, leaf_tensor(value), None), None))
+            return
+        stats.tensors += 1
+        if transpose and len(entry.shape) != 2:
+            raise CheckpointError(f"{entry.name}: the map says transposed, but it has "
+                                  f"{len(entry.shape)} dims (2 needed)")
+        assert entry.dtype is not None
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        logical = entry.shape[::-1] if transpose else entry.shape
+        piece = 0
+        for chunk in entry.chunks:
+            for off, shape, start in boxes(chunk.shape, self.box_bytes // itemsize):
+                count = math.prod(shape)
+                nbytes = count * itemsize
+                offsets = tuple(a + b for a, b in zip(chunk.offsets, off))
+                lock = None
+                if nbytes > self.small:
+                    k = stats.pieces % 2
+                    lock = self.free[k]
+                    lock.acquire()
+                    if self.stopped.is_set():
+                        return
+                    if self.buffers[k].numel() < nbytes:
+                        self.buffers[k] = torch.empty(
+                            max(nbytes, min(self.box_bytes, 4 * nbytes)), dtype=torch.uint8)
+                    t = chunk.read(start, count, self.buffers[k]).reshape(shape)
+                else:
+                    t = chunk.read(start, count, None).reshape(shape)
+                if transpose:
+                    t, offsets, shape = t.t().contiguous(), offsets[::-1], shape[::-1]
+                layout = PieceLayout(logical_shape=logical, offsets=offsets, shape=tuple(shape))
+                stats.pieces += 1
+                self._put((piece, (site, -1, t, layout), lock))
+                piece += 1
 
 
 class _Readers:
@@ -148,7 +220,7 @@ class _Readers:
         self.agents: list[Agent | None] = [None] * width
         self.pending: list[list] = [[] for _ in range(width)]
 
-    def add(self, k: int, item: tuple, nbytes: int, *, now: bool = False) -> None:
+    def add(self, k: int, item: tuple, *, now: bool = False) -> None:
         self.pending[k].append(item)
         if now or len(self.pending[k]) >= 64:
             self._capture(k)
@@ -158,7 +230,8 @@ class _Readers:
         if agent is None:
             cfg = AgentConfig(address=self.address, run=self.run, phases=("state",),
                               spool_mode="off", queue_records=1 << 30,
-                              max_unacked_bytes=1 << 40, flush_timeout_s=ACK_TIMEOUT_S)
+                              max_unacked_bytes=1 << 40, flush_timeout_s=ACK_TIMEOUT_S,
+                              batch_interval_s=0.005)
             check(cfg)
             ident = rank_identity(None, dp_rank=0, dp_size=1)
             ident.rank, ident.world_size, ident.local_rank = k, self.width, k
@@ -201,7 +274,6 @@ class _Readers:
         """Flush every reader and close them; the summed counts."""
         for k in range(self.width):
             self._capture(k)
-        self._wait(0)
         total = {"captured": 0, "acked": 0, "dropped": 0, "errors": 0, "conflicts": 0}
         for agent in self.agents:
             if agent is not None:
