@@ -17,6 +17,7 @@ import math
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -275,9 +276,10 @@ class _Readers:
         for k in range(self.width):
             self._capture(k)
         total = {"captured": 0, "acked": 0, "dropped": 0, "errors": 0, "conflicts": 0}
-        for agent in self.agents:
-            if agent is not None:
-                s = agent.close(timeout=ACK_TIMEOUT_S)
+        agents = [a for a in self.agents if a is not None]
+        # in parallel: each close waits for its acks and its session's close
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(agents)))) as pool:
+            for s in pool.map(lambda a: a.close(timeout=ACK_TIMEOUT_S), agents):
                 for name in total:
                     total[name] += s[name]
         return total

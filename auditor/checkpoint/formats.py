@@ -7,11 +7,13 @@ from pathlib import Path
 from auditor.checkpoint.dcp import DcpSource
 from auditor.checkpoint.safetensors import SafetensorsSource
 from auditor.checkpoint.sources import CheckpointError, Source
+from auditor.checkpoint.torch_save import SUFFIXES, TorchSaveSource
 
 
 def open_source(spec: str) -> Source:
     """The checkpoint at `spec`: a DCP directory (it has ``.metadata``), a ``.safetensors``
-    file, or a directory of them. CheckpointError when it is none of these."""
+    file or a directory of them, or a ``torch.save`` file (``.pt``, ``.pth``, ``.bin``,
+    ``.ckpt``). CheckpointError when it is none of these."""
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"{spec}: no such file or directory")
@@ -19,9 +21,12 @@ def open_source(spec: str) -> Source:
         return DcpSource(path)
     if path.is_file() and path.suffix == ".safetensors":
         return SafetensorsSource([path])
+    if path.is_file() and path.suffix in SUFFIXES:
+        return TorchSaveSource(path)
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if files:
             return SafetensorsSource(files)
     raise CheckpointError(f"{spec}: not a checkpoint (a torch.distributed.checkpoint directory "
-                          "with .metadata, a .safetensors file or a directory of them)")
+                          "with .metadata, a .safetensors file or a directory of them, or a "
+                          "torch.save .pt/.pth/.bin/.ckpt file)")

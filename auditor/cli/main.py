@@ -77,6 +77,10 @@ class StoreParam(click.ParamType):
 STORE = StoreParam()
 
 
+INTERNAL_ERROR_EXIT = 3
+"""Exit status of a command that failed on a bug (0 within policy, 1 breach, 2 bad input)."""
+
+
 class _Group(click.Group):
     """Prints every click error as one line and exits with its code (2 for usage errors)."""
 
@@ -94,6 +98,13 @@ class _Group(click.Group):
         except click.Abort:
             click.echo("auditor: aborted", err=True)
             sys.exit(130)
+        except Exception as exc:  # a bug: never exit 1, which says "findings breach the policy"
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            click.echo(f"auditor: internal error: {type(exc).__name__}: {exc} (a bug: please "
+                       "report it with the traceback above)", err=True)
+            sys.exit(INTERNAL_ERROR_EXIT)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -1,0 +1,71 @@
+"""Single-file ``torch.save`` checkpoints (``.pt``, ``.pth``, ``.bin``), read memory-mapped.
+
+``torch.load(..., mmap=True, weights_only=True)`` maps the file's storages instead of reading
+them and refuses any pickle that names other than tensors and plain containers: nothing of the
+file is run. The nested state dict is flattened as DCP flattens it (agents/state.py), so a
+``torch.save`` of ``{"model": ..., "optim": ...}`` compares name for name with a DCP save of the
+same dict. A tensor's boxes are sliced from the mapping (pages are read as they are copied into the
+reader's buffer, and the kernel can drop them again); a non-contiguous saved view is made
+contiguous as a whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from agents.state import flatten
+from auditor.checkpoint.sources import CheckpointError, Chunk, Entry, Source, tensor_chunk
+
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+class TorchSaveSource(Source):
+    """A ``torch.save`` file of a (nested) state dict."""
+
+    format = "torch.save"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        try:
+            self.obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: not loadable as a torch.save state dict with "
+                                  f"weights_only=True ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if not isinstance(self.obj, dict):
+            raise CheckpointError(f"{path}: holds a {type(self.obj).__name__}, not a state dict")
+
+    def entries(self) -> Iterator[Entry]:
+        for name, value in flatten(self.obj):
+            if isinstance(value, torch.Tensor):
+                yield _tensor_entry(self, name, value)
+            else:
+                yield Entry(name, load_value=lambda v=value: (v, ""))
+
+    def close(self) -> None:
+        self.obj = None
+        super().close()
+
+
+def _tensor_entry(src: TorchSaveSource, name: str, t: torch.Tensor) -> Entry:
+    t = t.detach()
+    shape = tuple(t.shape)
+    if not t.is_contiguous():  # sliced from one contiguous copy, dropped after its last box
+        return Entry(name, shape, t.dtype, [tensor_chunk(lambda: t, (0,) * len(shape), shape)],
+                     note="saved as a non-contiguous view: made contiguous whole to be read")
+    flat, itemsize = t.reshape(-1), t.element_size()
+
+    def read(start: int, count: int, buffer: torch.Tensor | None) -> torch.Tensor:
+        out = flat[start:start + count]
+        if buffer is not None and count:  # the pages copied once, as a file read would
+            dst = buffer[:count * itemsize].view(t.dtype)
+            dst.copy_(out)
+            out = dst
+        src.files.bytes_read += count * itemsize
+        return out
+
+    return Entry(name, shape, t.dtype, [Chunk((0,) * len(shape), shape, read)])
