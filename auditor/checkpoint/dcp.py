@@ -38,8 +38,11 @@ MAX_METADATA_BYTES = 1 << 30
 MAX_VALUE_BYTES = 64 << 20
 """Largest non-tensor value unpickled; a larger one is compared as raw bytes."""
 
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
 _METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+        "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
@@ -56,9 +59,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _METADATA_CLASSES:
+        # exact names only: a dotted name would be followed through the module's own imports
+        if "." not in name and (module, name) in _METADATA_CLASSES:
             return super().find_class(module, name)
-        if module == "torch":
+        if module == "torch" and "." not in name:
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
@@ -207,8 +211,13 @@ class DcpSource(Source):
 
         def load() -> torch.Tensor:
             raw = self.files.read_into(path, start, length, None)
-            t = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu",
-                           weights_only=True)
+            try:
+                t = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu",
+                               weights_only=True)
+            except Exception as exc:  # weights_only refuses what it does not know: nothing ran
+                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise CheckpointError(f"{where}: not loadable with weights_only "
+                                      f"({type(exc).__name__}: {msg[:200]})") from None
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
                 raise CheckpointError(f"{where}: does not hold a {dtype} tensor of {list(shape)}")
             return t

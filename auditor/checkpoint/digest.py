@@ -117,6 +117,8 @@ class _Prefetch:
         self.buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
         self.free = [threading.Semaphore(1) for _ in range(2)]
         self.out: queue.Queue = queue.Queue(maxsize=64)
+        self.named: dict[str, str] = {}
+        """Site -> the checkpoint name read under it (two names mapped to one site: an error)."""
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="numaudit-ckpt-read", daemon=True)
         self.thread.start()
@@ -165,6 +167,10 @@ class _Prefetch:
         site, transpose = self.name_map.apply(entry.name) if self.name_map else (entry.name,
                                                                                   False)
         site = normalize_site(site)
+        other = self.named.setdefault(site, entry.name)
+        if other != entry.name:
+            raise CheckpointError(f"{entry.name} and {other} are both read as {site} (the map "
+                                  "or the names' normalization sends them to one name)")
         if entry.note:
             stats.notes.append(f"{entry.name}: {entry.note}")
         if entry.load_value is not None:

@@ -28,6 +28,8 @@ class KeySelection:
     def parse_steps(cls, text: str, phases: frozenset[int] = frozenset()) -> KeySelection:
         """``K:``, ``K:M``, ``:M`` or ``K`` (one step); ValueError naming what is wrong."""
         lo, sep, hi = text.partition(":")
+        if not lo.strip() and not hi.strip():
+            raise ValueError(f"steps: {text!r} is not K:, K:M, :M or K (integers)")
         try:
             first = int(lo) if lo.strip() else None
             stop = int(hi) if hi.strip() else None
