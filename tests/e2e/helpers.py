@@ -93,3 +93,28 @@ def compare_json(db: Path, ref: str, cand: str, *extra: str, preset: str = "fp32
                           text=True, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.returncode, json.loads(proc.stdout)
+
+
+def checkpoint_json(ref: str | Path, cand: str | Path, *extra: str, preset: str = "bitwise"
+                    ) -> tuple[int, dict]:
+    """`auditor checkpoint REF CAND --format json`: (exit code, report). Run through the CLI's
+    own click entry point in this process (a subprocess spends ~3 s importing torch; the
+    subprocess path is tested in tests/auditor/checkpoint); not thread-safe."""
+    import json
+
+    from click.testing import CliRunner
+
+    from auditor.cli import main
+
+    res = CliRunner().invoke(main, ["checkpoint", str(ref), str(cand), "--preset", preset,
+                                    "--format", "json", *extra])
+    assert res.exit_code in (0, 1), f"exit {res.exit_code}: {res.stderr[-3000:]} {res.exception!r}"
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    return res.exit_code, json.loads(res.stdout)
+
+
+def saved_entries(directory: Path) -> set[str]:
+    """Every entry of a DCP save, named as DCP names it, read from its `.metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
