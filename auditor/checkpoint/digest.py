@@ -1,9 +1,10 @@
 """Digest a checkpoint into a run: every entry a ``state`` record, read in bounded memory.
 
 The checkpoint is read as an agent would capture it: each chunk is cut into boxes of at most
-half the memory cap (`sources.boxes`), each box read from the file into one reused buffer and
-digested by the agent's digest (the fused kernel on CPU) as a piece of the logical tensor, at
-its offsets; the records travel to an auditor daemon over the agent's own gRPC path (the
+a third of the memory cap (`sources.boxes`), each box mapped from the file (its pages digested
+where they lie, nothing copied) or, where it cannot be mapped, read into one of two reused
+buffers, and digested by the agent's digest (the fused kernel on CPU) as a piece of the logical
+tensor, at its offsets; the records travel to an auditor daemon over the agent's own gRPC path (the
 daemon validates and stores them as any agent's). So a checkpoint and a live run's
 `capture_state_dict` land in the store in one form, and the comparison engine, the policies and
 the renderers apply unchanged. Nothing is dropped silently: the reader waits for the daemon's
@@ -83,6 +84,7 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
         for piece, item, done in boxes_in:
             # a buffer's box is digested now, before the reader may fill that buffer again
             readers.add(piece, item, now=done is not None)
+            item = None  # a mapped box is unmapped here, before its slot is used again
             if done is not None:
                 done.release()
         summary = readers.close()
@@ -104,9 +106,9 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
 class _Prefetch:
     """The boxes of every entry, read by a thread of their own one box ahead of the digest
     (file reads and the digest kernel both run without the GIL): items ``(piece index,
-    capture item, buffer lock or None)``. Two buffers of `box_bytes` alternate; a box read
-    into one is handed over with the buffer's lock, which the consumer releases once the box
-    is digested. Small boxes get tensors of their own (at most 64 in flight, a sixth of the
+    capture item, slot lock or None)``. Two slots of `box_bytes` alternate, each a mapped
+    range of the file or a buffer read into; a box is handed over with its slot's lock, which
+    the consumer releases once the box is digested. Small boxes get tensors of their own (at most 64 in flight, a sixth of the
     memory cap in all)."""
 
     def __init__(self, entries: list[Entry], name_map: NameMap | None, box_bytes: int,
@@ -200,10 +202,13 @@ class _Prefetch:
                     lock.acquire()
                     if self.stopped.is_set():
                         return
-                    if self.buffers[k].numel() < nbytes:
-                        self.buffers[k] = torch.empty(
-                            max(nbytes, min(self.box_bytes, 4 * nbytes)), dtype=torch.uint8)
-                    t = chunk.read(start, count, self.buffers[k]).reshape(shape)
+                    t = chunk.view(start, count) if chunk.view is not None else None
+                    if t is None:
+                        if self.buffers[k].numel() < nbytes:
+                            self.buffers[k] = torch.empty(
+                                max(nbytes, min(self.box_bytes, 4 * nbytes)), dtype=torch.uint8)
+                        t = chunk.read(start, count, self.buffers[k])
+                    t = t.reshape(shape)
                 else:
                     t = chunk.read(start, count, None).reshape(shape)
                 if transpose:

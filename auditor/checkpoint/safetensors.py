@@ -98,3 +98,25 @@ class SafetensorsSource(Source):
             entry.chunks.append(file_chunk(self.files, path, start, dtype, (0,) * len(shape),
                                            shape))
             yield entry
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> Path:
+    """`tensors` as a safetensors file at `path` (the layout above; the header padded with
+    spaces to 8 bytes, so every tensor starts aligned to its element size as the reference
+    writer's do). The benchmark's and the acceptance job's files; little-endian machines."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return path

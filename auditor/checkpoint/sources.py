@@ -13,7 +13,9 @@ the live capture does.
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
@@ -35,6 +37,9 @@ class Chunk:
     read: Callable[[int, int, torch.Tensor | None], torch.Tensor]
     """(first element, element count, a uint8 buffer to read into or None) -> a 1-D tensor of
     the entry's dtype holding those elements (a view of the buffer when one was given)."""
+    view: Callable[[int, int], torch.Tensor | None] | None = None
+    """(first element, element count) -> the same elements as a read-only tensor over the file's
+    pages (mapped, nothing copied), or None where they cannot be mapped (then `read`)."""
 
     @property
     def numel(self) -> int:
@@ -92,6 +97,35 @@ class FileRanges:
         self.bytes_read += nbytes
         return out
 
+    def view(self, path: Path, offset: int, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` bytes of `path` from `offset` as a uint8 tensor over the file's mapped pages
+        (read-only, faulted in at once: MAP_POPULATE); None where the range cannot be mapped (a
+        file shorter than the range: `read_into` then names it). The mapping lives as long as
+        the tensor; a file truncated while mapped ends the process (SIGBUS), as any mapped
+        reader's would (docs/checkpoints.md)."""
+        if nbytes <= 0 or not hasattr(mmap, "MAP_POPULATE"):
+            return None
+        f = self._files.get(path)
+        if f is None:
+            try:
+                f = self._files[path] = open(path, "rb", buffering=0)
+            except OSError:
+                return None
+        try:
+            if os.fstat(f.fileno()).st_size < offset + nbytes:
+                return None
+            lead = offset % mmap.ALLOCATIONGRANULARITY
+            m = mmap.mmap(f.fileno(), lead + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                          prot=mmap.PROT_READ, offset=offset - lead)
+        except (OSError, ValueError, OverflowError):
+            return None
+        with warnings.catch_warnings():
+            # read-only pages: nothing here writes to a digested tensor
+            warnings.simplefilter("ignore", UserWarning)
+            out = torch.frombuffer(m, dtype=torch.uint8, offset=lead, count=nbytes)
+        self.bytes_read += nbytes
+        return out
+
     def size(self, path: Path) -> int:
         try:
             return os.stat(path).st_size
@@ -113,7 +147,14 @@ def file_chunk(files: FileRanges, path: Path, base: int, dtype: torch.dtype,
         raw = files.read_into(path, base + start * itemsize, count * itemsize, buffer)
         return raw.view(dtype) if count else torch.empty(0, dtype=dtype)
 
-    return Chunk(offsets, shape, read)
+    def view(start: int, count: int) -> torch.Tensor | None:
+        at = base + start * itemsize
+        if at % itemsize:  # an element split across its natural alignment: read a copy
+            return None
+        raw = files.view(path, at, count * itemsize)
+        return None if raw is None else raw.view(dtype)
+
+    return Chunk(offsets, shape, read, view)
 
 
 def tensor_chunk(load: Callable[[], torch.Tensor], offsets: tuple[int, ...],

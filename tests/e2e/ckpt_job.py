@@ -36,8 +36,6 @@ Planted, beside them:
 
 from __future__ import annotations
 
-import json
-import struct
 import sys
 from pathlib import Path
 
@@ -49,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from auditor.checkpoint.safetensors import write_safetensors  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 
 VOCAB, DIM, CLASSES, LAYERS = 8192, 64, 16, 4
@@ -185,20 +184,6 @@ def train_pipeline() -> tuple[Model, torch.optim.Optimizer]:
         schedule.step(target=target)
     optimizer.step()
     return stage, optimizer
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """The safetensors format by hand: u64 little-endian header size, JSON header, raw bytes."""
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        data = t.detach().contiguous().to(torch.float32).numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
 def hf_tensors(msd: dict[str, torch.Tensor], transposed: str | None = None

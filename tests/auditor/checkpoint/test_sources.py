@@ -75,6 +75,30 @@ def test_file_ranges_read_exact_bytes_into_the_buffer_given(tmp_path):
         files.close()
 
 
+def test_aligned_chunks_are_digested_from_the_mapped_file_and_others_read(tmp_path):
+    # the reader's zero-copy path: a range whose first element sits at a multiple of its size
+    # is a view of the file's mapped pages; a misaligned one (most DCP records) or one past the
+    # end of the file is not mapped (None), so it is read, and a short file still names itself
+    path = tmp_path / "data.bin"
+    t = torch.arange(5000, dtype=torch.float32)
+    path.write_bytes(b"head" + t.numpy().tobytes() + b"x")
+    files = FileRanges()
+    try:
+        aligned = file_chunk(files, path, 4, torch.float32, (0,), (5000,))
+        got = aligned.view(1000, 3000)
+        assert got is not None and got.dtype == torch.float32
+        assert torch.equal(got, t[1000:4000])
+        assert files.bytes_read == 3000 * 4
+        misaligned = file_chunk(files, path, 5, torch.float32, (0,), (4999,))
+        assert misaligned.view(0, 10) is None
+        past_end = file_chunk(files, path, 8, torch.float32, (0,), (5000,))
+        assert past_end.view(0, 5000) is None
+        with pytest.raises(CheckpointError, match=r"data\.bin: ends at byte"):
+            past_end.read(0, 5000, None)
+    finally:
+        files.close()
+
+
 def test_file_ranges_short_file_names_the_file(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(10))
