@@ -131,12 +131,12 @@ def test_fp32_accepts_one_ulp_as_close(saves):
 
 
 def test_reading_in_boxes_far_below_a_tensor_gives_the_same_verdicts(saves, tmp_path):
-    """A and B read in 2.7 KiB boxes: the ulp is still found, alone; and A so read is identical,
+    """A and B read in 8 KiB boxes: the ulp is still found, alone; and A so read is identical,
     entry by entry, to A read whole (the digest of the boxes is the digest of the tensor)."""
     biggest = saves["state"]["model"]["0.weight"]
     assert biggest.numel() * biggest.element_size() >= 256 << 10
     db = tmp_path / "boxes.db"
-    res = cli("checkpoint", saves["A"], saves["B"], "--max-memory", "8KiB", "--db", db,
+    res = cli("checkpoint", saves["A"], saves["B"], "--max-memory", "24KiB", "--db", db,
               "--format", "json")
     assert res.code == 1, (res.stderr, res.exception)
     report = res.report()
@@ -145,7 +145,7 @@ def test_reading_in_boxes_far_below_a_tensor_gives_the_same_verdicts(saves, tmp_
     assert report["summary"]["breaches"] == 1
     assert report["summary"]["verdicts"]["identical"] == len(saves["sites"]) - 1
     # one reader per piece of the most cut tensor (digest.py): read in boxes indeed
-    assert int(report["runs"]["ref"]["labels"]["checkpoint_readers"]) >= 64
+    assert int(report["runs"]["ref"]["labels"]["checkpoint_readers"]) >= 32
     bounded_a = report["runs"]["ref"]["name"]
     res = cli("checkpoint", f"run:{bounded_a}", saves["A"], "--db", db, "--format", "json")
     assert res.code == 0, (res.stderr, res.exception)
