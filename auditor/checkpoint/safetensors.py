@@ -3,9 +3,13 @@
 A file is an 8-byte little-endian header length N, N bytes of JSON
 (``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``)
 and the tensors' raw little-endian bytes, each row-major and contiguous at
-``8 + N + begin``. Every tensor is one chunk covering its whole shape; a directory of shards
-(``model-00001-of-00004.safetensors`` ...) is read file by file, and a name found in two files
-is an error.
+``8 + N + begin``. A directory of files (``model-00001-of-00004.safetensors`` ...) is one
+checkpoint. A tensor is one chunk covering its whole shape, except in the sharded files
+torch.distributed.checkpoint's ``HuggingFaceStorageWriter`` writes without consolidating
+(``shard-00001-model-00001-of-00001.safetensors``, one a rank): there each file's
+``__metadata__["DCP_SHARDING_INFO"]`` (JSON ``{name: {"saved_offsets": [...]}}``) places its
+tensor as a chunk of a logical tensor, whose shape is where the chunks end, and the chunks of a
+name must cover it exactly once. Any other name found in two files is an error.
 """
 
 from __future__ import annotations
@@ -40,16 +44,22 @@ class SafetensorsSource(Source):
     def __init__(self, paths: list[Path]) -> None:
         super().__init__()
         self.paths = paths
-        self._tensors: list[tuple[Path, str, torch.dtype, tuple[int, ...], int]] = []
-        seen: dict[str, Path] = {}
+        self._tensors: dict[str, list[tuple[Path, torch.dtype, tuple[int, ...], int,
+                                            tuple[int, ...] | None]]] = {}
         for path in paths:
-            for name, dtype, shape, start in self._header(path):
-                if name in seen:
-                    raise CheckpointError(f"{path}: tensor {name!r} is also in {seen[name]}")
-                seen[name] = path
-                self._tensors.append((path, name, dtype, shape, start))
+            for name, dtype, shape, start, offsets in self._header(path):
+                chunks = self._tensors.setdefault(name, [])
+                if chunks and (offsets is None or chunks[0][4] is None):
+                    raise CheckpointError(f"{path}: tensor {name!r} is also in {chunks[0][0]}")
+                if chunks and (dtype, len(shape)) != (chunks[0][1], len(chunks[0][2])):
+                    raise CheckpointError(f"{path}: tensor {name!r} is {dtype} of {len(shape)} "
+                                          f"dims, its chunk in {chunks[0][0]} {chunks[0][1]} of "
+                                          f"{len(chunks[0][2])}")
+                chunks.append((path, dtype, shape, start, offsets))
+        self._logical = {name: _logical(name, chunks) for name, chunks in self._tensors.items()}
 
-    def _header(self, path: Path) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    def _header(self, path: Path) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int,
+                                                    tuple[int, ...] | None]]:
         size = self.files.size(path)
         with open(path, "rb") as f:
             head = f.read(8)
@@ -66,6 +76,7 @@ class SafetensorsSource(Source):
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: header is not a JSON object")
         data_start, data_len = 8 + n, size - 8 - n
+        sharding = _sharding_info(path, header.get("__metadata__"))
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -90,14 +101,65 @@ class SafetensorsSource(Source):
                 raise CheckpointError(f"{where}: data_offsets span {span[1] - span[0]} bytes, "
                                       f"shape {shape} of {info['dtype']} needs "
                                       f"{math.prod(shape) * itemsize}")
-            yield name, dtype, tuple(shape), data_start + span[0]
+            offsets = None
+            if sharding is not None:
+                placed = sharding.get(name)
+                offsets = placed.get("saved_offsets") if isinstance(placed, dict) else None
+                if (not isinstance(offsets, list) or len(offsets) != len(shape)
+                        or not all(isinstance(o, int) and o >= 0 for o in offsets)):
+                    raise CheckpointError(f"{where}: DCP_SHARDING_INFO gives it saved_offsets "
+                                          f"{offsets!r}, not {len(shape)} offsets")
+                offsets = tuple(offsets)
+            yield name, dtype, tuple(shape), data_start + span[0], offsets
 
     def entries(self) -> Iterator[Entry]:
-        for path, name, dtype, shape, start in self._tensors:
-            entry = Entry(name, shape, dtype)
-            entry.chunks.append(file_chunk(self.files, path, start, dtype, (0,) * len(shape),
-                                           shape))
+        for name, chunks in self._tensors.items():
+            entry = Entry(name, self._logical[name], chunks[0][1])
+            for path, dtype, shape, start, offsets in chunks:
+                entry.chunks.append(file_chunk(self.files, path, start, dtype,
+                                               offsets or (0,) * len(shape), shape))
             yield entry
+
+
+def _logical(name: str, chunks: list) -> tuple[int, ...]:
+    """The shape of the tensor the chunks of `name` make up: where they end; CheckpointError
+    unless they cover it, each element once."""
+    ndim = len(chunks[0][2])
+    placed = [(offsets or (0,) * ndim, shape) for _, _, shape, _, offsets in chunks]
+    logical = tuple(max(o[d] + s[d] for o, s in placed) for d in range(ndim))
+    held = sum(math.prod(s) for _, s in placed)
+    if held != math.prod(logical) or _overlap(placed):
+        raise CheckpointError(f"tensor {name!r}: its {len(chunks)} chunks hold {held} elements "
+                              f"of its {list(logical)}, not each once (in "
+                              f"{', '.join(sorted({str(c[0].name) for c in chunks}))})")
+    return logical
+
+
+def _sharding_info(path: Path, metadata) -> dict | None:
+    """A DCP sharded file's placement of its tensors (``DCP_SHARDING_INFO``), or None."""
+    if not isinstance(metadata, dict) or "DCP_SHARDING_INFO" not in metadata:
+        return None
+    try:
+        info = json.loads(metadata["DCP_SHARDING_INFO"])
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: __metadata__ DCP_SHARDING_INFO is not JSON "
+                              f"({exc})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: __metadata__ DCP_SHARDING_INFO is not a JSON object")
+    return info
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two of the (offsets, shape) boxes share an element (swept along dim 0, so
+    shards split along it cost one comparison each)."""
+    boxes = sorted(b for b in boxes if math.prod(b[1]))
+    for i, (a, sa) in enumerate(boxes):
+        for b, sb in boxes[i + 1:]:
+            if sa and b[0] >= a[0] + sa[0]:
+                break
+            if all(x < y + t and y < x + s for x, s, y, t in zip(a, sa, b, sb)):
+                return True
+    return False
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],

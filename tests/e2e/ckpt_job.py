@@ -32,10 +32,17 @@ Planted, beside them:
   head stored transposed (``[in, out]``, as GPT-2's Conv1D does) and declared so in the map.
 - ``hf_bad.safetensors``: the same file from a buggy conversion that transposed the square
   ``layers.1.proj.weight`` (``model.layers.1.mlp.dense.weight``), which the map does not declare.
+
+Live captures, when ``NUMAUDIT_ADDR`` names an auditor (the agent reads it, as a user's would):
+right before ``fsdp2/`` and ``pp/`` are saved, each rank's agent captures the state dict being
+saved (``agent.capture_state_dict(sd, step=LIVE_STEP)``) into run ``fsdp2-live`` (DTensor
+shards, the dp mesh of FSDP2) and ``pp-live`` (each rank its own stage's entries, ``stage=``
+its stage), and is closed at once; a close that did not get every capture acked ends the job.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +68,10 @@ ULP_SITE = "model.layers.2.proj.weight"
 """The weight whose element [0, 0] the ulp/ save moves by one ulp (held by FSDP2 rank 0)."""
 TRANSPOSED_SITE = "model.layers.1.proj.weight"
 """The square weight hf_bad.safetensors holds transposed."""
+LIVE_STEP = 1
+"""The step the live captures are keyed by (`auditor checkpoint run:... --step LIVE_STEP`)."""
+LIVE_RUNS = {"fsdp2": "fsdp2-live", "pp": "pp-live"}
+"""The save each live capture sits beside -> its run name."""
 HF_MAP = """\
 # Hugging-Face names (CAND) -> this model's DCP names (REF).
 [[map]]
@@ -202,6 +213,20 @@ def hf_tensors(msd: dict[str, torch.Tensor], transposed: str | None = None
     return out
 
 
+def capture_live(save: str, sd: dict, stage: int = -1, **attach) -> None:
+    """When an auditor is named (NUMAUDIT_ADDR), capture `sd` as the run saving `save` would:
+    one agent, one `capture_state_dict`, closed; anything not acked ends the job."""
+    if not os.environ.get("NUMAUDIT_ADDR"):
+        return
+    import agents
+
+    agent = agents.attach(None, run=LIVE_RUNS[save], spool_mode="off", **attach)
+    agent.capture_state_dict(sd, step=LIVE_STEP, stage=stage)
+    summary = agent.close()
+    if not summary["captured"] or summary["acked"] != summary["captured"] or summary["dropped"]:
+        raise SystemExit(f"rank {dist.get_rank()}: {LIVE_RUNS[save]} not all acked: {summary}")
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -220,6 +245,7 @@ def main(out: Path) -> None:
 
     model, optimizer = train_fsdp2()
     sd = state_dict(model, optimizer)
+    capture_live("fsdp2", sd, mesh=model.tok.weight.device_mesh, dp_dim="dp")
     dcp.save(sd, checkpoint_id=out / "fsdp2")
     dropped = {"model": sd["model"],
                "optim": {k: v for k, v in sd["optim"].items() if not k.startswith("state.")}}
@@ -232,7 +258,10 @@ def main(out: Path) -> None:
     del model, optimizer, sd, dropped
 
     stage, optimizer = train_pipeline()
-    dcp.save(state_dict(stage, optimizer), checkpoint_id=out / "pp")
+    sd = state_dict(stage, optimizer)
+    # no data parallelism: both ranks are dp rank 0 of 1, holding disjoint entries
+    capture_live("pp", sd, stage=rank, dp_rank=0, dp_size=1)
+    dcp.save(sd, checkpoint_id=out / "pp")
     dist.barrier()
     dist.destroy_process_group()
 

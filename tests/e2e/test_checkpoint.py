@@ -21,6 +21,13 @@ reading from reading everything; the bound on bytes held is for a unit test of t
 
 Weights-only files hold no optimizer state: the reference for `hf*.safetensors` is the
 reference's model half saved alone (`ref_model/`, the same tensors as `ref/`'s `model.*`).
+
+Live captures: the job runs against a real auditor (`auditor serve` on port 0, a SQLite store),
+and where it saves `fsdp2/` and `pp/` each rank's agent captures the state dict it is saving
+(`capture_state_dict`: FSDP2's DTensor shards; each pipeline stage's own entries) into runs
+`fsdp2-live` and `pp-live`. `auditor checkpoint run:NAME DIR --db STORE --step 1` must then find
+every entry of the saved files identical, as reading the files back does, and the planted ulp
+where the files comparison finds it.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.ckpt_job import LARGEST_TENSOR_BYTES, TRANSPOSED_SITE, ULP_SITE
-from tests.e2e.helpers import ROOT, checkpoint_json, saved_entries, torchrun
+from tests.e2e.ckpt_job import (LARGEST_TENSOR_BYTES, LIVE_RUNS, LIVE_STEP, TRANSPOSED_SITE,
+                                ULP_SITE)
+from tests.e2e.helpers import Daemon, ROOT, checkpoint_json, saved_entries, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,11 +66,38 @@ def by_site(report: dict) -> dict[str, dict]:
     return {f["key"]["site"]: f for f in report["findings"]}
 
 
+LIVE_COMPARISONS = {
+    # name: (REF, CAND): a live run against a save, keyed by the files comparison to match
+    "fsdp2-live": ("run:" + LIVE_RUNS["fsdp2"], "ref"),
+    "pp-live": ("run:" + LIVE_RUNS["pp"], "ref"),
+    "fsdp2-live-ulp": ("run:" + LIVE_RUNS["fsdp2"], "ulp"),
+}
+
+
 @pytest.fixture(scope="module")
-def saves(tmp_path_factory) -> Path:
+def job(tmp_path_factory) -> tuple[Path, Path]:
+    """The job, run against an auditor: (its output directory, the store of its live runs)."""
     out = tmp_path_factory.mktemp("ckpt")
-    torchrun(str(JOB), 2, str(out))
-    return out
+    daemon = Daemon(tmp_path_factory.mktemp("auditor"))
+    try:
+        torchrun(str(JOB), 2, str(out), env={"NUMAUDIT_ADDR": daemon.address})
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log.read_text()
+    return out, daemon.db
+
+
+@pytest.fixture(scope="module")
+def saves(job) -> Path:
+    return job[0]
+
+
+@pytest.fixture(scope="module")
+def live_reports(job):
+    """Every comparison of LIVE_COMPARISONS: name -> (exit code, report)."""
+    out, db = job
+    return {name: checkpoint_json(run, out / cand, "--db", str(db), "--step", str(LIVE_STEP))
+            for name, (run, cand) in LIVE_COMPARISONS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +193,31 @@ def test_a_transposed_square_weight_is_named_with_its_cause(reports):
     assert report["summary"]["breaches"] == 1
     reason = (first["cause"] or {}).get("reason", "")
     assert "transpose" in reason or "permut" in reason, first
+
+
+@pytest.mark.parametrize("live,files", [("fsdp2-live", "ref-fsdp2"), ("pp-live", "ref-pp")])
+def test_a_live_capture_is_identical_to_the_saved_files_on_every_entry(
+        saves, reports, live_reports, live, files):
+    """What each rank held when it saved (FSDP2 shards; pipeline stages) against the reference
+    save: every entry identical, bitwise, the same entries as reading the save back finds."""
+    code, report = live_reports[live]
+    entries = saved_entries(saves / "ref")
+    summary = report["summary"]
+    assert (code, summary["breaches"]) == (0, 0), summary
+    assert summary["verdicts"]["identical"] == summary["keys"] == len(entries), summary
+    assert {f["key"]["site"] for f in report["findings"]} == entries
+    assert {f["key"]["phase"] for f in report["findings"]} == {"state"}
+    assert len(report["findings"]) == len(reports[files][1]["findings"])
+    assert report["first_divergence"] is None
+
+
+def test_a_live_capture_finds_the_planted_ulp_where_the_files_do(live_reports, reports):
+    code, report = live_reports["fsdp2-live-ulp"]
+    assert code == 1
+    first, files_first = report["first_divergence"], reports["ulp-bitwise"][1]["first_divergence"]
+    assert (first["key"]["site"], first["verdict"]) == (ULP_SITE, "diverged")
+    def where(finding: dict) -> dict:  # its key but the step (the live one is LIVE_STEP)
+        return {k: v for k, v in finding["key"].items() if k != "step"}
+
+    assert where(first) == where(files_first)
+    assert report["summary"]["breaches"] == 1  # nothing else moved

@@ -186,6 +186,57 @@ def test_a_name_in_two_shards_is_one_line_naming_both(ref, tmp_path):
     assert res.stderr.strip() == line
 
 
+def dcp_shard(path: Path, placed: dict[str, tuple[torch.Tensor, list[int]]]) -> Path:
+    """A file as torch.distributed.checkpoint's HuggingFaceStorageWriter writes a rank's shards
+    unconsolidated: each tensor the rank's chunk, placed by ``DCP_SHARDING_INFO`` in the
+    metadata (torch/distributed/checkpoint/filesystem.py, SerializationFormat.SAFETENSORS)."""
+    info = {name: {"saved_offsets": offsets} for name, (_, offsets) in placed.items()}
+    return write_safetensors(path, {name: t for name, (t, _) in placed.items()},
+                             {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0",
+                              "format": "pt"})
+
+
+def test_dcp_sharded_safetensors_are_rebuilt_from_their_saved_offsets(ref, tmp_path):
+    # two ranks' files: proj split by rows (FSDP's dim 0), layers.0.w by columns, the rest on
+    # rank 0 alone (a replicated tensor is written once); the same model as the DCP save
+    ts = {f"model.{k}": v for k, v in ref["tensors"].items()}
+    proj, w0 = ts.pop("model.proj"), ts.pop("model.layers.0.w")
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    dcp_shard(shards / "shard-00001-model-00001-of-00001.safetensors",
+              {"model.proj": (proj[:40], [0, 0]), "model.layers.0.w": (w0[:, :5], [0, 0]),
+               **{name: (t, [0] * t.dim()) for name, t in ts.items()}})
+    dcp_shard(shards / "shard-00002-model-00001-of-00001.safetensors",
+              {"model.proj": (proj[40:], [40, 0]), "model.layers.0.w": (w0[:, 5:], [0, 5])})
+    code, report = compare_json(ref["dcp"], shards)
+    assert code == 0
+    all_identical(report, ref["sites"])
+    assert by_site(report)["model.proj"]["shape"] == [64, 48]
+    # the last rank's file missing: its chunks' ends are the only shape the files give (as for
+    # torch's own reader), so proj reads as 40 rows and layers.0.w as 5 columns; both breach
+    (shards / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    code, report = compare_json(ref["dcp"], shards)
+    assert code == 1
+    found = by_site(report)
+    assert found["model.proj"]["notes"] == ["logical shape [64, 48] in ref, [40, 48] in cand"]
+    assert {s for s, f in found.items() if f["verdict"] != "identical"} == {
+        "model.proj", "model.layers.0.w"}
+
+
+def test_dcp_shards_that_overlap_are_refused(ref, tmp_path):
+    proj = ref["tensors"]["proj"]
+    shards = tmp_path / "overlap"
+    shards.mkdir()
+    # rows 0..40 and 24..48, and an empty chunk ending at 64: 64 rows of 64, but 24..40 twice
+    # and 48..64 never, which the count alone would not tell
+    first = dcp_shard(shards / "shard-00001.safetensors", {"model.proj": (proj[:40], [0, 0])})
+    dcp_shard(shards / "shard-00002.safetensors", {"model.proj": (proj[24:48], [24, 0])})
+    dcp_shard(shards / "shard-00003.safetensors", {"model.proj": (proj[:0], [64, 0])})
+    res = cli("checkpoint", ref["dcp"], shards)
+    line = input_error(res, "'model.proj'", "not each once", first.name)
+    assert res.stderr.strip() == line
+
+
 # -- Maps that are wrong ------------------------------------------------------------------------
 
 BAD_MAPS = {
