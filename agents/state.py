@@ -6,11 +6,14 @@ dots (``optim.state.layers.0.wq.weight.exp_avg``, ``optim.param_groups.0.lr``), 
 tensors (DTensors as their shards) and everything else (numbers, strings, lists of them) as
 pickled bytes. Two sides must name and value every entry alike for a live capture
 (`Agent.capture_state_dict`) to compare with the files it was saved to (`auditor checkpoint`):
-both use :func:`flatten` for the names and :func:`leaf_tensor` for the non-tensor values.
+both use :func:`flatten` for the names, :func:`expand` for bytes that are pickles of plain
+data, and :func:`leaf_tensor` for the non-tensor values.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 from typing import Any, Iterator
 
 import torch
@@ -31,7 +34,37 @@ def flatten(state_dict: Any) -> Iterator[tuple[str, Any]]:
     else:
         flat, _ = flatten_state_dict(state_dict)
     for name, value in flat.items():
-        yield normalize_site(str(name)), value
+        for leaf, v in expand(str(name), value):
+            yield normalize_site(leaf), v
+
+
+MAX_PICKLED_BYTES = 1 << 20
+"""Largest bytes value looked into by `expand`."""
+
+
+def expand(name: str, value: Any) -> list[tuple[str, Any]]:
+    """A leaf as the entries it is compared as: bytes holding a pickle of plain data (dicts,
+    lists, numbers, strings: what torchtitan saves as a dataloader's state,
+    ``{"dp_rank_0": pickle.dumps(loader.state_dict())}``) are that data's own leaves, named
+    below `name` (``dataloader.dp_rank_0.samples_yielded``), so a report says which field
+    differs; anything else, a pickle naming any class or function included (never loaded), is
+    ``[(name, value)]``."""
+    if (not isinstance(value, (bytes, bytearray)) or value[:1] != b"\x80"
+            or len(value) > MAX_PICKLED_BYTES):
+        return [(name, value)]
+    try:
+        data = _PlainUnpickler(io.BytesIO(bytes(value))).load()
+    except Exception:  # not a pickle, or one of more than plain data: the bytes themselves
+        return [(name, value)]
+    leaves = [(f"{name}.{sub}" if sub else name, v) for sub, v in _walk(data, ())]
+    return leaves if isinstance(data, (dict, list)) and leaves else [(name, value)]
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Loads plain data only: any global (a class, a function) is refused, never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
 
 
 def _walk(value: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:

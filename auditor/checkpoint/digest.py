@@ -28,7 +28,7 @@ from agents.config import AgentConfig, check
 from agents.identity import job_identity, rank_identity
 from agents.layout import PieceLayout
 from agents.sites import normalize_site
-from agents.state import leaf_tensor
+from agents.state import expand, leaf_tensor
 from auditor.checkpoint.mapping import NameMap
 from auditor.checkpoint.sources import CheckpointError, Entry, Source, boxes
 
@@ -163,25 +163,30 @@ class _Prefetch:
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(exc)
 
+    def _site(self, name: str) -> tuple[str, bool]:
+        """(the site `name` is read as, whether the map says it is stored transposed)."""
+        site, transpose = self.name_map.apply(name) if self.name_map else (name, False)
+        site = normalize_site(site)
+        other = self.named.setdefault(site, name)
+        if other != name:
+            raise CheckpointError(f"{name} and {other} are both read as {site} (the map or the "
+                                  "names' normalization sends them to one name)")
+        return site, transpose
+
     def _entry(self, entry: Entry) -> None:
         stats = self.stats
         stats.entries += 1
-        site, transpose = self.name_map.apply(entry.name) if self.name_map else (entry.name,
-                                                                                  False)
-        site = normalize_site(site)
-        other = self.named.setdefault(site, entry.name)
-        if other != entry.name:
-            raise CheckpointError(f"{entry.name} and {other} are both read as {site} (the map "
-                                  "or the names' normalization sends them to one name)")
         if entry.note:
             stats.notes.append(f"{entry.name}: {entry.note}")
         if entry.load_value is not None:
-            stats.values += 1
             value, note = entry.load_value()
             if note:
                 stats.notes.append(f"{entry.name}: {note}")
-            self._put((0, (site, -1, leaf_tensor(value), None), None))
+            for name, leaf in expand(entry.name, value):  # as the live capture names them
+                stats.values += 1
+                self._put((0, (self._site(name)[0], -1, leaf_tensor(leaf), None), None))
             return
+        site, transpose = self._site(entry.name)
         stats.tensors += 1
         if transpose and len(entry.shape) != 2:
             raise CheckpointError(f"{entry.name}: the map says transposed, but it has "

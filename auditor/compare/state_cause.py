@@ -33,8 +33,12 @@ def state_cause(comp: Comparison, i: int) -> F.Cause:
             "from)")
     try:
         moved = _permuted(comp, i)
+        values = _single_values(comp, i)
     except Exception:  # a hint: digests it cannot read (a closed store) leave it unsaid
-        moved = None
+        moved = values = None
+    if values is not None:
+        base = (f"{key.site} is {values[0]} in {comp.ref.name}, {values[1]} in "
+                f"{comp.cand.name} (a checkpoint entry: nothing upstream to inherit from)")
     if moved:
         code = int(comp.ref_keys.shape[int(comp.ri[i])])
         shape = comp.catalog.shapes[code][0] if code >= 0 else ()
@@ -72,6 +76,36 @@ def _permuted(comp: Comparison, i: int) -> float | None:
         return None
     dist = float(np.linalg.norm(R["sketch"] - C["sketch"])) / norm
     return dist if dist > FAR else None
+
+
+def _single_values(comp: Comparison, i: int) -> tuple[str, str] | None:
+    """Both sides' value of a one-element entry (a step count, a learning rate, a dataloader's
+    position), from the payloads; None when either is not one stored element."""
+    from auditor.compare.payloads import logical_values  # payloads imports the comparison
+
+    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    if ri < 0 or ci < 0:
+        return None
+    out = []
+    for side, g in (("ref", ri), ("cand", ci)):
+        values, _, dtype = logical_values(comp, side, g)
+        if values.size != 1:
+            return None
+        x = float(values.reshape(-1)[0])
+        out.append(_number(x, str(dtype)))
+    return out[0], out[1]
+
+
+def _number(x: float, dtype: str) -> str:
+    """`x` as its dtype prints it: shortest round-trip digits (an integer dtype's as one)."""
+    if not dtype.startswith(("float", "bfloat", "complex")) and math.isfinite(x) \
+            and x == int(x) and abs(x) < 2 ** 53:
+        return str(int(x))
+    if dtype == "float32":
+        return str(np.float32(x))
+    if dtype == "float64" or not math.isfinite(x):
+        return repr(x)
+    return f"{x:.4g}"  # 16-bit floats: 3-4 significant digits are all they hold
 
 
 def _merged(comp: Comparison, side: str, g: int) -> dict | None:

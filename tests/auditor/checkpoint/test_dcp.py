@@ -254,3 +254,64 @@ def test_a_truncated_distcp_file_is_an_input_error_naming_it(saves, tmp_path):
     (path,) = ckpt.glob("*.distcp")
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     input_error(cli("checkpoint", saves["A"], ckpt), path)
+
+
+class _Runs:
+    """Unpickled, runs `touch PATH`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def trainer_state(steps: int, marker: Path) -> dict:
+    """What a torchtitan-style trainer saves beside the model: an LR scheduler, a train state,
+    and the dataloader's state pickled to bytes per dp rank; `steps` steps in. A second
+    dataloader entry is a pickle that would create `marker` if it were ever loaded."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    loader = {"samples_yielded": 32 * steps, "epoch": 0, "sampler": {"seed": 7, "order": [3, 1]}}
+    return {"model": model.state_dict(), "lr_scheduler": scheduler.state_dict(),
+            "train_state": {"step": torch.tensor(steps, dtype=torch.int32)},
+            "dataloader": {"dp_rank_0": pickle.dumps(loader),
+                           # a pickle naming a function: compared as bytes, never loaded
+                           "other": pickle.dumps(_Runs(marker))}}
+
+
+def test_scheduler_train_and_dataloader_state_are_compared_field_by_field(tmp_path):
+    marker = tmp_path / "ran"
+    save_dcp(trainer_state(3, marker), tmp_path / "A")
+    save_dcp(trainer_state(4, marker), tmp_path / "B")
+    res = cli("checkpoint", tmp_path / "A", tmp_path / "B", "--format", "json")
+    assert res.code == 1, (res.stderr, res.exception)
+    found = by_site(res.report())
+    moved = {site: f["cause"]["reason"].split(" (")[0]
+             for site, f in found.items() if f["verdict"] != "identical"}
+    assert moved == {
+        "lr_scheduler.last_epoch": "lr_scheduler.last_epoch is 3 in ref, 4 in cand",
+        "lr_scheduler._step_count": "lr_scheduler._step_count is 4 in ref, 5 in cand",
+        "lr_scheduler._last_lr": "lr_scheduler._last_lr is 0.0004 in ref, 0.0005 in cand",
+        "train_state.step": "train_state.step is 3 in ref, 4 in cand",
+        # the dataloader's pickled state, opened as plain data: the field that moved is named
+        "dataloader.dp_rank_0.samples_yielded":
+            "dataloader.dp_rank_0.samples_yielded is 96 in ref, 128 in cand"}
+    assert {"dataloader.dp_rank_0.epoch", "dataloader.dp_rank_0.sampler.seed",
+            "dataloader.dp_rank_0.sampler.order", "dataloader.other",
+            "lr_scheduler.base_lrs", "model.weight"} <= set(found)
+    # a live capture of the same state names and values every entry as the reader does
+    db = tmp_path / "live.db"
+    with BackgroundServer("127.0.0.1:0", db, grace=1.0) as server:
+        agent = agents.attach(None, run="live", address=server.address, spool_mode="off")
+        agent.capture_state_dict(trainer_state(3, marker), step=0)
+        assert agent.close(timeout=30)["dropped"] == 0
+    res = cli("checkpoint", "run:live", tmp_path / "A", "--db", db, "--format", "json")
+    assert res.code == 0, (res.stderr, res.exception)
+    all_identical(res.report(), set(found))
+    assert not marker.exists()
