@@ -9,6 +9,7 @@ renderers as `auditor compare`, on phase ``state`` of one step.
 
 from __future__ import annotations
 
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -134,8 +135,9 @@ def _digest_files(sides: dict, store: Path, step: int, cap: int, name_map, *,
     files = {side: s for side, s in sides.items() if not isinstance(s, str)}
     if not files:
         return runs
-    with BackgroundServer("127.0.0.1:0", store, synchronous="NORMAL",
-                          grace=1.0) as server:
+    with tempfile.TemporaryDirectory(prefix="numaudit-ckpt-") as private, \
+            BackgroundServer(_private_listen(Path(private)), store, synchronous="NORMAL",
+                             grace=1.0) as server:
         for side, source in files.items():
             run = f"checkpoint-{side}-{uuid.uuid4().hex[:8]}" if keep else side
             where = getattr(source, "path", None) or ", ".join(map(str, source.paths))
@@ -151,6 +153,15 @@ def _digest_files(sides: dict, store: Path, step: int, cap: int, name_map, *,
                 click.echo(f"  {note}", err=True)
             runs[side] = run
     return runs
+
+
+def _private_listen(directory: Path) -> str:
+    """Where the in-process daemon listens: a unix socket in `directory` (created 0700, so no
+    other user can connect and add records to the runs being compared), else loopback TCP."""
+    sock = directory / "auditor.sock"
+    if hasattr(socket, "AF_UNIX") and len(str(sock)) < 100:
+        return f"unix:{sock}"
+    return "127.0.0.1:0"
 
 
 def _reader(store: Path):

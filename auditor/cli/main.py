@@ -251,7 +251,8 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
 
 @main.command()
 @click.option("--listen", default=limits.DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
-              help="Address to bind; port 0 picks a free port. Plaintext: keep it on loopback.")
+              help="Address to bind; port 0 picks a free port. Plaintext: keep it on loopback, "
+                   "or give unix:/PATH (a socket whose file permissions decide who connects).")
 @click.option("--store", "--db", "db", type=STORE, envvar=ENV_DB, metavar="PATH|URL",
               default="numaudit.db", show_default=True,
               help="Store: a SQLite file (created if missing), or a postgresql:// URL (schema "

@@ -395,7 +395,8 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
                 tokens: Tokens | None = None, tls: ServerTLS | None = None,
                 server_limits: ServerLimits | None = None, metrics: DaemonMetrics | None = None,
                 metrics_listen: str | None = None) -> AsyncIterator[str]:
-    """Runs the daemon while the block runs; yields the bound address ("HOST:PORT").
+    """Runs the daemon while the block runs; yields the bound address ("HOST:PORT", or
+    `listen` itself for a unix socket, ``unix:/PATH``).
     With `metrics_listen` the metrics (`metrics`, or its own) are served over HTTP there and
     `metrics.address` is the bound address (docs/metrics.md).
 
@@ -437,16 +438,18 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
             port = server.add_insecure_port(listen)
         await server.start()
         started = True
-        address = f"{host}:{port}"
+        unix = listen.startswith("unix:")
+        address = listen if unix else f"{host}:{port}"
         access = (f"tokens from {tokens.source} ({len(tokens)} entries)" if tokens is not None
                   else "open: no tokens")
         if tls is not None:
             log.info("listening on %s (%s) access=%s db=%s synchronous=%s", address,
                      "mutual TLS: client certificates required" if tls.mutual else "TLS",
                      access, describe(db_path), level)
-        elif host in _LOOPBACK_HOSTS:
-            log.info("listening on %s (plaintext, loopback only) access=%s db=%s synchronous=%s",
-                     address, access, describe(db_path), level)
+        elif host in _LOOPBACK_HOSTS or unix:
+            log.info("listening on %s (plaintext, %s) access=%s db=%s synchronous=%s", address,
+                     "a unix socket: its file's permissions decide who connects" if unix
+                     else "loopback only", access, describe(db_path), level)
         else:
             log.warning("listening on %s in PLAINTEXT (no TLS) on a non-loopback address%s; "
                         "access=%s db=%s synchronous=%s", address,
