@@ -7,13 +7,16 @@ Used by the slow path for keys where both runs sent every piece's bytes; bounded
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare.comparison import Comparison
 from auditor.compare.segments import segment_reduce
 from auditor.compare.metrics import (FLOAT_DTYPES, ITEMSIZE, PayloadUnavailable, bits_to_values,
                                      decode_payload, payload_metrics)
+
+if TYPE_CHECKING:
+    from auditor.compare.comparison import Comparison
 
 
 def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:

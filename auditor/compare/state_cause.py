@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from auditor.compare import findings as F
+from auditor.compare.payloads import logical_values
 
 if TYPE_CHECKING:
     from auditor.compare.comparison import Comparison
@@ -81,8 +82,6 @@ def _permuted(comp: Comparison, i: int) -> float | None:
 def _single_values(comp: Comparison, i: int) -> tuple[str, str] | None:
     """Both sides' value of a one-element entry (a step count, a learning rate, a dataloader's
     position), from the payloads; None when either is not one stored element."""
-    from auditor.compare.payloads import logical_values  # payloads imports the comparison
-
     ri, ci = int(comp.ri[i]), int(comp.ci[i])
     if ri < 0 or ci < 0:
         return None
