@@ -1,9 +1,9 @@
 """Digest a checkpoint into a run: every entry a ``state`` record, read in bounded memory.
 
-The checkpoint is read as an agent would capture it: each chunk is cut into boxes of at most
-a third of the memory cap (`sources.boxes`), each box mapped from the file (its pages digested
-where they lie, nothing copied) or, where it cannot be mapped, read into one of two reused
-buffers, and digested by the agent's digest (the fused kernel on CPU) as a piece of the logical
+The checkpoint is read as an agent would capture it: each tensor is cut into slabs of whole
+rows of at most a third of the memory cap, each filled from the chunks it crosses
+(`sources.plan`), mapped from the file where one chunk fills it (its pages digested where they
+lie, nothing copied) or else read into one of two reused buffers, and digested by the agent's digest (the fused kernel on CPU) as a piece of the logical
 tensor, at its offsets; the records travel to an auditor daemon over the agent's own gRPC path (the
 daemon validates and stores them as any agent's). So a checkpoint and a live run's
 `capture_state_dict` land in the store in one form, and the comparison engine, the policies and
@@ -30,7 +30,7 @@ from agents.layout import PieceLayout
 from agents.sites import normalize_site
 from agents.state import expand, leaf_tensor
 from auditor.checkpoint.mapping import NameMap
-from auditor.checkpoint.sources import CheckpointError, Entry, Source, boxes
+from auditor.checkpoint.sources import CheckpointError, Entry, Slab, Source
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,11 @@ SMALL_BOX_BYTES = 1 << 20
 BACKLOG_RECORDS = 2048
 """Records digested but not yet acked before the reader waits for the daemon."""
 ACK_TIMEOUT_S = 300.0
-MAX_READERS = 1024
-"""Most pieces one tensor is cut into (each needs a reader of its own: `_Readers`)."""
+MAX_READERS = 256
+"""Most pieces one tensor is cut into (each needs a reader of its own: `_Readers`, an agent
+with its threads; 1024 of them kept two cores busy with their own polling). Slabs of whole rows
+keep the count to what the cap needs whatever the number of ranks that saved the tensor;
+only rows above a third of the cap are cut within, chunk by chunk."""
 
 
 @dataclass
@@ -108,8 +111,8 @@ class _Prefetch:
     (file reads and the digest kernel both run without the GIL): items ``(piece index,
     capture item, slot lock or None)``. Two slots of `box_bytes` alternate, each a mapped
     range of the file or a buffer read into; a box is handed over with its slot's lock, which
-    the consumer releases once the box is digested. Small boxes get tensors of their own (at most 64 in flight, a sixth of the
-    memory cap in all)."""
+    the consumer releases once the box is digested. Small boxes get tensors of their own (at
+    most 64 in flight, a sixth of the memory cap in all)."""
 
     def __init__(self, entries: list[Entry], name_map: NameMap | None, box_bytes: int,
                  stats: DigestStats) -> None:
@@ -194,34 +197,65 @@ class _Prefetch:
         assert entry.dtype is not None
         itemsize = torch.empty((), dtype=entry.dtype).element_size()
         logical = entry.shape[::-1] if transpose else entry.shape
-        piece = 0
-        for chunk in entry.chunks:
-            for off, shape, start in boxes(chunk.shape, self.box_bytes // itemsize):
-                count = math.prod(shape)
-                nbytes = count * itemsize
-                offsets = tuple(a + b for a, b in zip(chunk.offsets, off))
-                lock = None
-                if nbytes > self.small:
-                    k = stats.pieces % 2
-                    lock = self.free[k]
-                    lock.acquire()
-                    if self.stopped.is_set():
-                        return
-                    t = chunk.view(start, count) if chunk.view is not None else None
-                    if t is None:
-                        if self.buffers[k].numel() < nbytes:
-                            self.buffers[k] = torch.empty(
-                                max(nbytes, min(self.box_bytes, 4 * nbytes)), dtype=torch.uint8)
-                        t = chunk.read(start, count, self.buffers[k])
-                    t = t.reshape(shape)
-                else:
-                    t = chunk.read(start, count, None).reshape(shape)
-                if transpose:
-                    t, offsets, shape = t.t().contiguous(), offsets[::-1], shape[::-1]
-                layout = PieceLayout(logical_shape=logical, offsets=offsets, shape=tuple(shape))
-                stats.pieces += 1
-                self._put((piece, (site, -1, t, layout), lock))
-                piece += 1
+        for piece, slab in enumerate(entry.plan(self.box_bytes)):
+            offsets, shape = slab.offsets, slab.shape
+            lock = None
+            if slab.numel * itemsize > self.small:
+                k = stats.pieces % 2
+                lock = self.free[k]
+                lock.acquire()
+                if self.stopped.is_set():
+                    return
+                t = self._fill(slab, entry.dtype, itemsize, k)
+            else:
+                t = self._fill(slab, entry.dtype, itemsize, None)
+            if transpose:
+                t, offsets, shape = t.t().contiguous(), offsets[::-1], shape[::-1]
+            layout = PieceLayout(logical_shape=logical, offsets=offsets, shape=tuple(shape))
+            stats.pieces += 1
+            self._put((piece, (site, -1, t, layout), lock))
+
+    def _fill(self, slab: Slab, dtype: torch.dtype, itemsize: int,
+              k: int | None) -> torch.Tensor:
+        """The slab's elements as a tensor of its shape: the file's mapped pages where one part
+        is the whole slab and can be mapped, else read into buffer `k` (a tensor of its own
+        when None): a part spanning the slab's rows whole straight into its place, any other
+        (a chunk cut along another dim) read apart and copied into its box."""
+        nbytes = slab.numel * itemsize
+        parts = slab.parts
+        if len(parts) == 1 and parts[0].count == slab.numel:
+            part = parts[0]
+            t = part.chunk.view(part.start, part.count) if part.chunk.view is not None \
+                and k is not None else None
+            if t is None:
+                t = part.chunk.read(part.start, part.count, self._buffer(k, nbytes))
+            return t.reshape(slab.shape)
+        buf = self._buffer(k, nbytes)
+        out = (buf[:nbytes] if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
+               ).view(dtype)
+        whole = out.reshape(slab.shape)
+        inner = math.prod(slab.shape[1:])
+        for part in parts:
+            if part.shape[1:] == slab.shape[1:]:  # whole rows: contiguous in the slab
+                at = part.offsets[0] * inner
+                dst = out[at:at + part.count]
+                got = part.chunk.read(part.start, part.count, dst.view(torch.uint8))
+                if got.data_ptr() != dst.data_ptr():  # a chunk loaded whole hands a slice
+                    dst.copy_(got)
+            else:
+                box = tuple(slice(o, o + n) for o, n in zip(part.offsets, part.shape))
+                whole[box].copy_(part.chunk.read(part.start, part.count, None)
+                                 .reshape(part.shape))
+        return whole
+
+    def _buffer(self, k: int | None, nbytes: int) -> torch.Tensor | None:
+        """Buffer `k`, grown to hold `nbytes` (None for None: the read makes its own)."""
+        if k is None:
+            return None
+        if self.buffers[k].numel() < nbytes:
+            self.buffers[k] = torch.empty(max(nbytes, min(self.box_bytes, 4 * nbytes)),
+                                          dtype=torch.uint8)
+        return self.buffers[k]
 
 
 class _Readers:

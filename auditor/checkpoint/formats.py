@@ -26,7 +26,7 @@ def open_source(spec: str) -> Source:
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if files:
-            return SafetensorsSource(files)
+            return SafetensorsSource(files, path)
     raise CheckpointError(f"{spec}: not a checkpoint (a torch.distributed.checkpoint directory "
                           "with .metadata, a .safetensors file or a directory of them, or a "
                           "torch.save .pt/.pth/.bin/.ckpt file)")

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from auditor.checkpoint.sources import CheckpointError, Entry, Source, file_chunk
+from auditor.checkpoint.sources import CheckpointError, Entry, Source, file_chunk, overlap
 
 MAX_HEADER_BYTES = 100 << 20
 """Largest JSON header read (the format's own limit is 100 MB)."""
@@ -41,9 +41,11 @@ class SafetensorsSource(Source):
 
     format = "safetensors"
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], path: Path | None = None) -> None:
         super().__init__()
         self.paths = paths
+        self.path = path or paths[0]
+        """What the user named: the file, or the directory of the files."""
         self._tensors: dict[str, list[tuple[Path, torch.dtype, tuple[int, ...], int,
                                             tuple[int, ...] | None]]] = {}
         for path in paths:
@@ -128,7 +130,7 @@ def _logical(name: str, chunks: list) -> tuple[int, ...]:
     placed = [(offsets or (0,) * ndim, shape) for _, _, shape, _, offsets in chunks]
     logical = tuple(max(o[d] + s[d] for o, s in placed) for d in range(ndim))
     held = sum(math.prod(s) for _, s in placed)
-    if held != math.prod(logical) or _overlap(placed):
+    if held != math.prod(logical) or overlap(placed):
         raise CheckpointError(f"tensor {name!r}: its {len(chunks)} chunks hold {held} elements "
                               f"of its {list(logical)}, not each once (in "
                               f"{', '.join(sorted({str(c[0].name) for c in chunks}))})")
@@ -147,19 +149,6 @@ def _sharding_info(path: Path, metadata) -> dict | None:
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: __metadata__ DCP_SHARDING_INFO is not a JSON object")
     return info
-
-
-def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether two of the (offsets, shape) boxes share an element (swept along dim 0, so
-    shards split along it cost one comparison each)."""
-    boxes = sorted(b for b in boxes if math.prod(b[1]))
-    for i, (a, sa) in enumerate(boxes):
-        for b, sb in boxes[i + 1:]:
-            if sa and b[0] >= a[0] + sa[0]:
-                break
-            if all(x < y + t and y < x + s for x, s, y, t in zip(a, sa, b, sb)):
-                return True
-    return False
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],

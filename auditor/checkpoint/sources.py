@@ -60,12 +60,91 @@ class Entry:
     note: str = ""
     """Why this tensor is compared other than as the checkpoint meant it."""
 
-    def pieces(self, cap: int) -> int:
-        """Boxes the entry is read in with at most `cap` bytes a box (1 for a value)."""
+    def plan(self, cap: int) -> list[Slab]:
+        """The boxes the entry is digested in, of at most `cap` bytes each (`plan`)."""
         if self.load_value is not None or self.dtype is None:
-            return 1
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(sum(1 for _ in boxes(c.shape, cap // itemsize)) for c in self.chunks)
+            return []
+        return plan(self, cap // torch.empty((), dtype=self.dtype).element_size())
+
+    def pieces(self, cap: int) -> int:
+        """Boxes the entry is digested in with at most `cap` bytes a box (1 for a value)."""
+        return max(1, len(self.plan(cap)))
+
+
+@dataclass
+class Part:
+    """Elements [start, start + count) of `chunk`, row-major, which fill the box `shape` at
+    `offsets` inside their slab."""
+
+    chunk: Chunk
+    start: int
+    count: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Slab:
+    """A box of the logical tensor (`offsets`, `shape`) digested as one piece, filled by its
+    `parts` exactly once."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    parts: list[Part]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def plan(entry: Entry, cap: int) -> list[Slab]:
+    """Slabs of at most `cap` elements that digest `entry`.
+
+    Where the chunks tile the logical tensor (each element once) and a row (dim 0) fits the cap,
+    the tensor is cut into slabs of whole rows, each filled from the rows of every chunk it
+    crosses: a tensor saved by 1024 FSDP ranks is digested in as many pieces as its size needs,
+    not one a rank (each piece needs a reader of its own: digest.py). Otherwise (a row above
+    the cap, chunks that overlap or leave gaps) each chunk is cut on its own (`boxes`), and the
+    auditor judges the pieces' coverage as it does a live run's."""
+    shape = entry.shape
+    inner = math.prod(shape[1:])
+    chunks = [c for c in entry.chunks if c.numel]
+    tiled = (len(shape) > 0 and 0 < inner <= max(1, cap) and math.prod(shape) > 0
+             and sum(c.numel for c in chunks) == math.prod(shape)
+             and all(len(c.shape) == len(shape) and all(0 <= o and o + n <= m for o, n, m
+                                                        in zip(c.offsets, c.shape, shape))
+                     for c in chunks)
+             and not overlap([(c.offsets, c.shape) for c in chunks]))
+    if not tiled:
+        return [Slab(tuple(a + b for a, b in zip(c.offsets, off)), sub,
+                     [Part(c, start, math.prod(sub), (0,) * len(sub), sub)])
+                for c in entry.chunks for off, sub, start in boxes(c.shape, cap)]
+    rows = max(1, cap // inner)
+    slabs = [Slab((r, *(0,) * (len(shape) - 1)), (min(rows, shape[0] - r), *shape[1:]), [])
+             for r in range(0, shape[0], rows)]
+    for c in chunks:
+        c_inner, first = math.prod(c.shape[1:]), c.offsets[0]
+        for k in range(first // rows, (first + c.shape[0] - 1) // rows + 1):
+            slab = slabs[k]
+            a, b = max(first, slab.offsets[0]), min(first + c.shape[0],
+                                                   slab.offsets[0] + slab.shape[0])
+            slab.parts.append(Part(c, (a - first) * c_inner, (b - a) * c_inner,
+                                   (a - slab.offsets[0], *c.offsets[1:]),
+                                   (b - a, *c.shape[1:])))
+    return slabs
+
+
+def overlap(placed: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two of the (offsets, shape) boxes share an element (swept along dim 0, so
+    chunks split along it cost one comparison each)."""
+    placed = sorted(b for b in placed if math.prod(b[1]))
+    for i, (a, sa) in enumerate(placed):
+        for b, sb in placed[i + 1:]:
+            if sa and b[0] >= a[0] + sa[0]:
+                break
+            if all(x < y + t and y < x + s for x, s, y, t in zip(a, sa, b, sb)):
+                return True
+    return False
 
 
 class FileRanges:
@@ -197,9 +276,11 @@ def boxes(shape: tuple[int, ...], cap: int) -> Iterator[tuple[tuple[int, ...],
 
 
 class Source:
-    """A checkpoint's entries (`entries()`), its format's name and the bytes read so far."""
+    """A checkpoint's entries (`entries()`), its format's name, the path the user named
+    (`path`) and the bytes read so far."""
 
     format = ""
+    path: Path
 
     def __init__(self) -> None:
         self.files = FileRanges()

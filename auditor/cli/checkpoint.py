@@ -140,11 +140,11 @@ def _digest_files(sides: dict, store: Path, step: int, cap: int, name_map, *,
                              grace=1.0) as server:
         for side, source in files.items():
             run = f"checkpoint-{side}-{uuid.uuid4().hex[:8]}" if keep else side
-            where = getattr(source, "path", None) or ", ".join(map(str, source.paths))
+            where = source.path
             stats = digest_checkpoint(
                 source, address=server.address, run=run, step=step, max_memory=cap,
                 name_map=name_map if side == "cand" else None,
-                labels={"checkpoint": str(where), "checkpoint_format": source.format})
+                labels={"checkpoint": _label(str(where)), "checkpoint_format": source.format})
             click.echo(f"{side}: {where} ({source.format}): {stats.tensors} tensors, "
                        f"{stats.values} values, {stats.bytes_read / 1e6:.1f} MB read in "
                        f"{stats.seconds:.2f} s ({stats.gb_per_s:.2f} GB/s)"
@@ -153,6 +153,11 @@ def _digest_files(sides: dict, store: Path, step: int, cap: int, name_map, *,
                 click.echo(f"  {note}", err=True)
             runs[side] = run
     return runs
+
+
+def _label(text: str, most: int = 1000) -> str:
+    """`text` as a run label (the daemon takes 1024 characters): its end, where they differ."""
+    return text if len(text) <= most else "…" + text[-(most - 1):]
 
 
 def _private_listen(directory: Path) -> str:

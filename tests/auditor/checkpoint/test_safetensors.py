@@ -27,6 +27,7 @@ def tensors() -> dict[str, torch.Tensor]:
         "half": torch.randn(3, 5, generator=g).to(torch.float16),
         "count": torch.tensor(5, dtype=torch.int64),
         "mask": torch.rand(3, 4, generator=g) > 0.5,
+        "wide": torch.randn(2, 2048, generator=g),  # 8 KiB rows: cut within rows below
     }
 
 
@@ -235,6 +236,36 @@ def test_dcp_shards_that_overlap_are_refused(ref, tmp_path):
     res = cli("checkpoint", ref["dcp"], shards)
     line = input_error(res, "'model.proj'", "not each once", first.name)
     assert res.stderr.strip() == line
+
+
+def test_a_tensor_saved_by_many_ranks_is_read_in_few_pieces(ref, tmp_path):
+    # 96 ranks' files (DCP_SHARDING_INFO): proj in 96 row chunks of uneven sizes (FSDP with a
+    # remainder, some ranks empty), emb as a 2 x 2 grid (FSDP x TP). Read in slabs of whole
+    # rows filled from every chunk they cross: readers as the sizes need, not one a rank; the
+    # same verdicts whole, in slabs that cut chunks, and with a cap below one row of emb
+    ts = {f"model.{k}": v for k, v in ref["tensors"].items()}
+    proj, emb = ts.pop("model.proj"), ts.pop("model.emb")
+    cuts = [0] + sorted(torch.randint(0, 65, (95,), generator=torch.Generator().manual_seed(3))
+                        .tolist()) + [64]
+    shards = tmp_path / "ranks"
+    shards.mkdir()
+    for r in range(96):
+        a, b = cuts[r], cuts[r + 1]
+        placed = {"model.proj": (proj[a:b], [a, 0])}
+        if r < 4:
+            rows, cols = (slice(0, 6), slice(6, 10))[r // 2], (slice(0, 9), slice(9, 16))[r % 2]
+            placed["model.emb"] = (emb[rows, cols], [rows.start, cols.start])
+        if r == 0:
+            placed.update({name: (t, [0] * t.dim()) for name, t in ts.items()})
+        dcp_shard(shards / f"shard-{r:05d}-model-00001-of-00001.safetensors", placed)
+    assert len(set(cuts)) < len(cuts)  # some ranks hold no row of proj
+    # readers: the most pieces of one tensor; at 4 KiB (boxes of 1365 bytes) proj takes 10
+    # slabs of 7 rows and wide's 8 KiB rows are cut within (7 boxes a row, 14 in all)
+    for cap, readers in (("256MiB", 1), ("12KiB", 4), ("4KiB", 14)):
+        code, report = compare_json(ref["dcp"], shards, "--max-memory", cap)
+        assert code == 0, cap
+        all_identical(report, ref["sites"])
+        assert int(report["runs"]["cand"]["labels"]["checkpoint_readers"]) == readers, cap
 
 
 # -- Maps that are wrong ------------------------------------------------------------------------
