@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
+from auditor.checkpoint.safetensors import read_header
 from auditor.checkpoint.sources import (CheckpointError, Chunk, Entry, Source, file_chunk,
                                         tensor_chunk)
 
@@ -146,6 +147,8 @@ class DcpSource(Source):
             if not isinstance(getattr(self.metadata, attr, None), dict):
                 raise CheckpointError(f"{meta}: not DCP metadata (no {attr}; saved by a torch "
                                       "without it?)")
+        self._blobs: dict[tuple[Path, int], dict[str, tuple]] = {}
+        """(file, byte offset) -> the tensors of the safetensors data there, by name."""
         self._where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
         for index, info in self.metadata.storage_data.items():
             offset = None if index.offset is None else tuple(int(o) for o in index.offset)
@@ -195,6 +198,14 @@ class DcpSource(Source):
             raise CheckpointError(f"{path}: {fqn}: the chunk at {offsets} lies past the end of "
                                   "the file")
         where = f"{path}: {fqn} (chunk at {offsets})"
+        blob = self._safetensors_blob(path, start)
+        if blob is not None:  # FileSystemWriter(serialization_format=SAFETENSORS)
+            got = blob.get(fqn)
+            if got is None or got[:2] != (dtype, shape) or (got[3] or offsets) != offsets:
+                raise CheckpointError(f"{where}: the safetensors data at byte {start} holds "
+                                      + ("no such tensor" if got is None else
+                                         f"{got[0]} {list(got[1])} at {got[3]}"))
+            return file_chunk(self.files, path, got[2], dtype, offsets, shape)
         try:
             base, ref = _locate_storage(path, start, length)
         except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError,
@@ -223,6 +234,22 @@ class DcpSource(Source):
             return t
 
         return tensor_chunk(load, offsets, shape)
+
+    def _safetensors_blob(self, path: Path, start: int) -> dict[str, tuple] | None:
+        """The tensors of safetensors data at byte `start` of `path` (name -> (dtype, shape,
+        data offset, saved offsets)), or None where a torch.save record starts there. A save
+        with DCP's safetensors serialization writes a rank's tensors as one safetensors blob
+        after its other records and gives every tensor the blob's start as its offset."""
+        key = (path, start)
+        if key not in self._blobs:
+            with open(path, "rb") as f:
+                f.seek(start)
+                head = f.read(9)
+            if len(head) < 9 or head[8:9] != b"{":  # a torch.save zip starts with PK
+                return None
+            self._blobs[key] = {name: (dtype, shape, at, saved) for name, dtype, shape, at, saved
+                                in read_header(path, self.files.size(path), start)}
+        return self._blobs[key]
 
     def _value_entry(self, fqn: str) -> Entry:
         info = self._info(fqn, None)

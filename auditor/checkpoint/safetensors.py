@@ -49,7 +49,8 @@ class SafetensorsSource(Source):
         self._tensors: dict[str, list[tuple[Path, torch.dtype, tuple[int, ...], int,
                                             tuple[int, ...] | None]]] = {}
         for path in paths:
-            for name, dtype, shape, start, offsets in self._header(path):
+            for name, dtype, shape, start, offsets in read_header(path,
+                                                                  self.files.size(path)):
                 chunks = self._tensors.setdefault(name, [])
                 if chunks and (offsets is None or chunks[0][4] is None):
                     raise CheckpointError(f"{path}: tensor {name!r} is also in {chunks[0][0]}")
@@ -60,60 +61,6 @@ class SafetensorsSource(Source):
                 chunks.append((path, dtype, shape, start, offsets))
         self._logical = {name: _logical(name, chunks) for name, chunks in self._tensors.items()}
 
-    def _header(self, path: Path) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int,
-                                                    tuple[int, ...] | None]]:
-        size = self.files.size(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n} does "
-                                      f"not fit the file's {size} bytes)")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"{path}: header is not JSON ({exc})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path}: header is not a JSON object")
-        data_start, data_len = 8 + n, size - 8 - n
-        sharding = _sharding_info(path, header.get("__metadata__"))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            where = f"{path}: tensor {name!r}"
-            if not isinstance(info, dict):
-                raise CheckpointError(f"{where}: entry is not an object")
-            dtype = DTYPES.get(info.get("dtype"))
-            if dtype is None:
-                raise CheckpointError(f"{where}: dtype {info.get('dtype')!r} is not one of "
-                                      f"{', '.join(DTYPES)}")
-            shape, span = info.get("shape"), info.get("data_offsets")
-            if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0
-                                                        for s in shape)):
-                raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
-            if (not isinstance(span, list) or len(span) != 2
-                    or not all(isinstance(o, int) for o in span)
-                    or not 0 <= span[0] <= span[1] <= data_len):
-                raise CheckpointError(f"{where}: data_offsets {span!r} do not lie in the file's "
-                                      f"{data_len} data bytes")
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if span[1] - span[0] != math.prod(shape) * itemsize:
-                raise CheckpointError(f"{where}: data_offsets span {span[1] - span[0]} bytes, "
-                                      f"shape {shape} of {info['dtype']} needs "
-                                      f"{math.prod(shape) * itemsize}")
-            offsets = None
-            if sharding is not None:
-                placed = sharding.get(name)
-                offsets = placed.get("saved_offsets") if isinstance(placed, dict) else None
-                if (not isinstance(offsets, list) or len(offsets) != len(shape)
-                        or not all(isinstance(o, int) and o >= 0 for o in offsets)):
-                    raise CheckpointError(f"{where}: DCP_SHARDING_INFO gives it saved_offsets "
-                                          f"{offsets!r}, not {len(shape)} offsets")
-                offsets = tuple(offsets)
-            yield name, dtype, tuple(shape), data_start + span[0], offsets
-
     def entries(self) -> Iterator[Entry]:
         for name, chunks in self._tensors.items():
             entry = Entry(name, self._logical[name], chunks[0][1])
@@ -121,6 +68,65 @@ class SafetensorsSource(Source):
                 entry.chunks.append(file_chunk(self.files, path, start, dtype,
                                                offsets or (0,) * len(shape), shape))
             yield entry
+
+
+def read_header(path: Path, size: int, base: int = 0
+                ) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int,
+                                    tuple[int, ...] | None]]:
+    """(name, dtype, shape, absolute byte offset of its data, DCP saved offsets or None) of
+    every tensor of the safetensors data that starts at byte `base` of `path` (a file of
+    `size` bytes; DCP's safetensors serialization puts it after a rank's other records)."""
+    with open(path, "rb") as f:
+        f.seek(base)
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or base + 8 + n > size:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n} does "
+                                  f"not fit the file's {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    data_start, data_len = base + 8 + n, size - base - 8 - n
+    sharding = _sharding_info(path, header.get("__metadata__"))
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: entry is not an object")
+        dtype = DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{where}: dtype {info.get('dtype')!r} is not one of "
+                                  f"{', '.join(DTYPES)}")
+        shape, span = info.get("shape"), info.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0
+                                                    for s in shape)):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        if (not isinstance(span, list) or len(span) != 2
+                or not all(isinstance(o, int) for o in span)
+                or not 0 <= span[0] <= span[1] <= data_len):
+            raise CheckpointError(f"{where}: data_offsets {span!r} do not lie in the file's "
+                                  f"{data_len} data bytes")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if span[1] - span[0] != math.prod(shape) * itemsize:
+            raise CheckpointError(f"{where}: data_offsets span {span[1] - span[0]} bytes, "
+                                  f"shape {shape} of {info['dtype']} needs "
+                                  f"{math.prod(shape) * itemsize}")
+        offsets = None
+        if sharding is not None:
+            placed = sharding.get(name)
+            offsets = placed.get("saved_offsets") if isinstance(placed, dict) else None
+            if (not isinstance(offsets, list) or len(offsets) != len(shape)
+                    or not all(isinstance(o, int) and o >= 0 for o in offsets)):
+                raise CheckpointError(f"{where}: DCP_SHARDING_INFO gives it saved_offsets "
+                                      f"{offsets!r}, not {len(shape)} offsets")
+            offsets = tuple(offsets)
+        yield name, dtype, tuple(shape), data_start + span[0], offsets
 
 
 def _logical(name: str, chunks: list) -> tuple[int, ...]:

@@ -315,3 +315,38 @@ def test_scheduler_train_and_dataloader_state_are_compared_field_by_field(tmp_pa
     assert res.code == 0, (res.stderr, res.exception)
     all_identical(res.report(), set(found))
     assert not marker.exists()
+
+
+def test_a_save_in_dcps_safetensors_serialization_is_read_entry_by_entry(saves, tmp_path,
+                                                                         monkeypatch):
+    """`FileSystemWriter(serialization_format=SAFETENSORS)`: a rank's plain values as pickles,
+    then its tensors as one safetensors blob whose start is every tensor's offset in .metadata.
+    torch writes the blob with the `safetensors` package, not a dependency here: the documented
+    layout, written by this suite's own writer, stands in for its `save`."""
+    import sys
+    import types
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    from tests.auditor.checkpoint.helpers import write_safetensors
+
+    def save(tensors: dict, metadata: dict | None = None) -> bytes:
+        return write_safetensors(tmp_path / "blob", tensors, metadata).read_bytes()
+
+    package = types.ModuleType("safetensors")
+    package.torch = types.SimpleNamespace(save=save)
+    monkeypatch.setitem(sys.modules, "safetensors", package)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", package.torch)
+    out = tmp_path / "st"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(saves["state"], no_dist=True, storage_writer=FileSystemWriter(
+            out, serialization_format=SerializationFormat.SAFETENSORS))
+    assert not zipfile.is_zipfile(next(out.glob("*.distcp")))
+    res = cli("checkpoint", saves["A"], out, "--format", "json")
+    assert res.code == 0, (res.stderr, res.exception)
+    all_identical(res.report(), saves["sites"])
+    res = cli("checkpoint", saves["B"], out, "--format", "json")
+    assert res.code == 1 and res.report()["first_divergence"]["key"]["site"] == ULP_SITE
