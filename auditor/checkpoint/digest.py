@@ -2,10 +2,10 @@
 
 The checkpoint is read as an agent would capture it: each tensor is cut into slabs of whole
 rows of at most a third of the memory cap, each filled from the chunks it crosses
-(`sources.plan`), mapped from the file where one chunk fills it (its pages digested where they
-lie, nothing copied) or else read into one of two reused buffers, and digested by the agent's digest (the fused kernel on CPU) as a piece of the logical
-tensor, at its offsets; the records travel to an auditor daemon over the agent's own gRPC path (the
-daemon validates and stores them as any agent's). So a checkpoint and a live run's
+(`sources.plan`), mapped from the file where one chunk fills it (its pages digested where
+they lie, nothing copied) or else read into one of two reused buffers, and digested by the
+agent's digest (the fused kernel on CPU) as a piece of the logical tensor, at its offsets; the
+records travel to an auditor daemon over the agent's own gRPC path (the daemon validates and stores them as any agent's). So a checkpoint and a live run's
 `capture_state_dict` land in the store in one form, and the comparison engine, the policies and
 the renderers apply unchanged. Nothing is dropped silently: the reader waits for the daemon's
 acks to keep the backlog bounded, and a record the agent could not deliver fails the read.
@@ -76,8 +76,8 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
     box_bytes = max_memory // 3
     stats = DigestStats()
     t0 = time.perf_counter()
-    entries = list(source.entries())
-    width = max((e.pieces(box_bytes) for e in entries), default=1)
+    entries = [(e, e.plan(box_bytes)) for e in source.entries()]
+    width = max((len(plan) for _, plan in entries), default=1) or 1
     if width > MAX_READERS:
         raise CheckpointError(f"max-memory: {max_memory} bytes would cut a tensor into {width} "
                               f"pieces (at most {MAX_READERS}): raise it")
@@ -114,7 +114,8 @@ class _Prefetch:
     the consumer releases once the box is digested. Small boxes get tensors of their own (at
     most 64 in flight, a sixth of the memory cap in all)."""
 
-    def __init__(self, entries: list[Entry], name_map: NameMap | None, box_bytes: int,
+    def __init__(self, entries: list[tuple[Entry, list[Slab]]], name_map: NameMap | None,
+                 box_bytes: int,
                  stats: DigestStats) -> None:
         self.entries, self.name_map, self.box_bytes, self.stats = (entries, name_map,
                                                                    box_bytes, stats)
@@ -158,10 +159,10 @@ class _Prefetch:
 
     def _run(self) -> None:
         try:
-            for entry in self.entries:
+            for entry, plan in self.entries:
                 if self.stopped.is_set():
                     return
-                self._entry(entry)
+                self._entry(entry, plan)
             self._put(None)
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(exc)
@@ -176,7 +177,7 @@ class _Prefetch:
                                   "names' normalization sends them to one name)")
         return site, transpose
 
-    def _entry(self, entry: Entry) -> None:
+    def _entry(self, entry: Entry, plan: list[Slab]) -> None:
         stats = self.stats
         stats.entries += 1
         if entry.note:
@@ -197,7 +198,7 @@ class _Prefetch:
         assert entry.dtype is not None
         itemsize = torch.empty((), dtype=entry.dtype).element_size()
         logical = entry.shape[::-1] if transpose else entry.shape
-        for piece, slab in enumerate(entry.plan(self.box_bytes)):
+        for piece, slab in enumerate(plan):
             offsets, shape = slab.offsets, slab.shape
             lock = None
             if slab.numel * itemsize > self.small:

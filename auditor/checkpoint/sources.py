@@ -61,14 +61,11 @@ class Entry:
     """Why this tensor is compared other than as the checkpoint meant it."""
 
     def plan(self, cap: int) -> list[Slab]:
-        """The boxes the entry is digested in, of at most `cap` bytes each (`plan`)."""
+        """The boxes the entry is digested in, of at most `cap` bytes each (`plan`; none for a
+        value)."""
         if self.load_value is not None or self.dtype is None:
             return []
         return plan(self, cap // torch.empty((), dtype=self.dtype).element_size())
-
-    def pieces(self, cap: int) -> int:
-        """Boxes the entry is digested in with at most `cap` bytes a box (1 for a value)."""
-        return max(1, len(self.plan(cap)))
 
 
 @dataclass
