@@ -263,10 +263,12 @@ def test_types_that_load_alike_keep_their_own_digests_in_one_list(triton_digest)
     ints = _values(torch.int64, 600, 51).abs() % 60000
     pieces = [_values(torch.bfloat16, 600, 52), _values(torch.float16, 600, 53),
               _values(torch.float32, 600, 54), ints.to(torch.uint16), ints.to(torch.uint32)]
-    f64, i64 = triton_digest.digest_pieces_triton([(t, layout) for t in pieces], sketch_k=K)
+    f64, i64 = triton_digest.digest_pieces_triton([(t.to(_device()), layout) for t in pieces],
+                                                  sketch_k=K)
     for j, t in enumerate(pieces[:3]):
         _assert_rows((f64[j], i64[j]), t, layout)
-    want = triton_digest.digest_piece_triton(ints, layout, sketch_k=K)  # by value, as int64
+    want = triton_digest.digest_piece_triton(ints.to(_device()), layout,
+                                             sketch_k=K)  # by value, as int64
     for j in (3, 4):
         assert torch.equal(i64[j], want[1]) and torch.equal(f64[j], want[0]), j
 
@@ -280,7 +282,8 @@ def test_many_pieces_of_one_group_find_their_tiles(triton_digest):
     sizes[3] = sizes[4] = sizes[40] = sizes[69] = 0
     pieces = [(_values(torch.float32, n, 100 + j), PieceLayout((n + 300,), (j,), (n,)))
               for j, n in enumerate(sizes)]
-    f64, i64 = triton_digest.digest_pieces_triton(pieces, sketch_k=K)
+    f64, i64 = triton_digest.digest_pieces_triton([(t.to(_device()), lay) for t, lay in pieces],
+                                                  sketch_k=K)
     for j, (t, layout) in enumerate(pieces):
         _assert_rows((f64[j], i64[j]), t, layout)
 
@@ -309,4 +312,5 @@ def test_a_layout_seen_with_other_strides_or_dtype_is_planned_again(triton_diges
     cols = _values(torch.float32, 1200, 42).reshape(40, 30).t()
     ints = _values(torch.int16, 1200, 43).reshape(30, 40)
     for t in (rows, cols, ints, rows):
-        _assert_rows(triton_digest.digest_pieces_triton([(t, layout)], sketch_k=K), t, layout)
+        _assert_rows(triton_digest.digest_pieces_triton([(t.to(_device()), layout)],
+                                                        sketch_k=K), t, layout)
