@@ -32,11 +32,8 @@ def state_cause(comp: Comparison, i: int) -> F.Cause:
     key = comp.key(i)
     base = (f"{key.site} as saved differs (a checkpoint entry: nothing upstream to inherit "
             "from)")
-    try:
-        moved = _permuted(comp, i)
-        values = _single_values(comp, i)
-    except Exception:  # a hint: digests it cannot read (a closed store) leave it unsaid
-        moved = values = None
+    moved = _hint(_permuted, comp, i)
+    values = _hint(_single_values, comp, i)
     if values is not None:
         base = (f"{key.site} is {values[0]} in {comp.ref.name}, {values[1]} in "
                 f"{comp.cand.name} (a checkpoint entry: nothing upstream to inherit from)")
@@ -79,12 +76,25 @@ def _permuted(comp: Comparison, i: int) -> float | None:
     return dist if dist > FAR else None
 
 
+def _hint(fn, comp: Comparison, i: int):
+    """`fn(comp, i)`, or None where it cannot read what it needs (a closed store, a payload not
+    kept): a hint left unsaid, never a failed comparison, and one hint's failure never another's."""
+    try:
+        return fn(comp, i)
+    except Exception:
+        return None
+
+
 def _single_values(comp: Comparison, i: int) -> tuple[str, str] | None:
     """Both sides' value of a one-element entry (a step count, a learning rate, a dataloader's
-    position), from the payloads; None when either is not one stored element."""
+    position), from the payloads; None when either is not one element."""
     ri, ci = int(comp.ri[i]), int(comp.ci[i])
     if ri < 0 or ci < 0:
         return None
+    for keys, g in ((comp.ref_keys, ri), (comp.cand_keys, ci)):
+        code = int(keys.shape[g])
+        if code < 0 or math.prod(comp.catalog.shapes[code][0]) != 1:
+            return None  # only one element is worth printing: no payload read for the rest
     out = []
     for side, g in (("ref", ri), ("cand", ci)):
         values, _, dtype = logical_values(comp, side, g)

@@ -350,3 +350,16 @@ def test_a_save_in_dcps_safetensors_serialization_is_read_entry_by_entry(saves, 
     all_identical(res.report(), saves["sites"])
     res = cli("checkpoint", saves["B"], out, "--format", "json")
     assert res.code == 1 and res.report()["first_divergence"]["key"]["site"] == ULP_SITE
+
+
+def test_a_large_square_weight_saved_transposed_is_named_a_permutation(saves, tmp_path):
+    """model.0.weight (256 KiB, far above the payloads' 16 KiB) saved transposed: its cause
+    comes from moments and sketches alone, and still names the permutation."""
+    sd = saves["state"]
+    moved = {**sd, "model": {**sd["model"], "0.weight": sd["model"]["0.weight"].t()}}
+    save_dcp(moved, tmp_path / "T")
+    res = cli("checkpoint", saves["A"], tmp_path / "T", "--format", "json")
+    assert res.code == 1
+    first = res.report()["first_divergence"]
+    assert first["key"]["site"] == ULP_SITE
+    assert "same values in other positions" in first["cause"]["reason"], first["cause"]
