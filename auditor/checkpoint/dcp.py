@@ -198,7 +198,7 @@ class DcpSource(Source):
             raise CheckpointError(f"{path}: {fqn}: the chunk at {offsets} lies past the end of "
                                   "the file")
         where = f"{path}: {fqn} (chunk at {offsets})"
-        blob = self._safetensors_blob(path, start)
+        blob = self._safetensors_blob(path, start, length)
         if blob is not None:  # FileSystemWriter(serialization_format=SAFETENSORS)
             got = blob.get(fqn)
             if got is None or got[:2] != (dtype, shape) or (got[3] or offsets) != offsets:
@@ -235,17 +235,18 @@ class DcpSource(Source):
 
         return tensor_chunk(load, offsets, shape)
 
-    def _safetensors_blob(self, path: Path, start: int) -> dict[str, tuple] | None:
+    def _safetensors_blob(self, path: Path, start: int,
+                          length: int) -> dict[str, tuple] | None:
         """The tensors of safetensors data at byte `start` of `path` (name -> (dtype, shape,
         data offset, saved offsets)), or None where a torch.save record starts there. A save
         with DCP's safetensors serialization writes a rank's tensors as one safetensors blob
         after its other records and gives every tensor the blob's start as its offset."""
         key = (path, start)
         if key not in self._blobs:
-            with open(path, "rb") as f:
-                f.seek(start)
-                head = f.read(9)
-            if len(head) < 9 or head[8:9] != b"{":  # a torch.save zip starts with PK
+            if length < 10:
+                return None
+            head = self.files.read_into(path, start, 9, None).numpy().tobytes()
+            if head[8:9] != b"{":  # a torch.save zip starts with PK
                 return None
             self._blobs[key] = {name: (dtype, shape, at, saved) for name, dtype, shape, at, saved
                                 in read_header(path, self.files.size(path), start)}

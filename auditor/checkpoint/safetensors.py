@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from auditor.checkpoint.sources import CheckpointError, Entry, Source, file_chunk, overlap
+from auditor.checkpoint.sources import CheckpointError, Entry, Source, file_chunk, tiles
 
 MAX_HEADER_BYTES = 100 << 20
 """Largest JSON header read (the format's own limit is 100 MB)."""
@@ -135,8 +135,8 @@ def _logical(name: str, chunks: list) -> tuple[int, ...]:
     ndim = len(chunks[0][2])
     placed = [(offsets or (0,) * ndim, shape) for _, _, shape, _, offsets in chunks]
     logical = tuple(max(o[d] + s[d] for o, s in placed) for d in range(ndim))
-    held = sum(math.prod(s) for _, s in placed)
-    if held != math.prod(logical) or overlap(placed):
+    if not tiles(placed, logical):
+        held = sum(math.prod(s) for _, s in placed)
         raise CheckpointError(f"tensor {name!r}: its {len(chunks)} chunks hold {held} elements "
                               f"of its {list(logical)}, not each once (in "
                               f"{', '.join(sorted({str(c[0].name) for c in chunks}))})")

@@ -106,13 +106,8 @@ def plan(entry: Entry, cap: int) -> list[Slab]:
     shape = entry.shape
     inner = math.prod(shape[1:])
     chunks = [c for c in entry.chunks if c.numel]
-    tiled = (len(shape) > 0 and 0 < inner <= max(1, cap) and math.prod(shape) > 0
-             and sum(c.numel for c in chunks) == math.prod(shape)
-             and all(len(c.shape) == len(shape) and all(0 <= o and o + n <= m for o, n, m
-                                                        in zip(c.offsets, c.shape, shape))
-                     for c in chunks)
-             and not overlap([(c.offsets, c.shape) for c in chunks]))
-    if not tiled:
+    if not (len(shape) > 0 and 0 < inner <= max(1, cap) and math.prod(shape) > 0
+            and tiles([(c.offsets, c.shape) for c in chunks], shape)):
         return [Slab(tuple(a + b for a, b in zip(c.offsets, off)), sub,
                      [Part(c, start, math.prod(sub), (0,) * len(sub), sub)])
                 for c in entry.chunks for off, sub, start in boxes(c.shape, cap)]
@@ -131,7 +126,17 @@ def plan(entry: Entry, cap: int) -> list[Slab]:
     return slabs
 
 
-def overlap(placed: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+def tiles(placed: list[tuple[tuple[int, ...], tuple[int, ...]]],
+          shape: tuple[int, ...]) -> bool:
+    """Whether the (offsets, shape) boxes cover an array of `shape`, each element once."""
+    inside = all(len(o) == len(s) == len(shape) and all(0 <= a and a + n <= m for a, n, m
+                                                        in zip(o, s, shape))
+                 for o, s in placed)
+    return (inside and sum(math.prod(s) for _, s in placed) == math.prod(shape)
+            and not _overlap(placed))
+
+
+def _overlap(placed: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     """Whether two of the (offsets, shape) boxes share an element (swept along dim 0, so
     chunks split along it cost one comparison each)."""
     placed = sorted(b for b in placed if math.prod(b[1]))
