@@ -14,9 +14,10 @@ Everything here merges across pieces by addition (min/max by min/max), which is 
 auditor rebuild the digest of a logical tensor from shards laid out any way. The scheme, seeds,
 error bands and costs are documented in docs/digests.md; ``auditor/digests.py`` is the host side.
 
-Hash scheme (version 2, agents/hashing.py): the fingerprint is ``sum_i K(i) * bits(x_i) mod 2**64``
-with an odd per-index key ``K(i)`` (a lane table XOR a per-block word) and ``bits`` the raw
-element zero-extended to 64 bits (floats: their bit pattern; integers: their value); the sketch
+Hash scheme (version 3, agents/hashing.py): the fingerprint is ``sum_i K(i) * V(x_i) mod 2**64``
+with the odd geometric key ``K(i) = u * h**i`` (a lane table times a per-block power) and ``V``
+the raw element zero-extended to 64 bits (floats: their bit pattern; integers: their value),
+through mix64 for float64, integers and bool; the sketch
 adds ``sign(i) * x_i`` (finite elements, float64) to bucket ``bucket(i)``. Keys, buckets and
 signs depend on the global flat index only, so pieces merge by addition.
 """
@@ -160,7 +161,7 @@ class _IndexMap:
         for piece indices [start, start + m), as int64 views into ``ws``."""
         g0 = self.base + start
         if self.contiguous:
-            # Whole blocks: the lane table XOR one word per block, then a view at the offset.
+            # Whole blocks: the lane table times one power per block, then a view at the offset.
             off, b0 = g0 & (hashing.LANES - 1), g0 >> hashing.LANE_BITS
             nb = (off + m + hashing.LANES - 1) >> hashing.LANE_BITS
             blocks = torch.arange(b0, b0 + nb, dtype=torch.int64, device=ws.device)
@@ -198,8 +199,7 @@ def _block_keys_and_bins(
     shape = (blocks.numel(), hashing.LANES)
     n = shape[0] * shape[1]
     keys = ws.key[:n].view(shape)
-    c = hashing.block_words(blocks, hashing.FINGERPRINT_SEED).bitwise_and_(-2)
-    torch.bitwise_xor(table.unsqueeze(0), c.unsqueeze(1), out=keys)
+    torch.mul(table.unsqueeze(0), hashing.block_powers(blocks).unsqueeze(1), out=keys)
     if sketch_k is None:
         return keys, None
     w = hashing.block_words(blocks, hashing.SKETCH_SEED)
@@ -222,13 +222,13 @@ def _block_keys_and_bins(
 def _keys_and_bins(
     lanes: torch.Tensor, blocks: torch.Tensor, ws: _Workspace, sketch_k: int | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Keys ``T[j] ^ C(b)`` and bins ``bucket + k * sign`` per element of flat ``lanes`` and
+    """Keys ``T[j] * P(b)`` and bins ``bucket + k * sign`` per element of flat ``lanes`` and
     ``blocks`` (any global indices), into ws.key and ws.bins."""
     table, bent, _, _, place_g, place_x = hashing.tables(ws.device)
     n = lanes.numel()
     keys = ws.key[:n]
     torch.index_select(table, 0, lanes, out=keys)
-    keys.bitwise_xor_(hashing.block_words(blocks, hashing.FINGERPRINT_SEED).bitwise_and_(-2))
+    keys.mul_(hashing.block_powers(blocks))
     if sketch_k is None:
         return keys, None
     w = hashing.block_words(blocks, hashing.SKETCH_SEED)
@@ -340,13 +340,14 @@ def _digest(
     index_map = _IndexMap.of(layout)
     acc = _Accumulator(device, sketch_k)
     bits_dtype = _bits_view(t.dtype)
+    mixed = hashing.mixed_dtype(t.dtype)
     lap = _Laps(timings, device)
     for start, x in _chunks(t, ws.chunk):
         m = x.numel()
         lap("chunking")
         keys, bins = index_map.keys_into(start, m, ws, sketch_k if moments else None)
         lap("keys")
-        _chunk_fingerprint(x, ws, keys, acc, bits_dtype)
+        _chunk_fingerprint(x, ws, keys, acc, bits_dtype, mixed)
         lap("fingerprint")
         if moments:
             _chunk_moments(x, ws, m, acc, sync_free)
@@ -387,11 +388,15 @@ class _Laps:
 
 def _chunk_fingerprint(
     x: torch.Tensor, ws: _Workspace, keys: torch.Tensor, acc: _Accumulator,
-    bits_dtype: torch.dtype | None,
+    bits_dtype: torch.dtype | None, mixed: bool,
 ) -> None:
-    """Fingerprint terms ``K(i) * bits(x_i)`` of one chunk, summed (int64 arithmetic wraps)."""
-    term = ws.term[:keys.numel()]
+    """Fingerprint terms ``K(i) * V(x_i)`` of one chunk, summed (int64 arithmetic wraps);
+    ``V`` is the bits, through mix64 for ``mixed`` dtypes (hashing.mixed_dtype)."""
+    m = keys.numel()
+    term = ws.term[:m]
     term.copy_(x.view(bits_dtype) if bits_dtype is not None else x)  # zero-extends
+    if mixed:
+        hashing.mix64_(term, ws.tmp[:m])
     acc.fp.append(term.mul_(keys).sum())
 
 

@@ -1,29 +1,44 @@
-"""The digest's hash scheme (version 2): index keys for the fingerprint, buckets and signs for
+"""The digest's hash scheme (version 3): index keys for the fingerprint, buckets and signs for
 the sketch, as functions of a global flat index ``i`` only (docs/digests.md).
 
 Every implementation — the eager torch path (agents/digest.py), the fused CPU kernel
 (agents/kernels/digest_cpu.cpp) and the Triton kernel — computes exactly these; the constants
 here are the source of truth and the kernels' tests hold them to it.
 
-The index splits into a lane ``j = i mod 256`` and a block ``b = i div 256``. One splitmix64
-finalizer per *block* (not per element) draws the block's random words; per element, only table
-lookups and XORs remain, which is what lets the kernels run at memory speed:
+The index splits into a lane ``j = i mod 256`` and a block ``b = i div 256``.
 
-- fingerprint key ``K(i) = T[j] XOR C(b)``: ``T[j] = mix64(FP_SEED + GAMMA * (2**56 + j)) | 1``
-  (256 odd words) and ``C(b) = mix64(FP_SEED + GAMMA * b) & ~1``, so every key is odd;
-  the fingerprint is ``sum_i K(i) * bits(x_i) mod 2**64``. A multiply by an odd number is a
-  bijection mod 2**64, so changing any one element always changes the fingerprint.
-- sketch word ``W(b) = mix64(SKETCH_SEED + GAMMA * b)``. Lanes come in groups of 8
-  (``q = j >> 3``, ``r = j & 7``); row ``(W >> 40) mod 4096`` of the placement table ``PLACE``
-  (4096 rows, each a random permutation of the 32 groups with a random 3-bit lane XOR per group)
-  sends group q to bucket group ``g`` with lanes permuted by ``r XOR x``:
-  ``bucket = ((8 g + (r XOR x)) XOR (W & (k - 1) & ~255)) mod k``. So 8 consecutive lanes land in
-  8 consecutive buckets (one vector add in the kernels), while lanes that a regular pattern ties
-  together (a column of a matrix: the same r in several groups) scatter independently.
+- fingerprint (version 3): ``sum_i K(i) * V(x_i) mod 2**64`` with the geometric key
+  ``K(i) = u * h**i`` (``u`` odd, ``h = 5 mod 8``, so every key is odd and ``h`` has the
+  largest order there is mod 2**64, 2**62). It is computed as ``K(i) = T[j] * P(b)``: the lane
+  table ``T[j] = u * h**j`` and the block power ``P(b) = h**(256 b)``, the product of up to 7
+  byte-indexed table entries (``POW[t][byte t of b]``). So a kernel sums ``T[j] * V(x)`` over a
+  block's elements and multiplies the block's sum by ``P(b)`` once. Why geometric: a piece's
+  fingerprint made at global offset ``g`` becomes the one at ``g + d`` by one multiplication,
+  ``F * h**d`` (:func:`shift`), so the auditor can place a piece after the fact once it knows
+  where its rows belong (ragged pieces, regrouped microbatches; docs/digests.md).
+- ``V(x)``: float16, bfloat16 and float32 enter by their raw bits (below 2**32); float64, every
+  integer dtype and bool by ``mix64(bits)`` of their 64-bit bits (floats' pattern, integers'
+  value sign-extended), a bijection. Without it a geometric key would be blind to changes whose
+  bit difference is a multiple of a high power of two repeated over a power-of-two count of
+  elements (``sum h**i`` over 2**t consecutive indices is a multiple of 2**t): doubling every
+  element of a float64 tensor of 4096 elements adds 2**52 to each pattern and would cancel.
+  Narrow floats' differences are below 2**32, so that needs 2**33 elements in one tensor.
+- sketch word ``W(b) = mix64(SKETCH_SEED + GAMMA * b)`` (unchanged since version 2). Lanes
+  come in groups of 8 (``q = j >> 3``, ``r = j & 7``); row ``(W >> 40) mod 4096`` of the
+  placement table ``PLACE`` (4096 rows, each a random permutation of the 32 groups with a
+  random 3-bit lane XOR per group) sends group q to bucket group ``g`` with lanes permuted by
+  ``r XOR x``: ``bucket = ((8 g + (r XOR x)) XOR (W & (k - 1) & ~255)) mod k``. So 8
+  consecutive lanes land in 8 consecutive buckets (one vector add in the kernels), while lanes
+  that a regular pattern ties together (a column of a matrix: the same r in several groups)
+  scatter independently.
 - sign: negative when ``bent((j XOR (W >> 32)) & 255) XOR (W >> 63)`` is 1, with
   ``bent(u) = parity((u & 15) & (u >> 4))``. A bent function's autocorrelation is exactly zero,
   so two lanes of one block that share a bucket (k < 256) have uncorrelated signs over blocks and
   the sketch's distance estimate stays unbiased.
+
+The sketch cannot be shifted the same way: a sketch whose buckets and signs move by a fixed rule
+when the index moves makes elements a fixed distance apart collide with fixed signs, which
+biases the distance estimate (docs/digests.md "Placing pieces after the fact").
 """
 
 from __future__ import annotations
@@ -33,9 +48,14 @@ import functools
 import numpy as np
 import torch
 
-FINGERPRINT_SEED = 0x6E61763266696E67  # b"nav2fing"
-"""Seed of the fingerprint's keys; written to Digest.fingerprint_seed. Version 1 used
-0x6E756D6175646974: digests of the two versions never compare as equal or different."""
+FINGERPRINT_SEED = 0x6E61763366696E67  # b"nav3fing"
+"""Seed of the fingerprint's keys; written to Digest.fingerprint_seed, it names the scheme.
+Version 2 used 0x6E61763266696E67 (random keys ``T[j] XOR C(b)``, not shiftable), version 1
+0x6E756D6175646974: fingerprints of different versions never compare as equal or different."""
+
+FINGERPRINT_SEED_V2 = 0x6E61763266696E67
+"""Version 2's fingerprint seed (same sketch): stores recorded with it are read and compared
+among themselves; their fingerprints cannot be shifted."""
 
 SKETCH_SEED = 0x6E6176327368656B  # b"nav2shek"
 """Seed of the sketch's block words; written to Digest.sketch_seed (64-bit)."""
@@ -48,8 +68,8 @@ MIX_SHIFTS = (30, 27, 31)
 
 LANE_BITS = 8
 LANES = 1 << LANE_BITS
-TABLE_OFFSET = 1 << 56
-"""Keys of the lane table are drawn at Weyl positions no block index reaches."""
+POW_BYTES = 7
+"""Bytes of a block index the power table covers: blocks below 2**56 (indices below 2**64)."""
 GROUPS = LANES // 8
 PLACE_ROWS = 4096
 PLACE_SEED = SKETCH_SEED ^ 0x706C616365000000  # b"place"
@@ -75,14 +95,51 @@ def bent(u: int) -> int:
     return t & 1
 
 
+def _h_and_u() -> tuple[int, int]:
+    h = (mix64(FINGERPRINT_SEED) & ~7 | 5) & M64
+    u = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA) | 1
+    return h, u
+
+
+H_BASE, U_SCALE = _h_and_u()
+"""``h`` (5 mod 8: multiplicative order 2**62) and ``u`` (odd) of the keys ``u * h**i``."""
+H_BLOCK = pow(H_BASE, LANES, 1 << 64)
+"""``h**256``: the key's factor from one block to the next."""
+
+
 def lane_key(j: int) -> int:
-    """``T[j]``: the fingerprint key's lane part (odd)."""
-    return mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + j)) | 1
+    """``T[j] = u * h**j``: the fingerprint key's lane part (odd)."""
+    return U_SCALE * pow(H_BASE, j, 1 << 64) & M64
 
 
-def block_key(b: int) -> int:
-    """``C(b)``: the fingerprint key's block part (even)."""
-    return mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * b) & (M64 - 1)
+def block_power(b: int) -> int:
+    """``P(b) = h**(256 b)``: the fingerprint key's block part (odd)."""
+    return pow(H_BLOCK, b, 1 << 64)
+
+
+def power_table() -> list[list[int]]:
+    """``POW[t][v] = h**(256 * v * 256**t)`` for t < 7, v < 256: ``P(b)`` is the product of
+    ``POW[t][(b >> 8 t) & 255]`` over the bytes t of b (stop at the highest non-zero one)."""
+    return [[pow(H_BLOCK, v << (8 * t), 1 << 64) for v in range(LANES)]
+            for t in range(POW_BYTES)]
+
+
+def shift(fp: int, delta: int) -> int:
+    """The fingerprint of a piece moved by ``delta`` global indices (negative: towards 0):
+    every key ``u h**i`` becomes ``u h**(i + delta)``, so the sum is multiplied by
+    ``h**delta`` (h is odd, hence invertible mod 2**64)."""
+    return fp * pow(H_BASE, delta, 1 << 64) & M64
+
+
+def value_term(bits: int, mixed: bool) -> int:
+    """``V(x)`` from the element's 64-bit bits: ``mix64(bits)`` for float64, integers and bool
+    (``mixed``), the bits themselves for float16, bfloat16 and float32."""
+    return mix64(bits) if mixed else bits & M64
+
+
+def mixed_dtype(dtype) -> bool:
+    """Whether a torch dtype's elements enter through mix64 (all but 16/32-bit floats)."""
+    return not (dtype.is_floating_point and dtype.itemsize <= 4)
 
 
 def block_word(b: int) -> int:
@@ -120,8 +177,8 @@ def _place() -> np.ndarray:
 
 
 def key(i: int) -> int:
-    """The fingerprint key of global index i."""
-    return lane_key(i & (LANES - 1)) ^ block_key(i >> LANE_BITS)
+    """The fingerprint key of global index i: ``u * h**i``."""
+    return U_SCALE * pow(H_BASE, i, 1 << 64) & M64
 
 
 def bucket_sign(i: int, k: int) -> tuple[int, int]:
@@ -165,7 +222,7 @@ def block_words(blocks: torch.Tensor, seed: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=16)
 def tables(device: torch.device) -> tuple[torch.Tensor, ...]:
     """``(T, BENT, LANE, BENT_SHIFTED, PLACE_G, PLACE_X)`` on ``device``, int64: the 256 lane
-    keys, bent(u) for u in [0, 256), 0..255, the [256, 256] table ``bent(j ^ s)`` (row s,
+    keys ``u h**j``, bent(u) for u in [0, 256), 0..255, the [256, 256] table ``bent(j ^ s)`` (row s,
     column j), and the placement table split into its group and lane-XOR parts, [4096, 32]."""
     lane = torch.arange(LANES, dtype=torch.int64)
     t = torch.tensor([signed64(lane_key(j)) for j in range(LANES)], dtype=torch.int64)
@@ -173,3 +230,25 @@ def tables(device: torch.device) -> tuple[torch.Tensor, ...]:
     shifted = b[lane.unsqueeze(1) ^ lane.unsqueeze(0)]
     place = torch.from_numpy(_place().astype(np.int64))
     return tuple(x.to(device) for x in (t, b, lane, shifted, place & 31, place >> 5))
+
+
+@functools.lru_cache(maxsize=16)
+def power_tensor(device: torch.device) -> torch.Tensor:
+    """:func:`power_table` as an int64 [7, 256] tensor on ``device``."""
+    return torch.tensor([[signed64(v) for v in row] for row in power_table()],
+                        dtype=torch.int64, device=device)
+
+
+def block_powers(blocks: torch.Tensor) -> torch.Tensor:
+    """``P(b) = h**(256 b)`` for an int64 tensor of block indices (a new tensor): one table
+    gather per byte up to the highest byte any of them uses (int64 multiplies wrap)."""
+    table = power_tensor(blocks.device)
+    top = int(blocks.max()) if blocks.numel() else 0
+    out = table[0].index_select(0, blocks.bitwise_and(LANES - 1))
+    t = 1
+    while top >> (8 * t) and t < POW_BYTES:
+        byte = torch.bitwise_right_shift(blocks, 8 * t).bitwise_and_(LANES - 1)
+        out.mul_(table[t].index_select(0, byte))
+        t += 1
+    return out
+

@@ -1,5 +1,5 @@
 // Fused CPU digest: one pass over a piece computes what agents/digest.py computes eagerly
-// (fingerprint, counts, float64 moments, min/max/abs-max, CountSketch) with the version-2 hash
+// (fingerprint, counts, float64 moments, min/max/abs-max, CountSketch) with the version-3 hash
 // scheme of agents/hashing.py.
 //
 // Plain C++ without torch headers so that it builds in about a second with the machine's g++;
@@ -8,18 +8,23 @@
 // constants below must stay equal to those (tests compare every implementation).
 //
 // The scheme is built for this loop: a global index i is a lane j = i mod 256 and a block
-// b = i div 256; one splitmix64 per block draws the block's words, and per element only table
-// loads, XORs and 32x32->64-bit multiplies remain. For contiguous float32/bfloat16/float16 runs
-// (the bulk of activations and gradients) an AVX2 loop takes 8 elements per step:
-//   - fingerprint: keys T[j..j+7] XOR C(b), times the raw bits (the key's low half by two
-//     vpmuludq per 4 lanes; its high half, which counts only mod 2**32, by one vpmulld per 8
-//     lanes, summed apart and shifted once at the end);
+// b = i div 256. The fingerprint's key is geometric, K(i) = u * h**i = T[j] * P(b) (lane table
+// T[j] = u * h**j, block power P(b) = h**(256 b), a few byte-table products per block), so a
+// block's elements sum T[j] * V(x) and the block's sum is multiplied by P(b) once. V(x) is the
+// raw bits of float16/bfloat16/float32 and mix64 of the 64-bit bits for every other dtype. One
+// splitmix64 per block draws the sketch's word; per element only table loads, XORs and
+// multiplies remain. For contiguous float32/bfloat16/float16 runs (the bulk of activations and
+// gradients) an AVX2 loop takes 8 elements per step:
+//   - fingerprint: lane keys T[j..j+7] times the raw bits (the key's low half by two vpmuludq
+//     per 4 lanes; its high half, which counts only mod 2**32, by one vpmulld per 8 lanes,
+//     summed apart), folded into one 64-bit sum per block and multiplied by P(b);
 //   - moments on float32 lanes (min/max, zeros, finiteness exact there), sums in float64;
 //   - sketch: a group of 8 consecutive lanes lands in 8 consecutive buckets, permuted (the
 //     block's placement row), so the scatter-add of version 1 (one dependent load-add-store per
 //     element) becomes one sign XOR, one vpermps and two float64 vector adds.
-// Everything else (strided global indices, integers, float64, tails) takes the scalar loop,
-// which computes the same values element by element. Compiled once per ISA level
+// Contiguous integers take a per-block loop the compiler vectorizes, contiguous float64 an
+// AVX-512 loop (mix64 in vpmullq); everything else (strided global indices, tails) takes the
+// scalar loop, which computes the same values element by element. Compiled once per ISA level
 // (agents/kernels/build.py) and picked at load time by dispatch.cpp.
 
 #include <cmath>
@@ -50,14 +55,14 @@
 
 namespace {
 
-constexpr uint64_t FINGERPRINT_SEED = 0x6E61763266696E67ULL;  // b"nav2fing"
+constexpr uint64_t FINGERPRINT_SEED = 0x6E61763366696E67ULL;  // b"nav3fing"
 constexpr uint64_t SKETCH_SEED = 0x6E6176327368656BULL;       // b"nav2shek"
 constexpr uint64_t GOLDEN_GAMMA = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t MIX_C1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t MIX_C2 = 0x94D049BB133111EBULL;
-constexpr uint64_t TABLE_OFFSET = 1ULL << 56;
 constexpr int LANE_BITS = 8;
 constexpr int64_t LANES = 1 << LANE_BITS;
+constexpr int POW_BYTES = 7;  // bytes of a block index the power table covers (all: b < 2**56)
 constexpr int GROUPS = LANES / 8;
 constexpr int64_t PLACE_ROWS = 4096;
 constexpr uint64_t PLACE_SEED = SKETCH_SEED ^ 0x706C616365000000ULL;  // b"place"
@@ -88,7 +93,10 @@ inline uint32_t bent(uint32_t u) {
 }
 
 struct Tables {
-  alignas(64) uint64_t key[LANES];  // T[j]: odd lane keys
+  alignas(64) uint64_t key[LANES];  // T[j] = u * h**j: the fingerprint key's lane part (odd)
+  // pow[t][v] = H**(v << 8t), H = h**256: P(b) = h**(256 b) is the product of pow[t][byte t of
+  // b] over the bytes of b (block_power).
+  alignas(64) uint64_t pow[POW_BYTES][LANES];
   // key[] split by parity (even_key[m] = T[2m], odd_key[m] = T[2m + 1]): the vector loops
   // multiply the even elements of a 32-bit vector in place and the odd ones shifted down.
   alignas(64) uint64_t even_key[LANES / 2], odd_key[LANES / 2];
@@ -111,8 +119,18 @@ struct Tables {
   alignas(64) int32_t perm8[8][8];
   alignas(64) int64_t perm8_64[8][8];  // the same as 64-bit indices (float64 lanes)
   Tables() {
-    for (int64_t j = 0; j < LANES; ++j)
-      key[j] = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * (TABLE_OFFSET + (uint64_t)j)) | 1ULL;
+    // h = 5 mod 8 (multiplicative order 2**62 mod 2**64), u odd: agents/hashing.py H_BASE, U_SCALE.
+    const uint64_t h = (mix64(FINGERPRINT_SEED) & ~7ULL) | 5ULL;
+    const uint64_t u = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA) | 1ULL;
+    key[0] = u;
+    for (int64_t j = 1; j < LANES; ++j) key[j] = key[j - 1] * h;
+    uint64_t step = 1;
+    for (int64_t j = 0; j < LANES; ++j) step *= h;  // H = h**256
+    for (int t = 0; t < POW_BYTES; ++t) {
+      pow[t][0] = 1;
+      for (int64_t v = 1; v < LANES; ++v) pow[t][v] = pow[t][v - 1] * step;
+      step = pow[t][LANES - 1] * step;  // H**(256**(t + 1))
+    }
     for (int64_t m = 0; m < LANES / 2; ++m) {
       even_key[m] = key[2 * m], odd_key[m] = key[2 * m + 1];
       hi32[2 * m] = (uint32_t)(key[2 * m] >> 32);
@@ -146,14 +164,20 @@ const Tables& tables() {
   return t;
 }
 
-// The random words of block b: the fingerprint key's block part C(b) (even) and the sketch's
-// word W(b) (bucket offset for k > 256 in its low bits, sign shift in bits 32..39, placement row
-// in bits 40..51, block sign in bit 63).
+// P(b) = h**(256 b), the fingerprint key's block part (odd): one table entry per byte of b up
+// to its highest non-zero one (indices below 2**32: at most three entries, two multiplies).
+inline uint64_t block_power(uint64_t b) {
+  const Tables& tb = tables();
+  uint64_t p = tb.pow[0][b & (LANES - 1)];
+  for (int t = 1; t < POW_BYTES && (b >>= LANE_BITS) != 0; ++t) p *= tb.pow[t][b & (LANES - 1)];
+  return p;
+}
+
+// Block b's fingerprint power P(b) and the sketch's random word W(b) (bucket offset for k > 256
+// in its low bits, sign shift in bits 32..39, placement row in bits 40..51, block sign in bit 63).
 struct Block {
-  uint64_t key, word;
-  explicit Block(uint64_t b)
-      : key(mix64(FINGERPRINT_SEED + GOLDEN_GAMMA * b) & ~1ULL),
-        word(sketch_word(b)) {}
+  uint64_t power, word;
+  explicit Block(uint64_t b) : power(block_power(b)), word(sketch_word(b)) {}
   static uint64_t sketch_word(uint64_t b) { return mix64(SKETCH_SEED + GOLDEN_GAMMA * b); }
 };
 
@@ -219,13 +243,27 @@ UINT_ELEM(U32, uint32_t)
 UINT_ELEM(U64, uint64_t)
 #undef UINT_ELEM
 
+// V(x), the fingerprint's value term: the raw bits of float16/bfloat16/float32 (below 2**32),
+// mix64 of the 64-bit bits for float64, integers and bool (agents/hashing.py value_term). The
+// mix keeps a geometric key from cancelling a change of a high power of two repeated over a
+// power-of-two count of elements.
+template <int64_t D>
+constexpr bool MIXED = !(D == F16 || D == BF16 || D == F32);
+template <int64_t D>
+inline uint64_t value_term(typename Elem<D>::T x) {
+  if constexpr (MIXED<D>)
+    return mix64(Elem<D>::bits(x));
+  else
+    return Elem<D>::bits(x);
+}
+
 // One block's share of a contiguous run at global indices gb, gb + 1, ...: where it starts in
-// the block, how many of the `left` elements it holds, and the block's words as the vector
-// loops use them.
+// the block, how many of the `left` elements it holds, and the block's power and word as the
+// vector loops use them.
 struct Segment {
   uint64_t start;  // the global index of its first element
   int64_t j0, len;
-  uint64_t key, word;
+  uint64_t power, word;  // P(b): the segment's sum of T[j] * V(x) is multiplied by it
   const uint8_t* place;  // the block's placement row
   uint64_t high;         // bucket offset when k > 256
   uint32_t shift;        // the sign pattern's shift
@@ -233,7 +271,7 @@ struct Segment {
     j0 = (int64_t)(gb & (LANES - 1));
     len = LANES - j0 < left ? LANES - j0 : left;
     const Block blk(gb >> LANE_BITS);
-    key = blk.key, word = blk.word;
+    power = blk.power, word = blk.word;
     place = tables().place[(word >> 40) & (PLACE_ROWS - 1)];
     high = word & kmask & ~(uint64_t)(LANES - 1);
     shift = (uint32_t)(word >> 32) & (LANES - 1);
@@ -292,52 +330,56 @@ inline void add_value(double v, uint32_t j, uint64_t w, Acc& a) {
   }
 }
 
-// Element by element: any dtype, tensor stride ts, global indices g, g + gs, ...
+// Element by element: any dtype, tensor stride ts, global indices g, g + gs, ... The elements
+// of one block sum T[j] * V(x) in `seg`, multiplied by the block's power when the block changes.
 template <int64_t D>
 void scalar_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t g, uint64_t gs,
                 Acc& a) {
   using E = Elem<D>;
   constexpr bool is_float = D == F16 || D == BF16 || D == F32 || D == F64;
   const Tables& tb = tables();
-  uint64_t current = ~0ULL, key = 0, word = 0;
-  uint64_t fp = 0;
+  uint64_t current = ~0ULL, power = 0, word = 0;
+  uint64_t fp = 0, seg = 0;
   for (int64_t t = 0; t < n; ++t, g += gs) {
     const uint64_t b = g >> LANE_BITS;
     if (b != current) {
+      fp += seg * power;
+      seg = 0;
       const Block blk(b);
-      key = blk.key, word = blk.word, current = b;
+      power = blk.power, word = blk.word, current = b;
     }
     const uint32_t j = (uint32_t)(g & (LANES - 1));
     const typename E::T raw = x[t * ts];
-    fp += (tb.key[j] ^ key) * E::bits(raw);
+    seg += tb.key[j] * value_term<D>(raw);
     if constexpr (is_float)
       add_value(E::value(raw), j, word, a);
     else
       a.zeros += raw == 0;
   }
-  a.fp += fp;
+  a.fp += fp + seg * power;
 }
 
 // Integers and bool at consecutive global indices: per block, a loop the compiler vectorizes
-// (a 64-bit multiply per element: vpmullq with AVX-512, emulated with AVX2).
+// (three 64-bit multiplies per element, two of them mix64's: vpmullq with AVX-512, emulated
+// with AVX2), whose sum is multiplied by the block's power.
 template <int64_t D, bool CONTIG>
 void int_run(const typename Elem<D>::T* x, int64_t ts, int64_t n, uint64_t g, Acc& a) {
-  using E = Elem<D>;
   const Tables& tb = tables();
   uint64_t fp = 0;
   int64_t zeros = 0;
   for (int64_t done = 0; done < n;) {
     const int64_t j0 = (int64_t)((g + (uint64_t)done) & (LANES - 1));
     const int64_t seg = LANES - j0 < n - done ? LANES - j0 : n - done;
-    const uint64_t key = Block((g + (uint64_t)done) >> LANE_BITS).key;
     const uint64_t* lane_key = tb.key + j0;
-    const typename E::T* xb = x + done * ts;
-#pragma omp simd reduction(+ : fp, zeros)
+    const typename Elem<D>::T* xb = x + done * ts;
+    uint64_t sum = 0;
+#pragma omp simd reduction(+ : sum, zeros)
     for (int64_t t = 0; t < seg; ++t) {
-      const typename E::T raw = xb[CONTIG ? t : t * ts];
-      fp += (lane_key[t] ^ key) * E::bits(raw);
+      const typename Elem<D>::T raw = xb[CONTIG ? t : t * ts];
+      sum += lane_key[t] * value_term<D>(raw);
       zeros += raw == 0;
     }
+    fp += sum * block_power((g + (uint64_t)done) >> LANE_BITS);
     done += seg;
   }
   a.fp += fp;
@@ -349,6 +391,16 @@ inline uint64_t hsum64(__m256i v) {
   alignas(32) uint64_t l[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(l), v);
   return l[0] + l[1] + l[2] + l[3];
+}
+
+// One segment's sum of T[j] * bits mod 2**64 from the narrow loops' two accumulators: `lo`
+// (64-bit lanes: lo32(T) * bits) and `hi` (32-bit lanes: hi32(T) * bits mod 2**32, worth
+// 2**32 each). A 64-bit lane L of `hi` holds two such sums, and
+// (L << 32) + (L & ~(2**32 - 1)) = (low + high) << 32 mod 2**64 adds both into it.
+inline __m256i fold_hi(__m256i lo, __m256i hi) {
+  const __m256i high_half = _mm256_set1_epi64x((int64_t)0xFFFFFFFF00000000ULL);
+  return _mm256_add_epi64(
+      lo, _mm256_add_epi64(_mm256_slli_epi64(hi, 32), _mm256_and_si256(hi, high_half)));
 }
 
 // Rare: count the NaN/+Inf/-Inf among n elements (the vector loops only flag that some are).
@@ -380,15 +432,16 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 zero = _mm256_setzero_ps();
-  __m256i fp_lo = _mm256_setzero_si256(), fp_hi = _mm256_setzero_si256();  // hi: 32-bit lanes
+  uint64_t fp = 0;
   __m256 lo = inf, hi = ninf;
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
   for (int64_t done = 0; done < n;) {
     const Segment sg(g + (uint64_t)done, n - done, kmask);
     sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
-    const __m256i ckey = _mm256_set1_epi64x((int64_t)sg.key);
-    const __m256i ckey_hi = _mm256_set1_epi32((int32_t)(uint32_t)(sg.key >> 32));
+    // This block's sum of T[j] * bits: lo32(T) * bits in 64-bit lanes, hi32(T) * bits in 32-bit
+    // lanes (it counts only mod 2**32), folded into one 64-bit sum times P(b) after the block.
+    __m256i fp_lo = _mm256_setzero_si256(), fp_hi = _mm256_setzero_si256();
     const uint32_t* signs = &tb.sign[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m256i flip = _mm256_set1_epi32((int32_t)(sg.negative() << 31));
@@ -410,23 +463,18 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
         else
           v = _mm256_cvtph_ps(raw);
       }
-      // Fingerprint: key * bits mod 2**64 = lo32(key) * bits + (hi32(key) * bits mod 2**32) << 32;
+      // Fingerprint: T[j] * bits mod 2**64 = lo32(T) * bits + (hi32(T) * bits mod 2**32) << 32;
       // for the low half even elements sit in the low halves of the 64-bit lanes, odd ones are
       // shifted there; the high half's products are summed mod 2**32 in 32-bit lanes.
       const int64_t m = (j0 + t) >> 1;
-      const __m256i ke = _mm256_xor_si256(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.even_key + m)), ckey);
-      const __m256i ko = _mm256_xor_si256(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.odd_key + m)), ckey);
+      const __m256i ke = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.even_key + m));
+      const __m256i ko = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.odd_key + m));
       const __m256i odd = _mm256_srli_epi64(bits, 32);
       fp_lo = _mm256_add_epi64(fp_lo, _mm256_add_epi64(_mm256_mul_epu32(ke, bits),
                                                        _mm256_mul_epu32(ko, odd)));
       fp_hi = _mm256_add_epi32(
           fp_hi, _mm256_mullo_epi32(
-                     _mm256_xor_si256(
-                         _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.hi32 + j0 + t)),
-                         ckey_hi),
-                     bits));
+                     _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.hi32 + j0 + t)), bits));
       // Moments over the finite lanes (FINITE: over all of them).
       zeros = _mm256_sub_epi32(zeros, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));
       __m256 f = v;
@@ -459,16 +507,14 @@ void narrow_body(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a) {
       _mm256_storeu_pd(dst + 4, _mm256_add_pd(_mm256_loadu_pd(dst + 4),
                                               _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1))));
     }
+    fp += hsum64(fold_hi(fp_lo, fp_hi)) * sg.power;
     alignas(32) int32_t z[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(z), zeros);
     a.zeros += (int64_t)z[0] + z[1] + z[2] + z[3] + z[4] + z[5] + z[6] + z[7];
     if (!FINITE && _mm256_movemask_ps(allfinite) != 0xFF) classify_nonfinite<D>(xb, seg, a);
     done += seg;
   }
-  alignas(32) uint32_t h[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(h), fp_hi);
-  a.fp += hsum64(fp_lo) +
-          ((uint64_t)(uint32_t)(h[0] + h[1] + h[2] + h[3] + h[4] + h[5] + h[6] + h[7]) << 32);
+  a.fp += fp;
   alignas(32) float l[8], u[8];
   alignas(32) double s[4], q[4];
   _mm256_store_ps(l, lo);
@@ -502,7 +548,8 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
   const uint64_t kmask = (uint64_t)a.k - 1;
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   const __m512 zero = _mm512_setzero_ps();
-  __m512i fp_lo = _mm512_setzero_si512(), fp_hi = _mm512_setzero_si512();
+  const __m512i high_half = _mm512_set1_epi64((int64_t)0xFFFFFFFF00000000ULL);
+  uint64_t fp = 0;
   __m512 lo = inf, hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512d s0 = _mm512_setzero_pd(), s1 = s0, ss0 = s0, ss1 = s0;
   int64_t zeros = 0;
@@ -510,8 +557,7 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
     const Segment sg(g + (uint64_t)done, n - done, kmask);
     sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
-    const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
-    const __m512i ckey_hi = _mm512_set1_epi32((int32_t)(uint32_t)(sg.key >> 32));
+    __m512i fp_lo = _mm512_setzero_si512(), fp_hi = _mm512_setzero_si512();  // as narrow_body
     const uint64_t* signs = &tb.sign64[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m512i flip = _mm512_set1_epi64((int64_t)((uint64_t)sg.negative() << 63));
@@ -535,13 +581,10 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
       const int64_t m = (j0 + t) >> 1;
       const __m512i odd = _mm512_srli_epi64(bits, 32);
       fp_lo = _mm512_add_epi64(
-          fp_lo,
-          _mm512_add_epi64(
-              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.even_key + m), ckey), bits),
-              _mm512_mul_epu32(_mm512_xor_si512(_mm512_load_si512(tb.odd_key + m), ckey), odd)));
-      fp_hi = _mm512_add_epi32(
-          fp_hi, _mm512_mullo_epi32(
-                     _mm512_xor_si512(_mm512_load_si512(tb.hi32 + j0 + t), ckey_hi), bits));
+          fp_lo, _mm512_add_epi64(_mm512_mul_epu32(_mm512_load_si512(tb.even_key + m), bits),
+                                  _mm512_mul_epu32(_mm512_load_si512(tb.odd_key + m), odd)));
+      fp_hi = _mm512_add_epi32(fp_hi,
+                               _mm512_mullo_epi32(_mm512_load_si512(tb.hi32 + j0 + t), bits));
       const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
       allfinite &= fin;
       zeros += __builtin_popcount(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
@@ -571,12 +614,16 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
       _mm512_storeu_pd(dst0, _mm512_add_pd(_mm512_loadu_pd(dst0), p0));
       _mm512_storeu_pd(dst1, _mm512_add_pd(_mm512_loadu_pd(dst1), p1));
     }
+    // The block's sum, its 32-bit lanes folded in as in fold_hi, times P(b).
+    fp += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(
+              fp_lo, _mm512_add_epi64(_mm512_slli_epi64(fp_hi, 32),
+                                      _mm512_and_si512(fp_hi, high_half)))) *
+          sg.power;
     if (allfinite != 0xFFFF) classify_nonfinite<D>(xb, seg, a);
     done += seg;
   }
   a.zeros += zeros;
-  a.fp += (uint64_t)_mm512_reduce_add_epi64(fp_lo) +
-          ((uint64_t)(uint32_t)_mm512_reduce_add_epi32(fp_hi) << 32);
+  a.fp += fp;
   const double l = _mm512_reduce_min_ps(lo), u = _mm512_reduce_max_ps(hi);
   a.lo = l < a.lo ? l : a.lo;
   a.hi = u > a.hi ? u : a.hi;
@@ -589,8 +636,18 @@ void narrow_body512(const typename Elem<D>::T* x, int64_t n, uint64_t g, Acc& a)
 #endif
 
 #if NA_VECTOR512
+// mix64 of eight 64-bit lanes (V(x) of float64 elements).
+inline __m512i mix64x8(__m512i z) {
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
+  z = _mm512_mullo_epi64(z, _mm512_set1_epi64((int64_t)MIX_C1));
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+  z = _mm512_mullo_epi64(z, _mm512_set1_epi64((int64_t)MIX_C2));
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
 // Contiguous float64, n a multiple of 8, g a multiple of 8, k >= 8, AVX-512: one lane group
-// per step (vpmullq for key * bits, the moments on float64 lanes directly).
+// per step (vpmullq for mix64 and for T[j] * V, the moments on float64 lanes directly); a
+// block's lanes of T[j] * V times P(b), one vpmullq per block.
 void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
   const Tables& tb = tables();
   const uint64_t kmask = (uint64_t)a.k - 1;
@@ -604,7 +661,7 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
     const Segment sg(g + (uint64_t)done, n - done, kmask);
     sg.prefetch_next(n - done);
     const int64_t j0 = sg.j0, seg = sg.len;
-    const __m512i ckey = _mm512_set1_epi64((int64_t)sg.key);
+    __m512i fp_seg = _mm512_setzero_si512();
     const uint64_t* signs64 = &tb.sign64[sg.shift & 7][0][0];
     const uint32_t shift_hi = sg.shift >> 3;
     const __m512i flip = _mm512_set1_epi64((int64_t)((uint64_t)sg.negative() << 63));
@@ -613,8 +670,8 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
     for (int64_t t = 0; t < seg; t += 8) {
       const uint32_t q = (uint32_t)((j0 + t) >> 3);
       const __m512i bits = _mm512_loadu_si512(xb + t);
-      const __m512i k = _mm512_xor_si512(_mm512_load_si512(tb.key + j0 + t), ckey);
-      fp = _mm512_add_epi64(fp, _mm512_mullo_epi64(k, bits));
+      fp_seg = _mm512_add_epi64(
+          fp_seg, _mm512_mullo_epi64(_mm512_load_si512(tb.key + j0 + t), mix64x8(bits)));
       const __m512d v = _mm512_castsi512_pd(bits);
       const __mmask8 fin = _mm512_cmp_pd_mask(_mm512_abs_pd(v), inf, _CMP_LT_OQ);
       allfinite &= fin;
@@ -632,6 +689,7 @@ void f64_body512(const uint64_t* x, int64_t n, uint64_t g, Acc& a) {
       double* dst = a.sketch + (((8 * (e & 31)) ^ sg.high) & kmask);
       _mm512_storeu_pd(dst, _mm512_add_pd(_mm512_loadu_pd(dst), p));
     }
+    fp = _mm512_add_epi64(fp, _mm512_mullo_epi64(fp_seg, _mm512_set1_epi64((int64_t)sg.power)));
     if (allfinite != 0xFF) classify_nonfinite<F64>(xb, seg, a);
     done += seg;
   }

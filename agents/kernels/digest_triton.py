@@ -1,9 +1,15 @@
 """The digest of a list of pieces in a few Triton launches, for accelerator tensors (CUDA, ROCm).
 
-Computes what agents/digest.py computes, on hash scheme version 2 (agents/hashing.py, whose
-constants and lane table it uses): fingerprint ``sum_i (T[j] ^ C(b)) * bits(x_i) mod 2**64``,
-counts, float64 sum and sum of squares, min/max/abs-max over finite elements, and the
-CountSketch, where ``j = i mod 256`` and ``b = i div 256`` split the global flat index ``i``:
+Computes what agents/digest.py computes, on hash scheme version 3 (agents/hashing.py, whose
+constants, lane table and block power table it uses): fingerprint
+``sum_i T[j] * P(b) * V(x_i) mod 2**64`` (the geometric key ``u * h**i``), counts, float64 sum
+and sum of squares, min/max/abs-max over finite elements, and the CountSketch, where
+``j = i mod 256`` and ``b = i div 256`` split the global flat index ``i``. ``T[j] = u * h**j``
+is the lane table, ``P(b) = h**(256 b)`` the product of ``POW[t][byte t of b]`` over the bytes
+of ``b`` up to its highest non-zero one (``hashing.power_tensor``, [7, 256]: blocks below
+2**56), and ``V(x)`` the element's bits zero-extended (float16, bfloat16, float32) or
+``mix64`` of its 64-bit bits (float64, integers sign-extended, bool: ``hashing.mixed_dtype`` of
+the piece's dtype, a compile-time flag per launch group). Sketch:
 bucket ``((8 g + ((j & 7) ^ x)) ^ (W(b) & (k - 1) & ~255)) mod k`` with ``g`` and ``x`` read
 from the placement table (``hashing.tables``' PLACE_G and PLACE_X, passed flattened) at row
 ``(W(b) >> 40) mod 4096``, column ``j >> 3``; sign from ``bent`` of the lane and ``W(b)``.
@@ -11,7 +17,7 @@ from the placement table (``hashing.tables``' PLACE_G and PLACE_X, passed flatte
 A hook's captures (every output of a module, every gradient of a parameter sweep) are digested
 together, so their cost is per list, not per piece: one descriptor table (a row per piece) goes
 to the device in one asynchronous copy, one zeroed output block holds every row, and per group
-of pieces (same load dtype and index path) two launches do the rest:
+of pieces (same load dtype, float type, ``V`` rule and index path) two launches do the rest:
 
 - ``_tiles_kernel``, one program per tile of ``ROWS x 256`` elements of any piece of the group:
   the program finds its piece by a binary search over the pieces' first tiles, reads the tile
@@ -29,12 +35,14 @@ model with thousands of captures a step would pay.
 Two ways to map a tile onto indices, chosen per piece on the host:
 
 - *aligned*: when the piece is one run of consecutive global indices (full tensors, Shard(0),
-  batch splits; any memory stride), each tile row is one whole hash block, so ``C(b)`` and
-  ``W(b)`` are drawn once per row, ``T[j]`` is the table itself and a row's placement gathers
-  touch one 32-entry table row; rows that stick out of the piece at either end are masked.
+  batch splits; any memory stride), each tile row is one whole hash block, so ``T[j]`` is the
+  table itself, a row's terms ``T[j] * V(x)`` are summed before one multiplication by ``P(b)``,
+  ``W(b)`` is drawn once per row and a row's placement gathers touch one 32-entry table row;
+  rows that stick out of the piece at either end are masked.
 - *general*: any other piece (up to ``MAX_DIMS`` dims after merging): the tile is ``ROWS x 256``
-  consecutive piece elements, each element's global index comes from its coordinates, and the
-  block words are drawn per element.
+  consecutive piece elements, each element's global index comes from its coordinates, and
+  ``P(b)`` and the block words are drawn per element (``P``'s table bytes above the highest
+  non-zero byte of the tile's largest block are skipped: their entries are 1).
 
 The agent uses it for accelerator pieces once a self-check on that device, dtype and k agreed
 with the eager reference (agents/kernels/accel.py, called from agents/fastpath.py). It is tested
@@ -84,7 +92,6 @@ _FLOAT: dict[torch.dtype, tl.dtype] = {
 """Float dtypes, which get moments and a sketch: their loaded bits are bitcast back to these."""
 
 # Compile-time constants for the kernels (Triton reads only constexpr globals).
-_FP_SEED = tl.constexpr(hashing.FINGERPRINT_SEED)
 _SK_SEED = tl.constexpr(hashing.SKETCH_SEED)
 _GAMMA = tl.constexpr(hashing.GOLDEN_GAMMA)
 _C1 = tl.constexpr(hashing.MIX_C1)
@@ -96,7 +103,7 @@ _LANE_BITS = tl.constexpr(hashing.LANE_BITS)
 _LANES = tl.constexpr(hashing.LANES)
 _GROUPS = tl.constexpr(hashing.GROUPS)
 _PLACE_ROWS = tl.constexpr(hashing.PLACE_ROWS)
-_EVEN = tl.constexpr(hashing.M64 - 1)
+_POW_BYTES = tl.constexpr(hashing.POW_BYTES)
 _INF = tl.constexpr(float("inf"))
 
 
@@ -134,6 +141,21 @@ def _bucket(lane, word, place_g_ptr, place_x_ptr, K: tl.constexpr):
 
 
 @triton.jit
+def _block_power(pow_ptr, blk, top):
+    """``P(b) = h**(256 b)`` as uint64 for int64 block indices ``blk`` (any shape, each in
+    [0, 2**56)): the product of ``POW[t][(b >> 8 t) & 255]`` (``pow_ptr``: hashing.power_tensor,
+    flattened). ``top`` (a scalar) is at least every ``b`` that counts: bytes above its highest
+    non-zero one are skipped, as their entries are ``POW[t][0] == 1``. Every gather is in
+    range, so they need no mask."""
+    p = tl.load(pow_ptr + (blk & (_LANES - 1))).to(tl.uint64, bitcast=True)
+    for t in tl.static_range(1, _POW_BYTES):
+        if (top >> (8 * t)) != 0:
+            byte = (blk >> (8 * t)) & (_LANES - 1)
+            p = p * tl.load(pow_ptr + t * _LANES + byte).to(tl.uint64, bitcast=True)
+    return p
+
+
+@triton.jit
 def _count(mask):
     return tl.sum(mask.to(tl.int64))
 
@@ -147,16 +169,17 @@ in the output, then (size, stride, gstride) of its 4 merged dims as s0..s3, t0..
 
 @triton.jit
 def _tiles_kernel(
-    x_ptr, desc_ptr, pieces, table_ptr, place_g_ptr, place_x_ptr, part_i64_ptr, part_f64_ptr,
-    f64_ptr,
-    K: tl.constexpr, FLOAT: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
-    SEARCH: tl.constexpr,
+    x_ptr, desc_ptr, pieces, table_ptr, pow_ptr, place_g_ptr, place_x_ptr, part_i64_ptr,
+    part_f64_ptr, f64_ptr,
+    K: tl.constexpr, FLOAT: tl.constexpr, MIXED: tl.constexpr, ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr, SEARCH: tl.constexpr,
 ):
     """One tile (ROWS x 256 elements) of one piece of a group: a group's tiles are numbered
     piece after piece, so a program finds its piece by a binary search over the pieces' first
     tiles (SEARCH >= log2(pieces) steps). Writes the tile's partial fingerprint and counts
     (``part_i64[pid]``: fp, nan, +inf, -inf, zeros) and float64 sums and min/max
     (``part_f64[pid]``), and adds its elements into its piece's sketch, ``f64[row, 5:]``.
+    MIXED: ``V(x) = mix64(bits)`` (float64, integers, bool), else the bits themselves.
 
     ALIGNED: the piece's elements have global indices ``origin * 256 + lead`` on, one after
     the other (any memory stride, ``t3``), and a tile row is one whole hash block. Otherwise
@@ -202,12 +225,22 @@ def _tiles_kernel(
         blk = g >> _LANE_BITS
     raw = tl.load(x_ptr + tl.load(d + 2) + off, mask=live, other=0)
     bits = raw.to(tl.int64).to(tl.uint64, bitcast=True)
+    if MIXED:
+        bits = _mix64(bits)
     blk_u = blk.to(tl.uint64, bitcast=True)
-    key = tl.load(table_ptr + lane).to(tl.uint64, bitcast=True) ^ (
-        _mix64(_FP_SEED + _GAMMA * blk_u) & _EVEN)
-    term = tl.where(live, key * bits, 0).to(tl.int64, bitcast=True)
+    lane_key = tl.load(table_ptr + lane).to(tl.uint64, bitcast=True)
+    if ALIGNED:
+        # One block per row: the row's sum of T[j] * V(x), then one multiplication by P(b).
+        top = origin + tile * ROWS + (ROWS - 1)
+        term = tl.where(live, lane_key * bits, 0).to(tl.int64, bitcast=True)
+        row_sum = tl.sum(term, axis=1, keep_dims=True).to(tl.uint64, bitcast=True)  # [ROWS, 1]
+        fp = tl.sum((row_sum * _block_power(pow_ptr, blk, top)).to(tl.int64, bitcast=True))
+    else:
+        top = tl.max(tl.where(live, blk, 0))
+        key = lane_key * _block_power(pow_ptr, blk, top)
+        fp = tl.sum(tl.where(live, key * bits, 0).to(tl.int64, bitcast=True))
     part_i64 = part_i64_ptr + pid * 5
-    tl.store(part_i64, tl.sum(term))  # int64 addition wraps: the sum mod 2**64
+    tl.store(part_i64, fp)  # int64 addition and multiplication wrap: the sum mod 2**64
     if FLOAT is None:
         tl.store(part_i64 + 4, _count(live & (raw == 0)))
     else:
@@ -310,6 +343,9 @@ class Prepared:
     """The piece viewed as its load dtype (``_LOAD_VIEW``)."""
     float_type: object
     """Its Triton float type (moments and sketch), or None."""
+    mixed: bool
+    """Whether its elements enter the fingerprint through mix64 (hashing.mixed_dtype of its
+    dtype; a complex piece's is that of its real view)."""
     aligned: bool
     n: int
     origin: int
@@ -364,7 +400,8 @@ def _plan(t: torch.Tensor, layout: PieceLayout) -> tuple:
         origin, lead = base, 0
     tiles = triton.cdiv(triton.cdiv(lead + n, hashing.LANES), ROWS) if n else 0
     flat = tuple(d[0] for d in dims) + tuple(d[1] for d in dims) + tuple(d[2] for d in dims)
-    return _FLOAT.get(t.dtype), aligned, n, origin, lead, tiles, flat
+    return (_FLOAT.get(t.dtype), hashing.mixed_dtype(t.dtype), aligned, n, origin, lead, tiles,
+            flat)
 
 
 def _search_steps(pieces: int) -> int:
@@ -390,10 +427,10 @@ def digest_prepared(pieces: list[Prepared], *, sketch_k: int) -> tuple[torch.Ten
     """The rows of ``pieces`` (all on one device): ``(f64 [m, 5 + k], i64 [m, 6])`` on that
     device, row j the digest of piece j, as agents.digest.digest_piece computes it.
 
-    Pieces are grouped by load dtype, float type and index path (and by address alignment, for
-    the offsets from the anchor): per group one launch digests every tile of every piece and one launch
-    finishes every row, after one descriptor upload and one zeroed output for the whole list.
-    No host synchronization."""
+    Pieces are grouped by load dtype, float type, ``V`` rule (mix64 or not) and index path (and
+    by address alignment, for the offsets from the anchor): per group one launch digests every
+    tile of every piece and one launch finishes every row, after one descriptor upload and one
+    zeroed output for the whole list. No host synchronization."""
     if sketch_k < 1 or sketch_k & (sketch_k - 1):
         raise ValueError(f"sketch_k: {sketch_k} is not a power of two")
     m = len(pieces)
@@ -405,8 +442,9 @@ def digest_prepared(pieces: list[Prepared], *, sketch_k: int) -> tuple[torch.Ten
     groups: dict[tuple, list[int]] = {}
     for j, p in enumerate(pieces):
         x = p.x
-        # The float type too: bfloat16, float16 and uint16 all load as uint16.
-        groups.setdefault((x.dtype, p.float_type, p.aligned,
+        # The float type and V rule too: bfloat16, float16 and uint16 all load as uint16 (only
+        # uint16 is mixed), bool and uint8 as uint8 (both mixed).
+        groups.setdefault((x.dtype, p.float_type, p.mixed, p.aligned,
                            x.data_ptr() % x.element_size() if p.n else 0), []).append(j)
     desc: list[tuple[int, ...]] = []
     spans = []
@@ -425,15 +463,16 @@ def digest_prepared(pieces: list[Prepared], *, sketch_k: int) -> tuple[torch.Ten
     f64 = torch.zeros((m, N_MOMENTS + sketch_k), dtype=torch.float64, device=device)
     i64 = torch.empty((m, 6), dtype=torch.int64, device=device)
     table, _, _, _, place_g, place_x = hashing.tables(device)
+    powers = hashing.power_tensor(device).reshape(-1)
     for p0, first, count, tiles, anchor in spans:
         d = table_d[first:first + count]
         part_i64 = torch.empty((max(tiles, 1), 5), dtype=torch.int64, device=device)
         part_f64 = torch.empty((max(tiles, 1), 4), dtype=torch.float64, device=device)
         if tiles:
             _tiles_kernel[(tiles,)](
-                anchor, d, count, table, place_g.reshape(-1), place_x.reshape(-1), part_i64,
-                part_f64, f64,
-                K=sketch_k, FLOAT=p0.float_type, ALIGNED=p0.aligned, ROWS=ROWS,
+                anchor, d, count, table, powers, place_g.reshape(-1), place_x.reshape(-1),
+                part_i64, part_f64, f64,
+                K=sketch_k, FLOAT=p0.float_type, MIXED=p0.mixed, ALIGNED=p0.aligned, ROWS=ROWS,
                 SEARCH=_search_steps(count),
             )
         _finish_kernel[(count,)](d, part_i64, part_f64, f64, i64,

@@ -52,7 +52,8 @@ def ref_digest(t: torch.Tensor, layout: PieceLayout, k: int):
     for c in itertools.product(*(range(s) for s in layout.shape)):
         v = t[c].item() if t.dim() else t.item()
         g = sum((o + ci) * s for o, ci, s in zip(layout.offsets, c, gstrides))
-        fp = (fp + hashing.key(g) * ref_bits(v, t.dtype)) & M64
+        term = hashing.value_term(ref_bits(v, t.dtype), hashing.mixed_dtype(t.dtype))
+        fp = (fp + hashing.key(g) * term) & M64
         bucket, minus = hashing.bucket_sign(g, k)
         if t.dtype.is_floating_point and math.isfinite(v):
             sketch[bucket] += -v if minus else v
@@ -272,6 +273,23 @@ def test_fingerprint_detects_one_ulp_and_sign_of_zero():
     d0, d1 = as_values(z, PieceLayout.full((4,))), as_values(nz, PieceLayout.full((4,)))
     assert d0.fingerprint != d1.fingerprint
     assert d0.zeros == d1.zeros == 4
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.float64, 4096), (torch.int64, 1 << 12),
+                                     (torch.float32, 1 << 16), (torch.bfloat16, 1 << 16)])
+def test_fingerprint_sees_a_uniform_change_of_a_power_of_two_count(dtype, n):
+    """Geometric keys sum to a multiple of 2**t over 2**t consecutive indices, so a change that
+    adds one multiple of a high power of two to every bit pattern (doubling float64 values adds
+    2**52; an int64 offset of 2**60) would cancel; V = mix64(bits) for 64-bit elements is what
+    keeps it visible. 16/32-bit floats enter unmixed: their differences stay below 2**32."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(n, generator=g, dtype=torch.float64) + 1.0)
+    if dtype == torch.int64:
+        a, b = (x * 1000).to(dtype), (x * 1000).to(dtype) + (1 << 60)
+    else:
+        a, b = x.to(dtype), (x * 2).to(dtype)
+    layout = PieceLayout.full((n,))
+    assert as_values(a, layout).fingerprint != as_values(b, layout).fingerprint
 
 
 def test_fingerprint_detects_swap_hash_tensor_does_not():

@@ -1,9 +1,10 @@
 """The Triton digest (agents/kernels/digest_triton.py) against the eager reference, under
 Triton's CPU interpreter when there is no GPU: fingerprints, counts, min/max/abs-max bitwise
 equal; float64 sums and sketch buckets within float64 rounding. One test also holds it to the
-pure-Python definition of hash scheme v2 (agents/hashing.py).
+pure-Python definition of hash scheme v3 (agents/hashing.py): keys ``u * h**i`` for indices up
+to 2**63 (every byte of the block power table), ``V(x)`` through mix64 or not per dtype.
 
-The cases aim at what v2 makes position-dependent: pieces that start mid-block and cross
+The cases aim at what v3 makes position-dependent: pieces that start mid-block and cross
 256-element block boundaries (the kernel's aligned path), strided and sharded pieces (its
 general path), sketches of 1 bucket up to more buckets than a block has lanes.
 
@@ -160,22 +161,52 @@ def test_index_crossing_2_to_the_32(triton_digest, layout):
     _assert_same(triton_digest, t, layout, 256)
 
 
-@pytest.mark.parametrize("offsets, shape, logical", [((250,), (300,), (1000,)),
-                                                     ((1, 100), (2, 130), (3, 300))])
+def _python_values(t: torch.Tensor) -> list[int]:
+    """``V(x)`` of every element of ``t`` (flat order) from hashing.value_term: floats by their
+    bit pattern, integers and bool by their value."""
+    flat = t.reshape(-1)
+    if t.dtype.is_floating_point:
+        width = 8 * t.element_size()
+        view = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+        bits = [b & ((1 << width) - 1) for b in flat.view(view).tolist()]
+    else:
+        bits = [int(x) for x in flat.tolist()]
+    return [hashing.value_term(b, hashing.mixed_dtype(t.dtype)) for b in bits]
+
+
+DEFINITION_DTYPES = [torch.int64, torch.int32, torch.float64, torch.float32, torch.bfloat16,
+                     torch.bool]
+"""Mixed (integers of two widths, float64, bool) and unmixed (narrow floats) values."""
+
+
+@pytest.mark.parametrize("offsets, shape, logical", [
+    ((250,), (300,), (1000,)),  # aligned path
+    ((1, 100), (2, 130), (3, 300)),  # general path
+    # Blocks of 2**32 and more (byte 4 of the block on; 2**40 crossed inside the piece).
+    ((2 ** 40 - 150,), (300,), (2 ** 41,)),
+    ((1, 2 ** 40 - 60), (2, 130), (3, 2 ** 41)),
+    # Blocks near 2**54 (bytes 0..6 of the power table: indices up to about 2**63).
+    ((2 ** 62 - 400,), (300,), (2 ** 62,)),
+    ((1, 2 ** 61 - 200), (2, 130), (3, 2 ** 61)),
+])
 def test_matches_hash_scheme_definition(triton_digest, offsets, shape, logical):
-    """Fingerprint and sketch from agents/hashing.py's pure-Python key and bucket_sign; the
-    sketch with fewer buckets than a block's lanes and with more (the placement table and the
-    block word's bits above the lanes both pick the bucket)."""
+    """Fingerprint and sketch from agents/hashing.py's pure-Python key, value_term and
+    bucket_sign, for every dtype rule of ``V`` (one list, several launch groups) and indices
+    far out (block bytes above the first two); the sketch with fewer buckets than a block's
+    lanes and with more (the placement table and the block word's bits above the lanes both
+    pick the bucket)."""
     layout = PieceLayout(logical, offsets, shape)
     n = layout.numel
     gstrides = [math.prod(logical[d + 1:]) for d in range(len(logical))]
     index = [sum((o + c) * g for o, c, g in zip(offsets, coords, gstrides))
              for coords in itertools.product(*(range(s) for s in shape))]
-    ints = _values(torch.int64, n, 11)
-    _, got_i64 = triton_digest.digest_piece_triton(ints.reshape(shape).to(_device()), layout,
-                                                   sketch_k=K)
-    fp = sum(hashing.key(g) * (int(x) & hashing.M64) for g, x in zip(index, ints.tolist()))
-    assert int(got_i64[5]) & hashing.M64 == fp & hashing.M64
+    keys = [hashing.key(g) for g in index]
+    pieces = [_values(dtype, n, 11 + j).reshape(shape) for j, dtype in enumerate(DEFINITION_DTYPES)]
+    _, got_i64 = triton_digest.digest_pieces_triton([(t.to(_device()), layout) for t in pieces],
+                                                    sketch_k=K)
+    for j, t in enumerate(pieces):
+        fp = sum(k * v for k, v in zip(keys, _python_values(t))) & hashing.M64
+        assert int(got_i64[j, 5]) & hashing.M64 == fp, t.dtype
     floats = _values(torch.float64, n, 12)
     for k in (8, 4096):
         got64, _ = triton_digest.digest_piece_triton(floats.reshape(shape).to(_device()),
@@ -257,19 +288,22 @@ def test_a_list_of_pieces_gives_each_piece_its_own_digest(triton_digest, k):
 
 
 def test_types_that_load_alike_keep_their_own_digests_in_one_list(triton_digest):
-    """float32 and uint32 load as uint32, bfloat16, float16 and uint16 as uint16: in one list
-    each keeps its own digest (floats their moments and sketch, unsigned ints their values)."""
+    """float32 and uint32 load as uint32, bfloat16, float16 and uint16 as uint16, bool and uint8
+    as uint8: in one list each keeps its own digest (floats their moments and sketch and their
+    bits unmixed, unsigned ints and bool their values through mix64)."""
     layout = PieceLayout((700,), (30,), (600,))
     ints = _values(torch.int64, 600, 51).abs() % 60000
+    bools = _values(torch.bool, 600, 55)
     pieces = [_values(torch.bfloat16, 600, 52), _values(torch.float16, 600, 53),
-              _values(torch.float32, 600, 54), ints.to(torch.uint16), ints.to(torch.uint32)]
+              _values(torch.float32, 600, 54), bools, bools.to(torch.uint8),
+              ints.to(torch.uint16), ints.to(torch.uint32)]
     f64, i64 = triton_digest.digest_pieces_triton([(t.to(_device()), layout) for t in pieces],
                                                   sketch_k=K)
-    for j, t in enumerate(pieces[:3]):
+    for j, t in enumerate(pieces[:5]):
         _assert_rows((f64[j], i64[j]), t, layout)
     want = triton_digest.digest_piece_triton(ints.to(_device()), layout,
                                              sketch_k=K)  # by value, as int64
-    for j in (3, 4):
+    for j in (5, 6):
         assert torch.equal(i64[j], want[1]) and torch.equal(f64[j], want[0]), j
 
 
