@@ -17,13 +17,33 @@ import numpy as np
 
 from auditor.compare import reads
 from auditor.compare.align import RenameRule, canonical_sites, normalize_site
-from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+from auditor.compare.digests import (FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64,
+                                     shift_fingerprint)
 from auditor.compare.merge import Piece
 from auditor.compare.reads import (  # noqa: F401  (DIGEST_COLUMNS, no_gc: re-exported)
     DIGEST_COLUMNS, ID_CHUNK, KEY_ORDER, MAX_CALL, MAX_MICROBATCH, MAX_STEP, SELECT, Arrays,
     ids_in, no_gc, row_arrays)
 from auditor.compare.segments import unique
 from auditor.store import Reader
+
+
+def translation(old: Piece, new: Piece) -> int | None:
+    """``g_new - g_old`` when moving a piece from layout ``old`` to ``new`` adds one constant to
+    the global flat index of every element (every dim the piece spans has the same global
+    stride in both logical shapes: the dims before the one it moves along hold one index),
+    else None. Flat, complex-as-real and None pieces are never moved this way."""
+    if (old.is_none or new.is_none or old.flat or new.flat or old.complex_as_real
+            or new.complex_as_real or old.shape != new.shape
+            or len(old.logical_shape) != len(new.logical_shape)):
+        return None
+    delta, so, sn = 0, 1, 1
+    for d in range(len(old.shape) - 1, -1, -1):
+        if old.shape[d] > 1 and so != sn:
+            return None
+        delta += new.offsets[d] * sn - old.offsets[d] * so
+        so *= old.logical_shape[d]
+        sn *= new.logical_shape[d]
+    return delta
 
 
 class KeyRangeError(ValueError):
@@ -215,12 +235,15 @@ class Catalog:
             self.placed.append(True)
         return code
 
-    def derived_piece(self, piece: Piece, like: int, *, placed: bool) -> int:
+    def derived_piece(self, piece: Piece, like: int, *, placed: bool,
+                      fingerprint: bool = False) -> int:
         """Code of a layout the comparison made itself (a record re-keyed into another run's
         microbatches: auditor.compare.regroup), with the flags of layout ``like`` it replaces;
-        ``placed`` False when the record's fingerprint and sketch do not describe the piece at
-        its new place (they are then never merged or compared)."""
-        seeds_ok, has_moments = self.seeds_ok[like] and placed, self.has_moments[like]
+        ``placed`` False when the record's sketch does not describe the piece at its new place
+        (it is then never merged or compared), and neither does its fingerprint unless
+        ``fingerprint`` (one `moved` has shifted to the new place)."""
+        seeds_ok = self.seeds_ok[like] and (placed or fingerprint)
+        has_moments = self.has_moments[like]
         k = (piece, seeds_ok, has_moments, placed)
         code = self._layout_ids.get(k)
         if code is None:
@@ -230,6 +253,32 @@ class Catalog:
             self.has_moments.append(has_moments)
             self.placed.append(placed)
         return code
+
+    def moved(self, piece: Piece, like: int, fp: int, *, exact: bool = True) -> tuple[int, int]:
+        """(layout code, fingerprint) of the record of layout ``like`` and fingerprint ``fp``
+        put at ``piece``'s place (another offset, or another logical size on the dim it
+        moves along). Version-3 fingerprints follow the piece when the move is a translation
+        of its global flat indices (`translation`): the fingerprint digested at the new place
+        is ``fp * h**delta``. Its sketch never follows (docs/digests.md "Placing pieces after
+        the fact"). ``exact`` False: the place is not one the other run's fingerprint can be
+        compared at (its rows in another order), the fingerprint is dropped too."""
+        delta = translation(self.pieces[like], piece) if exact and self.shiftable(like) else None
+        if delta is None:
+            return self.derived_piece(piece, like, placed=False), fp
+        return (self.derived_piece(piece, like, placed=False, fingerprint=True),
+                shift_fingerprint(int(fp), delta))
+
+    def shiftable(self, code: int) -> bool:
+        """Whether layout ``code``'s fingerprints can be moved: made with the reference's seeds,
+        those of version 3, at the place the record says."""
+        return self.seeds_ok[code] and self.placed[code] and self.fingerprints_v3
+
+    @property
+    def fingerprints_v3(self) -> bool:
+        """The reference's fingerprints are version 3 (geometric keys: movable, and a whole
+        tensor's exact power-of-two rescaling predictable: `digests.scaled_fingerprint`)."""
+        return self._seeds is not None and \
+            self._seeds[0] == fingerprint_to_int64(FINGERPRINT_SEED)
 
     def dtype_code(self, dtype: str) -> int:
         code = self._dtype_ids.get(dtype)

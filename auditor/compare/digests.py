@@ -19,9 +19,13 @@ from typing import Any
 
 import numpy as np
 
-FINGERPRINT_SEED = 0x6E61763266696E67
-"""Must equal agents.hashing.FINGERPRINT_SEED (hash scheme version 2; version 1's was
-0x6E756D6175646974); digests made with another seed do not compare."""
+FINGERPRINT_SEED = 0x6E61763366696E67
+"""Must equal agents.hashing.FINGERPRINT_SEED (hash scheme version 3; version 2's was
+0x6E61763266696E67, version 1's 0x6E756D6175646974); digests made with another seed do not
+compare."""
+FINGERPRINT_H = 0x534472CFFBB9F815
+"""Must equal agents.hashing.H_BASE: version 3's keys are ``u * h**i``, so a fingerprint made
+at global index g becomes the one at g + d when multiplied by ``h**d`` (`shift_fingerprint`)."""
 SKETCH_SEED = 0x6E6176327368656B
 """Must equal agents.hashing.SKETCH_SEED (version 1's was 0x736B3031)."""
 N_MOMENTS = 5
@@ -29,6 +33,42 @@ N_MOMENTS = 5
 
 _U64 = 1 << 64
 _MASK64 = _U64 - 1
+
+
+FINGERPRINT_U = 0x62CFC14BBCA7107F
+"""Must equal agents.hashing.U_SCALE: the keys' common odd factor."""
+MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
+"""Where a float's exponent field starts: multiplying a normal number by 2**e adds e to it."""
+
+
+def key_sum(n: int) -> int:
+    """``sum_{i < n} u h**i mod 2**64``: the version-3 keys of a whole logical tensor of n
+    elements (doubling: S(2m) = S(m)(1 + h**m), S(2m + 1) = 1 + h S(2m))."""
+    power, total = 1, 0
+    for bit in bin(n)[2:] if n > 0 else "":
+        total = total * (1 + power) & _MASK64
+        power = power * power & _MASK64
+        if bit == "1":
+            total = (1 + FINGERPRINT_H * total) & _MASK64
+            power = power * FINGERPRINT_H & _MASK64
+    return FINGERPRINT_U * total & _MASK64
+
+
+def scaled_fingerprint(fp: int, numel: int, dtype: str, exponent: int) -> int | None:
+    """The version-3 fingerprint of a whole float32/bfloat16/float16 logical tensor of
+    ``numel`` elements, fingerprint ``fp``, multiplied by ``2**exponent`` — valid when every
+    element is normal and stays so (then its bits grow by ``exponent << mantissa bits``);
+    None for other dtypes. A zero, subnormal, overflowing or non-finite element breaks the
+    prediction, so a match can only be a false *difference*, never a false equality."""
+    bits = MANTISSA_BITS.get(dtype)
+    if bits is None:
+        return None
+    return (fp + ((exponent << bits) & _MASK64) * key_sum(numel)) & _MASK64
+
+
+def shift_fingerprint(fp: int, delta: int) -> int:
+    """A version-3 fingerprint (uint64) of a piece moved by ``delta`` global flat indices."""
+    return fp * pow(FINGERPRINT_H, delta, _U64) & _MASK64
 
 
 def fingerprint_to_int64(u: int) -> int:

@@ -19,10 +19,13 @@ same logical tensors (docs/comparison.md, "Regrouped microbatches").
 - The target grouping is the other run's when every re-keyed piece lands inside one of its
   microbatches, else the step as one microbatch (microbatch 0 then stands for the whole step).
 - A re-keyed piece sits at another place of another logical tensor than the one its digest was
-  made for: its fingerprint and sketch (functions of the element's global index) no longer
-  describe it, so it is marked as made with other seeds — never compared by fingerprint or
-  sketch. Keys whose pieces all carry payloads are compared exactly from the bytes; the others
-  breach as uncertain, saying so, unless the policy lets uncertain findings pass.
+  made for. Its version-3 fingerprint follows it (`Catalog.moved`: a translation of its global
+  indices by d multiplies it by ``h**d``), so equal bits still make a key *identical*; its
+  sketch does not (docs/digests.md "Placing pieces after the fact"), and neither does a
+  fingerprint when the runs' samples were dealt in another order or the store predates
+  version 3. Keys whose pieces all carry payloads are compared exactly from the bytes; the
+  others, when their bits differ, breach as uncertain, saying so, unless the policy lets
+  uncertain findings pass.
 - Per-rank losses (mean or sum addends) are renumbered as addends of the target microbatch,
   weighted by their samples.
 """
@@ -70,8 +73,8 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     notes: dict[str, list[int]] = {}
     s_r, mb_r, ph_r = unpack_a(rc.A)
     s_c, mb_c, ph_c = unpack_a(cc.A)
-    new_r = {"A": rc.A.copy(), "layout": rc.layout.copy()}
-    new_c = {"A": cc.A.copy(), "layout": cc.layout.copy()}
+    new_r = {"A": rc.A.copy(), "layout": rc.layout.copy(), "fp": rc.fp.copy()}
+    new_c = {"A": cc.A.copy(), "layout": cc.layout.copy(), "fp": cc.fp.copy()}
     changed = False
     probed = False
     """Whether a step grouped alike was aligned already: reading a step's rows costs payload
@@ -167,7 +170,7 @@ def _lines(notes: dict[str, list[int]]) -> list[str]:
 
 def _rebuilt(cols: RunColumns, new: dict) -> RunColumns:
     out = RunColumns(cols.name, cols.side, new["A"], cols.B.copy(), cols.rank.copy(),
-                     cols.stage.copy(), cols.flags.copy(), new["layout"], cols.fp.copy(),
+                     cols.stage.copy(), cols.flags.copy(), new["layout"], new["fp"],
                      cols.rid.copy(), max_rid=cols.max_rid)
     out.sort()
     return out
@@ -369,13 +372,21 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
             piece = catalog.pieces[cols.layout[r]]
             logical, offsets = list(piece.logical_shape), list(piece.offsets)
             logical[d], offsets[d] = target[t], g0 - starts[t]
-            new["layout"][r] = catalog.derived_piece(
+            new["layout"][r], new["fp"][r] = catalog.moved(
                 replace(piece, logical_shape=tuple(logical), offsets=tuple(offsets)),
-                int(cols.layout[r]), placed=False)
+                int(cols.layout[r]), int(cols.fp[r]), exact=plan.dealt is None)
             new["A"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
         _regroup_losses(cols, at, mb, ph, catalog, plan.step, rows, target, starts, to_target,
                         new)
     how = what if plan.dealt else f"{what} microbatches along the batch dim"
+    moved = [int(side_cols.layout[r]) for side, place, _ in moves
+             for side_cols in [rc if side == "ref" else cc] for r in place]
+    if plan.dealt is None and moved and all(catalog.shiftable(c) for c in moved):
+        return (f"{grouping}: {how}; {plan.aligned_by}; re-keyed pieces took their "
+                "fingerprints along (bitwise equality stays exact) but not their sketches: a key "
+                "whose bits differ is measured from payloads, and without payloads from both "
+                "runs it breaches as uncertain under a tolerance (payloads: "
+                "NUMAUDIT_PAYLOAD_MAX_BYTES, NUMAUDIT_PAYLOAD)")
     return (f"{grouping}: {how}; {plan.aligned_by}; "
             "re-keyed pieces are compared by their payloads (their fingerprints and sketches "
             "describe their old places): a key without payloads from both runs breaches as "

@@ -16,6 +16,7 @@ from auditor.compare import findings as F
 from auditor.compare.columns import Catalog
 from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
 from auditor.compare.align import PHASE_IDS
+from auditor.compare.digests import scaled_fingerprint
 from auditor.compare.findings import format_float
 from auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
 from auditor.compare.segments import ranges_index, segment_reduce, unique
@@ -64,7 +65,7 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     n = len(rows)
     d["sum"] = d["sum"] * coef  # a mean over dp ranks: weighted addends (1 elsewhere)
     out = {}
-    for c in ("nan", "posinf", "neginf", "sum", "sum_sq"):
+    for c in ("nan", "posinf", "neginf", "zeros", "sum", "sum_sq"):
         out[c] = segment_reduce(np.add, d[c], offsets, n, 0.0)
     out["min"] = segment_reduce(np.minimum, d["min"], offsets, n, math.inf)
     out["max"] = segment_reduce(np.maximum, d["max"], offsets, n, -math.inf)
@@ -121,6 +122,30 @@ def scale_bwd(comp: Comparison, keys: np.ndarray, R: dict) -> np.ndarray:
     return fs
 
 
+def _scaled_exactly(comp: Comparison, keys: np.ndarray, ri: np.ndarray, ci: np.ndarray, R: dict,
+                    C: dict, ref_scale: np.ndarray) -> np.ndarray:
+    """Keys whose candidate is bit for bit the reference times its factor when that factor is
+    an exact power of two (a dp size's activation-gradient scale): float32/bfloat16/float16,
+    both fingerprints exact (version 3), no zero or non-finite reference element, and the
+    candidate's fingerprint the one the scaled reference has (`digests.scaled_fingerprint`).
+    What a sketch or payload would have measured (0) is then known without either."""
+    out = np.zeros(len(keys), bool)
+    if not comp.catalog.fingerprints_v3:
+        return out
+    for j in np.flatnonzero(ref_scale != 1.0):
+        mant, exp = math.frexp(float(ref_scale[j]))
+        r, c = int(ri[j]), int(ci[j])
+        rk, ck = comp.ref_keys, comp.cand_keys
+        if mant != 0.5 or not (rk.exact[r] and ck.exact[c]) or rk.dtype[r] != ck.dtype[c] \
+                or ck.dtype[c] < 0 \
+                or R["zeros"][j] or R["nan"][j] or R["posinf"][j] or R["neginf"][j]:
+            continue
+        want = scaled_fingerprint(int(rk.fp[r]), int(ck.numel[c]),
+                                  comp.catalog.dtypes[int(ck.dtype[c])], exp - 1)
+        out[j] = want is not None and want == int(ck.fp[c])
+    return out
+
+
 def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rtol_all, atol_all,
                reader: Reader, elementwise_all: np.ndarray | None = None) -> None:
     """Metrics and verdicts for keys whose fingerprints could not decide."""
@@ -132,6 +157,7 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     n = len(keys)
     store_nonfinite(comp, keys, R, C)
     ref_scale = scale_bwd(comp, keys, R)
+    scaled_exact = _scaled_exactly(comp, keys, ri, ci, R, C, ref_scale)
     sketch_ok = R["sketch_ok"] & C["sketch_ok"] & (R["k"] == C["k"])
     if R["k"] == C["k"] and R["k"] > 0:
         sm = sketch_metrics(R["sketch"], C["sketch"], R["sum_sq"], C["sum_sq"], numel)
@@ -182,10 +208,18 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             resid = C["sketch"] - alpha[:, None] * R["sketch"]
             comp.scaled_resid[keys] = np.where(
                 sketch_ok & (cn > 0), np.sqrt(np.einsum("ij,ij->i", resid, resid)) / cn, np.nan)
-    for j in np.flatnonzero(~sketch_ok):
+    for j in np.flatnonzero(~sketch_ok & ~scaled_exact):
         comp.notes.setdefault(int(keys[j]), []).append(
             "sketches not comparable (different bucket counts or seeds, or pieces re-placed by the "
             "auditor): rel_l2 is only a lower bound from the moments")
+    for j in np.flatnonzero(scaled_exact):
+        comp.notes.setdefault(int(keys[j]), []).append(
+            f"bit for bit the reference x{format_float(ref_scale[j])}: the candidate's "
+            "fingerprint is the one the reference's scaled values have (every element normal, "
+            "its exponent moved)")
+        dist[j], lb[j], rel[j], rel_lb[j] = 0.0, 0.0, 0.0, 0.0
+        comp.rel_l2[int(keys[j])], comp.rel_sigma[int(keys[j])] = 0.0, 0.0
+        comp.lower_bound[int(keys[j])] = 0.0
 
     # payload metrics where both runs sent every piece's bytes
     rtol, atol = rtol_all[keys], atol_all[keys]
@@ -250,6 +284,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             pm = comp.payload[int(keys[j])]
             value[j] = pm["_l2"] if abs_mode[j] else pm["rel_l2"]
             sig[j], certain[j] = 0.0, False
+        value[sel & scaled_exact], sig[sel & scaled_exact] = 0.0, 0.0
+        certain[sel & scaled_exact] = False
     for j in np.flatnonzero(~sel):
         i = int(keys[j])
         m = METRIC_LIST[eff[j]]
@@ -307,7 +343,7 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     # under the threshold proves nothing, so it is uncertain and breaches unless the policy
     # says uncertain findings pass.
     blind = np.isin(code_out, (REL_L2, M_L2, METRIC_CODES["cosine"])) & ~sketch_ok & ~pm_ok \
-        & ~breach
+        & ~breach & ~(scaled_exact & (code_out != METRIC_CODES["cosine"]))
     for j in np.flatnonzero(blind):
         comp.notes.setdefault(int(keys[j]), []).append(
             "no comparable sketch or payload: the distance cannot be shown within policy")

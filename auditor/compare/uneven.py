@@ -10,12 +10,17 @@ piece after the rows of the ranks before it, in dp-rank order, so the logical te
 concatenation: what a single process holds when each rank's rows come from its consecutive
 share of the batch (an expert's tokens in token order).
 
-A re-placed piece lies at another place than the one its digest was made for: its fingerprint
-and sketch (functions of each element's global index) no longer describe it, so it is marked as
-such (`Catalog.derived_piece(placed=False)`) and never compared by them. Its counts and moments
-still merge; keys whose pieces carry payloads (the default for small tensors) are compared
-exactly from the bytes, the others breach as uncertain, saying why. Declared ragged pieces
-(`Agent.capture(..., rows=...)`) keep exact fingerprints without payloads.
+A re-placed piece lies at another place than the one its digest was made for. Its fingerprint
+(version 3, a sum of ``u * h**i`` terms over the global index i) follows it exactly: moving the
+piece by d indices multiplies it by ``h**d`` (`Catalog.moved`), so the logical tensor's
+fingerprint is rebuilt bitwise and two runs whose values agree bit for bit are *identical*
+whatever their row counts. Its sketch does not follow (docs/digests.md "Placing pieces after the
+fact"): it is never merged or compared. Its counts and moments still merge; keys whose pieces
+carry payloads (the default for small tensors) are compared exactly from the bytes; the others
+are identical when their fingerprints agree, and otherwise, with no distance to measure, breach
+under a tolerance as uncertain, saying why. Declared ragged pieces (`Agent.capture(...,
+rows=...)`) keep their sketches too. Fingerprints of version 2 (stores recorded before it) do
+not move: such keys are compared as before, from payloads or as uncertain.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
     if not len(suspects):
         return cols, []
     ends = np.r_[starts[1:], len(cols)]
-    layout = codes.copy()
+    layout, fp = codes.copy(), cols.fp.copy()
     sites: dict[str, int] = {}
+    unshifted = False
     for k in suspects.tolist():
         rows = np.arange(starts[k], ends[k])
         pieces = [catalog.pieces[int(c)] for c in codes[rows]]
@@ -63,19 +69,20 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
                 continue
         elif not _even_shares(pieces, present):
             continue
-        placed = _placed(pieces, present, codes[rows], catalog)
+        placed = _placed(pieces, present, codes[rows], cols.fp[rows], catalog)
         if not disagree[k] and catalog.pieces[placed[0][1]].logical_shape != _shape_in(
                 other, catalog, int(cols.A[rows[0]]), int(cols.B[rows[0]])):
             continue
-        for j, code in placed:
-            layout[rows[j]] = code
+        for j, code, moved_fp in placed:
+            layout[rows[j]], fp[rows[j]] = code, moved_fp
+            unshifted |= not catalog.seeds_ok[code]
         site = catalog.site_names.get(int(cols.B[rows[0]] >> 32), "?")
         sites[site] = sites.get(site, 0) + 1
     if not sites:
         return cols, []
     out = RunColumns(cols.name, cols.side, cols.A, cols.B, cols.rank, cols.stage, cols.flags,
-                     layout, cols.fp, cols.rid, max_rid=cols.max_rid)
-    return out, [_warning(cols.name, sites)]
+                     layout, fp, cols.rid, max_rid=cols.max_rid)
+    return out, [_warning(cols.name, sites, unshifted)]
 
 
 def _layout_arrays(catalog: Catalog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,10 +117,10 @@ def _shape_in(cols: RunColumns, catalog: Catalog, a: int, b: int) -> tuple[int, 
     return None
 
 
-def _placed(pieces: list, present: list[int], codes: np.ndarray, catalog: Catalog
-            ) -> list[tuple[int, int]]:
-    """(position, new layout code) of each present piece: its dp rank's rows after those of the
-    ranks before it. A piece's dp rank is its offset over its rows (the agent's even split); an
+def _placed(pieces: list, present: list[int], codes: np.ndarray, fps: np.ndarray,
+            catalog: Catalog) -> list[tuple[int, int, int]]:
+    """(position, new layout code, fingerprint there) of each present piece: its dp rank's rows
+    after those of the ranks before it (`Catalog.moved`). A piece's dp rank is its offset over its rows (the agent's even split); an
     empty piece holds nothing and sits at the end. Replicas of one share (the same dp rank)
     share a place."""
     share: dict[int, int] = {}
@@ -131,18 +138,26 @@ def _placed(pieces: list, present: list[int], codes: np.ndarray, catalog: Catalo
         offset = before[p.offsets[0] // p.shape[0]] if p.shape[0] else at
         moved = replace(p, logical_shape=(at, *p.logical_shape[1:]),
                         offsets=(offset, *p.offsets[1:]))
-        out.append((j, catalog.derived_piece(moved, int(codes[j]), placed=False)))
+        code, fp = catalog.moved(moved, int(codes[j]), int(fps[j]))
+        out.append((j, code, fp))
     return out
 
 
-def _warning(run: str, sites: dict[str, int]) -> str:
+def _warning(run: str, sites: dict[str, int], unshifted: bool) -> str:
     names = sorted(sites)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     keys = sum(sites.values())
     return (f"{run}: {keys} key{'s' if keys > 1 else ''} at {shown} "
             f"{'hold' if keys > 1 else 'holds'} different row counts on their dp ranks (tokens routed per rank, packed sequences): each rank's rows were "
-            "placed after those of the ranks before it, in dp-rank order; such keys are compared "
-            "from their payloads (their fingerprints and sketches describe the even split the "
-            "agent assumed), and without payloads from both runs they breach as uncertain "
-            "(declaring the rows, Agent.capture(..., rows=...), keeps them exact)")
+            "placed after those of the ranks before it, in dp-rank order; "
+            + ("their fingerprints could not all move with them (made before fingerprint "
+               "version 3, or with other seeds): such keys are compared from their payloads, "
+               "and without payloads from both runs they breach as uncertain "
+               "(declaring the rows, Agent.capture(..., rows=...), keeps them exact)"
+               if unshifted else
+               "their fingerprints moved with them (bitwise equality is exact), but their "
+               "sketches describe the even split the agent assumed: a key whose bits differ is "
+               "measured from payloads, and without payloads from both runs it breaches as "
+               "uncertain under a tolerance (declaring the rows, Agent.capture(..., rows=...), "
+               "keeps the sketches too)"))
 

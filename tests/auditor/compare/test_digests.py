@@ -34,8 +34,27 @@ def test_auditor_digests_imports_no_torch():
 def test_seeds_and_row_layout_match_the_agent():
     from agents import digest as agent
 
+    from agents import hashing
+
     assert (A.FINGERPRINT_SEED, A.SKETCH_SEED, A.N_MOMENTS) == (
         agent.FINGERPRINT_SEED, agent.SKETCH_SEED, agent.N_MOMENTS)
+    assert A.FINGERPRINT_H == hashing.H_BASE
+
+
+def test_a_shifted_piece_fingerprint_is_the_one_digested_at_its_new_place():
+    """shift_fingerprint moves a digested piece by any number of indices, either way."""
+    import torch
+
+    from agents.digest import digest_piece
+    from agents.layout import PieceLayout
+
+    t = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
+    for before, after in [(0, 4), (4, 0), (2, 9)]:
+        got = fingerprint_from_int64(int(digest_piece(t, PieceLayout((12, 5), (before, 0),
+                                                                      (3, 5)))[1][5]))
+        want = fingerprint_from_int64(int(digest_piece(t, PieceLayout((12, 5), (after, 0),
+                                                                       (3, 5)))[1][5]))
+        assert A.shift_fingerprint(got, (after - before) * 5) == want
 
 
 @pytest.mark.parametrize("u", [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 0xDEADBEEFCAFEF00D])
@@ -234,3 +253,28 @@ def test_zero_reference():
     with pytest.raises(ValueError, match="sketch"):
         ints = DigestValues.from_rows([0.0] * 5, [1, 0, 0, 0, 0, 0], False)
         sketch_l2_estimate(ints, ints)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_power_of_two_rescaling_is_predicted_from_the_fingerprint_alone(dtype):
+    """x * 2**e moves every normal element's exponent by e: its fingerprint follows from x's
+    (key_sum over the whole tensor). A zero element breaks the prediction (a false difference,
+    never a false equality), and float64 (mixed terms) has no prediction."""
+    import torch
+
+    from agents.digest import digest_piece
+    from agents.layout import PieceLayout
+
+    t = torch.randn(37, 5, generator=torch.Generator().manual_seed(4)).to(getattr(torch, dtype))
+    layout = PieceLayout.full((37, 5))
+
+    def fp(x):
+        return fingerprint_from_int64(int(digest_piece(x, layout)[1][5]))
+
+    for e in (1, 2, -1):
+        assert A.scaled_fingerprint(fp(t), 185, dtype, e) == fp(t * 2.0 ** e)
+    assert A.scaled_fingerprint(fp(t), 185, dtype, 1) != fp(t * 3.0)
+    z = t.clone()
+    z[3, 1] = 0
+    assert A.scaled_fingerprint(fp(z), 185, dtype, 1) != fp(z * 2.0)
+    assert A.scaled_fingerprint(fp(t), 185, "float64", 1) is None

@@ -1,7 +1,8 @@
 """Ranks whose pieces of one key hold different row counts, captured without declaring them
 ragged (auditor.compare.uneven): the tokens each dp rank routed to an expert. The auditor places
-each rank's rows after those of the ranks before it and compares from payloads; without the
-bytes it never passes.
+each rank's rows after those of the ranks before it, moving each piece's fingerprint with it
+(fingerprint version 3), so equal bits are identical with or without payloads; a difference is
+measured from payloads, and without the bytes it never passes.
 
 Real tensors digested by the agent's code with the agent's own batch layout
 (`agents.layout.batch_layout`, what an ordinary module hook records), stored through the ingest
@@ -30,7 +31,7 @@ def _tokens(seed: int = 0) -> torch.Tensor:
 
 
 def _runs(db: Path, *, payload: bool = True, cand_rows: torch.Tensor | None = None,
-          skip_empty: bool = False) -> Path:
+          skip_empty: bool = False, builders=None) -> Path:
     """A single process holding the expert's 7 rows, and 3 dp ranks holding 5, 0 and 2 of them
     under the even-split layout the agent assumes (rows x 3, offset rows x dp rank)."""
     whole = _tokens()
@@ -46,6 +47,8 @@ def _runs(db: Path, *, payload: bool = True, cand_rows: torch.Tensor | None = No
         if n == 0 and skip_empty:
             continue  # the expert did not run on this rank
         cand.add(rank, part, batch_layout(tuple(part.shape), rank, len(COUNTS)), **key)
+    if builders is not None:
+        builders(ref, cand)
     return write_runs(db, ref, cand)
 
 
@@ -55,15 +58,36 @@ def _report(db: Path) -> dict:
 
 
 @pytest.mark.parametrize("skip_empty", [False, True])
-def test_uneven_rows_compare_exactly_from_payloads(tmp_path, skip_empty):
-    report = _report(_runs(tmp_path / "a.db", skip_empty=skip_empty))
+@pytest.mark.parametrize("payload", [True, False])
+def test_uneven_rows_are_identical_by_their_moved_fingerprints(tmp_path, skip_empty, payload):
+    report = _report(_runs(tmp_path / "a.db", skip_empty=skip_empty, payload=payload))
     (f,) = report["findings"]
-    assert f["verdict"] == "identical", f
+    assert f["verdict"] == "identical" and not f["breach"], f
     assert f["shape"] == [7, 6]
-    assert f["metrics"]["payload"]["max_abs"] == 0.0
     warning = " ".join(report["warnings"])
     assert f"dp: 1 key at {SITE} holds different row counts on their dp ranks" in warning
-    assert "compared from their payloads" in warning
+    assert "their fingerprints moved with them" in warning
+
+
+def test_a_store_before_fingerprint_version_3_keeps_payload_comparison(tmp_path):
+    """Version-2 fingerprints cannot move: the key is compared from its payloads, as before,
+    and the warning says why."""
+    db = tmp_path / "v2.db"
+    _runs(db, payload=True, builders=lambda ref, cand: _as_version_2(ref, cand))
+    report = _report(db)
+    (f,) = report["findings"]
+    assert f["verdict"] == "identical", f
+    assert f["metrics"]["payload"]["max_abs"] == 0.0
+    assert "could not all move with them" in " ".join(report["warnings"])
+
+
+def _as_version_2(*runs: RunBuilder) -> None:
+    from agents.hashing import FINGERPRINT_SEED_V2
+
+    for run in runs:
+        for recs in run.records.values():
+            for rec in recs:
+                rec.digest.fingerprint_seed = FINGERPRINT_SEED_V2
 
 
 def test_one_changed_row_is_a_divergence_localized_to_its_rank(tmp_path):
@@ -85,9 +109,26 @@ def test_rows_in_another_order_are_not_the_same_tensor(tmp_path):
     assert report["summary"]["breaches"] == 1, report["summary"]
 
 
-def test_without_payloads_uneven_rows_never_pass(tmp_path):
-    """The fingerprints were made for the even split: moments alone cannot vouch for the rows."""
-    report = _report(_runs(tmp_path / "d.db", payload=False))
+@pytest.mark.parametrize("change", ["value", "order"])
+def test_without_payloads_a_difference_never_passes(tmp_path, change):
+    """Without the bytes, a moved fingerprint says the rows differ but nothing measures by how
+    much (the sketches describe the even split): a breach, flagged uncertain, never a pass."""
+    whole = _tokens()
+    if change == "value":
+        rows = whole.clone()
+        rows[6, 2] += 1e-6
+    else:
+        rows = torch.cat([whole[5:], whole[:5]])
+    report = _report(_runs(tmp_path / "d.db", payload=False, cand_rows=rows))
     (f,) = report["findings"]
+    assert f["breach"] and f["uncertain"], f
+    assert f["verdict"] != "identical"
+
+
+def test_without_payloads_version_2_rows_never_pass(tmp_path):
+    """Fingerprints made for the even split that cannot move: moments alone cannot vouch."""
+    db = tmp_path / "e.db"
+    _runs(db, payload=False, builders=lambda ref, cand: _as_version_2(ref, cand))
+    (f,) = _report(db)["findings"]
     assert f["breach"] and f["uncertain"], f
     assert f["verdict"] != "identical"
