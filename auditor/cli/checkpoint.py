@@ -79,6 +79,7 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
 
     from auditor.checkpoint.mapping import load_map
     from auditor.checkpoint.formats import open_source
+    from auditor.checkpoint.optim_names import name_optimizer_indices
     from auditor.checkpoint.sources import CheckpointError
 
     # a reshard or a conversion does no arithmetic: bitwise unless told otherwise
@@ -100,8 +101,11 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
                 sides[side] = spec[len(RUN_PREFIX):]
             else:
                 sides[side] = open_source(spec)
+        notes = name_optimizer_indices(sides, renamed_side_may_map=name_map is None)
     except CheckpointError as exc:
         raise InputError(str(exc)) from None
+    for note in notes:
+        click.echo(note, err=True)
     if db is not None and not db.parent.is_dir():
         raise InputError(f"db: directory {db.parent} does not exist")
     with tempfile.TemporaryDirectory(prefix="numaudit-ckpt-") as tmp:
@@ -117,6 +121,7 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
         reader = _reader(store)
         try:  # rendered while the store is open: causes read digests
             report = _compare(reader, runs, step, policy)
+            report.warnings.extend(notes)
             text, html_text = render_report(report, fmt, output, show_all, limit,
                                             html=html_output is not None)
             write_outputs(output, json_output, html_output, text, html_text, report)
