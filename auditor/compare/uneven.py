@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from auditor.compare.align import phase_name
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.ragged_hint import undeclared_ragged
 from auditor.compare.samples import share_dim
@@ -59,6 +60,7 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
     ends = np.r_[starts[1:], len(cols)]
     layout, fp = codes.copy(), cols.fp.copy()
     sites: dict[str, int] = {}
+    globs: set[str] = set()
     unshifted = False
     for k in suspects.tolist():
         rows = np.arange(starts[k], ends[k])
@@ -78,11 +80,12 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
             unshifted |= not catalog.seeds_ok[code]
         site = catalog.site_names.get(int(cols.B[rows[0]] >> 32), "?")
         sites[site] = sites.get(site, 0) + 1
+        globs.add(f"{phase_name(int(cols.A[rows[0]]) & 0xF)}:{_glob(site)}")
     if not sites:
         return cols, []
     out = RunColumns(cols.name, cols.side, cols.A, cols.B, cols.rank, cols.stage, cols.flags,
                      layout, fp, cols.rid, max_rid=cols.max_rid)
-    return out, [_warning(cols.name, sites, unshifted)]
+    return out, [_warning(cols.name, sites, unshifted, sorted(globs))]
 
 
 def _layout_arrays(catalog: Catalog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -143,21 +146,29 @@ def _placed(pieces: list, present: list[int], codes: np.ndarray, fps: np.ndarray
     return out
 
 
-def _warning(run: str, sites: dict[str, int], unshifted: bool) -> str:
+def _glob(site: str) -> str:
+    """A site's name with its numbered components as ``*`` (``layers.*.experts.*``): one
+    payload glob covers every layer's and every expert's key."""
+    return ".".join("*" if part.isdigit() else part for part in site.split("."))
+
+
+def _warning(run: str, sites: dict[str, int], unshifted: bool, globs: list[str]) -> str:
     names = sorted(sites)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     keys = sum(sites.values())
-    return (f"{run}: {keys} key{'s' if keys > 1 else ''} at {shown} "
-            f"{'hold' if keys > 1 else 'holds'} different row counts on their dp ranks (tokens routed per rank, packed sequences): each rank's rows were "
-            "placed after those of the ranks before it, in dp-rank order; "
-            + ("their fingerprints could not all move with them (made before fingerprint "
-               "version 3, or with other seeds): such keys are compared from their payloads, "
-               "and without payloads from both runs they breach as uncertain "
-               "(declaring the rows, Agent.capture(..., rows=...), keeps them exact)"
-               if unshifted else
-               "their fingerprints moved with them (bitwise equality is exact), but their "
-               "sketches describe the even split the agent assumed: a key whose bits differ is "
-               "measured from payloads, and without payloads from both runs it breaches as "
-               "uncertain under a tolerance (declaring the rows, Agent.capture(..., rows=...), "
-               "keeps the sketches too)"))
-
+    head = (f"{run}: {keys} key{'s' if keys > 1 else ''} at {shown} "
+            f"{'hold' if keys > 1 else 'holds'} different row counts on their dp ranks (tokens "
+            "routed per rank, packed sequences): each rank's rows were placed after those of the "
+            "ranks before it, in dp-rank order; ")
+    if unshifted:
+        return head + ("their fingerprints could not all move with them (made before "
+                       "fingerprint version 3, or with other seeds): such keys are compared from "
+                       "their payloads, and without payloads from both runs they breach as "
+                       "uncertain (declaring the rows, Agent.capture(..., rows=...), keeps them "
+                       "exact)")
+    return head + ("their fingerprints moved with them (bitwise equality is exact), but their "
+                   "sketches describe the even split the agent assumed: a key whose bits differ "
+                   "is measured from payloads, and without payloads from both runs it breaches "
+                   "as uncertain under a tolerance; to measure such keys, run both with "
+                   f"NUMAUDIT_PAYLOAD={','.join(globs)} (or declare the rows, "
+                   "Agent.capture(..., rows=...), which keeps the sketches too)")

@@ -67,6 +67,8 @@ def test_uneven_rows_are_identical_by_their_moved_fingerprints(tmp_path, skip_em
     warning = " ".join(report["warnings"])
     assert f"dp: 1 key at {SITE} holds different row counts on their dp ranks" in warning
     assert "their fingerprints moved with them" in warning
+    # what to rerun with for keys whose bits differ: one glob for every layer and expert
+    assert "run both with NUMAUDIT_PAYLOAD=fwd:layers.*.moe.experts.* " in warning
 
 
 def test_a_store_before_fingerprint_version_3_keeps_payload_comparison(tmp_path):
