@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from auditor.checkpoint.dcp import DcpSource
-from auditor.checkpoint.safetensors import SafetensorsSource
+from auditor.checkpoint.safetensors import SafetensorsSource, check_complete
 from auditor.checkpoint.sources import CheckpointError, Source
 from auditor.checkpoint.torch_save import SUFFIXES, TorchSaveSource
 
@@ -26,6 +26,7 @@ def open_source(spec: str) -> Source:
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if files:
+            check_complete(path, files)
             return SafetensorsSource(files, path)
     raise CheckpointError(f"{spec}: not a checkpoint (a torch.distributed.checkpoint directory "
                           "with .metadata, a .safetensors file or a directory of them, or a "

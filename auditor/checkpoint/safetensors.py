@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -68,6 +69,53 @@ class SafetensorsSource(Source):
                 entry.chunks.append(file_chunk(self.files, path, start, dtype,
                                                offsets or (0,) * len(shape), shape))
             yield entry
+
+
+MAX_INDEX_BYTES = 64 << 20
+"""Largest ``*.safetensors.index.json`` read."""
+_NUMBERED = re.compile(r"^(?P<stem>.+)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")
+
+
+def check_complete(directory: Path, files: list[Path]) -> None:
+    """CheckpointError naming a file the directory's own records say it should hold: one its
+    ``*.safetensors.index.json`` maps a tensor to, or one of a numbered set
+    (``model-00002-of-00004.safetensors``) whose other members are there. Without it, every
+    tensor of a missing file would come out as its own ``missing_in_…`` finding and the file
+    would go unnamed. (Files written one per rank without a count, as DCP's unconsolidated
+    ``shard-0000r-…`` files are, cannot tell that a last rank's file is missing.)"""
+    present = {f.name for f in files}
+    for index in sorted(directory.glob("*.safetensors.index.json")):
+        try:
+            if index.stat().st_size > MAX_INDEX_BYTES:
+                raise CheckpointError(f"{index}: larger than {MAX_INDEX_BYTES} bytes")
+            doc = json.loads(index.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise CheckpointError(f"{index}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{index}: not JSON ({exc})") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                       for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map: must map tensor names to file names")
+        _missing(directory, sorted(set(weight_map.values()) - present), f"{index.name} maps "
+                 "tensors to")
+    sets: dict[tuple[str, str], set[int]] = {}
+    for name in present:
+        m = _NUMBERED.match(name)
+        if m is not None:
+            sets.setdefault((m["stem"], m["total"]), set()).add(int(m["n"]))
+    for (stem, total), numbers in sorted(sets.items()):
+        width = len(total)
+        absent = [f"{stem}-{n:0{width}d}-of-{total}.safetensors"
+                  for n in range(1, int(total) + 1) if n not in numbers]
+        _missing(directory, absent, f"the numbered set {stem}-*-of-{total} holds")
+
+
+def _missing(directory: Path, names: list[str], what: str) -> None:
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise CheckpointError(f"{directory}: {what} {names[0]}{more}, which is not there "
+                              "(an incomplete copy?)")
 
 
 def read_header(path: Path, size: int, base: int = 0

@@ -103,6 +103,27 @@ def test_a_directory_of_shards_is_one_checkpoint(ref, tmp_path):
     all_identical(report, ref["sites"])
 
 
+@pytest.mark.parametrize("record", ["numbered", "index"])
+def test_a_shard_the_directory_says_it_holds_is_named_when_missing(ref, tmp_path, record):
+    """A copy that lost one of its files is one line naming the file (exit 2), not one
+    missing_in_cand finding per tensor it held: the set's own numbering, or its index, says it
+    should be there."""
+    items = [(f"model.{k}", v) for k, v in ref["tensors"].items()]
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    first = shards / ("model-00001-of-00003.safetensors" if record == "numbered"
+                      else "a.safetensors")
+    write_safetensors(first, dict(items[:3]))
+    lost = "model-00002-of-00003.safetensors" if record == "numbered" else "b.safetensors"
+    if record == "numbered":
+        write_safetensors(shards / "model-00003-of-00003.safetensors", dict(items[3:]))
+    else:
+        index = {"metadata": {}, "weight_map": {**{n: first.name for n, _ in items[:3]},
+                                                **{n: lost for n, _ in items[3:]}}}
+        (shards / "model.safetensors.index.json").write_text(json.dumps(index))
+    input_error(cli("checkpoint", ref["dcp"], shards), shards, lost, "not there")
+
+
 def test_renamed_tensors_compare_under_the_map(ref, tmp_path):
     path = write_safetensors(tmp_path / "hf.safetensors", hf_names(ref["tensors"]))
     code, report = compare_json(ref["dcp"], path, "--map",
