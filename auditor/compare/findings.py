@@ -178,6 +178,18 @@ def _jf(v: float | None) -> float | str | None:
     return float(v)
 
 
+def _lower_bound_only(f: dict, metrics: dict) -> bool:
+    """The rel_l2 shown is only the moments' lower bound: no sketch estimate (no sigma), no
+    payload, and the value is that bound (a key whose pieces were placed after the fact)."""
+    rel = metrics.get("rel_l2")
+    if f.get("metric") != "rel_l2" or not isinstance(rel, dict) or metrics.get("payload"):
+        return False
+    sigma = rel.get("sigma")
+    no_sigma = sigma is None or sigma == "nan" or (isinstance(sigma, float) and math.isnan(sigma))
+    value = f.get("value")
+    return bool(no_sigma and isinstance(value, (int, float)) and rel.get("lower_bound") == value)
+
+
 def measure_text(f: dict, *, compact: bool = False) -> str:
     """The metric that explains the finding, then the deciding metric against its threshold.
 
@@ -189,14 +201,16 @@ def measure_text(f: dict, *, compact: bool = False) -> str:
     value = f.get("value")
     if not f.get("metric") or value is None:
         return ""
-    text = f"{f['metric']} {format_float(value)}"
+    metrics = f.get("metrics") or {}
+    bound = _lower_bound_only(f, metrics)
+    text = f"{f['metric']} {'>= ' if bound else ''}{format_float(value)}"
     if f.get("sigma"):
         text += (" ±" if compact else " ± ") + format_float(f["sigma"])
     if f.get("threshold") is not None:
         text += f" vs {format_float(f['threshold'])}"
     if f.get("uncertain"):
-        text += " (within noise)" if compact else " (within noise of the threshold)"
-    metrics = f.get("metrics") or {}
+        text += (" (a lower bound: nothing measures it)" if bound else
+                 " (within noise)" if compact else " (within noise of the threshold)")
     scaled = metrics.get("scaled_by")
     if scaled is not None:
         return f"scaled by {_fixed(scaled)} ({text})"

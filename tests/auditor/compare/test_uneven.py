@@ -17,6 +17,7 @@ import torch
 
 from agents.layout import batch_layout
 from auditor.compare.engine import compare_runs
+from auditor.compare.findings import measure_text
 from auditor.compare.policy import preset_policy
 from auditor.report.json_report import to_json
 from tests.auditor.synth import RunBuilder, write_runs
@@ -125,6 +126,9 @@ def test_without_payloads_a_difference_never_passes(tmp_path, change):
     (f,) = report["findings"]
     assert f["breach"] and f["uncertain"], f
     assert f["verdict"] != "identical"
+    # the moments' bound is said as a bound (rows in another order have equal moments: >= 0)
+    text = measure_text(f)
+    assert text.startswith("rel_l2 >= ") and "a lower bound: nothing measures it" in text, text
 
 
 def test_without_payloads_version_2_rows_never_pass(tmp_path):
