@@ -435,3 +435,25 @@ def test_digests_of_another_hash_scheme_never_pass(db):
     assert any("cannot be shown within policy" in n for n in f.notes)
     [g] = compare_runs(db, "ref", "cand", preset_policy("bitwise")).findings()
     assert g.breach
+
+
+def test_a_version_2_reference_is_measured_by_its_sketch_never_by_fingerprint(db):
+    """Fingerprint version 2 (before 2026-12-04) shares version 3's sketch: against a version-3
+    candidate the fingerprints do not compare (exact is unavailable, never "identical"), the
+    sketches still measure the distance; under the bitwise preset the key is at best "close"
+    (within one rounding, said so), never "identical"."""
+    from agents.hashing import FINGERPRINT_SEED_V2
+
+    x = torch.randn(16, 8)
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b in (ref, cand):
+        b.add_full(x, step=0, microbatch=0, phase="fwd", site="embed")
+    for r in ref.records[0]:
+        r.digest.fingerprint_seed = FINGERPRINT_SEED_V2
+    write_runs(db, ref, cand)
+    [f] = compare_runs(db, "ref", "cand").findings()
+    assert f.verdict == "close" and not f.breach, f
+    assert f.metrics["exact"] is None and "other seeds" in f.metrics["exact_unavailable"]
+    [g] = compare_runs(db, "ref", "cand", preset_policy("bitwise")).findings()
+    assert g.verdict == "close", g
+    assert any("exact comparison unavailable" in n for n in g.notes), g.notes
