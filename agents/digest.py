@@ -151,6 +151,11 @@ class _IndexMap:
         return cls(base, tuple(dims))
 
     @property
+    def last(self) -> int:
+        """The largest global flat index of the piece (a bound for the key tables)."""
+        return self.base + sum((size - 1) * gs for size, gs in self.dims)
+
+    @property
     def contiguous(self) -> bool:
         return not self.dims or (len(self.dims) == 1 and self.dims[0][1] == 1)
 
@@ -165,13 +170,13 @@ class _IndexMap:
             off, b0 = g0 & (hashing.LANES - 1), g0 >> hashing.LANE_BITS
             nb = (off + m + hashing.LANES - 1) >> hashing.LANE_BITS
             blocks = torch.arange(b0, b0 + nb, dtype=torch.int64, device=ws.device)
-            keys, bins = _block_keys_and_bins(blocks, ws, sketch_k)
+            keys, bins = _block_keys_and_bins(blocks, b0 + nb - 1, ws, sketch_k)
             return keys.view(-1)[off:off + m], None if bins is None else bins.view(-1)[off:off + m]
         gi = ws.term[:m]
         self._global_into(start, m, ws, gi)
         blocks = torch.bitwise_right_shift(gi, hashing.LANE_BITS)
         gi.bitwise_and_(hashing.LANES - 1)
-        return _keys_and_bins(gi, blocks, ws, sketch_k)
+        return _keys_and_bins(gi, blocks, self.last >> hashing.LANE_BITS, ws, sketch_k)
 
     def _global_into(self, start: int, m: int, ws: _Workspace, out: torch.Tensor) -> None:
         if self.contiguous:
@@ -191,7 +196,7 @@ class _IndexMap:
 
 
 def _block_keys_and_bins(
-    blocks: torch.Tensor, ws: _Workspace, sketch_k: int | None
+    blocks: torch.Tensor, top: int, ws: _Workspace, sketch_k: int | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Keys and bins of every lane of whole blocks, as [nb, 256] grids in ws.key and ws.bins:
     a contiguous range needs no per-element lookups, only broadcasts against per-block words."""
@@ -199,7 +204,7 @@ def _block_keys_and_bins(
     shape = (blocks.numel(), hashing.LANES)
     n = shape[0] * shape[1]
     keys = ws.key[:n].view(shape)
-    torch.mul(table.unsqueeze(0), hashing.block_powers(blocks).unsqueeze(1), out=keys)
+    torch.mul(table.unsqueeze(0), hashing.block_powers(blocks, top).unsqueeze(1), out=keys)
     if sketch_k is None:
         return keys, None
     w = hashing.block_words(blocks, hashing.SKETCH_SEED)
@@ -220,7 +225,7 @@ def _block_keys_and_bins(
 
 
 def _keys_and_bins(
-    lanes: torch.Tensor, blocks: torch.Tensor, ws: _Workspace, sketch_k: int | None
+    lanes: torch.Tensor, blocks: torch.Tensor, top: int, ws: _Workspace, sketch_k: int | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Keys ``T[j] * P(b)`` and bins ``bucket + k * sign`` per element of flat ``lanes`` and
     ``blocks`` (any global indices), into ws.key and ws.bins."""
@@ -228,7 +233,7 @@ def _keys_and_bins(
     n = lanes.numel()
     keys = ws.key[:n]
     torch.index_select(table, 0, lanes, out=keys)
-    keys.mul_(hashing.block_powers(blocks))
+    keys.mul_(hashing.block_powers(blocks, top))
     if sketch_k is None:
         return keys, None
     w = hashing.block_words(blocks, hashing.SKETCH_SEED)

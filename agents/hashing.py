@@ -239,11 +239,12 @@ def power_tensor(device: torch.device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
-def block_powers(blocks: torch.Tensor) -> torch.Tensor:
+def block_powers(blocks: torch.Tensor, top: int) -> torch.Tensor:
     """``P(b) = h**(256 b)`` for an int64 tensor of block indices (a new tensor): one table
-    gather per byte up to the highest byte any of them uses (int64 multiplies wrap)."""
+    gather per byte up to the highest byte of ``top``, a bound on the blocks the caller knows
+    on the host (reading the tensor's maximum would wait on an accelerator); int64 multiplies
+    wrap."""
     table = power_tensor(blocks.device)
-    top = int(blocks.max()) if blocks.numel() else 0
     out = table[0].index_select(0, blocks.bitwise_and(LANES - 1))
     t = 1
     while top >> (8 * t) and t < POW_BYTES:
