@@ -181,6 +181,12 @@ ROUNDING_AMPLIFICATION = 100.0
 many times its predecessor's; beyond, the evidence says the module itself computes otherwise."""
 
 
+def _bound_only(comp: Comparison, i: int) -> bool:
+    """Key i's rel_l2 is only the moments' lower bound (no sketch estimate, no payload)."""
+    sigma, lb = float(comp.rel_sigma[i]), float(comp.lower_bound[i])
+    return np.isnan(sigma) and i not in comp.payload and lb == float(comp.rel_l2[i])
+
+
 def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Cause:
     prev = comp.key(j)
     v = int(comp.verdict[j])
@@ -188,16 +194,18 @@ def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Caus
         return F.Cause("introduced", f"{what} ({prev}) is identical", prev)
     if v == F.CLOSE:
         before, after = float(comp.rel_l2[j]), float(comp.rel_l2[i]) if i is not None else np.nan
+        at_least = ">= " if i is not None and _bound_only(comp, i) else ""
         if np.isfinite(before) and np.isfinite(after) and \
                 after > ROUNDING_AMPLIFICATION * max(before, 1e-12):
             return F.Cause("introduced", f"{what} ({prev}) is within tolerance (rel_l2 "
                                          f"{F.format_float(before)}) and this capture differs by "
-                                         f"rel_l2 {F.format_float(after)}: far beyond an amplified "
-                                         "rounding difference, the module computes otherwise", prev)
+                                         f"rel_l2 {at_least}{F.format_float(after)}: far beyond an "
+                                         "amplified rounding difference, the module computes "
+                                         "otherwise", prev)
         return F.Cause("introduced", f"{what} ({prev}) is within tolerance but not identical "
                                      f"(rel_l2 {F.format_float(before)}; this capture "
-                                     f"{F.format_float(after)}): the module may amplify a "
-                                     "rounding difference", prev)
+                                     f"{at_least}{F.format_float(after)}): the module may amplify "
+                                     "a rounding difference", prev)
     if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND, F.INCOMPLETE):
         return F.Cause("unknown", f"{what} ({prev}) could not be compared "
                                   f"({F.VERDICT_NAMES[v]})", prev)

@@ -180,7 +180,8 @@ def summary_line(summ: dict) -> str:
     text += f" — {summ['breaches']} breach the policy" if summ["breaches"] else \
         " — all within policy"
     if summ.get("uncertain"):
-        text += f"; {summ['uncertain']} within noise of their threshold"
+        text += (f"; {summ['uncertain']} uncertain (within noise of their threshold, or "
+                 "nothing to measure them by)")
     return text
 
 
