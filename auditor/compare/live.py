@@ -15,6 +15,7 @@ from auditor.compare.localize import localize
 from auditor.compare.metrics import PayloadUnavailable
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
+from auditor.compare.regroup import regroup
 from auditor.compare.segments import ranges_index
 from auditor.compare.uneven import place_uneven
 from auditor.compare.verdicts import evaluate
@@ -41,6 +42,11 @@ class LiveComparison:
     have finished (every rank registered and closed) everything left is reported, missing keys
     included. The first divergence is announced once: when every key up to its step has been
     reported in both runs, so that no earlier divergence can still appear.
+
+    Runs that group a step's samples into other microbatches (`auditor.compare.regroup`) are
+    regrouped once that step is complete in both runs (every rank past it, or finished): until
+    then a step whose keys disagree in logical shape between the runs holds back its
+    per-microbatch keys, which would otherwise read as shape differences and missing keys.
     """
 
     def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None) -> None:
@@ -63,6 +69,10 @@ class LiveComparison:
         self.emitted = 0
         self._late_warned = False
         self._last_past = -math.inf
+        self._notes: set[str] = set()
+        """Regrouping lines already reported (one status event each)."""
+        self._lines: list[str] = []
+        """The last regrouping's lines."""
 
     def _progress(self, side: str) -> tuple[float, bool]:
         """(the step every rank of the run is past, whether the run is finished)."""
@@ -132,12 +142,13 @@ class LiveComparison:
         idx = np.flatnonzero(~self.done[side])
         return self.cols[side].take(idx), idx
 
-    def _evaluate(self, rc: RunColumns, cc: RunColumns):
+    def _evaluate(self, rc: RunColumns, cc: RunColumns, regroup_before: float = math.inf):
         """The comparison of these records, as `compare` makes it: with the runs' activation
         gradient scale, mesh coordinates and labels (read each poll: ranks may register
-        late)."""
+        late), and the steps before ``regroup_before`` (complete in both runs) regrouped."""
         rc = place_uneven(rc, self.catalog, cc)[0]
         cc = place_uneven(cc, self.catalog, rc)[0]
+        rc, cc = self._regroup(rc, cc, regroup_before)
         comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
                         bwd_factor=self.bwd_factor)
         comp.mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}
@@ -145,12 +156,30 @@ class LiveComparison:
                        for side, name in self.names.items()}
         return comp
 
+    def _regroup(self, rc: RunColumns, cc: RunColumns, before: float
+                 ) -> tuple[RunColumns, RunColumns]:
+        """The rows of steps before ``before`` regrouped (`regroup`), the others as they are;
+        the regrouping's lines are kept in ``_lines`` (`_emit` reports each once)."""
+        old_r, old_c = (rc.A >> 24) < before, (cc.A >> 24) < before
+        if not old_r.any() or not old_c.any():
+            return rc, cc
+        gr, gc, lines = regroup(rc.take(np.flatnonzero(old_r)), cc.take(np.flatnonzero(old_c)),
+                                self.catalog)
+        self._lines = lines
+        if gr is rc or (not (~old_r).any() and not (~old_c).any()):
+            return gr, gc
+        return (gr.concat(rc.take(np.flatnonzero(~old_r))),
+                gc.concat(cc.take(np.flatnonzero(~old_c))))
+
     def _emit(self, past: float, *, everything: bool) -> list[LiveEvent]:
         rc, ridx = self._pending("ref")
         cc, cidx = self._pending("cand")
         if not len(rc) and not len(cc):
             return []
-        comp = self._evaluate(rc, cc)
+        self._lines = []
+        comp = self._evaluate(rc, cc, math.inf if everything else past)
+        fresh = [line for line in self._lines if line not in self._notes]
+        self._notes.update(fresh)
         rk, ck = comp.ref_keys, comp.cand_keys
         step = comp.A >> 24
         if everything:
@@ -165,8 +194,8 @@ class LiveComparison:
             cp_c = np.where(hc, copies_c[np.maximum(comp.ci, 0)] if len(ck) else False, False)
             tiled = hr & hc & np.isin(st_r, (M.OK, M.NONE)) & np.isin(st_c, (M.OK, M.NONE)) \
                 & ~cp_r & ~cp_c
-            final = tiled | (step < past)
-        events = []
+            final = (tiled & ~_grouped_otherwise(comp, hr, hc, step, past)) | (step < past)
+        events = [LiveEvent(status=line) for line in fresh]
         for i in comp.order[final[comp.order]]:
             i = int(i)
             if comp.verdict[i] == F.IGNORED:
@@ -175,14 +204,15 @@ class LiveComparison:
             events.append(LiveEvent(finding=f))
             if f.breach:
                 self.breach_steps.add(f.key.step)
-        self.emitted += len(events)
-        # mark the rows of reported keys
-        for which, lk, cols_idx, keys in (("ref", rk, ridx, comp.ri), ("cand", ck, cidx, comp.ci)):
+        self.emitted += sum(e.finding is not None for e in events)
+        # mark the rows of reported keys (by record id: regrouping re-sorts the rows)
+        for which, lk, cols, keys in (("ref", rk, comp.ref, comp.ri),
+                                      ("cand", ck, comp.cand, comp.ci)):
             g = keys[final & (keys >= 0)]
             if not len(g):
                 continue
             rows, _ = ranges_index(lk.first[g], lk.first[g] + lk.count[g])
-            self.done[which][cols_idx[rows]] = True
+            self.done[which] |= np.isin(self.cols[which].rid, cols.rid[rows])
         for a, b in zip(comp.A[final].tolist(), comp.B[final].tolist()):
             self.reported.add((a, b))
         return events
@@ -193,7 +223,7 @@ class LiveComparison:
         for side in ("ref", "cand"):
             c = self.cols[side]
             parts[side] = c.take(np.flatnonzero((c.A >> 24) <= step))
-        comp = self._evaluate(parts["ref"], parts["cand"])
+        comp = self._evaluate(parts["ref"], parts["cand"], step + 1)
         fd = comp.first_divergence()
         if fd < 0:
             return []
@@ -207,6 +237,22 @@ class LiveComparison:
                 comp.pieces[fd] = got
         self.announced = True
         return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
+
+
+def _grouped_otherwise(comp, hr: np.ndarray, hc: np.ndarray, step: np.ndarray,
+                       past: float) -> np.ndarray:
+    """Per key: a per-microbatch key of a step not yet complete in both runs (``step >=
+    past``) in which some key has other logical shapes in the two runs, the sign of samples
+    grouped into other microbatches (or of a real shape difference, reported once the step is
+    complete): such keys wait for the step to be regrouped."""
+    rk, ck = comp.ref_keys, comp.cand_keys
+    both = hr & hc
+    differ = np.zeros(len(comp), bool)
+    if both.any():
+        differ[both] = rk.shape[comp.ri[both]] != ck.shape[comp.ci[both]]
+    open_steps = np.unique(step[differ & (step >= past)])
+    per_mb = ((comp.A >> 4) & 0xFFFFF) > 0  # microbatch + 1: 0 for per-step keys
+    return per_mb & np.isin(step, open_steps)
 
 
 def _has_copies(lk: LogicalKeys, catalog: Catalog, cols: RunColumns) -> np.ndarray:

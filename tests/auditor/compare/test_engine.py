@@ -457,3 +457,60 @@ def test_a_version_2_reference_is_measured_by_its_sketch_never_by_fingerprint(db
     [g] = compare_runs(db, "ref", "cand", preset_policy("bitwise")).findings()
     assert g.verdict == "close", g
     assert any("exact comparison unavailable" in n for n in g.notes), g.notes
+
+
+def _grouped_runs(bug: bool = False) -> tuple[RunBuilder, RunBuilder]:
+    """One microbatch of 8 samples a step against two of 4 (gradient accumulation), with
+    payloads so that the samples align by content; `bug` adds 1e-3 to step 1's second
+    microbatch's `lin` output in the candidate."""
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, w = torch.randn(8, 6, generator=g), torch.randn(6, 6, generator=g)
+        key = dict(step=step, phase="fwd", payload=True)
+        ref.add_full(x, microbatch=0, site="emb", **key)
+        ref.add_full(x @ w, microbatch=0, site="lin", **key)
+        for mb in range(2):
+            xs = x[4 * mb:4 * mb + 4]
+            cand.add_full(xs, microbatch=mb, site="emb", **key)
+            cand.add_full(xs @ w + (1e-3 if bug and (step, mb) == (1, 1) else 0.0),
+                          microbatch=mb, site="lin", **key)
+    return ref, cand
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_live_comparison_regroups_a_step_once_it_is_complete(db, bug):
+    """`auditor watch` on runs that group samples otherwise: a step's keys wait until every
+    rank of both runs is past it (until then they would read as shape differences and missing
+    keys), then are regrouped and reported as `compare` reports them."""
+    ref, cand = _grouped_runs(bug)
+    write_runs(db, ref)
+
+    def part(step: int) -> RunBuilder:
+        out = RunBuilder("cand", close=False)
+        out.records = {r: [x for x in recs if x.key.step == step]
+                       for r, recs in cand.records.items()}
+        return out
+
+    part(0).write(db)
+    reader = Reader(db)
+    try:
+        live = LiveComparison(reader, "ref", "cand", preset_policy("fp32"))
+        assert not [e for e in live.poll() if e.finding]  # step 0 not complete in cand
+        part(1).write(db)  # cand's rank moves past step 0: step 0 is complete
+        events = live.poll()
+        assert {e.finding.key.step for e in events if e.finding} == {0}
+        assert any("cand's re-keyed into ref's microbatches" in e.status for e in events)
+        events += live.flush()
+    finally:
+        reader.close()
+    found = [e.finding for e in events if e.finding and not e.first_divergence]
+    assert {(f.key.step, f.key.microbatch) for f in found} == {(0, 0), (1, 0)}
+    total = compare_runs(db, "ref", "cand", preset_policy("fp32"))
+    assert sorted((f.key.step, f.key.site, f.verdict) for f in found) == sorted(
+        (f.key.step, f.key.site, f.verdict) for f in total.findings())
+    firsts = [e.finding for e in events if e.first_divergence]
+    if bug:
+        assert [(f.key.step, f.key.site) for f in firsts] == [(1, "lin")]
+    else:
+        assert not firsts and not any(f.breach for f in found)
