@@ -22,7 +22,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from auditor.checkpoint.sources import CheckpointError
+from auditor.checkpoint.sources import CheckpointError, read_text
 
 MAX_MAP_BYTES = 1 << 20
 MAX_MAP_ENTRIES = 4096
@@ -73,12 +73,8 @@ def _glob(glob: str) -> tuple[re.Pattern, int]:
 def load_map(path: Path) -> NameMap:
     """Parse a map file; CheckpointError naming the file, the entry and the field."""
     try:
-        if path.stat().st_size > MAX_MAP_BYTES:
-            raise CheckpointError(f"{path}: larger than {MAX_MAP_BYTES} bytes")
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        doc = tomllib.loads(read_text(path, MAX_MAP_BYTES))
+    except tomllib.TOMLDecodeError as exc:
         raise CheckpointError(f"{path}: not TOML ({exc})") from None
     unknown = set(doc) - {"map"}
     if unknown:

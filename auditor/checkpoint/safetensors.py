@@ -23,7 +23,8 @@ from typing import Iterator
 
 import torch
 
-from auditor.checkpoint.sources import CheckpointError, Entry, Source, file_chunk, tiles
+from auditor.checkpoint.sources import (CheckpointError, Entry, Source, file_chunk, read_text,
+                                       tiles)
 
 MAX_HEADER_BYTES = 100 << 20
 """Largest JSON header read (the format's own limit is 100 MB)."""
@@ -86,12 +87,8 @@ def check_complete(directory: Path, files: list[Path]) -> None:
     present = {f.name for f in files}
     for index in sorted(directory.glob("*.safetensors.index.json")):
         try:
-            if index.stat().st_size > MAX_INDEX_BYTES:
-                raise CheckpointError(f"{index}: larger than {MAX_INDEX_BYTES} bytes")
-            doc = json.loads(index.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise CheckpointError(f"{index}: {exc.strerror or exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            doc = json.loads(read_text(index, MAX_INDEX_BYTES))
+        except json.JSONDecodeError as exc:
             raise CheckpointError(f"{index}: not JSON ({exc})") from None
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str)

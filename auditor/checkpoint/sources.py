@@ -27,6 +27,19 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read; the message names the file and what is wrong."""
 
 
+def read_text(path: Path, limit: int) -> str:
+    """A small text file beside a checkpoint (a name map, a safetensors index), UTF-8, of at
+    most `limit` bytes; CheckpointError naming the file otherwise."""
+    try:
+        if path.stat().st_size > limit:
+            raise CheckpointError(f"{path}: larger than {limit} bytes")
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc})") from None
+
+
 @dataclass
 class Chunk:
     """One box of an entry: `offsets` and `shape` inside the logical tensor, its elements
