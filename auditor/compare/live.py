@@ -138,9 +138,8 @@ class LiveComparison:
             events.extend(self._announce(min(self.breach_steps)))
         return events
 
-    def _pending(self, side: str) -> tuple[RunColumns, np.ndarray]:
-        idx = np.flatnonzero(~self.done[side])
-        return self.cols[side].take(idx), idx
+    def _pending(self, side: str) -> RunColumns:
+        return self.cols[side].take(np.flatnonzero(~self.done[side]))
 
     def _evaluate(self, rc: RunColumns, cc: RunColumns, regroup_before: float = math.inf):
         """The comparison of these records, as `compare` makes it: with the runs' activation
@@ -166,14 +165,13 @@ class LiveComparison:
         gr, gc, lines = regroup(rc.take(np.flatnonzero(old_r)), cc.take(np.flatnonzero(old_c)),
                                 self.catalog)
         self._lines = lines
-        if gr is rc or (not (~old_r).any() and not (~old_c).any()):
+        if old_r.all() and old_c.all():
             return gr, gc
         return (gr.concat(rc.take(np.flatnonzero(~old_r))),
                 gc.concat(cc.take(np.flatnonzero(~old_c))))
 
     def _emit(self, past: float, *, everything: bool) -> list[LiveEvent]:
-        rc, ridx = self._pending("ref")
-        cc, cidx = self._pending("cand")
+        rc, cc = self._pending("ref"), self._pending("cand")
         if not len(rc) and not len(cc):
             return []
         self._lines = []
