@@ -123,7 +123,7 @@ def scale_bwd(comp: Comparison, keys: np.ndarray, R: dict) -> np.ndarray:
 
 
 def _scaled_exactly(comp: Comparison, keys: np.ndarray, ri: np.ndarray, ci: np.ndarray, R: dict,
-                    C: dict, ref_scale: np.ndarray) -> np.ndarray:
+                    ref_scale: np.ndarray) -> np.ndarray:
     """Keys whose candidate is bit for bit the reference times its factor when that factor is
     an exact power of two (a dp size's activation-gradient scale): float32/bfloat16/float16,
     both fingerprints exact (version 3), no zero or non-finite reference element, and the
@@ -157,7 +157,7 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     n = len(keys)
     store_nonfinite(comp, keys, R, C)
     ref_scale = scale_bwd(comp, keys, R)
-    scaled_exact = _scaled_exactly(comp, keys, ri, ci, R, C, ref_scale)
+    scaled_exact = _scaled_exactly(comp, keys, ri, ci, R, ref_scale)
     sketch_ok = R["sketch_ok"] & C["sketch_ok"] & (R["k"] == C["k"])
     if R["k"] == C["k"] and R["k"] > 0:
         sm = sketch_metrics(R["sketch"], C["sketch"], R["sum_sq"], C["sum_sq"], numel)
