@@ -13,9 +13,10 @@ capturer's ``failed`` callback, which counts and logs them.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -36,9 +37,20 @@ ARENA_MAX_PIECE = 16 << 10
 """Payloads up to this size come from an arena; larger ones get their own tensor."""
 
 
+_CAPTURE_ORDER = itertools.count(1)
+"""The next capture's number (`Capture.order`): one clock for the process, so that the
+captures of each agent in it are numbered in the order they were made (with gaps where another
+agent of the process captured in between). ``next`` on it is one C call, atomic under the GIL."""
+
+
 @dataclass(slots=True)
 class Capture:
-    """Host-side metadata of one captured piece; its digest rows travel in the HostBatch."""
+    """Host-side metadata of one captured piece; its digest rows travel in the HostBatch.
+
+    Made on the training thread when the hook (or ``capture()`` call, or parameter sweep)
+    takes the piece, so `order` numbers captures in the order the hooks fired, whatever path
+    they take afterwards (fused or eager digest, host or accelerator rows, with a payload in
+    chunks or without)."""
 
     step: int
     microbatch: int
@@ -58,6 +70,8 @@ class Capture:
     payload: torch.Tensor | memoryview | None = None
     """A host copy of the piece when its bytes travel too (its C-order bytes as a memoryview
     when the fused kernel copied them into a payload arena)."""
+    order: int = field(default_factory=_CAPTURE_ORDER.__next__)
+    """Execution order (`Record.capture_order`): numbered when the capture is made."""
 
 
 @dataclass

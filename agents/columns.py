@@ -182,7 +182,10 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
 _COUNT_COLUMNS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count")
 _MOMENT_COLUMNS = ("sum", "sum_sq", "min", "max", "abs_max")
 _KEYS = tuple((name, attrgetter(name)) for name in ("step", "microbatch", "phase", "role",
-                                                    "index", "call", "stage"))
+                                                    "index", "call", "stage")) + (
+    ("capture_order", attrgetter("order")),)
+"""Integer columns read from each capture as they are (`Capture.order` is the record's
+capture_order: every chunk of a payload repeats its capture, and so its number)."""
 _ROW = attrgetter("row")
 _SITE, _DTYPE, _LAYOUT = attrgetter("site"), attrgetter("dtype"), attrgetter("layout")
 _IS_NONE, _COMPLEX, _MOMENTS = (attrgetter("is_none"), attrgetter("complex_as_real"),

@@ -166,20 +166,22 @@ class Payload(_message.Message):
     def __init__(self, codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ..., compressed_nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("key", "stage", "layout", "is_none", "digest", "payload")
+    __slots__ = ("key", "stage", "layout", "is_none", "digest", "payload", "capture_order")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     IS_NONE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_ORDER_FIELD_NUMBER: _ClassVar[int]
     key: Key
     stage: int
     layout: Layout
     is_none: bool
     digest: Digest
     payload: Payload
-    def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+    capture_order: int
+    def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., capture_order: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source", "agent_version")
@@ -247,7 +249,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ..., packed_batches: _Optional[bool] = ..., packed_payloads: _Optional[bool] = ...) -> None: ...
 
 class PackedRecords(_message.Message):
-    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch", "payloads")
+    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch", "payloads", "capture_order")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +288,7 @@ class PackedRecords(_message.Message):
     SKETCH_LEN_FIELD_NUMBER: _ClassVar[int]
     SKETCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_ORDER_FIELD_NUMBER: _ClassVar[int]
     count: int
     sites: _containers.RepeatedScalarFieldContainer[str]
     site: bytes
@@ -324,7 +327,8 @@ class PackedRecords(_message.Message):
     sketch_len: bytes
     sketch: bytes
     payloads: _containers.RepeatedCompositeFieldContainer[PackedPayload]
-    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ..., payloads: _Optional[_Iterable[_Union[PackedPayload, _Mapping]]] = ...) -> None: ...
+    capture_order: bytes
+    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ..., payloads: _Optional[_Iterable[_Union[PackedPayload, _Mapping]]] = ..., capture_order: _Optional[bytes] = ...) -> None: ...
 
 class PackedPayload(_message.Message):
     __slots__ = ("row", "payload")

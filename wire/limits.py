@@ -75,6 +75,9 @@ MAX_KEY_CALL = (1 << 14) - 1
 """Largest `Key.call`."""
 MAX_RECORD_STAGE = (1 << 31) - 2
 """Largest `Record.stage` (stage + 1 takes 31 bits)."""
+MAX_CAPTURE_ORDER = 1 << 53
+"""Largest `Record.capture_order`: the comparison orders keys by it as a float64, exact up to
+here (an agent numbering a million captures a second takes 285 years to reach it)."""
 
 # -- Status details both sides read ------------------------------------------------------------
 

@@ -36,8 +36,13 @@ SCALAR_COLUMNS: tuple[tuple[str, str], ...] = (
     ("neginf_count", "<i8"), ("zero_count", "<i8"), ("sum", "<f8"), ("sum_sq", "<f8"),
     ("min", "<f8"), ("max", "<f8"), ("abs_max", "<f8"), ("fingerprint", "<u8"),
     ("fingerprint_seed", "<u8"), ("sketch_seed", "<u8"), ("sketch_len", "<i4"),
+    ("capture_order", "<i8"),
 )
 _DTYPES = dict(SCALAR_COLUMNS)
+NOT_CONTENT = frozenset({"capture_order"})
+"""Columns left out of a record's content hash: when a capture was made is not what it says
+(a record resent with or without its number, by this build or an earlier one, is a
+duplicate, not a conflict)."""
 MOMENTS = ("sum", "sum_sq", "min", "max", "abs_max")
 COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count")
 
@@ -359,7 +364,8 @@ def from_records(records: Iterable[pb.Record], label: str = "records") -> Record
                "posinf_count": d.posinf_count, "neginf_count": d.neginf_count,
                "zero_count": d.zero_count, "sum": d.sum, "sum_sq": d.sum_sq, "min": d.min,
                "max": d.max, "abs_max": d.abs_max, "fingerprint": d.fingerprint,
-               "fingerprint_seed": d.fingerprint_seed, "sketch_seed": d.sketch_seed},
+               "fingerprint_seed": d.fingerprint_seed, "sketch_seed": d.sketch_seed,
+               "capture_order": r.capture_order},
               logical, offsets, shape, d.sketch,
               r.payload if r.HasField("payload") else None)
     c = b.build()
@@ -379,7 +385,8 @@ def to_records(c: RecordColumns, into=None) -> list[pb.Record]:
     starts, sk = c.dim_starts().tolist(), c.sketch_starts().tolist()
     dims, sketch = c.dims.tolist(), c.sketch
     for i in range(c.n):
-        r = new_record(stage=cols["stage"][i], is_none=bool(cols["flags"][i] & IS_NONE))
+        r = new_record(stage=cols["stage"][i], is_none=bool(cols["flags"][i] & IS_NONE),
+                       capture_order=cols["capture_order"][i])
         k = r.key
         k.step, k.microbatch, k.phase = cols["step"][i], cols["microbatch"][i], cols["phase"][i]
         k.site, k.role = c.sites[cols["site"][i]], cols["role"][i]
@@ -654,8 +661,9 @@ def _lanes(words: np.ndarray, starts: np.ndarray, n: int, domain: int) -> tuple[
 
 def content_hashes(c: RecordColumns) -> list[bytes]:
     """16 bytes per record: what it says (key, stage, layout, digest, sketch, payload header;
-    the payload's chunk index and bytes excluded), the same whether it travelled packed or per
-    record. is_none records hash their key and stage only (their layout and digest are empty).
+    the payload's chunk index and bytes excluded, and the `NOT_CONTENT` columns), the same
+    whether it travelled packed or per record. is_none records hash their key and stage only
+    (their layout and digest are empty).
 
     Each 64-bit word of a record (its fixed fields, its dims, its sketch) is mixed with a key of
     its position (splitmix64's finalizer, a bijection); lane 0 sums the mixed words, lane 1
@@ -667,6 +675,8 @@ def content_hashes(c: RecordColumns) -> list[bytes]:
     none = (cols["flags"] & IS_NONE) != 0
     fixed = []
     for name, dt in SCALAR_COLUMNS:
+        if name in NOT_CONTENT:
+            continue
         a = cols[name]
         if name == "site":
             w = _text_words(c.sites)[np.clip(a, 0, len(c.sites) - 1 if c.sites else 0)]

@@ -108,8 +108,16 @@ def _packed_fields(cols: RecordColumns) -> tuple[list, int]:
         elif name in ("sites", "dtypes"):
             for text in getattr(cols, name):
                 size += _bytes_field(out, tag, text.encode())
-        elif name != "payloads":
+        elif name == "payloads":  # in its place among the fields (columns follow it)
+            size += _payloads(out, cols)
+        else:
             raise AssertionError(f"PackedRecords.{name}: a field this encoder does not write")
+    return out, size
+
+
+def _payloads(out: list, cols: RecordColumns) -> int:
+    """Append the `PackedRecords.payloads` entries, by row; their size."""
+    size = 0
     for row in sorted(cols.payloads):
         p = cols.payloads[row]
         data = p.data
@@ -122,7 +130,7 @@ def _packed_fields(cols: RecordColumns) -> tuple[list, int]:
         size += len(head) + n
         if n:
             out.append(data)
-    return out, size
+    return size
 
 
 def sealed_batch(session_id: str, seq: int, cols: RecordColumns) -> bytes:

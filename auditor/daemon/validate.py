@@ -200,6 +200,9 @@ def validate_record(r: pb.Record, where: str = "record") -> None:
     _check_key(r.key, f"{where}.key")
     if not -1 <= r.stage <= limits.MAX_RECORD_STAGE:
         raise ValidationError(f"{where}.stage", f"{r.stage} is not in [-1, {limits.MAX_RECORD_STAGE}]")
+    if not 0 <= r.capture_order <= limits.MAX_CAPTURE_ORDER:
+        raise ValidationError(f"{where}.capture_order",
+                              f"{r.capture_order} is not in [0, {limits.MAX_CAPTURE_ORDER}]")
     if r.is_none:
         for name in ("layout", "digest"):
             if getattr(r, name).ByteSize():

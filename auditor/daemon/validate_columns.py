@@ -57,6 +57,7 @@ def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: f
     bad |= ~_in(cols["index"], 0, limits.MAX_KEY_INDEX)
     bad |= ~_in(cols["call"], 0, limits.MAX_KEY_CALL)
     bad |= ~_in(cols["stage"], -1, limits.MAX_RECORD_STAGE)
+    bad |= ~_in(cols["capture_order"], 0, limits.MAX_CAPTURE_ORDER)
     # is_none records: layout and digest empty
     body = np.zeros(n, bool)
     for name in ("ndim", "reduce", "reduce_weight", "reduce_index", "reduce_count",

@@ -1,7 +1,7 @@
 """Key segments: a stored batch's comparison columns in one blob, so a run loads as arrays.
 
 The comparison reads, for every record of a run, its key, rank, stage, a few flags, its layout,
-its fingerprint and its record id (`auditor.compare.columns`). Read as SQL rows that is six
+its fingerprint, its capture order and its record id (`auditor.compare.columns`). Read as SQL rows that is six
 Python objects a record (about 4 s per million on this machine); read from segments it is a few
 `numpy.frombuffer` calls per batch. The SQLite writer stores one segment per batch in the same
 transaction as the batch's rows (`Store.ingest_columns`), holding exactly the records that batch
@@ -27,12 +27,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-MAGIC = b"NAS2"
+MAGIC = b"NAS3"
 _HEAD = struct.Struct("<4sII")
 
 INTS = ("step", "microbatch", "phase", "site_id", "role", "idx", "call", "rank", "stage",
-        "fingerprint", "record_id", "nan", "posinf", "neginf", "zeros", "numel")
+        "fingerprint", "record_id", "nan", "posinf", "neginf", "zeros", "numel", "capture_order")
 """int64 columns of a segment, as stored in `records` (fingerprints as the signed int64)."""
+_INTS_OF = {MAGIC: INTS, b"NAS2": INTS[:-1]}
+"""The int64 columns of each segment format: NAS2, written before records carried their
+capture order, decodes with capture_order 0 (not numbered), as its records are stored."""
 
 MOMENTS = (("sum", 0.0), ("sum_sq", 0.0), ("min", float("inf")), ("max", -float("inf")),
            ("abs_max", 0.0))
@@ -116,11 +119,12 @@ def decode(blob: bytes) -> tuple[dict[str, np.ndarray], list[tuple]]:
     if len(blob) < _HEAD.size:
         raise SegmentError("segment: shorter than its header")
     magic, n, tlen = _HEAD.unpack_from(blob)
-    if magic != MAGIC:
+    ints = _INTS_OF.get(magic)
+    if ints is None:
         raise SegmentError(f"segment: magic {magic!r} is not {MAGIC!r}")
     at = _HEAD.size + tlen
     at += -at % 8
-    if len(blob) != at + n * (8 * (len(INTS) + len(MOMENTS)) + 5):
+    if len(blob) != at + n * (8 * (len(ints) + len(MOMENTS)) + 5):
         raise SegmentError(f"segment: {len(blob)} bytes do not hold {n} records")
     try:
         table = [tuple(e) for e in json.loads(blob[_HEAD.size:_HEAD.size + tlen])]
@@ -132,9 +136,11 @@ def decode(blob: bytes) -> tuple[dict[str, np.ndarray], list[tuple]]:
             raise SegmentError(f"segment: layout table entry {str(e)[:80]} is not "
                                f"{len(LAYOUT_COLUMNS)} values of the columns' types")
     out: dict[str, np.ndarray] = {}
-    for c in INTS:
+    for c in ints:
         out[c] = np.frombuffer(blob, "<i8", n, at)
         at += 8 * n
+    for c in INTS[len(ints):]:
+        out[c] = np.zeros(n, np.int64)
     for c, _ in MOMENTS:
         out[c] = np.frombuffer(blob, "<f8", n, at)
         at += 8 * n

@@ -41,6 +41,7 @@ FIXED = (
     ("sketch_seed", "i8"), ("seq", "i8"), ("received", "f8"), ("reduce", "i8"),
     ("reduce_weight", "f8"), ("reduce_index", "i8"), ("reduce_count", "i8"),
     ("ragged_parts", "i8"), ("ragged_first", "i8"), ("ragged_span", "i8"), ("flat", "i8"),
+    ("capture_order", "i8"),
 )
 MOMENTS = ("sum", "sum_sq", "min", "max", "abs_max")
 BLOBS = ("content_hash", "sketch")
@@ -162,6 +163,7 @@ def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
         "reduce_count": np.where(reducing, cols["reduce_count"], 1),
         "ragged_parts": cols["ragged_parts"], "ragged_first": cols["ragged_first"],
         "ragged_span": cols["ragged_span"], "flat": (flags & FLAT) != 0,
+        "capture_order": cols["capture_order"],
     }
     lead: tuple[str, ...] = ()
     if pos:

@@ -87,9 +87,12 @@ CREATE TABLE IF NOT EXISTS records (
     reduce BIGINT NOT NULL DEFAULT 0, reduce_weight DOUBLE PRECISION NOT NULL DEFAULT 1,
     reduce_index BIGINT NOT NULL DEFAULT 0, reduce_count BIGINT NOT NULL DEFAULT 1,
     ragged_parts BIGINT NOT NULL DEFAULT 0, ragged_first BIGINT NOT NULL DEFAULT 0,
-    ragged_span BIGINT NOT NULL DEFAULT 0, flat BIGINT NOT NULL DEFAULT 0);
+    ragged_span BIGINT NOT NULL DEFAULT 0, flat BIGINT NOT NULL DEFAULT 0,
+    capture_order BIGINT NOT NULL DEFAULT 0);
 -- a database made before flat pieces (Layout.flat) gets the column; its records are not flat
 ALTER TABLE records ADD COLUMN IF NOT EXISTS flat BIGINT NOT NULL DEFAULT 0;
+-- one made before records carried their capture order: its records are not numbered (0)
+ALTER TABLE records ADD COLUMN IF NOT EXISTS capture_order BIGINT NOT NULL DEFAULT 0;
 -- the transaction that stored the record: `auditor watch` reads new records by it, since with
 -- concurrent writers record ids do not commit in order (auditor.compare.columns.ReadMark); a
 -- btree (appended at its right edge) so a poll reads only the newest rows (a BRIN index leaves
@@ -222,7 +225,8 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
     return conn
 
 
-_ADDED_COLUMNS = (("records", "flat", "0::bigint"), ("sessions", "agent_version", "''::text"))
+_ADDED_COLUMNS = (("records", "flat", "0::bigint"), ("sessions", "agent_version", "''::text"),
+                  ("records", "capture_order", "0::bigint"))
 """Columns added to the schema after stores were made: (table, column, default)."""
 
 

@@ -116,7 +116,7 @@ class Reader:
             " r.sum, r.sum_sq, r.min, r.max, r.abs_max, r.fingerprint, r.sketch, r.record_id,"
             " EXISTS (SELECT 1 FROM payload_chunks p WHERE p.record_id = r.record_id),"
             " r.reduce, r.reduce_weight, r.reduce_index, r.reduce_count,"
-            " r.ragged_parts, r.ragged_first, r.ragged_span, r.flat"
+            " r.ragged_parts, r.ragged_first, r.ragged_span, r.flat, r.capture_order"
             f" FROM records r JOIN sites s ON s.site_id = r.site_id WHERE {where}"
             " ORDER BY r.step, r.microbatch, r.phase, r.site_id, r.role, r.idx, r.call, r.rank",
             params,

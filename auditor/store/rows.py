@@ -26,6 +26,7 @@ INSERT_COLUMNS = (
     "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch",
     "sketch_seed", "content_hash", "session_id", "seq", "received", "reduce", "reduce_weight",
     "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "flat",
+    "capture_order",
 )
 """Columns of a row of `record_rows`; the first 9 are the unique key (run, key, rank)."""
 
@@ -33,7 +34,7 @@ INSERT_RECORD = (f"INSERT INTO records ({', '.join(INSERT_COLUMNS)}) VALUES "
                  f"({', '.join('?' * len(INSERT_COLUMNS))}) ON CONFLICT DO NOTHING")
 
 ROWS_PER_INSERT = 128
-"""Rows one multi-row INSERT carries (`insert_rows`): 128 x 45 = 5,760 bound values, under
+"""Rows one multi-row INSERT carries (`insert_rows`): 128 x 46 = 5,888 bound values, under
 SQLite's limit of 32,766 (3.32+). One statement per 128 rows instead of one step per row: the
 writer thread drops and retakes the GIL once per statement step, and under load each retake can
 wait for the event loop's or validation's thread; fewer, larger steps spend less time queued."""
@@ -140,6 +141,7 @@ def record_columns(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank:
         signed("sketch_seed"), list(hashes), [session_id] * n, [seq] * n, [now] * n,
         cols["reduce"], weight, cols["reduce_index"], rcount,
         cols["ragged_parts"], cols["ragged_first"], cols["ragged_span"], bit(FLAT),
+        cols["capture_order"],
     )))
 
 

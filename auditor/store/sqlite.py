@@ -29,9 +29,9 @@ from wire.packed import RecordColumns, batch_columns, content_hashes, from_recor
 from auditor.store.files import APPLICATION_ID, check_store_file
 from auditor.store import key_segments
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2 added the reduction columns of records and the job and gradient scale of sessions, 3 the
-agent version of sessions; a store of an earlier version is upgraded in place when opened for
+agent version of sessions, 4 the capture order of records; a store of an earlier version is upgraded in place when opened for
 writing (`_upgrade`) and read through views that supply the defaults when opened read-only."""
 
 _SCHEMA = """
@@ -92,7 +92,8 @@ CREATE TABLE IF NOT EXISTS records (
     reduce_index INTEGER NOT NULL DEFAULT 0, reduce_count INTEGER NOT NULL DEFAULT 1,
     ragged_parts INTEGER NOT NULL DEFAULT 0, ragged_first INTEGER NOT NULL DEFAULT 0,
     ragged_span INTEGER NOT NULL DEFAULT 0,
-    flat INTEGER NOT NULL DEFAULT 0
+    flat INTEGER NOT NULL DEFAULT 0,
+    capture_order INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_by_key
     ON records (run_id, step, microbatch, phase, site_id, role, idx, call, rank);
@@ -150,6 +151,7 @@ _ADDED_COLUMNS = (
     ("records", "ragged_first", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "ragged_span", "INTEGER NOT NULL DEFAULT 0"),
     ("records", "flat", "INTEGER NOT NULL DEFAULT 0"),
+    ("records", "capture_order", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # Columns of `records` as read by the comparison engine, in this order.
@@ -159,7 +161,7 @@ RECORD_COLUMNS = (
     "numel", "nan", "posinf", "neginf", "zeros", "has_moments",
     "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "sketch", "record_id", "has_payload",
     "reduce", "reduce_weight", "reduce_index", "reduce_count",
-    "ragged_parts", "ragged_first", "ragged_span", "flat",
+    "ragged_parts", "ragged_first", "ragged_span", "flat", "capture_order",
 )
 
 

@@ -46,6 +46,7 @@ def _records(draw):
                    shape=shape, fingerprint=draw(st.integers(0, (1 << 64) - 1)),
                    payload=payload)
         r.stage = draw(st.integers(-1, 3))
+        r.capture_order = draw(st.integers(0, 1 << 53))  # field 39: written after payloads
         r.digest.sum = draw(st.floats(allow_nan=True, allow_infinity=True))
         out.append(r)
     return out

@@ -48,6 +48,7 @@ _MUTATIONS = [
     ("key.phase", [0, 99, 2]), ("key.role", [0, 42]), ("key.site", ["", "a\x00b", "x" * 600]),
     ("key.index", [-1, limits.MAX_KEY_INDEX + 1]), ("key.call", [-3, 1 << 20]),
     ("stage", [-2, -1, 7]), ("is_none", [True]),
+    ("capture_order", [-1, 0, 3, limits.MAX_CAPTURE_ORDER, limits.MAX_CAPTURE_ORDER + 1]),
     ("layout.dtype", ["", "float31", "bfloat16", "int8"]),
     ("layout.logical_shape", [[], [8], [8, 3, 1], [-1, 3], [1 << 40, 1 << 40]]),
     ("layout.offsets", [[7, 0], [-1, 0], [0]]), ("layout.shape", [[0, 3], [4, -3], [9, 3]]),

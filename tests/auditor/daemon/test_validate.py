@@ -313,3 +313,20 @@ def test_a_failed_decompression_leaves_the_thread_able_to_check_the_next_payload
         assert isinstance(refused(validate_batch, batch(1, [_with_payload(
             payload_for(bad, raw_nbytes=48))])), CorruptPayload)
         validate_batch(batch(1, [_with_payload(payload_for(frame, raw_nbytes=48))]))
+
+
+def test_capture_order_is_a_count_from_zero():
+    """0 is an agent of an earlier build (not numbered); a negative number is refused by name,
+    per record and packed alike."""
+    from wire import packed as P
+
+    for order in (0, 1, limits.MAX_CAPTURE_ORDER):
+        r = record()
+        r.capture_order = order
+        validate_record(r)
+    bad = record(microbatch=1)
+    bad.capture_order = -5
+    err = refused(validate_batch, batch(1, [record(), bad]))
+    assert str(err) == f"records[1].capture_order: -5 is not in [0, {limits.MAX_CAPTURE_ORDER}]"
+    err = refused(validate_batch, P.packed_batch("sess-0", 1, P.from_records([record(), bad])))
+    assert err.field == "packed[1].capture_order"

@@ -164,13 +164,15 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
     w = StoreWriter(db, synchronous="NORMAL")
     try:
         w.submit(lambda s: s.register(register_request(grad_scale=4.0))).result(10)
-        w.submit(lambda s: s.ingest(batch(1, [record(0, 0)]))).result(10)
+        numbered = record(0, 0)
+        numbered.capture_order = 7
+        w.submit(lambda s: s.ingest(batch(1, [numbered]))).result(10)
     finally:
         w.close()
     reader = Reader(db)
     try:
         assert reader.run_info("ref")["grad_scale"] == 4.0
-        assert [columns(row, *RECORD_COLUMNS[-8:]) for row in reader.records("ref")] == [
-            (0, 1.0, 0, 1, 0, 0, 0, 0)]
+        assert [columns(row, *RECORD_COLUMNS[-9:]) for row in reader.records("ref")] == [
+            (0, 1.0, 0, 1, 0, 0, 0, 0, 7)]
     finally:
         reader.close()
