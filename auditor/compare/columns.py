@@ -2,7 +2,7 @@
 
 Comparing a million keys must not build a Python object per record field, so the engine reads a
 narrow projection of ``records`` (key packed into two integers, the layout as one interned
-string, the counts, the fingerprint and the record id) and keeps it as arrays
+string, the counts, the fingerprint, the record id and the capture order) and keeps it as arrays
 (`auditor.compare.reads` reads it: key segments, the packed PostgreSQL read, or rows). Moments
 and sketches are read later, and only for the keys whose fingerprints differ.
 """
@@ -50,7 +50,7 @@ class KeyRangeError(ValueError):
     """A key field beyond what the packed comparison key holds."""
 
 
-_FIELDS = ("A", "B", "rank", "stage", "flags", "layout", "fp", "rid")
+_FIELDS = ("A", "B", "rank", "stage", "flags", "layout", "fp", "rid", "order")
 NONFINITE_FLAG = 2
 """flags bit: the piece holds NaN or Inf."""
 ALL_ZERO_FLAG = 1
@@ -79,9 +79,21 @@ class RunColumns:
     rid: np.ndarray
     max_rid: int = 0
     """Largest record id read (for incremental reads)."""
+    order: np.ndarray | None = None
+    """`Record.capture_order` of each piece: where its rank's agent captured it (0: not
+    numbered, a record of an earlier build's agent). None when made: all 0."""
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            self.order = np.zeros(len(self.A), np.int64)
 
     def __len__(self) -> int:
         return len(self.A)
+
+    @property
+    def numbered(self) -> bool:
+        """Every piece carries its capture order (vacuously true without pieces)."""
+        return bool((self.order > 0).all())
 
     @classmethod
     def empty(cls, name: str, side: str) -> RunColumns:
@@ -471,6 +483,7 @@ def _columns(cat: Catalog, arrays: Arrays | None, run: str, side: str) -> RunCol
         layout=codes[inv.reshape(-1)],
         fp=arrays.fp.view(np.uint64),
         rid=arrays.rid,
+        order=arrays.order,
     )
     site = cols.B >> 32
     lut = cat.site_lut(side, int(site.max()))

@@ -1,8 +1,8 @@
 """How the comparison reads the store: a run's projection as arrays, and records' digests.
 
 A run's projection (the key packed into two integers, rank, stage and flag bits, the layout
-text, the fingerprint and the record id; `SELECT`) comes from one of three reads, all giving
-the same `Arrays`:
+text, the fingerprint, the record id and the capture order; `SELECT`) comes from one of three
+reads, all giving the same `Arrays`:
 
 - key segments (`segment_arrays`, SQLite): one blob per stored batch
   (`auditor.store.key_segments`), used when the run's segments account for all its records;
@@ -66,7 +66,7 @@ SELECT = (
     "     || ragged_parts || ']' ELSE '' END"
     "  || CASE WHEN reduce <> 0 THEN '|' || reduce"
     "  || ',' || reduce_index || ',' || reduce_count || ',' || reduce_weight ELSE '' END,"
-    " fingerprint, record_id"
+    " fingerprint, record_id, capture_order"
     " FROM records"
 )
 KEY_ORDER = " ORDER BY step, microbatch, phase, site_id, role, idx, call, rank"
@@ -122,6 +122,8 @@ class Arrays:
     text_code: np.ndarray
     fp: np.ndarray
     rid: np.ndarray
+    order: np.ndarray
+    """`Record.capture_order` (0: not numbered)."""
     sorted: bool = True
     """Whether the records come in (key, rank) order."""
 
@@ -139,12 +141,13 @@ def row_arrays(rows: list[tuple]) -> Arrays | None:
     if not rows:
         return None
     n = len(rows)
-    A, B, R, lay, fp, rid = zip(*rows)
+    A, B, R, lay, fp, rid, order = zip(*rows)
     texts, code = _interned(lay)
     return Arrays(
         A=np.fromiter(A, dtype=np.int64, count=n), B=np.fromiter(B, dtype=np.int64, count=n),
         R=np.fromiter(R, dtype=np.int64, count=n), texts=texts, text_code=code,
-        fp=np.fromiter(fp, dtype=np.int64, count=n), rid=np.fromiter(rid, dtype=np.int64, count=n))
+        fp=np.fromiter(fp, dtype=np.int64, count=n), rid=np.fromiter(rid, dtype=np.int64, count=n),
+        order=np.fromiter(order, dtype=np.int64, count=n))
 
 
 def pg_arrays(reader: Reader, params: dict) -> Arrays | None:
@@ -169,23 +172,24 @@ def pg_arrays(reader: Reader, params: dict) -> Arrays | None:
     n = sum(int(r[0]) for r in rows)
     if n == 0:
         return None
-    A, B, R, fp, rid = (np.concatenate([np.frombuffer(bytes(r[j]), ">i8") for r in rows])
-                        .astype(np.int64) for j in range(1, 6))
-    lay = [t for r in rows for t in r[6].split("\n")]
-    if not all(len(a) == n for a in (A, B, R, fp, rid, lay)):
+    A, B, R, fp, rid, order = (np.concatenate([np.frombuffer(bytes(r[j]), ">i8") for r in rows])
+                               .astype(np.int64) for j in range(1, 7))
+    lay = [t for r in rows for t in r[7].split("\n")]
+    if not all(len(a) == n for a in (A, B, R, fp, rid, order, lay)):
         return None
     texts, code = _interned(lay)
-    return Arrays(A=A, B=B, R=R, texts=texts, text_code=code, fp=fp, rid=rid, sorted=False)
+    return Arrays(A=A, B=B, R=R, texts=texts, text_code=code, fp=fp, rid=rid, order=order,
+                  sorted=False)
 
 
 def pg_packed(reader: Reader, params: dict, where: str) -> tuple:
-    """(count, A, B, R, fingerprints, record ids as packed bytea, layouts) of the run's
-    records (and `where`)."""
+    """(count, A, B, R, fingerprints, record ids, capture orders as packed bytea, layouts) of
+    the run's records (and `where`)."""
     packed = ", ".join(f"string_agg(int8send({c}), ''::bytea)"
-                       for c in ("a", "b", "r", "fp", "rid"))
+                       for c in ("a", "b", "r", "fp", "rid", "co"))
     return reader.conn.execute(
         f"SELECT COUNT(*), {packed}, string_agg(lay, chr(10)) FROM"
-        f" ({SELECT} WHERE run_id = :run{where}) AS t(a, b, r, lay, fp, rid)",
+        f" ({SELECT} WHERE run_id = :run{where}) AS t(a, b, r, lay, fp, rid, co)",
         params).fetchone()
 
 
@@ -246,7 +250,7 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
         A=(step << 24) | ((mb + 1) << 4) | c["phase"],
         B=(site << 32) | (c["role"] << 28) | (idx << 14) | call,
         R=R, texts=texts, text_code=code, fp=c["fingerprint"], rid=c["record_id"],
-        sorted=False)
+        order=c["capture_order"], sorted=False)
 
 
 def layout_text(reader: Reader, entry: tuple, at: dict[str, int]) -> str:

@@ -171,7 +171,7 @@ def _lines(notes: dict[str, list[int]]) -> list[str]:
 def _rebuilt(cols: RunColumns, new: dict) -> RunColumns:
     out = RunColumns(cols.name, cols.side, new["A"], cols.B.copy(), cols.rank.copy(),
                      cols.stage.copy(), cols.flags.copy(), new["layout"], new["fp"],
-                     cols.rid.copy(), max_rid=cols.max_rid)
+                     cols.rid.copy(), max_rid=cols.max_rid, order=cols.order.copy())
     out.sort()
     return out
 

@@ -84,7 +84,7 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
     if not sites:
         return cols, []
     out = RunColumns(cols.name, cols.side, cols.A, cols.B, cols.rank, cols.stage, cols.flags,
-                     layout, fp, cols.rid, max_rid=cols.max_rid)
+                     layout, fp, cols.rid, max_rid=cols.max_rid, order=cols.order)
     return out, [_warning(cols.name, sites, unshifted, sorted(globs))]
 
 
