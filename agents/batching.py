@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from agents.digest import digest_batch_to_host
 from agents.fastpath import Digester
 from agents.layout import PieceLayout
 from agents.rows import I64_COLUMNS, RowBatch
+from agents.sample_digest import (SAMPLE_PHASES, SampleDigests, combine_units, sample_layout,
+                                  unit_plan, wants_samples)
 
 I64_ROW_BYTES = 8 * I64_COLUMNS
 
@@ -70,6 +73,9 @@ class Capture:
     payload: torch.Tensor | memoryview | None = None
     """A host copy of the piece when its bytes travel too (its C-order bytes as a memoryview
     when the fused kernel copied them into a payload arena)."""
+    samples: SampleDigests | None = None
+    """Digests of the piece's samples (agents/sample_digest.py), for batch-holding captures;
+    on the host once the batch's `HostBatch.wait` returned."""
     order: int = field(default_factory=_CAPTURE_ORDER.__next__)
     """Execution order (`Record.capture_order`): numbered when the capture is made."""
 
@@ -134,8 +140,14 @@ class Batcher:
     owned by the training thread)."""
 
     def __init__(self, digester: Digester, config: AgentConfig, sink: Callable[[HostBatch], None],
-                 counters: Counters, failed: Callable[[str, Exception], None]) -> None:
+                 counters: Counters, failed: Callable[[str, Exception], None], *,
+                 batch_dims: dict[tuple[str, int], int] | None = None) -> None:
         self._digester = digester
+        self._samples_on = config.sample_digests
+        self._batch_dim = config.batch_dim
+        self._batch_dims = batch_dims if batch_dims is not None else {}
+        """(site, output index) -> its batch dim where a module states one (the capturer's
+        own dict, filled as it hooks modules); `config.batch_dim` elsewhere."""
         self._sketch_k = config.sketch_k
         self._batch = min(config.device_batch, MAX_BATCH_ROWS)
         self._sink = sink
@@ -209,6 +221,8 @@ class Batcher:
             return
         self.fused = []
         self._drain_fused(fused, rows)
+        if self._samples_on:
+            self._sample_digests([(f[0], f[2]) for f in fused if f[0].phase in SAMPLE_PHASES])
         if rows.n >= self._batch:
             self.flush()
 
@@ -231,6 +245,9 @@ class Batcher:
             self._drain_fused(fused, rows)
         if pending:
             self._drain_general(pending, rows)
+        if self._samples_on:
+            self._sample_digests([(f[0], f[2]) for f in fused if f[0].phase in SAMPLE_PHASES]
+                                 + [(p[0], p[1]) for p in pending if p[0].phase in SAMPLE_PHASES])
         if rows.n >= self._batch or len(self._dev_f64) >= self._batch:
             self.flush()
 
@@ -254,6 +271,36 @@ class Batcher:
             cap = f[0]
             cap.row = first + j
             captures.append(cap)
+
+    def _sample_digests(self, items: list[tuple[Capture, torch.Tensor]]) -> None:
+        """Digest the samples of the batch-holding captures among ``items`` (agents/
+        sample_digest.py) into their `Capture.samples`; a capture whose main digest failed
+        (row -1) gets none. Never raises: a failure costs the capture its sample digests."""
+        todo, caps = [], []
+        for cap, t in items:
+            dim = self._batch_dims.get((cap.site, cap.index), self._batch_dim)
+            if cap.row < 0 or not wants_samples(cap.phase, cap.layout, t.dtype, dim):
+                continue
+            unit, k = unit_plan(cap.layout.shape[dim])
+            todo.append((t, sample_layout(cap.layout, dim), dim, k))
+            caps.append((cap, unit))
+        if not todo:
+            return
+        try:
+            results = self._digester.digest_samples(todo)
+        except Exception as exc:
+            self._failed("sample digests", exc)
+            return
+        for (cap, unit), (t, layout, dim, k), res in zip(caps, todo, results):
+            if isinstance(res, Exception):
+                self._failed(f"sample digests of {cap.site}", res)
+                continue
+            try:
+                numel = math.prod(layout.logical_shape)
+                f64, fp = combine_units(res[0], res[1], unit, numel)
+                cap.samples = SampleDigests(dim, unit, t.shape[dim], k, f64, fp)
+            except Exception as exc:
+                self._failed(f"sample digests of {cap.site}", exc)
 
     def _drain_general(self, pending: list, rows: RowBatch) -> None:
         try:
@@ -284,6 +331,7 @@ class Batcher:
         captures, f64, i64 = self._dev_captures, self._dev_f64, self._dev_i64
         self._dev_captures, self._dev_f64, self._dev_i64 = [], [], []
         try:
+            samples_to_host([c.samples for c in captures if c.samples is not None])
             host_f64, host_i64, event = digest_batch_to_host(f64, i64)
             self._sink(HostBatch(captures, host_f64, host_i64, event))
         except Exception as exc:
@@ -301,3 +349,29 @@ class Batcher:
         except Exception as exc:
             self._counters.drop("transfer_error", len(captures))
             self._failed("host transfer", exc)
+
+
+def samples_to_host(samples: list[SampleDigests]) -> None:
+    """Start the one copy of these sample digests' accelerator rows to the host, and point each
+    at its host rows. On CUDA the copy is asynchronous into pinned memory, on the stream that
+    `digest_batch_to_host` then records its event on: waiting for that event (`HostBatch.wait`)
+    covers these rows too. Other accelerators copy synchronously."""
+    dev = [s for s in samples if not s.f64.is_cpu]
+    if not dev:
+        return
+    flat_f64 = torch.cat([s.f64.reshape(-1) for s in dev])
+    flat_i64 = torch.cat([s.fingerprint.reshape(-1) for s in dev])
+    if flat_f64.device.type == "cuda":
+        host_f64 = torch.empty(flat_f64.shape, dtype=flat_f64.dtype, pin_memory=True)
+        host_i64 = torch.empty(flat_i64.shape, dtype=flat_i64.dtype, pin_memory=True)
+        host_f64.copy_(flat_f64, non_blocking=True)
+        host_i64.copy_(flat_i64, non_blocking=True)
+    else:
+        host_f64, host_i64 = flat_f64.cpu(), flat_i64.cpu()
+    a = b = 0
+    for s in dev:
+        g, width = s.f64.shape
+        s.f64 = host_f64[a:a + g * width].view(g, width)
+        s.fingerprint = host_i64[b:b + g]
+        a += g * width
+        b += g

@@ -33,8 +33,9 @@ from agents.fastpath import Digester
 from agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
 from agents.identity import RankIdentity
 from agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
-from agents.layout import (PieceLayout, batch_layout, complex_real_layout, dtensor_layout,
-                           dim_shard_layout, ragged_layout, reduction_layout)
+from agents.layout import (PieceLayout, batch_layout, batch_rows, complex_real_layout,
+                           dtensor_layout, dim_shard_layout, holds_batch, ragged_layout,
+                           reduction_layout)
 from agents.sites import matches, normalize_site, select_modules
 from protos import numaudit_pb2 as pb
 
@@ -134,6 +135,10 @@ class Capturer:
         self._handles: list = []
         self._local_batch: dict[tuple[int, int], int] = {}
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
+        self._rows: int | None = config.microbatch_size
+        """This rank's samples in the running microbatch (the watched model's input, else the
+        input capture): outputs of size 1 on the batch dim while it is more do not hold the
+        batch (layout.holds_batch). Layouts and plans are worked out again when it crosses 1."""
         self._output_shards: dict[str, tuple[int, int, int]] = {}
         """Module site -> (dim, shards, coordinate) of a tensor-parallel output that each rank
         holds a block of as a plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
@@ -146,7 +151,8 @@ class Capturer:
         """(site, shape, block or None) of the last hooked output: a module's hook runs after
         its submodules', so when that is a submodule's, it ran in this call of the module."""
         self._digester = Digester(config.digest)
-        self._batches = Batcher(self._digester, config, sink, counters, self._failed)
+        self._batches = Batcher(self._digester, config, sink, counters, self._failed,
+                                batch_dims=self._batch_dims)
         """Captures of the running hook whose digests are not computed yet, and the batch
         their rows go to: :meth:`_drain` digests them in one call before the hook returns."""
         self._phases = frozenset(config.phases)
@@ -192,7 +198,10 @@ class Capturer:
         if pipelined:
             self._handles.append(model.register_forward_pre_hook(
                 not_traced(self._stage_pre_hook), prepend=True))
-        for site, module in select_modules(model, cfg.modules, cfg.exclude, cfg.max_depth):
+        self._handles.append(model.register_forward_pre_hook(
+            not_traced(self._rows_pre_hook), with_kwargs=True))
+        for site, module in select_modules(model, cfg.modules, cfg.exclude, cfg.max_depth,
+                                           cfg.block_depth):
             declared, shards = output_sharding(module, self.ident)
             if declared:
                 self._declared.add(site)
@@ -203,6 +212,22 @@ class Capturer:
             self._handles.append(module.register_forward_hook(hook))
             n += 1
         return n
+
+    def _rows_pre_hook(self, module, args, kwargs) -> None:
+        """Runs at every forward of a watched model or stage: its input's samples (`_rows`)."""
+        if self._step_on:
+            try:
+                self._set_rows(batch_rows(args, kwargs, self.config.batch_dim))
+            except Exception as exc:  # never into training
+                self._failed("reading the batch size", exc)
+
+    def _set_rows(self, rows: int | None) -> None:
+        if rows is None:
+            return
+        if (rows > 1) != (self._rows is not None and self._rows > 1):
+            self._layouts.clear()  # sites of size 1 on the batch dim change meaning
+            self._plans.clear()
+        self._rows = rows
 
     def _stage_pre_hook(self, module, inputs) -> None:
         """Runs first at every forward of a pipeline stage's module: outside a chunk method it
@@ -526,7 +551,7 @@ class Capturer:
         for d in partial:
             index, count = index * mesh.size(d) + int(coordinate[d]), count * mesh.size(d)
         ident = self.ident
-        if not ident.dp_dim_name or ident.dp_dim_name not in tuple(mesh.mesh_dim_names or ()):
+        if not ident.spans_dp(mesh):
             index, count = ident.dp_rank * count + index, ident.dp_size * count
         local = _local_shard(t)
         layout = reduction_layout(tuple(local.shape), reduce, self._weight(weight, microbatch),
@@ -560,8 +585,10 @@ class Capturer:
         shape = tuple(t.shape)
         if phase == "input" and shape:
             dim = self.config.batch_dim
-            self._local_batch[(self.step, self.microbatch)] = shape[dim if dim < len(shape)
-                                                                    else 0]
+            rows = self._local_batch[(self.step, self.microbatch)] = shape[dim if dim < len(shape)
+                                                                           else 0]
+            if rows > 1 or self._rows is None:
+                self._set_rows(rows)
         dim = self._batch_dims.get((site, index), self.config.batch_dim)
         key = (phase, site, shape, replicate, dim)
         layout = self._layouts.get(key)
@@ -578,6 +605,15 @@ class Capturer:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
+        if not holds_batch(shape, dim, self._rows):
+            # the same on every dp rank (rotary cos/sin): a replica; its gradient, each dp
+            # rank's sum over its samples, an addend of a sum over the dp ranks
+            replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
+            if phase == "bwd" and self.ident.dp_size > 1:
+                return reduction_layout(shape, "sum", 1.0, self.ident.dp_rank,
+                                        self.ident.dp_size,
+                                        replica=self.replicated(phase, site, replicate))
+            return dataclasses.replace(PieceLayout.full(shape), replica=replica)
         layout = batch_layout(shape, self.ident.dp_rank, self.ident.dp_size, dim)
         shards = self._output_shards.get(site) if phase in ("fwd", "bwd") else None
         if shards is not None and replicate is None and not (
@@ -812,9 +848,8 @@ class Capturer:
         checks against each other. (Along a pipeline's dim the copies are other stages' other
         sites: each box still has one holder.)"""
         ident = self.ident
-        names = tuple(mesh.mesh_dim_names or ())
-        beside_dp = ident.dp_size > 1 and bool(ident.dp_dim_name) and ident.dp_dim_name not in names
-        copies = any(n not in names for n in ident.mesh_dim_names if n != ident.dp_dim_name)
+        beside_dp = ident.dp_size > 1 and bool(ident.dp_dim_names) and not ident.spans_dp(mesh)
+        copies = ident.lacks_peers(mesh)
         if (beside_dp and phase in PER_STEP_PHASES) or (copies and not layout.partial):
             layout = dataclasses.replace(layout, replica=True)
         if not beside_dp or phase in PER_STEP_PHASES or phase == "loss" or not layout.shape:
@@ -1040,9 +1075,8 @@ def _mesh_block(placements: tuple, mesh, ident: RankIdentity) -> tuple[int, int,
 
     if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
         return None
-    names = tuple(mesh.mesh_dim_names or ())
     coordinate = mesh.get_coordinate()
-    if coordinate is None or (names and names[0] == ident.dp_dim_name):
+    if coordinate is None or ident.is_dp_mesh(mesh):
         return None
     return int(placements[0].dim), int(mesh.size(0)), int(coordinate[0])
 

@@ -23,6 +23,7 @@ ENV_DISABLE = "NUMAUDIT_DISABLE"      # "1": attach returns an agent that captur
 ENV_MODULES = "NUMAUDIT_MODULES"      # comma-separated globs of module sites to hook
 ENV_EXCLUDE = "NUMAUDIT_EXCLUDE"      # comma-separated globs of module sites never hooked
 ENV_DEPTH = "NUMAUDIT_DEPTH"          # deepest module level hooked (layers.0.moe is depth 3)
+ENV_BLOCK_DEPTH = "NUMAUDIT_BLOCK_DEPTH"  # levels hooked inside each repeated block; 0 = none
 ENV_PHASES = "NUMAUDIT_PHASES"        # comma-separated phases: fwd,bwd,grad,param,loss,input
 ENV_STEPS = "NUMAUDIT_STEPS"          # steps captured: "0-3,10"; empty = all
 ENV_STEP_EVERY = "NUMAUDIT_STEP_EVERY"  # capture only steps divisible by N; empty = every step
@@ -31,6 +32,7 @@ ENV_DIGEST = "NUMAUDIT_DIGEST"        # "auto" (fused kernel where it applies) |
 ENV_RANKS = "NUMAUDIT_RANKS"          # ranks that capture: "0,4-7"; empty = all
 ENV_PAYLOAD = "NUMAUDIT_PAYLOAD"      # comma-separated "phase:site" globs that carry raw payloads
 ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
+ENV_SAMPLE_DIGESTS = "NUMAUDIT_SAMPLE_DIGESTS"  # "0": no per-sample digests of batch-holding captures
 ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
 ENV_SIDECAR = "NUMAUDIT_SIDECAR"      # node sidecar socket, unix:///PATH (then no gRPC in-process)
 ENV_SPOOL = "NUMAUDIT_SPOOL"          # spool directory
@@ -42,6 +44,7 @@ ENV_GRAD_SCALE = "NUMAUDIT_GRAD_SCALE"  # activation-gradient scale of this run 
 ENV_LOSS_NORM = "NUMAUDIT_LOSS_NORMALIZATION"  # per_rank_mean | global_mean | sum
 ENV_MICROBATCH_SIZE = "NUMAUDIT_MICROBATCH_SIZE"  # this rank's batch elements per microbatch
 ENV_BATCH_DIM = "NUMAUDIT_BATCH_DIM"  # the dim the data-parallel split concatenates on
+ENV_DP_DIMS = "NUMAUDIT_DP_DIMS"      # comma-separated mesh dims that split the batch
 ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (default: torchrun's)
 ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
 SPOOL_MODES = ("spill", "always", "off")
@@ -82,6 +85,11 @@ class AgentConfig:
     """Globs of module sites never captured, even when `modules` matches."""
     max_depth: int = 3
     """Deepest module level captured: `layers` is 1, `layers.0` 2, `layers.0.moe` 3."""
+    block_depth: int = 1
+    """Levels captured inside each repeated block (a child of a ModuleList or ModuleDict, such
+    as a transformer block), wherever the block sits: 1 sees its attention, MLP and norms
+    (`model.layers.0.self_attn` in transformers, below max_depth 3), 2 their projections too;
+    0 = max_depth alone (agents/sites.py)."""
     phases: tuple[str, ...] = ("fwd", "grad", "loss", "input")
     """Phases captured; add "bwd" for gradients at module outputs, "param" for weights."""
     steps: frozenset[int] | None = None
@@ -96,8 +104,16 @@ class AgentConfig:
     """Globs on "phase:site" (e.g. "fwd:output") whose raw bytes travel zstd-compressed."""
     sketch_k: int = 256
     """CountSketch buckets per digest (a power of two); see docs/digests.md for the error band."""
+    sample_digests: bool = True
+    """Batch-holding captures (fwd, bwd, input) also carry a small digest per sample, so that
+    runs grouping samples into other microbatches compare without payloads (docs/digests.md
+    "Per-sample digests"; about 1-2 KiB more per record)."""
     dp_dim: str | None = None
     """Device-mesh dim along which the batch is split (activations are pieces of one tensor)."""
+    dp_dims: tuple[str, ...] | None = None
+    """Device-mesh dims that together split the batch (dp rank row-major over them, in mesh
+    order), for meshes that name them otherwise; None = `dp_dim`, else recognized by name
+    (`dp`, torchtitan's `batch`, `dp_replicate` x `dp_shard`, `fsdp`: agents/identity.py)."""
     dp_rank: int | None = None
     """Data-parallel rank, when no mesh dim is named; default: the global rank."""
     dp_size: int | None = None
@@ -195,6 +211,8 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["exclude"] = _split(env[ENV_EXCLUDE])
     if env.get(ENV_DEPTH):
         changes["max_depth"] = int(env[ENV_DEPTH])
+    if env.get(ENV_BLOCK_DEPTH):
+        changes["block_depth"] = int(env[ENV_BLOCK_DEPTH])
     if ENV_PHASES in env:
         changes["phases"] = _split(env[ENV_PHASES])
     if ENV_STEPS in env:
@@ -210,6 +228,8 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["payload"] = _split(env[ENV_PAYLOAD])
     if env.get(ENV_SKETCH_K):
         changes["sketch_k"] = int(env[ENV_SKETCH_K])
+    if env.get(ENV_SAMPLE_DIGESTS):
+        changes["sample_digests"] = env[ENV_SAMPLE_DIGESTS].strip() not in ("0", "false", "no")
     if env.get(ENV_SPOOL):
         changes["spool_dir"] = env[ENV_SPOOL]
     if env.get(ENV_SPOOL_MODE):
@@ -230,6 +250,8 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["microbatch_size"] = int(env[ENV_MICROBATCH_SIZE])
     if env.get(ENV_BATCH_DIM):
         changes["batch_dim"] = int(env[ENV_BATCH_DIM])
+    if ENV_DP_DIMS in env:
+        changes["dp_dims"] = _split(env[ENV_DP_DIMS]) or None
     if env.get(ENV_JOB_ID):
         changes["job_id"] = env[ENV_JOB_ID].strip()
     if ENV_RENAME in env:
@@ -272,6 +294,11 @@ def check(config: AgentConfig) -> None:
         raise ValueError(f"digest: {config.digest!r} is not auto or eager ({ENV_DIGEST})")
     if config.max_depth < 1:
         raise ValueError("max_depth: must be >= 1")
+    if config.block_depth < 0:
+        raise ValueError(f"block_depth: {config.block_depth} < 0 (0 = max_depth alone)")
+    if config.dp_dims is not None and (isinstance(config.dp_dims, str) or not all(
+            isinstance(d, str) and d for d in config.dp_dims)):
+        raise ValueError(f"dp_dims: {config.dp_dims!r} is not a tuple of mesh dim names")
     if config.batch_records < 1 or config.queue_records < 1:
         raise ValueError("batch_records/queue_records: must be >= 1")
     if config.payload_max_bytes < 0:

@@ -17,9 +17,12 @@ import logging
 
 import torch
 
-from agents.digest import digest_piece
+import numpy as np
+
+from agents.digest import N_MOMENTS, digest_piece
 from agents.layout import PieceLayout
 from agents.rows import RowBatch
+from agents.sample_digest import digest_samples_eager
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,10 @@ Piece = tuple[torch.Tensor, PieceLayout, int | None]
 where the kernel also copies the piece's bytes. Eager pieces must be detached."""
 
 MAX_CACHED_MAPS = 4096
+
+SampleItem = tuple[torch.Tensor, PieceLayout, int, int]
+"""A piece whose samples are digested one by one (agents/sample_digest.py): the local tensor,
+the samples' common layout (`sample_digest.sample_layout`), its batch dim and the sketch's k."""
 
 
 class Digester:
@@ -50,6 +57,10 @@ class Digester:
             if cpu.load() is not None:  # else cpu.load() has logged the one warning
                 self._cpu = cpu
             self._triton = TritonDigest(triton_devices)
+        self._sample_plans: dict[tuple, tuple[np.ndarray, int]] = {}
+        """(shape, strides, dtype, batch dim, sample layout) -> (the descriptor of sample 0 as
+        int64s, the bytes between samples): a piece's sample descriptors are that row with the
+        address moved, built for all samples in one numpy operation."""
         self._maps: dict[tuple, tuple[PieceLayout, int, bytes]] = {}
         """(id(layout), shape, strides) -> (layout, base, descriptor tail): the index map and
         descriptor of a piece are worked out once per site and shape, not per capture (the
@@ -140,3 +151,98 @@ class Digester:
                 self._maps.clear()
             hit = self._maps[key] = (layout, base, cpu.descriptor_tail(t, gs))
         return cpu.descriptor(t, hit[1], hit[2], payload)
+
+    def digest_samples(self, items: list[SampleItem]) -> list:
+        """Per item, the digests of its samples along its batch dim, ``(f64 [n, 5 + k], i64
+        [n, 6])`` on its device (row s: sample s as a piece of ``layout``), or the exception
+        that failed it. A sample is a piece: CPU pieces the fused kernel reads go to it, all
+        samples of all such items of one k in one call (their descriptors are one numpy array
+        per item); accelerator pieces to Triton where trusted, one call per k; the rest to the
+        vectorized eager digest (`sample_digest.digest_samples_eager`)."""
+        out: list = [None] * len(items)
+        fused: dict[int, list[int]] = {}
+        triton: dict[int, list[int]] = {}
+        for i, (t, _, _, k) in enumerate(items):
+            if self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex:
+                fused.setdefault(k, []).append(i)
+            elif self._triton is not None and t.device.type in self._triton.device_types:
+                triton.setdefault(k, []).append(i)
+        for k, at in fused.items():
+            self._samples_fused(items, at, k, out)
+        for k, at in triton.items():
+            self._samples_triton(items, at, k, out)
+        for i, item in enumerate(items):
+            if out[i] is None:
+                t, layout, dim, k = item
+                try:
+                    out[i] = digest_samples_eager(t, layout, dim, k)
+                except Exception as exc:
+                    out[i] = exc
+        return out
+
+    def _samples_fused(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
+        cpu = self._cpu
+        descs, counts, ok = [], [], []
+        for i in at:
+            t, layout, dim, _ = items[i]
+            try:
+                row, step = self._sample_plan(t, layout, dim)
+                n = t.shape[dim]
+                arr = np.repeat(row[None, :], n, axis=0)
+                arr[:, 0] = t.data_ptr() + step * np.arange(n, dtype=np.int64)
+                descs.append(arr.tobytes())
+                counts.append(n)
+                ok.append(i)
+            except Exception as exc:
+                out[i] = exc
+        total = sum(counts)
+        if not total:
+            return
+        f64 = torch.empty((total, N_MOMENTS + k), dtype=torch.float64)
+        i64 = torch.empty((total, 6), dtype=torch.int64)
+        try:
+            bad = cpu.kernel()(total, b"".join(descs), k, f64.data_ptr(), i64.data_ptr())
+            if bad:
+                raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
+        except Exception as exc:
+            for i in ok:
+                out[i] = exc
+            return
+        first = 0
+        for i, n in zip(ok, counts):
+            out[i] = (f64[first:first + n], i64[first:first + n])
+            first += n
+
+    def _sample_plan(self, t: torch.Tensor, layout: PieceLayout, dim: int
+                     ) -> tuple[np.ndarray, int]:
+        key = (t.shape, t.stride(), t.dtype, dim, layout)
+        plan = self._sample_plans.get(key)
+        if plan is None:
+            cpu = self._cpu
+            first = t.narrow(dim, 0, 1)  # the batch dim kept at size 1: global stride 0
+            base, gs = cpu.index_map(tuple(first.shape), layout)
+            row = np.array([0, cpu.DTYPE_CODES[t.dtype], t.dim(), base, 0]
+                           + [v for d in zip(first.shape, first.stride(), gs) for v in d],
+                           np.int64)
+            if len(self._sample_plans) >= MAX_CACHED_MAPS:
+                self._sample_plans.clear()
+            plan = self._sample_plans[key] = (row, t.stride(dim) * t.element_size())
+        return plan
+
+    def _samples_triton(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
+        pieces, owner = [], []
+        for i in at:
+            t, layout, dim, _ = items[i]
+            views = t.unbind(dim)
+            pieces.extend((v, layout) for v in views)
+            owner.append((i, len(views)))
+        try:
+            got = self._triton.digest_many(pieces, k)
+        except Exception:  # digest_many never raises; the eager path stands in if it does
+            return
+        first = 0
+        for i, n in owner:
+            rows = got[first:first + n]
+            first += n
+            if n and all(r is not None for r in rows):
+                out[i] = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))

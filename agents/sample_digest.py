@@ -1,0 +1,233 @@
+"""Per-sample digests of batch-holding captures (docs/digests.md "Per-sample digests").
+
+A piece's sketch is keyed by each element's global flat index, so when the auditor learns only
+afterwards where a piece's samples belong (microbatches regrouped: gradient accumulation against
+one batch, DDP ranks with local microbatches against one process), the sketch cannot follow
+them (docs/digests.md "Placing pieces after the fact"). So a capture whose piece holds samples
+along its batch dim (phases fwd, bwd and input) also carries a digest per *unit* of consecutive
+samples, whose sketch is keyed *within the sample*: element ``i`` of a sample (its flat index in
+the sample's own logical shape, the logical tensor without the batch dim) goes to the bucket and
+sign of index ``i`` of the ordinary scheme, with ``k`` buckets. Such a digest means the same
+wherever the sample ends up; the auditor compares the runs sample by sample and adds the
+squared distances, so samples never share a bucket with each other.
+
+Units: a piece of ``n`` samples gets ``n`` units of one sample when ``n <= MAX_UNITS``, with
+``k = BUCKET_BUDGET / n`` buckets (a power of two, at least ``MIN_SKETCH_K``), so a record grows
+by about the same ~1-2 KiB whatever ``n``. Beyond, units of ``u`` consecutive samples (``u`` a
+power of two, at most ``MAX_UNITS`` units) whose sketch is ``sum_t X_t S_t``: sample ``t`` of the
+unit (``t < u <= k``) has its within-sample sketch ``S_t`` with bucket ``b`` moved to ``b XOR
+t``. Same-index elements of different samples of a unit then never share a bucket (XOR with
+different ``t`` never maps a bucket to the same one), and a unit of ``u`` samples at an offset
+``o`` (a multiple of ``u``) of a larger unit is ``X_o`` of it: units nest, and the auditor builds
+any coarser grid from finer ones (a unit of one sample is the finest). The unit's fingerprint is
+the one of the unit as a tensor of its own (``sum_t F_t h**(t numel_s)``), its moments those of
+its samples together. Pieces of more than ``MAX_SAMPLES`` samples get none.
+
+The sample digests run through the same implementations as the piece's own digest (a sample is
+a piece: the fused CPU kernel and Triton take lists of pieces, agents/fastpath.py), or through
+:func:`digest_samples_eager`, which digests every sample of a piece in the same few vectorized
+ops per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from agents import hashing
+from agents.digest import N_MOMENTS, _bits_view, _chunks, _IndexMap, _workspace, has_moments
+from agents.layout import PieceLayout
+
+SAMPLE_PHASES = frozenset({1, 2, 6})
+"""Phase ids whose captures hold a microbatch's samples (fwd, bwd, input: numaudit.v1 Phase)."""
+MAX_UNITS = 16
+"""Units per record at most: pieces of up to this many samples get one unit per sample."""
+BUCKET_BUDGET = 128
+"""Sketch buckets of a record's units together, for pieces of up to MAX_UNITS samples."""
+MIN_SKETCH_K = 8
+"""Fewest buckets of a unit's sketch (sigma of one unit's norm estimate: 1/sqrt(2k) = 25%)."""
+MAX_SAMPLES = 256
+"""Pieces of more samples than this get no sample digests: units of more than 16 samples need
+as many buckets (``u <= k``), so records would grow with the batch (8 bytes a sample)."""
+
+
+@dataclass(slots=True)
+class SampleDigests:
+    """The unit digests of one captured piece (what travels as numaudit.v1 SampleDigests)."""
+
+    dim: int
+    """The piece's batch dim: sample s is index s along it."""
+    unit: int
+    """Samples per unit (a power of two); the last unit may hold fewer."""
+    count: int
+    """Samples in the piece."""
+    sketch_k: int
+    f64: torch.Tensor
+    """[units, 5 + k]: sum, sum_sq, min, max, abs_max, sketch (the digest row's layout)."""
+    fingerprint: torch.Tensor
+    """[units] int64: each unit's fingerprint (uint64 bits)."""
+
+    @property
+    def units(self) -> int:
+        return int(self.f64.shape[0])
+
+
+def unit_plan(n: int) -> tuple[int, int] | None:
+    """``(unit, k)`` for a piece of ``n`` samples, None for none (module docstring)."""
+    if n < 1 or n > MAX_SAMPLES:
+        return None
+    if n <= MAX_UNITS:
+        k = 1 << max(int(BUCKET_BUDGET // n).bit_length() - 1, 0)
+        return 1, max(k, MIN_SKETCH_K)
+    unit = 1 << (math.ceil(n / MAX_UNITS) - 1).bit_length()
+    return unit, max(MIN_SKETCH_K, unit)
+
+
+def wants_samples(phase: int, layout: PieceLayout | None, dtype: torch.dtype, dim: int) -> bool:
+    """Whether a capture gets sample digests: a batch phase, a float piece that is a box of
+    samples along ``dim`` (not a reduction, a Partial addend, a ragged or flat piece)."""
+    return (phase in SAMPLE_PHASES and layout is not None and has_moments(dtype)
+            and not dtype.is_complex and 0 <= dim < len(layout.shape)
+            and not (layout.partial or layout.reduce or layout.flat
+                     or layout.ragged is not None)
+            and unit_plan(layout.shape[dim]) is not None)
+
+
+@functools.lru_cache(maxsize=4096)
+def sample_layout(layout: PieceLayout, dim: int) -> PieceLayout:
+    """Where one sample of the piece sits in the sample's logical tensor: the layout without
+    the batch dim (a tensor-parallel shard of a sample is a box of the sample)."""
+    drop = lambda v: v[:dim] + v[dim + 1:]  # noqa: E731
+    return PieceLayout(drop(layout.logical_shape), drop(layout.offsets), drop(layout.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _unit_powers(unit: int, numel_s: int) -> tuple[int, ...]:
+    """``h**(t numel_s)`` for t < unit, as int64 values: sample t of a unit starts t samples in."""
+    return tuple(hashing.signed64(hashing.shift(1, t * numel_s)) for t in range(unit))
+
+
+def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample rows ``(f64 [n, 5 + k], i64 [n, 6])`` into unit rows ``(f64 [g, 5 + k],
+    fingerprint [g])``, on their device (module docstring). ``numel_s``: elements of a whole
+    sample (its logical shape's, not the piece's)."""
+    if unit == 1:
+        return f64, i64[:, 5]
+    n, width = f64.shape
+    k = width - N_MOMENTS
+    g = -(-n // unit)
+    pad = g * unit - n
+    fp = i64[:, 5]
+    if pad:
+        empty = torch.zeros((pad, width), dtype=f64.dtype, device=f64.device)
+        empty[:, 2], empty[:, 3] = math.inf, -math.inf
+        f64 = torch.cat([f64, empty])
+        fp = torch.cat([fp, torch.zeros(pad, dtype=fp.dtype, device=fp.device)])
+    slot = torch.arange(g * unit, device=f64.device) % unit
+    lanes = torch.arange(k, device=f64.device)
+    # (X_t S)[c] = S[c ^ t]: sample t's bucket b lands in b ^ t
+    moved = f64[:, N_MOMENTS:].gather(1, lanes.unsqueeze(0) ^ slot.unsqueeze(1))
+    out = torch.empty((g, width), dtype=f64.dtype, device=f64.device)
+    out[:, N_MOMENTS:] = moved.view(g, unit, k).sum(1)
+    m = f64[:, :N_MOMENTS].view(g, unit, N_MOMENTS)
+    out[:, :2] = m[:, :, :2].sum(1)
+    out[:, 2] = m[:, :, 2].amin(1)
+    out[:, 3] = m[:, :, 3].amax(1)
+    out[:, 4] = m[:, :, 4].amax(1)
+    powers = torch.tensor(_unit_powers(unit, numel_s), dtype=torch.int64, device=fp.device)
+    fps = (fp.view(g, unit) * powers).sum(1)  # int64 products and sums wrap mod 2**64
+    return out, fps
+
+
+# --------------------------------------------------------------------------- eager
+
+
+@torch.no_grad()
+def digest_samples_eager(t: torch.Tensor, slayout: PieceLayout, dim: int, sketch_k: int, *,
+                         sync_free: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The digest of every sample of ``t`` along ``dim``, each placed by ``slayout`` (the
+    samples' common layout, `sample_layout`): ``(f64 [n, 5 + k], i64 [n, 6])`` on t's device,
+    row s equal to ``digest_piece(t.select(dim, s), slayout)``.
+
+    The samples share their keys and buckets, which are built once per chunk of sample indices
+    and broadcast over the samples of the chunk: a few ops per chunk of at most the workspace's
+    elements, whatever the number of samples (at most one chunk is copied)."""
+    t = t.detach()
+    x = t.movedim(dim, 0)
+    n = x.shape[0]
+    device = t.device
+    if sync_free is None:
+        sync_free = device.type != "cpu"
+    m = slayout.numel
+    f64 = torch.zeros((n, N_MOMENTS + sketch_k), dtype=torch.float64, device=device)
+    f64[:, 2], f64[:, 3] = math.inf, -math.inf
+    i64 = torch.zeros((n, 6), dtype=torch.int64, device=device)
+    i64[:, 0] = m
+    if n == 0 or m == 0:
+        return f64, i64
+    if tuple(x.shape[1:]) != slayout.shape and [s for s in x.shape[1:] if s != 1] != \
+            [s for s in slayout.shape if s != 1]:
+        raise ValueError(f"shape: samples {tuple(x.shape[1:])} != layout.shape {slayout.shape}")
+    ws = _workspace(device)
+    imap = _IndexMap.of(slayout)
+    bits_dtype = _bits_view(t.dtype)
+    mixed = hashing.mixed_dtype(t.dtype)
+    acc = torch.zeros((n, 2 * sketch_k), dtype=torch.float64, device=device)
+    if m <= ws.chunk:
+        # whole samples, as many as fit a chunk (a non-contiguous group is copied: one chunk)
+        rows_per = ws.chunk // m
+        for s0 in range(0, n, rows_per):
+            s1 = min(n, s0 + rows_per)
+            _block(x[s0:s1].reshape(s1 - s0, m), 0, ws, imap, sketch_k, f64[s0:s1],
+                   i64[s0:s1], acc[s0:s1], bits_dtype, mixed, sync_free)
+    else:
+        for s in range(n):  # samples over a chunk each: the per-sample loop costs nothing more
+            for a, chunk in _chunks(x[s], ws.chunk):
+                _block(chunk.view(1, -1), a, ws, imap, sketch_k, f64[s:s + 1], i64[s:s + 1],
+                       acc[s:s + 1], bits_dtype, mixed, sync_free)
+    f64[:, N_MOMENTS:] = acc[:, :sketch_k] - acc[:, sketch_k:]
+    f64[:, 4] = torch.where(f64[:, 2] <= f64[:, 3],
+                            torch.maximum(f64[:, 2].abs(), f64[:, 3].abs()), 0.0)
+    return f64, i64
+
+
+def _block(x: torch.Tensor, a: int, ws, imap: _IndexMap, k: int, f64: torch.Tensor,
+           i64: torch.Tensor, acc: torch.Tensor, bits_dtype, mixed: bool, sync_free: bool
+           ) -> None:
+    """Fold one block of ``r`` samples x ``c`` sample indices (from ``a``) into the rows."""
+    r, c = x.shape
+    rc = r * c
+    keys, bins = imap.keys_into(a, c, ws, k)
+    term = ws.term[:rc]
+    term.view(r, c).copy_(x.view(bits_dtype) if bits_dtype is not None else x)
+    if mixed:
+        hashing.mix64_(term, ws.tmp[:rc])
+    i64[:, 5] += term.view(r, c).mul_(keys.unsqueeze(0)).sum(1)  # wraps mod 2**64
+    f = ws.f64[:rc].view(r, c)
+    if x.dtype == torch.float16:
+        f.copy_(ws.f32[:rc].view(r, c).copy_(x))
+    else:
+        f.copy_(x)
+    i64[:, 4] += c - torch.count_nonzero(f, dim=1)
+    if not sync_free and math.isfinite(f.sum().item()):
+        lo, hi = torch.aminmax(f, dim=1)
+    else:
+        i64[:, 1] += torch.isnan(f).sum(1)
+        i64[:, 2] += (f == math.inf).sum(1)
+        i64[:, 3] += (f == -math.inf).sum(1)
+        finite = torch.isfinite(f)
+        lo = torch.where(finite, f, math.inf).amin(1)
+        hi = torch.where(finite, f, -math.inf).amax(1)
+        f.masked_fill_(finite.logical_not_(), 0.0)
+    torch.minimum(f64[:, 2], lo, out=f64[:, 2])
+    torch.maximum(f64[:, 3], hi, out=f64[:, 3])
+    f64[:, 0] += f.sum(1)
+    f64[:, 1] += (f * f).sum(1)
+    index = ws.tmp[:rc].view(r, c)
+    torch.add(bins.unsqueeze(0), (torch.arange(r, device=x.device) * (2 * k)).unsqueeze(1),
+              out=index)
+    acc.view(-1).scatter_add_(0, index.view(-1), f.view(-1))
