@@ -77,20 +77,23 @@ def _reduced(b: RunBuilder, rank: int, t: torch.Tensor, *, kind: int, count: int
     lay.reduce, lay.reduce_index, lay.reduce_count, lay.reduce_weight = kind, rank, count, weight
 
 
-def _loss_runs(db: Path, *, cand_loss, kind: int = MEAN, grad_factor: float = 1.0):
+def _loss_runs(db: Path, *, cand_loss, kind: int = MEAN, grad_factor: float = 1.0,
+               grads: bool = True, cand_register: dict | None = None):
     """A single-process reference (mean loss over 8 rows) against 2 dp ranks of 4 rows each,
     whose per-rank losses are `cand_loss(rows, global_rows)`, recorded with reduce `kind`;
-    parameter gradients equal, or the candidate's x `grad_factor`."""
+    parameter gradients equal, or the candidate's x `grad_factor` (none with `grads=False`)."""
     g = _gen(0)
     per_row = torch.randn(8, 16, generator=g).pow(2).mean(dim=1)
     gw = torch.randn(8, 8, generator=g)
     ref, cand = RunBuilder("ref"), RunBuilder("dp", world_size=2)
+    cand.register = dict(cand_register or {})
     ref.add_full(per_row.mean().reshape(()), **LOSS)
     for r in range(2):
         _reduced(cand, r, cand_loss(per_row[4 * r:4 * r + 4], 8), kind=kind, count=2,
                  weight=4.0)
-    _grad(ref, gw, "layers.0.weight")
-    _grad(cand, gw * grad_factor, "layers.0.weight", ranks=(0, 1))
+    if grads:
+        _grad(ref, gw, "layers.0.weight")
+        _grad(cand, gw * grad_factor, "layers.0.weight", ranks=(0, 1))
     write_runs(db, ref, cand)
     return compare_runs(db, "ref", "dp", preset_policy("fp32"))
 
@@ -115,16 +118,67 @@ def test_per_rank_sums_with_agreeing_gradients_pass_as_the_runs_convention(db):
     assert "per-rank losses are sums over its 2 dp ranks" in text
 
 
-def test_per_rank_sums_with_differing_gradients_stay_a_breach_said_why(db):
+def test_gradients_that_differ_by_another_factor_leave_the_loss_its_convention(db):
+    """The sum explains the losses exactly; the gradients are x1.5, which the loss's x0.5 (as
+    a mean) is not: the gradients are the finding, and the loss keeps its convention."""
     report = _loss_runs(db, cand_loss=_global_sum, grad_factor=1.5)
+    assert report.exit_code == 1
+    [said] = [w for w in report.warnings if "per-rank losses are sums" in w]
+    assert ("the parameter gradients differ (1 of 1, first grad layers.0.weight value @ step 0)"
+            ", but none by that x0.5: what differs is in them, not in the loss's reduction"
+            in said), said
+    assert not _finding(report, "loss").breach
+    first = report.first
+    assert (first.key.phase, first.key.site) == ("grad", "layers.0.weight"), first.headline()
+    assert "scaled by 1.50" in first.headline()
+
+
+def test_gradients_that_carry_the_losss_factor_keep_the_loss_a_breach_said_why(db):
+    """The gradients are x0.5, the very factor the mean leaves on the loss: the loss's scale
+    reaches training, so the sum is no reporting convention and the loss is the finding."""
+    report = _loss_runs(db, cand_loss=_global_sum, grad_factor=0.5)
     assert report.exit_code == 1
     assert not any("per-rank losses are sums" in w for w in report.warnings)
     loss = _finding(report, "loss")
-    assert loss.breach
+    assert loss.breach and report.first.key.phase == "loss"
     [why] = [n for n in loss.notes if "not taken as a convention" in n]
     assert why.startswith("merged as a sum over its 2 dp ranks, dp's per-rank losses equal "
-                          "ref's loss, but the parameter gradients differ too (1 of 1")
+                          "ref's loss, but the parameter gradients are x0.5 too (1 of 1, first "
+                          "grad layers.0.weight value @ step 0): the loss's scale reaches "
+                          "training"), why
     assert "not taken as a convention" in _flat(to_text(report))
+
+
+GLOBAL_MEAN = {"grad_scale": 1.0, "grad_scale_source": "declared: global_mean"}
+
+
+@pytest.mark.parametrize("grad_factor", [1.0, 0.5])
+def test_a_declared_global_normalization_is_taken_at_its_word_without_advice(db, grad_factor):
+    """attach(loss_normalization="global_mean") (torchtitan's FSDP convention) says the per-rank
+    losses add up: they are compared as sums with the declaration named and no advice to
+    declare what was declared; gradients averaged on top of it (x0.5) are the finding, named
+    as such, not the loss."""
+    report = _loss_runs(db, cand_loss=_global_sum, grad_factor=grad_factor,
+                        cand_register=GLOBAL_MEAN)
+    [said] = [w for w in report.warnings if "per-rank losses are sums" in w]
+    assert said.startswith("dp's per-rank losses are sums over its 2 dp ranks, as its declared "
+                           "loss_normalization='global_mean' says"), said
+    assert "declares it" not in _flat(to_text(report))
+    assert not _finding(report, "loss").breach
+    if grad_factor == 1.0:
+        assert report.exit_code == 0, to_text(report)
+    else:
+        assert report.first.key.phase == "grad"
+        assert any("averaged where the loss was already normalized globally" in n
+                   for n in report.first.notes), report.first.notes
+
+
+def test_per_rank_sums_without_gradients_stay_a_breach_said_why(db):
+    """Without parameter gradients nothing shows the step matches: the loss stays a breach."""
+    report = _loss_runs(db, cand_loss=_global_sum, grads=False)
+    assert report.exit_code == 1
+    [why] = [n for n in _finding(report, "loss").notes if "not taken as a convention" in n]
+    assert "no parameter gradient (phase grad) was captured" in why, why
 
 
 def test_per_rank_losses_neither_mean_nor_sum_are_a_breach(db):
