@@ -12,8 +12,11 @@ docs/comparison.md; the pieces of it that are pure functions live here:
   used), then microbatches ascending, then the parameter gradients (accumulated over the step);
 - within a microbatch: input < fwd < loss < bwd;
 - within a phase: pipeline stage order (reversed for bwd, which runs the last stage first), then
-  capture order, taken from the reference run's record ids (a rank's record ids ascend in the
-  order its agent captured them).
+  capture order: the order the agent's hooks fired, numbered by the agent on the training thread
+  (`Record.capture_order`; `auditor.compare.positions` reads a key's number across ranks,
+  `auditor.compare.order` across the two runs). Records of an agent before those numbers are
+  ordered by record id, the order they were stored in, which only approximates it (records
+  carrying a payload are stored after the others of their batch).
 """
 
 from __future__ import annotations
@@ -165,12 +168,14 @@ if TYPE_CHECKING:  # numpy loads with the engine, not with the CLI's policy pars
 
 
 def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stage: np.ndarray,
-               position: np.ndarray) -> np.ndarray:
+               position: np.ndarray, substage: np.ndarray | None = None) -> np.ndarray:
     """Indices that sort keys into execution order (see the module docstring).
 
-    ``position`` is a float capture position (the reference's record id; keys it lacks get a
+    ``position`` is a float capture position (in the reference's frame; keys it lacks get a
     position interpolated from the candidate's order, see `fill_positions`); ``stage`` is the
-    pipeline stage the key ran in (-1 when not pipelined).
+    pipeline stage the key ran in (-1 when not pipelined); ``substage``, when given, the stage
+    the run whose positions these are ran it in, which orders keys of one ``stage`` that ran in
+    several of that run's stages (reversed for bwd too).
     """
     import numpy as np
 
@@ -178,10 +183,14 @@ def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stag
     mb = microbatch.astype(np.int64).copy()
     mb[phase == pb.PHASE_PARAM] = MB_PARAM
     mb[np.isin(phase, AFTER_BACKWARD_PHASES)] = MB_GRAD
-    stage_rank = stage.astype(np.int64).copy()
     bwd = phase == pb.PHASE_BWD
+    stage_rank = stage.astype(np.int64).copy()
     stage_rank[bwd] = -stage_rank[bwd]
-    return np.lexsort((position, stage_rank, phase_rank, mb, step))
+    if substage is None:
+        return np.lexsort((position, stage_rank, phase_rank, mb, step))
+    sub_rank = substage.astype(np.int64).copy()
+    sub_rank[bwd] = -sub_rank[bwd]
+    return np.lexsort((position, sub_rank, stage_rank, phase_rank, mb, step))
 
 
 def _lookup(values: np.ndarray, table: Mapping[int, int], default: int) -> np.ndarray:

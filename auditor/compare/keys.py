@@ -14,6 +14,7 @@ import numpy as np
 
 from auditor.compare.merge import (INCOMPLETE, NONE, REDUCE_MEAN, REDUCE_SUM, REPLICA_DIVERGENCE,
                                    TilingPlan, plan_tiling)
+from auditor.compare.positions import key_positions
 from auditor.compare.ranges import format_ranges
 from auditor.compare.segments import ranges_index, unique
 
@@ -48,7 +49,8 @@ class LogicalKeys:
     has_moments: np.ndarray
     stage: np.ndarray
     pos: np.ndarray
-    """Capture position: record id of the first piece."""
+    """Capture position (float64) in execution order within the run, comparable between keys
+    of one (step, microbatch, phase, stage) group (`positions.key_positions`)."""
     taken_start: np.ndarray
     taken_row: np.ndarray
     taken_coef: np.ndarray
@@ -60,6 +62,9 @@ class LogicalKeys:
     messages: dict[int, str]
     """Why a key is incomplete or its replicas diverge."""
     bad_ranks: dict[int, tuple[int, ...]]
+    numbered: bool = True
+    """Positions come from the agents' capture numbers; False: from record ids (a run stored
+    by agents before capture numbers), which approximate execution order by storage order."""
 
     def __len__(self) -> int:
         return len(self.A)
@@ -135,12 +140,14 @@ def build_keys(cols, catalog) -> LogicalKeys:
     taken_start = np.searchsorted(tk, np.arange(G + 1))
     conflict = (np.add.reduceat(((cols.flags & 4) != 0).astype(np.int64), starts)
                 if G else np.zeros(0, np.int64))
+    pos, numbered = key_positions(cols, starts, counts)
     return LogicalKeys(
         A=cols.A[starts], B=cols.B[starts], first=starts, count=counts, status=status,
         dtype=dtype, shape=shape, numel=numel, nonfinite=nonfinite, all_zero=zeros, fp=fp,
         exact=exact, partial=partial, has_moments=has_moments, stage=cols.stage[starts],
-        pos=cols.rid[starts], taken_start=taken_start, taken_row=tr, taken_coef=tc,
+        pos=pos, taken_start=taken_start, taken_row=tr, taken_coef=tc,
         reduced=reduced, conflict=conflict, messages=messages, bad_ranks=bad_ranks,
+        numbered=numbered,
     )
 
 

@@ -13,6 +13,7 @@ from auditor.compare.columns import Catalog, ReadMark, RunColumns
 from auditor.compare.keys import LogicalKeys
 from auditor.compare.localize import localize
 from auditor.compare.metrics import PayloadUnavailable
+from auditor.compare.order import APPROXIMATED
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
 from auditor.compare.regroup import regroup
@@ -47,6 +48,10 @@ class LiveComparison:
     regrouped once that step is complete in both runs (every rank past it, or finished): until
     then a step whose keys disagree in logical shape between the runs holds back its
     per-microbatch keys, which would otherwise read as shape differences and missing keys.
+
+    Each poll reports its keys in execution order, the order the agents' hooks fired
+    (`auditor.compare.order`); for runs stored by agents before capture numbers it is storage
+    order, which a status event says once.
     """
 
     def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None) -> None:
@@ -176,7 +181,10 @@ class LiveComparison:
             return []
         self._lines = []
         comp = self._evaluate(rc, cc, math.inf if everything else past)
-        fresh = [line for line in self._lines if line not in self._notes]
+        # the regrouping's lines, and whether execution order rests on storage order (runs
+        # stored by agents before capture numbers): each reported once
+        lines = self._lines + [w for w in self.catalog.warnings if w.startswith(APPROXIMATED)]
+        fresh = [line for line in lines if line not in self._notes]
         self._notes.update(fresh)
         rk, ck = comp.ref_keys, comp.cand_keys
         step = comp.A >> 24

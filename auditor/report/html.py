@@ -55,17 +55,28 @@ def _state(f: dict) -> int:
 
 
 class _Heatmap:
-    """One phase's cells, before bucketing: per (site, column) the worst state and metric."""
+    """One phase's cells, before bucketing: per (site, column) the worst state and metric.
+
+    Rows are the sites in execution order: by the earliest place any of a site's findings
+    has in it (their ``order``), whatever order the findings come in."""
 
     def __init__(self, phase: str) -> None:
         self.phase = phase
         self.sites: dict[str, int] = {}
+        self.first: list[float] = []
+        """Per site (by its index in `sites`): its earliest finding's execution order."""
         self.cols: set[tuple[int, int]] = set()
         self.cells: dict[tuple[int, tuple[int, int]], list] = {}
 
     def add(self, f: dict) -> tuple[int, tuple[int, int]]:
         k = f["key"]
         site = self.sites.setdefault(k["site"], len(self.sites))
+        order = f.get("order")
+        order = math.inf if order is None else order
+        if site == len(self.first):
+            self.first.append(order)
+        elif order < self.first[site]:
+            self.first[site] = order
         col = (k["step"], k["microbatch"])
         self.cols.add(col)
         cell = self.cells.get((site, col))
@@ -82,9 +93,14 @@ class _Heatmap:
     def build(self) -> tuple[dict, dict, dict]:
         """The page's heatmap, with maps of site index and column to their (bucketed) row and
         column."""
-        sites = list(self.sites)
+        by_order = sorted(range(len(self.sites)), key=lambda i: (self.first[i], i))
+        names = list(self.sites)
+        sites = [names[i] for i in by_order]
         cols = sorted(self.cols)
-        row_of, row_labels = _buckets(sites, MAX_ROWS, lambda s: s)
+        rank_of, row_labels = _buckets(sites, MAX_ROWS, lambda s: s)
+        row_of = [0] * len(sites)  # by site index, as `add` numbered them
+        for r, i in enumerate(by_order):
+            row_of[i] = rank_of[r]
         col_pos, col_labels = _buckets(cols, MAX_COLS, _col_label)
         col_of = {c: col_pos[i] for i, c in enumerate(cols)}
         cells: dict[tuple[int, int], list] = {}

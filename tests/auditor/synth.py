@@ -92,11 +92,19 @@ class RunBuilder:
     """Extra RegisterRequest fields for every rank (grad_scale, mesh_shape, ...)."""
     mesh: dict[int, list[int]] = field(default_factory=dict)
     """Mesh coordinate per rank."""
+    numbered: bool = True
+    """Records carry their capture order (each rank's records numbered 1, 2, ... in the order
+    they are added, as an agent numbers its captures); False: as an earlier build's agent sent
+    them (0, not numbered)."""
+
+    def _append(self, rank: int, rec: pb.Record) -> None:
+        recs = self.records.setdefault(rank, [])
+        rec.capture_order = len(recs) + 1 if self.numbered else 0
+        recs.append(rec)
 
     def add(self, rank: int, t: torch.Tensor, layout: PieceLayout | None = None, **key) -> None:
         layout = layout or PieceLayout.full(tuple(t.shape))
-        self.records.setdefault(rank, []).append(
-            piece_record(t, layout, sketch_k=self.sketch_k, **key))
+        self._append(rank, piece_record(t, layout, sketch_k=self.sketch_k, **key))
 
     def add_full(self, t: torch.Tensor, *, ranks: Sequence[int] | None = None, **key) -> None:
         """The whole tensor on one rank (rank 0), or replicated on several ranks."""
@@ -112,7 +120,7 @@ class RunBuilder:
             self.add(r, piece, lay, **key)
 
     def add_none(self, rank: int, **key) -> None:
-        self.records.setdefault(rank, []).append(none_record(**key))
+        self._append(rank, none_record(**key))
 
     def write(self, db: Path, *, batch_size: int = 512) -> None:
         writer = open_writer(db, synchronous="NORMAL")
