@@ -301,6 +301,7 @@ def attach(
     cfg = apply_env(_replace(base, **overrides, **options))
     check(cfg)
     ident = rank_identity(mesh, dp_dim=_given(dp_dim, cfg.dp_dim),
+                          dp_dims=tuple(cfg.dp_dims) if cfg.dp_dims else None,
                           dp_rank=_given(dp_rank, cfg.dp_rank),
                           dp_size=_given(dp_size, cfg.dp_size), stages=tuple(stages))
     ident.dtype, ident.seed, ident.labels = dtype, seed, dict(labels or {})

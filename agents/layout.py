@@ -217,6 +217,40 @@ def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int,
     )
 
 
+def holds_batch(local_shape: Sequence[int], dim: int, rows: int | None) -> bool:
+    """Whether a tensor of `local_shape` can hold this rank's `rows` samples of the microbatch
+    on batch dim `dim` (the batch's own rows: agents.layout.batch_rows).
+
+    False for a tensor of size 1 on that dim while the microbatch holds more: an output that
+    does not depend on the batch and is broadcast over it, such as transformers' rotary
+    ``cos``/``sin`` of shape ``[1, seq, dim]``, the same on every dp rank: a replica, not a
+    rank's share of the batch. True when `rows` is unknown or 1 (a microbatch of one sample
+    per rank cannot tell: the auditor recognizes such replicas by their fingerprints), and for
+    tensors without that dim (placed as `batch_layout` says).
+    """
+    if rows is None or rows <= 1 or dim >= len(local_shape):
+        return True
+    return int(local_shape[dim]) != 1
+
+
+def batch_rows(args: Sequence[Any], kwargs: dict, dim: int) -> int | None:
+    """A model call's samples: the size on batch dim `dim` of its first positional tensor, else
+    the largest among its keyword tensors (transformers' ``input_ids``, ``attention_mask`` and
+    ``labels`` hold the batch where ``position_ids`` may be ``[1, seq]``); None without one."""
+    for a in args:
+        if isinstance(a, _tensor_type()) and a.dim() > dim:
+            return int(a.shape[dim])
+    sizes = [int(v.shape[dim]) for v in kwargs.values()
+             if isinstance(v, _tensor_type()) and v.dim() > dim]
+    return max(sizes) if sizes else None
+
+
+def _tensor_type():
+    import torch
+
+    return torch.Tensor
+
+
 def reduction_layout(local_shape: Sequence[int], reduce: str, weight: float, dp_rank: int,
                      dp_size: int, *, replica: bool = False) -> PieceLayout:
     """Layout of a value that is this dp rank's reduction (mean or sum) over its batch share.
