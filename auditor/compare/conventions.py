@@ -177,22 +177,25 @@ def _exact_after_factor(comp: Comparison, ref_info: dict, cand_info: dict) -> li
     """The warning naming the activation gradients that the exact metric (the bitwise preset)
     passed as the reference times the factor the runs' conventions imply
     (`auditor.compare.slow`): they differ bitwise by design."""
-    keys = [i for i in comp.memo.get("exact_after_factor", ()) if not comp.breach[i]]
+    proofs = comp.memo.get("exact_after_factor", {})
+    keys = [i for i in proofs if not comp.breach[i]]
     if not keys:
         return []
-    bits = sum(1 for i in keys if i in comp.memo.get("scaled_bits", ()))
-    how = (f"{bits} bit for bit (their fingerprints are the scaled reference's), the others "
-           "within one rounding" if bits and bits < len(keys) else
-           "bit for bit (their fingerprints are the scaled reference's)" if bits else
-           "within one rounding of the dtype")
+    count = {p: sum(1 for i in keys if proofs[i] == p) for p in ("bits", "bytes", "digests")}
+    how = "; ".join(f"{n} {what}" for n, what in (
+        (count["bits"], "bit for bit (the fingerprint moved with the factor)"),
+        (count["bytes"], "from both runs' bytes"),
+        (count["digests"], "from sketches and moments equal to the last bit (uncertain: no "
+                           "fingerprint or bytes prove every element)")) if n)
     source = (f"inferred from the evidence ({comp.bwd_inferred})" if comp.bwd_inferred else
               "of the runs' declared or inferred loss normalizations (grad_scale "
               f"{_scale(cand_info)} of {comp.cand.name} over {_scale(ref_info)} of "
               f"{comp.ref.name})")
     named = factors.name_factor(comp.bwd_factor, factors.run_counts(comp, BWD))
     return [f"activation gradients (phase bwd): {len(keys)} compared by the exact metric are "
-            f"{comp.ref.name}'s x{F.format_float(comp.bwd_factor)} in {comp.cand.name}, {how}: "
-            f"the factor {source}{f' ({named})' if named else ''}, so they pass"]
+            f"exactly {comp.ref.name}'s x{F.format_float(comp.bwd_factor)} in "
+            f"{comp.cand.name} ({how}): the factor {source}"
+            f"{f' ({named})' if named else ''}, so they pass"]
 
 
 def _scale(info: dict) -> str:

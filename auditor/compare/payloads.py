@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from auditor.compare.segments import segment_reduce
-from auditor.compare.metrics import (FLOAT_DTYPES, ITEMSIZE, PayloadUnavailable, bits_to_values,
-                                     decode_payload, payload_metrics)
+from auditor.compare.metrics import (EPS64, FLOAT_DTYPES, ITEMSIZE, MACHINE_EPS,
+                                     PayloadUnavailable, bits_to_values, decode_payload,
+                                     payload_metrics)
 
 if TYPE_CHECKING:
     from auditor.compare.comparison import Comparison
@@ -42,9 +43,11 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
     except PayloadUnavailable as exc:
         comp.notes.setdefault(i, []).append(f"payload not used: {exc}")
         return
+    factor_exact = None
     if ref_scale != 1.0:
         ref_vals = ref_vals * ref_scale
         ref_bits = None
+        factor_exact = _factor_exact(ref_vals, cand_vals, ref_scale, dt_c)
     pm = payload_metrics(ref_vals, cand_vals, rtol=rtol, atol=atol, ref_bits=ref_bits,
                          cand_bits=cand_bits,
                          ulp_ok=dt_r == dt_c and dt_r in FLOAT_DTYPES and ref_bits is not None
@@ -61,12 +64,28 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
     # (pieces re-placed by auditor.compare.uneven or regroup have no usable fingerprint)
     d["_bitwise"] = bool(ref_bits is not None and cand_bits is not None and dt_r == dt_c
                          and np.array_equal(ref_bits, cand_bits))
+    if factor_exact is not None:
+        d["_factor_exact"] = factor_exact
     comp.payload[i] = d
     comp.payload[i]["rel_l2"] = pm.rel_l2
     comp.payload[i]["allclose"] = pm.allclose
     comp.payload[i]["max_abs"] = pm.max_abs
     comp.payload[i]["max_rel"] = pm.max_rel
     comp.payload[i]["ulp"] = pm.ulp
+
+
+def _factor_exact(scaled: np.ndarray, cand: np.ndarray, f: float, dtype: str) -> bool:
+    """Whether every candidate element is the scaled reference's (`scaled` = reference x f, in
+    float64): equal to the last bit for a power of two (the product is exact), else within one
+    rounding of the dtype; non-finite elements must match too."""
+    if scaled.shape != cand.shape:
+        return False
+    if math.frexp(f)[0] == 0.5:
+        return bool(np.array_equal(scaled, cand, equal_nan=True))
+    eps = MACHINE_EPS.get(dtype, EPS64)
+    fin = np.isfinite(scaled)
+    return bool(np.array_equal(scaled[~fin], cand[~fin], equal_nan=True)
+                and np.all(np.abs(cand[fin] - scaled[fin]) <= eps * np.abs(scaled[fin])))
 
 
 def logical_values(comp: Comparison, which: str, g: int):

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from auditor.compare import findings as F
+from auditor.compare import per_sample
 from auditor.compare.columns import Catalog
 from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
 from auditor.compare.align import PHASE_IDS
@@ -146,6 +147,50 @@ def _scaled_exactly(comp: Comparison, keys: np.ndarray, ri: np.ndarray, ci: np.n
     return out
 
 
+def _digests_scaled(R: dict, C: dict, j: int) -> bool:
+    """Whether key j's candidate digests are exactly the reference's as scaled (`scale_bwd`):
+    sketch and moments equal to the last bit, as a power-of-two factor makes them."""
+    return all(np.array_equal(np.asarray(C[k][j]), np.asarray(R[k][j]), equal_nan=True)
+               for k in ("sketch", "sum", "sum_sq", "min", "max", "abs_max"))
+
+
+def _exact_after_factor(comp: Comparison, i: int, f: float, dt: str, bits: bool,
+                        payload: dict | None, digests: bool) -> tuple[bool, bool]:
+    """(breach, uncertain) of activation gradient i under the exact metric, against the
+    reference times the factor f the runs' conventions imply, with a note saying how, and
+    remembered for the run-level warning (`auditor.compare.conventions`).
+
+    Bit for bit where the candidate's fingerprint is the scaled reference's (a power of two
+    over elements that are all normal); else from both runs' bytes (every element the scaled
+    reference's exactly, or within one rounding of the dtype for a factor that is no power of
+    two); else, for a power of two, from digests that are exactly the scaled reference's
+    (sketch and moments to the last bit): passing, but uncertain, since no bytes prove every
+    element; anything else breaches."""
+    power = math.frexp(f)[0] == 0.5
+    if bits:
+        ok, unc, how, proof = True, False, "", "bits"  # said with the fingerprint check
+    elif payload is not None:
+        ok, unc, proof = bool(payload.get("_factor_exact")), False, "bytes"
+        how = ("every element from both runs' bytes" if power else
+               f"every element within one rounding in {dt}, from both runs' bytes")
+    else:
+        ok, unc, proof = power and digests, power and digests, "digests"
+        how = ("from sketch and moments equal to the last bit (no fingerprint or bytes prove "
+               "every element: a fingerprint moves with a power of two over elements that are "
+               "all normal, no zero)" if ok else
+               "no fingerprint or bytes to prove it" + ("" if power else
+                                                        f" (x{format_float(f)} is no power of "
+                                                        "two: only bytes can)"))
+    if how:
+        verdict = "exactly" if ok else "not shown to be exactly"
+        comp.notes.setdefault(i, []).append(
+            f"the exact metric, after the x{format_float(f)}: {verdict} the scaled reference, "
+            f"{how}")
+    if ok:
+        comp.memo.setdefault("exact_after_factor", {})[i] = proof
+    return not ok, unc
+
+
 def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rtol_all, atol_all,
                reader: Reader, elementwise_all: np.ndarray | None = None) -> None:
     """Metrics and verdicts for keys whose fingerprints could not decide."""
@@ -185,7 +230,20 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
         cos_s = np.where(sketch_ok, sm.cos_sigma, np.nan)
     else:
         dist, dist_sigma = lb, np.full(n, np.nan)
-        cos_d = cos_s = np.full(n, np.nan)
+        cos_d, cos_s = np.full(n, np.nan), np.full(n, np.nan)
+    # pieces the auditor placed (regrouped, uneven rows) left no sketch: per-sample digests
+    sampled = per_sample.measure(comp, keys, ~sketch_ok & ~scaled_exact, rn, cn, numel,
+                                 ref_scale)
+    if sampled is not None:
+        got = sampled.ok
+        lb = np.where(got, np.maximum(lb, sampled.lower), lb)
+        dist = np.where(got, np.maximum(sampled.dist, lb), dist)
+        dist_sigma = np.where(got, sampled.dist_sigma, dist_sigma)
+        cos_d = np.where(got, sampled.cos_dist, cos_d)
+        cos_s = np.where(got, sampled.cos_sigma, cos_s)
+        sketch_ok = sketch_ok | got
+        for j, note in sampled.notes.items():
+            comp.notes.setdefault(int(keys[j]), []).append(note)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(rn > 0, dist / rn, np.where(dist > 0, np.inf, 0.0))
         rel_sigma = np.where(rn > 0, dist_sigma / rn, np.nan)
@@ -208,6 +266,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             resid = C["sketch"] - alpha[:, None] * R["sketch"]
             comp.scaled_resid[keys] = np.where(
                 sketch_ok & (cn > 0), np.sqrt(np.einsum("ij,ij->i", resid, resid)) / cn, np.nan)
+    if sampled is not None:
+        comp.scaled_resid[keys[sampled.ok]] = sampled.scaled_resid[sampled.ok]
     for j in np.flatnonzero(~sketch_ok & ~scaled_exact):
         comp.notes.setdefault(int(keys[j]), []).append(
             "sketches not comparable (different bucket counts or seeds, or pieces re-placed by the "
@@ -250,10 +310,12 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     for j in np.flatnonzero(exact_fallback):
         dt = cat.dtypes[comp.cand_keys.dtype[ci[j]]]
         eps = MACHINE_EPS.get(dt, EPS64)
+        explicit[j] = eps
+        if ref_scale[j] != 1.0:  # equal bits would be a difference: the factor is the test
+            continue
         comp.notes.setdefault(int(keys[j]), []).append(
             "exact comparison unavailable (Partial placement or other seeds): compared by rel_l2 "
             f"against one rounding in {dt} ({eps:.3g})")
-        explicit[j] = eps
     eff[exact_fallback] = REL_L2
 
     value = np.full(n, np.nan)
@@ -339,6 +401,13 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             code_out[j] = METRIC_CODES["max_abs"]
     comp.metric[keys] = code_out
     breach, unc = F.judge(value, sig, thr, pol.sigmas, pol.on_uncertain, certain)
+    for j in np.flatnonzero(exact_fallback & (ref_scale != 1.0)):
+        dt = cat.dtypes[comp.cand_keys.dtype[ci[j]]]
+        breach[j], unc[j] = _exact_after_factor(
+            comp, int(keys[j]), float(ref_scale[j]), dt, bool(scaled_exact[j]),
+            comp.payload.get(int(keys[j])) if pm_ok[j] else None,
+            _digests_scaled(R, C, j) if sketch_ok[j] else False)
+        breach[j] |= unc[j] and pol.on_uncertain == "breach"
     # Without comparable sketches or payloads, a sketch metric is only its lower bound: a value
     # under the threshold proves nothing, so it is uncertain and breaches unless the policy
     # says uncertain findings pass.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
+from auditor.compare.policy import parse_policy, preset_policy
 from auditor.report.json_report import to_json
 from auditor.report.text import to_text
 from protos import numaudit_pb2 as pb
@@ -258,3 +258,83 @@ def test_reductions_with_bitwise_equal_addends_are_identical(db):
 def test_reductions_whose_addends_differ_are_not_identical(db, addends, weights):
     f = _two_dp_runs(db.with_name(f"{addends[0]}-{weights[0]}.db"), addends, weights)
     assert f.verdict != "identical"
+
+
+# -- exact factors under the exact metric (issue 37: DualPipeV scale_grads vs loss / M) --------
+
+def _scaled_bwd_runs(db: Path, *, payload: bool, zeros: bool, factor: float = 4.0,
+                     nudge: bool = False, ref_register=None, cand_register=None):
+    """A reference that declared grad_scale 1/4 (each microbatch's loss divided by 4
+    accumulation steps) against a candidate whose activation gradients are x4 (a pipeline
+    schedule backpropagating each microbatch's loss as is), compared under the bitwise preset.
+    `zeros`: some elements are exactly 0 (a ReLU's gradient); `nudge`: one element of the
+    candidate is one float32 ulp off the scaled reference."""
+    g = torch.Generator().manual_seed(7)
+    ref, cand = RunBuilder("acc"), RunBuilder("pp")
+    ref.register = ref_register or {"grad_scale": 0.25, "grad_scale_source": "declared: grad_scale"}
+    cand.register = cand_register or {"grad_scale": 1.0,
+                                      "grad_scale_source": "inferred: one data-parallel rank"}
+    gw = torch.randn(16, 16, generator=g)
+    for site in ("layers.0", "layers.1"):
+        gy = torch.randn(8, 64 if payload else 4096, generator=g)
+        if zeros:
+            gy[gy < -1] = 0.0
+        c = gy * factor
+        if nudge and site == "layers.1":
+            c.view(-1)[5] = torch.nextafter(c.view(-1)[5], torch.tensor(1e9))
+        key = dict(step=0, microbatch=0, phase="bwd", site=site, role="grad_output",
+                   payload=payload)
+        ref.add_full(gy, **key)
+        cand.add_full(c, **key)
+    for b in (ref, cand):
+        b.add_full(gw, step=0, microbatch=-1, phase="grad", site="layers.0.weight", role="value")
+    write_runs(db, ref, cand)
+    return compare_runs(db, "acc", "pp", preset_policy("bitwise"))
+
+
+@pytest.mark.parametrize("payload, zeros", [(True, True), (False, False), (False, True)])
+def test_an_exact_declared_factor_passes_the_bitwise_preset_named_in_the_warnings(
+        db, payload, zeros):
+    """Before, every activation gradient breached: unequal fingerprints decided under the exact
+    metric before the factor was applied."""
+    report = _scaled_bwd_runs(db, payload=payload, zeros=zeros)
+    assert report.exit_code == 0, to_text(report)
+    [said] = [w for w in report.warnings if "compared by the exact metric" in w]
+    assert said.startswith("activation gradients (phase bwd): 2 compared by the exact metric "
+                           "are exactly acc's x4 in pp (2 "), said
+    # every element normal: the fingerprint moves with x4; else the bytes, else the digests
+    proof = ("bit for bit" if not zeros else "from both runs' bytes" if payload else
+             "from sketches and moments equal to the last bit (uncertain")
+    assert proof in said, said
+    assert "grad_scale 1 of pp over 0.25 of acc" in said, said
+    bwd = next(f for f in report.findings() if f.key.phase == "bwd")
+    assert bwd.verdict == "close" and bwd.value == 0.0
+    assert bwd.uncertain == (not payload and zeros)
+    if not payload and zeros:  # the digests cannot prove every bit: a policy may refuse that
+        strict = parse_policy('preset = "bitwise"\non_uncertain = "breach"\n')
+        assert compare_runs(db, "acc", "pp", strict).exit_code == 1
+
+
+@pytest.mark.parametrize("payload", [True, False])
+def test_an_exact_factor_with_one_element_off_still_breaches_the_bitwise_preset(db, payload):
+    report = _scaled_bwd_runs(db, payload=payload, zeros=False, nudge=True)
+    assert report.exit_code == 1
+    assert report.first.key.site == "layers.1" and report.first.key.phase == "bwd"
+    said = " ".join(report.warnings)
+    assert "1 compared by the exact metric" in said, said
+
+
+def test_an_inferred_scale_is_taken_under_the_bitwise_preset_too(db):
+    """Agents inferred x2 for the candidate's 2 dp ranks (a per-rank mean loss); its activation
+    gradients are the reference's (a loss normalized by the whole batch, gradients summed): the
+    scale is read from the evidence under the exact metric as under any other."""
+    report = _scaled_bwd_runs(
+        db, payload=False, zeros=True, factor=1.0,
+        ref_register={"grad_scale": 1.0, "grad_scale_source": "inferred: one data-parallel rank"},
+        cand_register={"grad_scale": 2.0, "grad_scale_source": "inferred: per-rank mean loss "
+                                                                "with gradients averaged over 2 "
+                                                                "dp ranks (DDP/FSDP default)"})
+    assert report.exit_code == 0, to_text(report)
+    assert any("compared after the x1 inferred from the evidence" in w
+               for w in report.warnings), report.warnings
+    assert {f.verdict for f in report.findings()} == {"identical"}
