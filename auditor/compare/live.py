@@ -16,7 +16,7 @@ from auditor.compare.metrics import PayloadUnavailable
 from auditor.compare.order import APPROXIMATED
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
-from auditor.compare.regroup import regroup
+from auditor.compare.replicas import regroup_with_replicas
 from auditor.compare.segments import ranges_index
 from auditor.compare.uneven import place_uneven
 from auditor.compare.verdicts import evaluate
@@ -167,8 +167,8 @@ class LiveComparison:
         old_r, old_c = (rc.A >> 24) < before, (cc.A >> 24) < before
         if not old_r.any() or not old_c.any():
             return rc, cc
-        gr, gc, lines = regroup(rc.take(np.flatnonzero(old_r)), cc.take(np.flatnonzero(old_c)),
-                                self.catalog)
+        gr, gc, lines = regroup_with_replicas(rc.take(np.flatnonzero(old_r)),
+                                              cc.take(np.flatnonzero(old_c)), self.catalog)
         self._lines = lines
         if old_r.all() and old_c.all():
             return gr, gc
