@@ -106,6 +106,9 @@ def _cause(comp: Comparison, i: int) -> F.Cause:
         zero = _zero_cut(comp, i, p)
         if zero is not None:
             return zero
+        seed = _seed_cause(comp, i, p)
+        if seed is not None:
+            return seed
     if p >= 0:
         return _judged(comp, p, "the previous capture in execution order", i)
     return _block_start_cause(comp, step)
@@ -175,6 +178,36 @@ def _zero_cut(comp: Comparison, i: int, p: int) -> F.Cause | None:
         return F.Cause("introduced", f"{text} between {comp.key(p)}, which matched, and this "
                                      "capture)", comp.key(p))
     return F.Cause("introduced", text + ")", comp.key(p) if p >= 0 else None)
+
+def _seed_cause(comp: Comparison, i: int, p: int) -> F.Cause | None:
+    """The first activation gradient of its microbatch's backward, after a loss (or forward)
+    that matched: it is computed from where backward starts, the seed (the scale the loss's
+    backward starts from) and the loss function's own gradient, not by its module."""
+    if p < 0 or int(comp.A[p] & 0xF) == PHASE_IDS["bwd"] or comp.breach[p]:
+        return None
+    prev, key = comp.key(p), comp.key(i)
+    matched = f"{prev} {F.VERDICT_NAMES[int(comp.verdict[p])]}"
+    f = float(comp.scaled_by[i]) if comp.scaled_by is not None else np.nan
+    if not np.isfinite(f):
+        return F.Cause("introduced", f"the first activation gradient of backward differs while "
+                                     f"the capture before it matched ({matched}): what differs "
+                                     "is where backward starts, the seed (the scale the loss's "
+                                     "backward starts from) or the loss function's gradient, "
+                                     f"rather than what {key.site} computes", prev)
+    from auditor.compare.factors import name_factor, run_counts
+
+    named = name_factor(f, run_counts(comp, PHASE_IDS["bwd"]))
+    beyond = (" beyond the factor the runs' loss normalizations imply" if comp.bwd_factor != 1.0
+              else "")
+    return F.Cause("introduced", f"the first activation gradient of backward is "
+                                 f"{comp.cand.name}'s = {comp.ref.name}'s x{F.format_float(f)}"
+                                 f"{beyond} while the capture before it matched ({matched}): "
+                                 "what differs is the backward seed, the scale the loss's "
+                                 "backward starts from (the loss multiplied or divided between "
+                                 "its capture and backward(): by a count of ranks or "
+                                 "microbatches, or a loss scaler), not what "
+                                 f"{key.site} computes" + (f" ({named})" if named else ""), prev)
+
 
 ROUNDING_AMPLIFICATION = 100.0
 """A module 'amplifies a rounding difference' only while its own difference stays within this

@@ -273,3 +273,48 @@ def test_watch_announces_the_first_divergence_with_the_runs_gradient_scale(tmp_p
     want = compare_runs(db, "ref", "cand", preset_policy("fp32")).first
     assert (want.key.phase, want.key.site) == ("grad", "layers.0.weight")
     assert _watched_first(db).key == want.key
+
+
+def _seed_runs(db: Path, factor: float, *, head_delta: float = 0.0, loss: bool = True):
+    """A head whose activation gradient, the first of backward, is the reference's x `factor`
+    (and + `head_delta` on one element) after a loss that matches; the gradients that follow
+    carry the same factor."""
+    g = torch.Generator().manual_seed(4)
+    x, y, gy, gx = (torch.randn(8, 16, generator=g) for _ in range(4))
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b, k in ((ref, 1.0), (cand, factor)):
+        b.add_full(x, step=0, microbatch=0, phase="fwd", site="body", role="output")
+        b.add_full(y, step=0, microbatch=0, phase="fwd", site="head", role="output")
+        if loss:
+            b.add_full(y.square().mean(), step=0, microbatch=0, phase="loss", site="loss",
+                       role="value")
+        head = gy * k
+        if k != 1.0 and head_delta:
+            head[0, 0] += head_delta
+        b.add_full(head, step=0, microbatch=0, phase="bwd", site="head", role="grad_output")
+        b.add_full(gx * k, step=0, microbatch=0, phase="bwd", site="body", role="grad_output")
+    write_runs(db, ref, cand)
+    return compare_runs(db, "ref", "cand", preset_policy("fp32")).first
+
+
+def test_an_exact_factor_at_the_first_activation_gradient_is_the_backward_seed(tmp_path):
+    """Before: "introduced … the module computes otherwise" at head; what differs is the scale
+    backward starts from."""
+    f = _seed_runs(tmp_path / "a.db", 2.0)
+    assert (f.key.phase, f.key.site) == ("bwd", "head")
+    assert f.cause.kind == "introduced"
+    assert f.cause.reason.startswith("the first activation gradient of backward is cand's = "
+                                     "ref's x2 while the capture before it matched (loss loss "
+                                     "value @ step 0 mb 0 identical): what differs is the "
+                                     "backward seed, the scale the loss's backward starts from")
+    assert "not what head computes" in f.cause.reason
+    assert "computes otherwise" not in f.cause.reason
+
+
+def test_any_difference_at_the_first_activation_gradient_points_at_where_backward_starts(
+        tmp_path):
+    f = _seed_runs(tmp_path / "a.db", 2.0, head_delta=3.0, loss=False)
+    assert (f.key.phase, f.key.site) == ("bwd", "head")
+    assert f.cause.reason.startswith("the first activation gradient of backward differs while "
+                                     "the capture before it matched (fwd head output @ step 0 "
+                                     "mb 0 identical): what differs is where backward starts")
