@@ -194,9 +194,6 @@ def _seed_cause(comp: Comparison, i: int, p: int) -> F.Cause | None:
                                      "is where backward starts, the seed (the scale the loss's "
                                      "backward starts from) or the loss function's gradient, "
                                      f"rather than what {key.site} computes", prev)
-    from auditor.compare.factors import name_factor, run_counts
-
-    named = name_factor(f, run_counts(comp, PHASE_IDS["bwd"]))
     beyond = (" beyond the factor the runs' loss normalizations imply" if comp.bwd_factor != 1.0
               else "")
     return F.Cause("introduced", f"the first activation gradient of backward is "
@@ -206,7 +203,8 @@ def _seed_cause(comp: Comparison, i: int, p: int) -> F.Cause | None:
                                  "backward starts from (the loss multiplied or divided between "
                                  "its capture and backward(): by a count of ranks or "
                                  "microbatches, or a loss scaler), not what "
-                                 f"{key.site} computes" + (f" ({named})" if named else ""), prev)
+                                 f"{key.site} computes (the finding's note names the "
+                                 "factor)", prev)
 
 
 ROUNDING_AMPLIFICATION = 100.0

@@ -18,7 +18,7 @@ import numpy as np
 from auditor.compare import causes
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare import tied
+from auditor.compare import parents, tied
 from auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.keys import LogicalKeys
@@ -212,6 +212,9 @@ class Comparison:
         if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND):
             side, run = ("ref", self.ref.name) if v == F.MISSING_IN_REF else ("cand",
                                                                              self.cand.name)
+            unrun = parents.missing_detail(self, i, side)
+            if unrun:
+                return unrun
             text = tied.missing_detail(self, i, side) or (
                 f"not in {run}'s state (not saved, or left out when it was saved or loaded)"
                 if int(self.A[i] & 0xF) == PHASE_IDS["state"] else f"not captured in {run}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from auditor.compare import findings as F
+from auditor.compare import parents
 from auditor.compare.align import PHASE_IDS
 from auditor.compare.breaks import graph_breaks
 from auditor.compare.causes import excluded_by_policy
@@ -66,7 +67,8 @@ class Report:
         counts = comp.counts()
         fd = comp.first_divergence()
         first = comp.finding(fd) if fd >= 0 else None
-        warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info)
+        warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info) + \
+            parents.warning(comp)
         if first is not None and first.cause and first.key.step > 0 \
                 and not comp.step_keys(first.key.step, (PHASE_IDS["param"],)).size:
             params = (PHASE_IDS["param"],)

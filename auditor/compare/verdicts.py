@@ -20,6 +20,8 @@ from auditor.compare.keys import LogicalKeys, build_keys, merged_as_sum
 from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
 from auditor.compare.metrics import FLOAT_DTYPES
 from auditor.compare.order import order_keys
+from auditor.compare.parents import MEMO as PARENTS_MEMO
+from auditor.compare.parents import unrun_parents
 from auditor.compare.policy import Check, Policy
 from auditor.compare.ranges import format_ranges
 from auditor.compare.slow import (SLOW_CHUNK, merge_side, record_ids, slow_chunk,
@@ -135,6 +137,10 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     assign((st_r == M.REPLICA_DIVERGENCE) | (st_c == M.REPLICA_DIVERGENCE), F.REPLICA_DIVERGENCE)
     expected |= assign(~hr, F.MISSING_IN_REF) & (action == 2)
     expected |= assign(~hc, F.MISSING_IN_CAND) & (action == 2)
+    # a parent module a pipeline stage never runs, while its children run (`parents`)
+    unrun = unrun_parents(A, B, ri, ci, rk, ck, catalog) if not (hr.all() and hc.all()) else {}
+    if unrun:
+        expected[list(unrun)] = True
     none_r, none_c = st_r == M.NONE, st_c == M.NONE
     assign(none_r & none_c, F.IDENTICAL)
     assign(none_r ^ none_c, F.GRAD_NONE)
@@ -206,6 +212,8 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         order_stage=np.zeros(K, np.int64), notes=notes, bwd_factor=bwd_factor,
         bwd_inferred=bwd_inferred,
     )
+    if unrun:
+        comp.memo[PARENTS_MEMO] = unrun
     nf_keys = np.flatnonzero(verdict == F.NONFINITE)
     slow = np.flatnonzero(verdict < 0)
     catalog.prefetch_digests(record_ids(comp, np.concatenate([nf_keys, slow])))

@@ -569,3 +569,52 @@ def test_a_loss_refused_under_bitwise_shows_no_unmeasured_ratio(db):
     assert loss["breach"]
     notes = " ".join(loss["notes"])
     assert "no loss reduction explains the difference" in notes and "nan" not in notes, notes
+
+
+# -- parents a pipeline stage never runs (compare/parents.py) ----------------------------------
+
+def _stage_runs(db: Path, *, cand_stages: bool = True, children: bool = True):
+    """A reference that captured the parent `model` and its children; a candidate whose 2
+    pipeline stages ran only the children (as a stage cut from a transformers model does)."""
+    g = _gen(5)
+    acts = {s: torch.randn(4, 8, generator=g) for s in ("model.emb", "model.layers.0",
+                                                        "model.layers.1", "model")}
+    ref, cand = RunBuilder("ref"), RunBuilder("pp", world_size=2,
+                                              stages={0: [0], 1: [1]} if cand_stages else {})
+    for site, t in acts.items():
+        for phase, role in (("fwd", "output"), ("bwd", "grad_output")):
+            key = dict(step=0, microbatch=0, phase=phase, site=site, role=role)
+            ref.add_full(t, **key)
+            if site == "model" or (not children and site.startswith("model.")):
+                continue
+            stage = 0 if site in ("model.emb", "model.layers.0") else 1
+            cand.add(stage, t, step=0, microbatch=0, phase=phase, site=site, role=role,
+                     stage=stage if cand_stages else -1)
+    cand.add(1, acts["model"], step=0, microbatch=0, phase="fwd", site="head", role="output",
+             stage=1 if cand_stages else -1)
+    ref.add_full(acts["model"], step=0, microbatch=0, phase="fwd", site="head", role="output")
+    write_runs(db, ref, cand)
+    return compare_runs(db, "ref", "pp", preset_policy("fp32"))
+
+
+def test_a_parent_no_pipeline_stage_runs_is_expected_said_once(db):
+    report = _stage_runs(db)
+    assert report.exit_code == 0, to_text(report)
+    missing = [f for f in report.findings() if f.verdict == "missing_in_cand"]
+    assert {(f.key.phase, f.key.site) for f in missing} == {("fwd", "model"), ("bwd", "model")}
+    assert all(f.expected and not f.breach for f in missing)
+    assert missing[0].detail.startswith("not captured in pp: its pipeline stages never ran "
+                                        "model's own forward, only its submodules'")
+    [said] = [w for w in report.warnings if "never run the parent's forward" in w]
+    assert said.startswith("pp: 2 captures of model are missing because pp's pipeline stages "
+                           "call the submodules themselves"), said
+
+
+@pytest.mark.parametrize("stages, children", [(False, True), (True, False)])
+def test_a_parent_missing_otherwise_stays_a_breach(db, stages, children):
+    """Without pipeline stages, or without its children captured, a missing module is missing."""
+    report = _stage_runs(db, cand_stages=stages, children=children)
+    assert report.exit_code == 1
+    missing = [f for f in report.findings() if f.key.site == "model"]
+    assert missing and all(f.verdict == "missing_in_cand" and f.breach for f in missing)
+    assert not any("never run the parent's forward" in w for w in report.warnings)
