@@ -139,6 +139,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     expected |= assign(~hc, F.MISSING_IN_CAND) & (action == 2)
     # a parent module a pipeline stage never runs, while its children run (`parents`)
     unrun = unrun_parents(A, B, ri, ci, rk, ck, catalog) if not (hr.all() and hc.all()) else {}
+    unrun = {i: s for i, s in unrun.items() if verdict[i] in (F.MISSING_IN_REF, F.MISSING_IN_CAND)}
     if unrun:
         expected[list(unrun)] = True
     none_r, none_c = st_r == M.NONE, st_c == M.NONE
