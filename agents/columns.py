@@ -21,7 +21,7 @@ from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 from wire import limits
 from wire.checksum import crc32
 from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
-                         SCALAR_COLUMNS, PayloadChunk, RecordColumns, _ranges)
+                         SAMPLE_COLUMNS, SCALAR_COLUMNS, PayloadChunk, RecordColumns, _ranges)
 from protos import numaudit_pb2 as pb
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
@@ -58,6 +58,8 @@ class Part:
                 lay = c.layout
                 extra += (24 * len(lay.logical_shape) if lay is not None else 0) + (
                     8 * k if c.moments else 0)
+                if c.samples is not None:
+                    extra += c.samples.f64.nbytes + c.samples.fingerprint.nbytes
         if self.payloads:
             extra += sum(len(p.data) for p in self.payloads.values())
         return n * ROW_BYTES + extra
@@ -175,8 +177,31 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     cols["sketch_len"] = np.where(moments, k, 0).astype("<i4")
     sketch = (np.ascontiguousarray(f64[mr, 5:], "<f8").reshape(-1) if len(mr) and k
               else np.zeros(0, "<f8"))
+    values, fps = _sample_columns(captures, cols, n)
     cols = {name: np.ascontiguousarray(cols[name], dt) for name, dt in SCALAR_COLUMNS}
-    return RecordColumns(n, cols, list(sites), list(dtypes), dims, sketch, payloads)
+    out = RecordColumns(n, cols, list(sites), list(dtypes), dims, sketch, payloads)
+    if values is not None:
+        out.sample_values, out.sample_fps = values, fps
+    return out
+
+
+def _sample_columns(captures: Sequence, cols: dict, n: int
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Fill the sample columns from each capture's sample digests (agents/sample_digest.py);
+    their values and fingerprints, concatenated (None: no capture has any)."""
+    samples = list(map(_SAMPLES, captures))
+    for name in SAMPLE_COLUMNS:
+        cols[name] = np.zeros(n, "<i4")
+    at = [i for i, smp in enumerate(samples) if smp is not None]
+    if not at:
+        return None, None
+    for i in at:
+        smp = samples[i]
+        cols["sample_dim"][i], cols["sample_unit"][i] = smp.dim, smp.unit
+        cols["sample_count"][i], cols["sample_k"][i] = smp.count, smp.sketch_k
+    values = np.concatenate([samples[i].f64.numpy().reshape(-1) for i in at]).astype("<f8")
+    fps = np.concatenate([samples[i].fingerprint.numpy().view(np.uint64) for i in at])
+    return values, fps.astype("<u8")
 
 
 _COUNT_COLUMNS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count")
@@ -186,7 +211,7 @@ _KEYS = tuple((name, attrgetter(name)) for name in ("step", "microbatch", "phase
     ("capture_order", attrgetter("order")),)
 """Integer columns read from each capture as they are (`Capture.order` is the record's
 capture_order: every chunk of a payload repeats its capture, and so its number)."""
-_ROW = attrgetter("row")
+_ROW, _SAMPLES = attrgetter("row"), attrgetter("samples")
 _SITE, _DTYPE, _LAYOUT = attrgetter("site"), attrgetter("dtype"), attrgetter("layout")
 _IS_NONE, _COMPLEX, _MOMENTS = (attrgetter("is_none"), attrgetter("complex_as_real"),
                                 attrgetter("moments"))

@@ -147,6 +147,22 @@ class Digest(_message.Message):
     sketch_seed: int
     def __init__(self, numel: _Optional[int] = ..., nan_count: _Optional[int] = ..., posinf_count: _Optional[int] = ..., neginf_count: _Optional[int] = ..., zero_count: _Optional[int] = ..., has_moments: _Optional[bool] = ..., sum: _Optional[float] = ..., sum_sq: _Optional[float] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., abs_max: _Optional[float] = ..., fingerprint: _Optional[int] = ..., fingerprint_seed: _Optional[int] = ..., sketch: _Optional[_Iterable[float]] = ..., sketch_seed: _Optional[int] = ...) -> None: ...
 
+class SampleDigests(_message.Message):
+    __slots__ = ("dim", "unit", "count", "sketch_k", "values", "fingerprints")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_K_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    unit: int
+    count: int
+    sketch_k: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    fingerprints: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dim: _Optional[int] = ..., unit: _Optional[int] = ..., count: _Optional[int] = ..., sketch_k: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., fingerprints: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Payload(_message.Message):
     __slots__ = ("codec", "raw_nbytes", "compressed_nbytes", "crc32", "chunk_index", "chunk_count", "data")
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +182,7 @@ class Payload(_message.Message):
     def __init__(self, codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ..., compressed_nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("key", "stage", "layout", "is_none", "digest", "payload", "capture_order")
+    __slots__ = ("key", "stage", "layout", "is_none", "digest", "payload", "capture_order", "samples")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +190,7 @@ class Record(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     key: Key
     stage: int
     layout: Layout
@@ -181,7 +198,8 @@ class Record(_message.Message):
     digest: Digest
     payload: Payload
     capture_order: int
-    def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., capture_order: _Optional[int] = ...) -> None: ...
+    samples: SampleDigests
+    def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., capture_order: _Optional[int] = ..., samples: _Optional[_Union[SampleDigests, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source", "agent_version")
@@ -249,7 +267,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., run: _Optional[str] = ..., packed_batches: _Optional[bool] = ..., packed_payloads: _Optional[bool] = ...) -> None: ...
 
 class PackedRecords(_message.Message):
-    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch", "payloads", "capture_order")
+    __slots__ = ("count", "sites", "site", "step", "microbatch", "phase", "role", "index", "call", "stage", "flags", "dtypes", "dtype", "ndim", "dims", "reduce", "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span", "numel", "nan_count", "posinf_count", "neginf_count", "zero_count", "sum", "sum_sq", "min", "max", "abs_max", "fingerprint", "fingerprint_seed", "sketch_seed", "sketch_len", "sketch", "payloads", "capture_order", "sample_dim", "sample_unit", "sample_count", "sample_k", "sample_values", "sample_fingerprints")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +307,12 @@ class PackedRecords(_message.Message):
     SKETCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DIM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_UNIT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     count: int
     sites: _containers.RepeatedScalarFieldContainer[str]
     site: bytes
@@ -328,7 +352,13 @@ class PackedRecords(_message.Message):
     sketch: bytes
     payloads: _containers.RepeatedCompositeFieldContainer[PackedPayload]
     capture_order: bytes
-    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ..., payloads: _Optional[_Iterable[_Union[PackedPayload, _Mapping]]] = ..., capture_order: _Optional[bytes] = ...) -> None: ...
+    sample_dim: bytes
+    sample_unit: bytes
+    sample_count: bytes
+    sample_k: bytes
+    sample_values: bytes
+    sample_fingerprints: bytes
+    def __init__(self, count: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., site: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., role: _Optional[bytes] = ..., index: _Optional[bytes] = ..., call: _Optional[bytes] = ..., stage: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., dims: _Optional[bytes] = ..., reduce: _Optional[bytes] = ..., reduce_weight: _Optional[bytes] = ..., reduce_index: _Optional[bytes] = ..., reduce_count: _Optional[bytes] = ..., ragged_parts: _Optional[bytes] = ..., ragged_first: _Optional[bytes] = ..., ragged_span: _Optional[bytes] = ..., numel: _Optional[bytes] = ..., nan_count: _Optional[bytes] = ..., posinf_count: _Optional[bytes] = ..., neginf_count: _Optional[bytes] = ..., zero_count: _Optional[bytes] = ..., sum: _Optional[bytes] = ..., sum_sq: _Optional[bytes] = ..., min: _Optional[bytes] = ..., max: _Optional[bytes] = ..., abs_max: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., fingerprint_seed: _Optional[bytes] = ..., sketch_seed: _Optional[bytes] = ..., sketch_len: _Optional[bytes] = ..., sketch: _Optional[bytes] = ..., payloads: _Optional[_Iterable[_Union[PackedPayload, _Mapping]]] = ..., capture_order: _Optional[bytes] = ..., sample_dim: _Optional[bytes] = ..., sample_unit: _Optional[bytes] = ..., sample_count: _Optional[bytes] = ..., sample_k: _Optional[bytes] = ..., sample_values: _Optional[bytes] = ..., sample_fingerprints: _Optional[bytes] = ...) -> None: ...
 
 class PackedPayload(_message.Message):
     __slots__ = ("row", "payload")

@@ -55,6 +55,10 @@ MAX_SESSION_ID_CHARS = 64
 MAX_SITE_CHARS = 512
 MAX_TENSOR_DIMS = 64
 MAX_SKETCH_BUCKETS = 65536
+MAX_SAMPLE_UNITS = 4096
+"""Units of one record's sample digests (the agent sends at most 16)."""
+MAX_SAMPLE_VALUES = 1 << 20
+"""Values of one record's sample digests: units x (5 + sketch_k)."""
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 1024
 MAX_TEXT_CHARS = 256

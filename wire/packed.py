@@ -36,13 +36,18 @@ SCALAR_COLUMNS: tuple[tuple[str, str], ...] = (
     ("neginf_count", "<i8"), ("zero_count", "<i8"), ("sum", "<f8"), ("sum_sq", "<f8"),
     ("min", "<f8"), ("max", "<f8"), ("abs_max", "<f8"), ("fingerprint", "<u8"),
     ("fingerprint_seed", "<u8"), ("sketch_seed", "<u8"), ("sketch_len", "<i4"),
-    ("capture_order", "<i8"),
+    ("capture_order", "<i8"), ("sample_dim", "<i4"), ("sample_unit", "<i4"),
+    ("sample_count", "<i4"), ("sample_k", "<i4"),
 )
 _DTYPES = dict(SCALAR_COLUMNS)
-NOT_CONTENT = frozenset({"capture_order"})
+SAMPLE_COLUMNS = ("sample_dim", "sample_unit", "sample_count", "sample_k")
+"""Record.samples' scalar fields (dim, unit, count, sketch_k); its values and fingerprints are
+`RecordColumns.sample_values` and `sample_fps`."""
+NOT_CONTENT = frozenset({"capture_order", *SAMPLE_COLUMNS})
 """Columns left out of a record's content hash: when a capture was made is not what it says
 (a record resent with or without its number, by this build or an earlier one, is a
-duplicate, not a conflict)."""
+duplicate, not a conflict), and neither are its sample digests (derived from the same values:
+a resend by an agent of an earlier build, without them, is a duplicate too)."""
 MOMENTS = ("sum", "sum_sq", "min", "max", "abs_max")
 COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count")
 
@@ -103,6 +108,10 @@ class RecordColumns:
     """Row -> the per-record message, for records that columns cannot hold as sent (layout
     lists of different lengths; a dtype on an is_none record): their row has no dims;
     validation refuses them from this message."""
+    sample_values: np.ndarray = field(default_factory=lambda: np.zeros(0, "<f8"))
+    """float64, every record's SampleDigests.values concatenated (`sample_units` x (5 + k))."""
+    sample_fps: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))
+    """uint64, every record's SampleDigests.fingerprints concatenated (`sample_units` each)."""
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
@@ -131,6 +140,21 @@ class RecordColumns:
         out = np.zeros(self.n + 1, np.int64)
         np.cumsum(self.cols["sketch_len"].astype(np.int64), out=out[1:])
         return out
+
+    def sample_units(self) -> np.ndarray:
+        """Units of each record's sample digests: ceil(count / unit) where sample_k > 0 (0
+        without, and where unit or count is not positive: validation refuses those)."""
+        return sample_units(self.cols)
+
+    def sample_starts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(index in `sample_values`, index in `sample_fps`) where each record's samples start
+        (n + 1 entries each)."""
+        units = self.sample_units()
+        width = np.maximum(self.cols["sample_k"].astype(np.int64), 0) + 5
+        v, f = np.zeros(self.n + 1, np.int64), np.zeros(self.n + 1, np.int64)
+        np.cumsum(units * width, out=v[1:])
+        np.cumsum(units, out=f[1:])
+        return v, f
 
     def layout_of(self, row: int) -> tuple[list[int], list[int], list[int]]:
         """(logical_shape, offsets, shape) of one record."""
@@ -165,7 +189,16 @@ class RecordColumns:
     def record_bytes(self) -> int:
         """Bytes of the record columns (what a bench counts as record bytes)."""
         return (sum(a.nbytes for a in self.cols.values()) + self.dims.nbytes + self.sketch.nbytes
+                + self.sample_values.nbytes + self.sample_fps.nbytes
                 + sum(len(p.data) for p in self.payloads.values()))
+
+
+def sample_units(cols: dict[str, np.ndarray]) -> np.ndarray:
+    """`RecordColumns.sample_units` of a dict of columns."""
+    k, unit = cols["sample_k"].astype(np.int64), cols["sample_unit"].astype(np.int64)
+    count = cols["sample_count"].astype(np.int64)
+    ok = (k > 0) & (unit > 0) & (count > 0)
+    return np.where(ok, -(-count // np.where(ok, unit, 1)), 0)
 
 
 def empty() -> RecordColumns:
@@ -189,6 +222,9 @@ def to_packed(c: RecordColumns, into: pb.PackedRecords | None = None) -> pb.Pack
             setattr(msg, name, np.ascontiguousarray(a, dt).tobytes())
     msg.dims = np.ascontiguousarray(c.dims, "<i8").tobytes()
     msg.sketch = np.ascontiguousarray(c.sketch, "<f8").tobytes()
+    if len(c.sample_values) or len(c.sample_fps):
+        msg.sample_values = np.ascontiguousarray(c.sample_values, "<f8").tobytes()
+        msg.sample_fingerprints = np.ascontiguousarray(c.sample_fps, "<u8").tobytes()
     if c.payloads:
         add = msg.payloads.add
         for row in sorted(c.payloads):
@@ -230,6 +266,14 @@ def from_packed(msg: pb.PackedRecords, label: str = "packed") -> RecordColumns:
     if len(c.sketch) != want:
         raise PackedFormatError(f"{label}.sketch", f"{len(c.sketch)} values; sum(sketch_len) = "
                                                    f"{want}")
+    c.sample_values = _array(msg.sample_values, "<f8", f"{label}.sample_values")
+    c.sample_fps = _array(msg.sample_fingerprints, "<u8", f"{label}.sample_fingerprints")
+    want_v, want_f = (int(a[-1]) for a in c.sample_starts())
+    for name, have, want in (("sample_values", len(c.sample_values), want_v),
+                             ("sample_fingerprints", len(c.sample_fps), want_f)):
+        if have != want:
+            raise PackedFormatError(f"{label}.{name}", f"{have} values; the records' sample "
+                                                       f"digests hold {want}")
     check_tables(c, PackedFormatError)  # before tables of several parts are merged
     for j, pp in enumerate(msg.payloads):
         if not 0 <= pp.row < n:
@@ -287,6 +331,8 @@ class ColumnsBuilder:
         self.site_ids: dict[str, int] = {}
         self.dtype_ids: dict[str, int] = {}
         self.payloads: dict[int, pb.Payload] = {}
+        self.sample_values: list[Sequence[float]] = []
+        self.sample_fps: list[Sequence[int]] = []
         self.n = 0
 
     def site_id(self, site: str) -> int:
@@ -303,9 +349,11 @@ class ColumnsBuilder:
 
     def add(self, values: dict, logical: Sequence[int] = (), offsets: Sequence[int] = (),
             shape: Sequence[int] = (), sketch: Sequence[float] = (),
-            payload: pb.Payload | None = None) -> int:
+            payload: pb.Payload | None = None,
+            samples: tuple[Sequence[float], Sequence[int]] | None = None) -> int:
         """One record: `values` maps column names (site and dtype as strings) to values; absent
-        columns are 0. Returns its row."""
+        columns are 0; `samples`: its sample digests' values and fingerprints (the scalar
+        fields in `values`). Returns its row."""
         row = self.n
         v = self.vals
         for name, col in v.items():
@@ -326,6 +374,9 @@ class ColumnsBuilder:
             self.sketch.append(sketch)
         if payload is not None:
             self.payloads[row] = payload
+        if samples is not None:
+            self.sample_values.append(samples[0])
+            self.sample_fps.append(samples[1])
         self.n += 1
         return row
 
@@ -334,8 +385,13 @@ class ColumnsBuilder:
                 for name, dt in SCALAR_COLUMNS}
         sketch = (np.concatenate([np.asarray(s, "<f8") for s in self.sketch]) if self.sketch
                   else np.zeros(0, "<f8"))
-        return RecordColumns(self.n, cols, list(self.site_ids), list(self.dtype_ids),
-                             np.array(self.dims, "<i8"), sketch, dict(self.payloads))
+        out = RecordColumns(self.n, cols, list(self.site_ids), list(self.dtype_ids),
+                            np.array(self.dims, "<i8"), sketch, dict(self.payloads))
+        if self.sample_values:
+            out.sample_values = np.concatenate([np.asarray(v, "<f8") for v in self.sample_values])
+            out.sample_fps = np.concatenate([np.asarray(f, np.uint64).astype("<u8")
+                                             for f in self.sample_fps])
+        return out
 
 
 def _u64(x: int) -> int:
@@ -352,6 +408,17 @@ def from_records(records: Iterable[pb.Record], label: str = "records") -> Record
         if not len(logical) == len(offsets) == len(shape) or (r.is_none and lay.dtype):
             unfit[b.n] = r
             logical = offsets = shape = ()
+        samples = None
+        if r.HasField("samples"):
+            smp = r.samples
+            units = sample_units({"sample_k": np.array([smp.sketch_k]),
+                                  "sample_unit": np.array([smp.unit]),
+                                  "sample_count": np.array([smp.count])})[0]
+            if len(smp.values) == units * (5 + max(smp.sketch_k, 0)) and \
+                    len(smp.fingerprints) == units:
+                samples = (smp.values, smp.fingerprints)
+            else:  # lists that do not fit its fields: refused from its message
+                unfit[b.n] = r
         flags = ((IS_NONE if r.is_none else 0) | (REPLICA if lay.replica else 0)
                  | (PARTIAL if lay.partial else 0) | (COMPLEX_AS_REAL if lay.complex_as_real else 0)
                  | (HAS_MOMENTS if d.has_moments else 0) | (FLAT if lay.flat else 0))
@@ -365,9 +432,12 @@ def from_records(records: Iterable[pb.Record], label: str = "records") -> Record
                "zero_count": d.zero_count, "sum": d.sum, "sum_sq": d.sum_sq, "min": d.min,
                "max": d.max, "abs_max": d.abs_max, "fingerprint": d.fingerprint,
                "fingerprint_seed": d.fingerprint_seed, "sketch_seed": d.sketch_seed,
+               **({"sample_dim": r.samples.dim, "sample_unit": r.samples.unit,
+                   "sample_count": r.samples.count, "sample_k": r.samples.sketch_k}
+                  if samples is not None else {}),
                "capture_order": r.capture_order},
               logical, offsets, shape, d.sketch,
-              r.payload if r.HasField("payload") else None)
+              r.payload if r.HasField("payload") else None, samples)
     c = b.build()
     c.parts = [(0, label)]
     c.unfit = unfit
@@ -384,6 +454,7 @@ def to_records(c: RecordColumns, into=None) -> list[pb.Record]:
     cols = {name: a.tolist() for name, a in c.cols.items()}
     starts, sk = c.dim_starts().tolist(), c.sketch_starts().tolist()
     dims, sketch = c.dims.tolist(), c.sketch
+    sv, sf = c.sample_starts()
     for i in range(c.n):
         r = new_record(stage=cols["stage"][i], is_none=bool(cols["flags"][i] & IS_NONE),
                        capture_order=cols["capture_order"][i])
@@ -410,6 +481,13 @@ def to_records(c: RecordColumns, into=None) -> list[pb.Record]:
             setattr(d, name, cols[name][i])
         d.has_moments = bool(f & HAS_MOMENTS)
         d.sketch.extend(sketch[sk[i]:sk[i + 1]].tolist())
+        if cols["sample_k"][i] or cols["sample_unit"][i] or cols["sample_count"][i] \
+                or cols["sample_dim"][i]:
+            smp = r.samples
+            smp.dim, smp.unit = cols["sample_dim"][i], cols["sample_unit"][i]
+            smp.count, smp.sketch_k = cols["sample_count"][i], cols["sample_k"][i]
+            smp.values.extend(c.sample_values[sv[i]:sv[i + 1]].tolist())
+            smp.fingerprints.extend(c.sample_fps[sf[i]:sf[i + 1]].tolist())
         if f & IS_NONE:
             for name in ("layout", "digest"):
                 if not getattr(r, name).ByteSize():
@@ -450,7 +528,9 @@ def concat(parts: Sequence[RecordColumns]) -> RecordColumns:
     return RecordColumns(base, {name: np.concatenate(v).astype(_DTYPES[name], copy=False)
                                 for name, v in cols.items()},
                          list(sites), list(dtypes), np.concatenate([p.dims for p in parts]),
-                         np.concatenate([p.sketch for p in parts]), payloads, names, unfit)
+                         np.concatenate([p.sketch for p in parts]), payloads, names, unfit,
+                         np.concatenate([p.sample_values for p in parts]),
+                         np.concatenate([p.sample_fps for p in parts]))
 
 
 def batch_columns(batch: pb.RecordBatch) -> RecordColumns:
@@ -568,9 +648,14 @@ def take(c: RecordColumns, rows: np.ndarray) -> RecordColumns:
     dim_idx = _ranges(ds[rows], ds[rows + 1])
     sk_idx = _ranges(ss[rows], ss[rows + 1])
     pos = {int(r): i for i, r in enumerate(rows.tolist())}
-    return RecordColumns(len(rows), {k: v[rows] for k, v in c.cols.items()}, c.sites, c.dtypes,
-                         c.dims[dim_idx], c.sketch[sk_idx],
-                         {pos[r]: p for r, p in c.payloads.items() if r in pos})
+    out = RecordColumns(len(rows), {k: v[rows] for k, v in c.cols.items()}, c.sites, c.dtypes,
+                        c.dims[dim_idx], c.sketch[sk_idx],
+                        {pos[r]: p for r, p in c.payloads.items() if r in pos})
+    if len(c.sample_values) or len(c.sample_fps):
+        sv, sf = c.sample_starts()
+        out.sample_values = c.sample_values[_ranges(sv[rows], sv[rows + 1])]
+        out.sample_fps = c.sample_fps[_ranges(sf[rows], sf[rows + 1])]
+    return out
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

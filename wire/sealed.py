@@ -48,7 +48,9 @@ def _tag(number: int, wire_type: int) -> bytes:
 
 
 _COLUMN_DTYPES = dict(SCALAR_COLUMNS)
-_ARRAYS = {"dims": "<i8", "sketch": "<f8"}
+_ARRAYS = {"dims": "<i8", "sketch": "<f8", "sample_values": "<f8", "sample_fingerprints": "<u8"}
+_ATTRS = {"sample_fingerprints": "sample_fps"}
+"""RecordColumns attribute of a PackedRecords array field, where the names differ."""
 _FIELDS = tuple((f.name, _tag(f.number, _LEN)) for f in sorted(_PACKED_FIELDS.values(),
                                                                 key=lambda f: f.number)
                 if f.name != "count")
@@ -102,7 +104,7 @@ def _packed_fields(cols: RecordColumns) -> tuple[list, int]:
             if a.any():  # an all-zero column travels empty, as to_packed sends it
                 size += _bytes_field(out, tag, np.ascontiguousarray(a, _COLUMN_DTYPES[name]))
         elif name in _ARRAYS:
-            a = getattr(cols, name)
+            a = getattr(cols, _ATTRS.get(name, name))
             if len(a):
                 size += _bytes_field(out, tag, np.ascontiguousarray(a, _ARRAYS[name]))
         elif name in ("sites", "dtypes"):

@@ -362,6 +362,9 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
                 f"{rc.name}'s order (samples dealt round-robin to ranks?): not regrouped; "
                 "compare runs whose ranks take consecutive shares of the batch")
     starts = sample_starts(target)
+    sample_dims = catalog.__dict__.setdefault("sample_dims", {})
+    """(A, B) of a re-keyed key -> the dim its pieces moved along (`per_sample`: a piece's
+    sample digests follow it only along its samples' dim)."""
     for side, place, to_target in moves:
         cols, new, mb, ph, at, rows = (
             (rc, new_r, mb_r, ph_r, at_r, plan.rows_ref) if side == "ref" else
@@ -376,6 +379,7 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
                 replace(piece, logical_shape=tuple(logical), offsets=tuple(offsets)),
                 int(cols.layout[r]), int(cols.fp[r]), exact=plan.dealt is None)
             new["A"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
+            sample_dims[(int(new["A"][r]), int(cols.B[r]))] = d
         _regroup_losses(cols, at, mb, ph, catalog, plan.step, rows, target, starts, to_target,
                         new)
     how = what if plan.dealt else f"{what} microbatches along the batch dim"

@@ -75,6 +75,8 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
         if not disagree[k] and catalog.pieces[placed[0][1]].logical_shape != _shape_in(
                 other, catalog, int(cols.A[rows[0]]), int(cols.B[rows[0]])):
             continue
+        catalog.__dict__.setdefault("sample_dims", {})[
+            (int(cols.A[rows[0]]), int(cols.B[rows[0]]))] = 0  # rows moved along dim 0
         for j, code, moved_fp in placed:
             layout[rows[j]], fp[rows[j]] = code, moved_fp
             unshifted |= not catalog.seeds_ok[code]

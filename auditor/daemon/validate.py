@@ -209,9 +209,13 @@ def validate_record(r: pb.Record, where: str = "record") -> None:
                 raise ValidationError(f"{where}.{name}", "must be empty when is_none is set")
         if r.HasField("payload"):
             raise ValidationError(f"{where}.payload", "must be absent when is_none is set")
+        if r.samples.ByteSize():
+            raise ValidationError(f"{where}.samples", "must be absent when is_none is set")
         return
     numel = check_layout(r.layout, f"{where}.layout")
     _check_digest(r.digest, numel, f"{where}.digest")
+    if r.samples.ByteSize():
+        _check_samples(r.samples, r.layout, r.digest, f"{where}.samples")
     if r.HasField("payload"):
         _check_payload_header(r.payload, r.layout.dtype, numel, f"{where}.payload")
 
@@ -268,6 +272,42 @@ def _check_digest(d: pb.Digest, numel: int, where: str) -> None:
         for i, v in enumerate(d.sketch):
             if math.isnan(v):
                 raise ValidationError(f"{where}.sketch[{i}]", "NaN")
+
+
+def _check_samples(smp: pb.SampleDigests, layout: pb.Layout, d: pb.Digest, where: str) -> None:
+    """Record.samples (docs/protocol.md): units of samples along a dim of the piece."""
+    k, unit = smp.sketch_k, smp.unit
+    if k == 0:
+        raise ValidationError(f"{where}.sketch_k", "0 (no sample digests) with other fields set")
+    if not d.has_moments:
+        raise ValidationError(f"{where}", "only pieces with moments (floats) have sample digests")
+    if not 1 <= k <= limits.MAX_SKETCH_BUCKETS or k & (k - 1):
+        raise ValidationError(f"{where}.sketch_k", f"{k} is not a power of two in [1, "
+                                                   f"{limits.MAX_SKETCH_BUCKETS}]")
+    if not 1 <= unit <= k or unit & (unit - 1):
+        raise ValidationError(f"{where}.unit", f"{unit} is not a power of two in [1, sketch_k "
+                                               f"{k}]")
+    if not 0 <= smp.dim < len(layout.shape):
+        raise ValidationError(f"{where}.dim", f"{smp.dim} is not a dim of the piece (it has "
+                                              f"{len(layout.shape)})")
+    if smp.count < 1 or smp.count != layout.shape[smp.dim]:
+        raise ValidationError(f"{where}.count", f"{smp.count} != layout.shape[{smp.dim}] = "
+                                                f"{layout.shape[smp.dim]} (>= 1)")
+    units = -(-smp.count // unit)
+    if units > limits.MAX_SAMPLE_UNITS or units * (5 + k) > limits.MAX_SAMPLE_VALUES:
+        raise TooLarge(f"{where}.values", f"{units} units of {5 + k} values exceed the limits "
+                                          f"of {limits.MAX_SAMPLE_UNITS} units, "
+                                          f"{limits.MAX_SAMPLE_VALUES} values")
+    if len(smp.values) != units * (5 + k):
+        raise ValidationError(f"{where}.values", f"{len(smp.values)} values; {units} units x "
+                                                 f"(5 + sketch_k) = {units * (5 + k)}")
+    if len(smp.fingerprints) != units:
+        raise ValidationError(f"{where}.fingerprints", f"{len(smp.fingerprints)} values; "
+                                                       f"{units} units")
+    if math.isnan(sum(smp.values)):
+        for i, v in enumerate(smp.values):
+            if math.isnan(v):
+                raise ValidationError(f"{where}.values[{i}]", "NaN")
 
 
 def _zstd_bound(n: int) -> int:

@@ -154,6 +154,7 @@ def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: f
         if len(nan_at):
             owner = np.searchsorted(c.sketch_starts(), nan_at, side="right") - 1
             bad[owner] = True
+    bad |= _sample_suspects(c, none, moments, ndim, starts)
     for row in c.unfit:
         bad[row] = True
     for row, p in c.payloads.items():
@@ -167,6 +168,35 @@ def suspects(c: RecordColumns, itemsize: dict, real_floats: frozenset, phases: f
         except ValueError:  # ValidationError and its kinds
             bad[row] = True
     return np.flatnonzero(bad)
+
+
+def _sample_suspects(c: RecordColumns, none: np.ndarray, moments: np.ndarray, ndim: np.ndarray,
+                     starts: np.ndarray) -> np.ndarray:
+    """Records whose sample digests (Record.samples) may break a rule of
+    `validate._check_samples`."""
+    cols = c.cols
+    k, unit = cols["sample_k"].astype(np.int64), cols["sample_unit"].astype(np.int64)
+    count, dim = cols["sample_count"].astype(np.int64), cols["sample_dim"].astype(np.int64)
+    some = (k != 0) | (unit != 0) | (count != 0) | (dim != 0)
+    if not some.any():
+        return np.zeros(c.n, bool)
+    bad = some & none
+    bad |= some & ((k < 1) | (k > limits.MAX_SKETCH_BUCKETS) | ((k & (k - 1)) != 0) | ~moments
+                   | (unit < 1) | (unit > k) | ((unit & (unit - 1)) != 0) | (count < 1)
+                   | (dim < 0) | (dim >= ndim))
+    ok = some & ~bad
+    at = np.flatnonzero(ok)
+    if len(at) and len(c.dims):  # the piece's extent along dim
+        extent = c.dims[np.clip(starts[at] + 2 * ndim[at] + dim[at], 0, len(c.dims) - 1)]
+        bad[at[extent != count[at]]] = True
+    units = -(-count // np.maximum(unit, 1))
+    bad |= some & ((units > limits.MAX_SAMPLE_UNITS)
+                   | (units * (5 + np.maximum(k, 0)) > limits.MAX_SAMPLE_VALUES))
+    if len(c.sample_values):
+        nan_at = np.flatnonzero(np.isnan(c.sample_values))
+        if len(nan_at):
+            bad[np.searchsorted(c.sample_starts()[0], nan_at, side="right") - 1] = True
+    return bad
 
 
 def check_rows(c: RecordColumns, rows: np.ndarray, validate_record) -> None:

@@ -44,6 +44,7 @@ from auditor.store.files import NotAStore
 from auditor.store.jobs import run_for_job
 from auditor.store.pg_copy import (COLUMNS as COPY_COLUMNS, ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS,
                                    copy_buffer)
+from auditor.store.rows import sample_rows
 from auditor.store.sqlite import IngestResult, SCHEMA_VERSION
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes
@@ -107,6 +108,10 @@ CREATE TABLE IF NOT EXISTS payload_chunks (
     chunk_count BIGINT NOT NULL, codec TEXT NOT NULL, raw_nbytes BIGINT NOT NULL,
     compressed_nbytes BIGINT NOT NULL, crc32 BIGINT NOT NULL, data BYTEA NOT NULL,
     PRIMARY KEY (record_id, chunk_index));
+CREATE TABLE IF NOT EXISTS sample_digests (
+    record_id BIGINT PRIMARY KEY REFERENCES records(record_id), dim BIGINT NOT NULL,
+    unit BIGINT NOT NULL, count BIGINT NOT NULL, sketch_k BIGINT NOT NULL, rows BYTEA NOT NULL,
+    fingerprints BYTEA NOT NULL);
 CREATE TABLE IF NOT EXISTS conflicts (
     conflict_id BIGSERIAL PRIMARY KEY, record_id BIGINT NOT NULL REFERENCES records(record_id),
     session_id TEXT NOT NULL, seq BIGINT NOT NULL, content_hash BYTEA NOT NULL,
@@ -120,17 +125,24 @@ _STAGE_COLUMNS = [(c, SQL_TYPES[c]) for c in STAGE_COLUMNS]
 _CHUNK_COLUMNS = [("pos", "int8"), ("chunk_index", "int8"), ("chunk_count", "int8"),
                   ("codec", "text"), ("raw_nbytes", "int8"), ("compressed_nbytes", "int8"),
                   ("crc32", "int8"), ("data", "bytea")]
+_SAMPLE_COLUMNS = [("pos", "int8"), ("dim", "int8"), ("unit", "int8"), ("count", "int8"),
+                   ("sketch_k", "int8"), ("rows", "bytea"), ("fingerprints", "bytea")]
 _STAGE, _CHUNKS = "numaudit_stage", "numaudit_stage_chunks"
+_SAMPLES = "numaudit_stage_samples"
 _STAGE_DDL = [f"CREATE TEMP TABLE IF NOT EXISTS {name} ("
               + ", ".join(f"{n} {t}" for n, t in columns) + ") ON COMMIT DELETE ROWS"
-              for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS))]
+              for name, columns in ((_STAGE, _STAGE_COLUMNS), (_CHUNKS, _CHUNK_COLUMNS),
+                                    (_SAMPLES, _SAMPLE_COLUMNS))]
 _IDS = "records with ids"
 _COPY = {name: f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
          for name, table, columns in (
              (_STAGE, _STAGE, STAGE_COLUMNS), (_CHUNKS, _CHUNKS, [n for n, _ in _CHUNK_COLUMNS]),
              ("records", "records", COPY_COLUMNS), (_IDS, "records", ID_COLUMNS),
              ("payload_chunks", "payload_chunks",
-              ["record_id"] + [n for n, _ in _CHUNK_COLUMNS[1:]]))}
+              ["record_id"] + [n for n, _ in _CHUNK_COLUMNS[1:]]),
+             (_SAMPLES, _SAMPLES, [n for n, _ in _SAMPLE_COLUMNS]),
+             ("sample_digests", "sample_digests",
+              ["record_id"] + [n for n, _ in _SAMPLE_COLUMNS[1:]]))}
 _NEXT_IDS = ("SELECT nextval(pg_get_serial_sequence('records', 'record_id'))"
              " FROM generate_series(1, %s)")
 _INSERT_RECORDS = (f"INSERT INTO records ({', '.join(COPY_COLUMNS)}) SELECT "
@@ -151,6 +163,10 @@ _INSERT_CHUNKS = (
     "INSERT INTO payload_chunks SELECT r.record_id, c.chunk_index, c.chunk_count, c.codec,"
     f" c.raw_nbytes, c.compressed_nbytes, c.crc32, c.data FROM {_CHUNKS} c JOIN {_KEY_JOIN}"
     " ON s.pos = c.pos WHERE r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
+_INSERT_SAMPLES = (
+    "INSERT INTO sample_digests SELECT r.record_id, c.dim, c.unit, c.count, c.sketch_k, c.rows,"
+    f" c.fingerprints FROM {_SAMPLES} c JOIN {_KEY_JOIN} ON s.pos = c.pos"
+    " WHERE r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
 
 
 # -- SQL written for SQLite, run on PostgreSQL ------------------------------------------------------
@@ -418,7 +434,7 @@ class PgStore:
             # `records` while its statistics were those of a small table (ingest with one
             # payload record in six went 4x slower).
             rids = None
-            if cols.payloads:
+            if cols.payloads or cols.cols["sample_k"].any():
                 rids = np.sort(np.fromiter((r for (r,) in cur.execute(_NEXT_IDS, (n,))),
                                            np.int64, n))
             try:
@@ -431,6 +447,7 @@ class PgStore:
                 raise
             if rids is not None:
                 self._write_chunks(cur, "payload_chunks", rids, cols.payloads)
+                self._write_samples(cur, "sample_digests", rids, cols)
             return IngestResult(acked_seq=seq, stored=n)
         self._write(cur, _STAGE, copy_buffer(*args, pos=True))
         repeated = sorted(cols.repeated_rows())
@@ -445,6 +462,8 @@ class PgStore:
         if cols.payloads:
             self._write_chunks(cur, _CHUNKS, np.arange(n), cols.payloads)
             cur.execute(_INSERT_CHUNKS)
+        if self._write_samples(cur, _SAMPLES, np.arange(n), cols):
+            cur.execute(_INSERT_SAMPLES)
         return IngestResult(acked_seq=seq, stored=stored,
                             duplicates=records - stored - conflicts, conflicts=conflicts)
 
@@ -458,6 +477,19 @@ class PgStore:
             for row, p in sorted(payloads.items()):
                 copy.write_row((int(ids[row]), p.chunk_index, p.chunk_count, p.codec,
                                 p.raw_nbytes, p.compressed_nbytes, p.crc32, p.data))
+
+    @staticmethod
+    def _write_samples(cur: psycopg.Cursor, table: str, ids: np.ndarray,
+                       cols: RecordColumns) -> int:
+        """The records' sample digests as rows of `table`, each under `ids[row]` of its record
+        (as `_write_chunks`); how many."""
+        rows = sample_rows(cols, ids)
+        if rows:
+            with cur.copy(_COPY[table]) as copy:
+                copy.set_types([t for _, t in _SAMPLE_COLUMNS])
+                for row in rows:
+                    copy.write_row(row)
+        return len(rows)
 
     @staticmethod
     def _write(cur: psycopg.Cursor, table: str, data: bytes) -> None:

@@ -156,3 +156,29 @@ def record_rows(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
     """One tuple per record, in INSERT_COLUMNS order. `site_ids[j]` is the store's id of
     `c.sites[j]`."""
     return rows_of(record_columns(c, site_ids, run_id, rank, hashes, session_id, seq, now))
+
+
+INSERT_SAMPLES = ("INSERT INTO sample_digests (record_id, dim, unit, count, sketch_k, rows,"
+                  " fingerprints) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING")
+"""One record's sample digests (a record stored again keeps the first)."""
+
+
+def sample_rows(c: RecordColumns, record_ids: Sequence[int],
+                rows: Sequence[int] | None = None) -> list[tuple]:
+    """(record id, dim, unit, count, sketch_k, values as little-endian float64 bytes,
+    fingerprints as little-endian uint64 bytes) of the records with sample digests (all, or
+    those at ``rows``), the i-th under ``record_ids[i]``."""
+    k = c.cols["sample_k"]
+    if not len(c.sample_values) or not k.any():
+        return []
+    sv, sf = c.sample_starts()
+    values = np.ascontiguousarray(c.sample_values, "<f8")
+    fps = np.ascontiguousarray(c.sample_fps, "<u8")
+    cols = c.cols
+    out = []
+    for i in (np.flatnonzero(k) if rows is None else [r for r in rows if k[r]]):
+        i = int(i)
+        out.append((int(record_ids[i]), int(cols["sample_dim"][i]), int(cols["sample_unit"][i]),
+                    int(cols["sample_count"][i]), int(k[i]), values[sv[i]:sv[i + 1]].tobytes(),
+                    fps[sf[i]:sf[i + 1]].tobytes()))
+    return out

@@ -23,15 +23,16 @@ from auditor.store.errors import (  # noqa: F401  (re-exported)
     RunNameTaken, StoreError, UnknownRun, UnknownSession)
 from auditor.store.jobs import resent, run_for_job
 from auditor.store.rows import (
-    INSERT_COLUMNS, INSERT_RECORD as _INSERT_RECORD, insert_rows, record_columns, rows_of)
+    INSERT_COLUMNS, INSERT_RECORD as _INSERT_RECORD, INSERT_SAMPLES, insert_rows,
+    record_columns, rows_of, sample_rows)
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
 from auditor.store.files import APPLICATION_ID, check_store_file
 from auditor.store import key_segments
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2 added the reduction columns of records and the job and gradient scale of sessions, 3 the
-agent version of sessions, 4 the capture order of records; a store of an earlier version is upgraded in place when opened for
+agent version of sessions, 4 the capture order of records, 5 the sample_digests table; a store of an earlier version is upgraded in place when opened for
 writing (`_upgrade`) and read through views that supply the defaults when opened read-only."""
 
 _SCHEMA = """
@@ -108,6 +109,13 @@ CREATE TABLE IF NOT EXISTS payload_chunks (
     crc32 INTEGER NOT NULL,
     data BLOB NOT NULL,
     PRIMARY KEY (record_id, chunk_index)
+);
+CREATE TABLE IF NOT EXISTS sample_digests (
+    record_id INTEGER PRIMARY KEY REFERENCES records(record_id),
+    dim INTEGER NOT NULL, unit INTEGER NOT NULL, count INTEGER NOT NULL,
+    sketch_k INTEGER NOT NULL,
+    rows BLOB NOT NULL,
+    fingerprints BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS conflicts (
     conflict_id INTEGER PRIMARY KEY,
@@ -388,6 +396,7 @@ class Store:
                     rids = [self._record_id(row[:9])[0] for row in rows]
                 for row in sorted(cols.payloads):
                     self._store_chunk(rids[row], cols.payloads[row])
+                self.conn.executemany(INSERT_SAMPLES, sample_rows(cols, rids))
                 key_segments.store(self.conn, run_id, columns, rids)
             else:
                 self.conn.execute("ROLLBACK TO bulk")
@@ -429,6 +438,8 @@ class Store:
                 result.stored += 1
                 stored[0].append(row)
                 stored[1].append(found[0])
+                self.conn.executemany(INSERT_SAMPLES,
+                                      sample_rows(cols, {i: found[0]}, rows=[i]))
             elif found[1] != chash:
                 if i not in repeated:
                     self.conn.execute(
