@@ -128,7 +128,10 @@ class Agent:
 
         `reduce`: "mean" or "sum" when the tensor is this rank's reduction over its batch share
         (the auditor combines the dp ranks' values into the whole batch's); None when it is not.
-        The default is "mean" for phase "loss" (a per-rank mean loss) and None otherwise.
+        The default is "mean" for phase "loss" (a per-rank mean loss) and None otherwise; a
+        loss that holds this rank's samples (``reduction="none"``: not 0-dim, as many elements
+        on the batch dim as the model's input has samples) is the batch's rows, joined with
+        the other dp ranks' like an activation.
         `weight`: batch elements a mean averaged over (default: microbatch_size, else dim 0 of
         this microbatch's `input` capture, else 1). `replicate`: whether the same value is held
         by the other ranks of this dp rank (tp, cp, ep); default from replicate_sites /

@@ -61,7 +61,8 @@ NOT_CAPTURED_SHAPE_INFERENCE = "pipeline_shape_inference"
 methods: the schedule inferring shapes on the first step. No microbatch was running, so no key
 is right for them (see :attr:`Capturer.outside_chunk`)."""
 AUTO = "auto"
-"""`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss), else no reduction."""
+"""`reduce` default of capture(): "mean" for phase loss (a per-rank mean loss; a per-sample loss
+vector is the batch's rows instead), else no reduction."""
 MAX_CACHED_LAYOUTS = 8192
 
 
@@ -504,7 +505,7 @@ class Capturer:
             microbatch = self.microbatch if microbatch is None else microbatch
             stage = self.stage if stage is None else stage
             if reduce == AUTO:
-                reduce = "mean" if phase == "loss" else None
+                reduce = "mean" if phase == "loss" and not self._per_sample(t) else None
             if (layout is None and rows is None and reduce is not None and t is not None
                     and _is_dtensor(t)):
                 layout, t = self._dtensor_reduction(t, reduce, weight, microbatch, phase, site,
@@ -526,6 +527,16 @@ class Capturer:
                                                  layout, grad_role(role)))
         except Exception as exc:
             self._failed(f"capture of {phase}:{site}", exc)
+
+    def _per_sample(self, t: torch.Tensor | None) -> bool:
+        """A loss that holds the batch (``reduction="none"``): not a 0-dim scalar, and as many
+        elements on the batch dim as this rank's samples in the microbatch (`_rows`). It is
+        this rank's rows of the batch's losses, joined with the other dp ranks' on that dim,
+        not a reduction over them. False where the samples are not known."""
+        if t is None or t.dim() == 0 or _is_dtensor(t) or self._rows is None:
+            return False
+        dim = self.config.batch_dim if self.config.batch_dim < t.dim() else 0
+        return int(t.shape[dim]) == self._rows
 
     def _dtensor_reduction(self, t, reduce: str, weight, microbatch: int, phase: str, site: str,
                            replicate) -> tuple[PieceLayout | None, torch.Tensor]:
