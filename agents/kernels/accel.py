@@ -36,7 +36,8 @@ Rows = tuple[torch.Tensor, torch.Tensor]
 
 
 def _load():
-    """The Triton digest module (``prepare``, ``digest_prepared``), or why it cannot be used."""
+    """The Triton digest module (``prepare``, ``digest_prepared``, ``digest_rows``), or why it
+    cannot be used."""
     try:
         from agents.kernels import digest_triton
     except Exception as exc:  # ImportError without triton; anything triton raises on import
@@ -181,13 +182,12 @@ class TritonDigest:
             by_device.setdefault(t.device, []).append((i, prepared))
         for device, items in by_device.items():
             try:
-                f64, i64 = self._impl.digest_prepared([p for _, p in items], sketch_k=sketch_k,
-                                                      arena=True)
+                rows = self._impl.digest_rows([p for _, p in items], sketch_k=sketch_k)
             except Exception as exc:
                 self._distrust([(device, pieces[i][0].dtype) for i, _ in items], sketch_k, exc)
                 continue
-            for j, (i, _) in enumerate(items):
-                out[i] = (f64[j], i64[j])
+            for (i, _), got in zip(items, rows):
+                out[i] = got
         return out
 
     def _distrust(self, combos: list[tuple[torch.device, torch.dtype]], sketch_k: int,

@@ -99,6 +99,7 @@ class _Device:
         self.launchers = Launchers()
         self.workspaces: dict[int, Workspace] = {}
         self.arenas: dict[tuple[int, int], RowArena] = {}
+        self.variants: dict[tuple, tuple] = {}
 
     def workspace(self, stream: int) -> Workspace:
         ws = self.workspaces.get(stream)
@@ -137,43 +138,82 @@ def _upload(desc: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-def digest_prepared(pieces: list[Prepared], *, sketch_k: int,
-                    arena: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def digest_prepared(pieces: list[Prepared], *,
+                    sketch_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``pieces`` (all on one device): ``(f64 [m, 5 + k], i64 [m, 6])`` on that
     device, row j the digest of piece j (agents.digest.digest_piece's rows, within the
-    contract above). ``arena``: the rows are views of the device's row arena for the current
-    stream (no allocation; what the agent uses) rather than tensors of their own. No host
-    synchronization."""
+    contract above). No host synchronization."""
     check_k(sketch_k)
     m = len(pieces)
     if not m:
         raise ValueError("pieces: empty list")
     device = pieces[0].x.device
-    if any(p.x.device != device for p in pieces):
-        raise ValueError("pieces: on more than one device")
+    f64 = torch.empty((m, N_MOMENTS + sketch_k), dtype=torch.float64, device=device)
+    i64 = torch.empty((m, 6), dtype=torch.int64, device=device)
+    _digest_into(pieces, sketch_k, device, (f64, i64), (f64.data_ptr(), i64.data_ptr()), 0)
+    return f64, i64
+
+
+def digest_rows(pieces: list[Prepared], *,
+                sketch_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per piece its rows ``(f64 [5 + k], i64 [6])``, views of the device's row arena for the
+    current stream (triton_launch.RowArena): what the agent uses, as nothing is allocated per
+    call. Same contract as :func:`digest_prepared`."""
+    check_k(sketch_k)
+    m = len(pieces)
+    if not m:
+        raise ValueError("pieces: empty list")
+    device = pieces[0].x.device
+    arena = _device(device).arena(current_stream(device), sketch_k)
+    first = arena.take(m)
+    f64, i64 = arena.f64, arena.i64
+    _digest_into(pieces, sketch_k, device, (f64, i64), arena.ptrs, first)
+    return [(f64[j], i64[j]) for j in range(first, first + m)]
+
+
+def _digest_into(pieces: list[Prepared], k: int, device: torch.device,
+                 out: tuple[torch.Tensor, torch.Tensor], out_ptrs: tuple[int, int],
+                 first: int) -> None:
+    """Launch the digests of ``pieces`` into rows ``first`` on of ``out``."""
     dev = _device(device)
     stream = current_stream(device)
-    if arena:
-        rows = dev.arena(stream, sketch_k)
-        first = rows.take(m)
-        f64, i64 = rows.f64, rows.i64
-        out_ptrs = rows.ptrs
-    else:
-        first = 0
-        f64 = torch.empty((m, N_MOMENTS + sketch_k), dtype=torch.float64, device=device)
-        i64 = torch.empty((m, 6), dtype=torch.int64, device=device)
-        out_ptrs = (f64.data_ptr(), i64.data_ptr())
+    ws = dev.workspace(stream)
+    if len(pieces) == 1:
+        _launch_group(dev, ws, stream, pieces, [first], k, out, out_ptrs)
+        return
+    if any(p.x.device != device for p in pieces):
+        raise ValueError("pieces: on more than one device")
     groups: dict[tuple, list[int]] = {}
     for j, p in enumerate(pieces):
         # The float type and V rule too: bfloat16, float16 and uint16 all load as uint16 (only
         # uint16 is mixed), bool and uint8 as uint8 (both mixed).
         groups.setdefault((p.plan.group, p.ptr % p.plan.element_size if p.plan.n else 0),
                           []).append(j)
-    ws = dev.workspace(stream)
     for members in groups.values():
         _launch_group(dev, ws, stream, [pieces[j] for j in members],
-                      [first + j for j in members], sketch_k, (f64, i64), out_ptrs)
-    return f64[first:first + m], i64[first:first + m]
+                      [first + j for j in members], k, out, out_ptrs)
+
+
+def _variant(dev: _Device, plan: Plan, k: int, count: int) -> tuple:
+    """``(tiles launcher, finish launcher, finish grid columns)`` of a group like ``plan``'s of
+    ``count`` pieces, made once per device."""
+    single = count == 1
+    search = 0 if single else _search_steps(count)
+    key = (plan.group, k, single, search)
+    hit = dev.variants.get(key)
+    if hit is None:
+        float_tl = _TL_FLOAT.get(plan.float_dtype)
+        wide = plan.float_dtype == torch.float64
+        tiles = dev.launchers.get(kern.tiles_kernel, dict(
+            K=k, NW=max(k // hashing.LANES, 1), FLOAT=float_tl,
+            ACC=tl.float64 if wide else tl.float32, WIDE=wide, MIXED=plan.mixed,
+            LINES=plan.lines, UNIT=plan.unit, SINGLE=single, R=rows_per_step(k),
+            SEARCH=search), NUM_WARPS)
+        chunk = min(k, BUCKETS_PER_FINISH)
+        finish = dev.launchers.get(kern.finish_kernel, dict(
+            K=k, KC=chunk, FLOAT=float_tl, SINGLE=single, BLOCK=FINISH_BLOCK), 4)
+        hit = dev.variants[key] = (tiles, finish, k // chunk)
+    return hit
 
 
 def _launch_group(dev: _Device, ws: Workspace, stream: int, group: list[Prepared],
@@ -181,45 +221,41 @@ def _launch_group(dev: _Device, ws: Workspace, stream: int, group: list[Prepared
                   out_ptrs: tuple[int, int]) -> None:
     """The two launches of one group of pieces (tiles, then finish) into rows ``out_rows``."""
     plan = group[0].plan
-    anchor = next((p for p in group if p.plan.n), None)
-    at = anchor.ptr if anchor is not None else 0
     count = len(group)
-    single = count == 1
-    tiles_total = 0
-    desc = []
-    for p, row in zip(group, out_rows):
-        tile_rows, tiles = tiling(p.plan, k) if p.plan.n else (1, 0)
-        desc.append((tiles_total, tiles, (p.ptr - at) // plan.element_size if p.plan.n else 0,
-                     p.plan.n, row, tile_rows, *p.plan.fields))
-        tiles_total += tiles
-    ws.ensure(tiles_total, k)
-    inv, table, powers = dev.tables
+    tiles_launch, finish_launch, columns = _variant(dev, plan, k, count)
     inv_at, table_at, pow_at = dev.table_ptrs
-    pi_at, pf_at, ps_at = ws.ptrs
-    if single:
-        desc_t, desc_at, scalars = powers, pow_at, desc[0]
+    if count == 1:
+        anchor = group[0]
+        at = anchor.ptr
+        tile_rows, tiles_total = tiling(plan, k) if plan.n else (1, 0)
+        scalars = (0, tiles_total, 0, plan.n, out_rows[0], tile_rows, *plan.fields)
+        desc_t, desc_at = None, pow_at
     else:
+        anchor = next((p for p in group if p.plan.n), None)
+        at = anchor.ptr if anchor is not None else 0
+        tiles_total = 0
+        desc = []
+        for p, row in zip(group, out_rows):
+            tile_rows, tiles = tiling(p.plan, k) if p.plan.n else (1, 0)
+            desc.append((tiles_total, tiles, (p.ptr - at) // plan.element_size, p.plan.n, row,
+                         tile_rows, *p.plan.fields))
+            tiles_total += tiles
         desc_t = _upload(np.array(desc, dtype=np.int64), dev.device)
         desc_at, scalars = desc_t.data_ptr(), (0,) * len(desc[0])
-    float_tl = _TL_FLOAT.get(plan.float_dtype)
-    wide = plan.float_dtype == torch.float64
+    ws.ensure(tiles_total, k)
+    pi_at, pf_at, ps_at = ws.ptrs
+    inv, table, powers = dev.tables
+    if desc_t is None:
+        desc_t = powers  # not read (the descriptor is in the arguments); a pointer of its type
     if tiles_total:
-        const = dict(K=k, NW=max(k // hashing.LANES, 1), FLOAT=float_tl,
-                     ACC=tl.float64 if wide else tl.float32, WIDE=wide, MIXED=plan.mixed,
-                     LINES=plan.lines, UNIT=plan.unit, SINGLE=single, R=rows_per_step(k),
-                     SEARCH=0 if single else _search_steps(count))
-        launch = dev.launchers.get(kern.tiles_kernel, const, NUM_WARPS)
-        launch((tiles_total, 1), stream,
-               (at, desc_at, count, inv_at, table_at, pow_at, pi_at, pf_at, ps_at, *scalars),
-               lambda: (anchor.x.detach().view(plan.load_dtype), desc_t, count, inv, table,
-                        powers, ws.part_i64, ws.part_f64, ws.part_sk, *scalars))
-    chunk = min(k, BUCKETS_PER_FINISH)
-    const = dict(K=k, KC=chunk, FLOAT=float_tl, SINGLE=single, BLOCK=FINISH_BLOCK)
-    finish = dev.launchers.get(kern.finish_kernel, const, 4)
+        tiles_launch(
+            (tiles_total, 1), stream,
+            (at, desc_at, count, inv_at, table_at, pow_at, pi_at, pf_at, ps_at, *scalars),
+            lambda: (anchor.x.detach().view(plan.load_dtype), desc_t, count, inv, table,
+                     powers, ws.part_i64, ws.part_f64, ws.part_sk, *scalars))
     tail = (scalars[0], scalars[1], scalars[3], scalars[4])
-    finish((count, k // chunk), stream,
-           (desc_at, pi_at, pf_at, ps_at, *out_ptrs, *tail),
-           lambda: (desc_t, ws.part_i64, ws.part_f64, ws.part_sk, *out, *tail))
+    finish_launch((count, columns), stream, (desc_at, pi_at, pf_at, ps_at, *out_ptrs, *tail),
+                  lambda: (desc_t, ws.part_i64, ws.part_f64, ws.part_sk, *out, *tail))
 
 
 def digest_pieces_triton(

@@ -51,7 +51,8 @@ def _same(a, b) -> bool:
 
 
 class _Stand:
-    """A stand-in for the Triton digest module (``prepare``, ``digest_prepared``): the eager
+    """A stand-in for the Triton digest module (``prepare``, ``digest_prepared``,
+    ``digest_rows``): the eager
     digest, optionally wrong, failing, or refusing pieces. ``calls`` counts the pieces it
     digested (or failed on), ``lists`` its digest calls."""
 
@@ -64,7 +65,11 @@ class _Stand:
             raise ValueError("shape: 5 dims after merging > 4")
         return t, layout
 
-    def digest_prepared(self, prepared, *, sketch_k, arena=False):
+    def digest_rows(self, prepared, *, sketch_k):
+        f64, i64 = self.digest_prepared(prepared, sketch_k=sketch_k)
+        return list(zip(f64, i64))
+
+    def digest_prepared(self, prepared, *, sketch_k):
         self.lists += 1
         f64s, i64s = [], []
         for t, layout in prepared:
