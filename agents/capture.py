@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from agents import fsdp1
 from agents.config import AgentConfig, step_selected
+from agents.device_copy import payload_copy
 from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from agents.digest import has_moments
 from agents.fastpath import Digester
@@ -911,14 +912,14 @@ class Capturer:
         if ((0 < nbytes <= self.config.payload_max_bytes)
                 or (self.config.payload and self._wants_payload(phase, site, role))):
             # A copy taken now: the tensor may be changed in place after the hook returns. The
-            # fused kernel copies the bytes while it digests them; on an accelerator the copy
-            # stays on the device (no sync here) and the sender moves it.
+            # fused kernel copies the bytes while it digests them; from an accelerator the copy
+            # is started, never waited for (agents/device_copy.py).
             if fused:
                 cap.payload, payload_at = self._batches.payload_buffer(nbytes)
             elif local.is_cpu:
                 cap.payload = local.to("cpu", copy=True).contiguous()
             else:
-                cap.payload = local.clone(memory_format=torch.contiguous_format)
+                cap.payload = payload_copy(local)
         self._batches.add(cap, local, layout, payload_at)
 
     def _drain(self) -> None:
