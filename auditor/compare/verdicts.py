@@ -179,6 +179,21 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     out_metric[assign(same, F.IDENTICAL)] = METRIC_CODES["exact"]
     hm_r, hm_c = side(rk.has_moments, ck.has_moments, False)
     exact_metric = metric == METRIC_CODES["exact"]
+    # the same values in bfloat16 and float32: within any tolerance, a difference to bitwise
+    upcast = ex_r & ex_c & (verdict < 0) & (
+        upcast_equal(fp_r, fp_c, dt_r, dt_c, catalog.dtypes) if catalog.fingerprints_v3
+        else False)
+    if bwd_factor != 1.0:
+        upcast &= (A & 0xF) != PHASE_IDS["bwd"]
+    same_values = assign(upcast & ~exact_metric, F.CLOSE)
+    out_metric[same_values], value[same_values] = metric[same_values], 0.0
+    for i in np.flatnonzero(upcast):
+        notes.setdefault(int(i), []).append(
+            f"the same values in another dtype ({catalog.dtypes[dt_r[i]]} in {ref.name}, "
+            f"{catalog.dtypes[dt_c[i]]} in {cand.name}): the float32 fingerprint is the bfloat16 "
+            "one's, each element's bits widened exactly" + (
+                "; a dtype change is a difference under the exact metric" if exact_metric[i]
+                else ""))
     if bwd_factor != 1.0:
         # activation gradients must be the reference's times the factor: unequal fingerprints
         # say nothing, the slow path judges them against the scaled reference
@@ -215,6 +230,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     )
     if unrun:
         comp.memo[PARENTS_MEMO] = unrun
+    comp.rel_l2[same_values] = comp.lower_bound[same_values] = 0.0
     nf_keys = np.flatnonzero(verdict == F.NONFINITE)
     slow = np.flatnonzero(verdict < 0)
     catalog.prefetch_digests(record_ids(comp, np.concatenate([nf_keys, slow])))
@@ -233,6 +249,22 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     t4 = time.perf_counter()
     comp.timings.update(merge=t1 - t0, verdicts=t2 - t1, metrics=t3 - t2, order=t4 - t3)
     return comp
+
+
+def upcast_equal(fp_r: np.ndarray, fp_c: np.ndarray, dt_r: np.ndarray, dt_c: np.ndarray,
+                 dtypes: list[str]) -> np.ndarray:
+    """Per key, whether one run holds bfloat16 values and the other exactly those values in
+    float32: a float32 element's bits are its bfloat16 bits shifted left by 16, and the
+    fingerprint (version 3: the sum of index keys times each element's raw bits, mod 2**64)
+    shifts with them, so the float32 fingerprint is the bfloat16 one times 2**16."""
+    names = np.array(list(dtypes) + [""])
+    bf_r = (names[dt_r] == "bfloat16") & (names[dt_c] == "float32")
+    bf_c = (names[dt_c] == "bfloat16") & (names[dt_r] == "float32")
+    if not (bf_r.any() or bf_c.any()):
+        return np.zeros(len(fp_r), bool)
+    w = np.uint64(16)
+    with np.errstate(over="ignore"):
+        return (bf_r & (fp_c == (fp_r << w))) | (bf_c & (fp_r == (fp_c << w)))
 
 
 def same_shapes(catalog: Catalog, sh_r: np.ndarray, sh_c: np.ndarray, n_r: np.ndarray,

@@ -618,3 +618,57 @@ def test_a_parent_missing_otherwise_stays_a_breach(db, stages, children):
     missing = [f for f in report.findings() if f.key.site == "model"]
     assert missing and all(f.verdict == "missing_in_cand" and f.breach for f in missing)
     assert not any("never run the parent's forward" in w for w in report.warnings)
+
+
+# -- the same values in another dtype (compare/verdicts.py) ------------------------------------
+
+def _dtype_runs(db: Path, *, bf16_side: str = "ref", nudge: bool = False,
+                preset: str = "fp32"):
+    """`a` holds the same values in bfloat16 in one run and float32 in the other (`nudge`: one
+    float32 element off by one ulp); `b`, captured after it, differs in microbatch 1. The
+    candidate takes 2 microbatches of 4 where the reference takes 1 of 8, without payloads:
+    regrouped pieces keep their fingerprints, not their sketches."""
+    g = _gen(6)
+    x = torch.randn(8, 16, generator=g).bfloat16()
+    y = torch.randn(8, 16, generator=g)
+    wide = x.float()
+    if nudge:
+        wide.view(-1)[3] = torch.nextafter(wide.view(-1)[3], torch.tensor(9.0))
+    ref_a, cand_a = (x, wide) if bf16_side == "ref" else (wide, x)
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    key = dict(step=0, role="output")
+    ref.add_full(ref_a, microbatch=0, phase="fwd", site="a", **key)
+    ref.add_full(y, microbatch=0, phase="fwd", site="b", **key)
+    for mb in range(2):
+        rows = slice(4 * mb, 4 * mb + 4)
+        cand.add_full(cand_a[rows], microbatch=mb, phase="fwd", site="a", **key)
+        cand.add_full(y[rows] * (1.01 if mb else 1.0), microbatch=mb, phase="fwd", site="b",
+                      **key)
+    write_runs(db, ref, cand)
+    return compare_runs(db, "ref", "cand", preset_policy(preset))
+
+
+@pytest.mark.parametrize("bf16_side", ["ref", "cand"])
+def test_the_same_values_in_another_dtype_pass_and_the_first_divergence_is_the_breach(
+        db, bf16_side):
+    """Before: `a`, whose only difference is its dtype, was the first divergence ("rel_l2 >= 0
+    … a lower bound: nothing measures it") ahead of `b`, the key that breaches."""
+    report = _dtype_runs(db, bf16_side=bf16_side)
+    a = _finding(report, "fwd", "a")
+    assert a.verdict == "close" and not a.breach and a.value == 0.0
+    assert any(n.startswith("the same values in another dtype") for n in a.notes), a.notes
+    assert set(a.dtype.values()) == {"bfloat16", "float32"}
+    assert report.first.key.site == "b" and report.first.cause.kind == "introduced"
+
+
+def test_values_a_bit_off_in_another_dtype_are_not_taken_as_the_same(db):
+    report = _dtype_runs(db, nudge=True)
+    a = _finding(report, "fwd", "a")
+    assert a.breach and not any("the same values" in n for n in a.notes)
+
+
+def test_the_same_values_in_another_dtype_are_a_difference_to_the_bitwise_preset(db):
+    report = _dtype_runs(db, preset="bitwise")
+    a = _finding(report, "fwd", "a")
+    assert a.breach and report.first.key.site == "a"
+    assert any("a dtype change is a difference under the exact metric" in n for n in a.notes)
