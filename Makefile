@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,frameworks]'
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 $(KERNEL): $(STAMP) agents/kernels/digest_cpu.cpp agents/kernels/dispatch.cpp agents/kernels/build.py

@@ -193,6 +193,60 @@ def kind_costs(repeats: int = 1000) -> dict[str, float]:
     return out
 
 
+def depth_cost(repeats: int) -> dict[str, float] | None:
+    """Step CPU seconds of a transformers LlamaForCausalLM (4 decoder layers of width 256, 4
+    microbatches of 4 x 128 tokens) without the agent, with it at the default depth (one level
+    inside every decoder block: attention, MLP and norms) and with the absolute max_depth of 3
+    alone (block_depth=0: the blocks' outputs only), and a second model without it (the noise
+    floor), interleaved as `measure`'s sides are; None where transformers is not installed."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=128, use_cache=False)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, 1024, (4, 128), generator=g) for _ in range(4)]
+    phases = ("fwd", "grad", "loss")
+    sides = [(model(), None), (model(), "block_depth=1"), (model(), "block_depth=0"),
+             (model(), None)]
+    agents_ = [None if how is None else agents.attach(
+        m, run="bench", phases=phases, spool_mode="off", block_depth=int(how[-1]))
+        for m, how in sides]
+
+    def step(m, agent, i: int) -> float:
+        start = time.process_time()
+        with agent.step(i) if agent is not None else _null():
+            for j, x in enumerate(mbs):
+                with agent.microbatch(j) if agent is not None else _null():
+                    loss = F.cross_entropy(m(x).logits.flatten(0, 1), x.flatten())
+                    if agent is not None:
+                        agent.capture(loss, site="loss", phase="loss")
+                    (loss / len(mbs)).backward()
+        m.zero_grad(set_to_none=True)
+        sender = getattr(agent, "_sender", None)
+        if sender is not None:
+            sender.wait_idle(10.0)
+        return time.process_time() - start
+
+    for (m, _), a in zip(sides, agents_):
+        step(m, a, 0)
+    times: list[list[float]] = [[] for _ in sides]
+    for i in range(repeats):
+        for (m, _), a, t in zip(sides, agents_, times):
+            t.append(step(m, a, i + 1))
+    captured = [a.close(timeout=5.0)["captured"] / (repeats + 1) for a in agents_[1:3]]
+    ratios = [statistics.median(x / y for x, y in zip(t, times[0])) for t in times[1:]]
+    return {"off": statistics.median(times[0]), "inside": ratios[0], "blocks": ratios[1],
+            "noise": ratios[2], "inside_captures": captured[0], "blocks_captures": captured[1]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead",
                                      description=__doc__.splitlines()[0])
@@ -226,6 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['off']:.3f} | {r['on']:.3f} | {r['on_ratio']:.2f}x | "
                   f"{r['capture_ratio']:.2f}x | {r['unselected_ratio']:.2f}x | "
                   f"{r['noise_ratio']:.2f}x | {r['sender_ms']:.1f} |", flush=True)
+    cost = depth_cost(repeats)
+    if cost is not None:
+        print(f"transformers Llama (4 layers x 256, 4 microbatches of 4x128 tokens, fwd,grad,loss; "
+              f"off {cost['off']:.3f} s/step): default depth (inside every block, "
+              f"{cost['inside_captures']:.0f} captures/step) {cost['inside']:.2f}x; "
+              f"max_depth 3 alone (block outputs, {cost['blocks_captures']:.0f} captures/step) "
+              f"{cost['blocks']:.2f}x; off again {cost['noise']:.2f}x (noise)", flush=True)
     return 0
 
 

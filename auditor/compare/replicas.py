@@ -146,12 +146,12 @@ def spread_copies(before: RunColumns, after: RunColumns, other: RunColumns,
     other run as regroup left it."""
     if not len(after):
         return after
-    old_a = dict(zip(before.rid.tolist(), before.A.tolist()))
-    old_layout = dict(zip(before.rid.tolist(), before.layout.tolist()))
-    a_old = np.array([old_a.get(r, a) for r, a in zip(after.rid.tolist(), after.A.tolist())],
-                     np.int64)
-    moved = (a_old != after.A) | np.array(
-        [old_layout.get(r, c) != c for r, c in zip(after.rid.tolist(), after.layout.tolist())])
+    order = np.argsort(before.rid, kind="stable")
+    at = order[np.clip(np.searchsorted(before.rid[order], after.rid), 0, len(order) - 1)]
+    if not np.array_equal(before.rid[at], after.rid):
+        return after  # rows regroup did not take from `before`: nothing to map
+    a_old = before.A[at]
+    moved = (a_old != after.A) | (before.layout[at] != after.layout)
     if not moved.any():
         return after
     step, mb_new, phase = unpack_a(after.A)
@@ -161,10 +161,10 @@ def spread_copies(before: RunColumns, after: RunColumns, other: RunColumns,
     for r in np.flatnonzero(moved & (mb_new >= 0)).tolist():
         targets.setdefault((int(step[r]), int(mb_old[r])), set()).add(int(mb_new[r]))
         moved_keys.add((int(step[r]), int(phase[r]), int(after.B[r])))
+    s_old, m_old, _ = unpack_a(before.A)
     mbs: dict[int, set[int]] = {}
-    for s, m in zip(unpack_a(before.A)[0].tolist(), unpack_a(before.A)[1].tolist()):
-        if m >= 0:
-            mbs.setdefault(s, set()).add(m)
+    for s, m in np.unique(np.stack([s_old, m_old], 1)[m_old >= 0], axis=0).tolist():
+        mbs.setdefault(s, set()).add(m)
     shapes_here, shapes_there = _step_shapes(after, catalog), _step_shapes(other, catalog)
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for r in np.flatnonzero(~moved & (mb_new >= 0) & np.isin(phase, SPREAD_PHASES)).tolist():
@@ -179,28 +179,20 @@ def spread_copies(before: RunColumns, after: RunColumns, other: RunColumns,
         here, there = shapes_here.get(key), shapes_there.get(key)
         if not here or here != there or len(here) != 1:
             continue  # not one shape in both runs: it may hold the batch
-        if not _in_every_microbatch(after, key, mbs.get(s, set()), a_old):
-            continue
+        if not {int(mb_new[r]) for r in rows} >= mbs.get(s, set()):
+            continue  # not captured in every microbatch of the step: it may hold the batch
         copies.extend((r, t) for r, ts in zip(rows, to) for t in sorted(ts))
     if not copies:
         return after
     keep = np.ones(len(after), bool)
     keep[[r for r, _ in copies]] = False
-    rows = np.array([r for r, _ in copies], np.int64)
-    extra = after.take(rows)
+    rows_ = np.array([r for r, _ in copies], np.int64)
+    extra = after.take(rows_)
     extra.A = ((extra.A >> 24) << 24) | ((np.array([t for _, t in copies], np.int64) + 1) << 4) \
         | (extra.A & 0xF)
     extra.layout = np.array([_replica_code(catalog, int(c)) for c in extra.layout],
                             after.layout.dtype)
     return after.take(np.flatnonzero(keep)).concat(extra)
-
-
-def _in_every_microbatch(cols: RunColumns, key: tuple[int, int, int], mbs: set[int],
-                         a_old: np.ndarray) -> bool:
-    """Whether the run captured `key` (step, phase, B) in every microbatch of its step."""
-    s, p, b = key
-    sel = (cols.B == b) & ((a_old >> 24) == s) & ((a_old & 0xF) == p)
-    return {int(m) for m in unpack_a(a_old[sel])[1].tolist()} >= mbs
 
 
 def _replica_code(catalog: Catalog, code: int) -> int:
