@@ -136,7 +136,8 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
     side = "cand" if keys is comp.cand_keys else "ref"
     limit = comp.labels.get(side, {}).get(CAPTURE_DEPTH_LABEL, "")
     level = module.count(".") + 1 if module else 0
-    if limit.isdigit() and level > int(limit):
+    fwd = int((in_module & ((keys.A & 0xF) == PHASE_IDS["fwd"])).sum())
+    if limit.isdigit() and level > int(limit) and not fwd:  # (hooked inside a block: has fwd)
         return (f"{run} captured activation gradients (phase bwd) of modules down to depth "
                 f"{limit} (the agent's max_depth) and {name} is at depth {level}, so it has "
                 f"none: raise max_depth to {level} (NUMAUDIT_DEPTH={level}; modules= can then "
@@ -145,7 +146,6 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
         return (f"{run} captured activation gradients (phase bwd) of submodules, but the root "
                 "module is never hooked: nothing tells frozen parameters of its own from a "
                 "graph cut before them")
-    fwd = int((in_module & ((keys.A & 0xF) == PHASE_IDS["fwd"])).sum())
     if fwd:
         return (f"{run} captured activation gradients (phase bwd) of other modules and the "
                 f"forward of {name} ({fwd} fwd captures), but no gradient reached its output: "
