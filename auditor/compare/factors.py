@@ -22,16 +22,12 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare.align import PHASE_IDS
+from auditor.compare.integer_ratio import INTEGER_RTOL, MAX_NAMED, snap  # noqa: F401
 from auditor.compare.metrics import EPS64, MACHINE_EPS
 
 if TYPE_CHECKING:
     from auditor.compare.comparison import Comparison
 
-INTEGER_RTOL = 1e-5
-"""How close a ratio must be to an integer n (or 1/n) to be called n: far below any tolerance
-that would let a real difference through, far above float32 rounding of a norm ratio."""
-MAX_NAMED = 1 << 20
-"""Integers beyond this are not named as factors (they are no count of a run's work)."""
 PIECE_SCAN = 8192
 """Keys whose moments and sketches one `factor_evidence` call reads at most."""
 SKETCH_RESID = 1e-6
@@ -48,17 +44,6 @@ class Count:
     """What it counts, as the report says it ("dp ranks of ddp", "pp_microbatches of pp")."""
     why: str
     """What a factor of this count usually means (the likely cause)."""
-
-
-def snap(f: float, rtol: float = INTEGER_RTOL) -> tuple[int, bool] | None:
-    """(n, inverse) when f is n or 1/n for an integer 2 <= n <= MAX_NAMED within rtol."""
-    if not (math.isfinite(f) and f > 0):
-        return None
-    for value, inverse in ((f, False), (1.0 / f, True)):
-        n = round(value)
-        if 2 <= n <= MAX_NAMED and abs(value - n) <= rtol * n:
-            return n, inverse
-    return None
 
 
 def is_power_of_two(n: int) -> bool:

@@ -19,6 +19,7 @@ from auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
 from auditor.compare.align import PHASE_IDS
 from auditor.compare.digests import scaled_fingerprint
 from auditor.compare.findings import format_float
+from auditor.compare.integer_ratio import snap
 from auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
 from auditor.compare.segments import ranges_index, segment_reduce, unique
 from auditor.compare.payloads import payload_for, payload_keys
@@ -428,6 +429,9 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
     nr = comp.norm_ratio[keys]
     with np.errstate(invalid="ignore"):
         pure = breach & (resid <= tol) & (np.abs(nr - 1.0) > tol) & np.isfinite(nr) & (nr > 0)
+    # one element is always "a rescaling": only a count (n or 1/n) says more than its value
+    for j in np.flatnonzero(pure & (numel == 1)):
+        pure[j] = snap(float(nr[j])) is not None
     comp.scaled_by[keys[pure]] = nr[pure]
     comp.value[keys] = value
     comp.sigma[keys] = np.where(sig > 0, sig, np.nan)

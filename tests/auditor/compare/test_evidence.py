@@ -672,3 +672,16 @@ def test_the_same_values_in_another_dtype_are_a_difference_to_the_bitwise_preset
     a = _finding(report, "fwd", "a")
     assert a.breach and report.first.key.site == "a"
     assert any("a dtype change is a difference under the exact metric" in n for n in a.notes)
+
+
+@pytest.mark.parametrize("factor, scaled", [(1.013, False), (0.5, True)])
+def test_a_scalar_is_said_scaled_only_by_a_count(db, factor, scaled):
+    """One element is always its reference times something: "scaled by 1.01" said nothing a
+    scalar's value does not, and read as a convention; x0.5 is a count (dp ranks, steps)."""
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    ref.add_full(torch.tensor(0.75), **LOSS)
+    cand.add_full(torch.tensor(0.75 * factor), **LOSS)
+    write_runs(db, ref, cand)
+    f = compare_runs(db, "ref", "cand", preset_policy("fp32")).first
+    assert f.headline().split(" — ")[1].startswith("scaled by") == scaled, f.headline()
+    assert any("a uniform factor" in n for n in f.notes) == scaled, f.notes
