@@ -124,7 +124,8 @@ def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
                 rows.append((run_id, step, mb, phase, site, role, 0, 0, r, -1, 0, "float32",
                              lay[0], lay[1], lay[2], 0, 0, 0, rows_per if n_pieces > 1 else numel,
                              0, 0, 0, 0, 1, 0.0, s2, -3.0, 3.0, 3.0, fp, fs,
-                             struct.pack(f"<{sketch_k}d", *sk), ss, b"", f"{name}-{r}", 1, 0.0))
+                             struct.pack(f"<{sketch_k}d", *sk), ss, b"", f"{name}-{r}", 1, 0.0,
+                             i + 1))  # capture order: each rank numbers its keys in key order
             if len(rows) >= 100_000:
                 _insert(conn, rows)
                 rows = []
@@ -140,8 +141,8 @@ def _insert(conn, rows) -> None:
         " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial, complex_as_real,"
         " numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min, max, abs_max,"
         " fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash, session_id, seq,"
-        " received) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-        "?,?,?)", rows)
+        " received, capture_order) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
+        "?,?,?,?,?,?,?,?,?)", rows)
 
 
 def _ensure_segments(db: Path) -> None:
@@ -199,7 +200,7 @@ def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
 
     directory.mkdir(parents=True, exist_ok=True)
     tag = "" if close_fraction == CLOSE_FRACTION else f"-close{close_fraction:g}"
-    db = directory / f"compare-{n_keys}-{pieces}-k{sketch_k}{tag}.db"
+    db = directory / f"compare-{n_keys}-{pieces}-k{sketch_k}{tag}-v2.db"  # v2: numbered
     meta_path = db.with_suffix(".json")
     if not (db.exists() and meta_path.exists()):
         for p in (db, meta_path):

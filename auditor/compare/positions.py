@@ -9,9 +9,11 @@ others do not, experts held by one expert-parallel rank), so their numbers drift
 
 So a key's position is read in one rank's frame per group of keys that execution order
 compares (step, microbatch, phase, stage): the rank that holds the most of the group's keys
-(the lowest such rank on a tie). A key that rank lacks is placed, by its own lowest rank's
-numbers, just after the nearest key before it that the frame rank holds
-(`align.fill_positions`, as keys only the candidate has are placed in the reference's frame).
+(the lowest such rank on a tie). A key that rank lacks is placed, by its own ranks' numbers,
+just after the nearest key before it that the frame rank holds (`align.fill_positions`, as keys
+only the candidate has are placed in the reference's frame). A key with several pieces on one
+rank (records of several microbatches re-keyed into one by `auditor.compare.regroup`) takes the
+earliest.
 
 Records of an agent before capture numbers (0) leave only the store's order, record ids:
 `key_positions` says so, and the comparison warns that execution order is approximated.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from auditor.compare.align import fill_positions
+from auditor.compare.segments import unique
 
 
 def key_positions(cols, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -41,6 +44,11 @@ def key_positions(cols, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndar
     order = cols.order
     rank = cols.rank.astype(np.int64)
     if (rank == rank[0]).all():  # one rank holds every key: its numbers are the positions
+        return np.minimum.reduceat(order, starts).astype(np.float64), True
+    ranks = unique(rank)
+    if (counts == len(ranks)).all() and np.array_equal(rank, np.tile(ranks, G)):
+        # every rank holds every key once (data parallel, tensor parallel): every group's frame
+        # is the lowest rank, whose row comes first in each key's
         return order[starts].astype(np.float64), True
     key = np.repeat(np.arange(G), counts)
     group = _ids(cols.A, cols.stage[starts][key].astype(np.int64))
@@ -49,19 +57,24 @@ def key_positions(cols, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndar
     pair_group = np.zeros(n_pairs, np.int64)
     pair_rank = np.zeros(n_pairs, np.int64)
     pair_group[pair], pair_rank[pair] = group, rank
-    held = np.bincount(pair, minlength=n_pairs)
+    pair_key = _ids(pair, key)  # keys, not rows: a key may have several pieces on a rank
+    some_row = np.zeros(int(pair_key.max()) + 1, np.int64)
+    some_row[pair_key] = np.arange(len(rank))
+    held = np.bincount(pair[some_row], minlength=n_pairs)
     best = np.lexsort((pair_rank, -held, pair_group))
     first = np.ones(n_pairs, bool)
     first[1:] = pair_group[best][1:] != pair_group[best][:-1]
     frame = np.zeros(int(group.max()) + 1, np.int64)
     frame[pair_group[best][first]] = pair_rank[best][first]
     in_frame = rank == frame[group]
-    frame_pos = np.full(G, np.nan)
-    frame_pos[key[in_frame]] = order[in_frame]
+    frame_pos = np.full(G, np.inf)
+    np.minimum.at(frame_pos, key[in_frame], order[in_frame].astype(np.float64))
+    frame_pos[np.isinf(frame_pos)] = np.nan
     if not np.isnan(frame_pos).any():
         return frame_pos, True
+    # every row's position in its group's frame (known for keys the frame rank holds)
     filled = fill_positions(pair, order.astype(np.float64), frame_pos[key])
-    return filled[starts], True
+    return np.minimum.reduceat(filled, starts), True
 
 
 def _ids(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -63,3 +63,16 @@ def test_records_without_numbers_are_ordered_by_record_id():
     cols, starts, counts = _cols([(0, 0, 3, 12), (1, 0, 1, 10), (2, 0, 2, 11)], numbered=False)
     pos, numbered = key_positions(cols, starts, counts)
     assert not numbered and pos.tolist() == [12.0, 10.0, 11.0]
+
+
+def test_a_key_of_several_pieces_on_one_rank_takes_the_earliest():
+    """Records of several microbatches re-keyed into one (regrouping): the key ran when its
+    first piece was captured."""
+    cols, starts, counts = _cols([(0, 0, 9, 1), (0, 0, 2, 2), (1, 0, 5, 3), (1, 0, 12, 4)])
+    pos, _ = key_positions(cols, starts, counts)
+    assert pos.tolist() == [2.0, 5.0]
+    # the frame is the rank holding the most keys (rank 1: three), not the most pieces
+    cols, starts, counts = _cols([(0, 0, 9, 1), (0, 0, 2, 2), (1, 0, 5, 3), (1, 0, 12, 4),
+                                  (0, 1, 4, 5), (1, 1, 1, 6), (2, 1, 3, 7)])
+    pos, _ = key_positions(cols, starts, counts)
+    assert _sequence(pos, ["a", "b", "c"]) == ["b", "c", "a"]
