@@ -139,8 +139,12 @@ class Capturer:
         """(step, microbatch) -> dim 0 of this rank's input capture: the default reduce weight."""
         self._rows: int | None = config.microbatch_size
         """This rank's samples in the running microbatch (the watched model's input, else the
-        input capture): outputs of size 1 on the batch dim while it is more do not hold the
-        batch (layout.holds_batch). Layouts and plans are worked out again when it crosses 1."""
+        input capture)."""
+        self._batchless: set[tuple[str, tuple[int, ...]]] = set()
+        """(site, shape) of module outputs that do not hold the batch (layout.holds_batch:
+        size 1 on the batch dim, computed from an input holding the microbatch's `_rows`):
+        replicas, their gradients addends of a sum over dp. Kept for the run: the same output
+        in a microbatch of one sample per rank is the replica it was."""
         self._output_shards: dict[str, tuple[int, int, int]] = {}
         """Module site -> (dim, shards, coordinate) of a tensor-parallel output that each rank
         holds a block of as a plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
@@ -224,12 +228,23 @@ class Capturer:
                 self._failed("reading the batch size", exc)
 
     def _set_rows(self, rows: int | None) -> None:
-        if rows is None:
-            return
-        if (rows > 1) != (self._rows is not None and self._rows > 1):
-            self._layouts.clear()  # sites of size 1 on the batch dim change meaning
-            self._plans.clear()
-        self._rows = rows
+        if rows is not None:
+            self._rows = rows
+
+    def _note_batchless(self, site: str, inputs: tuple, tensors: list) -> None:
+        """Mark this call's outputs that do not hold the batch (`_batchless`); only outputs of
+        size 1 on the batch dim are looked at further (rarely any)."""
+        dim = self.config.batch_dim
+        for index, t in enumerate(tensors):
+            d = self._batch_dims.get((site, index), dim) if self._batch_dims else dim
+            shape = tuple(t.shape)
+            if len(shape) <= d or shape[d] != 1 or (site, shape) in self._batchless:
+                continue
+            if not holds_batch(shape, d, self._rows, [tuple(x.shape) for x in inputs
+                                                     if isinstance(x, torch.Tensor)]):
+                self._batchless.add((site, shape))
+                self._layouts.clear()  # its plans and layouts were a share's
+                self._plans.clear()
 
     def _stage_pre_hook(self, module, inputs) -> None:
         """Runs first at every forward of a pipeline stage's module: outside a chunk method it
@@ -268,6 +283,8 @@ class Capturer:
                            [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
                 if self._follow:
                     self._follow_shards(site, inputs, tensors)
+                if self._rows is not None and self._rows > 1:
+                    self._note_batchless(site, inputs, tensors)
                 for index, t in enumerate(tensors):
                     if fwd and not self._capture_fast(t, "fwd", site, "output", index, call,
                                                       mb, st, self.step):
@@ -617,7 +634,7 @@ class Capturer:
             layout = PieceLayout.full(shape)
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)
             return dataclasses.replace(layout, replica=replica)
-        if not holds_batch(shape, dim, self._rows):
+        if (site, shape) in self._batchless and phase in ("fwd", "bwd"):
             # the same on every dp rank (rotary cos/sin): a replica; its gradient, each dp
             # rank's sum over its samples, an addend of a sum over the dp ranks
             replica = self.ident.dp_size > 1 or self.replicated(phase, site, replicate)

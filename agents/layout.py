@@ -217,20 +217,24 @@ def batch_layout(local_shape: Sequence[int], dp_rank: int, dp_size: int,
     )
 
 
-def holds_batch(local_shape: Sequence[int], dim: int, rows: int | None) -> bool:
-    """Whether a tensor of `local_shape` can hold this rank's `rows` samples of the microbatch
-    on batch dim `dim` (the batch's own rows: agents.layout.batch_rows).
+def holds_batch(shape: Sequence[int], dim: int, rows: int | None,
+                inputs: Sequence[Sequence[int]]) -> bool:
+    """Whether a module's output of `shape` holds its rank's share of the batch on batch dim
+    `dim`, given the shapes of the module's tensor inputs and this rank's `rows` samples in the
+    microbatch (`batch_rows`).
 
-    False for a tensor of size 1 on that dim while the microbatch holds more: an output that
-    does not depend on the batch and is broadcast over it, such as transformers' rotary
-    ``cos``/``sin`` of shape ``[1, seq, dim]``, the same on every dp rank: a replica, not a
-    rank's share of the batch. True when `rows` is unknown or 1 (a microbatch of one sample
-    per rank cannot tell: the auditor recognizes such replicas by their fingerprints), and for
-    tensors without that dim (placed as `batch_layout` says).
+    False for an output of size 1 on that dim computed from an input that holds the
+    microbatch's samples there (more than one): the module dropped the batch, and its output is
+    the same on every dp rank, such as transformers' rotary ``cos``/``sin`` of shape
+    ``[1, seq, dim]`` from the hidden states ``[batch, seq, hidden]``: a replica, not a rank's
+    share. True otherwise: an expert that was routed one token gets one row as its input too
+    (its rows are tokens, not samples); with one sample per rank nothing tells (the auditor
+    recognizes such replicas by their fingerprints); and so does an output computed from inputs
+    without the batch (``position_ids`` of ``[1, seq]``).
     """
-    if rows is None or rows <= 1 or dim >= len(local_shape):
+    if rows is None or rows <= 1 or dim >= len(shape) or int(shape[dim]) != 1:
         return True
-    return int(local_shape[dim]) != 1
+    return not any(len(s) > dim and int(s[dim]) == rows for s in inputs)
 
 
 def batch_rows(args: Sequence[Any], kwargs: dict, dim: int) -> int | None:

@@ -157,9 +157,13 @@ def test_default_depth_sees_inside_blocks_wherever_they_sit():
 # -- outputs that do not hold the batch ------------------------------------------------------------
 
 def test_holds_batch_and_batch_rows():
-    assert not holds_batch((1, S, D), 0, 4) and holds_batch((4, S, D), 0, 4)
-    assert holds_batch((1, S, D), 0, 1) and holds_batch((1, S, D), 0, None)  # cannot tell
-    assert holds_batch((), 0, 4) and not holds_batch((S, 1, D), 1, 4)
+    hidden = [(4, S, D), (1, S)]  # a rotary module's inputs: hidden states and position ids
+    assert not holds_batch((1, S, D), 0, 4, hidden) and holds_batch((4, S, D), 0, 4, hidden)
+    assert holds_batch((1, S, D), 0, 1, [(1, S, D)])  # one sample per rank: cannot tell
+    assert holds_batch((1, S, D), 0, None, hidden)
+    assert holds_batch((1, D), 0, 4, [(1, D)])  # an expert routed one token: one row in, out
+    assert holds_batch((1, S, D), 0, 4, [(1, S)])  # from position ids alone: cannot tell
+    assert holds_batch((), 0, 4, hidden) and not holds_batch((S, 1, D), 1, 4, [(S, 4, D)])
     ids, pos = torch.zeros(4, S), torch.zeros(1, S)
     assert batch_rows((ids,), {}, 0) == 4
     assert batch_rows((), {"position_ids": pos, "input_ids": ids}, 0) == 4
@@ -193,9 +197,41 @@ def test_rotary_output_is_a_replica_and_its_gradient_a_sum_over_dp(fake_rank, ro
             (4 * B, S, D), (B, 0, 0), (B, S, D))
     else:
         assert fwd == PieceLayout((4, S, D), (1, 0, 0), (1, S, D))
-    # the next microbatch holds more samples again: layouts are worked out anew
-    cap.microbatch = 1
-    model(torch.randint(0, 32, (B, S))).sum().backward()
+    # a microbatch of more samples shows the rotary output does not hold the batch; from then
+    # on it is a replica in a microbatch of one sample per rank too
+    for mb, n in ((1, B), (2, 1)):
+        cap.microbatch = mb
+        model(torch.randint(0, 32, (n, S))).sum().backward()
     cap.flush()
     lays = {(c.microbatch, c.phase, c.site): c.layout for b in batches for c in b.captures}
     assert lays[(1, PHASE_IDS["fwd"], "rotary")].replica
+    assert lays[(2, PHASE_IDS["fwd"], "rotary")] == PieceLayout((1, S, D), (0, 0, 0), (1, S, D),
+                                                                replica=True)
+
+
+class _Routed(torch.nn.Module):
+    """Top-1 routing to two experts: an expert sees only the tokens routed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(D, D), torch.nn.Linear(D, D)])
+
+    def forward(self, x):
+        flat = x.reshape(-1, D)
+        return torch.cat([self.experts[0](flat[:1]), self.experts[1](flat[1:])]).reshape(x.shape)
+
+
+def test_an_expert_routed_one_token_holds_a_share(fake_rank):
+    """An expert that gets one token while the microbatch holds 4 samples a rank: its output
+    is [1, D] from an input of one row, a share of the expert's tokens, not a replica."""
+    fake_rank(1)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    batches = []
+    cap = Capturer(AgentConfig(phases=("fwd",)), rank_identity(mesh), batches.append, Counters())
+    model = _Routed()
+    cap.hook_modules(model)
+    cap.start_step(0)
+    model(torch.randn(B, S, D))
+    cap.flush()
+    lays = {c.site: c.layout for b in batches for c in b.captures}
+    assert lays["experts.0"] == PieceLayout((4, D), (1, 0), (1, D))
