@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,11 +36,12 @@ from agents.layout import PieceLayout, complex_real_layout
 
 MAX_DIMS = 4
 """Dims of a piece after merging those contiguous in both memory and the logical tensor."""
-ROWS = 4
+ROWS = int(os.environ.get("NUMAUDIT_TRITON_ROWS", "4"))
 """Rows a program reads per loop step for k <= 256 (one for k > 256: its window picks the
-sketch's 256 buckets a row adds to)."""
-NUM_WARPS = 8
-"""Warps per program of the tiles kernel."""
+sketch's 256 buckets a row adds to). A power of two; NUMAUDIT_TRITON_ROWS sets it (for
+``python -m bench.gpu``'s sweep: the bound below holds for any)."""
+NUM_WARPS = int(os.environ.get("NUMAUDIT_TRITON_WARPS", "8"))
+"""Warps per program of the tiles kernel (NUMAUDIT_TRITON_WARPS sets it)."""
 MAX_TILE_ROWS = 256
 """Rows of a tile at most: 64k elements, the float32 accumulation's span (the contract)."""
 MAX_K = 4096

@@ -143,7 +143,7 @@ def test_a_kernel_that_fails_later_falls_back_for_good(monkeypatch, caplog):
 
 
 def test_shapes_the_kernel_refuses_take_the_eager_path_silently(monkeypatch, caplog):
-    stand = _Stand(refuse=lambda t: t.shape[-1] in (300, 40))  # every piece, not the checks
+    stand = _Stand(refuse=lambda t: tuple(t.shape) in ((5, 300), (3, 300), (40,)))  # not checks
     pieces = _pieces()
     with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
         got = _rows(_digester_with(monkeypatch, stand), pieces)

@@ -320,9 +320,13 @@ def test_many_pieces_of_one_group_find_their_tiles(triton_digest):
         _assert_rows((f64[j], i64[j]), t, layout)
 
 
-def test_a_piece_of_more_tiles_than_one_finishing_step(triton_digest):
-    """More tile partials than the finishing program reads in one step (FINISH_BLOCK)."""
-    n = (triton_digest.FINISH_BLOCK + 3) * MIN_TILE_ROWS * hashing.LANES + 5
+def test_a_piece_of_more_tiles_than_one_finishing_step(triton_digest, monkeypatch):
+    """More tile partials than the finishing program reads in one step (FINISH_BLOCK); tiles
+    made small so that the interpreter has fewer rows to run."""
+    from agents.kernels import triton_plan
+
+    monkeypatch.setattr(triton_plan, "MIN_TILE_ROWS", 4)
+    n = (triton_digest.FINISH_BLOCK + 3) * 4 * hashing.LANES + 5
     t = _values(torch.float32, n, 31)
     layout = PieceLayout((n + 10,), (3,), (n,))
     assert tiling(plan_piece(t, layout), K)[1] > triton_digest.FINISH_BLOCK
@@ -348,3 +352,105 @@ def test_a_layout_seen_with_other_strides_or_dtype_is_planned_again(triton_diges
     for t in (rows, cols, ints, rows):
         _assert_rows(triton_digest.digest_pieces_triton([(t.to(_device()), layout)],
                                                         sketch_k=K), t, layout)
+
+
+def test_the_same_pieces_give_the_same_bits_twice(triton_digest):
+    """No atomics, fixed orders: a list digested twice gives the same bits, sums and sketch
+    included (on a device this is what float atomics would break)."""
+    pieces = [(t.to(_device()), lay) for t, lay in _mixed_pieces()[:8]]
+    first = triton_digest.digest_pieces_triton(pieces, sketch_k=256)
+    again = triton_digest.digest_pieces_triton(pieces, sketch_k=256)
+    assert torch.equal(first[1], again[1])
+    assert torch.equal(first[0].view(torch.int64), again[0].view(torch.int64))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's float32 pass
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [2.0 ** 64, 2.0 ** -70])
+def test_tiles_float32_cannot_sum_are_summed_in_float64(triton_digest, dtype, scale):
+    """Elements near 2**64 (float32 squares overflow) or 2**-70 (float32 squares underflow
+    entirely): such a tile is summed again in float64, so sums, squares and buckets agree with
+    the eager reference to float64 rounding, far inside what float32 could give. Next to them
+    a tile of ordinary values stays in float32 (within the contract)."""
+    n = 2 * MIN_TILE_ROWS * hashing.LANES
+    t = _values(dtype, n, 61)
+    t[n // 2:] = (t[n // 2:].to(torch.float64) * scale).to(dtype)
+    layout = PieceLayout.full((n,))
+    f64, i64 = triton_digest.digest_piece_triton(t.to(_device()), layout, sketch_k=K)
+    _assert_rows((f64, i64), t, layout)
+    extreme = t[n // 2:]
+    sub = PieceLayout((n,), (n // 2,), (n // 2,))
+    f64, _ = triton_digest.digest_piece_triton(extreme.to(_device()), sub, sketch_k=K)
+    want, _ = _digest(extreme, sub, K, sync_free=None)
+    f = torch.where(torch.isfinite(extreme.double()), extreme.double(), 0.0)
+    assert abs(float(f64[0] - want[0])) <= 1e-12 * float(f.abs().sum())
+    assert abs(float(f64[1] - want[1])) <= 1e-12 * float((f * f).sum())
+    assert float(f64[1]) > 0
+    assert ((f64.cpu()[N_MOMENTS:] - want[N_MOMENTS:]).abs()
+            <= 1e-12 * float(f.abs().sum())).all()
+
+
+def test_agent_rows_come_from_an_arena_that_is_replaced_when_full(triton_digest, monkeypatch):
+    """digest_rows (the agent's call) writes into the device's row arena: lists take
+    consecutive rows, and a full arena is replaced without touching rows handed out before."""
+    from agents.kernels import triton_launch
+
+    monkeypatch.setattr(triton_launch, "ARENA_ROWS", 4)
+    pieces = [(t.to(_device()), lay) for t, lay in _mixed_pieces()[:6]]
+    got = []
+    for chunk in (pieces[:3], pieces[3:5], pieces[5:]):  # the second list does not fit: new
+        got += triton_digest.digest_rows([triton_digest.prepare(t, lay) for t, lay in chunk],
+                                         sketch_k=K)
+    assert got[1][0].data_ptr() - got[0][0].data_ptr() == 8 * (N_MOMENTS + K)
+    assert got[3][0].untyped_storage().data_ptr() != got[0][0].untyped_storage().data_ptr()
+    for (f64, i64), (t, layout) in zip(got, _mixed_pieces()[:6]):
+        _assert_rows((f64, i64), t, layout)
+
+
+class _Compiled:
+    """What Triton's JIT returns on a GPU: the compiled kernel, with its own launcher."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+
+    def run(self, *args) -> None:
+        self.launches.append(args)
+
+
+class _JitKernel:
+    """A stand-in for a @triton.jit kernel on a GPU: launching it compiles it."""
+
+    def __init__(self) -> None:
+        self.compiled = _Compiled()
+        self.jit_launches: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.jit_launches.append((grid, args, options))
+            return self.compiled
+        return launch
+
+
+def test_a_variant_is_launched_through_triton_once_then_through_its_handle():
+    """The first launch goes through Triton's JIT with tensors (it compiles); later ones call
+    the compiled kernel's launcher with addresses and, since Triton 3.3, the constexprs after
+    the runtime arguments; hooks and launch metadata None. Under the interpreter every launch
+    goes through Triton (there is no compiled kernel)."""
+    from agents.kernels import triton_launch
+
+    kernel = _JitKernel()
+    launch = triton_launch.Launcher(kernel, {"K": 8, "FLOAT": None}, num_warps=8)
+    launch((3, 1), 77, (1000, 5), lambda: ("tensor", 5))
+    assert kernel.jit_launches == [((3, 1), ("tensor", 5), {"K": 8, "FLOAT": None,
+                                                            "num_warps": 8})]
+    launch((4, 2), 78, (2000, 6), lambda: pytest.fail("Triton's launcher used again"))
+    extra = (8, None) if triton_launch.ALL_ARGS else ()
+    assert kernel.compiled.launches == [(4, 2, 1, 78, "fn", "meta", None, None, None, 2000, 6,
+                                         *extra)]
+    interpreted = type("InterpretedFunction", (_JitKernel,), {})()
+    launch = triton_launch.Launcher(interpreted, {"K": 8}, num_warps=8)
+    for _ in range(2):
+        launch((1, 1), 0, (1,), lambda: ("tensor",))
+    assert len(interpreted.jit_launches) == 2 and not interpreted.compiled.launches
