@@ -47,13 +47,14 @@ def order_keys(comp: Comparison) -> None:
     if has.all():
         pos = frame
     else:  # place the other run's keys within their (step, microbatch, phase, stage) group
-        g_order = np.lexsort((frame_stage, stage, comp.A))
-        ga, gs, gf = comp.A[g_order], stage[g_order], frame_stage[g_order]
+        g_order = np.lexsort((stage, comp.A))
+        ga, gs = comp.A[g_order], stage[g_order]
         gnew = np.ones(K, bool)
-        gnew[1:] = (ga[1:] != ga[:-1]) | (gs[1:] != gs[:-1]) | (gf[1:] != gf[:-1])
+        gnew[1:] = (ga[1:] != ga[:-1]) | (gs[1:] != gs[:-1])
         group = np.empty(K, np.int64)
         group[g_order] = np.cumsum(gnew) - 1
         pos = fill_positions(group, own, frame)
+        frame_stage = _carried(group, own, has, frame_stage)
     # the frame run's own stage orders keys of one stage of the candidate that ran in several
     # of its stages (positions of different stages come from different ranks' clocks)
     order = exec_order(step, mb, phase, stage, pos, frame_stage)
@@ -82,6 +83,31 @@ def _stage_of(keys, idx: np.ndarray, has: np.ndarray, site: np.ndarray) -> np.nd
     if has.any():
         site_stage[site[has]] = stage[has]
     return np.where(has, stage, site_stage[site])
+
+
+def _carried(group: np.ndarray, own: np.ndarray, has: np.ndarray,
+             values: np.ndarray) -> np.ndarray:
+    """``values`` of the keys the frame run has; for the others, the value of the key they are
+    placed after (`align.fill_positions`: the nearest one before it in its own run's order, in
+    its group, that the frame run has), or of the group's first such key when none is before."""
+    out = values.copy()
+    if has.all():
+        return out
+    n = len(group)
+    order = np.lexsort((own, group))
+    g, known = group[order], has[order]
+    idx = np.arange(n)
+    starts = np.r_[True, g[1:] != g[:-1]]
+    seg_start = np.flatnonzero(starts)[np.cumsum(starts) - 1]
+    ends = np.r_[g[1:] != g[:-1], True]
+    seg_end = np.flatnonzero(ends)[np.cumsum(starts) - 1]
+    last = np.maximum.accumulate(np.where(known, idx, -1))
+    nxt = np.minimum.accumulate(np.where(known, idx, n)[::-1])[::-1]
+    src = np.where(last >= seg_start, last, np.where(nxt <= seg_end, nxt, -1))
+    v = values[order]
+    carried = np.where(src >= 0, v[np.maximum(src, 0)], -1)
+    out[order] = np.where(known, v, carried)
+    return out
 
 
 def _warn_unnumbered(comp: Comparison, frame_has: np.ndarray) -> None:

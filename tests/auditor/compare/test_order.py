@@ -126,10 +126,13 @@ def test_stages_of_a_pipelined_reference_keep_their_order(db):
                 stage=i // 2)
         cand.add(0, outs[s] + (1.0 if s in ("l1", "l2") else 0.0), step=0, microbatch=0,
                  phase="fwd", site=s, role="output")
+        if s == "l2":  # a module only the candidate has: placed after l2, in stage 1's frame
+            cand.add(0, outs[s], step=0, microbatch=0, phase="fwd", site="l2_extra",
+                     role="output")
     write_runs(db, ref, cand)
     report = compare_runs(db, "pp2", "one", preset_policy("fp32"))
     comp = report.comparison
-    assert [comp.key(int(i)).site for i in comp.order] == sites
+    assert [comp.key(int(i)).site for i in comp.order] == ["l0", "l1", "l2", "l2_extra", "l3"]
     assert report.first.key.site == "l1"
 
 
