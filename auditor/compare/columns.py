@@ -208,7 +208,7 @@ class Catalog:
         for side in ("ref", "cand"):
             canon, warnings = canonical_sites(self._store_names, self.renames, side)
             for w in warnings:
-                self._warn(w)
+                self.warn(w)
             lut = np.arange(top + 1, dtype=np.int64)
             for sid, name in canon.items():
                 cid = self._name_ids.get(name)
@@ -324,7 +324,7 @@ class Catalog:
             if not after_rid and getattr(self.reader, "dialect", "sqlite") == "postgres":
                 arrays = reads.pg_arrays(self.reader, params)
             elif not after_rid:
-                arrays = reads.segment_arrays(self.reader, run_id, fs, ss, self._warn)
+                arrays = reads.segment_arrays(self.reader, run_id, fs, ss, self.warn)
                 if arrays is not None:
                     self._segmented.add(run_id)
             if arrays is None:
@@ -371,7 +371,8 @@ class Catalog:
         cols.max_rid = int(cols.rid.max(initial=0))
         return cols, ReadMark(rid=max(mark.rid, cols.max_rid), xmin=xmin, seen=fetched)
 
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
+        """Add a line to the report's warnings (once, however often it is said)."""
         if message not in self._warned:
             self._warned.add(message)
             self.warnings.append(message)

@@ -127,7 +127,7 @@ def _warn_unnumbered(comp: Comparison, frame_has: np.ndarray) -> None:
         return
     which = (f"run {runs[0]!r}" if len(runs) == 1 else
              f"runs {runs[0]!r} and {runs[1]!r}")
-    comp.catalog._warn(
+    comp.catalog.warn(
         f"{APPROXIMATED} (record ids) for {which}: {'its' if len(runs) == 1 else 'their'} "
         "records carry no capture order (stored by an agent of an earlier build), so the first "
         "divergence, causes and heatmap rows may not follow the order the hooks fired; re-run "
