@@ -15,11 +15,15 @@ Units: a piece of ``n`` samples gets ``n`` units of one sample when ``n <= MAX_U
 ``k = BUCKET_BUDGET / n`` buckets (a power of two, at least ``MIN_SKETCH_K``), so a record grows
 by about the same ~1-2 KiB whatever ``n``. Beyond, units of ``u`` consecutive samples (``u`` a
 power of two, at most ``MAX_UNITS`` units) whose sketch is ``sum_t X_t S_t``: sample ``t`` of the
-unit (``t < u <= k``) has its within-sample sketch ``S_t`` with bucket ``b`` moved to ``b XOR
-t``. Same-index elements of different samples of a unit then never share a bucket (XOR with
-different ``t`` never maps a bucket to the same one), and a unit of ``u`` samples at an offset
-``o`` (a multiple of ``u``) of a larger unit is ``X_o`` of it: units nest, and the auditor builds
-any coarser grid from finer ones (a unit of one sample is the finest). The unit's fingerprint is
+unit (``t < u <= k``) has its within-sample sketch ``S_t`` with bucket ``b`` moved to ``c = b XOR
+t`` and its sign flipped where ``popcount(t AND c)`` is odd (``(X_t S)[c] = (-1)^<t,c> S[c XOR
+t]``). Same-index elements of different samples of a unit then never share a bucket (XOR with
+different ``t`` never maps a bucket to the same one); the signs (Walsh characters) keep the
+unit's buckets independent when its samples differ alike (with plain XOR the same difference in
+every sample of a unit would fill only k / u distinct sums); and since ``X_o X_t = X_(o XOR t)``
+when ``o`` and ``t`` share no bit, a unit of ``u`` samples at an offset ``o`` (a multiple of
+``u``) of a larger unit is ``X_o`` of it: units nest, and the auditor builds any coarser grid
+from finer ones (a unit of one sample is the finest). The unit's fingerprint is
 the one of the unit as a tensor of its own (``sum_t F_t h**(t numel_s)``), its moments those of
 its samples together. Pieces of more than ``MAX_SAMPLES`` samples get none.
 
@@ -127,10 +131,11 @@ def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int
         empty[:, 2], empty[:, 3] = math.inf, -math.inf
         f64 = torch.cat([f64, empty])
         fp = torch.cat([fp, torch.zeros(pad, dtype=fp.dtype, device=fp.device)])
-    slot = torch.arange(g * unit, device=f64.device) % unit
-    lanes = torch.arange(k, device=f64.device)
-    # (X_t S)[c] = S[c ^ t]: sample t's bucket b lands in b ^ t
-    moved = f64[:, N_MOMENTS:].gather(1, lanes.unsqueeze(0) ^ slot.unsqueeze(1))
+    slot = (torch.arange(g * unit, device=f64.device) % unit).unsqueeze(1)
+    lanes = torch.arange(k, device=f64.device).unsqueeze(0)
+    # (X_t S)[c] = (-1)^<t,c> S[c ^ t]: sample t's bucket b lands in c = b ^ t
+    moved = f64[:, N_MOMENTS:].gather(1, lanes ^ slot)
+    moved = torch.where(_parity(lanes & slot) == 1, -moved, moved)
     out = torch.empty((g, width), dtype=f64.dtype, device=f64.device)
     out[:, N_MOMENTS:] = moved.view(g, unit, k).sum(1)
     m = f64[:, :N_MOMENTS].view(g, unit, N_MOMENTS)
@@ -141,6 +146,13 @@ def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int
     powers = torch.tensor(_unit_powers(unit, numel_s), dtype=torch.int64, device=fp.device)
     fps = (fp.view(g, unit) * powers).sum(1)  # int64 products and sums wrap mod 2**64
     return out, fps
+
+
+def _parity(x: torch.Tensor) -> torch.Tensor:
+    """popcount(x) mod 2 of int64 values below 2**32."""
+    for shift in (16, 8, 4, 2, 1):
+        x = x ^ (x >> shift)
+    return x & 1
 
 
 # --------------------------------------------------------------------------- eager

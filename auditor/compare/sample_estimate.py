@@ -3,29 +3,34 @@ digests"): pure numpy, vectorized over keys.
 
 Each side of a key is a set of *units*. A unit covers the samples at positions ``pos .. pos +
 cnt - 1`` of the key's batch dim (in the comparison's sample order), has a nominal size ``size``
-(a power of two; ``cnt <= size``), and holds, in ``k`` buckets, the within-sample sketch of its
-sample ``t`` with bucket ``b`` moved to ``b XOR t`` (agents/sample_digest.py), the moments of its
-samples together and the fingerprint of its samples as a tensor of their own. Pieces of one
+(a power of two; ``cnt <= size``), and holds, in ``k`` buckets, ``sum_t X_t S_t``: the
+within-sample sketch of its sample ``t`` with bucket ``b`` moved to ``c = b XOR t`` and the sign
+of its Walsh character ``(-1)^<t,c>`` (agents/sample_digest.py), the moments of its samples
+together and the fingerprint of its samples as a tensor of their own. Pieces of one
 sample (tensor-parallel shards) are units at the same place: they add.
 
 The estimator compares *blocks*: the smallest runs of positions that are unions of units on both
 sides. A unit at offset ``o`` of its block (a multiple of its size, so that ``o XOR t = o + t``
 for its slots t) is lifted into the block by moving bucket ``b`` to ``b XOR o``; sketches of
 more buckets are folded first (bucket ``b`` into ``b mod k'``: the scheme's buckets are the low
-bits of one word, so a folded sketch is the sketch with fewer buckets). In a block every sample
-has its own label ``o + t < k``, so two samples never share a bucket at the same element index,
-and the block's sketch is a CountSketch of the block with k buckets. Then
+bits of one word, so a folded sketch is the sketch with fewer buckets; folding commutes with
+``X_t`` for ``t < k'``). ``X_o X_t = X_(o XOR t)`` when o and t share no bit, so a lifted unit
+is what its samples lifted one by one would be. In a block every sample has its own label ``o +
+t < k``, so two samples never share a bucket at the same element index, and the block's sketch
+is a CountSketch of the block with k buckets. Then
 
     Y_B = ||S(cand_B) - S(ref_B)||^2        E[Y_B] = ||cand_B - ref_B||^2
     Y = sum_B Y_B                            E[Y] = ||cand - ref||^2
     Var[Y] = sum_B Var[Y_B] <= (2/k) sum_B ||d_B||^4
 
-Blocks are independent (their elements never share a sketch), so their errors do not add
-coherently: a difference confined to one block is measured with that block's band (sigma of the
-norm 1/sqrt(2k)), one spread over B blocks with a band about sqrt(B) times narrower. The band is
-stated from the estimates themselves, as an *effective* bucket count ``k_eff = 2 Y^2 / sum_B
-(2/k) tail_B^2 Y_B^2`` (`metrics.sketch_band` of it, with each block's occupancy widening
-`metrics.concentration_factor`). Blocks whose fingerprints agree (both exact) contribute an
+Blocks share the within-sample scheme, so their errors are not independent: with ``delta_B`` the
+difference of block B's sketches, ``Var[Y] ~ (2/k) sum_{B, B'} <d_B, d_B'>^2``, estimated by
+``(2/k) ||sum_B delta_B delta_B^T||_F^2``. A difference the same in every sample (a bias) adds up
+coherently, and its band is that of one block's sketch (sigma of the norm 1/sqrt(2k)); one that
+differs from sample to sample averages, down to a band about sqrt(B) times narrower. The band is
+stated from the estimates themselves, as an *effective* bucket count ``k_eff = k Y^2 / ||sum_B
+tail_B delta_B delta_B^T||_F^2`` (`metrics.sketch_band` of it; ``tail_B`` widens blocks whose
+difference fills few buckets, `metrics.concentration_factor`). Blocks whose fingerprints agree (both exact) contribute an
 exact 0. Deterministic lower bounds come with it: per block ``| ||ref_B|| - ||cand_B|| |`` (their
 squares add) and the difference of its extremes.
 
@@ -106,10 +111,14 @@ def fold(sketch: np.ndarray, k: int) -> np.ndarray:
 
 
 def lift(sketch: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """[m, k] sketches of units at ``offset`` of their blocks: bucket b moves to b ^ offset."""
+    """[m, k] sketches of units at ``offset`` of their blocks: ``X_o``, bucket b moves to c =
+    b ^ o, its sign flipped where popcount(o & c) is odd."""
     k = sketch.shape[1]
-    idx = np.arange(k)[None, :] ^ offset[:, None]
-    return np.take_along_axis(sketch, idx, axis=1)
+    lanes = np.arange(k)[None, :]
+    idx = lanes ^ offset[:, None]
+    odd = (np.bitwise_count(lanes & offset[:, None]) & 1).astype(bool)
+    out = np.take_along_axis(sketch, idx, axis=1)
+    return np.where(odd, -out, out)
 
 
 def estimate(ref: Units, cand: Units, keys: int, *, numel_s: np.ndarray,
@@ -222,7 +231,8 @@ def _estimate_k(ref: Units, cand: Units, k: int, keys: np.ndarray, numel_s: np.n
     same = exact[bkey] & (fps[r] == fps[c]) & (scale[bkey] == 1.0)
     y = np.where(same, 0.0, y)
     tail = concentration_factor(diff, y)
-    var = (2.0 / k) * (tail * y) ** 2
+    diff = np.where(same[:, None], 0.0, diff)
+    norm_f2 = _gram_norms(diff * np.sqrt(tail)[:, None], bkey, len(out.ok))
     resid = s_sum[c] - alpha[bkey][:, None] * s_sum[r]
     resid2 = np.einsum("ij,ij->i", resid, resid)
     rn, cn = np.sqrt(np.maximum(sum_sq[r], 0)), np.sqrt(np.maximum(sum_sq[c], 0))
@@ -240,11 +250,9 @@ def _estimate_k(ref: Units, cand: Units, k: int, keys: np.ndarray, numel_s: np.n
         arr = np.zeros(len(out.ok))
         np.add.at(arr, bkey, values)
         getattr(out, name)[done] = arr[done]
-    total_var = np.zeros(len(out.ok))
-    np.add.at(total_var, bkey, var)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out.k_eff[done] = np.where(total_var[done] > 0,
-                                   2.0 * out.d2[done] ** 2 / total_var[done], np.inf)
+        out.k_eff[done] = np.where(norm_f2[done] > 0,
+                                   k * out.d2[done] ** 2 / norm_f2[done], np.inf)
     lower = np.zeros(len(out.ok))
     np.add.at(lower, bkey, lb2)
     out.lower[done] = np.sqrt(lower[done])
@@ -254,6 +262,20 @@ def _estimate_k(ref: Units, cand: Units, k: int, keys: np.ndarray, numel_s: np.n
     out.blocks[done] = np.bincount(bkey, minlength=len(out.ok))[done]
     out.identical[done] = np.bincount(bkey, weights=same, minlength=len(out.ok))[done].astype(
         np.int64)
+
+
+def _gram_norms(diff: np.ndarray, key: np.ndarray, keys: int) -> np.ndarray:
+    """Per key, ``||sum_B d_B d_B^T||_F^2 = sum_{B, B'} <d_B, d_B'>^2`` over its blocks' rows of
+    ``diff`` (rows sorted by key): ``(2/k)`` times it estimates ``Var[Y]``, whose cross terms
+    are those of blocks whose differences resemble each other (all samples share the
+    within-sample scheme: a bias in every sample adds up coherently, no averaging)."""
+    out = np.zeros(keys)
+    bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        d = diff[a:b]
+        gram = d @ d.T if b - a <= d.shape[1] else d.T @ d
+        out[key[a]] = float(np.einsum("ij,ij->", gram, gram))
+    return out
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
