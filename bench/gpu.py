@@ -1,32 +1,39 @@
-"""The CUDA checks, for a machine with a GPU: ``python -m bench.gpu [--quick]``.
+"""The GPU checks and figures, in one run: ``python -m bench.gpu [--quick]``.
 
-One short run that says whether the accelerator paths hold and what they cost:
-
-1. The Triton digest's self-check (agents/kernels/accel.py) per dtype: does the kernel agree with
-   the eager reference on this device (fingerprints, counts, min/max bitwise; sums and sketch
-   within float64 rounding)? Only where it does will the agent use it.
-2. Digest throughput against a device-to-device copy of the same tensor (CUDA events, median):
-   Triton and eager, float32 and bfloat16.
-3. A hook's list of small pieces (256 float32 pieces of 4 KiB) digested as one list against one
-   piece at a time: host microseconds per piece and device milliseconds per list.
-4. Captures of CUDA tensors through the agent's capture path, with
-   ``torch.cuda.set_sync_debug_mode("warn")``: host microseconds per capture and the number of
-   synchronizing calls it made (the agent must make none per capture).
-5. Step overhead on the DS3-style model (bench/overhead.py's configuration, scale 8, fwd+grad
-   and +bwd) on the GPU: wall time per step with a device synchronize at its end, agent off and
-   on, interleaved; the ratio of medians.
-6. A checkpoint of CUDA tensors (a model and its Adam state, plus a bfloat16 tensor) captured
-   live by `Agent.capture_state_dict` (digested on the device) against its DCP save read back by
-   `auditor checkpoint` (digested on the host): every entry identical, and a copy with one
-   element one ulp up diverging there alone.
+1. The Triton digest's self-check (agents/kernels/accel.py) per dtype: does the kernel keep the
+   contract on this device (fingerprints, counts, min/max bitwise; sums and sketch within the
+   float32-tile bound; the same bits twice)? Only where it does will the agent use it.
+2. Digest throughput against a device-to-device copy of the same tensor (CUDA events, median),
+   bfloat16 and float32 at 1, 16 and 256 MiB, through the agent's path (``digest_rows``); a
+   transposed and a column-shard piece of 16 MiB; the eager digest at 16 MiB for scale.
+3. A hook's list of 256 pieces of 4 KiB digested as one list against one piece at a time.
+4. Captures of CUDA tensors through the agent's capture path with
+   ``torch.cuda.set_sync_debug_mode("warn")``: host microseconds per capture, synchronizing
+   calls (the agent must make none), and where a capture's host time goes (cProfile).
+5. Step overhead on a ~1B-parameter bf16 decoder (bench/gpu_model.py, 16k tokens a step), agent
+   off / README defaults / depth 5 + bwd, interleaved, streaming to a real ``auditor serve``
+   (bench/gpu_steps.py); records and bytes digested a step, and the cost model's prediction
+   from item 2's throughput against the measured overhead.
+6. One depth-5 + bwd step under torch.profiler: where device and host time go.
+7. Without ``--quick``: the DS3-style model's step overhead (scale 8), a checkpoint of CUDA
+   tensors captured live against its DCP save read back, and a sweep of the tiles kernel's
+   rows per loop step and warps (NUMAUDIT_TRITON_ROWS / NUMAUDIT_TRITON_WARPS, one child
+   process each). ``--pytest`` also runs the Triton tests on the device.
 
 Prints "skipped: no CUDA device" and exits 0 elsewhere (`make bench` runs it on any machine).
+Exits 1 when a check fails (a self-check, the checkpoint), never for a missed target.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import os
+import pstats
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,6 +41,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 MiB = 1 << 20
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
+          torch.uint8, torch.bool)
 
 
 def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -49,44 +58,63 @@ def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def self_checks(k: int) -> None:
+def self_checks(k: int, dtypes: Sequence[torch.dtype]) -> bool:
     from agents.kernels import accel
 
     impl = accel._load()
     if isinstance(impl, str):
         print(f"Triton unavailable: {impl}")
-        return
-    print("| dtype | Triton agrees with the eager digest |\n|---|---|")
+        return False
+    print("| dtype | Triton keeps the contract |\n|---|---|")
     route = accel.TritonDigest(("cuda",))
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
-                  torch.int64, torch.uint8, torch.bool):
+    ok = True
+    for dtype in dtypes:
         t0 = time.perf_counter()
-        ok = route.trusts(torch.device("cuda"), dtype, k)
-        print(f"| {dtype} | {'yes' if ok else 'NO'} ({time.perf_counter() - t0:.1f} s with "
+        trusted = route.trusts(torch.device("cuda"), dtype, k)
+        ok &= trusted
+        print(f"| {dtype} | {'yes' if trusted else 'NO'} ({time.perf_counter() - t0:.1f} s with "
               f"compiling) |", flush=True)
+    return ok
 
 
-def throughput(k: int, sizes: list[int], repeats: int) -> None:
+def throughput(k: int, sizes: list[int], repeats: int) -> dict[tuple, float]:
+    """Prints the table; returns {(dtype, MiB): Triton GB/s}."""
     from agents.digest import digest_piece
     from agents.kernels import accel
     from agents.layout import PieceLayout
 
     impl = accel._load()
-    print("| dtype | size | copy GB/s | Triton GB/s | Triton/copy | eager GB/s | eager/copy |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
-        for mib in sizes:
-            n = mib * MiB // torch.tensor([], dtype=dtype).element_size()
-            src = torch.randn(n, device="cuda").to(dtype)
-            dst = torch.empty_like(src)
-            layout = PieceLayout.full((n,))
-            gb = src.nbytes / 1e9
-            copy = gb / (_cuda_ms(lambda: dst.copy_(src), repeats) / 1e3)
-            eager = gb / (_cuda_ms(lambda: digest_piece(src, layout, sketch_k=k), repeats) / 1e3)
-            tri = float("nan") if isinstance(impl, str) else gb / (_cuda_ms(
-                lambda: impl.digest_piece_triton(src, layout, sketch_k=k), repeats) / 1e3)
-            print(f"| {dtype} | {mib} MiB | {copy:.0f} | {tri:.0f} | {tri / copy:.0%} | "
-                  f"{eager:.0f} | {eager / copy:.0%} |", flush=True)
+    print("| dtype | piece | copy GB/s | Triton GB/s | Triton/copy | eager GB/s |\n"
+          "|---|---|---:|---:|---:|---:|")
+    out = {}
+    cases = [(dtype, mib, "whole") for dtype in (torch.bfloat16, torch.float32) for mib in sizes]
+    cases += [(torch.bfloat16, 16, "transposed"), (torch.bfloat16, 16, "column shard")]
+    for dtype, mib, kind in cases:
+        n = mib * MiB // torch.tensor([], dtype=dtype).element_size()
+        src = torch.randn(n, device="cuda").to(dtype)
+        piece, layout = src, PieceLayout.full((n,))
+        if kind == "transposed":  # lines of 4096 elements at memory stride 2048 (gathers)
+            piece = src.view(4096, n // 4096).t()
+            layout = PieceLayout.full(tuple(piece.shape))
+        elif kind == "column shard":  # the right half of each row: lines of 2048
+            rows = n // 2048
+            piece = src.view(rows, 2048)
+            layout = PieceLayout((rows, 4096), (0, 2048), (rows, 2048))
+        dst = torch.empty_like(src)
+        gb = src.nbytes / 1e9
+        copy = gb / (_cuda_ms(lambda: dst.copy_(src), repeats) / 1e3)
+        eager = float("nan")
+        if mib == 16 and kind == "whole":
+            eager = gb / (_cuda_ms(lambda: digest_piece(piece, layout, sketch_k=k), 3) / 1e3)
+        tri = float("nan")
+        if not isinstance(impl, str):
+            prepared = [impl.prepare(piece, layout)]
+            tri = gb / (_cuda_ms(lambda: impl.digest_rows(prepared, sketch_k=k), repeats) / 1e3)
+        out[(dtype, mib, kind)] = tri
+        print(f"| {dtype} | {mib} MiB {kind} | {copy:.0f} | {tri:.0f} | {tri / copy:.0%} | "
+              f"{eager:.0f} |", flush=True)
+        del src, dst, piece
+    return out
 
 
 def lists(k: int, repeats: int, device: str = "cuda") -> None:
@@ -98,14 +126,14 @@ def lists(k: int, repeats: int, device: str = "cuda") -> None:
     impl = accel._load()
     if isinstance(impl, str):
         return
-    pieces = [(torch.randn(1024, device=device), PieceLayout.full((1024,)))
-              for _ in range(256)]
+    prepared = [impl.prepare(torch.randn(1024, device=device), PieceLayout.full((1024,)))
+                for _ in range(256)]
 
     def as_list():
-        return impl.digest_pieces_triton(pieces, sketch_k=k)
+        return impl.digest_rows(prepared, sketch_k=k)
 
     def one_by_one():
-        return [impl.digest_piece_triton(t, layout, sketch_k=k) for t, layout in pieces]
+        return [impl.digest_rows([p], sketch_k=k) for p in prepared]
 
     print("| 256 pieces of 4 KiB float32 | host us per piece | device ms per list |\n"
           "|---|---:|---:|")
@@ -117,7 +145,7 @@ def lists(k: int, repeats: int, device: str = "cuda") -> None:
             fn()
             host.append(time.perf_counter() - start)
         dev = _cuda_ms(fn, repeats) if device == "cuda" else float("nan")
-        print(f"| {label} | {1e6 * statistics.median(host) / len(pieces):.1f} | {dev:.2f} |",
+        print(f"| {label} | {1e6 * statistics.median(host) / len(prepared):.1f} | {dev:.2f} |",
               flush=True)
 
 
@@ -128,9 +156,10 @@ def captures(n: int) -> None:
     from agents.identity import RankIdentity
 
     print("| tensor | host us per capture (median) | synchronizing calls |\n|---|---:|---:|")
-    for label, shape in (("4 KiB float32", (1024,)), ("16 MiB bfloat16", (8 * MiB,))):
-        t = torch.randn(shape, device="cuda").to(torch.float32 if "float32" in label
-                                                 else torch.bfloat16)
+    for label, shape, dtype in (("4 KiB float32 (a payload too)", (1024,), torch.float32),
+                                ("64 KiB bfloat16", (32768,), torch.bfloat16),
+                                ("16 MiB bfloat16", (8 * MiB,), torch.bfloat16)):
+        t = torch.randn(shape, device="cuda").to(dtype)
         cap = Capturer(AgentConfig(), RankIdentity(), lambda batch: None, Counters())
         cap.capture(t, phase="fwd", site="warm", index=0)  # compiles, self-checks
         torch.cuda.synchronize()
@@ -148,111 +177,109 @@ def captures(n: int) -> None:
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         print(f"| {label} | {1e6 * statistics.median(times):.1f} | {syncs} in {n} captures |",
               flush=True)
+        if label.startswith("64 KiB"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(n):
+                cap.capture(t, phase="fwd", site="x", index=i % 1000)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+            lines = [ln for ln in text.getvalue().splitlines() if ln.strip()][-13:]
+            print("Where a 64 KiB capture's host time goes (cProfile, tottime):\n```\n"
+                  + "\n".join(lines) + "\n```", flush=True)
 
 
-def step_overhead(repeats: int) -> None:
-    from bench import overhead as O
-    from examples.dsv3.data import batches
-    from examples.dsv3.model import ModelArgs
-
-    print("| scale | phases | off (ms) | on (ms) | on/off |\n|---:|---|---:|---:|---:|")
-    for bwd in (False, True):
-        off, on = O._model(8).cuda(), O._model(8).cuda()
-        phases = ("fwd", "grad", "loss", "input") + (("bwd",) if bwd else ())
-        agent = O._attach(on, phases)
-        mbs = [(x.cuda(), y.cuda()) for x, y in next(batches(
-            0, 0, O.MICROBATCHES, O.MICROBATCH_SIZE, O.SEQ_LEN, ModelArgs().vocab_size))]
-
-        def step(model, ag, i):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            O._step(model, ag, i, mbs)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
-
-        step(off, None, 0), step(on, agent, 0)
-        t_off, t_on = [], []
-        for i in range(repeats):
-            t_off.append(step(off, None, i + 1))
-            t_on.append(step(on, agent, i + 1))
-        agent.close(timeout=5.0)
-        a, b = statistics.median(t_off), statistics.median(t_on)
-        print(f"| 8 | {','.join(phases)} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f}x |",
-              flush=True)
+def sweep(k: int) -> None:
+    """The tiles kernel's rows per loop step and warps, one child process per setting."""
+    print("| rows per step | warps | bf16 256 MiB GB/s | fp32 256 MiB GB/s |\n|---:|---:|---:|---:|")
+    for rows in (2, 4, 8):
+        for warps in (4, 8):
+            env = dict(os.environ, NUMAUDIT_TRITON_ROWS=str(rows),
+                       NUMAUDIT_TRITON_WARPS=str(warps))
+            out = subprocess.run([sys.executable, "-m", "bench.gpu", "--sweep-child",
+                                  "--sketch-k", str(k)], env=env, capture_output=True,
+                                 text=True, timeout=300)
+            figures = out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else []
+            print(f"| {rows} | {warps} | {figures[0] if figures else 'failed'} |", flush=True)
 
 
-def checkpoint_roundtrip(device: str = "cuda") -> bool:
-    """Check 6; True when it holds (each finding printed)."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
+def _sweep_child(k: int) -> int:
+    from agents.kernels import digest_triton as impl
+    from agents.layout import PieceLayout
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    import agents
-    from auditor.daemon.server import BackgroundServer
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                                torch.nn.Linear(4096, 1024)).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(64, 1024, device=device)).square().mean().backward()
-    optimizer.step()
-    msd, osd = get_state_dict(model, optimizer)
-    sd = {"model": msd, "optim": osd,
-          "extra": {"bf16": torch.randn(4096, 1024, device=device).to(torch.bfloat16)}}
-    with tempfile.TemporaryDirectory(prefix="numaudit-gpu-ckpt-") as tmp, \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        db = Path(tmp) / "a.db"
-        with BackgroundServer(f"unix:{tmp}/s.sock", db, grace=1.0) as server:
-            agent = agents.attach(None, run="live", address=server.address, spool_mode="off")
-            agent.capture_state_dict(sd, step=0)
-            summary = agent.close(timeout=120)
-        w = msd["0.weight"].detach().clone()
-        w[5, 7] = torch.nextafter(w[5, 7], torch.tensor(float("inf"), device=device))
-        dcp.save(sd, checkpoint_id=f"{tmp}/same", no_dist=True)
-        dcp.save({**sd, "model": {**msd, "0.weight": w}}, checkpoint_id=f"{tmp}/ulp",
-                 no_dist=True)
-        reports = {}
-        for name in ("same", "ulp"):
-            out = Path(tmp) / f"{name}.json"
-            code = subprocess.run([sys.executable, "-m", "auditor", "checkpoint", "run:live",
-                                   f"{tmp}/{name}", "--db", str(db), "--format", "json", "-o",
-                                   str(out)], capture_output=True, timeout=300).returncode
-            reports[name] = code, json.loads(out.read_text())
-    (same_code, same), (ulp_code, ulp) = reports["same"], reports["ulp"]
-    identical = same["summary"]["verdicts"].get("identical", 0)
-    first = (ulp.get("first_divergence") or {}).get("key", {}).get("site")
-    ok = (summary["dropped"] == 0 and same_code == 0 and identical == same["summary"]["keys"] > 0
-          and ulp_code == 1 and ulp["summary"]["breaches"] == 1 and first == "model.0.weight")
-    print(f"| checkpoint of {device} tensors | live vs files: {identical} of "
-          f"{same['summary']['keys']} identical; one ulp: first divergence {first} | "
-          f"{'holds' if ok else 'FAILS'} |", flush=True)
-    return ok
+    cells = []
+    for dtype in (torch.bfloat16, torch.float32):
+        n = 256 * MiB // torch.tensor([], dtype=dtype).element_size()
+        src = torch.randn(n, device="cuda").to(dtype)
+        prepared = [impl.prepare(src, PieceLayout.full((n,)))]
+        ms = _cuda_ms(lambda: impl.digest_rows(prepared, sketch_k=k), 10)
+        cells.append(f"{src.nbytes / 1e6 / ms:.0f}")
+    print(" | ".join(cells))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer dtypes, sizes and repeats")
     parser.add_argument("--sketch-k", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=0, help="timed steps a configuration")
+    parser.add_argument("--no-model", action="store_true", help="skip items 5 and 6")
+    parser.add_argument("--pytest", action="store_true",
+                        help="run the Triton tests on the device")
+    parser.add_argument("--sweep-child", action="store_true", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)
     if not torch.cuda.is_available():
         print("## CUDA checks (bench/gpu.py): skipped: no CUDA device")
         return 0
-    print(f"## CUDA checks (torch {torch.__version__}, {torch.cuda.get_device_name()})")
-    self_checks(args.sketch_k)
-    throughput(args.sketch_k, [16, 256] if args.quick else [1, 16, 256, 1024],
-               5 if args.quick else 20)
-    lists(args.sketch_k, 5 if args.quick else 20)
-    captures(200 if args.quick else 2000)
-    step_overhead(3 if args.quick else 7)
-    print("| check | result | |\n|---|---|---|")
-    return 0 if checkpoint_roundtrip() else 1
+    if args.sweep_child:
+        return _sweep_child(args.sketch_k)
+    import triton
+
+    began = time.perf_counter()
+
+    def section(title: str) -> None:
+        print(f"\n### {title} ({time.perf_counter() - began:.0f} s in)", flush=True)
+
+    quick, k = args.quick, args.sketch_k
+    print(f"## CUDA checks (torch {torch.__version__}, Triton {triton.__version__}, "
+          f"{torch.cuda.get_device_name()})")
+    section("1. Self-check")
+    ok = self_checks(k, DTYPES[:2] + (torch.int64,) if quick else DTYPES)
+    section("2. Throughput")
+    gbps = throughput(k, [1, 16, 256], 5 if quick else 20)
+    section("3. Lists")
+    lists(k, 5 if quick else 20)
+    section("4. Captures")
+    captures(200 if quick else 2000)
+    if not args.no_model:
+        from bench import gpu_steps
+        from bench.gpu_model import DecoderArgs, parameters
+
+        model_args = DecoderArgs()
+        section(f"5. Step overhead, {parameters(model_args) / 1e9:.2f}B-parameter bf16 decoder")
+        results = gpu_steps.overhead(model_args, args.steps or (3 if quick else 7))
+        rate = gbps.get((torch.bfloat16, 16, "whole"), float("nan"))
+        gpu_steps.cost_model(results, rate)
+        section("6. Profile")
+        gpu_steps.profile(model_args)
+    if not quick:
+        from bench.gpu_extra import checkpoint_roundtrip, ds3_overhead
+
+        section("7. DS3-style model, checkpoint, sweep")
+        ds3_overhead(7)
+        print("| check | result | |\n|---|---|---|")
+        ok &= checkpoint_roundtrip()
+        sweep(k)
+    if args.pytest:
+        section("Triton tests on the device")
+        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/agents/test_triton_digest.py",
+                               "tests/agents/test_accel_dispatch.py"]).returncode
+        ok &= code == 0
+    section("done")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
