@@ -192,7 +192,8 @@ def captures(n: int) -> None:
 
 def sweep(k: int) -> None:
     """The tiles kernel's rows per loop step and warps, one child process per setting."""
-    print("| rows per step | warps | bf16 256 MiB GB/s | fp32 256 MiB GB/s |\n|---:|---:|---:|---:|")
+    print("| rows per step | warps | bf16 256 MiB GB/s | fp32 256 MiB GB/s |\n"
+          "|---:|---:|---:|---:|")
     for rows in (2, 4, 8):
         for warps in (4, 8):
             env = dict(os.environ, NUMAUDIT_TRITON_ROWS=str(rows),
