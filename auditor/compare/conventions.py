@@ -45,7 +45,7 @@ from auditor.compare.policy import Policy
 from auditor.compare.verdicts import evaluate
 from auditor.store import Reader
 
-LOSS, BWD, GRAD = PHASE_IDS["loss"], PHASE_IDS["bwd"], PHASE_IDS["grad"]
+LOSS, BWD = PHASE_IDS["loss"], PHASE_IDS["bwd"]
 
 
 def evaluate_runs(rc: RunColumns, cc: RunColumns, catalog: Catalog, policy: Policy,
