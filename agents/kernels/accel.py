@@ -4,8 +4,9 @@
 synchronization. The agent does not take it on trust: the first piece of each (device, dtype,
 sketch buckets) triggers a self-check that digests a few test pieces both ways on that device
 (one whole tensor and a shard starting mid-block, one line each, and a transposed piece of
-many lines; as one list, as the agent makes them, and each alone; with NaN, infinities and
-signed zeros for float dtypes), each twice. Triton is used for that combination only if every
+many lines, with NaN, infinities and signed zeros for float dtypes; for float32 and bfloat16
+also a piece whose tile takes the float64 pass; as one list, as the agent makes them, and each
+alone), each twice. Triton is used for that combination only if every
 row keeps the contract (docs/digests.md "On an accelerator"): fingerprints, counts and
 min/max/abs-max bitwise equal to the eager reference's; sums, sums of squares and sketch
 buckets within ``F32_TILE_ERROR`` of the sum of their terms' magnitudes (float32 accumulation
