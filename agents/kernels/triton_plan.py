@@ -148,11 +148,12 @@ class Plan:
     """The descriptor from ``rows`` on (``FIELDS[STATIC + 1:]``: rows, bpl, ...)."""
     tilings: dict[int, tuple[int, int]]
     """k -> (rows per tile, tiles), made on first use (:func:`tiling`)."""
+    group: tuple = ()
+    """What a launch group shares (with the sketch's k and the address alignment): load
+    dtype, float dtype, mixed, lines, unit."""
 
-    @property
-    def group(self) -> tuple:
-        """What a launch group shares (with the sketch's k and the address alignment)."""
-        return (self.load_dtype, self.float_dtype, self.mixed, self.lines, self.unit)
+    def __post_init__(self) -> None:
+        self.group = (self.load_dtype, self.float_dtype, self.mixed, self.lines, self.unit)
 
 
 def plan_piece(t: torch.Tensor, layout: PieceLayout) -> Plan:
