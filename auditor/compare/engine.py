@@ -34,6 +34,7 @@ from auditor.compare.conventions import evaluate_runs
 from auditor.compare.localize import localize_breaches
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
+from auditor.compare.regroup import rescale_declared
 from auditor.compare.replicas import regroup_with_replicas
 from auditor.compare.uneven import place_uneven
 from auditor.compare.result import Report
@@ -74,6 +75,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         rc, uneven_ref = place_uneven(rc, catalog, cc)
         cc, uneven_cand = place_uneven(cc, catalog, rc)
         rc, cc, grouping = regroup_with_replicas(rc, cc, catalog)
+        grouping += rescale_declared({"ref": ref_info, "cand": cand_info}, catalog)
         # the store is open only until this returns: read what findings name ranks by now;
         # the runs' conventions as declared, or as the evidence shows (`conventions`)
         comp, scale_warnings = evaluate_runs(

@@ -16,6 +16,7 @@ from auditor.compare.metrics import PayloadUnavailable
 from auditor.compare.order import APPROXIMATED
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
+from auditor.compare.regroup import rescale_declared
 from auditor.compare.replicas import regroup_with_replicas
 from auditor.compare.segments import ranges_index
 from auditor.compare.uneven import place_uneven
@@ -154,11 +155,21 @@ class LiveComparison:
         cc = place_uneven(cc, self.catalog, rc)[0]
         rc, cc = self._regroup(rc, cc, regroup_before)
         comp = evaluate(rc, cc, self.catalog, self.policy, self.reader,
-                        bwd_factor=self.bwd_factor)
+                        bwd_factor=self._bwd_factor())
         comp.mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}
         comp.labels = {side: self.reader.run_info(name)["labels"]
                        for side, name in self.names.items()}
         return comp
+
+    def _bwd_factor(self) -> float:
+        """The runs' activation-gradient factor, their declared scales made relative to the
+        microbatches their steps were re-keyed into so far (`regroup.rescale_declared`)."""
+        if not self.catalog.__dict__.get("regrouped_sizes"):
+            return self.bwd_factor
+        from auditor.compare.conventions import bwd_factor
+        infos = {side: self.reader.run_info(name) for side, name in self.names.items()}
+        rescale_declared(infos, self.catalog)
+        return bwd_factor(infos["ref"], infos["cand"])[0]
 
     def _regroup(self, rc: RunColumns, cc: RunColumns, before: float
                  ) -> tuple[RunColumns, RunColumns]:

@@ -24,8 +24,11 @@ same logical tensors (docs/comparison.md, "Regrouped microbatches").
   sketch does not (docs/digests.md "Placing pieces after the fact"), and neither does a
   fingerprint when the runs' samples were dealt in another order or the store predates
   version 3. Keys whose pieces all carry payloads are compared exactly from the bytes; the
-  others, when their bits differ, breach as uncertain, saying so, unless the policy lets
-  uncertain findings pass.
+  others, when their bits differ, from the per-sample digests both runs' agents sent
+  (`auditor.compare.per_sample`: keyed within the sample, they follow any re-keying), and
+  without them breach as uncertain, saying so, unless the policy lets uncertain findings pass.
+- A declared activation-gradient scale is relative to the run's own microbatches: re-keyed
+  into microbatches of another size it is rescaled by the ratio (`rescale_declared`).
 - Per-rank losses (mean or sum addends) are renumbered as addends of the target microbatch,
   weighted by their samples.
 """
@@ -365,6 +368,9 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
     sample_dims = catalog.__dict__.setdefault("sample_dims", {})
     """(A, B) of a re-keyed key -> the dim its pieces moved along (`per_sample`: a piece's
     sample digests follow it only along its samples' dim)."""
+    sizes = catalog.__dict__.setdefault("regrouped_sizes", {"ref": set(), "cand": set()})
+    """Per side: (its microbatch's samples, the target microbatch's) of every re-keyed piece
+    (`rescale_declared`)."""
     for side, place, to_target in moves:
         cols, new, mb, ph, at, rows = (
             (rc, new_r, mb_r, ph_r, at_r, plan.rows_ref) if side == "ref" else
@@ -380,6 +386,7 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
                 int(cols.layout[r]), int(cols.fp[r]), exact=plan.dealt is None)
             new["A"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
             sample_dims[(int(new["A"][r]), int(cols.B[r]))] = d
+            sizes[side].add((rows[int(mb[r])], target[t]))
         _regroup_losses(cols, at, mb, ph, catalog, plan.step, rows, target, starts, to_target,
                         new)
     how = what if plan.dealt else f"{what} microbatches along the batch dim"
@@ -388,13 +395,15 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
     if plan.dealt is None and moved and all(catalog.shiftable(c) for c in moved):
         return (f"{grouping}: {how}; {plan.aligned_by}; re-keyed pieces took their "
                 "fingerprints along (bitwise equality stays exact) but not their sketches: a key "
-                "whose bits differ is measured from payloads, and without payloads from both "
-                "runs it breaches as uncertain under a tolerance (payloads: "
-                "NUMAUDIT_PAYLOAD_MAX_BYTES, NUMAUDIT_PAYLOAD)")
+                "whose bits differ is measured from payloads, else from the per-sample digests "
+                "of both runs' agents, and without either it breaches as uncertain under a "
+                "tolerance (payloads: NUMAUDIT_PAYLOAD_MAX_BYTES, NUMAUDIT_PAYLOAD; per-sample "
+                "digests: agents of this build, docs/digests.md)")
     return (f"{grouping}: {how}; {plan.aligned_by}; "
-            "re-keyed pieces are compared by their payloads (their fingerprints and sketches "
-            "describe their old places): a key without payloads from both runs breaches as "
-            "uncertain (payloads: NUMAUDIT_PAYLOAD_MAX_BYTES, NUMAUDIT_PAYLOAD)")
+            "re-keyed pieces are compared by their payloads, else by the per-sample digests of "
+            "both runs' agents (their fingerprints and sketches describe their old places): a "
+            "key with neither breaches as uncertain (payloads: NUMAUDIT_PAYLOAD_MAX_BYTES, "
+            "NUMAUDIT_PAYLOAD)")
 
 
 def _target_mb(g0: int, n: int, starts: dict[int, int], target: dict[int, int]) -> int:
@@ -451,3 +460,45 @@ def _sizes(rows: dict[int, int]) -> str:
     if len(set(sizes)) == 1:
         return f"{len(sizes)} microbatch{'es' if len(sizes) > 1 else ''} of {sizes[0]}"
     return "microbatches of " + ", ".join(map(str, sizes))
+
+
+def rescale_declared(infos: dict[str, dict], catalog: Catalog) -> list[str]:
+    """Declared activation-gradient scales (``grad_scale``) of runs whose microbatches were
+    re-keyed, made relative to the microbatches they were re-keyed into; one line each for the
+    report's warnings.
+
+    A declared scale is relative to one process whose loss is the mean over the run's *own*
+    microbatch (docs/parallelisms.md "What you declare": ``grad_scale=1/4`` for a loss divided
+    by 4 accumulation steps). Re-keyed into microbatches of ``t`` samples from its own of ``m``,
+    the reference is the mean over ``t``, whose gradients are ``m / t`` of those: the scale
+    becomes ``grad_scale x t / m``. Scales the agent inferred are left as they are: inferred as
+    if the loss were not divided by the accumulation, they already equal the re-keyed ones for
+    the common loop that divides it (a loss that is not divided is then found as a factor)."""
+    sizes = catalog.__dict__.get("regrouped_sizes", {})
+    lines = []
+    for side, info in infos.items():
+        pairs = sizes.get(side)
+        sources = info.get("grad_scale_sources") or []
+        scale = info.get("grad_scale")
+        if not pairs or scale is None or not sources or \
+                not all(s.startswith("declared") for s in sources):
+            continue
+        ratios = {t / m for m, t in pairs if m}
+        if ratios == {1.0}:
+            continue
+        name = info.get("name", side)
+        if len(ratios) != 1:
+            lines.append(f"{name}: its declared gradient scale x{scale:g} is relative to its own "
+                         "microbatches, which were re-keyed into microbatches of other sizes "
+                         f"({', '.join(f'{m} into {t}' for m, t in sorted(pairs))}): activation "
+                         "gradients are compared under its declared scale as it is")
+            continue
+        (ratio,) = ratios
+        info["grad_scale"] = scale * ratio
+        own = sorted({m for m, _ in pairs})
+        target = sorted({t for _, t in pairs})
+        lines.append(f"{name}: its declared gradient scale x{scale:g} ({', '.join(sources)}) is "
+                     f"relative to its own microbatches of {', '.join(map(str, own))} samples; "
+                     f"re-keyed into microbatches of {', '.join(map(str, target))} it is "
+                     f"x{scale * ratio:g}, and activation gradients are compared under that")
+    return lines

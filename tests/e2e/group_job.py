@@ -18,12 +18,21 @@ Every step feeds the same 16 sequences. Cases:
 - ``ddp_rr1`` (2 ranks): dealt round-robin, one local microbatch of 8 (grouped as acc1 is);
 - ``shuffled``: one process, one microbatch of 16, the sequences in another order (reversed);
 - ``ddp_rr_bug`` (2 ranks): as ddp_rr, but rank 1's ``layers.1`` adds 1e-3 to its output in
-  its local microbatch 0 of step 0.
+  its local microbatch 0 of step 0;
+- ``acc4_declared``: as acc4, with the loss's division by 4 declared (``grad_scale=1/4``, as
+  docs/parallelisms.md "What you declare" says);
+- ``acc4_scaled``: as acc4, but ``layers.1`` scales its output by 1.01 in microbatch 2 of step 0;
+- ``acc4_old``: as acc4, by an agent that sends no per-sample digests (an earlier build's).
+
+With GROUP_JOB_WIDE=1 the model is wide enough that every activation of a microbatch of 2 is
+over the 16 KiB of automatic payloads (8 sequences of 32 tokens, width 128, hidden 256,
+vocabulary 96): 4 microbatches of 2 against one of 8 compare without payloads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import agents  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
-VOCAB, DIM, HIDDEN, SEQ, SAMPLES, STEPS = 16, 8, 16, 4, 16, 2
+VOCAB, DIM, HIDDEN, SEQ, SAMPLES, STEPS = ((96, 128, 256, 32, 8, 2)
+                                           if os.environ.get("GROUP_JOB_WIDE") == "1"
+                                           else (16, 8, 16, 4, 16, 2))
 
 
 class Block(torch.nn.Module):
@@ -73,9 +84,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def perturb(module: torch.nn.Module, when) -> None:
-    """A planted bug: the module adds 1e-3 to its output whenever ``when()`` holds."""
-    module.register_forward_hook(lambda m, i, out: out + 1e-3 if when() else out)
+def perturb(module: torch.nn.Module, when, scale: float | None = None) -> None:
+    """A planted bug: the module adds 1e-3 to its output (or scales it by ``scale``) whenever
+    ``when()`` holds."""
+    module.register_forward_hook(lambda m, i, out: (out * scale if scale else out + 1e-3)
+                                 if when() else out)
 
 
 def train(case: str, run: str) -> None:
@@ -89,11 +102,14 @@ def train(case: str, run: str) -> None:
         perturb(model.layers[0], lambda: state["step"] == 0 and state["mb"] == 1 and rank == 1)
     if case == "ddp_rr_bug":
         perturb(model.layers[1], lambda: state["step"] == 0 and state["mb"] == 0 and rank == 1)
+    if case == "acc4_scaled":
+        perturb(model.layers[1], lambda: state["step"] == 0 and state["mb"] == 2, scale=1.01)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ddp = world > 1
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    agent = agents.attach(model, run=run)
+    options = {"acc4_declared": {"grad_scale": 0.25}, "acc4_old": {"sample_digests": False}}
+    agent = agents.attach(model, run=run, **options.get(case, {}))
     n_local = {"acc1": 1, "ddp_rr1": 1, "shuffled": 1}.get(case, 4 if world == 1 else 2)
     for step in range(STEPS):
         tokens = step_tokens(step)

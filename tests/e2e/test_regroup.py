@@ -1,9 +1,10 @@
-"""Runs whose steps group the same samples into other microbatches (issue 29): gradient
+"""Runs whose steps group the same samples into other microbatches (issues 29, 37): gradient
 accumulation against one large batch, and DDP ranks with local microbatches against one process
 (tests/e2e/group_job.py). Clean pairs pass the fp32 preset with every activation, activation
 gradient and loss compared; planted bugs are first found where they were planted; samples that
 cannot be regrouped never pass; keys without payloads are identical when their bits agree
-(fingerprints move with the pieces) and otherwise never pass."""
+(fingerprints move with the pieces), measured from per-sample digests when they differ, and
+never pass without either; a declared grad_scale follows the re-keying."""
 
 from __future__ import annotations
 
@@ -33,9 +34,13 @@ def store(tmp_path_factory):
         single = dict(env, WORLD_SIZE="1")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             jobs = [pool.submit(run_ok, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
-                                       "acc4_bug:acc4_bug", "shuffled:shuffled"], single),
+                                       "acc4_bug:acc4_bug", "shuffled:shuffled",
+                                       "acc4_declared:acc4_declared"], single),
                     pool.submit(run_ok, [sys.executable, str(JOB), "acc4:acc4_nopay"],
-                                dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0"))]
+                                dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0")),
+                    pool.submit(run_ok, [sys.executable, str(JOB), "acc1:wide1", "acc4:wide4",
+                                         "acc4_scaled:wide4_scaled", "acc4_old:wide4_old"],
+                                dict(single, GROUP_JOB_WIDE="1"))]
             run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node=2", str(JOB), "ddp_local:ddp_local",
                   "ddp_local_bug:ddp_local_bug", "ddp_rr:ddp_rr", "ddp_rr1:ddp_rr1",
@@ -92,20 +97,70 @@ def test_a_bug_in_one_microbatch_is_found_where_it_was_planted(store, cand, site
     assert differing["box"].startswith("[8:12," if cand == "acc4_bug" else "[12:16,"), pieces
 
 
-def test_regrouped_keys_without_payloads_are_identical_or_never_pass(store):
+def _batch_keys(report: dict) -> list[dict]:
+    return [f for f in report["findings"] if f["key"]["phase"] in ("fwd", "bwd")]
+
+
+SAMPLED = "measured from per-sample digests"
+
+
+@pytest.mark.parametrize("ref, cand, preset", [("acc1", "acc4_nopay", "fp32"),
+                                               ("wide1", "wide4", "fp32"),
+                                               ("wide1", "wide4", "bf16")])
+def test_regrouped_keys_without_payloads_are_measured_from_per_sample_digests(store, ref, cand,
+                                                                              preset):
     """Without the bytes, a re-keyed piece keeps its fingerprint (moved to its new place) but not
     its sketch: step 0, bitwise equal in both groupings, is identical key for key; at step 1
-    the weights differ by the accumulation's rounding, and each key whose bits differ breaches
-    as uncertain instead of passing on moments."""
-    code, report = compare_json(store, "acc1", "acc4_nopay")
-    summary = report["summary"]
-    assert code == 1 and summary["uncertain"] > 0, summary
-    batch = [f for f in report["findings"] if f["key"]["phase"] in ("fwd", "bwd")]
-    assert all(f["verdict"] == "identical" for f in batch if f["key"]["step"] == 0), [
-        f["key"] for f in batch if f["key"]["step"] == 0 and f["verdict"] != "identical"]
-    assert len([f for f in batch if f["key"]["step"] == 0]) == 20
-    assert all(f["verdict"] == "identical" or (f["breach"] and f["uncertain"]) for f in batch)
+    the weights differ by the accumulation's rounding, most keys' bits differ, and each of those
+    is measured from both runs' per-sample digests, within policy: 4 accumulated microbatches of
+    4 with payloads switched off, and of 2 whose activations are all over the 16 KiB of
+    automatic payloads, against one batch."""
+    code, report = compare_json(store, ref, cand, preset=preset)
+    assert (code, report["summary"]["breaches"]) == (0, 0), report["summary"]
+    batch = _batch_keys(report)
+    assert len(batch) == 40
+    assert all(f["verdict"] == "identical" for f in batch if f["key"]["step"] == 0)
+    later = [f for f in batch if f["key"]["step"] == 1]
+    measured = [f for f in later if f["verdict"] == "close"]
+    assert all(f["verdict"] in ("identical", "close") and not f["uncertain"] for f in later)
+    assert len(measured) >= 15, [(f["key"]["site"], f["verdict"]) for f in later]
+    assert all(any(SAMPLED in n for n in f["notes"]) and not f["metrics"].get("payload")
+               for f in measured), [f["notes"] for f in measured]
     assert "re-keyed pieces took their fingerprints along" in " ".join(report["warnings"])
+
+
+def test_a_one_percent_scale_is_found_at_its_module_without_payloads(store):
+    """layers.1 scales its output by 1.01 in microbatch 2 of 4 (samples 4-5 of 8): measured from
+    per-sample digests, the first divergence is there, introduced, under the fp32 preset."""
+    code, report = compare_json(store, "wide1", "wide4_scaled")
+    first = report["first_divergence"]
+    assert code == 1 and first["verdict"] == "diverged" and not first["uncertain"], first
+    assert (first["key"]["site"], first["key"]["phase"], first["key"]["step"]) == (
+        "layers.1", "fwd", 0)
+    assert first["cause"]["kind"] == "introduced", first["cause"]
+    assert any(SAMPLED in n for n in first["notes"]) and 0.003 < first["value"] < 0.01, first
+
+
+def test_without_per_sample_digests_keys_whose_bits_differ_never_pass(store):
+    """An agent of an earlier build sent no per-sample digests: each key whose bits differ
+    breaches as uncertain instead of passing on moments (bitwise-equal ones stay identical)."""
+    code, report = compare_json(store, "wide1", "wide4_old")
+    assert code == 1 and report["summary"]["uncertain"] > 0, report["summary"]
+    batch = _batch_keys(report)
+    assert all(f["verdict"] == "identical" for f in batch if f["key"]["step"] == 0)
+    assert all(f["verdict"] == "identical" or (f["breach"] and f["uncertain"]) for f in batch)
+
+
+def test_a_declared_grad_scale_follows_the_re_keying(store):
+    """acc4 divides its loss by its 4 accumulation steps and declares grad_scale=1/4 (relative
+    to a mean over its own microbatch of 4, docs/parallelisms.md): re-keyed into acc1's
+    microbatch of 16 the scale is 1/4 x 16/4 = 1, and every activation gradient passes."""
+    code, report = compare_json(store, "acc1", "acc4_declared")
+    assert (code, report["summary"]["breaches"]) == (0, 0), report["summary"]
+    assert _phases(report) == {"fwd": 20, "bwd": 20, "loss": 2, "grad": 30}
+    warnings = " ".join(report["warnings"])
+    assert "its declared gradient scale x0.25 (declared: grad_scale) is relative to its own " \
+           "microbatches of 4 samples; re-keyed into microbatches of 16 it is x1" in warnings
 
 
 @pytest.mark.parametrize("cand, grouping", [
