@@ -236,15 +236,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.sweep_child:
         return _sweep_child(args.sketch_k)
-    import triton
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
     began = time.perf_counter()
 
     def section(title: str) -> None:
         print(f"\n### {title} ({time.perf_counter() - began:.0f} s in)", flush=True)
 
     quick, k = args.quick, args.sketch_k
-    print(f"## CUDA checks (torch {torch.__version__}, Triton {triton.__version__}, "
+    print(f"## CUDA checks (torch {torch.__version__}, Triton {triton_version}, "
           f"{torch.cuda.get_device_name()})")
     section("1. Self-check")
     ok = self_checks(k, DTYPES[:2] + (torch.int64,) if quick else DTYPES)
