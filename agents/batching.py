@@ -27,8 +27,8 @@ from agents.digest import digest_batch_to_host
 from agents.fastpath import Digester
 from agents.layout import PieceLayout
 from agents.rows import I64_COLUMNS, RowBatch
-from agents.sample_digest import (SAMPLE_PHASES, SampleDigests, combine_units, sample_layout,
-                                  unit_plan, wants_samples)
+from agents.sample_digest import (DIGEST_MIN_K, SAMPLE_PHASES, SampleDigests, combine_units,
+                                  sample_layout, unit_plan, wants_samples)
 
 I64_ROW_BYTES = 8 * I64_COLUMNS
 
@@ -282,8 +282,8 @@ class Batcher:
             if cap.row < 0 or not wants_samples(cap.phase, cap.layout, t.dtype, dim):
                 continue
             unit, k = unit_plan(cap.layout.shape[dim])
-            todo.append((t, sample_layout(cap.layout, dim), dim, k))
-            caps.append((cap, unit))
+            todo.append((t, sample_layout(cap.layout, dim), dim, max(k, DIGEST_MIN_K)))
+            caps.append((cap, unit, k))
         if not todo:
             return
         try:
@@ -291,13 +291,13 @@ class Batcher:
         except Exception as exc:
             self._failed("sample digests", exc)
             return
-        for (cap, unit), (t, layout, dim, k), res in zip(caps, todo, results):
+        for (cap, unit, k), (t, layout, dim, _), res in zip(caps, todo, results):
             if isinstance(res, Exception):
                 self._failed(f"sample digests of {cap.site}", res)
                 continue
             try:
                 numel = math.prod(layout.logical_shape)
-                f64, fp = combine_units(res[0], res[1], unit, numel)
+                f64, fp = combine_units(res[0], res[1], unit, numel, k)
                 cap.samples = SampleDigests(dim, unit, t.shape[dim], k, f64, fp)
             except Exception as exc:
                 self._failed(f"sample digests of {cap.site}", exc)
@@ -356,7 +356,7 @@ def samples_to_host(samples: list[SampleDigests]) -> None:
     at its host rows. On CUDA the copy is asynchronous into pinned memory, on the stream that
     `digest_batch_to_host` then records its event on: waiting for that event (`HostBatch.wait`)
     covers these rows too. Other accelerators copy synchronously."""
-    dev = [s for s in samples if not s.f64.is_cpu]
+    dev = [s for s in samples if isinstance(s.f64, torch.Tensor) and not s.f64.is_cpu]
     if not dev:
         return
     flat_f64 = torch.cat([s.f64.reshape(-1) for s in dev])

@@ -199,8 +199,8 @@ def _sample_columns(captures: Sequence, cols: dict, n: int
         smp = samples[i]
         cols["sample_dim"][i], cols["sample_unit"][i] = smp.dim, smp.unit
         cols["sample_count"][i], cols["sample_k"][i] = smp.count, smp.sketch_k
-    values = np.concatenate([samples[i].f64.numpy().reshape(-1) for i in at]).astype("<f8")
-    fps = np.concatenate([samples[i].fingerprint.numpy().view(np.uint64) for i in at])
+    values = np.concatenate([np.asarray(samples[i].f64).reshape(-1) for i in at]).astype("<f8")
+    fps = np.concatenate([np.asarray(samples[i].fingerprint).view(np.uint64) for i in at])
     return values, fps.astype("<u8")
 
 

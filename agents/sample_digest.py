@@ -39,6 +39,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from agents import hashing
@@ -53,6 +54,10 @@ BUCKET_BUDGET = 128
 """Sketch buckets of a record's units together, for pieces of up to MAX_UNITS samples."""
 MIN_SKETCH_K = 8
 """Fewest buckets of a unit's sketch (sigma of one unit's norm estimate: 1/sqrt(2k) = 25%)."""
+DIGEST_MIN_K = 16
+"""Fewest buckets samples are digested with: the fused kernel's loop is about a third slower at
+8 buckets (a group's 8 lanes all land in one run of 8 buckets) than at 16, so units of 8
+buckets are digested with 16 and folded (`combine_units`: exact, the scheme's buckets nest)."""
 MAX_SAMPLES = 256
 """Pieces of more samples than this get no sample digests: units of more than 16 samples need
 as many buckets (``u <= k``), so records would grow with the batch (8 bytes a sample)."""
@@ -69,9 +74,10 @@ class SampleDigests:
     count: int
     """Samples in the piece."""
     sketch_k: int
-    f64: torch.Tensor
-    """[units, 5 + k]: sum, sum_sq, min, max, abs_max, sketch (the digest row's layout)."""
-    fingerprint: torch.Tensor
+    f64: torch.Tensor | np.ndarray
+    """[units, 5 + k]: sum, sum_sq, min, max, abs_max, sketch (the digest row's layout); a numpy
+    array on the host, a tensor on its accelerator until the batch's copy."""
+    fingerprint: torch.Tensor | np.ndarray
     """[units] int64: each unit's fingerprint (uint64 bits)."""
 
     @property
@@ -114,42 +120,88 @@ def _unit_powers(unit: int, numel_s: int) -> tuple[int, ...]:
     return tuple(hashing.signed64(hashing.shift(1, t * numel_s)) for t in range(unit))
 
 
-def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample rows ``(f64 [n, 5 + k], i64 [n, 6])`` into unit rows ``(f64 [g, 5 + k],
-    fingerprint [g])``, on their device (module docstring). ``numel_s``: elements of a whole
-    sample (its logical shape's, not the piece's)."""
-    if unit == 1:
-        return f64, i64[:, 5]
+def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int, k: int
+                  ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]:
+    """Per-sample rows ``(f64 [n, 5 + K], i64 [n, 6])`` into unit rows ``(f64 [g, 5 + k],
+    fingerprint [g])`` (module docstring): sketches of K buckets folded to ``k`` (bucket b into
+    b mod k: the scheme's bucket of k), then units of ``unit`` samples. ``numel_s``: elements
+    of a whole sample (its logical shape's, not the piece's). CPU rows are combined with numpy
+    (numpy arrays back: a dozen torch calls on small tensors cost more than the digest's own
+    kernel call), others with torch on their device."""
+    if f64.device.type == "cpu":
+        return _combine(np, f64.numpy(), i64.numpy()[:, 5], unit, numel_s, k)
+    return _combine(_Torch, f64, i64[:, 5], unit, numel_s, k)
+
+
+def _combine(xp, f64, fp, unit: int, numel_s: int, k: int):
+    """`combine_units` written once for numpy and torch (``xp``: numpy or `_Torch`)."""
     n, width = f64.shape
-    k = width - N_MOMENTS
+    big = width - N_MOMENTS
+    if big != k:
+        folded = xp.empty_like(f64[:, :N_MOMENTS + k])
+        folded[:, :N_MOMENTS] = f64[:, :N_MOMENTS]
+        folded[:, N_MOMENTS:] = f64[:, N_MOMENTS:].reshape(n, big // k, k).sum(1)
+        f64 = folded
+    if unit == 1:
+        return f64, fp
+    width = N_MOMENTS + k
     g = -(-n // unit)
     pad = g * unit - n
-    fp = i64[:, 5]
     if pad:
-        empty = torch.zeros((pad, width), dtype=f64.dtype, device=f64.device)
+        empty = xp.zeros_like(f64[:pad])
         empty[:, 2], empty[:, 3] = math.inf, -math.inf
-        f64 = torch.cat([f64, empty])
-        fp = torch.cat([fp, torch.zeros(pad, dtype=fp.dtype, device=fp.device)])
-    slot = (torch.arange(g * unit, device=f64.device) % unit).unsqueeze(1)
-    lanes = torch.arange(k, device=f64.device).unsqueeze(0)
+        f64 = xp.concatenate([f64, empty])
+        fp = xp.concatenate([fp, xp.zeros_like(fp[:pad])])
+    slot = (xp.arange(g * unit, like=fp) % unit)[:, None]
+    lanes = xp.arange(k, like=fp)[None, :]
     # (X_t S)[c] = (-1)^<t,c> S[c ^ t]: sample t's bucket b lands in c = b ^ t
-    moved = f64[:, N_MOMENTS:].gather(1, lanes ^ slot)
-    moved = torch.where(_parity(lanes & slot) == 1, -moved, moved)
-    out = torch.empty((g, width), dtype=f64.dtype, device=f64.device)
-    out[:, N_MOMENTS:] = moved.view(g, unit, k).sum(1)
-    m = f64[:, :N_MOMENTS].view(g, unit, N_MOMENTS)
+    moved = xp.take_along_axis(f64[:, N_MOMENTS:], lanes ^ slot, 1)
+    moved = xp.where(_parity(lanes & slot) == 1, -moved, moved)
+    out = xp.empty_like(f64[:g])
+    out[:, N_MOMENTS:] = moved.reshape(g, unit, k).sum(1)
+    m = f64[:, :N_MOMENTS].reshape(g, unit, N_MOMENTS)
     out[:, :2] = m[:, :, :2].sum(1)
-    out[:, 2] = m[:, :, 2].amin(1)
-    out[:, 3] = m[:, :, 3].amax(1)
-    out[:, 4] = m[:, :, 4].amax(1)
-    powers = torch.tensor(_unit_powers(unit, numel_s), dtype=torch.int64, device=fp.device)
-    fps = (fp.view(g, unit) * powers).sum(1)  # int64 products and sums wrap mod 2**64
+    out[:, 2] = xp.amin(m[:, :, 2], 1)
+    out[:, 3] = xp.amax(m[:, :, 3], 1)
+    out[:, 4] = xp.amax(m[:, :, 4], 1)
+    powers = xp.asarray(_unit_powers(unit, numel_s), like=fp)
+    with np.errstate(over="ignore"):
+        fps = (fp.reshape(g, unit) * powers).sum(1)  # int64 products and sums wrap mod 2**64
     return out, fps
 
 
-def _parity(x: torch.Tensor) -> torch.Tensor:
-    """popcount(x) mod 2 of int64 values below 2**32."""
+class _Torch:
+    """The numpy names `_combine` uses, for torch tensors."""
+
+    empty_like, zeros_like, where = torch.empty_like, torch.zeros_like, torch.where
+
+    @staticmethod
+    def concatenate(parts):
+        return torch.cat(parts)
+
+    @staticmethod
+    def arange(n, like):
+        return torch.arange(n, device=like.device)
+
+    @staticmethod
+    def asarray(values, like):
+        return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def take_along_axis(a, idx, axis):
+        return a.gather(axis, idx)
+
+    @staticmethod
+    def amin(a, axis):
+        return a.amin(axis)
+
+    @staticmethod
+    def amax(a, axis):
+        return a.amax(axis)
+
+
+def _parity(x):
+    """popcount(x) mod 2 of int64 values below 2**32 (numpy or torch)."""
     for shift in (16, 8, 4, 2, 1):
         x = x ^ (x >> shift)
     return x & 1

@@ -1,4 +1,5 @@
-"""Digest throughput next to a plain copy of the same data (docs/benchmarks.md).
+"""Digest throughput next to a plain copy of the same data (docs/benchmarks.md), and what
+per-sample digests add to a batch-holding capture (time and record bytes).
 
 For each dtype and size: the median time of ``dst.copy_(src)``, of the fused kernel and of the
 eager ``digest_piece`` on one tensor, their ratios, and the eager digest's breakdown into its
@@ -130,6 +131,56 @@ def measure(dtype: torch.dtype, nbytes: int, repeats: int, sketch_k: int) -> dic
     return row
 
 
+SAMPLE_SHAPES = ((1, 512, 512), (2, 256, 512), (8, 64, 512), (16, 32, 512), (64, 8, 512),
+                 (256, 2, 512))
+"""[samples, tokens, width] float32 activations of 1 MiB: per-sample digests of 1 to 256
+samples (units of 1 up to 16; of 4 and 16 samples beyond)."""
+
+
+def measure_samples(shape: tuple[int, ...], dtype: torch.dtype, repeats: int,
+                    sketch_k: int) -> dict[str, float]:
+    """A batch-holding capture's digest (the fused kernel, as the agent calls it) against its
+    per-sample digests (`Digester.digest_samples` and `combine_units`, as the agent's drain
+    makes them): median CPU microseconds of each, paired round by round, and the record's
+    bytes on the wire without and with them (`RecordColumns.record_bytes`)."""
+    from agents.batching import Capture
+    from agents.columns import capture_columns
+    from agents.fastpath import Digester
+    from agents.sample_digest import (DIGEST_MIN_K, SampleDigests, combine_units, sample_layout,
+                                      unit_plan)
+
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(shape, generator=g).to(dtype)
+    layout = PieceLayout.full(shape)
+    digester = Digester("auto")
+    unit, k = unit_plan(shape[0])
+    slayout = sample_layout(layout, 0)
+    numel_s = math.prod(slayout.logical_shape)
+
+    def samples():
+        f64, i64 = digester.digest_samples([(src, slayout, 0, max(k, DIGEST_MIN_K))])[0]
+        return combine_units(f64, i64, unit, numel_s, k)
+
+    base, gs = cpu.index_map(shape, layout)
+    desc = [cpu.descriptor(src, base, cpu.descriptor_tail(src, gs))]
+    rows = RowBatch(1, sketch_k)
+    f64_at, i64_at = rows.pointers(rows.reserve(1))
+    main, _, main_cpu = _paired_seconds(samples, lambda: cpu.digest_into(desc, sketch_k, f64_at,
+                                                                         i64_at), repeats)
+    _, _, sample_cpu = _paired_seconds(lambda: cpu.digest_into(desc, sketch_k, f64_at, i64_at),
+                                       samples, repeats)
+    f64, i64 = rows.rows()
+    cap = Capture(0, 0, 1, "layers.0", 1, 0, 0, -1, layout, str(dtype).removeprefix("torch."),
+                  row=0)
+    plain = capture_columns([cap], f64.numpy(), i64.numpy()).record_bytes
+    units, fps = samples()
+    cap.samples = SampleDigests(0, unit, shape[0], k, units, fps)
+    with_samples = capture_columns([cap], f64.numpy(), i64.numpy()).record_bytes
+    return {"digest_us": 1e6 * statistics.median(main_cpu),
+            "samples_us": 1e6 * statistics.median(sample_cpu), "unit": unit, "k": k,
+            "bytes": plain, "bytes_samples": with_samples}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB only, fewer repeats")
@@ -159,6 +210,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['digest']:.3f} | {r['digest_cpu']:.3f} | {r['ratio']:.0f}x | "
                   f"{r['keys']:.2f} | {r['fingerprint']:.2f} | {r['moments']:.2f} | "
                   f"{r['sketch']:.2f} |", flush=True)
+    if cpu.load() is None:
+        return 0
+    print()
+    print(f"## Per-sample digests of a batch-holding capture (float32, 1 MiB, k={args.sketch_k}; "
+          "median CPU us of the fused digest and of the per-sample digests, paired; record "
+          "bytes on the wire)")
+    print("| samples x tokens x width | units x samples | buckets | digest | per-sample | "
+          "per-sample / digest | record | with samples | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for shape in SAMPLE_SHAPES:
+        r = measure_samples(shape, torch.float32, 31 if args.quick else 101, args.sketch_k)
+        print(f"| {' x '.join(map(str, shape))} | {-(-shape[0] // r['unit'])} x {r['unit']} | "
+              f"{r['k']} | {r['digest_us']:.0f} | {r['samples_us']:.0f} | "
+              f"{r['samples_us'] / r['digest_us']:.2f} | {r['bytes']} | {r['bytes_samples']} | "
+              f"{r['bytes_samples'] / r['bytes']:.2f}x |", flush=True)
     return 0
 
 

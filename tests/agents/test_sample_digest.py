@@ -22,8 +22,8 @@ from agents.fastpath import Digester
 from agents.identity import RankIdentity
 from agents.kernels import cpu
 from agents.layout import PieceLayout
-from agents.sample_digest import (MAX_SAMPLES, MAX_UNITS, combine_units, digest_samples_eager,
-                                  sample_layout, unit_plan)
+from agents.sample_digest import (MAX_SAMPLES, MAX_UNITS, _combine, _Torch, combine_units,
+                                  digest_samples_eager, sample_layout, unit_plan)
 from tests.agents.test_digest import ref_digest
 from tests.agents.test_fast_path import _Net
 
@@ -58,9 +58,10 @@ def ref_units(t: torch.Tensor, layout: PieceLayout, dim: int, unit: int, k: int)
     return out
 
 
-def check_rows(f64: torch.Tensor, fps: torch.Tensor, want) -> None:
+def check_rows(f64, fps, want) -> None:
     assert f64.shape[0] == len(want)
-    for row, fp, (wfp, sketch, vals) in zip(f64.tolist(), fps.tolist(), want):
+    for row, fp, (wfp, sketch, vals) in zip(np.asarray(f64).tolist(), np.asarray(fps).tolist(),
+                                            want):
         assert fp & M64 == wfp
         np.testing.assert_allclose(row[D.N_MOMENTS:], sketch, rtol=1e-12, atol=1e-9)
         assert row[0] == pytest.approx(math.fsum(vals), rel=1e-12, abs=1e-9)
@@ -107,7 +108,15 @@ def test_sample_digests_match_the_definition_whatever_the_implementation(dtype):
             check_rows(f64, i64[:, 5], per_sample)
             assert i64[:, 1].sum() == 1 and i64[:, 2].sum() == 1
             numel_s = math.prod(slayout.logical_shape)
-            check_rows(*combine_units(f64, i64, 2, numel_s), ref_units(t, layout, dim, 2, k))
+            check_rows(*combine_units(f64, i64, 2, numel_s, k), ref_units(t, layout, dim, 2, k))
+            # digested with more buckets and folded: the same units
+            check_rows(*combine_units(f64, i64, 2, numel_s, k // 2),
+                       ref_units(t, layout, dim, 2, k // 2))
+            # the accelerator's combination (torch) is the host's (numpy)
+            host = combine_units(f64, i64, 2, numel_s, k // 2)
+            dev = _combine(_Torch, f64, i64[:, 5], 2, numel_s, k // 2)
+            np.testing.assert_array_equal(host[1], dev[1].numpy())
+            np.testing.assert_allclose(host[0], dev[0].numpy(), rtol=1e-15)
 
 
 def test_samples_over_a_chunk_and_chunks_of_samples(monkeypatch):
@@ -169,8 +178,9 @@ def test_hooks_record_sample_digests_of_batch_holding_captures_on_either_path():
         assert (s.dim, s.unit, s.count, s.sketch_k) == (se.dim, se.unit, se.count, se.sketch_k)
         assert s.dim == (1 if key[1] == "pair" and key[3] > 0 else 0), key
         assert (s.count, s.unit, s.sketch_k) == (3, 1, 32)
-        assert torch.equal(s.fingerprint, se.fingerprint), key  # the dp split changes nothing
-        assert torch.allclose(s.f64, se.f64, rtol=1e-9, atol=1e-9), key
+        # the dp split changes nothing
+        np.testing.assert_array_equal(s.fingerprint, se.fingerprint)
+        np.testing.assert_allclose(s.f64, se.f64, rtol=1e-9, atol=1e-9)
         if key[0] == 1 and out is not None:
             t = torch.utils._pytree.tree_leaves(out)[key[3]]
             check_rows(s.f64, s.fingerprint, ref_units(t.detach(), c.layout, s.dim, 1, 32))
