@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,8 +26,7 @@ from agents.digest import digest_batch_to_host
 from agents.fastpath import Digester
 from agents.layout import PieceLayout
 from agents.rows import I64_COLUMNS, RowBatch
-from agents.sample_digest import (DIGEST_MIN_K, SAMPLE_PHASES, SampleDigests, combine_units,
-                                  sample_layout, unit_plan, wants_samples)
+from agents.sample_digest import SAMPLE_PHASES, SampleDigests, combine_units
 
 I64_ROW_BYTES = 8 * I64_COLUMNS
 
@@ -144,6 +142,10 @@ class Batcher:
                  batch_dims: dict[tuple[str, int], int] | None = None) -> None:
         self._digester = digester
         self._samples_on = config.sample_digests
+        self.rows: int | None = config.microbatch_size
+        """This rank's samples in the running microbatch, where the capturer knows them (its
+        model's input): pieces holding another number of rows along their batch dim (an
+        expert's tokens) get no sample digests; None: every batch-holding piece does."""
         self._batch_dim = config.batch_dim
         self._batch_dims = batch_dims if batch_dims is not None else {}
         """(site, output index) -> its batch dim where a module states one (the capturer's
@@ -274,31 +276,37 @@ class Batcher:
 
     def _sample_digests(self, items: list[tuple[Capture, torch.Tensor]]) -> None:
         """Digest the samples of the batch-holding captures among ``items`` (agents/
-        sample_digest.py) into their `Capture.samples`; a capture whose main digest failed
-        (row -1) gets none. Never raises: a failure costs the capture its sample digests."""
-        todo, caps = [], []
+        sample_digest.py) into their `Capture.samples`: each capture's plan from the digester's
+        cache, one kernel call per bucket count for all fused ones. A capture whose main digest
+        failed (row -1) gets none. Never raises: a failure costs a capture its sample digests."""
+        digester, dims, default = self._digester, self._batch_dims, self._batch_dim
+        todo = []
         for cap, t in items:
-            dim = self._batch_dims.get((cap.site, cap.index), self._batch_dim)
-            if cap.row < 0 or not wants_samples(cap.phase, cap.layout, t.dtype, dim):
+            if cap.row < 0:
                 continue
-            unit, k = unit_plan(cap.layout.shape[dim])
-            todo.append((t, sample_layout(cap.layout, dim), dim, max(k, DIGEST_MIN_K)))
-            caps.append((cap, unit, k))
+            try:
+                plan = digester.sample_plan(t, cap.layout, dims.get((cap.site, cap.index),
+                                                                    default) if dims else
+                                            default, cap.phase)
+            except Exception as exc:
+                self._failed(f"sample digests of {cap.site}", exc)
+                continue
+            if plan is not None and (self.rows is None or plan.count == self.rows):
+                todo.append((cap, plan, t))
         if not todo:
             return
         try:
-            results = self._digester.digest_samples(todo)
+            results = digester.digest_planned([(plan, t) for _, plan, t in todo])
         except Exception as exc:
             self._failed("sample digests", exc)
             return
-        for (cap, unit, k), (t, layout, dim, _), res in zip(caps, todo, results):
+        for (cap, plan, t), res in zip(todo, results):
             if isinstance(res, Exception):
                 self._failed(f"sample digests of {cap.site}", res)
                 continue
             try:
-                numel = math.prod(layout.logical_shape)
-                f64, fp = combine_units(res[0], res[1], unit, numel, k)
-                cap.samples = SampleDigests(dim, unit, t.shape[dim], k, f64, fp)
+                f64, fp = combine_units(res[0], res[1], plan.unit, plan.numel_s, plan.k)
+                cap.samples = SampleDigests(plan.dim, plan.unit, plan.count, plan.k, f64, fp)
             except Exception as exc:
                 self._failed(f"sample digests of {cap.site}", exc)
 

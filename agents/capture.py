@@ -230,6 +230,7 @@ class Capturer:
     def _set_rows(self, rows: int | None) -> None:
         if rows is not None:
             self._rows = rows
+            self._batches.rows = rows  # only pieces of this many samples get sample digests
 
     def _note_batchless(self, site: str, inputs: tuple, tensors: list) -> None:
         """Mark this call's outputs that do not hold the batch (`_batchless`); only outputs of

@@ -22,7 +22,7 @@ import numpy as np
 from agents.digest import N_MOMENTS, digest_piece
 from agents.layout import PieceLayout
 from agents.rows import RowBatch
-from agents.sample_digest import digest_samples_eager
+from agents.sample_digest import SamplePlan, digest_samples_eager, plan_samples
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,11 @@ class Digester:
             if cpu.load() is not None:  # else cpu.load() has logged the one warning
                 self._cpu = cpu
             self._triton = TritonDigest(triton_devices)
-        self._sample_plans: dict[tuple, tuple[np.ndarray, int]] = {}
-        """(shape, strides, dtype, batch dim, sample layout) -> (the descriptor of sample 0 as
-        int64s, the bytes between samples): a piece's sample descriptors are that row with the
-        address moved, built for all samples in one numpy operation."""
+        self._sample_rows: dict[int, _SampleRows] = {}
+        """Host rows the fused kernel writes sample digests into, per bucket count."""
+        self._sample_plans: dict[tuple, tuple[PieceLayout, SamplePlan | None]] = {}
+        """(id(layout), shape, strides, dtype, batch dim, phase) -> (the layout, the plan of
+        such captures' sample digests or None): `sample_plan`."""
         self._maps: dict[tuple, tuple[PieceLayout, int, bytes]] = {}
         """(id(layout), shape, strides) -> (layout, base, descriptor tail): the index map and
         descriptor of a piece are worked out once per site and shape, not per capture (the
@@ -180,16 +181,99 @@ class Digester:
                     out[i] = exc
         return out
 
+    def sample_plan(self, t: torch.Tensor, layout: PieceLayout, dim: int,
+                    phase: int) -> SamplePlan | None:
+        """The plan of the sample digests of a capture of ``t`` placed by ``layout`` (None: it
+        gets none), worked out once per layout, shape, strides, dtype, dim and phase; the fused
+        kernel's descriptors of its samples, relative to its address, where the kernel reads
+        it (each is the piece's descriptor with the batch dim at size 1 and global stride 0,
+        one sample further: built for all samples in one numpy operation)."""
+        key = (id(layout), t.shape, t.stride(), t.dtype, dim, phase)
+        hit = self._sample_plans.get(key)
+        if hit is not None and hit[0] is layout:
+            return hit[1]
+        plan = plan_samples(layout, dim, t.dtype, phase)
+        cpu = self._cpu
+        if plan is not None and cpu is not None and cpu.supports(t) and not t.dtype.is_complex:
+            first = t.narrow(dim, 0, 1)  # the batch dim kept at size 1: global stride 0
+            base, gs = cpu.index_map(tuple(first.shape), plan.slayout)
+            row = np.array([0, cpu.DTYPE_CODES[t.dtype], t.dim(), base, 0]
+                           + [v for d in zip(first.shape, first.stride(), gs) for v in d],
+                           np.int64)
+            plan.descriptors = np.repeat(row[None, :], plan.count, axis=0)
+            plan.descriptors[:, 0] = (t.stride(dim) * t.element_size()
+                                      * np.arange(plan.count, dtype=np.int64))
+        if len(self._sample_plans) >= MAX_CACHED_MAPS:
+            self._sample_plans.clear()
+        self._sample_plans[key] = (layout, plan)
+        return plan
+
+    def digest_planned(self, items: list[tuple[SamplePlan, torch.Tensor]]) -> list:
+        """Per item, the digests of its samples with ``plan.kd`` buckets, ``(f64 [n, 5 + kd],
+        i64 [n, 6])`` (numpy arrays on the host, tensors on an accelerator), or the exception
+        that failed it: the fused kernel for planned descriptors, all samples of one kd in one
+        call, into rows cut from a host arena (`_SampleRows`: an allocation, torch's or
+        numpy's, costs more than the kernel call on small pieces); the rest through
+        `digest_samples`."""
+        out: list = [None] * len(items)
+        groups: dict[int, list[int]] = {}
+        rest: list[int] = []
+        for i, (plan, _) in enumerate(items):
+            (groups.setdefault(plan.kd, []) if plan.descriptors is not None else rest).append(i)
+        for kd, at in groups.items():
+            if len(at) == 1:
+                plan, t = items[at[0]]
+                joined = plan.descriptors.copy()
+                joined[:, 0] += t.data_ptr()
+                total = plan.count
+            else:
+                descs = []
+                for i in at:
+                    plan, t = items[i]
+                    arr = plan.descriptors.copy()
+                    arr[:, 0] += t.data_ptr()
+                    descs.append(arr)
+                joined = np.concatenate(descs)
+                total = len(joined)
+            arena = self._sample_rows.get(kd)
+            if arena is None:
+                arena = self._sample_rows[kd] = _SampleRows(kd)
+            f64, i64, f64_at, i64_at = arena.take(total)
+            try:
+                bad = self._cpu.kernel()(total, joined.tobytes(), kd, f64_at, i64_at)
+                if bad:
+                    raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
+            except Exception as exc:
+                for i in at:
+                    out[i] = exc
+                continue
+            first = 0
+            for i in at:
+                n = items[i][0].count
+                out[i] = (f64[first:first + n], i64[first:first + n])
+                first += n
+        if rest:
+            got = self.digest_samples([(t, p.slayout, p.dim, p.kd)
+                                       for p, t in (items[i] for i in rest)])
+            for i, res in zip(rest, got):
+                out[i] = res
+        return out
+
     def _samples_fused(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
         cpu = self._cpu
         descs, counts, ok = [], [], []
         for i in at:
             t, layout, dim, _ = items[i]
             try:
-                row, step = self._sample_plan(t, layout, dim)
+                first = t.narrow(dim, 0, 1)
+                base, gs = cpu.index_map(tuple(first.shape), layout)
+                row = np.array([0, cpu.DTYPE_CODES[t.dtype], t.dim(), base, 0]
+                               + [v for d in zip(first.shape, first.stride(), gs) for v in d],
+                               np.int64)
                 n = t.shape[dim]
                 arr = np.repeat(row[None, :], n, axis=0)
-                arr[:, 0] = t.data_ptr() + step * np.arange(n, dtype=np.int64)
+                arr[:, 0] = t.data_ptr() + t.stride(dim) * t.element_size() * np.arange(
+                    n, dtype=np.int64)
                 descs.append(arr.tobytes())
                 counts.append(n)
                 ok.append(i)
@@ -213,22 +297,6 @@ class Digester:
             out[i] = (f64[first:first + n], i64[first:first + n])
             first += n
 
-    def _sample_plan(self, t: torch.Tensor, layout: PieceLayout, dim: int
-                     ) -> tuple[np.ndarray, int]:
-        key = (t.shape, t.stride(), t.dtype, dim, layout)
-        plan = self._sample_plans.get(key)
-        if plan is None:
-            cpu = self._cpu
-            first = t.narrow(dim, 0, 1)  # the batch dim kept at size 1: global stride 0
-            base, gs = cpu.index_map(tuple(first.shape), layout)
-            row = np.array([0, cpu.DTYPE_CODES[t.dtype], t.dim(), base, 0]
-                           + [v for d in zip(first.shape, first.stride(), gs) for v in d],
-                           np.int64)
-            if len(self._sample_plans) >= MAX_CACHED_MAPS:
-                self._sample_plans.clear()
-            plan = self._sample_plans[key] = (row, t.stride(dim) * t.element_size())
-        return plan
-
     def _samples_triton(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
         pieces, owner = [], []
         for i in at:
@@ -246,3 +314,30 @@ class Digester:
             first += n
             if n and all(r is not None for r in rows):
                 out[i] = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+
+
+class _SampleRows:
+    """Host rows for sample digests of one bucket count, cut from blocks of ARENA_ROWS rows: a
+    capture's rows are views of a block (the block lives while any of them does), so its
+    samples cost no allocation."""
+
+    ARENA_ROWS = 4096
+
+    __slots__ = ("k", "f64", "i64", "used", "f64_at", "i64_at")
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.used = self.ARENA_ROWS
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Rows for n samples: (f64 [n, 5 + k], i64 [n, 6], their addresses)."""
+        if self.used + n > self.ARENA_ROWS:
+            rows = max(n, self.ARENA_ROWS)
+            self.f64 = np.empty((rows, N_MOMENTS + self.k))
+            self.i64 = np.empty((rows, 6), np.int64)
+            self.f64_at, self.i64_at = self.f64.ctypes.data, self.i64.ctypes.data
+            self.used = 0
+        a = self.used
+        self.used = a + n
+        return (self.f64[a:a + n], self.i64[a:a + n], self.f64_at + a * 8 * (N_MOMENTS + self.k),
+                self.i64_at + a * 48)

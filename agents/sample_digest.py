@@ -96,6 +96,43 @@ def unit_plan(n: int) -> tuple[int, int] | None:
     return unit, max(MIN_SKETCH_K, unit)
 
 
+@dataclass(slots=True)
+class SamplePlan:
+    """How the samples of captures of one layout, shape, strides and dtype are digested: worked
+    out once (`agents.fastpath.Digester.sample_plan` caches it), so that a capture's samples
+    cost a dictionary lookup, an addition to a descriptor array and a share of one kernel call."""
+
+    layout: PieceLayout
+    """The captures' layout (kept: its identity keys the cache)."""
+    dim: int
+    unit: int
+    k: int
+    """Buckets of the units sent."""
+    kd: int
+    """Buckets the samples are digested with (>= k, folded to k)."""
+    count: int
+    slayout: PieceLayout
+    """Where a sample sits in the sample's logical tensor (`sample_layout`)."""
+    numel_s: int
+    """Elements of a whole sample."""
+    descriptors: np.ndarray | None = None
+    """The fused kernel's descriptors of the samples, [count, 5 + 3 ndim] int64, with addresses
+    relative to the piece's (add its data pointer to column 0); None where the kernel does not
+    read the piece."""
+
+
+def plan_samples(layout: PieceLayout | None, dim: int, dtype: torch.dtype, phase: int
+                 ) -> SamplePlan | None:
+    """The plan of a capture's sample digests, None when it gets none (`wants_samples`)."""
+    if not wants_samples(phase, layout, dtype, dim):
+        return None
+    count = layout.shape[dim]
+    unit, k = unit_plan(count)
+    slayout = sample_layout(layout, dim)
+    return SamplePlan(layout, dim, unit, k, max(k, DIGEST_MIN_K), count, slayout,
+                      math.prod(slayout.logical_shape))
+
+
 def wants_samples(phase: int, layout: PieceLayout | None, dtype: torch.dtype, dim: int) -> bool:
     """Whether a capture gets sample digests: a batch phase, a float piece that is a box of
     samples along ``dim`` (not a reduction, a Partial addend, a ragged or flat piece)."""
@@ -120,7 +157,8 @@ def _unit_powers(unit: int, numel_s: int) -> tuple[int, ...]:
     return tuple(hashing.signed64(hashing.shift(1, t * numel_s)) for t in range(unit))
 
 
-def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int, k: int
+def combine_units(f64: torch.Tensor | np.ndarray, i64: torch.Tensor | np.ndarray, unit: int,
+                  numel_s: int, k: int
                   ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]:
     """Per-sample rows ``(f64 [n, 5 + K], i64 [n, 6])`` into unit rows ``(f64 [g, 5 + k],
     fingerprint [g])`` (module docstring): sketches of K buckets folded to ``k`` (bucket b into
@@ -128,6 +166,8 @@ def combine_units(f64: torch.Tensor, i64: torch.Tensor, unit: int, numel_s: int,
     of a whole sample (its logical shape's, not the piece's). CPU rows are combined with numpy
     (numpy arrays back: a dozen torch calls on small tensors cost more than the digest's own
     kernel call), others with torch on their device."""
+    if isinstance(f64, np.ndarray):
+        return _combine(np, f64, i64[:, 5], unit, numel_s, k)
     if f64.device.type == "cpu":
         return _combine(np, f64.numpy(), i64.numpy()[:, 5], unit, numel_s, k)
     return _combine(_Torch, f64, i64[:, 5], unit, numel_s, k)
