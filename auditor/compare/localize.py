@@ -11,11 +11,14 @@ order of cost:
   elements at their global positions, so two runs' sketches of one box compare), against the
   key's policy tolerance, so a box off by a rounding error is not named; a box that cannot be
   measured differs by its fingerprint. The method says what decided: ``payload`` (bytes of the
-  differing boxes), ``fingerprint`` (fingerprints, confirmed by the sketches) or ``moments``
-  (no comparable fingerprints: the sketches alone);
+  differing boxes), ``fingerprint`` (fingerprints, confirmed by the sketches), ``moments``
+  (no comparable fingerprints: the sketches alone) or ``samples`` (pieces placed by the
+  auditor, whose sketches describe other places: both runs' per-sample digests,
+  `auditor.compare.per_sample`);
 - one run's boxes inside the other's (a single-process reference against DDP pieces): a sub-box
   has no digest of its own, so both logical tensors are rebuilt from payloads and compared box by
-  box of the finer run; without payloads in both runs it says what would be needed;
+  box of the finer run; without payloads, boxes of whole samples are told apart by both runs'
+  per-sample digests (method ``samples``); without either it says what would be needed;
 - boxes that cross, Partial addends, reductions over the batch: cannot be localized, and says so.
 
 Flat pieces (ranges of a tensor's flattening, as FSDP1 holds a parameter) against boxes of the
@@ -33,6 +36,7 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
+from auditor.compare import per_sample
 from auditor.compare.align import PHASE_IDS, phase_name, role_name
 from auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload,
                                      sketch_metrics)
@@ -125,7 +129,8 @@ def localize(comp, i: int) -> dict | None:
     rids = np.concatenate([comp.ref.rid[[r for rs in rb.values() for r in rs]],
                            comp.cand.rid[[r for rs in cb.values() for r in rs]]])
     if not len(rids) or len(comp.catalog.payload_rids(rids)) < len(set(rids.tolist())):
-        return _cannot(need)
+        got = per_sample.localize_boxes(comp, i, boxes, scale, _policy_test(check))
+        return _cannot(need) if got is None else _result(comp, fine, "samples", got)
     try:
         ref_vals, _, _ = logical_values(comp, "ref", ri)
         cand_vals, _, _ = logical_values(comp, "cand", ci)
@@ -201,6 +206,11 @@ def _beyond(rel: float, dist: float, rn: float, n: int, check) -> bool:
     return not dist <= (explicit if explicit is not None else check.atol * math.sqrt(n))
 
 
+def _policy_test(check):
+    """`_beyond` with the key's policy check bound: (rel, dist, ref norm, numel) -> differs."""
+    return lambda rel, dist, rn, n: _beyond(rel, dist, rn, n, check)
+
+
 def _equal_boxes(comp, i, rb: dict, cb: dict, scale: float, check) -> dict:
     ri, ci = int(comp.ri[i]), int(comp.ci[i])
     exact = bool(comp.ref_keys.exact[ri] and comp.cand_keys.exact[ci]) and scale == 1.0
@@ -237,6 +247,11 @@ def _equal_boxes(comp, i, rb: dict, cb: dict, scale: float, check) -> dict:
             results.extend(got)
             # without comparable fingerprints the sketches alone decided
             method = "moments" if method == "fingerprint" and not exact else method
+        elif (got := per_sample.localize_boxes(comp, i, {box: crows for box, crows, _ in
+                                                         measured}, scale,
+                                               _policy_test(check))) is not None:
+            results.extend(got)  # pieces placed by the auditor: their samples' digests
+            method = "samples" if method == "fingerprint" else method
         else:
             results.extend((box, crows, True, math.nan) for box, crows, _ in measured)
     return _result(comp, "cand", method, results)

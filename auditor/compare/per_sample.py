@@ -86,6 +86,32 @@ class Measured:
     notes: dict[int, str]
 
 
+def _sides(comp, g_ref: np.ndarray, g_cand: np.ndarray):
+    """Both runs' units of the logical keys ``g_ref`` / ``g_cand`` (one key per position), and
+    per key whether it can be measured, its sample's elements and whether its unit
+    fingerprints may decide; None when no record of either run has sample digests."""
+    cat = comp.catalog
+    sides = []
+    for which, g in (("ref", g_ref), ("cand", g_cand)):
+        lk = comp.ref_keys if which == "ref" else comp.cand_keys
+        cols = comp.ref if which == "ref" else comp.cand
+        rows_idx, offsets = ranges_index(lk.taken_start[g], lk.taken_start[g + 1])
+        rows = lk.taken_row[rows_idx]
+        coef = lk.taken_coef[rows_idx]
+        fetched = fetch(cat, cols.rid[rows])
+        if not fetched:
+            return None
+        seg = np.repeat(np.arange(len(g)), np.diff(np.append(offsets, len(rows))))
+        orders = [cat.sample_orders.get((int(lk.A[x]), int(lk.B[x]))) if which == "ref"
+                  else None for x in g]
+        keyed = [(int(lk.A[x]), int(lk.B[x])) for x in g]
+        sides.append(_units(cat, cols, rows, coef, seg, len(g), fetched, orders, keyed))
+    (ref, ref_bad, ref_numel, ref_exact), (cand, cand_bad, cand_numel, cand_exact) = sides
+    bad = ref_bad | cand_bad | (ref_numel != cand_numel)
+    return (_drop(ref, bad), _drop(cand, bad), ~bad, np.maximum(ref_numel, 1),
+            ref_exact & cand_exact & cat.fingerprints_v3)
+
+
 def measure(comp, keys: np.ndarray, want: np.ndarray, rn: np.ndarray, cn: np.ndarray,
             numel: np.ndarray, ref_scale: np.ndarray) -> Measured | None:
     """Distances of the slow path's keys ``keys`` (positions ``want`` of them) from per-sample
@@ -93,30 +119,14 @@ def measure(comp, keys: np.ndarray, want: np.ndarray, rn: np.ndarray, cn: np.nda
     at = np.flatnonzero(want)
     if not len(at):
         return None
-    cat = comp.catalog
-    sides = []
-    for which in ("ref", "cand"):
-        lk = comp.ref_keys if which == "ref" else comp.cand_keys
-        cols = comp.ref if which == "ref" else comp.cand
-        g = (comp.ri if which == "ref" else comp.ci)[keys[at]]
-        rows_idx, offsets = ranges_index(lk.taken_start[g], lk.taken_start[g + 1])
-        rows = lk.taken_row[rows_idx]
-        coef = lk.taken_coef[rows_idx]
-        fetched = fetch(cat, cols.rid[rows])
-        if not fetched:
-            return None
-        seg = np.repeat(np.arange(len(at)), np.diff(np.append(offsets, len(rows))))
-        orders = [cat.sample_orders.get((int(lk.A[x]), int(lk.B[x]))) if which == "ref"
-                  else None for x in g]
-        keyed = [(int(lk.A[x]), int(lk.B[x])) for x in g]
-        sides.append(_units(cat, cols, rows, coef, seg, len(at), fetched, orders, keyed))
-    (ref, ref_bad, ref_numel, ref_exact), (cand, cand_bad, cand_numel, cand_exact) = sides
-    bad = ref_bad | cand_bad | (ref_numel != cand_numel)
-    ref, cand = _drop(ref, bad), _drop(cand, bad)
+    got = _sides(comp, comp.ri[keys[at]], comp.ci[keys[at]])
+    if got is None:
+        return None
+    ref, cand, _, numel_s, exact = got
     n = len(at)
-    est = estimate(ref, cand, n, numel_s=np.maximum(ref_numel, 1), scale=ref_scale[at],
+    est = estimate(ref, cand, n, numel_s=numel_s, scale=ref_scale[at],
                    alpha=np.where(rn[at] > 0, cn[at] / np.where(rn[at] > 0, rn[at], 1), 1.0),
-                   exact=ref_exact & cand_exact & cat.fingerprints_v3)
+                   exact=exact)
     if not est.ok.any():
         return None
     K = len(keys)
@@ -222,3 +232,69 @@ def _drop(units: Units, bad: np.ndarray) -> Units:
     return Units(key=units.key[keep], pos=units.pos[keep], cnt=units.cnt[keep],
                  size=units.size[keep], k=units.k[keep], moments=units.moments[keep],
                  sketch=units.sketch[idx], fp=units.fp[keep])
+
+
+def localize_boxes(comp, i: int, boxes: dict, scale: float, beyond) -> list | None:
+    """Per box of key ``i`` (``{(offsets, shape): rows}``, boxes of whole samples: every dim
+    but the batch dim whole), ``(box, rows, differs, rel_l2)`` from both runs' per-sample
+    digests restricted to the box's samples; None when the key has none in both runs or a box
+    is not such a box. ``beyond(rel, dist, ref_norm, numel)`` is the policy's test. A box whose
+    samples cannot be measured apart (coarse units across its edge) differs, with no
+    rel_l2."""
+    got = _sides(comp, comp.ri[[i]], comp.ci[[i]])
+    if got is None or not got[2][0]:
+        return None
+    ref, cand, _, numel_s, exact = got
+    shape = comp.catalog.shapes[int(comp.cand_keys.shape[comp.ci[i]])][0]
+    dims = {int(d) for d in _unit_dims(comp, i)}
+    if len(dims) != 1:
+        return None
+    (d,) = dims
+    spans = []
+    for offsets, size in boxes:
+        if any(o != 0 or s != n for e, (o, s, n) in enumerate(zip(offsets, size, shape))
+               if e != d):
+            return None
+        spans.append((offsets[d], offsets[d] + size[d]))
+
+    def select(units: Units) -> Units:
+        key, keep = [], []
+        for j, (lo, hi) in enumerate(spans):
+            inside = np.flatnonzero((units.pos >= lo) & (units.pos < hi))
+            keep.append(inside)
+            key.append(np.full(len(inside), j))
+        keep_all, key_all = np.concatenate(keep), np.concatenate(key)
+        starts = units.starts()
+        idx = (np.concatenate([np.arange(s, s + k) for s, k in
+                               zip(starts[keep_all], units.k[keep_all])])
+               if len(keep_all) else np.zeros(0, np.int64))
+        return Units(key=key_all.astype(np.int64), pos=units.pos[keep_all],
+                     cnt=units.cnt[keep_all], size=units.size[keep_all], k=units.k[keep_all],
+                     moments=units.moments[keep_all], sketch=units.sketch[idx],
+                     fp=units.fp[keep_all])
+
+    n = len(spans)
+    est = estimate(select(ref), select(cand), n, numel_s=np.full(n, int(numel_s[0])),
+                   scale=np.full(n, scale), exact=np.full(n, bool(exact[0])))
+    out = []
+    for j, ((box, rows), (lo, hi)) in enumerate(zip(boxes.items(), spans)):
+        if not est.ok[j]:
+            out.append((box, rows, True, math.nan))
+            continue
+        rn = math.sqrt(max(float(est.ref_sq[j]), 0.0))
+        dist = max(math.sqrt(max(float(est.d2[j]), 0.0)), float(est.lower[j]),
+                   float(est.extremes[j]))
+        rel = dist / rn if rn > 0 else (math.inf if dist > 0 else 0.0)
+        out.append((box, rows, beyond(rel, dist, rn, (hi - lo) * int(numel_s[0])), rel))
+    return out
+
+
+def _unit_dims(comp, i: int) -> set[int]:
+    """The batch dims the sample digests of key ``i``'s pieces were made along."""
+    out = set()
+    for which, g in (("ref", int(comp.ri[i])), ("cand", int(comp.ci[i]))):
+        lk = comp.ref_keys if which == "ref" else comp.cand_keys
+        cols = comp.ref if which == "ref" else comp.cand
+        rows = lk.taken_row[lk.taken_start[g]:lk.taken_start[g + 1]]
+        out |= {s.dim for s in fetch(comp.catalog, cols.rid[rows]).values()}
+    return out

@@ -102,6 +102,8 @@ class Estimate:
     """Blocks whose fingerprints agree."""
     k: np.ndarray
     """Buckets the blocks were compared with."""
+    ref_sq: np.ndarray
+    """sum of the reference's squares over the blocks (scaled): its norm there, squared."""
 
 
 def fold(sketch: np.ndarray, k: int) -> np.ndarray:
@@ -131,7 +133,8 @@ def estimate(ref: Units, cand: Units, keys: int, *, numel_s: np.ndarray,
     nan = np.full(keys, np.nan)
     out = Estimate(ok=np.zeros(keys, bool), d2=nan.copy(), k_eff=nan.copy(), lower=nan.copy(),
                    extremes=nan.copy(), resid2=nan.copy(), blocks=np.zeros(keys, np.int64),
-                   identical=np.zeros(keys, np.int64), k=np.zeros(keys, np.int64))
+                   identical=np.zeros(keys, np.int64), k=np.zeros(keys, np.int64),
+                   ref_sq=nan.copy())
     if not len(ref) or not len(cand):
         return out
     scale = np.ones(keys) if scale is None else np.asarray(scale, np.float64)
@@ -246,7 +249,7 @@ def _estimate_k(ref: Units, cand: Units, k: int, keys: np.ndarray, numel_s: np.n
     done = np.unique(bkey)
     out.ok[done] = True
     out.k[done] = k
-    for name, values in (("d2", y), ("resid2", resid2)):
+    for name, values in (("d2", y), ("resid2", resid2), ("ref_sq", sum_sq[r])):
         arr = np.zeros(len(out.ok))
         np.add.at(arr, bkey, values)
         getattr(out, name)[done] = arr[done]

@@ -131,7 +131,8 @@ def test_regrouped_keys_without_payloads_are_measured_from_per_sample_digests(st
 
 def test_a_one_percent_scale_is_found_at_its_module_without_payloads(store):
     """layers.1 scales its output by 1.01 in microbatch 2 of 4 (samples 4-5 of 8): measured from
-    per-sample digests, the first divergence is there, introduced, under the fp32 preset."""
+    per-sample digests, the first divergence is there, introduced, under the fp32 preset, and
+    the same digests tell the microbatch that differs from those that agree."""
     code, report = compare_json(store, "wide1", "wide4_scaled")
     first = report["first_divergence"]
     assert code == 1 and first["verdict"] == "diverged" and not first["uncertain"], first
@@ -139,6 +140,9 @@ def test_a_one_percent_scale_is_found_at_its_module_without_payloads(store):
         "layers.1", "fwd", 0)
     assert first["cause"]["kind"] == "introduced", first["cause"]
     assert any(SAMPLED in n for n in first["notes"]) and 0.003 < first["value"] < 0.01, first
+    pieces = first["pieces"]  # microbatch 2 of 2 samples: rows 4-5 of the reference's batch
+    assert (pieces["method"], pieces["differ_count"], pieces["agree"]) == ("samples", 1, 3)
+    assert pieces["differ"][0]["box"].startswith("[4:6,"), pieces
 
 
 def test_without_per_sample_digests_keys_whose_bits_differ_never_pass(store):
