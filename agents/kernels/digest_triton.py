@@ -39,7 +39,7 @@ from agents.kernels import triton_kernels as kern
 from agents.kernels.triton_launch import (Launchers, RowArena, Workspace, current_stream)
 from agents.kernels.triton_plan import (MAX_DIMS, NUM_WARPS, Plan, check_k,  # noqa: F401
                                         inverse_place_tensor, plan_piece, rows_per_step,
-                                        tiling)
+                                        tiling, vector_reads)
 from agents.layout import PieceLayout
 
 FINISH_BLOCK = 16
@@ -179,7 +179,9 @@ def _digest_into(pieces: list[Prepared], k: int, device: torch.device,
     stream = current_stream(device)
     ws = dev.workspace(stream)
     if len(pieces) == 1:
-        _launch_group(dev, ws, stream, pieces, [first], k, out, out_ptrs)
+        p = pieces[0]
+        _launch_group(dev, ws, stream, pieces, [first], k, out, out_ptrs,
+                      vector_reads(p.plan, p.ptr))
         return
     if any(p.x.device != device for p in pieces):
         raise ValueError("pieces: on more than one device")
@@ -187,42 +189,49 @@ def _digest_into(pieces: list[Prepared], k: int, device: torch.device,
     for j, p in enumerate(pieces):
         # The float type and V rule too: bfloat16, float16 and uint16 all load as uint16 (only
         # uint16 is mixed), bool and uint8 as uint8 (both mixed).
-        groups.setdefault((p.plan.group, p.ptr % p.plan.element_size if p.plan.n else 0),
-                          []).append(j)
-    for members in groups.values():
+        key = (p.plan.group, p.ptr % p.plan.element_size if p.plan.n else 0,
+               vector_reads(p.plan, p.ptr))
+        groups.setdefault(key, []).append(j)
+    for key, members in groups.items():
         _launch_group(dev, ws, stream, [pieces[j] for j in members],
-                      [first + j for j in members], k, out, out_ptrs)
+                      [first + j for j in members], k, out, out_ptrs, key[2])
 
 
-def _variant(dev: _Device, plan: Plan, k: int, count: int) -> tuple:
-    """``(tiles launcher, finish launcher, finish grid columns)`` of a group like ``plan``'s of
-    ``count`` pieces, made once per device."""
+def constexprs(plan: Plan, k: int, count: int, vec: bool) -> tuple[dict, dict]:
+    """The tiles and finish kernels' constexprs for a group like ``plan``'s of ``count`` pieces
+    (``vec``: read in vectors)."""
     single = count == 1
-    search = 0 if single else _search_steps(count)
-    key = (plan.group, k, single, search)
+    float_tl = _TL_FLOAT.get(plan.float_dtype)
+    wide = plan.float_dtype == torch.float64
+    tiles = dict(K=k, NW=max(k // hashing.LANES, 1), FLOAT=float_tl,
+                 ACC=tl.float64 if wide else tl.float32, WIDE=wide, MIXED=plan.mixed,
+                 LINES=plan.lines, UNIT=plan.unit, VEC=vec, SINGLE=single, R=rows_per_step(k),
+                 SEARCH=0 if single else _search_steps(count))
+    finish = dict(K=k, KC=min(k, BUCKETS_PER_FINISH), FLOAT=float_tl, SINGLE=single,
+                  BLOCK=FINISH_BLOCK)
+    return tiles, finish
+
+
+def _variant(dev: _Device, plan: Plan, k: int, count: int, vec: bool) -> tuple:
+    """``(tiles launcher, finish launcher, finish grid columns)`` of a group like ``plan``'s of
+    ``count`` pieces (``vec``: read in vectors), made once per device."""
+    key = (plan.group, k, count == 1, 0 if count == 1 else _search_steps(count), vec)
     hit = dev.variants.get(key)
     if hit is None:
-        float_tl = _TL_FLOAT.get(plan.float_dtype)
-        wide = plan.float_dtype == torch.float64
-        tiles = dev.launchers.get(kern.tiles_kernel, dict(
-            K=k, NW=max(k // hashing.LANES, 1), FLOAT=float_tl,
-            ACC=tl.float64 if wide else tl.float32, WIDE=wide, MIXED=plan.mixed,
-            LINES=plan.lines, UNIT=plan.unit, SINGLE=single, R=rows_per_step(k),
-            SEARCH=search), NUM_WARPS)
-        chunk = min(k, BUCKETS_PER_FINISH)
-        finish = dev.launchers.get(kern.finish_kernel, dict(
-            K=k, KC=chunk, FLOAT=float_tl, SINGLE=single, BLOCK=FINISH_BLOCK), 4)
-        hit = dev.variants[key] = (tiles, finish, k // chunk)
+        tiles, finish = constexprs(plan, k, count, vec)
+        hit = dev.variants[key] = (dev.launchers.get(kern.tiles_kernel, tiles, NUM_WARPS),
+                                   dev.launchers.get(kern.finish_kernel, finish, 4),
+                                   k // finish["KC"])
     return hit
 
 
 def _launch_group(dev: _Device, ws: Workspace, stream: int, group: list[Prepared],
                   out_rows: list[int], k: int, out: tuple[torch.Tensor, torch.Tensor],
-                  out_ptrs: tuple[int, int]) -> None:
+                  out_ptrs: tuple[int, int], vec: bool) -> None:
     """The two launches of one group of pieces (tiles, then finish) into rows ``out_rows``."""
     plan = group[0].plan
     count = len(group)
-    tiles_launch, finish_launch, columns = _variant(dev, plan, k, count)
+    tiles_launch, finish_launch, columns = _variant(dev, plan, k, count, vec)
     inv_at, table_at, pow_at = dev.table_ptrs
     if count == 1:
         anchor = group[0]

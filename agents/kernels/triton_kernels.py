@@ -83,30 +83,36 @@ def _block_power(pow_ptr, blk, top):
 def _tile_pass(x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bpl, line_len,
                line_stride, origin, top, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
                K: tl.constexpr, NW: tl.constexpr, FLOAT: tl.constexpr, ACC: tl.constexpr,
-               MIXED: tl.constexpr, LINES: tl.constexpr, UNIT: tl.constexpr, R: tl.constexpr,
-               FULL: tl.constexpr):
-    """Rows ``[row_start, row_end)`` of one piece, R at a time, each as [R, 32 groups, 8]
-    positions in bucket order. Returns per-slot accumulators: fingerprint terms (uint64), zeros
-    and packed non-finite counts, and, for floats, sums, squares, min, max (ACC) and the
-    sketch, [R, 32, 8] (k <= 256: slot = bucket position) or [NW, 32, 8] (k > 256, R == 1: the
-    row's window picks the slice). FULL=False skips the fingerprint and counts (the float64
-    pass over a tile float32 could not sum)."""
-    rr = tl.arange(0, R).to(tl.int64)[:, None, None]
-    grp = tl.arange(0, _GROUPS)[None, :, None]
-    pos = tl.arange(0, 8)[None, None, :]
-    fp = tl.zeros([R, _GROUPS, 8], tl.uint64)
-    zeros = tl.zeros([R, _GROUPS, 8], tl.int32)
-    bad = tl.zeros([R, _GROUPS, 8], tl.int64)
-    s = tl.zeros([R, _GROUPS, 8], ACC)
-    ss = tl.zeros([R, _GROUPS, 8], ACC)
-    lo = tl.full([R, _GROUPS, 8], _INF, ACC)
-    hi = tl.full([R, _GROUPS, 8], -_INF, ACC)
+               MIXED: tl.constexpr, LINES: tl.constexpr, UNIT: tl.constexpr, VEC: tl.constexpr,
+               R: tl.constexpr, FULL: tl.constexpr):
+    """Rows ``[row_start, row_end)`` of one piece, R at a time, as [R, 256] lanes. Everything
+    but the sketch is order-blind and is accumulated in lane order, from loads laid out as a
+    copy's; the rows' signed values are then permuted into bucket order within the row
+    (``tl.gather`` through the inverse placement) and added to the sketch's slots. Returns
+    per-slot accumulators: fingerprint terms (uint64), zeros and packed non-finite counts,
+    and, for floats, sums, squares, min, max (ACC) and the sketch, [R, 256] (k <= 256: slot
+    = bucket position) or [NW, 256] (k > 256, R == 1: the row's window picks the slice).
+    FULL=False skips the fingerprint and counts (the float64 pass over a tile float32 could
+    not sum). VEC: every row's first lane is 16-byte aligned and its live lanes come in whole
+    groups of 8, so the loads can be vectors."""
+    rr = tl.arange(0, R).to(tl.int64)[:, None]
+    lanes = tl.arange(0, _LANES)[None, :]
+    groups = lanes // 8  # (a division, not a shift: the compiler sees it constant over 8 lanes)
+    if FULL:
+        lane_key = tl.load(table_ptr + lanes).to(tl.uint64, bitcast=True)  # [1, 256]
+    fp = tl.zeros([R, _LANES], tl.uint64)
+    zeros = tl.zeros([R, _LANES], tl.int32)
+    bad = tl.zeros([R, _LANES], tl.int64)
+    s = tl.zeros([R, _LANES], ACC)
+    ss = tl.zeros([R, _LANES], ACC)
+    lo = tl.full([R, _LANES], _INF, ACC)
+    hi = tl.full([R, _LANES], -_INF, ACC)
     if K > _LANES:
-        sk = tl.zeros([NW, _GROUPS, 8], ACC)
+        sk = tl.zeros([NW, _LANES], ACC)
     else:
-        sk = tl.zeros([R, _GROUPS, 8], ACC)
+        sk = tl.zeros([R, _LANES], ACC)
     for r0 in range(row_start, row_end, R):
-        row = r0 + rr  # [R, 1, 1]
+        row = r0 + rr  # [R, 1]
         if LINES:
             line = row // bpl
             blk_in = row - line * bpl
@@ -127,23 +133,23 @@ def _tile_pass(x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bp
         lo_lane = tl.minimum(tl.maximum(-base, 0), _LANES).to(tl.int32)
         hi_lane = tl.maximum(tl.minimum(line_len - base, _LANES), 0).to(tl.int32)
         hi_lane = tl.where(row < row_end, hi_lane, 0)
-        word = _mix64(_SK_SEED + _GAMMA * blk.to(tl.uint64, bitcast=True))
-        place = ((word >> 40) & (_PLACE_ROWS - 1)).to(tl.int32)
-        entry = tl.load(inv_ptr + place * _GROUPS + grp)  # [R, 32, 1]
-        lane = (entry & 31) * 8 + (pos ^ (entry >> 5))  # [R, 32, 8]
-        live = (lane >= lo_lane) & (lane < hi_lane)
-        if UNIT:
-            off = line_m + base + lane
+        if VEC:  # one line; whole groups of 8 (a mask constant over each vector)
+            live = (groups >= lo_lane // 8) & (groups < hi_lane // 8)
+            start = tl.multiple_of(x_ptr + (x_off - (origin & (_LANES - 1))), 16)  # row 0
+            raw = tl.load(start + blk_in * _LANES + lanes, mask=live, other=0)
         else:
-            off = line_m + (base + lane) * line_stride
-        raw = tl.load(x_ptr + x_off + off, mask=live, other=0)
+            live = (lanes >= lo_lane) & (lanes < hi_lane)
+            if UNIT:
+                off = line_m + base + lanes
+            else:
+                off = line_m + (base + lanes) * line_stride
+            raw = tl.load(x_ptr + x_off + off, mask=live, other=0)
+        word = _mix64(_SK_SEED + _GAMMA * blk.to(tl.uint64, bitcast=True))  # [R, 1]
         if FULL:
             bits = raw.to(tl.int64).to(tl.uint64, bitcast=True)
             if MIXED:
                 bits = _mix64(bits)
-            key = (tl.load(table_ptr + lane).to(tl.uint64, bitcast=True)
-                   * _block_power(pow_ptr, blk, top))
-            fp += tl.where(live, key * bits, 0)
+            fp += tl.where(live, lane_key * _block_power(pow_ptr, blk, top) * bits, 0)
         if FLOAT is None:
             if FULL:
                 zeros += (live & (raw == 0)).to(tl.int32)
@@ -160,27 +166,31 @@ def _tile_pass(x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bp
             ss += f * f
             lo = tl.minimum(lo, tl.where(fin, v, _INF))
             hi = tl.maximum(hi, tl.where(fin, v, -_INF))
-            u = lane ^ ((word >> 32) & (_LANES - 1)).to(tl.int32)
+            u = lanes ^ ((word >> 32) & (_LANES - 1)).to(tl.int32)
             minus = (((u * 0 + _BENT) >> ((u & 15) & (u >> 4))) & 1) ^ (word >> 63).to(tl.int32)
             signed = tl.where(minus != 0, -f, f)
+            # Bucket order: position c of a row takes lane 8 q + ((c & 7) ^ x_q), q the lane
+            # group that the row's placement sends to bucket group c >> 3.
+            place = ((word >> 40) & (_PLACE_ROWS - 1)).to(tl.int32)
+            entry = tl.load(inv_ptr + place * _GROUPS + groups)  # [R, 256]
+            ordered = tl.gather(signed, (entry & 31) * 8 + ((lanes & 7) ^ (entry >> 5)), axis=1)
             if K > _LANES:
-                window = ((word & (K - 1)) >> 8).to(tl.int32)  # [1, 1, 1]
-                slot = tl.arange(0, NW)[:, None, None]
-                sk += tl.where(slot == window, signed, 0.0)
+                window = ((word & (K - 1)) >> 8).to(tl.int32)  # [1, 1]
+                sk += tl.where(tl.arange(0, NW)[:, None] == window, ordered, 0.0)
             else:
-                sk += signed
+                sk += ordered
     return fp, zeros, bad, s, ss, lo, hi, sk
 
 
 @triton.jit
 def _sketch_of(sk, K: tl.constexpr):
-    """A tile's sketch [K] (float64) from its slots."""
+    """A tile's sketch [K] (float64) from its slots (one return: the compiler wants one type)."""
     if K > _LANES:
-        return tl.reshape(sk.to(tl.float64), [K])
-    flat = tl.reshape(tl.sum(sk.to(tl.float64), axis=0), [_LANES])
-    if K < _LANES:
-        return tl.sum(tl.reshape(flat, [_LANES // K, K]), axis=0)
-    return flat
+        out = tl.reshape(sk.to(tl.float64), [K])
+    else:
+        flat = tl.sum(sk.to(tl.float64), axis=0)
+        out = tl.sum(tl.reshape(flat, [_LANES // K, K]), axis=0)
+    return out
 
 
 @triton.jit(do_not_specialize=_SCALARS, do_not_specialize_on_alignment=_POINTERS)
@@ -193,7 +203,7 @@ def _tiles_kernel(
     g1: tl.int64, g2: tl.int64, g3: tl.int64,
     K: tl.constexpr, NW: tl.constexpr, FLOAT: tl.constexpr, ACC: tl.constexpr,
     WIDE: tl.constexpr, MIXED: tl.constexpr, LINES: tl.constexpr, UNIT: tl.constexpr,
-    SINGLE: tl.constexpr, R: tl.constexpr, SEARCH: tl.constexpr,
+    VEC: tl.constexpr, SINGLE: tl.constexpr, R: tl.constexpr, SEARCH: tl.constexpr,
 ):
     """One tile of one piece of a launch group. SINGLE: the group is one piece whose
     descriptor is in the arguments (no table to upload); else ``desc_ptr`` holds a row per
@@ -229,7 +239,7 @@ def _tiles_kernel(
     fp, zeros, bad, s, ss, lo_v, hi_v, sk = _tile_pass(
         x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bpl, line_len,
         line_stride, origin, top, s1, s2, s3, t0, t1, t2, t3, g0, g1, g2, g3,
-        K, NW, FLOAT, ACC, MIXED, LINES, UNIT, R, True)
+        K, NW, FLOAT, ACC, MIXED, LINES, UNIT, VEC, R, True)
     out_i = part_i64_ptr + pid * 5
     tl.store(out_i, tl.sum(fp.to(tl.int64, bitcast=True)))  # int64 sums wrap: mod 2**64
     tl.store(out_i + 4, tl.sum(zeros.to(tl.int64)))
@@ -246,10 +256,10 @@ def _tiles_kernel(
         if not WIDE:
             amax = tl.maximum(tl.abs(low), tl.abs(high))
             if (low <= high) & ((amax >= _SAFE_HI) | ((amax < _SAFE_LO) & (amax > 0.0))):
-                _, _, _, s64, ss64, _, _, sk64 = _tile_pass(
+                fp64_, zeros64_, bad64_, s64, ss64, lo64_, hi64_, sk64 = _tile_pass(
                     x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bpl,
                     line_len, line_stride, origin, top, s1, s2, s3, t0, t1, t2, t3, g0, g1,
-                    g2, g3, K, NW, FLOAT, tl.float64, MIXED, LINES, UNIT, R, False)
+                    g2, g3, K, NW, FLOAT, tl.float64, MIXED, LINES, UNIT, VEC, R, False)
                 total = tl.sum(s64)
                 squares = tl.sum(ss64)
                 sketch = _sketch_of(sk64, K)
@@ -331,8 +341,8 @@ def _finish_kernel(desc_ptr, part_i64_ptr, part_f64_ptr, part_sk_ptr, out_f64_pt
         tl.store(out_f + 4, tl.where(low <= high, tl.maximum(tl.abs(low), tl.abs(high)), 0.0))
 
 
-TILES_CONSTEXPRS = ("K", "NW", "FLOAT", "ACC", "WIDE", "MIXED", "LINES", "UNIT", "SINGLE", "R",
-                    "SEARCH")
+TILES_CONSTEXPRS = ("K", "NW", "FLOAT", "ACC", "WIDE", "MIXED", "LINES", "UNIT", "VEC", "SINGLE",
+                    "R", "SEARCH")
 """The tiles kernel's constexprs, in order (after its runtime arguments)."""
 FINISH_CONSTEXPRS = ("K", "KC", "FLOAT", "SINGLE", "BLOCK")
 tiles_kernel = _tiles_kernel

@@ -36,14 +36,20 @@ from agents.layout import PieceLayout, complex_real_layout
 
 MAX_DIMS = 4
 """Dims of a piece after merging those contiguous in both memory and the logical tensor."""
-ROWS = int(os.environ.get("NUMAUDIT_TRITON_ROWS", "4"))
+ROWS = int(os.environ.get("NUMAUDIT_TRITON_ROWS", "2"))
 """Rows a program reads per loop step for k <= 256 (one for k > 256: its window picks the
 sketch's 256 buckets a row adds to). A power of two; NUMAUDIT_TRITON_ROWS sets it (for
-``python -m bench.gpu``'s sweep: the bound below holds for any)."""
-NUM_WARPS = int(os.environ.get("NUMAUDIT_TRITON_WARPS", "8"))
+``python -m bench.gpu``'s sweep: the bound below holds for any). With NUM_WARPS, chosen
+without a GPU from ptxas's register counts for sm_90 (docs/benchmarks.md): 4 elements a thread
+and a step, about 128 registers, 16 warps a multiprocessor."""
+NUM_WARPS = int(os.environ.get("NUMAUDIT_TRITON_WARPS", "4"))
 """Warps per program of the tiles kernel (NUMAUDIT_TRITON_WARPS sets it)."""
 MAX_TILE_ROWS = 256
 """Rows of a tile at most: 64k elements, the float32 accumulation's span (the contract)."""
+SLOT_TERMS = 64
+"""For k <= 256, rows of a tile at most per row a loop step reads: an accumulator slot then adds
+at most 64 terms in float32, which keeps the rounding it adds to a sketch near 1.4e-7 of the
+norm (docs/digests.md "On an accelerator"); for k > 256 a slot may add MAX_TILE_ROWS."""
 MAX_K = 4096
 """Most sketch buckets the kernels take (a program holds its k-bucket sketch in registers);
 pieces digested with more go to the eager path."""
@@ -148,6 +154,10 @@ class Plan:
     """The descriptor from ``rows`` on (``FIELDS[STATIC + 1:]``: rows, bpl, ...)."""
     tilings: dict[int, tuple[int, int]]
     """k -> (rows per tile, tiles), made on first use (:func:`tiling`)."""
+    vec_lead: int = -1
+    """For one line of stride 1 whose live lanes come in whole groups of 8 (its first index and
+    its end multiples of 8): its first element's lane, so that a piece at an address where that
+    lane's row starts on 16 bytes can be read in vectors (:func:`vector_reads`); else -1."""
     group: tuple = ()
     """What a launch group shares (with the sketch's k and the address alignment): load
     dtype, float dtype, mixed, lines, unit."""
@@ -188,21 +198,31 @@ def plan_piece(t: torch.Tensor, layout: PieceLayout) -> Plan:
               outer[1][0], outer[2][0], outer[3][0], *(d[1] for d in outer),
               *(d[2] for d in outer))
     float_dtype = t.dtype if t.dtype in FLOATS else None
+    lead = base % hashing.LANES
+    whole = not lines and line_stride == 1 and lead % 8 == 0 and (lead + n) % 8 == 0
     return Plan(_LOAD_VIEW[t.dtype], float_dtype, hashing.mixed_dtype(t.dtype), lines,
-                line_stride == 1, n, rows, t.element_size(), fields, {})
+                line_stride == 1, n, rows, t.element_size(), fields, {},
+                lead if whole and n else -1)
+
+
+def vector_reads(plan: Plan, ptr: int) -> bool:
+    """Whether the piece at address ``ptr`` can be read in 16-byte vectors: one line of stride
+    1 in whole groups of 8 lanes whose rows start on 16 bytes."""
+    return plan.vec_lead >= 0 and (ptr - plan.vec_lead * plan.element_size) % 16 == 0
 
 
 def tiling(plan: Plan, k: int) -> tuple[int, int]:
     """``(rows per tile, tiles)`` of ``plan`` for a sketch of ``k`` buckets: a power of two of
-    rows, at least ``MIN_TILE_ROWS`` and ``rows / TARGET_TILES`` (but at most
-    ``MAX_TILE_ROWS``), and enough that a tile's partial sketch (8 k bytes) is at most an
-    eighth of the bytes it reads."""
+    rows, at least ``MIN_TILE_ROWS`` and ``rows / TARGET_TILES``, and enough that a tile's
+    partial sketch (8 k bytes) is at most an eighth of the bytes it reads; but at most
+    ``MAX_TILE_ROWS``, and for k <= 256 at most ``SLOT_TERMS`` per row a step reads."""
     hit = plan.tilings.get(k)
     if hit is None:
         rows = plan.rows
         want = max(rows // TARGET_TILES, -(-8 * 8 * k // (hashing.LANES * plan.element_size)),
                    MIN_TILE_ROWS)
-        tile_rows = min(MAX_TILE_ROWS, 1 << (want - 1).bit_length())
+        cap = MAX_TILE_ROWS if k > hashing.LANES else min(MAX_TILE_ROWS, SLOT_TERMS * ROWS)
+        tile_rows = min(cap, 1 << (want - 1).bit_length())
         hit = plan.tilings[k] = (tile_rows, -(-rows // tile_rows))
     return hit
 

@@ -454,3 +454,77 @@ def test_a_variant_is_launched_through_triton_once_then_through_its_handle():
     for _ in range(2):
         launch((1, 1), 0, (1,), lambda: ("tensor",))
     assert len(interpreted.jit_launches) == 2 and not interpreted.compiled.launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_whole_groups_of_8_at_16_bytes_are_read_in_vectors(triton_digest, dtype):
+    """A line whose first index and end are multiples of 8, at an address where its rows start
+    on 16 bytes, takes the vector path (its masks per group of 8 lanes); the same layout one
+    element further in memory does not. Both digest as the eager reference does."""
+    from agents.kernels.triton_plan import plan_piece, vector_reads
+
+    layout = PieceLayout((3000,), (48,), (1040,))  # rows partly live at both ends
+    buf = _values(dtype, 1040 + 16, 71).to(_device())
+    for shift in (0, 1):
+        t = buf[shift:shift + 1040]
+        assert vector_reads(plan_piece(t, layout), t.data_ptr()) == (shift == 0)
+        _assert_rows(triton_digest.digest_piece_triton(t, layout, sketch_k=K), t.cpu(), layout)
+
+
+_COMPILE = r"""
+import torch, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from agents.kernels import digest_triton as dt, triton_kernels as kern
+from agents.kernels.triton_plan import NUM_WARPS
+from agents.layout import PieceLayout
+
+POINTERS = {"desc_ptr": "*i64", "inv_ptr": "*i32", "table_ptr": "*i64", "pow_ptr": "*i64",
+            "part_i64_ptr": "*i64", "part_f64_ptr": "*fp64", "part_sk_ptr": "*fp64",
+            "out_f64_ptr": "*fp64", "out_i64_ptr": "*i64"}
+LOADS = {torch.uint8: "*u8", torch.uint16: "*u16", torch.uint32: "*u32", torch.uint64: "*u64",
+         torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
+
+def build(kernel, const, load, warps):
+    sig = {n: "constexpr" if n in const else
+           (POINTERS.get(n) or (load if n == "x_ptr" else "i64")) for n in kernel.arg_names}
+    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+one = (torch.zeros(4096), PieceLayout.full((4096,)))  # one line, read in vectors
+odd = (torch.zeros(700)[1:], PieceLayout((900,), (5,), (699,)))  # one line, not in vectors
+unit = (torch.zeros(6, 40), PieceLayout((6, 90), (0, 10), (6, 40)))  # lines of stride 1
+strided = (torch.zeros(40, 6).t(), PieceLayout.full((6, 40)))  # lines of stride 6
+cases = [  # every constexpr branch at least once: dtypes, index paths, k, one piece or a table
+    (torch.bfloat16, one, 256, 1), (torch.bfloat16, odd, 1, 3), (torch.float32, strided, 4096, 1),
+    (torch.float32, unit, 256, 3), (torch.float64, one, 256, 1), (torch.int64, unit, 256, 3),
+    (torch.bool, odd, 4096, 1)]
+seen = set()
+for dtype, (t, layout), k, count in cases:
+    p = dt.prepare(t.to(dtype), layout)
+    tiles, finish = dt.constexprs(p.plan, k, count, dt.vector_reads(p.plan, p.ptr))
+    build(kern.tiles_kernel, tiles, LOADS[p.plan.load_dtype], NUM_WARPS)
+    if tuple(finish.values()) not in seen:
+        seen.add(tuple(finish.values()))
+        build(kern.finish_kernel, finish, "*u8", 4)
+    seen.add(tuple(tiles.values()))
+print("compiled", len(seen))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device tests compile for it")
+def test_every_kind_of_variant_compiles_for_a_hopper_gpu():
+    """The interpreter runs the kernels as Python: it misses what only the compiler refuses (a
+    function's returns of two types, a name rebound to another type in a branch; both
+    happened). So every kind of variant the agent launches is compiled for sm_90 here, without
+    a GPU (Triton's own ptxas): dtypes with and without moments and mix64, one line with and
+    without vectors, many lines of stride 1 and not, k of 1, 256 and 4096, one piece and a
+    table."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("compiled")
