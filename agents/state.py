@@ -8,17 +8,47 @@ pickled bytes. Two sides must name and value every entry alike for a live captur
 (`Agent.capture_state_dict`) to compare with the files it was saved to (`auditor checkpoint`):
 both use :func:`flatten` for the names, :func:`expand` for bytes that are pickles of plain
 data, and :func:`leaf_tensor` for the non-tensor values.
+
+Nested data is walked without recursion and only to `MAX_DEPTH` levels (`TooDeep`, a
+ValueError naming the entry): a state dict or a pickle of plain data nested thousands deep
+would otherwise end in a RecursionError (DCP's own flattening recurses), or, for a dict key
+nested in tuples, in a crashed interpreter (`agents.pickles`).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from typing import Any, Iterator
 
 import torch
 
+from agents.pickles import BoundedUnpickler
 from agents.sites import normalize_site
+
+MAX_DEPTH = 64
+"""Deepest nesting of dicts, lists and tuples walked in a state dict or a pickled value."""
+
+
+class TooDeep(ValueError):
+    """Data nested deeper than `MAX_DEPTH`; the message names the entry."""
+
+
+def check_depth(value: Any, name: str = "state dict") -> None:
+    """TooDeep naming the first path below `name` that nests deeper than MAX_DEPTH (dicts,
+    lists, tuples), walked without recursion."""
+    todo: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, dict):
+            parts: Any = ((str(k)[:64], x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            parts = ((str(i), x) for i, x in enumerate(v)
+                     if isinstance(x, (dict, list, tuple)))
+        else:
+            continue
+        if len(path) >= MAX_DEPTH:
+            where = ".".join((name, *path[:4]))
+            raise TooDeep(f"{where}...: nested deeper than {MAX_DEPTH} levels")
+        todo.extend((x, (*path, k)) for k, x in parts)
 
 
 def flatten(state_dict: Any) -> Iterator[tuple[str, Any]]:
@@ -30,7 +60,7 @@ def flatten(state_dict: Any) -> Iterator[tuple[str, Any]]:
     try:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     except ImportError:  # pragma: no cover - every torch this project pins has it
-        flat = dict(_walk(state_dict, ()))
+        flat = dict(_walk(state_dict))
     else:
         flat, _ = flatten_state_dict(state_dict)
     for name, value in flat.items():
@@ -48,35 +78,34 @@ def expand(name: str, value: Any) -> list[tuple[str, Any]]:
     ``{"dp_rank_0": pickle.dumps(loader.state_dict())}``) are that data's own leaves, named
     below `name` (``dataloader.dp_rank_0.samples_yielded``), so a report says which field
     differs; anything else, a pickle naming any class or function included (never loaded), is
-    ``[(name, value)]``."""
+    ``[(name, value)]``. The pickle is read by `agents.pickles` (pure data: every global refused,
+    memory bounded, no deep hashing); data nested deeper than MAX_DEPTH is TooDeep."""
+    if isinstance(value, (dict, list, tuple)):
+        check_depth(value, name)
     if (not isinstance(value, (bytes, bytearray)) or value[:1] != b"\x80"
             or len(value) > MAX_PICKLED_BYTES):
         return [(name, value)]
     try:
-        data = _PlainUnpickler(io.BytesIO(bytes(value))).load()
+        data = BoundedUnpickler(bytes(value), name).load()
     except Exception:  # not a pickle, or one of more than plain data: the bytes themselves
         return [(name, value)]
-    leaves = [(f"{name}.{sub}" if sub else name, v) for sub, v in _walk(data, ())]
+    check_depth(data, name)
+    leaves = [(f"{name}.{sub}" if sub else name, v) for sub, v in _walk(data)]
     return leaves if isinstance(data, (dict, list)) and leaves else [(name, value)]
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Loads plain data only: any global (a class, a function) is refused, never imported."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
-
-
-def _walk(value: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _walk(v, (*path, str(k)))
-    elif isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor))
-                                         for v in value):
-        for i, v in enumerate(value):
-            yield from _walk(v, (*path, str(i)))
-    else:
-        yield ".".join(path), value
+def _walk(value: Any) -> Iterator[tuple[str, Any]]:
+    """(dotted path, leaf) of nested dicts and lists (a list of plain values is one leaf), in
+    order, without recursion; the caller checked the depth."""
+    todo: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(reversed([(x, (*path, str(k))) for k, x in v.items()]))
+        elif isinstance(v, list) and any(isinstance(x, (dict, list, torch.Tensor)) for x in v):
+            todo.extend(reversed([(x, (*path, str(i))) for i, x in enumerate(v)]))
+        else:
+            yield ".".join(path), v
 
 
 def leaf_tensor(value: Any) -> torch.Tensor:

@@ -28,9 +28,10 @@ from agents.config import AgentConfig, check
 from agents.identity import job_identity, rank_identity
 from agents.layout import PieceLayout
 from agents.sites import normalize_site
-from agents.state import expand, leaf_tensor
+from agents.state import TooDeep, expand, leaf_tensor
 from auditor.checkpoint.mapping import NameMap
 from auditor.checkpoint.sources import CheckpointError, Entry, Slab, Source
+from wire import limits
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def digest_checkpoint(source: Source, *, address: str, run: str, step: int = 0,
         raise CheckpointError(f"max-memory: {max_memory} bytes would cut a tensor into {width} "
                               f"pieces (at most {MAX_READERS}): raise it")
     readers = _Readers(address, run, width, labels or {}, step)
-    boxes_in = _Prefetch(entries, name_map, box_bytes, stats)
+    boxes_in = _Prefetch(entries, name_map, box_bytes, stats, str(source.path))
     try:
         for piece, item, done in boxes_in:
             # a buffer's box is digested now, before the reader may fill that buffer again
@@ -115,10 +116,11 @@ class _Prefetch:
     most 64 in flight, a sixth of the memory cap in all)."""
 
     def __init__(self, entries: list[tuple[Entry, list[Slab]]], name_map: NameMap | None,
-                 box_bytes: int,
-                 stats: DigestStats) -> None:
+                 box_bytes: int, stats: DigestStats, where: str = "checkpoint") -> None:
         self.entries, self.name_map, self.box_bytes, self.stats = (entries, name_map,
                                                                    box_bytes, stats)
+        self.where = where
+        """The checkpoint's path, for errors."""
         self.small = min(SMALL_BOX_BYTES, max(1, box_bytes // 128))
         self.buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
         self.free = [threading.Semaphore(1) for _ in range(2)]
@@ -171,6 +173,14 @@ class _Prefetch:
         """(the site `name` is read as, whether the map says it is stored transposed)."""
         site, transpose = self.name_map.apply(name) if self.name_map else (name, False)
         site = normalize_site(site)
+        # what the auditor would refuse, said here, naming the entry (not as a dropped record)
+        if not site or len(site) > limits.MAX_SITE_CHARS or not site.isprintable():
+            why = (f"{len(site)} characters, more than the {limits.MAX_SITE_CHARS} a site may "
+                   "have" if len(site) > limits.MAX_SITE_CHARS else
+                   "empty" if not site else "has non-printable characters")
+            raise CheckpointError(f"{self.where}: entry {name[:80]!r}"
+                                  f"{'...' if len(name) > 80 else ''}: its name, read as a "
+                                  f"site, is {why}")
         other = self.named.setdefault(site, name)
         if other != name:
             raise CheckpointError(f"{name} and {other} are both read as {site} (the map or the "
@@ -186,11 +196,19 @@ class _Prefetch:
             value, note = entry.load_value()
             if note:
                 stats.notes.append(f"{entry.name}: {note}")
-            for name, leaf in expand(entry.name, value):  # as the live capture names them
+            try:
+                leaves = expand(entry.name, value)  # as the live capture names them
+            except TooDeep as exc:
+                raise CheckpointError(f"{self.where}: {exc}") from None
+            for name, leaf in leaves:
                 stats.values += 1
                 self._put((0, (self._site(name)[0], -1, leaf_tensor(leaf), None), None))
             return
         site, transpose = self._site(entry.name)
+        if len(entry.shape) > limits.MAX_TENSOR_DIMS:
+            raise CheckpointError(f"{self.where}: entry {entry.name[:80]!r}: {len(entry.shape)} "
+                                  f"dims, more than the {limits.MAX_TENSOR_DIMS} the auditor "
+                                  "takes")
         stats.tensors += 1
         if transpose and len(entry.shape) != 2:
             raise CheckpointError(f"{entry.name}: the map says transposed, but it has "

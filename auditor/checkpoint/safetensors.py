@@ -10,6 +10,14 @@ torch.distributed.checkpoint's ``HuggingFaceStorageWriter`` writes without conso
 ``__metadata__["DCP_SHARDING_INFO"]`` (JSON ``{name: {"saved_offsets": [...]}}``) places its
 tensor as a chunk of a logical tensor, whose shape is where the chunks end, and the chunks of a
 name must cover it exactly once. Any other name found in two files is an error.
+
+A header is JSON from elsewhere: it is parsed only when what parsing it would make, estimated
+from its count of braces, brackets, colons and commas, stays within `JSON_MEMORY_PER_BYTE`
+bytes per byte (a real header: 8-18), which bounds the memory ``json.loads`` takes
+(docs/security.md); nesting past Python's recursion limit is one line,
+as is every field the reader uses (dtype, shape, offsets) when it is not what the format says.
+Shards of a directory must be regular files (a symlink to one is followed: Hugging Face's cache
+links a snapshot's files to its blobs).
 """
 
 from __future__ import annotations
@@ -19,15 +27,24 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
+from auditor.checkpoint.dcp_metadata import MAX_ELEMENTS, describe
+from auditor.checkpoint.files import FileRanges, regular
 from auditor.checkpoint.sources import (CheckpointError, Entry, Source, file_chunk, read_text,
                                        tiles)
+from wire import limits
 
 MAX_HEADER_BYTES = 100 << 20
 """Largest JSON header read (the format's own limit is 100 MB)."""
+JSON_MEMORY_PER_BYTE = 24
+"""A JSON text whose objects, arrays, keys and items would take more than this many bytes per
+byte to parse (`_JSON_COST`) is refused unparsed (21 MB of ``{}`` items took 818 MB)."""
+_JSON_COST = ((b"{", 72), (b"[", 64), (b":", 160), (b",", 16))
+"""What ``json.loads`` makes per character: an object, a list, a key (with its memo entry and
+the object's slot), an item's slot. Counted in C, inside strings too: stricter, never looser."""
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -45,19 +62,21 @@ class SafetensorsSource(Source):
 
     def __init__(self, paths: list[Path], path: Path | None = None) -> None:
         super().__init__()
+        for p in paths:
+            regular(p)
         self.paths = paths
         self.path = path or paths[0]
         """What the user named: the file, or the directory of the files."""
         self._tensors: dict[str, list[tuple[Path, torch.dtype, tuple[int, ...], int,
                                             tuple[int, ...] | None]]] = {}
         for path in paths:
-            for name, dtype, shape, start, offsets in read_header(path,
-                                                                  self.files.size(path)):
+            for name, dtype, shape, start, offsets in read_header(self.files, path):
                 chunks = self._tensors.setdefault(name, [])
                 if chunks and (offsets is None or chunks[0][4] is None):
-                    raise CheckpointError(f"{path}: tensor {name!r} is also in {chunks[0][0]}")
+                    raise CheckpointError(f"{path}: tensor {name[:200]!r} is also in "
+                                          f"{chunks[0][0]}")
                 if chunks and (dtype, len(shape)) != (chunks[0][1], len(chunks[0][2])):
-                    raise CheckpointError(f"{path}: tensor {name!r} is {dtype} of {len(shape)} "
+                    raise CheckpointError(f"{path}: tensor {name[:200]!r} is {dtype} of {len(shape)} "
                                           f"dims, its chunk in {chunks[0][0]} {chunks[0][1]} of "
                                           f"{len(chunks[0][2])}")
                 chunks.append((path, dtype, shape, start, offsets))
@@ -86,10 +105,7 @@ def check_complete(directory: Path, files: list[Path]) -> None:
     ``shard-0000r-…`` files are, cannot tell that a last rank's file is missing.)"""
     present = {f.name for f in files}
     for index in sorted(directory.glob("*.safetensors.index.json")):
-        try:
-            doc = json.loads(read_text(index, MAX_INDEX_BYTES))
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{index}: not JSON ({exc})") from None
+        doc = parse_json(read_text(index, MAX_INDEX_BYTES).encode(), str(index))
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str)
                                                        for v in weight_map.values()):
@@ -115,25 +131,49 @@ def _missing(directory: Path, names: list[str], what: str) -> None:
                               "(an incomplete copy?)")
 
 
-def read_header(path: Path, size: int, base: int = 0
+def parse_json(data: bytes, where: str) -> Any:
+    """`data` parsed as JSON, refused unparsed when parsing it would take more than
+    `JSON_MEMORY_PER_BYTE` bytes per byte; CheckpointError naming `where` for that, for nesting
+    too deep, or for bad JSON. Messages quote no bytes of the file."""
+    cost = sum(data.count(char) * nbytes for char, nbytes in _JSON_COST)
+    if cost > JSON_MEMORY_PER_BYTE * len(data) + (1 << 20):
+        raise CheckpointError(f"{where}: its objects, arrays and keys would take {cost} bytes "
+                              f"to parse, more than {JSON_MEMORY_PER_BYTE} per byte of its "
+                              f"{len(data)} (no real header takes that many); not parsed")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{where}: JSON nested too deep") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{where}: not UTF-8 JSON (at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{where}: not JSON ({exc.msg} at character {exc.pos})") from None
+
+
+def _sizes(value: Any, where: str, what: str) -> tuple[int, ...]:
+    """A list of sizes (ints in [0, MAX_ELEMENTS], at most MAX_TENSOR_DIMS of them)."""
+    if (not isinstance(value, list) or len(value) > limits.MAX_TENSOR_DIMS
+            or not all(type(s) is int and 0 <= s <= MAX_ELEMENTS for s in value)):
+        raise CheckpointError(f"{where}: {what} {describe(value) if not isinstance(value, list) else 'of ' + str(len(value)) + ' items'} is not a list of at most "
+                              f"{limits.MAX_TENSOR_DIMS} sizes in [0, 2**62]")
+    return tuple(value)
+
+
+def read_header(files: FileRanges, path: Path, base: int = 0
                 ) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int,
                                     tuple[int, ...] | None]]:
     """(name, dtype, shape, absolute byte offset of its data, DCP saved offsets or None) of
-    every tensor of the safetensors data that starts at byte `base` of `path` (a file of
-    `size` bytes; DCP's safetensors serialization puts it after a rank's other records)."""
-    with open(path, "rb") as f:
-        f.seek(base)
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or base + 8 + n > size:
-            raise CheckpointError(f"{path}: not a safetensors file (header length {n} does "
-                                  f"not fit the file's {size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: header is not JSON ({exc})") from None
+    every tensor of the safetensors data that starts at byte `base` of `path` (DCP's
+    safetensors serialization puts it after a rank's other records)."""
+    size = files.size(path)
+    head = files.read_bytes(path, base, 8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or base + 8 + n > size:
+        raise CheckpointError(f"{path}: not a safetensors file (its header length does not fit "
+                              f"the file's {size} bytes, nor {MAX_HEADER_BYTES})")
+    header = parse_json(files.read_bytes(path, base + 8, n), f"{path}: header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     data_start, data_len = base + 8 + n, size - base - 8 - n
@@ -141,37 +181,33 @@ def read_header(path: Path, size: int, base: int = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        where = f"{path}: tensor {name!r}"
+        where = f"{path}: tensor {name[:200]!r}"
         if not isinstance(info, dict):
             raise CheckpointError(f"{where}: entry is not an object")
-        dtype = DTYPES.get(info.get("dtype"))
+        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
         if dtype is None:
-            raise CheckpointError(f"{where}: dtype {info.get('dtype')!r} is not one of "
+            raise CheckpointError(f"{where}: dtype {describe(info.get('dtype'))} is not one of "
                                   f"{', '.join(DTYPES)}")
-        shape, span = info.get("shape"), info.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0
-                                                    for s in shape)):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        shape, span = _sizes(info.get("shape"), where, "shape"), info.get("data_offsets")
         if (not isinstance(span, list) or len(span) != 2
-                or not all(isinstance(o, int) for o in span)
+                or not all(type(o) is int for o in span)
                 or not 0 <= span[0] <= span[1] <= data_len):
-            raise CheckpointError(f"{where}: data_offsets {span!r} do not lie in the file's "
-                                  f"{data_len} data bytes")
+            raise CheckpointError(f"{where}: data_offsets {describe(span) if not isinstance(span, list) else span[:2]} do not lie in the "
+                                  f"file's {data_len} data bytes")
         itemsize = torch.empty((), dtype=dtype).element_size()
         if span[1] - span[0] != math.prod(shape) * itemsize:
             raise CheckpointError(f"{where}: data_offsets span {span[1] - span[0]} bytes, "
-                                  f"shape {shape} of {info['dtype']} needs "
+                                  f"shape {list(shape)} of {info['dtype']} needs "
                                   f"{math.prod(shape) * itemsize}")
         offsets = None
         if sharding is not None:
             placed = sharding.get(name)
-            offsets = placed.get("saved_offsets") if isinstance(placed, dict) else None
-            if (not isinstance(offsets, list) or len(offsets) != len(shape)
-                    or not all(isinstance(o, int) and o >= 0 for o in offsets)):
+            got = placed.get("saved_offsets") if isinstance(placed, dict) else None
+            offsets = _sizes(got, where, "DCP_SHARDING_INFO saved_offsets")
+            if len(offsets) != len(shape):
                 raise CheckpointError(f"{where}: DCP_SHARDING_INFO gives it saved_offsets "
-                                      f"{offsets!r}, not {len(shape)} offsets")
-            offsets = tuple(offsets)
-        yield name, dtype, tuple(shape), data_start + span[0], offsets
+                                      f"of {len(offsets)} dims, not {len(shape)}")
+        yield name, dtype, shape, data_start + span[0], offsets
 
 
 def _logical(name: str, chunks: list) -> tuple[int, ...]:
@@ -182,7 +218,7 @@ def _logical(name: str, chunks: list) -> tuple[int, ...]:
     logical = tuple(max(o[d] + s[d] for o, s in placed) for d in range(ndim))
     if not tiles(placed, logical):
         held = sum(math.prod(s) for _, s in placed)
-        raise CheckpointError(f"tensor {name!r}: its {len(chunks)} chunks hold {held} elements "
+        raise CheckpointError(f"tensor {name[:200]!r}: its {len(chunks)} chunks hold {held} elements "
                               f"of its {list(logical)}, not each once (in "
                               f"{', '.join(sorted({str(c[0].name) for c in chunks}))})")
     return logical
@@ -192,11 +228,10 @@ def _sharding_info(path: Path, metadata) -> dict | None:
     """A DCP sharded file's placement of its tensors (``DCP_SHARDING_INFO``), or None."""
     if not isinstance(metadata, dict) or "DCP_SHARDING_INFO" not in metadata:
         return None
-    try:
-        info = json.loads(metadata["DCP_SHARDING_INFO"])
-    except (TypeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: __metadata__ DCP_SHARDING_INFO is not JSON "
-                              f"({exc})") from None
+    text = metadata["DCP_SHARDING_INFO"]
+    if not isinstance(text, str):
+        raise CheckpointError(f"{path}: __metadata__ DCP_SHARDING_INFO is not a string")
+    info = parse_json(text.encode(), f"{path}: __metadata__ DCP_SHARDING_INFO")
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: __metadata__ DCP_SHARDING_INFO is not a JSON object")
     return info

@@ -13,31 +13,18 @@ the live capture does.
 from __future__ import annotations
 
 import math
-import mmap
-import os
-import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
+from auditor.checkpoint.errors import CheckpointError
+from auditor.checkpoint.files import FileRanges, read_text
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read; the message names the file and what is wrong."""
-
-
-def read_text(path: Path, limit: int) -> str:
-    """A small text file beside a checkpoint (a name map, a safetensors index), UTF-8, of at
-    most `limit` bytes; CheckpointError naming the file otherwise."""
-    try:
-        if path.stat().st_size > limit:
-            raise CheckpointError(f"{path}: larger than {limit} bytes")
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: not UTF-8 text ({exc})") from None
+__all__ = ["CheckpointError", "Chunk", "Entry", "FileRanges", "Part", "Slab", "Source", "boxes",
+           "file_chunk", "plan", "read_text", "tensor_chunk", "tiles"]
 
 
 @dataclass
@@ -139,97 +126,45 @@ def plan(entry: Entry, cap: int) -> list[Slab]:
     return slabs
 
 
+MAX_CORNERS = 1 << 22
+"""Most box corners `tiles` counts (boxes x 2**dims cut); past it, it answers False."""
+
+
 def tiles(placed: list[tuple[tuple[int, ...], tuple[int, ...]]],
           shape: tuple[int, ...]) -> bool:
-    """Whether the (offsets, shape) boxes cover an array of `shape`, each element once."""
-    inside = all(len(o) == len(s) == len(shape) and all(0 <= a and a + n <= m for a, n, m
-                                                        in zip(o, s, shape))
-                 for o, s in placed)
-    return (inside and sum(math.prod(s) for _, s in placed) == math.prod(shape)
-            and not _overlap(placed))
+    """Whether the (offsets, shape) boxes cover an array of `shape`, each element once.
 
-
-def _overlap(placed: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether two of the (offsets, shape) boxes share an element (swept along dim 0, so
-    chunks split along it cost one comparison each)."""
-    placed = sorted(b for b in placed if math.prod(b[1]))
-    for i, (a, sa) in enumerate(placed):
-        for b, sb in placed[i + 1:]:
-            if sa and b[0] >= a[0] + sa[0]:
-                break
-            if all(x < y + t and y < x + s for x, s, y, t in zip(a, sa, b, sb)):
-                return True
-    return False
-
-
-class FileRanges:
-    """Open files of one checkpoint, read by (path, byte offset, length) into buffers."""
-
-    def __init__(self) -> None:
-        self._files: dict[Path, BinaryIO] = {}
-        self.bytes_read = 0
-
-    def read_into(self, path: Path, offset: int, nbytes: int,
-                  buffer: torch.Tensor | None) -> torch.Tensor:
-        """`nbytes` bytes of `path` from `offset` as a uint8 tensor (in `buffer` if given)."""
-        f = self._files.get(path)
-        if f is None:
-            try:
-                f = self._files[path] = open(path, "rb", buffering=0)
-            except OSError as exc:
-                raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-        out = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer[:nbytes]
-        view = memoryview(out.numpy()).cast("B")
-        f.seek(offset)
-        got = 0
-        while got < nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{path}: ends at byte {offset + got}, {nbytes - got} bytes "
-                                      f"short of the data its metadata places at {offset}")
-            got += n
-        self.bytes_read += nbytes
-        return out
-
-    def view(self, path: Path, offset: int, nbytes: int) -> torch.Tensor | None:
-        """`nbytes` bytes of `path` from `offset` as a uint8 tensor over the file's mapped pages
-        (read-only, faulted in at once: MAP_POPULATE); None where the range cannot be mapped (a
-        file shorter than the range: `read_into` then names it). The mapping lives as long as
-        the tensor; a file truncated while mapped ends the process (SIGBUS), as any mapped
-        reader's would (docs/checkpoints.md)."""
-        if nbytes <= 0 or not hasattr(mmap, "MAP_POPULATE"):
-            return None
-        f = self._files.get(path)
-        if f is None:
-            try:
-                f = self._files[path] = open(path, "rb", buffering=0)
-            except OSError:
-                return None
-        try:
-            if os.fstat(f.fileno()).st_size < offset + nbytes:
-                return None
-            lead = offset % mmap.ALLOCATIONGRANULARITY
-            m = mmap.mmap(f.fileno(), lead + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                          prot=mmap.PROT_READ, offset=offset - lead)
-        except (OSError, ValueError, OverflowError):
-            return None
-        with warnings.catch_warnings():
-            # read-only pages: nothing here writes to a digested tensor
-            warnings.simplefilter("ignore", UserWarning)
-            out = torch.frombuffer(m, dtype=torch.uint8, offset=lead, count=nbytes)
-        self.bytes_read += nbytes
-        return out
-
-    def size(self, path: Path) -> int:
-        try:
-            return os.stat(path).st_size
-        except OSError as exc:
-            raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+    Counted, not compared pairwise: the boxes tile the array exactly when the sum of their
+    indicator functions is the array's, and a sum of boxes is zero exactly when, at every
+    point, the signed count of box corners there is zero (a box contributes +1 at each corner
+    with an even number of upper bounds, -1 at the others: its mixed finite difference). Only
+    the dims some box does not span whole matter, so the cost is n * 2**k for n boxes cut in
+    k dims (30,000 chunks along one dim: 60,000 corners), whatever the layout; past
+    `MAX_CORNERS` the answer is False (the boxes are then read one by one)."""
+    nd = len(shape)
+    boxes_ = []
+    for o, s in placed:
+        if len(o) != nd or len(s) != nd or not all(0 <= a and 0 <= n and a + n <= m
+                                                    for a, n, m in zip(o, s, shape)):
+            return False
+        if math.prod(s):
+            boxes_.append((o, s))
+    total = math.prod(shape)
+    if sum(math.prod(s) for _, s in boxes_) != total:
+        return False
+    cut = [d for d in range(nd) if any(o[d] or s[d] != shape[d] for o, s in boxes_)]
+    k = len(cut)
+    if not boxes_ or (len(boxes_) + 1) << k > MAX_CORNERS:
+        return total == 0 and not boxes_
+    count: defaultdict[tuple[int, ...], int] = defaultdict(int)
+    signs = [(-1) ** bin(mask).count("1") for mask in range(1 << k)]
+    for o, s, sign in [(o, s, 1) for o, s in boxes_] + [((0,) * nd, shape, -1)]:
+        lo = [o[d] for d in cut]
+        hi = [o[d] + s[d] for d in cut]
+        for mask in range(1 << k):
+            corner = tuple(hi[i] if mask >> i & 1 else lo[i] for i in range(k))
+            count[corner] += sign * signs[mask]
+    return not any(count.values())
 
 
 def file_chunk(files: FileRanges, path: Path, base: int, dtype: torch.dtype,
@@ -297,8 +232,9 @@ class Source:
     format = ""
     path: Path
 
-    def __init__(self) -> None:
-        self.files = FileRanges()
+    def __init__(self, root: Path | None = None) -> None:
+        self.files = FileRanges(root)
+        """The source's open files (with `root`: only files inside that directory)."""
 
     def entries(self) -> Iterator[Entry]:  # pragma: no cover - each format has its own
         raise NotImplementedError

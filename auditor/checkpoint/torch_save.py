@@ -2,7 +2,9 @@
 
 ``torch.load(..., mmap=True, weights_only=True)`` maps the file's storages instead of reading
 them and refuses any pickle that names other than tensors and plain containers: nothing of the
-file is run. The nested state dict is flattened as DCP flattens it (agents/state.py), so a
+file is run. Its pickle is first run under `agents.pickles.check_pickle` (bounded memory, no key
+nested deep enough to overflow the stack when torch's loader hashes it), and the state dict is
+checked for nesting (`agents.state.check_depth`) before it is flattened. The nested state dict is flattened as DCP flattens it (agents/state.py), so a
 ``torch.save`` of ``{"model": ..., "optim": ...}`` compares name for name with a DCP save of the
 same dict. A tensor's boxes are sliced from the mapping (pages are read as they are copied into the
 reader's buffer, and the kernel can drop them again); a non-contiguous saved view is made
@@ -11,15 +13,51 @@ contiguous as a whole.
 
 from __future__ import annotations
 
+import io
+import zipfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from agents.state import flatten
+from agents.pickles import UnsafePickle, check_pickle
+from agents.state import TooDeep, check_depth, flatten
+from auditor.checkpoint.files import open_regular
 from auditor.checkpoint.sources import CheckpointError, Chunk, Entry, Source, tensor_chunk
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+MAX_PICKLE_BYTES = 256 << 20
+"""Largest pickle of a torch.save file read (its tensors' bytes are beside it, not in it)."""
+
+
+def check_archive(path: Path) -> None:
+    """CheckpointError naming `path` unless the pickles of the torch.save file keep the rules of
+    `agents.pickles` (a zip archive's ``data.pkl``; a legacy file's first four pickles)."""
+    try:
+        try:
+            zf = zipfile.ZipFile(path)
+        except zipfile.BadZipFile:
+            with io.BufferedReader(open_regular(path)) as f:  # type: ignore[arg-type]
+                for _ in range(4):  # magic, protocol, system info, the object
+                    check_pickle(f, str(path))
+            return
+        with zf:
+            name = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
+            if name is None:
+                raise CheckpointError(f"{path}: a zip archive without data.pkl, not a "
+                                      "torch.save file")
+            if zf.getinfo(name).file_size > MAX_PICKLE_BYTES:
+                raise CheckpointError(f"{path}: its pickle is larger than {MAX_PICKLE_BYTES} "
+                                      "bytes")
+            check_pickle(zf.read(name), str(path))
+    except UnsafePickle as exc:
+        raise CheckpointError(str(exc)) from None
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+    except Exception:  # malformed: torch.load says how
+        return
 
 
 class TorchSaveSource(Source):
@@ -30,6 +68,7 @@ class TorchSaveSource(Source):
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
+        check_archive(path)
         try:
             self.obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:
@@ -38,6 +77,10 @@ class TorchSaveSource(Source):
                                   f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
         if not isinstance(self.obj, dict):
             raise CheckpointError(f"{path}: holds a {type(self.obj).__name__}, not a state dict")
+        try:
+            check_depth(self.obj)
+        except TooDeep as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
 
     def entries(self) -> Iterator[Entry]:
         for name, value in flatten(self.obj):
