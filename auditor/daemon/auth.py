@@ -10,12 +10,19 @@ batch whose session differs from the previous one. ListRuns answers only the run
 read. Health and reflection are not intercepted: they stay open (docs/security.md).
 
 Refusals are raised as `Unauthenticated`/`PermissionDenied` and turned into statuses by the
-daemon's one mapping (`auditor.daemon.server.status_for`, passed in). Logs name the token's `name` from
-the file and the peer, never the token.
+daemon's one mapping (`auditor.daemon.server.status_for`, passed in), and counted in the daemon's
+metrics (`refused`, passed in) as the handlers' own refusals are. Logs name the token's `name`
+from the file and the peer, never the token.
+
+The grant of the call being handled is `current_grant()` (a context variable, set for the
+handler's task): Register checks its scope again on the name the run is registered under, which
+differs from the requested one when it belongs to another job and is renamed (NAME.2, ...): a
+rename must never create or join a run the token may not write.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 from dataclasses import dataclass
@@ -31,6 +38,24 @@ log = logging.getLogger(__name__)
 
 SESSION_CACHE_SIZE = 65536
 """Session -> run entries kept; the cache is emptied when full (a miss costs one store read)."""
+
+
+_GRANT: contextvars.ContextVar["Grant | None"] = contextvars.ContextVar("numaudit_grant",
+                                                                       default=None)
+
+
+def current_grant() -> Grant | None:
+    """The grant of the call whose handler runs now; None on a daemon without tokens."""
+    return _GRANT.get()
+
+
+def check_rename(grant: Grant | None, requested: str, run: str) -> None:
+    """PermissionDenied unless `grant` (None: no tokens) may write `run`, the name a Register
+    for `requested` is registered under (another name when that one is another job's)."""
+    if grant is not None and not grant.may(WRITE, run):
+        raise PermissionDenied(f"Register: token {grant.name!r} may not write run {run!r} "
+                               f"({requested!r} belongs to another job and would be renamed "
+                               "to it): choose another run name")
 
 
 class Unauthenticated(Exception):
@@ -90,13 +115,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, tokens: Tokens, *, service: str,
                  session_run: Callable[[str], Awaitable[str]],
-                 status_for: Callable[[BaseException, str], tuple[grpc.StatusCode, str]]) -> None:
+                 status_for: Callable[[BaseException, str], tuple[grpc.StatusCode, str]],
+                 refused: Callable[[str, str, BaseException], None] | None = None) -> None:
         """`session_run(session_id)` gives the session's run or raises the store's UnknownSession;
-        `status_for(exc, method)` maps refusals to statuses (the daemon's one mapping)."""
+        `status_for(exc, method)` maps refusals to statuses (the daemon's one mapping);
+        `refused(method, code name, exc)` counts each refusal (the daemon's metrics)."""
         self._tokens = tokens
         self._prefix = f"/{service}/"
         self._session_run = session_run
         self._status_for = status_for
+        self._refused = refused
         self._runs_of_sessions: dict[str, str] = {}
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails
@@ -121,6 +149,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         code, details = self._status_for(exc, self._prefix + method)
+        if self._refused is not None:
+            self._refused(method, code.name, exc)
         log.warning("%s from %s refused: %s %s", method, context.peer(), code.name, details)
         await context.abort(code, details)
 
@@ -175,6 +205,7 @@ class _Checked:
             await self.check(request)
         except Exception as exc:  # PermissionDenied, UnknownSession, store errors
             await self.auth._refuse(context, self.method, exc)
+        _GRANT.set(self.grant)  # this call's task only: the handler runs in it
         response = await self.inner.unary_unary(request, context)
         if self.method == "ListRuns":
             if isinstance(response, bytes):  # a reply serialized elsewhere is filtered too
@@ -189,11 +220,13 @@ class _Checked:
             await self.check(request)
         except Exception as exc:
             await self.auth._refuse(context, self.method, exc)
+        _GRANT.set(self.grant)
         async for item in _responses(self.inner.unary_stream(request, context)):
             yield item
 
     async def stream_stream(self, requests: AsyncIterator, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator:
+        _GRANT.set(self.grant)
         # Refusals raised inside the request iterator reach the handler, which ends the stream
         # through status_for after acking the batches before (as for any rejected batch).
         async for item in _responses(self.inner.stream_stream(self.checked(requests), context)):

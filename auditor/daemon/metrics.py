@@ -2,8 +2,10 @@
 
 Each daemon has its own `CollectorRegistry` (never prometheus_client's global one), so several
 in-process servers (tests) keep separate counts. The registry always exists and is cheap to
-update (a counter increment is a lock and an add); it is served over HTTP only when asked.
-Updated from the event loop; the gauges read the admission counters when scraped.
+update (a counter increment is a lock and an add); it is served over HTTP only when asked, by
+`metrics_http.MetricsServer` (one thread, connections timed out, the page rendered at most once
+a second however often it is scraped). Updated from the event loop; the gauges read the
+admission counters when the page is rendered.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from auditor.daemon.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,8 @@ class DaemonMetrics:
         if not port.isdigit():
             raise ValueError(f"metrics-listen: {listen!r} is not HOST:PORT")
         host = host.strip("[]") or "0.0.0.0"
-        server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        server = MetricsServer(host, int(port),
+                               lambda: (generate_latest(self.registry), CONTENT_TYPE_LATEST))
         self._http = server
         self.address = f"{listen.rpartition(':')[0]}:{server.server_address[1]}"
         log.info("metrics on http://%s/metrics", self.address)
@@ -94,6 +100,5 @@ class DaemonMetrics:
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None

@@ -36,7 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wire import limits
 from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBusy
-from auditor.daemon.auth import AuthInterceptor, PermissionDenied, Unauthenticated
+from auditor.daemon.auth import (AuthInterceptor, PermissionDenied, Unauthenticated,
+                                 check_rename, current_grant)
 from auditor.daemon.reflection import enable_reflection
 from auditor.daemon import reads
 from auditor.daemon.metrics import DaemonMetrics
@@ -275,7 +276,15 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     @_rpc("unary_unary")
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         validate_register(request)
-        acked, run = await self._commit(lambda store: store.register_session(request))
+        grant = current_grant()
+
+        def register(store: Store) -> tuple[int, str]:
+            acked, run = store.register_session(request)
+            if run != request.run:  # renamed: the scope decides on the name written; raising
+                check_rename(grant, request.run, run)  # here rolls the registration back
+            return acked, run
+
+        acked, run = await self._commit(register)
         log.info("registered run=%s rank=%d/%d session=%s job=%s acked_seq=%d%s", run,
                  request.rank, request.world_size, request.session_id, request.job_id, acked,
                  f" (renamed from {request.run}: the name belongs to another job)"
@@ -418,7 +427,8 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
         async def session_run(session_id: str) -> str:
             return await service._read(lambda reader: reader.session_run(session_id))
         interceptors.append(AuthInterceptor(tokens, service=SERVICE_NAME, session_run=session_run,
-                                            status_for=status_for))
+                                            status_for=status_for,
+                                            refused=service.metrics.refused))
     server = grpc.aio.server(options=limits.server_options(), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     started = False
