@@ -219,9 +219,10 @@ def _variant(dev: _Device, plan: Plan, k: int, count: int, vec: bool) -> tuple:
     hit = dev.variants.get(key)
     if hit is None:
         tiles, finish = constexprs(plan, k, count, vec)
-        hit = dev.variants[key] = (dev.launchers.get(kern.tiles_kernel, tiles, NUM_WARPS),
-                                   dev.launchers.get(kern.finish_kernel, finish, 4),
-                                   k // finish["KC"])
+        hit = dev.variants[key] = (
+            dev.launchers.get(kern.tiles_kernel, tiles, NUM_WARPS, kern.TILES_INTS),
+            dev.launchers.get(kern.finish_kernel, finish, 4, kern.FINISH_INTS),
+            k // finish["KC"])
     return hit
 
 

@@ -347,3 +347,7 @@ TILES_CONSTEXPRS = ("K", "NW", "FLOAT", "ACC", "WIDE", "MIXED", "LINES", "UNIT",
 FINISH_CONSTEXPRS = ("K", "KC", "FLOAT", "SINGLE", "BLOCK")
 tiles_kernel = _tiles_kernel
 finish_kernel = _finish_kernel
+TILES_INTS = tuple(n for n in _SCALARS if n in _PARAMS)
+"""The tiles kernel's integer arguments (annotated int64)."""
+FINISH_INTS = ("first_tile", "tiles", "n", "out_row")
+"""The finish kernel's integer arguments (annotated int64)."""

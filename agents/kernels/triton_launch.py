@@ -38,16 +38,27 @@ def _interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def _all_int64(compiled, names: tuple[str, ...]) -> bool:
+    """Whether the compiled kernel typed every one of ``names`` int64 (its annotation): a
+    Triton that typed one by the first call's value (int32 for a small one) would truncate a
+    later, larger one passed through the handle, so such a kernel keeps Triton's launcher."""
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    return isinstance(signature, dict) and all(signature.get(n) == "i64" for n in names)
+
+
 class Launcher:
     """One kernel at one constexpr combination on one device."""
 
-    __slots__ = ("kernel", "constexprs", "extra", "num_warps", "_run")
+    __slots__ = ("kernel", "constexprs", "extra", "num_warps", "ints", "_run")
 
-    def __init__(self, kernel, constexprs: dict, num_warps: int) -> None:
+    def __init__(self, kernel, constexprs: dict, num_warps: int,
+                 ints: tuple[str, ...] = ()) -> None:
         self.kernel = kernel
         self.constexprs = constexprs
         self.extra = tuple(constexprs.values()) if ALL_ARGS else ()
         self.num_warps = num_warps
+        self.ints = ints
+        """The kernel's integer arguments, which must be compiled as int64 (_all_int64)."""
         self._run: Callable | None = None
 
     def __call__(self, grid: tuple[int, int], stream: int, fast: tuple,
@@ -60,7 +71,8 @@ class Launcher:
             run(grid[0], grid[1], 1, stream, *fast, *self.extra)
             return
         compiled = self.kernel[grid](*slow(), **self.constexprs, num_warps=self.num_warps)
-        if FAST_LAUNCH and not _interpreted(self.kernel) and hasattr(compiled, "packed_metadata"):
+        if (FAST_LAUNCH and not _interpreted(self.kernel) and hasattr(compiled, "packed_metadata")
+                and _all_int64(compiled, self.ints)):
             launch, function, meta = compiled.run, compiled.function, compiled.packed_metadata
 
             def run(g0, g1, g2, stream, *args):
@@ -75,11 +87,12 @@ class Launchers:
     def __init__(self) -> None:
         self._by_key: dict[tuple, Launcher] = {}
 
-    def get(self, kernel, constexprs: dict, num_warps: int) -> Launcher:
+    def get(self, kernel, constexprs: dict, num_warps: int,
+            ints: tuple[str, ...] = ()) -> Launcher:
         key = (id(kernel), *constexprs.values())
         hit = self._by_key.get(key)
         if hit is None:
-            hit = self._by_key[key] = Launcher(kernel, constexprs, num_warps)
+            hit = self._by_key[key] = Launcher(kernel, constexprs, num_warps, ints)
         return hit
 
 

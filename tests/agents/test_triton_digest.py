@@ -412,8 +412,9 @@ class _Compiled:
 
     function, packed_metadata = "fn", "meta"
 
-    def __init__(self) -> None:
+    def __init__(self, n_type: str = "i64") -> None:
         self.launches: list[tuple] = []
+        self.src = type("Source", (), {"signature": {"x": "*u16", "n": n_type, "K": "constexpr"}})
 
     def run(self, *args) -> None:
         self.launches.append(args)
@@ -422,8 +423,8 @@ class _Compiled:
 class _JitKernel:
     """A stand-in for a @triton.jit kernel on a GPU: launching it compiles it."""
 
-    def __init__(self) -> None:
-        self.compiled = _Compiled()
+    def __init__(self, n_type: str = "i64") -> None:
+        self.compiled = _Compiled(n_type)
         self.jit_launches: list[tuple] = []
 
     def __getitem__(self, grid):
@@ -441,7 +442,7 @@ def test_a_variant_is_launched_through_triton_once_then_through_its_handle():
     from agents.kernels import triton_launch
 
     kernel = _JitKernel()
-    launch = triton_launch.Launcher(kernel, {"K": 8, "FLOAT": None}, num_warps=8)
+    launch = triton_launch.Launcher(kernel, {"K": 8, "FLOAT": None}, num_warps=8, ints=("n",))
     launch((3, 1), 77, (1000, 5), lambda: ("tensor", 5))
     assert kernel.jit_launches == [((3, 1), ("tensor", 5), {"K": 8, "FLOAT": None,
                                                             "num_warps": 8})]
@@ -450,10 +451,23 @@ def test_a_variant_is_launched_through_triton_once_then_through_its_handle():
     assert kernel.compiled.launches == [(4, 2, 1, 78, "fn", "meta", None, None, None, 2000, 6,
                                          *extra)]
     interpreted = type("InterpretedFunction", (_JitKernel,), {})()
-    launch = triton_launch.Launcher(interpreted, {"K": 8}, num_warps=8)
+    launch = triton_launch.Launcher(interpreted, {"K": 8}, num_warps=8, ints=("n",))
     for _ in range(2):
         launch((1, 1), 0, (1,), lambda: ("tensor",))
     assert len(interpreted.jit_launches) == 2 and not interpreted.compiled.launches
+
+
+def test_a_kernel_that_typed_an_integer_int32_keeps_tritons_launcher():
+    """A Triton that typed an integer argument by the first call's value (int32 for a small
+    one) would truncate a larger one passed through the handle: such a kernel is launched
+    through Triton every time, which types and checks each call."""
+    from agents.kernels import triton_launch
+
+    kernel = _JitKernel(n_type="i32")
+    launch = triton_launch.Launcher(kernel, {"K": 8}, num_warps=8, ints=("n",))
+    launch((1, 1), 0, (1000, 5), lambda: ("tensor", 5))
+    launch((1, 1), 0, (1000, 2 ** 40), lambda: ("tensor", 2 ** 40))
+    assert len(kernel.jit_launches) == 2 and not kernel.compiled.launches
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
