@@ -4,9 +4,10 @@ What they compute and how a piece is walked is in agents/kernels/triton_plan.py;
 scheme is agents/hashing.py's (version 3). ``_tiles_kernel`` runs one program per tile of
 one launch group (pieces of one dtype and index path): the program finds its piece (from its
 arguments when the group is one piece, else by a binary search over the pieces' first tiles in
-the descriptor table), reads the tile's rows once, in the sketch's bucket order, and keeps the
-fingerprint, counts, sums, min/max and the sketch in per-slot accumulators in registers; at the
-tile's end it reduces them (in float64 past the slots) and writes one row of partials.
+the descriptor table), reads the tile's rows once, in lane order as a copy would, keeps the
+fingerprint, counts, sums and min/max in per-slot accumulators in registers, and adds each
+row's signed values, permuted into the sketch's bucket order, into a per-program sketch; at
+the tile's end it reduces them (in float64 past the slots) and writes one row of partials.
 ``_finish_kernel`` runs one program per (piece, slice of 256 buckets) and adds a piece's
 partials tile after tile in a fixed order into its output row. Nothing is atomic: the same
 tensor gives the same bits on every run.

@@ -5,14 +5,15 @@ block of 256 consecutive global indices (``B * 256 + j``, lane ``j``) intersecte
 *line* of the piece, a run of consecutive global indices that sits at one memory stride. A
 contiguous piece, a Shard(0) or a batch split is one line (any memory stride); a column shard,
 a 2-D box or a transposed view is many lines, the piece's innermost dim (its other dims, up to
-``MAX_DIMS`` after merging, are the lines' outer coordinates). A row's lanes are read in the
-order of the sketch's buckets: lane ``j`` of block ``B`` goes to bucket ``8 g + (r XOR x)`` with
-``g`` and ``x`` from the block's row of the placement table (agents/hashing.py), so position
-``c`` of a row reads lane ``8 q + ((c AND 7) XOR x_q)`` with ``q`` the group the placement
-sends to bucket group ``c >> 3`` (:func:`inverse_place_table`). A row then adds into its
-program's sketch at positions that depend only on ``c``: for ``k <= 256`` bucket
-``c mod k``, for ``k > 256`` bucket ``256 w + c`` with the block's window ``w`` — no scatter,
-no atomics, so the sketch stays in registers and its bits are the same on every run.
+``MAX_DIMS`` after merging, are the lines' outer coordinates). A row is read in lane order,
+as a copy reads memory; its signed values are then permuted into the order of the sketch's
+buckets: lane ``j`` of block ``B`` goes to bucket ``8 g + (r XOR x)`` with ``g`` and ``x`` from
+the block's row of the placement table (agents/hashing.py), so position ``c`` takes lane
+``8 q + ((c AND 7) XOR x_q)`` with ``q`` the group the placement sends to bucket group
+``c >> 3`` (:func:`inverse_place_table`). A row then adds into its program's sketch at
+positions that depend only on ``c``: for ``k <= 256`` bucket ``c mod k``, for ``k > 256``
+bucket ``256 w + c`` with the block's window ``w`` — no scatter, no atomics, so the sketch
+stays in registers and its bits are the same on every run.
 
 A *tile* is up to ``MAX_TILE_ROWS`` rows of one piece (64k elements), one program: its sums and
 sketch are accumulated in float32 (float64 for float64 pieces) and written as one row of
