@@ -54,6 +54,8 @@ from auditor.daemon.validate import (
     validate_register,
 )
 from auditor.store.backend import describe, open_writer, store_location
+from auditor.store.files import readable_by_others
+from auditor.store.location import is_postgres_url
 from auditor.store.writer import StoreWriter, WriterClosed
 from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
@@ -419,6 +421,10 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
     host = listen.rsplit(":", 1)[0]
     credentials = tls.credentials() if tls is not None else None  # TLSError before anything starts
     writer = await asyncio.to_thread(open_writer, db_path, synchronous=level)
+    if tokens is not None and not is_postgres_url(db_path) and readable_by_others(db_path):
+        log.warning("the store %s can be read by other users of this machine: tokens guard "
+                    "the daemon's port, not the file; chmod 600 it (new stores are created "
+                    "0600)", db_path)
     pool = concurrent.futures.ThreadPoolExecutor(limits.VALIDATION_THREADS,
                                                  thread_name_prefix="numaudit-validate")
     service = AuditorService(writer, db_path, pool, limits=server_limits, metrics=metrics)

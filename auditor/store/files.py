@@ -8,6 +8,7 @@ file untouched.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import stat
 from pathlib import Path
@@ -68,3 +69,30 @@ def check_store_file(path: str | Path, *, create: bool) -> None:
     owner = f"application_id {app_id:#x}" if app_id else "no numaudit schema"
     raise NotAStore(f"db: {path} is another application's SQLite file ({owner}); "
                     "refusing to touch it")
+
+
+STORE_MODE = 0o600
+"""Mode of a store file numaudit creates: the records and runs in it are readable by whoever can
+read the file, whatever the daemon's tokens say (its -wal and -shm files take the same mode:
+SQLite creates them with the database file's permissions)."""
+
+
+def create_private(path: str | Path) -> None:
+    """Create `path` empty with mode 0600 (whatever the umask) when it does not exist yet, so
+    that SQLite then fills it; an existing file is left as it is."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, STORE_MODE)
+    except FileExistsError:
+        return
+    try:
+        os.fchmod(fd, STORE_MODE)  # the umask may have taken bits away, never added
+    finally:
+        os.close(fd)
+
+
+def readable_by_others(path: str | Path) -> bool:
+    """Whether the store file at `path` can be read by users other than its owner."""
+    try:
+        return bool(os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+    except OSError:
+        return False

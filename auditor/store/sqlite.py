@@ -27,7 +27,7 @@ from auditor.store.rows import (
     record_columns, rows_of, sample_rows)
 from protos import numaudit_pb2 as pb
 from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
-from auditor.store.files import APPLICATION_ID, check_store_file
+from auditor.store.files import APPLICATION_ID, check_store_file, create_private
 from auditor.store import key_segments
 
 SCHEMA_VERSION = 5
@@ -207,6 +207,7 @@ def connect(path: str | Path, *, synchronous: str = "FULL", readonly: bool = Fal
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
         _shadow_missing_columns(conn)
     else:
+        create_private(path)  # 0600: the tokens of a daemon do not guard the file itself
         conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30, isolation_level=None)
         # Takes effect only when the file is new (before WAL mode and the schema).
         conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
