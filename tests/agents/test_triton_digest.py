@@ -1,17 +1,22 @@
 """The Triton digest (agents/kernels/digest_triton.py) against the eager reference, under
-Triton's CPU interpreter when there is no GPU: fingerprints, counts, min/max/abs-max bitwise
-equal; float64 sums and sketch buckets within float64 rounding. One test also holds it to the
-pure-Python definition of hash scheme v3 (agents/hashing.py): keys ``u * h**i`` for indices up
-to 2**63 (every byte of the block power table), ``V(x)`` through mix64 or not per dtype.
+Triton's CPU interpreter when there is no GPU, within the accelerator contract (docs/digests.md
+"On an accelerator"): fingerprints, counts, min/max/abs-max bitwise equal; sums, sums of
+squares and sketch buckets within the float32-tile bound of their terms' magnitudes, bucket by
+bucket; the same bits twice. One test also holds it to the pure-Python definition of hash
+scheme v3 (agents/hashing.py): keys ``u * h**i`` for indices up to 2**63 (every byte of the
+block power table), ``V(x)`` through mix64 or not per dtype.
 
 The cases aim at what v3 makes position-dependent: pieces that start mid-block and cross
-256-element block boundaries (the kernel's aligned path), strided and sharded pieces (its
-general path), sketches of 1 bucket up to more buckets than a block has lanes.
+256-element block boundaries (one line), strided and sharded pieces (many lines), sketches of 1
+bucket up to more buckets than a block has lanes; and at the kernels' own machinery: launch
+groups, tiles, the float64 pass, vector reads, the row arena, the launch through compiled
+handles, and compiling every kind of variant for a GPU (what the interpreter cannot check).
 
 `make test` installs triton (the dev extras) and runs these under the interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton, when there is no
-GPU); they skip where triton is not installed. The interpreter is slow, so the pieces are small
-(a few blocks each).
+GPU); they skip where triton is not installed. On a machine with a GPU the same tests run the
+compiled kernels on it (``python -m bench.gpu --pytest`` does that too). The interpreter is
+slow, so the pieces are small (a few blocks each).
 """
 
 from __future__ import annotations
