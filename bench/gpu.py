@@ -12,13 +12,15 @@
    calls (the agent must make none), and where a capture's host time goes (cProfile).
 5. Step overhead on a ~1B-parameter bf16 decoder (bench/gpu_model.py, 16k tokens a step), agent
    off / README defaults / depth 5 + bwd, interleaved, streaming to a real ``auditor serve``
-   (bench/gpu_steps.py); records and bytes digested a step, and the cost model's prediction
-   from item 2's throughput against the measured overhead.
+   (bench/gpu_steps.py; without ``--quick`` also depth 5 + bwd without per-sample digests);
+   records and bytes digested a step, and the cost model's prediction from item 2's
+   throughput against the measured overhead.
 6. One depth-5 + bwd step under torch.profiler: where device and host time go.
 7. Without ``--quick``: the DS3-style model's step overhead (scale 8), a checkpoint of CUDA
    tensors captured live against its DCP save read back, and a sweep of the tiles kernel's
    rows per loop step and warps (NUMAUDIT_TRITON_ROWS / NUMAUDIT_TRITON_WARPS, one child
-   process each; 4 and 8 elements a thread and step). ``--pytest`` also runs the Triton tests on the device.
+   process each; 4 and 8 elements a thread and step). ``--pytest`` also runs the Triton tests
+   on the device.
 
 Prints "skipped: no CUDA device" and exits 0 elsewhere (`make bench` runs it on any machine).
 Exits 1 when a check fails (a self-check, the checkpoint), never for a missed target.
@@ -263,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model_args = DecoderArgs()
         section(f"5. Step overhead, {parameters(model_args) / 1e9:.2f}B-parameter bf16 decoder")
-        results = gpu_steps.overhead(model_args, args.steps or (3 if quick else 7))
+        configs = gpu_steps.CONFIGS if quick else {**gpu_steps.CONFIGS, **gpu_steps.MORE_CONFIGS}
+        results = gpu_steps.overhead(model_args, args.steps or (3 if quick else 7),
+                                     configs=configs)
         rate = gbps.get((torch.bfloat16, 16, "whole"), float("nan"))
         gpu_steps.cost_model(results, rate)
         section("6. Profile")

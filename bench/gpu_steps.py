@@ -27,11 +27,16 @@ import torch
 import agents
 from bench.gpu_model import DecoderArgs, batches, build, train_step
 
+DEEP = {"max_depth": 5, "phases": ("fwd", "bwd", "grad", "loss", "input")}
 CONFIGS = {
     "off": None,
     "README defaults": {},
-    "depth 5 + bwd": {"max_depth": 5, "phases": ("fwd", "bwd", "grad", "loss", "input")},
+    "depth 5 + bwd": DEEP,
 }
+MORE_CONFIGS = {
+    "depth 5 + bwd, no per-sample digests": {**DEEP, "sample_digests": False},
+}
+"""Added without --quick: what per-sample digests (agents/sample_digest.py) cost."""
 
 
 @contextlib.contextmanager
@@ -59,16 +64,23 @@ def auditor_daemon():
 
 
 class _Tally:
-    """Bytes and pieces an agent digests (counted as its batcher drains them)."""
+    """Bytes and pieces an agent digests (counted as its batcher drains them). With per-sample
+    digests on (the default), a batch-holding capture (fwd, bwd, input) is read a second time,
+    sample by sample: those bytes count twice."""
 
     def __init__(self, agent) -> None:
+        from agents.sample_digest import SAMPLE_PHASES
+
         self.bytes = self.pieces = 0
+        twice = agent.config.sample_digests
         batcher = agent.capturer._batches
         drain = batcher.drain
 
         def counted() -> None:
-            queued = [p[1] for p in batcher._pending] + [f[2] for f in batcher.fused]
-            self.bytes += sum(t.nbytes for t in queued)
+            queued = [(p[0], p[1]) for p in batcher._pending] + [(f[0], f[2])
+                                                                  for f in batcher.fused]
+            for cap, t in queued:
+                self.bytes += t.nbytes * (2 if twice and cap.phase in SAMPLE_PHASES else 1)
             self.pieces += len(queued)
             drain()
 
@@ -80,7 +92,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def overhead(args: DecoderArgs, steps: int, device: str = "cuda") -> dict[str, dict]:
+def overhead(args: DecoderArgs, steps: int, device: str = "cuda",
+             configs: dict | None = None) -> dict[str, dict]:
     """Interleaved steps of every configuration; per configuration its median step (ms), its
     ratio to "off" (the median of per-round ratios), records and bytes digested per step and
     the sender's drain after a step. Prints a table."""
@@ -88,7 +101,7 @@ def overhead(args: DecoderArgs, steps: int, device: str = "cuda") -> dict[str, d
     mbs = batches(args, device)
     sides = {}
     with auditor_daemon() as address:
-        for name, options in CONFIGS.items():
+        for name, options in (configs or CONFIGS).items():
             model = build(args, device)
             opt = torch.optim.SGD(model.parameters(), lr=1e-4)
             agent = None
@@ -150,8 +163,7 @@ def profile(args: DecoderArgs, rows: int = 14, device: str = "cuda") -> None:
     mbs = batches(args, device)
     model = build(args, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    agent = agents.attach(model, run=f"gpu-profile-{os.getpid()}", spool_mode="off",
-                          **CONFIGS["depth 5 + bwd"])
+    agent = agents.attach(model, run=f"gpu-profile-{os.getpid()}", spool_mode="off", **DEEP)
     for i in range(2):  # warm-up
         train_step(model, opt, agent, i, mbs)
     _sync(device)
