@@ -1,8 +1,8 @@
 """`auditor compare` and `auditor watch` (registered on `auditor.cli.main`).
 
     auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit|html]
-                             [-o FILE] [--json-output FILE] [--html-output FILE] [--all]
-                             [--limit N]
+                             [-o FILE] [--json-output FILE] [--html-output FILE]
+                             [-v/--verbose] [--all] [--limit N] [--steps K:M]
                              [--store PATH|URL | --address HOST:PORT]
     auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
                            [--poll S] [--timeout S] [--wait [--wait-timeout S]]
@@ -94,16 +94,20 @@ def _width() -> int:
 @click.option("--html-output", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the HTML report (docs/report-html.md) to this file, whatever "
                    "--format.")
-@click.option("--all", "show_all", is_flag=True, help="Text: list passing findings too.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Text: after the findings grouped by cause, list every breaching finding.")
+@click.option("--all", "show_all", is_flag=True, help="Text: list every finding, passing ones "
+                                                      "too (instead of the groups).")
 @click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
-              show_default=True, help="Text: findings listed per phase and stage (0 = all).")
+              show_default=True, help="Text, with --verbose or --all: findings listed per "
+                                      "phase and stage (0 = all).")
 @click.option("--steps", metavar="K:|K:M|K", help="Compare only steps K..M-1 of both runs (K: = "
               "from K on: a run resumed at step K against the uninterrupted one).")
 @_sources
 @tls_options
 def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
             output: Path | None, json_output: Path | None, html_output: Path | None,
-            show_all: bool, limit: int, steps: str | None,
+            verbose: bool, show_all: bool, limit: int, steps: str | None,
             db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
             tls_cert: str | None, tls_key: str | None) -> int:
     """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
@@ -132,7 +136,7 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
                 raise InputError(str(exc)) from None
             exit_code = report.exit_code
             text, html_text = render_report(report, fmt, output, show_all, limit,
-                                            html=html_output is not None)
+                                            html=html_output is not None, verbose=verbose)
         elif select is not None:
             raise InputError("steps: needs the store (--db); the daemon's Compare has no "
                              "step selection")
@@ -155,7 +159,7 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
                 text = render_junit(doc, doc["findings"])
             else:
                 text = render_text(doc, doc["findings"], width=_text_width(output),
-                                   show_all=show_all, limit=limit,
+                                   show_all=show_all, limit=limit, verbose=verbose,
                                    color=output is None and sys.stdout.isatty())
                 if doc.get("findings_included", "all") != "all":
                     text += (f"(the daemon's report omitted findings: "
@@ -180,7 +184,7 @@ def check_outputs(output: Path | None, json_output: Path | None,
 
 
 def render_report(report: Any, fmt: str, output: Path | None, show_all: bool, limit: int, *,
-                  html: bool) -> tuple[str | None, str | None]:
+                  html: bool, verbose: bool = False) -> tuple[str | None, str | None]:
     """(text for --format, HTML text when `html` or the format is html) of a local report; the
     text is None for json (written from the report itself)."""
     from auditor.report.html import to_html
@@ -195,7 +199,7 @@ def render_report(report: Any, fmt: str, output: Path | None, show_all: bool, li
     if fmt == "junit":
         return to_junit(report), html_text
     return to_text(report, width=_text_width(output), show_all=show_all, limit=limit,
-                   color=output is None and sys.stdout.isatty()), html_text
+                   color=output is None and sys.stdout.isatty(), verbose=verbose), html_text
 
 
 def write_outputs(output: Path | None, json_output: Path | None, html_output: Path | None,

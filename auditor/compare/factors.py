@@ -252,5 +252,7 @@ def annotate(comp: Comparison) -> None:
         else:
             how = f"(what remains after that factor: {F.format_float(resid)} relative)"
         head = f"{comp.cand.name} is {comp.ref.name} scaled by {f:.3g}{beyond} {how}"
+        if named:  # what the count is, for a report that says the factor once for many keys
+            comp.memo.setdefault("factor_names", {})[i] = named
         comp.notes.setdefault(i, []).append(
             f"{head}: {named + '; ' if named else ''}{phase_meaning(comp, i)}")

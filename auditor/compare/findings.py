@@ -2,7 +2,9 @@
 
 A *finding* is the auditor's verdict on one aligned key. Verdicts:
 
-- ``identical``: bitwise equal (fingerprints), or None in both runs;
+- ``identical``: bitwise equal (fingerprints or payload bytes), or None in both runs; a
+  reduction over ranks (a per-rank mean loss) whose values rebuilt from both runs' payloads are
+  equal;
 - ``close`` / ``diverged``: the policy's metric within / beyond its threshold;
 - ``missing_in_ref`` / ``missing_in_cand``: the key exists in one run only;
 - ``grad_none``: None in one run, a tensor in the other (a backward-graph break);
@@ -118,6 +120,8 @@ class Finding:
     """Which ranks' pieces differ (`auditor.compare.localize`); None when not localized."""
     order: int = 0
     """Position in execution order (0 = earliest)."""
+    group: int | None = None
+    """Index of the breaching finding's group in the report (`auditor.compare.groups`)."""
 
     def as_dict(self) -> dict:
         return {
@@ -143,6 +147,7 @@ class Finding:
             "cause": None if self.cause is None else self.cause.as_dict(),
             "pieces": self.pieces,
             "order": self.order,
+            "group": self.group,
         }
 
     def headline(self) -> str:
@@ -327,7 +332,12 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
     by_side_kind: dict[tuple[str, str], list] = {}
     for side, kind, stage, site, step in entries:
         by_side_kind.setdefault((side, kind), []).append((stage, site, step))
-    what = {"none": "gradients are None", "zero": "gradients are all zero"}
+    plural = {"none": "gradients are None", "zero": "gradients are all zero"}
+    single = {"none": "gradient is None", "zero": "gradient is all zero"}
+
+    def what_n(kind: str, n: int) -> str:
+        return f"{n} parameter {(single if n == 1 else plural)[kind]}"
+
     for (side, kind), items in sorted(by_side_kind.items()):
         run = run_names.get(side, side)
         other = run_names.get("ref" if side == "cand" else "cand", "")
@@ -338,7 +348,7 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
         if sites_all and sites_all >= totals_run.get(side, set()):
             out.append(GraphBreak(side, kind, "run", None, "", len(sites_all), len(sites_all),
                                   steps_all, sorted(sites_all)[:20],
-                                  f"all {len(sites_all)} parameter {what[kind]}{tail}, "
+                                  f"all {what_n(kind, len(sites_all))}{tail}, "
                                   f"steps {format_ranges(steps_all)}"))
             continue
         by_stage: dict[int | None, list] = {}
@@ -353,7 +363,7 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
             if total and sites >= total and stage is not None and stage >= 0:
                 out.append(GraphBreak(side, kind, "stage", stage, "", len(sites), len(total),
                                       steps, sorted(sites)[:20],
-                                      f"{label}: all {len(sites)} parameter {what[kind]}{tail}, "
+                                      f"{label}: all {what_n(kind, len(sites))}{tail}, "
                                       f"steps {format_ranges(steps)}"))
                 continue
             by_module: dict[str, set[str]] = {}
@@ -365,7 +375,7 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
                 out.append(GraphBreak(side, kind, "module", stage, prefix, len(sites),
                                       len(total) or len(sites), steps, sorted(sites)[:20],
                                       f"{label}: {len(sites)} of {len(total) or len(sites)} "
-                                      f"parameter {what[kind]}{tail} in {len(by_module)} modules "
+                                      f"parameter {plural[kind]}{tail} in {len(by_module)} modules "
                                       f"under {prefix}, steps {format_ranges(steps)}"))
                 continue
             for module, msites in sorted(by_module.items()):
@@ -378,8 +388,8 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
                             f"{module or '(root)'} {did}: {names}{tail}, "
                             f"steps {format_ranges(steps)}")
                 else:
-                    text = (f"{label}: {module or '(root)'}: {len(msites)} parameter "
-                            f"{what[kind]}{tail} ({names}), steps {format_ranges(steps)}")
+                    text = (f"{label}: {module or '(root)'}: {what_n(kind, len(msites))}"
+                            f"{tail} ({names}), steps {format_ranges(steps)}")
                 out.append(GraphBreak(side, kind, "module", stage, module, len(msites),
                                       mtotal, steps, sorted(msites), text))
     return out

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from auditor.compare.segments import segment_reduce
+from auditor.compare.ulp import ulp_distance
 from auditor.compare.metrics import (EPS64, FLOAT_DTYPES, ITEMSIZE, MACHINE_EPS,
                                      PayloadUnavailable, bits_to_values, decode_payload,
                                      payload_metrics)
@@ -52,6 +53,8 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
                          cand_bits=cand_bits,
                          ulp_ok=dt_r == dt_c and dt_r in FLOAT_DTYPES and ref_bits is not None
                          and cand_bits is not None)
+    if pm.ulp is not None:  # across zero, in ULPs of the larger magnitude (auditor.compare.ulp)
+        pm.ulp = ulp_distance(ref_bits, cand_bits, ref_vals, cand_vals, dt_r)
     d = pm.as_dict()
     rz = np.where(np.isfinite(ref_vals), ref_vals, 0.0).reshape(-1)
     cz = np.where(np.isfinite(cand_vals), cand_vals, 0.0).reshape(-1)
@@ -62,8 +65,14 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
                           if rn > 0 and cn > 0 else float("nan"))
     # equal bytes of the same dtype are bitwise-equal tensors, whatever the digests could say
     # (pieces re-placed by auditor.compare.uneven or regroup have no usable fingerprint)
-    d["_bitwise"] = bool(ref_bits is not None and cand_bits is not None and dt_r == dt_c
-                         and np.array_equal(ref_bits, cand_bits))
+    # A reduction over ranks (a per-rank mean loss) has no bits of its own: its value rebuilt
+    # from both runs' bytes is all there is, and equal values are as identical as it can be.
+    if ref_bits is not None and cand_bits is not None:
+        d["_bitwise"] = bool(dt_r == dt_c and np.array_equal(ref_bits, cand_bits))
+    else:
+        d["_bitwise"] = bool(dt_r == dt_c and ref_scale == 1.0 and ref_vals.shape ==
+                             cand_vals.shape and np.array_equal(ref_vals, cand_vals,
+                                                                equal_nan=True))
     if factor_exact is not None:
         d["_factor_exact"] = factor_exact
     comp.payload[i] = d

@@ -12,16 +12,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 from auditor.compare import findings as F
 from auditor.compare import parents
 from auditor.compare.align import PHASE_IDS
 from auditor.compare.breaks import graph_breaks
 from auditor.compare.causes import excluded_by_policy
 from auditor.compare.comparison import Comparison
+from auditor.compare.groups import Group, group_breaches
 from auditor.compare.policy import Policy
 
 SCHEMA = "numaudit.report"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any change that could break a reader of the JSON report (docs/report-schema.md)."""
 
 
@@ -48,6 +51,10 @@ class Report:
     graph_breaks: list[F.GraphBreak]
     warnings: list[str] = field(default_factory=list)
     generated_unix: float = field(default_factory=time.time)
+    groups: list[Group] = field(default_factory=list)
+    """Breaching findings grouped by cause, in execution order (`auditor.compare.groups`)."""
+    group_of: np.ndarray | None = None
+    """Per key: the index of its group, -1 for a key that does not breach."""
 
     @property
     def breaches(self) -> int:
@@ -75,16 +82,28 @@ class Report:
             what = excluded_by_policy(comp, first.key.step, params) or "were not captured"
             first.notes.append(f"parameter values {what}: a divergence of the weights "
                                "(an optimizer difference) would first show here")
+        groups, group_of = group_breaches(comp)
+        if first is not None:
+            first.group = int(group_of[fd])
         return cls(comparison=comp, ref=ref_info, cand=cand_info, policy=policy, counts=counts,
-                   first=first, graph_breaks=graph_breaks(comp), warnings=warnings)
+                   first=first, graph_breaks=graph_breaks(comp), warnings=warnings,
+                   groups=groups, group_of=group_of)
 
     # -- iteration --------------------------------------------------------------------------------
 
     def findings(self, *, breaches_only: bool = False,
                  include_identical: bool = True) -> Iterator[F.Finding]:
         """Findings in execution order."""
-        return self.comparison.findings(breaches_only=breaches_only,
-                                        include_identical=include_identical)
+        for i in self.comparison.indices(breaches_only=breaches_only,
+                                         include_identical=include_identical):
+            yield self.finding(i)
+
+    def finding(self, i: int) -> F.Finding:
+        """Key i's finding, with its group."""
+        f = self.comparison.finding(i)
+        if self.group_of is not None and self.group_of[i] >= 0:
+            f.group = int(self.group_of[i])
+        return f
 
     # -- the report's head -------------------------------------------------------------------------------------
 
@@ -108,6 +127,7 @@ class Report:
             "first_divergence": None if self.first is None else self.first.as_dict(),
             "graph_breaks": [g.as_dict() for g in self.graph_breaks],
             "warnings": self.warnings,
+            "groups": [g.as_dict() for g in self.groups],
         }
 
 

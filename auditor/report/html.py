@@ -268,7 +268,7 @@ def html_findings(report: Report) -> Iterator[dict]:
             group = "breach" if br else "other"
             if full[group] < MAX_TABLE_ROWS:
                 full[group] += 1
-                yield comp.finding(i).as_dict()
+                yield report.finding(i).as_dict()
                 continue
         a, b = A[j], B[j]
         sid = b >> 32

@@ -114,7 +114,8 @@ class _IdenticalWriter:
                     f'"ranks": {{"ref": {rr[r_first[j]:r_first[j] + r_count[j]]}, '
                     f'"cand": {cr[c_first[j]:c_first[j] + c_count[j]]}}}, {body}, '
                     f'"rule": {rules[rule[j]]}, "expected": false, "detail": "", '
-                    f'"notes": [], "cause": null, "pieces": null, "order": {order[j]}}}')
+                    f'"notes": [], "cause": null, "pieces": null, "order": {order[j]}, '
+                    '"group": null}')
                 continue
             if none[j]:
                 body = ('"dtype": {"ref": null, "cand": null}, "shape": null, "numel": null, '
@@ -138,7 +139,8 @@ class _IdenticalWriter:
                 f'"ranks": {{"ref": {rr[r_first[j]:r_first[j] + r_count[j]]}, '
                 f'"cand": {cr[c_first[j]:c_first[j] + c_count[j]]}}}, {body}, '
                 f'"rule": {rules[rule[j]]}, "expected": false, "detail": "{detail}", '
-                f'"notes": [], "cause": null, "pieces": null, "order": {order[j]}}}'
+                f'"notes": [], "cause": null, "pieces": null, "order": {order[j]}, '
+                '"group": null}'
             )
         return out
 
@@ -178,7 +180,7 @@ def write_json(report: Report, out: IO[str], *, include_identical: bool = True,
         it = iter(rendered)
         for i, q in zip(chunk.tolist(), quick.tolist()):
             parts.append(next(it) if q else
-                         json.dumps(comp.finding(i).as_dict(), allow_nan=False))
+                         json.dumps(report.finding(i).as_dict(), allow_nan=False))
         out.write(("\n  " if indent and start == 0 else ("" if start == 0 else sep))
                   + sep.join(parts))
     out.write(("\n" if indent else "") + "]}\n")

@@ -61,4 +61,4 @@ def _lite_findings(report: Report) -> Iterator[dict]:
             k = comp.key(int(i))
             yield {"key": k.as_dict(), "verdict": "identical", "breach": False}
         else:
-            yield comp.finding(int(i)).as_dict()
+            yield report.finding(int(i)).as_dict()

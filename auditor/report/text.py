@@ -36,9 +36,11 @@ def run_text(info: dict) -> str:
 
 def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None,
                 show_all: bool = False, limit: int = TEXT_ROWS_PER_GROUP,
-                color: bool = False) -> str:
+                color: bool = False, verbose: bool = False) -> str:
     """The human report from the JSON form: summary, first divergence, graph breaks, warnings,
-    then the findings (breaching ones, or all with ``show_all``) by phase and stage."""
+    then the breaching findings grouped by cause (the report's ``groups``); ``verbose`` adds
+    every breaching finding by phase and stage, ``show_all`` lists every finding instead of
+    the groups. A report without groups (a daemon of an earlier build) lists the findings."""
     from rich.console import Console
     from rich.padding import Padding
     from rich.text import Text
@@ -69,14 +71,13 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
              f"{runs['cand']['name']} {_ranks_text(first['ranks']['cand'])}; "
              f"rule: {first['rule']}", 2)
         where_ranks = F.pieces_text(first.get("pieces"))
-        if where_ranks and where_ranks not in (first.get("cause") or {}).get("reason", ""):
+        scalar = first.get("numel") == 1  # one element: no piece, no place to name
+        if where_ranks and not scalar and \
+                where_ranks not in (first.get("cause") or {}).get("reason", ""):
             para(where_ranks, 2)
         payload = first.get("metrics", {}).get("payload")
         if payload and payload.get("worst"):
-            w = payload["worst"]
-            para(f"largest difference at {w['index']}: {w['ref']} vs {w['cand']} "
-                 f"(max_abs {format_float(payload['max_abs'])}, "
-                 f"ulp {format_float(payload['ulp'])})", 2)
+            para(worst_text(payload, runs, scalar), 2)
         for note in first.get("notes", []):
             para(f"note: {note}", 2)
 
@@ -94,6 +95,88 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         for w in doc["warnings"]:
             para(f"- {w}", 2)
 
+    groups = doc.get("groups")
+    if groups is not None and not show_all:
+        printed = {*(first or {}).get("notes", ())}
+        _print_groups(con, para, doc, groups, width or 100, printed, verbose)
+        if not verbose:
+            return _rstrip_lines(buf.getvalue())
+    _print_listing(con, para, findings, show_all=show_all, limit=limit, width=width,
+                   summarized=bool(doc.get("graph_breaks")))
+    return _rstrip_lines(buf.getvalue())
+
+
+DEFAULT_ROLES = {"fwd": "output", "bwd": "grad_output"}
+"""The role a phase's keys usually have (others: value); a group lists its roles otherwise."""
+KEYS_LINES = 2
+"""Lines of a group's compact key list in the text report (the JSON report has them all)."""
+
+
+def _print_groups(con, para, doc: dict, groups: list[dict], width: int, printed: set[str],
+                  verbose: bool) -> None:
+    """Breaching findings by cause: each group's headline, cause, keys and shared notes."""
+    from rich.text import Text
+
+    from auditor.compare.groups import template
+    from auditor.compare.site_sets import shorten
+
+    con.print()
+    if not groups:
+        con.print(Text("Breaching findings: none", style="bold"))
+        return
+    total = sum(g["count"] for g in groups)
+    hint = "" if verbose else "; --verbose lists every finding"
+    con.print(Text(f"Breaching findings: {total} in {len(groups)} group"
+                   f"{'s' if len(groups) != 1 else ''} by cause{hint}", style="bold"))
+    first = doc.get("first_divergence") or {}
+    seen = {template(n) for n in printed}
+    for g in groups:
+        roles = g.get("roles") or []
+        role = "" if roles == [DEFAULT_ROLES.get(g["phase"], "value")] else \
+            f" ({', '.join(roles)})"
+        keys = shorten(g.get("sites_text", ""), KEYS_LINES * (width - 10) - len(role))
+        leads = bool(first) and g["index"] == first.get("group") and \
+            g["first_order"] == first.get("order")
+        head = g["headline"] + (" (the first divergence is its first)" if leads else "")
+        if g["verdict"] == "grad_none" and doc.get("graph_breaks"):
+            head += ", summarized under backward-graph breaks"
+        inline = f"{head} — {keys}{role}"
+        para(inline if len(inline) <= width - 2 else head, 2, "red")
+        cause = g.get("cause")
+        if leads:
+            pass  # its cause and notes are the first divergence's, printed above
+        elif cause:
+            para(f"{cause['kind']}: {_short_reason(cause['reason'])}", 4)
+        elif not g.get("causes_examined", True):
+            para("cause not worked out (past the first breaches; --verbose lists them)", 4)
+        if len(inline) > width - 2:
+            para(f"keys: {keys}{role}", 4)
+        factor = g.get("factor_name")
+        if factor and not any(factor in n for n in printed):
+            printed.add(factor)
+            para(f"factor: {factor}", 4)
+        for note in g.get("notes") or []:
+            t = template(note)
+            if note in printed or t in seen:
+                continue
+            printed.add(note)
+            seen.add(t)
+            para(f"note: {note}", 4)
+
+
+def _short_reason(reason: str) -> str:
+    """A cause's reason as a group says it: "already differs (diverged)" is "already
+    differs" (the group's verdict is in its headline), "the previous capture in execution
+    order" is "the capture before it"."""
+    return reason.replace(" already differs (diverged)", " already differs").replace(
+        "the previous capture in execution order (", "the capture before it (")
+
+
+def _print_listing(con, para, findings: Iterable[dict], *, show_all: bool, limit: int,
+                   width: int | None, summarized: bool) -> None:
+    """Every breaching finding (every finding with ``show_all``) by phase and stage."""
+    from rich.text import Text
+
     groups: dict[tuple[str, int], list[dict]] = {}
     first_order: dict[tuple[str, int], int] = {}
     for f in findings:
@@ -107,9 +190,8 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
     title = "Findings" if show_all else "Breaching findings"
     if not groups:
         con.print(Text(f"{title}: none", style="bold"))
-        return _rstrip_lines(buf.getvalue())
+        return
     con.print(Text(f"{title}, by phase and stage", style="bold"))
-    summarized = bool(doc.get("graph_breaks"))
     for (phase, st), members in sorted(groups.items(), key=lambda kv: first_order[kv[0]]):
         label = phase + (f", stage {st}" if st >= 0 else "")
         rows = members
@@ -143,7 +225,19 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         if len(rows) > len(shown):
             con.print(f"    ... and {len(rows) - len(shown)} more (--limit 0 lists all; "
                       "--format json has every finding)")
-    return _rstrip_lines(buf.getvalue())
+
+
+def worst_text(payload: dict, runs: dict, scalar: bool = False) -> str:
+    """The largest elementwise difference from payloads: "largest difference at [3, 1]: 0.25
+    vs 0.5 (max_abs 0.25, 8.39e+06 ulp)"; a scalar's "values: ref 0.113 vs cand 0.453"."""
+    w = payload["worst"]
+    measures = [f"max_abs {format_float(payload['max_abs'])}"]
+    if payload.get("ulp") is not None:
+        measures.append(f"{format_float(payload['ulp'])} ulp")
+    if scalar:
+        return (f"values: {runs['ref']['name']} {w['ref']} vs {runs['cand']['name']} "
+                f"{w['cand']} ({', '.join(measures)})")
+    return f"largest difference at {w['index']}: {w['ref']} vs {w['cand']} ({', '.join(measures)})"
 
 
 def _rstrip_lines(text: str) -> str:
@@ -186,10 +280,10 @@ def summary_line(summ: dict) -> str:
 
 
 def to_text(report: Report, *, width: int | None = None, show_all: bool = False,
-            limit: int = TEXT_ROWS_PER_GROUP, color: bool = False) -> str:
-    """The text report of a comparison."""
+            limit: int = TEXT_ROWS_PER_GROUP, color: bool = False, verbose: bool = False) -> str:
+    """The text report of a comparison (findings are read only for --verbose or --all)."""
     return render_text(report.header_dict(), text_findings(report, show_all, limit), width=width,
-                       show_all=show_all, limit=limit, color=color)
+                       show_all=show_all, limit=limit, color=color, verbose=verbose)
 
 
 def text_findings(report: Report, show_all: bool, limit: int) -> Iterator[dict]:
@@ -211,7 +305,7 @@ def text_findings(report: Report, show_all: bool, limit: int) -> Iterator[dict]:
         if listable:
             listed[group] = n + 1
         if listable and (limit <= 0 or n < limit):
-            yield comp.finding(i).as_dict()
+            yield report.finding(i).as_dict()
         else:
             yield {"key": {"phase": phase_name(ph)}, "stage": stage, "ref_stage": ref_stage,
                    "verdict": F.VERDICT_NAMES[v], "breach": bool(comp.breach[i]),

@@ -67,7 +67,7 @@ def test_fast_identical_json_equals_the_finding(report):
     by_order = {f["order"]: f for f in doc["findings"]}
     n = 0
     for i in comp.indices():
-        assert by_order[int(comp.rank_in_order[i])] == comp.finding(i).as_dict()
+        assert by_order[int(comp.rank_in_order[i])] == report.finding(i).as_dict()
         n += comp.verdict[i] == 0  # identical
     assert n > 10
     assert any(f["detail"] == "None in both runs" for f in doc["findings"])
@@ -83,7 +83,7 @@ def test_fast_close_json_equals_the_finding(tmp_path):
     assert close and all("rel_l2" in f["metrics"] for f in close)
     by_order = {f["order"]: f for f in doc["findings"]}
     for i in comp.indices():
-        assert by_order[int(comp.rank_in_order[i])] == comp.finding(i).as_dict()
+        assert by_order[int(comp.rank_in_order[i])] == report.finding(i).as_dict()
 
 
 def _ulp_only(kind, step, mb, site, t):
@@ -116,12 +116,35 @@ def test_text_report_sections_and_width(report):
     assert "— 4 breach the policy" in lines[2]
     assert "First divergence" in text and "introduced" in text
     assert "Backward-graph breaks" in text and "layers.0" in text
-    assert "Breaching findings, by phase and stage" in text
+    assert "Breaching findings: 4 in 4 groups by cause; --verbose lists every finding" in text
+    assert "by phase and stage" not in text
     assert max(len(l) for l in lines) <= 80
+    verbose = to_text(report, width=80, verbose=True)
+    assert verbose.startswith(text.replace("; --verbose lists every finding", "")[:-1])
+    assert "Breaching findings, by phase and stage" in verbose
     everything = to_text(report, width=200, show_all=True)
     assert "identical" in everything.split("Findings, by phase and stage")[1]
-    limited = to_text(report, width=120, limit=1)
+    limited = to_text(report, width=120, limit=1, verbose=True)
     assert "... and 1 more" in limited
+
+
+def test_groups_in_json_and_text(report):
+    """Every breaching finding names its group; the groups count them all, in execution
+    order, and the text says each group once."""
+    doc = json.loads(to_json(report))
+    groups = doc["groups"]
+    breaches = [f for f in doc["findings"] if f["breach"]]
+    assert sum(g["count"] for g in groups) == len(breaches) == doc["summary"]["breaches"]
+    assert all(f["group"] is None for f in doc["findings"] if not f["breach"])
+    for g in groups:
+        members = [f for f in breaches if f["group"] == g["index"]]
+        assert len(members) == g["count"] and members[0]["order"] == g["first_order"]
+        assert {f["key"]["site"] for f in members} == set(g["sites"])
+    assert [g["first_order"] for g in groups] == sorted(g["first_order"] for g in groups)
+    assert doc["first_divergence"]["group"] == 0
+    text = to_text(report, width=120)
+    for g in groups:
+        assert g["headline"] in text
 
 
 def test_text_from_the_json_form_is_the_same(report):
