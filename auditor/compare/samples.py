@@ -3,7 +3,10 @@ the reference's (`auditor.compare.regroup` re-keys records with it).
 
 Where both runs sent the bytes of a batch-holding key (the input, else the earliest activation),
 the step's rows are rebuilt from the pieces' payloads and matched one to one: equal rows first,
-bitwise, then each remaining row to its nearest with a clear margin. `round_robin` recognizes the
+bitwise, then each remaining row to its nearest with a clear margin. Where they did not (pieces
+over the payload size), the same from both runs' per-sample digests (`sample_rows`): a sample's
+fingerprint, keyed within the sample, is equal wherever the sample sits when its bits are, and
+its sketch is a sketch of the sample alone, so nearest rows are nearest sketches. `round_robin` recognizes the
 one reordering that ordinary data-parallel code makes on purpose: a DistributedSampler deals the
 step's samples to the dp ranks in turn (rank r takes samples r, r + n, r + 2n, ...).
 """
@@ -67,10 +70,55 @@ def step_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
     return rows_2d
 
 
-def match_rows(ref: np.ndarray, cand: np.ndarray) -> np.ndarray | None:
+def sample_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
+    """One run's step of batch-holding key ``key`` as [samples, 1 + k] float64 rows from its
+    pieces' per-sample digests: each sample's fingerprint (its bits as a float64, so that equal
+    rows are equal fingerprints) and its sketch of k buckets (the fewest of its pieces'), whose
+    distance to another sample's estimates the distance between the samples (a sketch is linear
+    and keyed within the sample). None unless every piece has one unit per sample and holds its
+    samples whole (no shard of a sample), or for more than ALIGN_MAX_ROWS samples."""
+    from auditor.compare.per_sample import fetch
+
+    starts = sample_starts(rows)
+    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    total = sum(rows.values())
+    if not len(sel) or total > ALIGN_MAX_ROWS:
+        return None
+    got = fetch(catalog, cols.rid[sel])
+    if len(got) < len(sel):
+        return None
+    k = min(s.k for s in got.values())
+    out = np.full((total, 1 + k), np.nan)
+    for r in sel:
+        piece = catalog.pieces[cols.layout[r]]
+        smp = got[int(cols.rid[r])]
+        whole = all(o == 0 and s == n for e, (o, s, n) in enumerate(
+            zip(piece.offsets, piece.shape, piece.logical_shape)) if e != d)
+        if smp.dim != d or smp.unit != 1 or not whole or smp.count != piece.shape[d]:
+            return None
+        g0 = starts[int(mb[r])] + piece.offsets[d]
+        sketch = smp.f64[:, 5:].reshape(smp.count, smp.k // k, k).sum(1)
+        out[g0:g0 + smp.count, 0] = smp.fp.view(np.float64)
+        out[g0:g0 + smp.count, 1:] = sketch
+    if np.isnan(out[:, 1:]).any():
+        return None
+    return out
+
+
+def _folded(rows: np.ndarray, k: int) -> np.ndarray:
+    """`sample_rows` rows with their sketches folded to k buckets (bucket b into b mod k)."""
+    big = rows.shape[1] - 1
+    if big == k:
+        return rows
+    return np.concatenate([rows[:, :1], rows[:, 1:].reshape(len(rows), big // k, k).sum(1)],
+                          axis=1)
+
+
+def match_rows(ref: np.ndarray, cand: np.ndarray, skip: int = 0) -> np.ndarray | None:
     """perm with cand[g] ~ ref[perm[g]]: equal rows first (bitwise), then each remaining cand
     row to its nearest ref row when that is clearly nearer than the next (distance at most a
-    tenth of the second nearest); None when the rows do not pair up one to one."""
+    tenth of the second nearest; columns from ``skip`` on: `sample_rows`' fingerprint column
+    only pairs equal rows); None when the rows do not pair up one to one."""
     n = len(ref)
     if len(cand) != n:
         return None
@@ -89,8 +137,8 @@ def match_rows(ref: np.ndarray, cand: np.ndarray) -> np.ndarray | None:
         used = np.zeros(n, bool)
         used[perm[perm >= 0]] = True
         open_ref = np.flatnonzero(~used)
-        a = np.nan_to_num(cand[rest])
-        b = np.nan_to_num(ref[open_ref])
+        a = np.nan_to_num(cand[rest][:, skip:])
+        b = np.nan_to_num(ref[open_ref][:, skip:])
         dist = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0))
         order = np.argsort(dist, axis=1)
         best = order[:, 0]
@@ -119,16 +167,23 @@ def align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, r
         d = dim_of[key]
         ref = step_rows(rc, at_r, mb_r, ph_r, catalog, key, d, rows_r)
         cand = step_rows(cc, at_c, mb_c, ph_c, catalog, key, d, rows_c)
+        how = "rows"
         if ref is None or cand is None:
-            continue
-        perm = match_rows(ref, cand)
+            ref = sample_rows(rc, at_r, mb_r, ph_r, catalog, key, d, rows_r)
+            cand = sample_rows(cc, at_c, mb_c, ph_c, catalog, key, d, rows_c)
+            how = "per-sample digests"
+            if ref is None or cand is None:
+                continue
+            k = min(ref.shape[1], cand.shape[1]) - 1  # the sketches folded to one bucket count
+            ref, cand = _folded(ref, k), _folded(cand, k)
+        perm = match_rows(ref, cand, skip=0 if how == "rows" else 1)
         site = catalog.site_names.get(key[1] >> 32, f"site {key[1] >> 32}")
         phase = "input" if key[0] == pb.PHASE_INPUT else "fwd"
         if perm is None:
-            return None, (f"the runs group their samples differently, and the rows of "
+            return None, (f"the runs group their samples differently, and the {how} of "
                           f"{phase} {site} do not pair up one to one between them: their "
                           "microbatches were not regrouped (are they the same samples?)")
-        return perm, f"samples aligned by the rows of {phase} {site}"
+        return perm, f"samples aligned by the {how} of {phase} {site}"
     return np.arange(n), ("samples assumed in the same order (microbatch 0's first; no "
                           "batch-holding key with payloads in both runs to align them by: "
                           "capture the input with agent.capture(x, site=..., phase=\"input\"))")

@@ -24,15 +24,15 @@ Every step feeds the same 16 sequences. Cases:
 - ``acc4_scaled``: as acc4, but ``layers.1`` scales its output by 1.01 in microbatch 2 of step 0;
 - ``acc4_old``: as acc4, by an agent that sends no per-sample digests (an earlier build's).
 
-With GROUP_JOB_WIDE=1 the model is wide enough that every activation of a microbatch of 2 is
-over the 16 KiB of automatic payloads (8 sequences of 32 tokens, width 128, hidden 256,
-vocabulary 96): 4 microbatches of 2 against one of 8 compare without payloads.
+A case named ``wide_CASE`` runs CASE with a model wide enough that every activation of a
+microbatch of 2 is over the 16 KiB of automatic payloads (8 sequences of 32 tokens, width 128,
+hidden 256, vocabulary 96): 4 microbatches of 2 against one of 8, or DDP-2 ranks with local
+microbatches of 2, compare without payloads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -44,9 +44,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import agents  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
-VOCAB, DIM, HIDDEN, SEQ, SAMPLES, STEPS = ((96, 128, 256, 32, 8, 2)
-                                           if os.environ.get("GROUP_JOB_WIDE") == "1"
-                                           else (16, 8, 16, 4, 16, 2))
+NARROW = dict(vocab=16, dim=8, hidden=16, seq=4, samples=16)
+WIDE = dict(vocab=96, dim=128, hidden=256, seq=32, samples=8)
+STEPS = 2
+VOCAB, DIM, HIDDEN, SEQ, SAMPLES = NARROW.values()
+
+
+def size(case: str) -> str:
+    """The case without its ``wide_`` prefix, with the model's sizes set for it."""
+    global VOCAB, DIM, HIDDEN, SEQ, SAMPLES
+    wide = case.startswith("wide_")
+    VOCAB, DIM, HIDDEN, SEQ, SAMPLES = (WIDE if wide else NARROW).values()
+    return case.removeprefix("wide_")
 
 
 class Block(torch.nn.Module):
@@ -92,6 +101,7 @@ def perturb(module: torch.nn.Module, when, scale: float | None = None) -> None:
 
 
 def train(case: str, run: str) -> None:
+    case = size(case)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = Model()

@@ -35,16 +35,16 @@ def store(tmp_path_factory):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             jobs = [pool.submit(run_ok, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
                                        "acc4_bug:acc4_bug", "shuffled:shuffled",
-                                       "acc4_declared:acc4_declared"], single),
+                                       "acc4_declared:acc4_declared", "wide_acc1:wide1",
+                                       "wide_acc4:wide4", "wide_acc4_scaled:wide4_scaled",
+                                       "wide_acc4_old:wide4_old"], single),
                     pool.submit(run_ok, [sys.executable, str(JOB), "acc4:acc4_nopay"],
-                                dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0")),
-                    pool.submit(run_ok, [sys.executable, str(JOB), "acc1:wide1", "acc4:wide4",
-                                         "acc4_scaled:wide4_scaled", "acc4_old:wide4_old"],
-                                dict(single, GROUP_JOB_WIDE="1"))]
+                                dict(single, NUMAUDIT_PAYLOAD_MAX_BYTES="0"))]
             run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node=2", str(JOB), "ddp_local:ddp_local",
                   "ddp_local_bug:ddp_local_bug", "ddp_rr:ddp_rr", "ddp_rr1:ddp_rr1",
-                    "ddp_rr_bug:ddp_rr_bug"], env)
+                    "ddp_rr_bug:ddp_rr_bug", "wide_ddp_local:wide_ddp",
+                    "wide_ddp_local_bug:wide_ddp_bug"], env)
             for job in jobs:
                 job.result()
         yield daemon.db
@@ -106,20 +106,28 @@ SAMPLED = "measured from per-sample digests"
 
 @pytest.mark.parametrize("ref, cand, preset", [("acc1", "acc4_nopay", "fp32"),
                                                ("wide1", "wide4", "fp32"),
-                                               ("wide1", "wide4", "bf16")])
+                                               ("wide1", "wide4", "bf16"),
+                                               ("wide1", "wide_ddp", "fp32")])
 def test_regrouped_keys_without_payloads_are_measured_from_per_sample_digests(store, ref, cand,
                                                                               preset):
     """Without the bytes, a re-keyed piece keeps its fingerprint (moved to its new place) but not
-    its sketch: step 0, bitwise equal in both groupings, is identical key for key; at step 1
+    its sketch: step 0, bitwise equal in both groupings, is identical key for key (DDP's
+    activation gradients, scaled by its dp size, are compared after the scale); at step 1
     the weights differ by the accumulation's rounding, most keys' bits differ, and each of those
     is measured from both runs' per-sample digests, within policy: 4 accumulated microbatches of
     4 with payloads switched off, and of 2 whose activations are all over the 16 KiB of
-    automatic payloads, against one batch."""
+    automatic payloads, and DDP-2 ranks with local microbatches of 2 (their samples aligned by
+    the per-sample digests of the first activation: no payload to align them by), against one
+    batch."""
+    if cand == "wide_ddp":
+        warnings = " ".join(compare_json(store, ref, cand)[1]["warnings"])
+        assert "samples aligned by the per-sample digests of fwd tok" in warnings, warnings
     code, report = compare_json(store, ref, cand, preset=preset)
     assert (code, report["summary"]["breaches"]) == (0, 0), report["summary"]
     batch = _batch_keys(report)
     assert len(batch) == 40
-    assert all(f["verdict"] == "identical" for f in batch if f["key"]["step"] == 0)
+    assert all(f["verdict"] == "identical" for f in batch if f["key"]["step"] == 0
+               and (f["key"]["phase"] == "fwd" or cand != "wide_ddp"))
     later = [f for f in batch if f["key"]["step"] == 1]
     measured = [f for f in later if f["verdict"] == "close"]
     assert all(f["verdict"] in ("identical", "close") and not f["uncertain"] for f in later)
@@ -210,3 +218,18 @@ def test_samples_in_an_order_no_sampler_deals_are_a_finding_said_as_such(store):
     assert "shuffled holds acc1's samples in another order (16 of 16 moved" in warnings, warnings
     assert "compared as they are" in warnings
     assert report["summary"]["verdicts"]["diverged"] > 0
+
+
+def test_a_bug_on_one_rank_is_found_there_without_payloads(store):
+    """DDP-2 with local microbatches of 2 against one batch of 8, every activation over 16 KiB:
+    rank 1's layers.0 adds 1e-3 in its local microbatch 1 (samples 6-7 of the step): the first
+    divergence is there, introduced, on rank 1's piece only (by samples)."""
+    code, report = compare_json(store, "wide1", "wide_ddp_bug")
+    first = report["first_divergence"]
+    assert code == 1 and first["verdict"] == "diverged", first
+    assert (first["key"]["site"], first["key"]["phase"], first["key"]["step"]) == (
+        "layers.0", "fwd", 0)
+    assert first["cause"]["kind"] == "introduced", first["cause"]
+    pieces = first["pieces"]
+    assert pieces["method"] == "samples" and [d["ranks"] for d in pieces["differ"]] == [[1]]
+    assert pieces["differ"][0]["box"].startswith("[6:8,"), pieces
