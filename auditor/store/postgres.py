@@ -215,6 +215,17 @@ class QmarkConnection:
 
 # -- Connecting -------------------------------------------------------------------------------
 
+WRITER_TIMEOUTS = {"idle_in_transaction_session_timeout": "2s", "lock_timeout": "1s",
+                   "statement_timeout": "15s"}
+"""A writer's session settings, so that a replica that hangs (SIGSTOP, a stalled host) in the
+middle of a transaction releases its row locks within seconds: the server ends a session idle
+in a transaction for 2 s (a writer never is: it runs its statements back to back), and a
+statement still running after 15 s (a COPY whose client stopped sending); a writer waiting 1 s
+for a lock gives up and runs again (`postgres_writer`) instead of holding its own group of
+acks behind another replica's transaction. Before, a replica frozen while idle in a
+transaction stalled the other's sessions for as long as it stayed frozen (issue 40)."""
+
+
 def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
                connect_timeout: float = 10) -> psycopg.Connection:
     """A connection to the store at `url`; for writing, the schema is created if missing."""
@@ -235,6 +246,8 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
             conn.execute("SET synchronous_commit = "
                          + ("off" if synchronous.upper() == "NORMAL" else "on"))
             _create_schema(conn, url)
+            for name, value in WRITER_TIMEOUTS.items():  # after the schema's advisory lock
+                conn.execute(f"SET {name} = '{value}'")
     except BaseException:
         conn.close()
         raise

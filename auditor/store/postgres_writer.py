@@ -29,10 +29,12 @@ from auditor.store.work_queue import QueuedWriter, fail, resolve, run_group
 log = logging.getLogger(__name__)
 
 RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
-             pg_errors.UniqueViolation)
+             pg_errors.UniqueViolation, pg_errors.LockNotAvailable)
 """A transaction that lost a race to another replica (or a batch whose direct COPY met a stored
-key, `PgStore.ingest_columns`); run again, it sees the winner's rows."""
-LOST = (psycopg.OperationalError, psycopg.InterfaceError)
+key, `PgStore.ingest_columns`), or waited past `lock_timeout` for another replica's lock
+(`postgres.WRITER_TIMEOUTS`); run again, it sees the winner's rows."""
+LOST = (psycopg.OperationalError, psycopg.InterfaceError,
+        pg_errors.IdleInTransactionSessionTimeout)
 """The connection broke: the outcome of a commit in flight is unknown; running again is safe."""
 MAX_ATTEMPTS = 8
 CONNECTIONS = 2
