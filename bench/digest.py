@@ -140,14 +140,13 @@ samples (units of 1 up to 16; of 4 and 16 samples beyond)."""
 def measure_samples(shape: tuple[int, ...], dtype: torch.dtype, repeats: int,
                     sketch_k: int) -> dict[str, float]:
     """A batch-holding capture's digest (the fused kernel, as the agent calls it) against its
-    per-sample digests (`Digester.digest_samples` and `combine_units`, as the agent's drain
-    makes them): median CPU microseconds of each, paired round by round, and the record's
-    bytes on the wire without and with them (`RecordColumns.record_bytes`)."""
+    per-sample digests (its cached plan, `Digester.digest_planned` and `combine_units`, as the
+    agent's drain makes them): median CPU microseconds of each, paired round by round, and the
+    record's bytes on the wire without and with them (`RecordColumns.record_bytes`)."""
     from agents.batching import Capture
     from agents.columns import capture_columns
     from agents.fastpath import Digester
-    from agents.sample_digest import (DIGEST_MIN_K, SampleDigests, combine_units, sample_layout,
-                                      unit_plan)
+    from agents.sample_digest import SampleDigests, combine_units, sample_layout, unit_plan
 
     g = torch.Generator().manual_seed(0)
     src = torch.randn(shape, generator=g).to(dtype)
@@ -157,8 +156,10 @@ def measure_samples(shape: tuple[int, ...], dtype: torch.dtype, repeats: int,
     slayout = sample_layout(layout, 0)
     numel_s = math.prod(slayout.logical_shape)
 
+    plan = digester.sample_plan(src, layout, 0, 1)
+
     def samples():
-        f64, i64 = digester.digest_samples([(src, slayout, 0, max(k, DIGEST_MIN_K))])[0]
+        f64, i64 = digester.digest_planned([(plan, src)])[0]
         return combine_units(f64, i64, unit, numel_s, k)
 
     base, gs = cpu.index_map(shape, layout)
