@@ -5,6 +5,8 @@ merging (`digests`, `merge`, `keys`, `segments`), metrics (`metrics`), policies 
 read from TOML by `policy`), and the engine's stages: `uneven` and `regroup` (records re-placed
 before the merge: uneven batch shares, microbatches grouped otherwise), `verdicts` (cheap verdicts
 from the columns), `slow` and `payloads` (metrics where fingerprints cannot decide),
+`per_sample` and `sample_estimate` (keys whose pieces were placed, measured from per-sample
+digests), `samples` (aligning two runs' samples),
 `conventions` (loss reduction and activation-gradient scale from the evidence), `factors` (exact
 factors named), `order` (execution order), `causes` (why), `breaks` (graph breaks), `tied` (tied
 parameters), `ragged_hint` (undeclared ragged outputs), `localize` and `ranks` (which ranks'
