@@ -281,8 +281,8 @@ async def _watch(service: Any,
                     for ev in events:
                         yield ev
                 yield pb.WatchEvent(
-                    status=f"done: both runs finished, {emitted} findings" if finished else
-                    f"timed out: no new keys for {request.timeout_s:g}s, {emitted} findings")
+                    status=f"done: both runs finished, {emitted} keys compared" if finished else
+                    f"timed out: no new keys for {request.timeout_s:g}s, {emitted} keys compared")
                 return
             if stopping is not None and stopping.is_set():
                 yield pb.WatchEvent(status="auditor shutting down")

@@ -195,7 +195,7 @@ def test_watch_rpc_hands_a_large_poll_out_in_chunks(daemon, monkeypatch):
     findings = [e for e in events if e.finding_json and not e.first_divergence]
     assert len(findings) > 4  # several chunks of 2
     assert chunked == whole
-    assert events[-1].status == f"done: both runs finished, {len(findings)} findings"
+    assert events[-1].status == f"done: both runs finished, {len(findings)} keys compared"
 
 
 def test_watch_rpc_streams_findings_and_announces_once(daemon):
