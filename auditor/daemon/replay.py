@@ -55,28 +55,30 @@ class ReplayResult:
 
 
 def replay(paths: Iterable[str | Path], address: str, *, token: str | None = None,
-           tls: TLSConfig | None = None) -> list[ReplayResult]:
+           tls: TLSConfig | None = None, run: str = "") -> list[ReplayResult]:
     """Replay every spool file named (or under a named directory) into the daemon at `address`.
 
-    `tls` and `token` as for any client (wire.channels.open_channel)."""
+    `tls` and `token` as for any client (wire.channels.open_channel); `run` registers the
+    sessions under that run name instead of the spooled one (a job whose name was taken)."""
     metadata = ()  # the channel carries the token
     results = []
     with open_channel(address, tls=tls, token=token) as channel:
         stub = numaudit_pb2_grpc.AuditorStub(channel)
         for path in spool_files(list(paths)):
-            results.append(_replay_file(stub, path, metadata))
+            results.append(_replay_file(stub, path, metadata, run))
     return results
 
 
-def replay_into_db(paths: Iterable[str | Path], db_path: str | Path) -> list[ReplayResult]:
+def replay_into_db(paths: Iterable[str | Path], db_path: str | Path, *,
+                   run: str = "") -> list[ReplayResult]:
     """Replay into a database file through an in-process daemon bound to loopback."""
     from auditor.daemon.server import BackgroundServer
 
     with BackgroundServer("127.0.0.1:0", db_path, grace=1.0) as server:
-        return replay(paths, server.address)
+        return replay(paths, server.address, run=run)
 
 
-def _replay_file(stub, path: Path, metadata) -> ReplayResult:
+def _replay_file(stub, path: Path, metadata, run: str = "") -> ReplayResult:
     result = ReplayResult(path)
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
@@ -88,6 +90,8 @@ def _replay_file(stub, path: Path, metadata) -> ReplayResult:
         return result
     result.skipped_frames, result.skipped_bytes = spool.skipped_frames, spool.skipped_bytes
     result.problems = list(spool.problems)
+    if run:
+        spool.register.run = run
     result.run, result.rank = spool.register.run, spool.register.rank
     try:
         peer = stub.Register(spool.register, timeout=CALL_TIMEOUT_S, metadata=metadata)
