@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+from auditor.compare.digests import FINGERPRINT_SEED, fingerprint_to_int64
 from auditor.compare.metrics import EPS64, ROUNDING_FLOOR, sketch_band
 from auditor.compare.reads import ID_CHUNK, ids_in
 from auditor.compare.sample_estimate import N_MOMENTS, Units, estimate
@@ -170,8 +170,8 @@ def _units(cat, cols, rows: np.ndarray, coef: np.ndarray, seg: np.ndarray, n: in
     bad = np.zeros(n, bool)
     numel_s = np.full(n, -1, np.int64)
     exact = np.ones(n, bool)
-    fs, ss = cat._seeds or (fingerprint_to_int64(FINGERPRINT_SEED),
-                            fingerprint_to_int64(SKETCH_SEED))
+    # version 3's seeds: unit fingerprints decide a block only with them (`fingerprints_v3`)
+    fs, ss = fingerprint_to_int64(FINGERPRINT_SEED), cat.sketch_seed
     moved_along = cat.__dict__.get("sample_dims", {})
     key, pos, cnt, size, ks, mom, sk, fp = [], [], [], [], [], [], [], []
     for row, c, s in zip(rows.tolist(), coef.tolist(), seg.tolist()):
