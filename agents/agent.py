@@ -16,9 +16,29 @@ from agents.config import AgentConfig, apply_env, check
 from agents.identity import RankIdentity, job_identity, rank_identity
 from agents import shutdown
 from agents.normalization import (grad_scale, note_batch_norms, note_capture_depth,
-                                  note_dropouts, note_tied_parameters)
+                                  note_dropouts, note_tied_parameters, note_unpassed_mesh)
 
 log = logging.getLogger(__name__)
+
+SUMMARY_LOGGER = "agents.summary"
+"""The logger of the line each rank logs at close (INFO; WARNING when records were spooled or
+dropped). Configure it, or `agents`, like any logger; where logging is not configured at all
+it writes to stderr by itself, so a first run says what it sent."""
+
+
+def summary_logger() -> logging.Logger:
+    """The close summary's logger: with no handler configured anywhere (a script that never
+    set up logging, where Python would show WARNING and above only), one of its own on stderr
+    at INFO; otherwise the application's configuration decides."""
+    lg = logging.getLogger(SUMMARY_LOGGER)
+    if not lg.hasHandlers():
+        handler = logging.StreamHandler()  # sys.stderr at the time of the call
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    return lg
+
 
 class Agent:
     """Captures one rank's tensors and streams their digests to the auditor.
@@ -71,6 +91,7 @@ class Agent:
             note_batch_norms(self.ident, module)
             note_dropouts(self.ident, module)
             note_tied_parameters(self.ident, module)
+            note_unpassed_mesh(self.ident, module)
             return self.capturer.hook_modules(module, stage, pipelined=pipelined)
         except Exception as exc:
             self.capturer._failed("watch", exc)
@@ -234,14 +255,16 @@ class Agent:
             # At WARNING when anything did not reach the auditor, or the process is ending
             # without having closed the agent: where the records went is then news.
             level = logging.WARNING if s["spooled"] or s["dropped"] or reason else logging.INFO
+            hint = self._sender.ingest_hint() if s["spooled"] and self._sender else ""
             where = f" in {s['spool']}" if s["spooled"] and s["spool"] else ""
             drops = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
-            log.log(level, "rank %d: numaudit run=%s%s: captured %d: acked by the auditor %d, "
-                    "spooled %d%s, dropped %d%s; errors %d; conflicts %d; closed in %.2fs",
-                    self.ident.rank, s["run"], f" (at {reason})" if reason else "", s["captured"],
-                    s["acked"], s["spooled"], where, s["dropped"],
-                    f" ({drops})" if drops else "", s["errors"], s["conflicts"],
-                    time.monotonic() - started)
+            summary_logger().log(
+                level, "rank %d: numaudit run=%s%s: captured %d: acked by the auditor %d, "
+                "spooled %d%s, dropped %d%s; errors %d; conflicts %d; closed in %.2fs%s",
+                self.ident.rank, s["run"], f" (at {reason})" if reason else "", s["captured"],
+                s["acked"], s["spooled"], where, s["dropped"],
+                f" ({drops})" if drops else "", s["errors"], s["conflicts"],
+                time.monotonic() - started, f"; {hint}" if hint else "")
             if s["conflicts"]:
                 log.error("rank %d: numaudit: %d records conflict with what run %s already "
                           "stored under the same key (a rerun or another job under this run "

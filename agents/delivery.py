@@ -54,7 +54,8 @@ _REJECTED = {
 }
 _FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
           grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.ALREADY_EXISTS}
-_DROP_REASON = {grpc.StatusCode.ALREADY_EXISTS: "run_name_taken"}
+RUN_NAME_TAKEN = "run_name_taken"
+_DROP_REASON = {grpc.StatusCode.ALREADY_EXISTS: RUN_NAME_TAKEN}
 """Reason a refused session's records are counted under, where more telling than `refused`."""
 
 
@@ -90,9 +91,12 @@ class Delivery:
         name: str = "",
         target: str = "",
         fallback: str = "",
+        keep_refused: frozenset[str] = frozenset(),
     ) -> None:
         """`target` (the peer's address) and `fallback` (where records go instead) make the
-        one WARNING logged when the peer cannot be reached."""
+        one WARNING logged when the peer cannot be reached. A session refused for a reason in
+        `keep_refused` keeps its pending batches for the owner (`take_pending`: the agent
+        spools the records of a run name that is taken) instead of dropping them."""
         self.transport = transport
         self._register_request = register
         self._on_drop = on_drop
@@ -118,6 +122,7 @@ class Delivery:
         self.registered_run = ""
         """The run name the peer registered this session under (renamed when taken)."""
         self.target, self.fallback = target, fallback
+        self.keep_refused = keep_refused
         self.unreachable_warned = False
         self._down_since: float | None = None
         self._last_error = ""
@@ -151,6 +156,13 @@ class Delivery:
     @property
     def pending_records(self) -> int:
         return sum(b.records for b in self.pending)
+
+    def take_pending(self) -> list[PendingBatch]:
+        """Hand every pending batch to the owner (a refused session's, see keep_refused)."""
+        taken = list(self.pending)
+        self.pending.clear()
+        self.pending_bytes = 0
+        return taken
 
     def service(self, deadline: Callable[[], float] = lambda: float("inf"), *,
                 connect: bool = True) -> None:
@@ -299,8 +311,11 @@ class Delivery:
             return
         if code in _FATAL or (registering and refused_for_content):
             self.fatal = _DROP_REASON.get(code, "refused")
-            log.error("%s: refused (%s: %s); records are dropped", self.name, code.name,
-                      err.details())
+            kept = self.fatal in self.keep_refused
+            log.error("%s: refused (%s: %s); records are %s", self.name, code.name,
+                      err.details(), "spooled" if kept else "dropped")
+            if kept:
+                return
             while self.pending:
                 self._on_drop(self.fatal, self.pending.popleft().records)
             self.pending_bytes = 0

@@ -35,7 +35,8 @@ from typing import Any
 from agents.config import AgentConfig
 from agents.identity import RankIdentity
 from agents.sites import normalize_site
-from wire.labels import BATCH_STATS_LABEL, CAPTURE_DEPTH_LABEL, DROPOUT_LABEL, TIED_LABEL
+from wire.labels import (BATCH_STATS_LABEL, CAPTURE_DEPTH_LABEL, DROPOUT_LABEL, TIED_LABEL,
+                         UNPASSED_MESH_LABEL)
 
 
 def grad_scale(config: AgentConfig, ident: RankIdentity) -> tuple[float, str]:
@@ -120,6 +121,19 @@ def note_tied_parameters(ident: RankIdentity, module: Any) -> None:
         elif site != first[id(p)]:
             pairs.append(f"{site}={first[id(p)]}")
     _note_sites(ident, TIED_LABEL, pairs)
+
+
+def note_unpassed_mesh(ident: RankIdentity, module: Any) -> None:
+    """A model holding DTensors while attach got no mesh: the job has a mesh the agent could
+    name dims by (UNPASSED_MESH_LABEL)."""
+    if ident.mesh_shape or UNPASSED_MESH_LABEL in ident.labels:
+        return
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        ident.labels[UNPASSED_MESH_LABEL] = "1"
 
 
 def note_capture_depth(ident: RankIdentity, config: AgentConfig) -> None:

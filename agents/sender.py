@@ -22,7 +22,7 @@ import uuid
 from agents.capture import Counters, HostBatch
 from agents.columns import Part, PayloadCompressor, part_columns, split_payloads
 from agents.config import AgentConfig
-from agents.delivery import Delivery
+from agents.delivery import RUN_NAME_TAKEN, Delivery
 from agents.identity import RankIdentity
 from agents.transport import GrpcTransport, SidecarTransport
 from wire import limits
@@ -66,6 +66,7 @@ class Sender:
         self._compress = PayloadCompressor()
         self._spool: SpoolWriter | None = None
         self.sent = 0
+        self.refused_warned = False
         self.spilled = 0
         """Records this rank wrote to its own spool file."""
         self.relay: dict | None = None
@@ -90,6 +91,10 @@ class Sender:
                 target=(f"the node sidecar at {config.sidecar}" if config.sidecar
                         else f"the auditor at {config.address}"),
                 fallback=fallback,
+                # a run name another job holds: the records go to the spool, for `auditor
+                # ingest --run NEW` (nothing of this job is lost to a name clash)
+                keep_refused=(frozenset() if config.sidecar or config.spool_mode == "off"
+                              else frozenset({RUN_NAME_TAKEN})),
             )
         self._thread = threading.Thread(target=self._run, name="numaudit-sender", daemon=True)
         self._thread.start()
@@ -210,6 +215,7 @@ class Sender:
                     self._processed += 1
             if self.delivery is not None:
                 self.delivery.service(lambda: self._deadline)
+                self._spool_refused()
             if draining and self._in.empty():
                 if not self._pending and not self._deliverable():
                     return
@@ -331,7 +337,13 @@ class Sender:
         d = self.delivery
         if d is not None and d.fatal is not None:
             # The session was refused (a token without write scope, a run name taken): final,
-            # like the records pending when it came, and as the node sidecar reports it.
+            # like the records pending when it came, and as the node sidecar reports it. A
+            # taken run name's records are spooled instead (keep_refused).
+            if d.fatal in d.keep_refused and self._spool_write(None, body):
+                self.spilled += n
+                self._next_seq += 1
+                self.sent += n
+                return
             self.counters.drop(d.fatal, n)
             return
         if d is None:
@@ -349,6 +361,37 @@ class Sender:
                 return
         self._next_seq += 1
         self.sent += n
+
+    def _spool_refused(self) -> None:
+        """Spool the batches a refused session kept (`Delivery.keep_refused`), once it is
+        refused; written ahead already in spool mode always."""
+        d = self.delivery
+        if d is None or d.fatal is None or d.fatal not in d.keep_refused or not d.pending:
+            return
+        batches = d.take_pending()
+        n = sum(b.records for b in batches)
+        if self.config.spool_mode == "always" or all(
+                self._spool_write(b.message, b.body) for b in batches):
+            self.spilled += n
+        else:
+            self.counters.drop(d.fatal, n)
+        if not self.refused_warned:
+            self.refused_warned = True
+            log.warning("rank %d: numaudit: run name %r is taken by another job; this job's "
+                        "records are spooled to %s: %s", self.ident.rank, self.config.run,
+                        self.spool_path, self.ingest_hint())
+
+    def ingest_hint(self) -> str:
+        """The command that stores this rank's spooled records ("" when none were spooled)."""
+        path = self.spool_path
+        if not path:
+            return ""
+        where = f" --address {self.config.address}" if self.config.address else \
+            " --db STORE"
+        d = self.delivery
+        if d is not None and d.fatal == RUN_NAME_TAKEN:
+            return f"`auditor ingest {path} --run NEW_NAME{where}` stores them under a new name"
+        return f"`auditor ingest {path}{where}` stores them"
 
     def _register_request(self) -> pb.RegisterRequest:
         i = self.ident
@@ -378,6 +421,7 @@ class Sender:
     def _finish(self) -> None:
         """Spill what never got acked, tell the auditor the totals, close the connection."""
         self._cut()
+        self._spool_refused()
         while not self._in.empty():
             item = self._in.get_nowait()
             if item is not None:

@@ -21,3 +21,8 @@ under its first name (`named_parameters()`), so the alias has no captures of its
 CAPTURE_DEPTH_LABEL = "capture_max_depth"
 """The agent's max_depth: modules deeper than this many dotted levels are not hooked, so they
 have no activation (fwd) or activation-gradient (bwd) captures of their own."""
+
+UNPASSED_MESH_LABEL = "unpassed_mesh"
+"""Set ("1") by a rank attached without a device mesh whose model holds DTensors: the job has a
+mesh the agent was not given, so the auditor may advise passing it (to name mesh dims); a plain
+DDP job has none, and is told nothing of the kind."""

@@ -1,17 +1,43 @@
 """The `auditor` command line: thin commands over the daemon, the store and the comparison.
 
-Owns the click group `main` (`auditor.cli.main`, with serve, runs and show) and the modules that
-register more commands on it: `compare` (compare, watch) and `ingest` (ingest); `about` holds
+Owns the click group `main` (`auditor.cli.main`, with serve) and the modules that register more
+commands on it: `runs` (runs, show), `compare` (compare, watch), `ingest` (ingest) and
+`checkpoint` (checkpoint); `about` holds
 `--version` and the environment variables every help page lists. It may import
 everything below it (daemon, store, compare, report, wire); nothing imports the CLI.
+
+Ctrl-C is quiet from the command's first instant: the `auditor` script imports this package
+first, and while it imports click, grpc and the rest (about a second) SIGINT ends the process
+with one line and status 130 instead of a traceback from whichever import it hit; afterwards
+the usual KeyboardInterrupt is back (a command turns it into "auditor: interrupted", exit 130).
 """
 
-from auditor.cli.main import main
-from auditor.cli import compare as _compare  # noqa: F401  (registers compare, watch)
-from auditor.cli import ingest as _ingest  # noqa: F401  (registers ingest)
-from auditor.cli import checkpoint as _checkpoint  # noqa: F401  (registers checkpoint)
-from auditor.cli.about import attach_environment_help
+import signal as _signal
+import threading as _threading
+
+
+def _interrupted_while_starting(signum, frame):  # pragma: no cover - exercised by a subprocess
+    import os
+
+    os.write(2, b"auditor: interrupted\n")
+    os._exit(130)
+
+
+_previous = None
+if _threading.current_thread() is _threading.main_thread() and \
+        _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _previous = _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
+from auditor.cli.main import main  # noqa: E402
+from auditor.cli import runs as _runs  # noqa: E402,F401  (registers runs, show)
+from auditor.cli import compare as _compare  # noqa: E402,F401  (registers compare, watch)
+from auditor.cli import ingest as _ingest  # noqa: E402,F401  (registers ingest)
+from auditor.cli import checkpoint as _checkpoint  # noqa: E402,F401  (registers checkpoint)
+from auditor.cli.about import attach_environment_help  # noqa: E402
 
 attach_environment_help(main)  # after every command is registered: each help names its variables
+
+if _previous is not None:
+    _signal.signal(_signal.SIGINT, _previous)
 
 __all__ = ["main"]

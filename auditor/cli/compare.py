@@ -25,8 +25,8 @@ from typing import Any, Iterator
 import click
 import grpc
 
-from auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, StoreSource, client_tls, main,
-                         store_or_address, tls_options)
+from auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, RunNotFound, StoreSource,
+                              client_tls, main, store_or_address, tls_options, with_nearest)
 from auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
 from auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
 from auditor.store import UnknownRun
@@ -132,7 +132,9 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
         if isinstance(source, StoreSource):
             try:
                 report = compare_runs(source.reader, ref, cand, policy, select=select)
-            except (UnknownRun, KeyRangeError) as exc:
+            except UnknownRun as exc:
+                raise with_nearest(source, (ref, cand), str(exc)) from None
+            except KeyRangeError as exc:
                 raise InputError(str(exc)) from None
             exit_code = report.exit_code
             text, html_text = render_report(report, fmt, output, show_all, limit,
@@ -143,7 +145,10 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
         else:
             req = pb.CompareRequest(ref=ref, cand=cand, policy_toml=policy_text,
                                     preset=preset or "")
-            resp = source.call(source.stub.Compare, req)
+            try:
+                resp = source.call(source.stub.Compare, req)
+            except RunNotFound as exc:
+                raise with_nearest(source, (ref, cand), exc.message) from None
             exit_code = resp.exit_code
             doc = json.loads(resp.report_json)
             report = None
@@ -259,12 +264,12 @@ def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
             last_news = time.monotonic()
         if live.finished:
             yield from live.flush()
-            yield LiveEvent(status=f"done: both runs finished, {live.emitted} findings")
+            yield LiveEvent(status=f"done: both runs finished, {live.emitted} keys compared")
             return
         if timeout and time.monotonic() - last_news > timeout:
             yield from live.flush()
             yield LiveEvent(status=f"timed out: no new keys for {timeout:g}s, "
-                                   f"{live.emitted} findings")
+                                   f"{live.emitted} keys compared")
             return
         time.sleep(max(poll, 2 * (time.monotonic() - started)))
 
@@ -280,6 +285,8 @@ def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: s
                    ev.first_divergence, ev.status)
     except grpc.RpcError as exc:
         code, details = exc.code(), (exc.details() or "").replace("\n", " ")
+        if code == grpc.StatusCode.NOT_FOUND:
+            raise with_nearest(source, (ref, cand), details) from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise InputError(f"cannot reach the auditor at {source.label} ({code.name}: "
                              f"{details})") from None
@@ -308,7 +315,8 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
           show_all: bool, poll: float, idle: float, wait: bool, wait_timeout: float,
           db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
           tls_cert: str | None, tls_key: str | None) -> int:
-    """Compare REF and CAND while they run: findings as soon as keys are final in both."""
+    """Compare REF and CAND while they run: findings as soon as keys are final in both; at the
+    end, the summary and first divergence `auditor compare` prints (its exit code too)."""
     from auditor.compare.columns import KeyRangeError
 
     policy, policy_text = _load_policy(policy_file, preset)
@@ -325,7 +333,9 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
                           for ev in _local_events(source.reader, ref, cand, policy, poll, idle))
                 for doc, first, status in stream:
                     breaches += _print_event(doc, first, status, fmt, show_all)
-            except (UnknownRun, KeyRangeError) as exc:
+            except UnknownRun as exc:
+                raise with_nearest(source, (ref, cand), str(exc)) from None
+            except KeyRangeError as exc:
                 raise InputError(str(exc)) from None
         else:
             for doc, first, status in _remote_events(source, ref, cand, policy_text, preset, poll,
@@ -333,9 +343,44 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
                 breaches += _print_event(doc, first, status, fmt, show_all)
     except KeyboardInterrupt:
         click.echo("auditor: watch interrupted", err=True)
+        source.close()
+        return 1 if breaches else 130
+    try:
+        code = _final_summary(source, ref, cand, policy, policy_text, preset, fmt)
     finally:
         source.close()
-    return 1 if breaches else 0
+    return code if code is not None else (1 if breaches else 0)
+
+
+def _final_summary(source: Any, ref: str, cand: str, policy: Policy, policy_text: str,
+                   preset: str | None, fmt: str) -> int | None:
+    """The end of a watch: the comparison of what the store holds now, its summary line,
+    first divergence and findings grouped by cause as `auditor compare` prints them (text), or
+    one ``{"event": "summary", ...}`` line (json). Returns its exit code (None when the
+    comparison could not be made: the watch's own count decides)."""
+    from auditor.report.text import render_text
+
+    try:
+        if isinstance(source, StoreSource):
+            from auditor.compare.engine import compare_runs
+
+            doc = compare_runs(source.reader, ref, cand, policy).header_dict()
+        else:
+            req = pb.CompareRequest(ref=ref, cand=cand, policy_toml=policy_text,
+                                    preset=preset or "")
+            doc = json.loads(source.call(source.stub.Compare, req).report_json)
+    except (InputError, UnknownRun) as exc:
+        click.echo(f"[watch] no final summary: {exc}", err=True)
+        return None
+    if fmt == "json":
+        click.echo(json.dumps({"event": "summary", "summary": doc["summary"],
+                               "first_divergence": doc["first_divergence"],
+                               "groups": doc.get("groups", [])}, allow_nan=False))
+    else:
+        text = render_text(doc, [], width=_text_width(None),
+                           color=sys.stdout.isatty())
+        click.echo("\n" + text.rstrip("\n"))
+    return int(doc["summary"]["exit_code"])
 
 
 def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all: bool) -> int:

@@ -19,9 +19,12 @@ from wire.spool import spool_files
 @click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
               help=f"Load into this store file (default ${ENV_DB}).")
 @click.option("--address", metavar="HOST:PORT", help="Load through a running auditor.")
+@click.option("--run", "run", metavar="NAME",
+              help="Store the records under this run name instead of the spooled one (a job "
+                   "whose run name was taken spooled them).")
 @tls_options
-def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, tls_ca: str | None,
-           tls_cert: str | None, tls_key: str | None) -> None:
+def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, run: str | None,
+           tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> None:
     """Replay spool files (or every *.spool under a directory) through the ingest path.
 
     Idempotent: batches the auditor already stored are counted as duplicates, so a spool may be
@@ -45,15 +48,22 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, tls_c
         address = os.environ.get(ENV_ADDR) if db is None else None
     if db is None and address is None:
         raise InputError("give --db PATH or --address HOST:PORT")
+    if run is not None:
+        from wire.names import BadName, check_run_name
+
+        try:
+            check_run_name(run)
+        except BadName as exc:
+            raise InputError(str(exc)) from None
     if db is not None:
         try:
             check_store_file(db, create=True)
         except StoreError as exc:
             raise InputError(str(exc)) from None
-        results = replay_into_db(files, db)
+        results = replay_into_db(files, db, run=run or "")
     else:
         results = replay(files, address, token=token_from_env(),
-                         tls=client_tls(tls_ca, tls_cert, tls_key))
+                         tls=client_tls(tls_ca, tls_cert, tls_key), run=run or "")
     failed = False
     for r in results:
         line = (f"{r.path}: run {r.run or '?'} rank {r.rank}: {r.batches} batches, {r.records} "

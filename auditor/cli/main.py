@@ -3,9 +3,7 @@
     auditor serve --listen HOST:PORT --store PATH|postgresql://... [--sync full|normal] [--port-file PATH]
                   [--metrics-listen HOST:PORT] [--max-streams N --max-inflight-mib N ...]
                   [--tokens FILE] [--tls-cert CERT --tls-key KEY [--tls-client-ca CA]]
-    auditor runs  [--store PATH|URL | --address HOST:PORT [--tls-ca CA --tls-cert C --tls-key K]]
-                  [--format text|json]
-    auditor show RUN [--store PATH|URL | --address HOST:PORT [--tls-...]] [--format text|json]
+    auditor runs, auditor show RUN: auditor/cli/runs.py
 
 Clients of a daemon that requires tokens take the token from $NUMAUDIT_TOKEN (never an option:
 the command line is visible to every user of the machine); --tls-* default to $NUMAUDIT_TLS_*.
@@ -13,7 +11,7 @@ the command line is visible to every user of the machine); --tls-* default to $N
 Exit codes (DESIGN.md): 0 = ok, 1 = findings that breach the policy (compare), 2 = usage or input
 error, always as one line on stderr. Output is rich on a terminal, plain text otherwise.
 
-More commands (compare, watch, ingest) attach to the `main` group: `@main.command()` in their
+More commands (runs, show, compare, watch, ingest, checkpoint) attach to the `main` group: `@main.command()` in their
 own module, imported by `auditor/cli/__init__.py`; `store_or_address` gives them the run source the
 user named (with the token and the TLS settings of `tls_options`) and `InputError` the exit-2
 path.
@@ -22,13 +20,11 @@ path.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import sqlite3
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +33,6 @@ import grpc
 
 from wire import limits
 from auditor.store import summary
-from auditor.compare.ranges import format_ranges
 from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
 from auditor.store import Reader, StoreError, UnknownRun, check_store_file
 from auditor.store.location import describe, is_postgres_url, store_location
@@ -59,6 +54,33 @@ class InputError(click.ClickException):
     """A usage or input error: one line on stderr, exit 2."""
 
     exit_code = 2
+
+
+class RunNotFound(InputError):
+    """A run name the store does not hold (exit 2); `with_nearest` adds the names it does."""
+
+
+def with_nearest(source: "StoreSource | AddressSource", names: Sequence[str],
+                 message: str) -> InputError:
+    """`message` ("run: no run named 'reff' in the store") with the nearest names the source
+    holds for each of `names` it lacks ("did you mean 'ref'?"), or the runs it holds."""
+    import difflib
+
+    try:
+        known = [r.run for r in source.list_runs().runs]
+    except (InputError, grpc.RpcError, StoreError, sqlite3.Error):
+        return RunNotFound(message)
+    hints = []
+    for name in dict.fromkeys(names):
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        if close:
+            hints.append(f"{name!r}: did you mean {' or '.join(map(repr, close))}?")
+    if not hints:
+        shown = ", ".join(map(repr, known[:10])) + (", ..." if len(known) > 10 else "")
+        hints.append(f"the runs there: {shown}" if known else "it holds no run yet")
+    return RunNotFound(f"{message}; {'; '.join(hints)}")
 
 
 class StoreParam(click.ParamType):
@@ -95,8 +117,8 @@ class _Group(click.Group):
         except click.ClickException as exc:
             click.echo(f"auditor: error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("auditor: aborted", err=True)
+        except (click.Abort, KeyboardInterrupt):  # Ctrl-C (click turns it into Abort)
+            click.echo("auditor: interrupted", err=True)
             sys.exit(130)
         except Exception as exc:  # a bug: never exit 1, which says "findings breach the policy"
             import traceback
@@ -143,7 +165,7 @@ class StoreSource:
         try:
             return summary.describe_run(self.reader, run)
         except UnknownRun as exc:
-            raise InputError(str(exc)) from None
+            raise with_nearest(self, [run], str(exc)) from None
 
     def close(self) -> None:
         self.reader.close()
@@ -168,7 +190,7 @@ class AddressSource:
         except grpc.RpcError as exc:
             code, details = exc.code(), (exc.details() or "").replace("\n", " ")
             if code == grpc.StatusCode.NOT_FOUND:
-                raise InputError(details) from None
+                raise RunNotFound(details) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise InputError(f"cannot reach the auditor at {self.label} "
                                  f"({code.name}: {details})") from None
@@ -178,7 +200,10 @@ class AddressSource:
         return self.call(self.stub.ListRuns, pb.ListRunsRequest())
 
     def describe_run(self, run: str) -> pb.DescribeRunResponse:
-        return self.call(self.stub.DescribeRun, pb.DescribeRunRequest(run=run))
+        try:
+            return self.call(self.stub.DescribeRun, pb.DescribeRunRequest(run=run))
+        except RunNotFound as exc:
+            raise with_nearest(self, [run], exc.message) from None
 
     def close(self) -> None:
         self.channel.close()
@@ -243,10 +268,6 @@ def client_tls(ca: str | None, cert: str | None, key: str | None) -> TLSConfig |
         raise InputError(str(exc)) from None
 
 
-format_option = click.option("--format", "fmt", type=click.Choice(["text", "json"]),
-                             default="text", show_default=True)
-
-
 # -- serve ---------------------------------------------------------------------------------------
 
 @main.command()
@@ -284,7 +305,8 @@ format_option = click.option("--format", "fmt", type=click.Choice(["text", "json
               show_default=True, help="Compare calls running or queued at once.")
 @click.option("--max-inflight-mib", type=click.IntRange(min=64),
               default=ServerLimits.max_inflight_bytes >> 20, show_default=True,
-              help="MiB of received batches not yet committed, all streams together.")
+              help="MiB of memory batches may take from receipt to commit, all streams "
+                   "together (each wire byte counted 4 times).")
 @click.option("--idle-timeout", type=click.FloatRange(min=0), default=ServerLimits.idle_stream_s,
               show_default=True, help="End an Ingest stream idle this many seconds (0 = never).")
 @click.option("--compare-budget", type=click.FloatRange(min=0.01),
@@ -316,6 +338,9 @@ def serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace:
     if tls_client_ca and not tls_cert:
         raise InputError("tls-client-ca: mutual TLS needs --tls-cert and --tls-key too")
     tls = ServerTLS(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    busy = port_in_use(listen)
+    if busy:  # said before the store is created, and before gRPC logs its own line
+        raise InputError(busy)
     tokens = None
     if tokens_file is not None:
         try:
@@ -325,23 +350,63 @@ def serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace:
         if holds_plaintext(tokens_file) and readable_by_others(tokens_file):
             log.warning("tokens: %s holds plaintext tokens and is readable by other users "
                         "(chmod 600 it, or give sha256 digests instead)", tokens_file)
+    created = not is_postgres_url(db) and not Path(db).exists()
     try:
         asyncio.run(_serve(listen, db, sync, port_file, grace, tokens, tls, server_limits,
                            metrics_listen))
-    except TLSError as exc:
-        raise InputError(str(exc)) from None
-    except StoreError as exc:  # NotAStore: a database that cannot be reached or is not a store
-        raise InputError(str(exc)) from None
-    except (RuntimeError, OSError, ValueError, sqlite3.Error) as exc:
+    except (TLSError, StoreError, RuntimeError, OSError, ValueError, sqlite3.Error) as exc:
+        if created:  # a daemon that never served leaves no store behind
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                Path(f"{db}{suffix}").unlink(missing_ok=True)
+        if isinstance(exc, (TLSError, StoreError)):  # StoreError: NotAStore, an unreachable db
+            raise InputError(str(exc)) from None
         raise InputError(f"cannot serve on {listen} with db={describe(db)}: {exc}") from None
+
+
+def port_in_use(listen: str) -> str:
+    """The error to give when the TCP address `listen` is taken by another process ("" when it
+    is free, port 0, a unix socket, or a name this check cannot resolve: gRPC then decides).
+    Bound with SO_REUSEADDR as gRPC binds, so a port in TIME_WAIT counts as free."""
+    import errno
+    import socket
+
+    if listen.startswith("unix:"):
+        return ""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return ""
+    host = host.strip("[]") or None
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        return ""
+    for family, kind, proto, _, address in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"listen: {listen}: address already in use (another auditor or another "
+                        f"program listens there: stop it, or give another port; "
+                        f"--listen {host or '0.0.0.0'}:0 picks a free one)")
+        finally:
+            sock.close()
+    return ""
 
 
 async def _serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
                  tokens: Tokens | None, tls: ServerTLS | None,
                  server_limits: ServerLimits | None = None, metrics_listen: str | None = None) -> None:
+    from auditor.daemon.memory import return_freed_memory
     from auditor.daemon.metrics import DaemonMetrics
     from auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
 
+    return_freed_memory()  # the daemon's RSS then follows its in-flight budget
     metrics = DaemonMetrics()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -365,147 +430,3 @@ def _write_port(path: Path, address: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f"{address.rsplit(':', 1)[1]}\n")
     tmp.replace(path)  # readers never see a half-written file
-
-
-# -- runs and show -------------------------------------------------------------------------------
-
-@main.command()
-@source_options
-@tls_options
-@format_option
-def runs(db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
-         tls_cert: str | None, tls_key: str | None, fmt: str) -> None:
-    """List the runs in the store (with a token: the runs it may read)."""
-    source = store_or_address(db, address, timeout, tls=client_tls(tls_ca, tls_cert, tls_key))
-    try:
-        resp = source.list_runs()
-    finally:
-        source.close()
-    if fmt == "json":
-        click.echo(json.dumps([_summary_dict(r) for r in resp.runs], indent=2))
-        return
-    if not resp.runs:
-        click.echo(f"no runs in {source.label}")
-        return
-    rows = [(r.run, r.world_size, r.ranks_registered, r.ranks_closed, r.records,
-             _when(r.created_unix)) for r in resp.runs]
-    _print_table(("run", "world size", "ranks", "closed", "records", "created"), rows)
-
-
-@main.command()
-@click.argument("run")
-@source_options
-@tls_options
-@format_option
-def show(run: str, db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
-         tls_cert: str | None, tls_key: str | None, fmt: str) -> None:
-    """Show what the store holds for RUN: ranks, mesh, steps, sites per phase, None grads, drops."""
-    source = store_or_address(db, address, timeout, tls=client_tls(tls_ca, tls_cert, tls_key))
-    try:
-        resp = source.describe_run(run)
-    finally:
-        source.close()
-    info = describe_dict(resp)
-    if fmt == "json":
-        click.echo(json.dumps(info, indent=2))
-        return
-    _print_describe(info)
-
-
-def _phase_name(phase: int) -> str:
-    return pb.Phase.Name(phase).removeprefix("PHASE_").lower() if phase in pb.Phase.values() \
-        else str(phase)
-
-
-def _summary_dict(s: pb.RunSummary) -> dict:
-    return dict(run=s.run, world_size=s.world_size, ranks_registered=s.ranks_registered,
-                ranks_closed=s.ranks_closed, records=s.records, created_unix=s.created_unix)
-
-
-def describe_dict(resp: pb.DescribeRunResponse) -> dict:
-    """The JSON form of `auditor show` (sent/dropped are null while a rank is still open)."""
-    ranks = [dict(rank=r.rank, session_id=r.session_id, mesh_coordinate=list(r.mesh_coordinate),
-                  stages=list(r.stages), host=r.host, agent_version=r.agent_version,
-                  stored=r.records_stored,
-                  sent=r.records_sent if r.closed else None,
-                  dropped=r.records_dropped if r.closed else None, closed=r.closed,
-                  dropped_by_reason=dict(sorted(r.dropped_by_reason.items())))
-             for r in resp.ranks]
-    return dict(
-        **_summary_dict(resp.summary),
-        mesh=dict(shape=list(resp.mesh_shape), dim_names=list(resp.mesh_dim_names)),
-        torch_version=resp.torch_version, dtype=resp.dtype, seed=resp.seed,
-        labels=dict(sorted(resp.labels.items())),
-        ranks=ranks,
-        steps=list(resp.steps),
-        microbatches=resp.microbatches,
-        phases=[dict(phase=_phase_name(p.phase), sites=p.sites, records=p.records,
-                     none_records=p.none_records) for p in resp.phases],
-        grad_none=dict(records=sum(p.none_records for p in resp.phases),
-                       sites=list(resp.none_grad_sites)),
-        dropped=sum(r["dropped"] or 0 for r in ranks),
-        conflicts=resp.conflicts,
-    )
-
-
-def _when(unix: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
-
-
-
-
-def _print_describe(d: dict) -> None:
-    mesh = d["mesh"]
-    if mesh["shape"]:
-        names = mesh["dim_names"] or [f"dim{i}" for i in range(len(mesh["shape"]))]
-        mesh_text = " x ".join(f"{n}={s}" for n, s in zip(names, mesh["shape"]))
-    else:
-        mesh_text = "none"
-    lines = [
-        f"run {d['run']}: world size {d['world_size']}, {d['ranks_registered']} ranks registered, "
-        f"{d['ranks_closed']} closed, {d['records']} records (created {_when(d['created_unix'])})",
-        f"mesh: {mesh_text}",
-        f"torch {d['torch_version'] or '?'}, dtype {d['dtype'] or '?'}, seed {d['seed']}"
-        + ("".join(f", {k}={v}" for k, v in d["labels"].items())),
-        f"steps: {format_ranges(d['steps'], 'none')} ({len(d['steps'])}); microbatches: {d['microbatches']}",
-    ]
-    click.echo("\n".join(lines) + "\n")
-    _print_table(
-        ("rank", "mesh coordinate", "stages", "host", "agent", "stored", "sent", "dropped"),
-        [(r["rank"], ",".join(map(str, r["mesh_coordinate"])) or "-",
-          ",".join(map(str, r["stages"])) or "-", r["host"] or "-", r["agent_version"] or "?",
-          r["stored"],
-          "open" if r["sent"] is None else r["sent"], "open" if r["dropped"] is None else r["dropped"])
-         for r in d["ranks"]],
-    )
-    click.echo("")
-    _print_table(("phase", "sites", "records", "grad is None"),
-                 [(p["phase"], p["sites"], p["records"], p["none_records"]) for p in d["phases"]])
-    gn = d["grad_none"]
-    tail = [
-        f"\ngrad is None: {gn['records']} records at {len(gn['sites'])} sites"
-        + (": " + ", ".join(gn["sites"]) if gn["sites"] else ""),
-        f"drops reported by agents: {d['dropped']}"
-        + "".join(f"\n  rank {r['rank']}: " + ", ".join(f"{k}={v}" for k, v in
-                                                       r["dropped_by_reason"].items())
-                  for r in d["ranks"] if r["dropped_by_reason"]),
-        f"conflicts: {d['conflicts']}",
-    ]
-    click.echo("\n".join(tail))
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A rich table on a terminal; aligned plain text otherwise (pipes, files, tests)."""
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(*headers)
-        for row in rows:
-            table.add_row(*(str(c) for c in row))
-        Console().print(table)
-        return
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for r in cells:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

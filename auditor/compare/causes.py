@@ -16,7 +16,7 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.align import PHASE_IDS
 from auditor.compare.ranks import key_boxes
-from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL
+from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
 from auditor.compare.segments import unique
 from auditor.compare.state_cause import state_cause
 from auditor.compare.tied import tied_note
@@ -153,14 +153,33 @@ def _replica_cause(comp: Comparison, i: int) -> F.Cause:
                  "tensor left Partial)")
     else:
         text += (f": ranks {format_ranges(bad)} differ from the others, so a collective among "
-                 "them is missing or wrong (an all-reduce); the ranks registered no mesh "
-                 "coordinates, so the mesh dim cannot be named (pass the device mesh to attach)")
+                 "them is missing or wrong (an all-reduce)")
+        if comp.labels.get(side, {}).get(UNPASSED_MESH_LABEL):
+            # the job has a mesh (its model holds DTensors) that attach was not given
+            text += ("; the ranks registered no mesh coordinates, so the mesh dim cannot be "
+                     "named (pass the device mesh to attach)")
     p = int(comp.pred[i])
+    if p >= 0 and _other_parameter(comp, i, p):
+        # each parameter's gradient has its own reduction: another one's diverging replicas
+        # neither cause nor explain this one's
+        p = -1
     if p >= 0 and int(comp.verdict[p]) == F.REPLICA_DIVERGENCE:
         return F.Cause("inherited", f"{text}; the previous capture in execution order "
                                     f"({comp.key(p)}) already has diverging replicas",
                        comp.key(p))
     return F.Cause("introduced", text, comp.key(p) if p >= 0 else None)
+
+
+PER_PARAMETER = frozenset(PHASE_IDS[p] for p in ("grad", "param", "optim_grad", "update",
+                                                 "state"))
+"""Phases whose keys are one parameter's (or state entry's) each: the capture before one in
+execution order is another parameter's, which it is not computed from."""
+
+
+def _other_parameter(comp: Comparison, i: int, p: int) -> bool:
+    """Key p is another parameter's key of a per-parameter phase than key i's."""
+    return int(comp.A[i] & 0xF) in PER_PARAMETER and int(comp.A[p] & 0xF) in PER_PARAMETER \
+        and int(comp.B[i] >> 32) != int(comp.B[p] >> 32)
 
 
 def _zero_cut(comp: Comparison, i: int, p: int) -> F.Cause | None:

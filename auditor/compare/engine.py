@@ -69,7 +69,8 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         cc = catalog.load(cand, "cand")
         selected = []
         if select is not None:
-            rc, cc, selected = select.apply(rc), select.apply(cc), [select.describe()]
+            rc, cc = select.apply(rc), select.apply(cc)
+            selected = [select.describe()] if select.describe() else []
         ref_info["records"], cand_info["records"] = len(rc), len(cc)
         t1 = time.perf_counter()
         rc, uneven_ref = place_uneven(rc, catalog, cc)

@@ -22,6 +22,7 @@ from auditor.compare.causes import excluded_by_policy
 from auditor.compare.comparison import Comparison
 from auditor.compare.groups import Group, group_breaches
 from auditor.compare.policy import Policy
+from auditor.compare.ranges import format_ranges
 
 SCHEMA = "numaudit.report"
 SCHEMA_VERSION = 4
@@ -75,7 +76,7 @@ class Report:
         fd = comp.first_divergence()
         first = comp.finding(fd) if fd >= 0 else None
         warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info) + \
-            parents.warning(comp)
+            parents.warning(comp) + steps_hint(comp)
         if first is not None and first.cause and first.key.step > 0 \
                 and not comp.step_keys(first.key.step, (PHASE_IDS["param"],)).size:
             params = (PHASE_IDS["param"],)
@@ -129,6 +130,32 @@ class Report:
             "warnings": self.warnings,
             "groups": [g.as_dict() for g in self.groups],
         }
+
+
+def steps_hint(comp: Comparison) -> list[str]:
+    """Where one run has steps the other lacks before or after all of the other's (a longer
+    run, a run resumed later): their keys all read missing, and `--steps` compares the steps
+    both have."""
+    steps = {side: np.unique(lk.A >> 24) for side, lk in (("ref", comp.ref_keys),
+                                                          ("cand", comp.cand_keys))}
+    r, c = steps["ref"], steps["cand"]
+    if not len(r) or not len(c):
+        return []
+    lo, hi = max(int(r[0]), int(c[0])), min(int(r[-1]), int(c[-1]))
+    if lo > hi:
+        return []
+    out = []
+    for mine, other, name, other_name, verdict in (
+            (c, r, comp.cand.name, comp.ref.name, "missing_in_ref"),
+            (r, c, comp.ref.name, comp.cand.name, "missing_in_cand")):
+        extra = np.setdiff1d(mine, other)
+        if not len(extra) or not ((extra > other[-1]) | (extra < other[0])).all():
+            continue
+        out.append(f"{name} has steps {format_ranges(extra.tolist())} that {other_name} has "
+                   f"not ({other_name}: steps {format_ranges(other.tolist())}), so their keys "
+                   f"read {verdict}: `--steps {lo if lo else ''}:{hi + 1}` compares only the "
+                   "steps both runs have")
+    return out
 
 
 def _run_warnings(ref: dict, cand: dict) -> list[str]:

@@ -23,6 +23,9 @@ class KeySelection:
     first: int | None = None
     stop: int | None = None
     phases: frozenset[int] = frozenset()
+    asked: bool = True
+    """The user asked for this selection (`--steps`): the report says what it left out. False
+    for a command whose own subject is the selection (`auditor checkpoint`: phase state)."""
 
     @classmethod
     def parse_steps(cls, text: str, phases: frozenset[int] = frozenset()) -> KeySelection:
@@ -57,6 +60,9 @@ class KeySelection:
         return cols if keep.all() else cols.take(keep)
 
     def describe(self) -> str:
+        """What the report's warnings say of the selection ("" when not asked for)."""
+        if not self.asked:
+            return ""
         parts = []
         if self.first is not None or self.stop is not None:
             if self.stop is not None and self.first is not None and self.stop == self.first + 1:

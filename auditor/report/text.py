@@ -155,7 +155,8 @@ def _print_groups(con, para, doc: dict, groups: list[dict], width: int, printed:
         if factor and not any(factor in n for n in printed):
             printed.add(factor)
             para(f"factor: {factor}", 4)
-        for note in g.get("notes") or []:
+        inherited = (cause or {}).get("kind") == "inherited"  # its notes are no cause's: JSON
+        for note in [] if inherited else g.get("notes") or []:
             t = template(note)
             if note in printed or t in seen:
                 continue

@@ -41,7 +41,8 @@ MICROBATCHES, BATCH, SEQ, STEPS = 4, 4, 4, 2
 DP_CASES = {"ddp", "fsdp", "ddp_skip_allreduce", "ddp_loss_quarter", "ddp_frozen",
             "ddp_wrong_data", "ddp_no_sync", "ddp_no_sync_always", "fsdp_no_mesh", "hsdp",
             "fsdp1", "fsdp1_orig", "fsdp1_comm_sum", "fsdp1_frozen", "fsdp1_hybrid", "fsdp1_clip",
-            "fsdp1_clip_local", "ddp_loss_sum", "ddp_grad_sum", "ddp_loss_sum_bug"}
+            "fsdp1_clip_local", "ddp_loss_sum", "ddp_grad_sum", "ddp_loss_sum_bug",
+            "ddp_acc_div"}
 TP_CASES = {"tp", "tp_partial", "tp_dtensor_logits", "tp_sp", "tp_sp_ac", "tp_sp_norm_plain",
             "fsdp_tp_sp", "fsdp_tp_sp_norm_plain"}
 PP_CASES = {"pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_detach", "pp_swap", "pp_clip_global",
@@ -198,6 +199,9 @@ def run_dp(case: str, run: str) -> None:
         loss_of = _globally_normalized(rank == 1 and case == "ddp_loss_sum_bug")
         if case != "ddp_grad_sum":
             backward = lambda loss: (loss * world).backward()  # noqa: E731
+    if case == "ddp_acc_div":  # gradient accumulation done right: each microbatch's loss (as
+        # captured) divided by the accumulation count before backward; `ddp` does not divide
+        backward = lambda loss: (loss / MICROBATCHES).backward()  # noqa: E731
     # Gradient accumulation as DDP and FSDP1 users write it: no all-reduce (reduce-scatter) but
     # in the last microbatch's backward (ddp_no_sync, fsdp1_orig); planted: in none of them
     # (ddp_no_sync_always).

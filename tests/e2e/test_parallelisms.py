@@ -46,6 +46,9 @@ BUGS = ("ddp_skip_allreduce", "ddp_no_sync_always", "ddp_loss_quarter", "ddp_fro
         "ddp_wrong_data", "fsdp1_comm_sum", "fsdp1_frozen", "tp_partial", "tp_sp_norm_plain",
         "pp_detach", "pp_swap", "ddp_loss_sum_bug")
 CLIP = ("pp_clip_global", "pp_clip_local", "fsdp1_clip", "fsdp1_clip_local")
+ACCUMULATION = ("ddp_acc_div",)
+"""DDP that divides each microbatch's loss by the 4 accumulated microbatches after capturing it:
+against `ddp` (which does not divide), issue 41's loss not divided by the accumulation count."""
 FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "fsdp1_hybrid", "pp_tp_sp")
 """Cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over tp=2,
 HSDP (FSDP2 sharding over dp_shard=2, replicated over dp_replicate=2), FSDP1's HYBRID_SHARD
@@ -113,10 +116,12 @@ def matrix(tmp_path_factory) -> Matrix:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ref = pool.submit(_run, [sys.executable, str(JOB), "single:ref",
                                      "single_clip:ref_clip"], dict(env, WORLD_SIZE="1"))
-            _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP), env=env)
+            _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP + ACCUMULATION), env=env)
             ref.result()
         # A second job under a name the first one owns: refused; then asked to rename.
-        rerun = _torchrun("ddp:ddp", "ddp+rename:ddp", env=env)
+        # Its records are spooled (for `auditor ingest --run NEW`), here into the test's folder.
+        rerun = _torchrun("ddp:ddp", "ddp+rename:ddp",
+                          env=dict(env, NUMAUDIT_SPOOL=str(tmp / "spool")))
         _torchrun(*(f"{c}:{c}" for c in FOUR_RANKS), env=env, nproc=4)
         yield Matrix(daemon, tmp, rerun)
     finally:
@@ -390,14 +395,22 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
                if "ERROR" in line and "ALREADY_EXISTS" in line and "'ddp' belongs to another job"
                in line]
     assert len(refused) == 2, log[-3000:]  # one clear error per rank
-    assert len(re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, spooled 0, "
-                          r"dropped 370 \(run_name_taken 370\)", log)) == 2
+    spooled = re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, spooled 370, "
+                         r"dropped 0; .*`(auditor ingest \S+ --run NEW_NAME --address \S+)` "
+                         r"stores them under a new name", log)
+    assert len(spooled) == 2, log[-3000:]  # nothing lost to the name clash: told how to keep it
     assert len(re.findall(r"numaudit run=ddp\.2: captured 370: acked by the auditor 370,", log)) == 2
     shown = matrix.show("ddp")
     assert "2 ranks registered" in shown and "740 records" in shown  # the first job's, untouched
     assert "conflicts: 0" in shown
     code, report = matrix.compare("ddp.2")
     assert code == 0 and report["runs"]["cand"]["ranks_registered"] == 2
+    # the refused job's spools, stored as its log says, under a new name: the same run as ddp
+    files = [cmd.split()[2] for cmd in spooled]
+    _run([sys.executable, "-m", "auditor", "ingest", *files, "--run", "ddp_kept", "--address",
+          matrix.daemon.address], dict(os.environ, PYTHONPATH=str(ROOT)))
+    code, report = matrix.compare("ddp_kept", ref="ddp")
+    assert code == 0 and report["summary"]["keys"] == 370, report["summary"]
 
 
 CLIP_KEYS = 370 + 2 * 2 * 29
@@ -452,3 +465,28 @@ def test_pipeline_clipping_by_each_stages_local_norm_breaches_at_optim_grad(matr
     step0 = {k: v for k, v in verdicts.items() if k[2] == 0 and k[0] in ("fwd", "bwd", "grad")}
     assert len(step0) > 29 and set(step0.values()) == {"identical"}
     assert verdicts[("optim_grad", "out.weight", 0, -1)] == "diverged"  # stage 1 clipped too
+
+
+@pytest.mark.parametrize("ref", ["ddp_acc_div", "ddp_loss_quarter"])
+def test_a_loss_not_divided_by_the_accumulation_count_fits_one_screen(matrix, ref):
+    """Issue 41's acceptance: the loss divided by the 4 accumulated microbatches (after its
+    capture, or before) against `ddp`, which does not divide, both DDP on 2 ranks of an
+    18-module model. The text report `auditor compare -o FILE` writes fits in 40 lines and
+    says the factor once per group; the JSON report keeps every finding, each naming its
+    group, and the groups count them all."""
+    code, text = matrix.compare("ddp", "text", ref=ref)
+    assert code == 1 and len(text.splitlines()) <= 40, text
+    flat = " ".join(text.split())
+    assert "29 parameter gradients of step 0: all scaled by 4.00" in flat
+    assert flat.count("x4 = 4 microbatches a step of ddp") <= 2  # the first divergence, grads
+    _, report = matrix.compare("ddp", ref=ref)
+    breaches = [f for f in report["findings"] if f["breach"]]
+    assert len(breaches) == report["summary"]["breaches"] > 250
+    groups = report["groups"]
+    assert sum(g["count"] for g in groups) == len(breaches)
+    assert {f["group"] for f in breaches} == {g["index"] for g in groups}
+    for g in groups:
+        assert g["headline"] in flat
+        members = [f for f in breaches if f["group"] == g["index"]]
+        assert len(members) == g["count"] and set(g["sites"]) == {f["key"]["site"]
+                                                                  for f in members}

@@ -89,7 +89,9 @@ def test_serve_subprocess_port_file_and_sigterm(tmp_path):
 def test_serve_refuses_a_taken_port(auditor_server, tmp_path):
     result = auditor("serve", "--listen", auditor_server.address, "--db", tmp_path / "other.db")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("auditor: error: cannot serve on")
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"auditor: error: listen: {auditor_server.address}: address already in use")
+    assert not (tmp_path / "other.db").exists()
 
 
 def test_runs_and_show_from_store_and_address(auditor_server):

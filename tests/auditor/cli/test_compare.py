@@ -121,7 +121,8 @@ def test_watch_on_a_store_file(db):
     js = cli("watch", "ref", "same", "--db", str(db), "--format", "json", "--poll", "0.05")
     assert js.exit_code == 0
     events = [json.loads(line) for line in js.output.splitlines()]
-    assert events[-1]["event"] == "status" and events[-1]["status"].startswith("done")
+    assert events[-2]["event"] == "status" and events[-2]["status"].startswith("done")
+    assert events[-1]["event"] == "summary" and events[-1]["summary"]["exit_code"] == 0
 
 
 # -- through a running daemon -----------------------------------------------------------------
