@@ -16,7 +16,14 @@ import asyncio
 import contextlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
+
+
+MEMORY_PER_WIRE_BYTE = 4
+"""Memory the daemon holds per byte of a batch between receipt and commit, at its peak: gRPC's
+receive buffer, the message's bytes, the parsed message, the fields handed to the store
+(measured: one 40 MiB batch raised the daemon's peak RSS by 159 MiB). The in-flight budget
+counts batches at this rate, so the daemon's memory, not their wire size, stays within it."""
 
 
 @dataclass(frozen=True)
@@ -32,11 +39,18 @@ class ServerLimits:
     max_compares: int = 8
     """Compare calls running or queued at once."""
     max_inflight_bytes: int = 512 << 20
-    """Serialized bytes of batches received but not yet committed, all streams together."""
+    """Memory that batches being received, or received and not yet committed, may take, all
+    streams together: each wire byte counts MEMORY_PER_WIRE_BYTE (one budget for receiving and
+    admitted batches: `receive_slots`)."""
     inflight_wait_s: float = 10.0
     """How long a batch waits for in-flight bytes to free before RESOURCE_EXHAUSTED."""
     idle_stream_s: float = 600.0
     """An Ingest stream with no batch for this long is ended (0 = never)."""
+    first_batch_s: float = 5.0
+    """An Ingest stream that has sent no batch this long after it opened is ended (0 = only
+    `idle_stream_s`): an agent opens its stream when it has a batch to send, so a stream that
+    sends nothing holds a place under `max_ingest_streams` for nothing (20,000 of them kept a
+    capped daemon from admitting a new rank)."""
     compare_budget_s: float = 300.0
     """Longest a comparison may run; its worker process is killed after (DEADLINE_EXCEEDED)."""
     compare_processes: int = 1
@@ -58,6 +72,8 @@ class Admission:
 
     def __init__(self, limits: ServerLimits) -> None:
         self.limits = limits
+        self.on_freed: Callable[[], None] | None = None
+        """Called when admitted bytes are freed (the receive slots may then grant more)."""
         self.streams = 0
         self.watches: Counter[str] = Counter()
         self.compares = 0
@@ -104,9 +120,12 @@ class Admission:
             self.compares -= 1
 
     @contextlib.asynccontextmanager
-    async def bytes_in_flight(self, n: int):
-        """Hold `n` bytes of the in-flight budget while the block runs (waits for room)."""
-        n = min(n, self.limits.max_inflight_bytes)  # one batch alone always fits
+    async def bytes_in_flight(self, wire_bytes: int):
+        """Hold a batch of `wire_bytes` (MEMORY_PER_WIRE_BYTE each) in the in-flight budget
+        while the block runs (waits for room; never does after a receive slot, whose
+        reservation covered it)."""
+        n = min(wire_bytes * MEMORY_PER_WIRE_BYTE,
+                self.limits.max_inflight_bytes)  # one batch alone always fits
         if self._freed is None:
             self._freed = asyncio.Condition()
         fits = lambda: self.inflight_bytes + n <= self.limits.max_inflight_bytes  # noqa: E731
@@ -123,5 +142,7 @@ class Admission:
             yield
         finally:
             self.inflight_bytes -= n
+            if self.on_freed is not None:
+                self.on_freed()
             async with self._freed:
                 self._freed.notify_all()

@@ -58,7 +58,8 @@ class DaemonMetrics:
         """Gauges that read the live counts of `admission.Admission` and the receive slots."""
         gauges: list[tuple[str, str, Callable[[], float]]] = [
             ("open_streams", "Ingest streams open", lambda: admission.streams),
-            ("inflight_bytes", "Bytes of batches received and admitted, not yet committed",
+            ("inflight_bytes", "Memory of batches received and admitted, not yet committed "
+             "(4 bytes a wire byte)",
              lambda: admission.inflight_bytes),
             ("receiving_streams", "Ingest streams holding a receive slot",
              lambda: slots.held),

@@ -3,17 +3,28 @@
 gRPC core accepts a whole message (up to `wire.limits.MAX_MESSAGE_BYTES`) for every stream whose
 handler is waiting for its next message, before any admission check can see its size: 24 streams
 each sending a 40 MiB batch put ~1.8 GB in the daemon although `max_inflight_bytes` was 512 MiB.
-So a stream asks for the next message only while it holds one of `slots` receive slots, and keeps
-the slot until its batch is admitted to the in-flight budget (`Admission.bytes_in_flight`). A
-stream without a slot has not asked gRPC for a message: HTTP/2 flow control holds its sender to
-the stream window (64 KiB, BDP probing off: `wire.limits.server_options`).
+So a stream asks for the next message only while it holds a receive slot, and keeps the slot
+until its batch is admitted to the in-flight bytes (`Admission.bytes_in_flight`). A stream
+without a slot has not asked gRPC for a message: HTTP/2 flow control holds its sender to the
+stream window (64 KiB, BDP probing off: `wire.limits.server_options`).
+
+One budget covers both, counted in memory (`admission.MEMORY_PER_WIRE_BYTE` bytes per wire
+byte): a slot reserves what one largest message may take, and is granted only while the
+reservations and what the admitted batches (received, not yet committed) take fit in
+`max_inflight_bytes`; a received batch turns its slot's reservation into its own share. So the
+memory batches take, receiving or admitted, stays within the budget (before, slots and admitted
+bytes were two budgets, each of wire bytes, and 24 concurrent 40 MiB batches took 4-5 times the
+budget). A budget below one largest message's share still lets one stream receive at a time.
 
 Agents keep one long-lived stream per rank and it waits for the next batch holding its slot. So
 when streams wait for a slot, every `evict_after_s` the streams that have held a slot without
 receiving anything for that long are ended (`IdleStream`, UNAVAILABLE: the agent reconnects and
 resends, nothing is lost), at most one per waiter. Streams that have delivered a batch before get
-freed slots first (a flood of streams that never send cannot starve working agents). The trade-off
-is documented in docs/reliability.md ("Memory bounded by what is in flight").
+freed slots first, oldest waiter first (a flood of streams that never send cannot starve working
+agents); among streams that have not, the newest first: an agent opens its stream when it has a
+batch to send, so a stream that has waited long without one is more likely idle (a flood), and
+a rank that just connected is not queued behind thousands of them. The trade-off is documented
+in docs/reliability.md ("Memory bounded by what is in flight").
 
 Pure bookkeeping on the event loop, like `admission`.
 """
@@ -32,9 +43,10 @@ class StreamSlot:
     """One Ingest stream's place: whether it holds a slot, since when it waits for a message,
     and the event that ends it when its slot is taken back."""
 
-    __slots__ = ("holding", "reading_since", "batches", "evicted", "_grant")
+    __slots__ = ("holding", "reading_since", "batches", "evicted", "opened", "_grant")
 
     def __init__(self) -> None:
+        self.opened = time.monotonic()
         self.holding = False
         self.reading_since: float | None = None
         self.batches = 0
@@ -43,11 +55,18 @@ class StreamSlot:
 
 
 class ReceiveSlots:
-    """`slots` streams at most receive (or hold a received, not yet admitted batch) at once."""
+    """`slots` streams at most receive (or hold a received, not yet admitted batch) at once;
+    with `admitted` (the bytes admitted, not yet committed) and `budget`, fewer: as many largest
+    messages as fit in the budget beside the admitted bytes (one at least when nothing is)."""
 
     def __init__(self, slots: int, evict_after_s: float = 1.0,
-                 on_evict: Callable[[], None] | None = None) -> None:
+                 on_evict: Callable[[], None] | None = None, *,
+                 budget: int | None = None, admitted: Callable[[], int] | None = None,
+                 message_bytes: int = limits.MAX_MESSAGE_BYTES) -> None:
         self.slots = max(1, slots)
+        self.budget = budget
+        self.admitted = admitted or (lambda: 0)
+        self.message_bytes = message_bytes
         self.evict_after_s = evict_after_s
         self.held = 0
         self._holders: set[StreamSlot] = set()
@@ -57,9 +76,27 @@ class ReceiveSlots:
         self._on_evict = on_evict
 
     @classmethod
-    def for_budget(cls, inflight_bytes: int, **kw) -> "ReceiveSlots":
-        """As many slots as whole messages of the largest size fit in the in-flight budget."""
-        return cls(inflight_bytes // limits.MAX_MESSAGE_BYTES, **kw)
+    def for_budget(cls, inflight_bytes: int, admitted: Callable[[], int] | None = None,
+                   per_byte: int = 1, **kw) -> "ReceiveSlots":
+        """As many slots as the largest messages (`per_byte` memory bytes a wire byte) fit in
+        the in-flight budget, beside the memory `admitted()` (one budget for both)."""
+        message = per_byte * limits.MAX_MESSAGE_BYTES
+        return cls(inflight_bytes // message, budget=inflight_bytes, admitted=admitted,
+                   message_bytes=message, **kw)
+
+    def _room(self) -> bool:
+        """Whether one more stream may take a slot."""
+        if self.held >= self.slots:
+            return False
+        if self.budget is None:
+            return True
+        admitted = self.admitted()
+        return ((self.held == 0 and admitted == 0)
+                or (self.held + 1) * self.message_bytes + admitted <= self.budget)
+
+    def budget_freed(self) -> None:
+        """Admitted bytes were committed: slots the budget now has room for go to waiters."""
+        self._grant_next()
 
     @property
     def waiting(self) -> int:
@@ -69,11 +106,12 @@ class ReceiveSlots:
         """Waits for a slot (cancellable); the stream holds it until `release`."""
         if stream.holding:
             return
-        if self.held < self.slots and not self._waiters:
+        if not self._waiters and self._room():
             self._take(stream)
             return
         stream._grant = asyncio.get_running_loop().create_future()
-        self._waiters[stream] = (0 if stream.batches else 1, next(self._order))
+        order = next(self._order)  # working streams oldest first, the others newest first
+        self._waiters[stream] = (0, order) if stream.batches else (1, -order)
         self._arm()
         try:
             await stream._grant
@@ -109,7 +147,7 @@ class ReceiveSlots:
         self.held += 1
 
     def _grant_next(self) -> None:
-        while self.held < self.slots and self._waiters:
+        while self._waiters and self._room():
             stream = min(self._waiters, key=self._waiters.__getitem__)
             del self._waiters[stream]
             if stream._grant is not None and not stream._grant.done():

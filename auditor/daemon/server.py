@@ -35,7 +35,8 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wire import limits
-from auditor.daemon.admission import Admission, IdleStream, ServerLimits, TooBusy
+from auditor.daemon.admission import (MEMORY_PER_WIRE_BYTE, Admission, IdleStream,
+                                      ServerLimits, TooBusy)
 from auditor.daemon.auth import (AuthInterceptor, PermissionDenied, Unauthenticated,
                                  check_rename, current_grant)
 from auditor.daemon.reflection import enable_reflection
@@ -235,7 +236,10 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         self._admission = Admission(self._limits)
         self.metrics = metrics or DaemonMetrics()
         self._slots = ReceiveSlots.for_budget(self._limits.max_inflight_bytes,
+                                              lambda: self._admission.inflight_bytes,
+                                              per_byte=MEMORY_PER_WIRE_BYTE,
                                               on_evict=self.metrics.evictions.inc)
+        self._admission.on_freed = self._slots.budget_freed
         self.metrics.watch_admission(self._admission, self._slots)
         self._read_workers = Workers("Read", self._limits.read_processes)
         self._stopping = asyncio.Event()
@@ -273,7 +277,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch],
                             slot: StreamSlot) -> pb.RecordBatch:
         return await next_batch(batches, slot, self._slots, self._stopping,
-                                self._limits.idle_stream_s, ShuttingDown)
+                                self._limits.idle_stream_s, ShuttingDown,
+                                first_batch_s=self._limits.first_batch_s)
 
     @_rpc("unary_unary")
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:

@@ -50,3 +50,54 @@ def test_slots_cap_readers_prefer_working_streams_and_evict_idle_holders():
         assert slots.held == 0
 
     asyncio.run(main())
+
+
+def test_streams_that_never_sent_are_served_newest_first():
+    """A rank that just connected is not queued behind thousands of silent streams (issue 40:
+    a new rank's Ingest got DEADLINE_EXCEEDED behind 4,080 of them)."""
+    async def main() -> None:
+        slots = ReceiveSlots(1, evict_after_s=60)
+        holder = StreamSlot()
+        await slots.acquire(holder)
+        silent = [StreamSlot() for _ in range(50)]
+        waits = [asyncio.ensure_future(slots.acquire(s)) for s in silent]
+        await asyncio.sleep(0)
+        newcomer = StreamSlot()
+        t_new = asyncio.ensure_future(slots.acquire(newcomer))
+        await asyncio.sleep(0)
+        slots.release(holder)
+        await asyncio.sleep(0)
+        assert t_new.done() and not any(w.done() for w in waits)
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_receiving_and_admitted_bytes_share_one_budget():
+    """Slots reserve a largest message each, admitted batches their own share, in one budget."""
+    async def main() -> None:
+        admitted = [0]
+        slots = ReceiveSlots(8, evict_after_s=60, budget=4 * 100, admitted=lambda: admitted[0],
+                             message_bytes=100)
+        held = [StreamSlot() for _ in range(4)]
+        for s in held:
+            await slots.acquire(s)
+        assert slots.held == 4  # the budget holds four largest messages
+        admitted[0] = 30  # one batch received and admitted (its slot released below)
+        slots.release(held[0])
+        late = StreamSlot()
+        t_late = asyncio.ensure_future(slots.acquire(late))
+        await asyncio.sleep(0)
+        assert not t_late.done()  # 3 reservations + 30 admitted: no room for a fourth message
+        admitted[0] = 0
+        slots.budget_freed()
+        await asyncio.wait_for(t_late, 2)
+        # a budget below one message still lets one stream receive when nothing else is held
+        small = ReceiveSlots(8, budget=10, admitted=lambda: 0, message_bytes=100)
+        one = StreamSlot()
+        await small.acquire(one)
+        assert small.held == 1
+
+    asyncio.run(main())

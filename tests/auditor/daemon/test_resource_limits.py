@@ -45,7 +45,7 @@ async def _flood(address: str) -> tuple[dict, list]:
     outcome: dict = {}
     for call in calls + watches:
         code = (await call.code()) if call.done() else None
-        if code == grpc.StatusCode.UNAVAILABLE and "no batch for" in await call.details():
+        if code == grpc.StatusCode.UNAVAILABLE and "no batch" in await call.details():
             code = IDLE  # the daemon held it, then ended it for idleness (IDLE_S is near the sleep)
         outcome[code] = outcome.get(code, 0) + 1
     return outcome, [channels, calls, watches]
