@@ -32,6 +32,9 @@ ENV_DIGEST = "NUMAUDIT_DIGEST"        # "auto" (fused kernel where it applies) |
 ENV_RANKS = "NUMAUDIT_RANKS"          # ranks that capture: "0,4-7"; empty = all
 ENV_PAYLOAD = "NUMAUDIT_PAYLOAD"      # comma-separated "phase:site" globs that carry raw payloads
 ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
+ENV_TRITON_ROWS = "NUMAUDIT_TRITON_ROWS"  # Triton digest: rows a program reads per step (tuning)
+ENV_TRITON_WARPS = "NUMAUDIT_TRITON_WARPS"  # Triton digest: warps per program (tuning)
+ENV_TRITON_FAST_LAUNCH = "NUMAUDIT_TRITON_FAST_LAUNCH"  # "0": every Triton launch through its JIT
 ENV_SAMPLE_DIGESTS = "NUMAUDIT_SAMPLE_DIGESTS"  # "0": no per-sample digests of batch-holding captures
 ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
 ENV_SIDECAR = "NUMAUDIT_SIDECAR"      # node sidecar socket, unix:///PATH (then no gRPC in-process)

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import triton
 
+from agents.config import ENV_TRITON_FAST_LAUNCH
 from agents.digest import N_MOMENTS
 
 _VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
@@ -30,7 +31,7 @@ ALL_ARGS = _VERSION >= (3, 3)
 """Since Triton 3.3 a compiled kernel's launcher takes every argument, constexprs included (it
 skips them); before, only the runtime ones."""
 
-FAST_LAUNCH = os.environ.get("NUMAUDIT_TRITON_FAST_LAUNCH", "1") != "0"
+FAST_LAUNCH = os.environ.get(ENV_TRITON_FAST_LAUNCH, "1") != "0"
 """``NUMAUDIT_TRITON_FAST_LAUNCH=0`` launches every time through Triton's JIT (to compare)."""
 
 

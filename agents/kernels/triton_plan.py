@@ -32,18 +32,19 @@ import numpy as np
 import torch
 
 from agents import hashing
+from agents.config import ENV_TRITON_ROWS, ENV_TRITON_WARPS
 from agents.kernels.cpu import index_map
 from agents.layout import PieceLayout, complex_real_layout
 
 MAX_DIMS = 4
 """Dims of a piece after merging those contiguous in both memory and the logical tensor."""
-ROWS = int(os.environ.get("NUMAUDIT_TRITON_ROWS", "2"))
+ROWS = int(os.environ.get(ENV_TRITON_ROWS, "2"))
 """Rows a program reads per loop step for k <= 256 (one for k > 256: its window picks the
 sketch's 256 buckets a row adds to). A power of two; NUMAUDIT_TRITON_ROWS sets it (for
 ``python -m bench.gpu``'s sweep: the bound below holds for any). With NUM_WARPS, chosen
 without a GPU from ptxas's register counts for sm_90 (docs/benchmarks.md): 4 elements a thread
 and a step, about 128 registers, 16 warps a multiprocessor."""
-NUM_WARPS = int(os.environ.get("NUMAUDIT_TRITON_WARPS", "4"))
+NUM_WARPS = int(os.environ.get(ENV_TRITON_WARPS, "4"))
 """Warps per program of the tiles kernel (NUMAUDIT_TRITON_WARPS sets it)."""
 MAX_TILE_ROWS = 256
 """Rows of a tile at most: 64k elements, the float32 accumulation's span (the contract)."""
