@@ -35,7 +35,8 @@ def summary_logger() -> logging.Logger:
         handler = logging.StreamHandler()  # sys.stderr at the time of the call
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         lg.addHandler(handler)
-        lg.setLevel(logging.INFO)
+        if lg.level == logging.NOTSET:  # a level set on it (the auditor's CLI) stays
+            lg.setLevel(logging.INFO)
         lg.propagate = False
     return lg
 

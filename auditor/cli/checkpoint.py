@@ -18,6 +18,8 @@ import click
 
 from auditor.cli.compare import (_load_policy, _policy_options, check_outputs, render_report,
                                  write_outputs)
+from auditor.cli.checkpoint_report import (measure_differences, prefix_map,
+                                           suggestion_from_report)
 from auditor.cli.main import ENV_DB, InputError, main
 from auditor.report.text import TEXT_ROWS_PER_GROUP
 
@@ -63,13 +65,15 @@ def _size(text: str) -> int:
               help="Also write the JSON report to this file.")
 @click.option("--html-output", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the HTML report to this file.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Text: after the findings grouped by cause, list every breaching finding.")
 @click.option("--all", "show_all", is_flag=True, help="Text: list passing findings too.")
 @click.option("--limit", type=click.IntRange(min=0), default=TEXT_ROWS_PER_GROUP,
               show_default=True, help="Text: findings listed per group (0 = all).")
 def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None,
                map_file: Path | None, step: int, db: Path | None, max_memory: str, fmt: str,
                output: Path | None, json_output: Path | None, html_output: Path | None,
-               show_all: bool, limit: int) -> int:
+               verbose: bool, show_all: bool, limit: int) -> int:
     """Compare checkpoint CAND against REF (DCP directory, .safetensors, or run:NAME).
 
     Exit 0 when every entry agrees within the policy, 1 when findings breach it, 2 when a
@@ -109,25 +113,48 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
     if db is not None and not db.parent.is_dir():
         raise InputError(f"db: directory {db.parent} does not exist")
     with tempfile.TemporaryDirectory(prefix="numaudit-ckpt-") as tmp:
+        named: list[str] = []
+        if name_map is None:  # names one side nests under a prefix ("model."): the map
+            try:
+                name_map, named = prefix_map(sides, Path(tmp))
+            except CheckpointError as exc:
+                _close(sides)
+                raise InputError(str(exc)) from None
+            for note in named:
+                click.echo(note, err=True)
+            notes = notes + named
         store = db if db is not None else Path(tmp) / "checkpoint.db"
         try:
             runs = _digest_files(sides, store, step, cap, name_map, keep=db is not None)
         except CheckpointError as exc:
+            _close(sides)
             raise InputError(str(exc)) from None
-        finally:
-            for s in sides.values():
-                if not isinstance(s, str):
-                    s.close()
+        except BaseException:
+            _close(sides)
+            raise
         reader = _reader(store)
         try:  # rendered while the store is open: causes read digests
             report = _compare(reader, runs, step, policy)
             report.warnings.extend(notes)
+            if name_map is None and not named:
+                report.warnings.extend(suggestion_from_report(report))
+            try:  # how much and where, read back from the files (a bitwise breach)
+                measure_differences(report, sides, name_map, cap)
+            except CheckpointError as exc:
+                report.warnings.append(f"differences not measured from the files: {exc}")
             text, html_text = render_report(report, fmt, output, show_all, limit,
-                                            html=html_output is not None)
+                                            html=html_output is not None, verbose=verbose)
             write_outputs(output, json_output, html_output, text, html_text, report)
         finally:
             reader.close()
+            _close(sides)
     return report.exit_code
+
+
+def _close(sides: dict) -> None:
+    for s in sides.values():
+        if not isinstance(s, str):
+            s.close()
 
 
 def _digest_files(sides: dict, store: Path, step: int, cap: int, name_map, *,
@@ -189,7 +216,7 @@ def _compare(reader, runs: dict[str, str], step: int, policy):
     from auditor.compare.selection import KeySelection
     from auditor.store import UnknownRun
 
-    select = KeySelection(step, step + 1, KeySelection.of_phases("state").phases)
+    select = KeySelection(step, step + 1, KeySelection.of_phases("state").phases, asked=False)
     try:
         return compare_runs(reader, runs["ref"], runs["cand"], policy, select=select)
     except (UnknownRun, KeyRangeError) as exc:

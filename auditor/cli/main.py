@@ -48,6 +48,9 @@ ENV_ADDR = "NUMAUDIT_ADDR"        # auditor address for runs/show when neither -
 DEFAULT_TIMEOUT_S = 10.0          # deadline of each call to a remote auditor
 
 log = logging.getLogger("auditor")
+# `auditor checkpoint` digests files through agents: their close line is news only when
+# something was not stored (WARNING), never a line per side on success (agents.agent)
+logging.getLogger("agents.summary").setLevel(logging.WARNING)
 
 
 class InputError(click.ClickException):

@@ -204,9 +204,11 @@ def measure_text(f: dict, *, compact: bool = False) -> str:
     "" when the finding has no measured value.
     """
     value = f.get("value")
+    metrics = f.get("metrics") or {}
+    if f.get("metric") == "exact" and value is None and metrics.get("payload"):
+        return _exact_text(f, metrics["payload"])  # a bitwise breach: how much, from bytes
     if not f.get("metric") or value is None:
         return ""
-    metrics = f.get("metrics") or {}
     bound = _lower_bound_only(f, metrics)
     text = f"{f['metric']} {'>= ' if bound else ''}{format_float(value)}"
     if f.get("sigma"):
@@ -235,6 +237,19 @@ def measure_text(f: dict, *, compact: bool = False) -> str:
             and isinstance(cos, (int, float)) and cos > 1e-3:
         extra.append(f"cosine {format_float(1.0 - cos)}")
     return text + ("; " + ", ".join(extra) if extra else "")
+
+
+def _exact_text(f: dict, payload: dict) -> str:
+    """A fingerprint breach measured from both runs' values: "fingerprints differ; max_abs
+    1.19e-07, 1 ulp, 1 of 4096 elements differ"."""
+    extra = []
+    if payload.get("max_abs") is not None:
+        extra.append(f"max_abs {format_float(payload['max_abs'])}")
+    if payload.get("ulp") not in (None, 0, 0.0):
+        extra.append(f"{format_float(payload['ulp'])} ulp")
+    if payload.get("mismatched") and f.get("numel"):
+        extra.append(f"{payload['mismatched']} of {f['numel']} elements differ")
+    return "fingerprints differ" + ("; " + ", ".join(extra) if extra else "")
 
 
 def pieces_text(p: dict | None, *, short: bool = False) -> str:
