@@ -32,6 +32,7 @@ from auditor.compare.columns import Catalog
 from auditor.compare.comparison import CompareError
 from auditor.compare.conventions import evaluate_runs
 from auditor.compare.localize import localize_breaches
+from auditor.compare.payloads import measure_exact_breaches
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
 from auditor.compare.regroup import rescale_declared
@@ -87,6 +88,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         comp.timings["load"] = t1 - t0
         t2 = time.perf_counter()
         localize_breaches(comp)
+        measure_exact_breaches(comp)  # a bitwise breach: how much and where, from payloads
         comp.timings["localize"] = time.perf_counter() - t2
         report = Report.build(comp, ref_info, cand_info, policy)
         report.warnings.extend(scale_warnings)

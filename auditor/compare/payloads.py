@@ -148,3 +148,38 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
         bits = None if bits is None else np.take(bits, perm, axis=d)
     return values, bits, dtype
 
+
+
+MEASURED_EXACT = 50
+"""Fingerprint breaches (the earliest) that `measure_exact_breaches` measures from payloads."""
+
+
+def measure_exact_breaches(comp: Comparison, limit: int = MEASURED_EXACT) -> None:
+    """A key decided by fingerprints alone (the bitwise preset) says only that they differ:
+    where both runs sent its payloads, measure how much and where (max_abs, ulp, the largest
+    difference's index) for the earliest `limit` such breaches. The verdict stands."""
+    from auditor.compare import findings as F
+    from auditor.compare.policy import METRICS
+
+    exact = list(METRICS).index("exact")  # its code in comp.metric (comparison.METRIC_CODES)
+    todo = [int(i) for i in comp.indices(breaches_only=True)
+            if int(comp.verdict[i]) == F.DIVERGED and int(comp.metric[i]) == exact
+            and int(i) not in comp.payload and comp.ri[i] >= 0 and comp.ci[i] >= 0]
+    for i in todo[:limit]:
+        try:
+            ref_vals, ref_bits, dt_r = logical_values(comp, "ref", int(comp.ri[i]))
+            cand_vals, cand_bits, dt_c = logical_values(comp, "cand", int(comp.ci[i]))
+        except PayloadUnavailable:
+            continue
+        if ref_vals.shape != cand_vals.shape:
+            continue
+        same = dt_r == dt_c and dt_r in FLOAT_DTYPES and ref_bits is not None and \
+            cand_bits is not None
+        pm = payload_metrics(ref_vals, cand_vals, rtol=0.0, atol=0.0, ref_bits=ref_bits,
+                             cand_bits=cand_bits, ulp_ok=same)
+        if same:
+            pm.ulp = ulp_distance(ref_bits, cand_bits, ref_vals, cand_vals, dt_r)
+            pm.mismatched = int(np.count_nonzero(ref_bits != cand_bits))
+        d = pm.as_dict()
+        d["allclose"] = None  # judged bit for bit: no tolerance to measure against
+        comp.payload[i] = d

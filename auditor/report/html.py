@@ -19,14 +19,16 @@ from typing import Iterable, Iterator
 
 from auditor.compare import findings as F
 from auditor.compare.align import ROLE_NAMES, phase_name
+from auditor.compare.ranges import format_ranges
 from auditor.compare.result import Report
 from auditor.report.html_assets import CSS, JS, SVG_DEFS
 from auditor.report.text import run_text, summary_line
 
-MAX_ROWS = 100
+MAX_ROWS = 64
 """Heatmap rows per phase; more modules are bucketed into this many rows."""
-MAX_COLS = 128
-"""Heatmap columns per phase; more (step, microbatch) pairs are bucketed into this many."""
+MAX_COLS = 64
+"""Heatmap columns per phase; more (step, microbatch) pairs are bucketed into this many: 64
+cells of at least `html_assets` CELL_MIN (16 px) fit the page's 1,100 px of heatmap."""
 MAX_TABLE_ROWS = 2000
 """Findings listed in the table (breaches first, then the other non-identical ones)."""
 
@@ -103,6 +105,12 @@ class _Heatmap:
             row_of[i] = rank_of[r]
         col_pos, col_labels = _buckets(cols, MAX_COLS, _col_label)
         col_of = {c: col_pos[i] for i, c in enumerate(cols)}
+        steps: list[list[int]] = [[] for _ in col_labels]
+        mbs: list[list[int]] = [[] for _ in col_labels]
+        for i, (step, mb) in enumerate(cols):
+            steps[col_pos[i]].append(step)
+            if mb >= 0:
+                mbs[col_pos[i]].append(mb)
         cells: dict[tuple[int, int], list] = {}
         for (site, col), (state, lv, n) in self.cells.items():
             rc = (row_of[site], col_of[col])
@@ -120,7 +128,11 @@ class _Heatmap:
         logs = [v for v in flat[3::5] if v is not None]
         doc = {"phase": self.phase, "rows": row_labels, "cols": col_labels, "cells": flat,
                "lo": min(logs) if logs else None, "hi": max(logs) if logs else None,
-               "sites": len(sites), "columns": len(cols)}
+               "sites": len(sites), "columns": len(cols),
+               "steps": len({c[0] for c in cols}), "microbatches": len({c[1] for c in cols
+                                                                      if c[1] >= 0}),
+               "col_steps": [format_ranges(x, "-").replace(", ", ",") for x in steps],
+               "col_mbs": [format_ranges(x).replace(", ", ",") for x in mbs]}
         return doc, dict(enumerate(row_of)), col_of
 
 
@@ -143,18 +155,53 @@ def _buckets(items: list, limit: int, label) -> tuple[list[int], list[str]]:
     return of, labels
 
 
+def measure(f: dict) -> tuple[str, float | None]:
+    """The table's measure of a finding, the verdict's own (text, and a number to sort by):
+    "×4.00" for a rescaling, "1 ulp" or "max_abs 7.45e-09" for a bitwise breach measured from
+    bytes, "rel_l2 0.0123" for a metric against its threshold; "" when nothing was measured."""
+    metrics = f.get("metrics") or {}
+    scaled = metrics.get("scaled_by")
+    if isinstance(scaled, (int, float)):
+        return f"×{F._fixed(scaled)}", float(scaled)
+    payload = metrics.get("payload") or {}
+    value, metric = f.get("value"), f.get("metric")
+    if metric == "exact" and value is None and payload.get("max_abs") is not None:
+        text = f"max_abs {F.format_float(payload['max_abs'])}"
+        if payload.get("ulp"):
+            text += f", {F.format_float(payload['ulp'])} ulp"
+        return text, _num(payload["max_abs"]) if isinstance(payload["max_abs"], float) else None
+    if metric and value is not None:
+        number = _num(value)
+        if metric == "ulp":
+            return f"{F.format_float(value)} ulp", number if isinstance(number, float) else None
+        return f"{metric} {F.format_float(value)}", number if isinstance(number, float) else None
+    return "", None
+
+
 def _row(f: dict, cell: list) -> dict:
     """A finding as the table and the rank map need it."""
     k = f["key"]
     cause = f.get("cause")
     why = f"{cause['kind']}: {cause['reason']}" if cause else (f.get("detail") or "")
+    text, number = measure(f)
     return {"o": f.get("order", 0), "step": k["step"], "mb": k["microbatch"],
             "phase": k["phase"], "site": k["site"], "role": k["role"], "index": k.get("index", 0),
             "call": k.get("call", 0), "verdict": f["verdict"], "breach": f["breach"],
             "stage": f.get("stage"), "metric": f.get("metric"), "value": _num(f.get("value")),
+            "measure": text, "mnum": number,
             "threshold": _num(f.get("threshold")), "rule": f.get("rule"), "why": why,
+            "group": f.get("group"),
             "ranks": f.get("ranks") or {"ref": [], "cand": []}, "pieces": f.get("pieces"),
             "notes": f.get("notes") or [], "cell": cell, "head": F.headline(f)}
+
+
+def _group(g: dict) -> dict:
+    """A group of breaching findings as the page's Causes section shows it."""
+    cause = g.get("cause")
+    return {"index": g["index"], "headline": g["headline"], "count": g["count"],
+            "first": g["first_order"], "sites": g.get("sites_text", ""),
+            "why": f"{cause['kind']}: {cause['reason']}" if cause else g.get("detail", ""),
+            "factor": g.get("factor_name", ""), "notes": g.get("notes") or []}
 
 
 def page_data(doc: dict, findings: Iterable[dict]) -> dict:
@@ -222,6 +269,7 @@ def page_data(doc: dict, findings: Iterable[dict]) -> dict:
         "first": first_doc, "graph_breaks": [{"group": g, "items": items}
                                              for g, items in breaks.items()],
         "warnings": doc.get("warnings") or [], "heatmaps": heatmaps, "findings": rows,
+        "groups": [_group(g) for g in doc.get("groups") or []],
         "findings_listed": listed, "findings_included": doc.get("findings_included", "all"),
         "verdicts": list(F.VERDICTS),
     }

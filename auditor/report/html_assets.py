@@ -38,6 +38,10 @@ tr.selected{background:#dbe9ff !important}
  text-align:center;line-height:18px;background:#fff;color:#999}
 .rk.held{background:#cfe3ff;color:#000}
 .rk.differ{background:#b2182b;color:#fff;border:2px solid #000;line-height:14px}
+td.o,td.step,td.mb,td.stage,td.measure,td.threshold,td.verdict,td.group{white-space:nowrap}
+.hm text.axis{font:bold 11px system-ui,sans-serif;fill:#444}
+.hm line.tick{stroke:#bbb;stroke-width:1}
+#groups li{margin:4px 0}#groups .keys{font-family:ui-monospace,monospace;font-size:12px}
 """
 
 SVG_DEFS = (
@@ -76,6 +80,7 @@ function fmt(v) {
   const a = Math.abs(v);
   return (a >= 0.01 && a < 1000) ? v.toFixed(3).replace(/\.?0+$/, '') : v.toExponential(2);
 }
+function plural(n, one, many) { return n + ' ' + (n === 1 ? one : (many || one + 's')); }
 function ranges(xs) {
   const out = []; let i = 0;
   while (i < xs.length) {
@@ -172,23 +177,49 @@ const cellRects = [];
 function differs(hm) { for (let k = 2; k < hm.cells.length; k += 5) if (hm.cells[k]) return true; return false; }
 const anyDiffers = D.heatmaps.some(differs);  // then all-identical phases start folded
 const STATES = ['identical', 'within policy', 'breach'];
+const CELL_MIN = 16, CELL_MAX = 28;  // px: a cell to read and to point at
 D.heatmaps.forEach((hm, h) => {
   const nr = hm.rows.length, nc = hm.cols.length;
-  const cw = Math.max(4, Math.min(16, Math.floor(1000 / Math.max(1, nc))));
-  const ch = Math.max(6, Math.min(14, Math.floor(900 / Math.max(1, nr))));
+  const cw = Math.max(CELL_MIN, Math.min(CELL_MAX, Math.floor(1100 / Math.max(1, nc))));
+  const ch = Math.max(CELL_MIN, Math.min(22, Math.floor(900 / Math.max(1, nr))));
   const longest = hm.rows.reduce((m, r) => Math.max(m, r.length), 0);
-  const lw = Math.min(330, 10 + 6.1 * Math.min(longest, 52)), top = 16;
-  const svg = sv('svg', {width: lw + nc * cw + 70, height: top + nr * ch + 4, 'data-phase': hm.phase});
+  const lw = Math.max(90, Math.min(330, 10 + 6.1 * Math.min(longest, 52)));
+  const hasMb = hm.col_mbs.some((m) => m !== '');
+  const mbLen = hm.col_mbs.reduce((m, x) => Math.max(m, x.length), 0);
+  const mbVertical = hasMb && mbLen * 6.2 + 2 > cw;  // labels that do not fit across a cell
+  const stepRow = 14, mbRow = hasMb ? (mbVertical ? 6.2 * mbLen + 8 : 14) : 0;
+  const top = stepRow + mbRow + 6;
+  const svg = sv('svg', {width: lw + nc * cw + 20, height: top + nr * ch + 4, 'data-phase': hm.phase,
+    'data-cell-w': cw, 'data-cell-h': ch});
+  // axes: steps on the first header row (one label a run of columns), microbatches below
+  const title = (y, text, cls) => { const t = sv('text', {x: lw - 6, y: y, 'text-anchor': 'end',
+    'class': 'axis ' + cls}); t.textContent = text; svg.append(t); };
+  title(stepRow - 3, 'step', 'x-step');
+  if (hasMb) title(stepRow + mbRow - 3, 'microbatch', 'x-mb');
+  let j0 = 0;
+  while (j0 < nc) {
+    let j1 = j0; while (j1 + 1 < nc && hm.col_steps[j1 + 1] === hm.col_steps[j0]) j1++;
+    const span = (j1 - j0 + 1) * cw, text = hm.col_steps[j0];
+    if (text.length * 6.2 <= span + 4 || j0 === j1) {
+      const t = sv('text', {x: lw + j0 * cw + span / 2, y: stepRow - 3, 'text-anchor': 'middle',
+        'class': 'col-step'});
+      t.textContent = text; svg.append(t);
+    }
+    svg.append(sv('line', {x1: lw + j0 * cw, x2: lw + j0 * cw, y1: 0, y2: top - 2, 'class': 'tick'}));
+    j0 = j1 + 1;
+  }
+  if (hasMb) hm.col_mbs.forEach((m, j) => {
+    const x = lw + j * cw + cw / 2, y = stepRow + mbRow - 3;
+    const t = sv('text', mbVertical ? {x: x + 3, y: y, transform: 'rotate(-90 ' + (x + 3) + ' ' + y + ')',
+      'class': 'col-mb'} : {x: x, y: y, 'text-anchor': 'middle', 'class': 'col-mb'});
+    t.textContent = m; svg.append(t);
+  });
+  const rowTitle = sv('text', {x: 2, y: top - 4, 'class': 'axis y-axis'});
+  rowTitle.textContent = 'module ↓'; if (!hasMb) svg.append(rowTitle);
   hm.rows.forEach((r, i) => {
-    if (ch < 9 && i % Math.ceil(9 / ch)) return;
-    const t = sv('text', {x: lw - 4, y: top + i * ch + ch - 2, 'text-anchor': 'end'});
+    const t = sv('text', {x: lw - 4, y: top + i * ch + ch / 2 + 4, 'text-anchor': 'end', 'class': 'row-label'});
     t.textContent = r.length > 52 ? r.slice(0, 20) + '…' + r.slice(-31) : r;
     svg.append(t);
-  });
-  const every = Math.max(1, Math.ceil(70 / cw));
-  hm.cols.forEach((c, j) => {
-    if (j % every) return;
-    const t = sv('text', {x: lw + j * cw, y: 11}); t.textContent = c; svg.append(t);
   });
   const rects = new Map();
   const cells = hm.cells;
@@ -198,6 +229,8 @@ D.heatmaps.forEach((hm, h) => {
     const x = lw + c * cw, y = top + r * ch;
     const rect = sv('rect', {x: x, y: y, width: cw, height: ch, 'class': 'cell s' + st,
       fill: cellColour(hm, st, lv), 'data-h': h, 'data-r': r, 'data-c': c, 'data-k': k});
+    const tip = sv('title'); tip.textContent = hm.rows[r] + ' @ step ' + hm.col_steps[c]
+      + (hm.col_mbs[c] !== '' ? ' mb ' + hm.col_mbs[c] : '') + ': ' + STATES[st]; rect.append(tip);
     svg.append(rect);
     if (st) marks[st] += 'M' + x + ' ' + y + 'h' + cw + 'v' + ch + 'h' + (-cw) + 'z';
     rects.set(r + ',' + c, rect);
@@ -207,19 +240,23 @@ D.heatmaps.forEach((hm, h) => {
   cellRects.push(rects);
   svg.addEventListener('mouseover', (ev) => {
     const t = ev.target; if (!t.classList || !t.classList.contains('cell')) return;
-    const k = +t.dataset.k;
-    info.textContent = hm.phase + ' | ' + hm.rows[cells[k]] + ' | ' + hm.cols[cells[k + 1]] + ' | '
+    const k = +t.dataset.k, c = cells[k + 1];
+    info.textContent = hm.phase + ' | ' + hm.rows[cells[k]] + ' | step ' + hm.col_steps[c]
+      + (hm.col_mbs[c] !== '' ? ' microbatch ' + hm.col_mbs[c] : '') + ' | '
       + STATES[cells[k + 2]] + ' | worst metric ' + (cells[k + 3] === null ? '-' : fmt(Math.pow(10, cells[k + 3])))
-      + ' | ' + cells[k + 4] + ' keys';
+      + ' | ' + cells[k + 4] + (cells[k + 4] === 1 ? ' key' : ' keys');
   });
   svg.addEventListener('click', (ev) => {
     const t = ev.target; if (!t.classList || !t.classList.contains('cell')) return;
     setState({cell: [h, t.dataset.r, t.dataset.c].join('.'), sel: null});
   });
   const note = (hm.rows.length < hm.sites || hm.cols.length < hm.columns)
-    ? ' (aggregated: ' + hm.sites + ' modules in ' + nr + ' rows, ' + hm.columns + ' steps/microbatches in ' + nc + ' columns; a cell shows its worst key)' : '';
+    ? ' (aggregated: ' + plural(hm.sites, 'module') + ' in ' + plural(nr, 'row') + ', '
+      + plural(hm.steps, 'step') + (hasMb ? ' × ' + plural(hm.microbatches, 'microbatch', 'microbatches') : '') + ' in ' + plural(nc, 'column')
+      + '; a cell shows its worst key)' : '';
   const fold = el('details', {'class': 'hm-phase', 'data-phase': hm.phase},
-    el('summary', {}, el('b', {}, hm.phase), ': ' + hm.sites + ' modules × ' + hm.columns + ' steps/microbatches'
+    el('summary', {}, el('b', {}, hm.phase), ': ' + plural(hm.sites, 'module') + ' × '
+      + plural(hm.steps, 'step') + (hasMb ? ' × ' + plural(hm.microbatches, 'microbatch', 'microbatches') : '')
       + (differs(hm) ? '' : ', all identical') + note),
     el('div', {'class': 'hm', 'id': 'hm-' + hm.phase}, svg));
   if (differs(hm) || !anyDiffers) fold.open = true;
@@ -265,7 +302,7 @@ function rankMap(f) {
       grid.append(el('div', {'class': 'rk' + (held.has(r) ? ' held' : '') + (bad ? ' differ' : ''),
         title: 'rank ' + r + (held.has(r) ? ' holds a piece' : '') + (bad ? ', differs' : '')}, bad ? '✕' + r : r));
     }
-    rankSec.append(el('div', {}, side + ' ' + run.name + ' (' + run.world_size + ' ranks; blue: holds a piece'
+    rankSec.append(el('div', {}, side + ' ' + run.name + ' (' + plural(run.world_size, 'rank') + '; blue: holds a piece'
       + (pside === side && differ.size ? ', red ✕: its piece differs' : '') + ')'), grid);
   }
   if (p.cannot_localize) rankSec.append(el('div', {'class': 'muted'}, 'cannot localize: ' + p.cannot_localize));
@@ -277,6 +314,22 @@ function rankMap(f) {
   if (p.differ && p.method) rankSec.append(el('div', {'class': 'muted'}, (p.differ_count || p.differ.length) + ' pieces differ, '
     + (p.agree || 0) + ' agree (by ' + p.method + ')'));
   if (f.cell) rankSec.append(el('a', {'class': 'link', onclick: () => scrollToCell(f.cell)}, 'show in heatmap'));
+}
+// -- breaching findings grouped by cause -----------------------------------------------------
+if (D.groups.length) {
+  const ul = el('ul', {'id': 'groups'});
+  for (const g of D.groups) {
+    const li = el('li', {'data-group': g.index}, el('span', {'class': 'bad'}, 'G' + g.index + ': ' + g.headline));
+    if (g.why) li.append(el('div', {}, g.why));
+    if (g.factor) li.append(el('div', {'class': 'muted'}, 'factor: ' + g.factor));
+    for (const n of g.notes) li.append(el('div', {'class': 'muted'}, 'note: ' + n));
+    li.append(el('div', {'class': 'keys'}, 'keys: ' + g.sites),
+      el('a', {'class': 'link', onclick: () => setState({group: String(g.index), verdict: null,
+        phase: null, site: null, cell: null, breach: null})}, 'list its ' + plural(g.count, 'finding')));
+    ul.append(li);
+  }
+  app.append(el('h2', {}, 'Breaching findings by cause (' + plural(D.groups.length, 'group') + ')'),
+    el('section', {'class': 'box'}, ul));
 }
 // -- the findings table ----------------------------------------------------------------------
 const tabSec = el('section', {'id': 'findings'});
@@ -297,8 +350,23 @@ tabSec.append(el('div', {'class': 'filters'}, fVerdict, fPhase, fSite, el('label
 if (D.findings.length < D.findings_listed) tabSec.append(el('div', {'class': 'muted'}, 'the table holds '
   + D.findings.length + ' of ' + D.findings_listed + ' non-identical findings (breaches first); '
   + '`auditor compare --format json` has every finding'));
-const COLS = [['o', '#'], ['step', 'step'], ['mb', 'mb'], ['phase', 'phase'], ['site', 'site'], ['role', 'role'],
-  ['verdict', 'verdict'], ['stage', 'stage'], ['metric', 'metric'], ['value', 'value'], ['threshold', 'threshold'], ['why', 'cause / detail']];
+const GROUP_FIRST = new Map(D.groups.map((g) => [g.index, g.first]));
+function cellText(f, k) {
+  const v = f[k];
+  if ((k === 'mb' || k === 'stage') && (v === null || v < 0)) return '';
+  if (k === 'role') return f.role + (f.index ? '[' + f.index + ']' : '') + (f.call ? ' call ' + f.call : '');
+  if (k === 'threshold') return f.measure && f.measure[0] !== '×' && v !== null ? fmt(v) : '';
+  if (k === 'group') return v === null || v === undefined ? '' : 'G' + v;
+  // a group's cause is said once, on its first finding (and in the section above)
+  if (k === 'why' && f.group !== null && f.group !== undefined && GROUP_FIRST.get(f.group) !== f.o)
+    return 'as G' + f.group + "'s first";
+  return v === null || v === undefined ? '' : String(v);
+}
+const ALL_COLS = [['o', '#'], ['step', 'step'], ['mb', 'mb'], ['phase', 'phase'], ['site', 'site'], ['role', 'role'],
+  ['verdict', 'verdict'], ['stage', 'stage'], ['measure', 'measure'], ['threshold', 'threshold'],
+  ['group', 'group'], ['why', 'cause / detail']];
+// no column that would be empty on every row (no stage when nothing is pipelined)
+const COLS = ALL_COLS.filter(([k]) => k === 'o' || D.findings.some((f) => cellText(f, k) !== ''));
 const thead = el('tr', {});
 for (const [k, label] of COLS) {
   thead.append(el('th', {'data-sort': k, onclick: () => {
@@ -308,35 +376,31 @@ for (const [k, label] of COLS) {
 const tbody = el('tbody', {'id': 'findings-body'});
 const moreLink = el('a', {'class': 'link', 'id': 'f-more', onclick: () => setState({more: '1'})}, 'list all');
 tabSec.append(el('table', {'id': 'findings-table'}, el('thead', {}, thead), tbody), moreLink);
-function num(v) { return v === null ? -Infinity : (typeof v === 'string' ? (v[0] === '-' ? -Infinity : Infinity) : v); }
+function num(v) { return v === null || v === undefined ? -Infinity : (typeof v === 'string' ? (v[0] === '-' ? -Infinity : Infinity) : v); }
 const MAX_SHOWN = 200;  // rows built at once; `more=1` in the fragment lists all
 function render() {
   const s = state();
   const verdict = s.get('verdict') || '', phase = s.get('phase') || '', site = (s.get('site') || '').toLowerCase();
   const breach = s.get('breach') === '1', cell = s.get('cell'), sel = s.get('sel');
+  const group = s.get('group');
   fVerdict.value = verdict; fPhase.value = phase; fSite.value = s.get('site') || ''; fBreach.checked = breach;
   let rows = D.findings.filter((f) => (!verdict || f.verdict === verdict) && (!phase || f.phase === phase)
     && (!site || f.site.toLowerCase().includes(site)) && (!breach || f.breach)
-    && (!cell || (f.cell && f.cell.join('.') === cell)));
+    && (!cell || (f.cell && f.cell.join('.') === cell)) && (group === null || String(f.group) === group));
   const key = s.get('sort');
   if (key) {
     const dir = s.get('desc') ? -1 : 1;
-    const numeric = ['o', 'step', 'mb', 'stage', 'value', 'threshold'].includes(key);
-    rows = rows.slice().sort((a, b) => dir * (numeric ? num(a[key]) - num(b[key])
-      : String(a[key]).localeCompare(String(b[key]))));
+    const numeric = ['o', 'step', 'mb', 'stage', 'measure', 'threshold', 'group'].includes(key);
+    const field = key === 'measure' ? 'mnum' : key;
+    rows = rows.slice().sort((a, b) => dir * (numeric ? num(a[field]) - num(b[field])
+      : String(a[field]).localeCompare(String(b[field]))));
   }
   tbody.textContent = '';
   const shown = s.get('more') ? rows.length : MAX_SHOWN;
   for (const f of rows.slice(0, shown)) {
     const tr = el('tr', {'class': 'finding' + (f.breach ? ' breach' : '') + (String(f.o) === sel ? ' selected' : ''),
       'data-o': f.o, onclick: () => setState({sel: String(f.o)})});
-    for (const [k] of COLS) {
-      let v = f[k];
-      if ((k === 'mb' || k === 'stage') && v !== null && v < 0) v = '';
-      if (k === 'role') v = f.role + (f.index ? '[' + f.index + ']' : '') + (f.call ? ' call ' + f.call : '');
-      if (k === 'value' || k === 'threshold') v = fmt(v);
-      tr.append(el('td', {'class': k}, v === null || v === undefined ? '' : v));
-    }
+    for (const [k] of COLS) tr.append(el('td', {'class': k}, cellText(f, k)));
     tbody.append(tr);
   }
   count.textContent = rows.length + ' of ' + D.findings.length + ' findings match'
