@@ -20,8 +20,7 @@ from agents.state import TooDeep, expand
 from tests.auditor.checkpoint.helpers import (REPO, cli, input_error, save_dcp,
                                               write_raw_safetensors, write_safetensors)
 from tests.auditor.checkpoint.hostile import (deep_tuple_key, nested_dicts, nested_lists,
-                                              pickle_of, tensor_entry, text, torch_save_with,
-                                              write_metadata)
+                                              pickle_of, tensor_entry, text, torch_save_with)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,7 +131,6 @@ def test_a_real_metadata_fits_its_budget_with_room():
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     from auditor.checkpoint.dcp_metadata import _MetadataUnpickler
-    from tests.auditor.checkpoint.hostile import pickle_of as _  # noqa: F401
 
     entries, storage = {}, {}
     for t in range(50):
