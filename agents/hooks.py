@@ -17,10 +17,19 @@ from collections import OrderedDict
 import torch
 
 try:
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
-    from torch._dynamo.eval_frame import skip_code as _skip_code
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy as _set_strategy
 except ImportError:  # pragma: no cover - a torch without these internals: always the wrapper
-    _dynamo_callback = _skip_code = None
+    _dynamo_callback = None
+
+
+def _skip_code(code) -> None:
+    """What ``torch._dynamo.eval_frame.skip_code`` does (Dynamo never compiles a frame of
+    `code`), through the C extension: importing ``torch._dynamo`` costs 0.6-0.8 s, which a
+    process that never compiles (a training script without torch.compile, `auditor
+    checkpoint`) need not pay."""
+    _set_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
 graph_task_id = torch._C._current_graph_task_id
@@ -47,18 +56,23 @@ def not_traced(fn):
     carries the disable mark (a graph break where a compiled frame calls it, guarded on ``fn``
     as disable's is) and its code is on Dynamo's skip list (a frame of it is never compiled).
     """
-    disabled = torch.compiler.disable(fn)
     if _dynamo_callback is None:  # pragma: no cover
-        return disabled
+        return torch.compiler.disable(fn)
+    disabled = None
+    """``torch.compiler.disable(fn)``, made at the first call that compiled code makes (Dynamo
+    is loaded then): made here, it would import torch._dynamo in every process."""
 
     @functools.wraps(fn)
     def eager_or_disabled(*args, **kwargs):
+        nonlocal disabled
         if _dynamo_callback() is None:
             return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
 
     eager_or_disabled._torchdynamo_disable = True
-    eager_or_disabled._torchdynamo_disable_msg = disabled._torchdynamo_disable_msg
+    eager_or_disabled._torchdynamo_disable_msg = None  # disable's, without a reason
     eager_or_disabled._torchdynamo_orig_callable = fn
     eager_or_disabled._torchdynamo_disable_recursive = True
     _skip_code(eager_or_disabled.__code__)  # one code object for all: idempotent
