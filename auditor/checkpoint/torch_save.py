@@ -26,7 +26,7 @@ from auditor.checkpoint.files import open_regular
 from auditor.checkpoint.sources import CheckpointError, Chunk, Entry, Source, tensor_chunk
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-MAX_PICKLE_BYTES = 256 << 20
+MAX_PICKLE_BYTES = 64 << 20
 """Largest pickle of a torch.save file read (its tensors' bytes are beside it, not in it)."""
 
 
