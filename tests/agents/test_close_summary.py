@@ -61,3 +61,28 @@ def test_the_close_summary_shows_and_a_taken_name_spools_for_ingest(tmp_path):
         assert f"run kept rank 0: 1 batches, {n} records: {n} stored" in ingest.stdout
     report = compare_runs(tmp_path / "audit.db", "taken", "kept")
     assert report.exit_code == 0 and report.counts["identical"] == n
+
+
+def test_a_model_holding_dtensors_without_a_mesh_says_so(fake_rank):
+    """attach(mesh=None) on a model whose parameters are DTensors: the job has a mesh the agent
+    was not given, and the run's labels say so (the auditor then advises passing it); a plain
+    model gets no such label."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import agents
+    from wire.labels import UNPASSED_MESH_LABEL
+
+    fake_rank(0)
+    mesh = init_device_mesh("cpu", (4,))
+    plain = nn.Linear(4, 4)
+    sharded = nn.Linear(4, 4)
+    sharded.weight = nn.Parameter(distribute_tensor(sharded.weight.detach(), mesh, [Shard(0)]))
+    for model, labelled in ((plain, False), (sharded, True)):
+        agent = agents.attach(model, run="mesh", enabled=True)
+        assert (UNPASSED_MESH_LABEL in agent.ident.labels) is labelled
+        agent.close(timeout=0.1)
+    given = agents.attach(sharded, run="mesh", mesh=mesh)
+    assert UNPASSED_MESH_LABEL not in given.ident.labels  # given: its dims name the collectives
+    given.close(timeout=0.1)

@@ -485,6 +485,9 @@ def test_a_loss_not_divided_by_the_accumulation_count_fits_one_screen(matrix, re
     groups = report["groups"]
     assert sum(g["count"] for g in groups) == len(breaches)
     assert {f["group"] for f in breaches} == {g["index"] for g in groups}
+    # the losses of step 1 differ as any two scalars do: no factor is named for them
+    assert not [g for g in groups if g["phase"] == "loss" and 1 in g["steps"] and
+                g["scaled_by"] is not None], groups
     for g in groups:
         assert g["headline"] in flat
         members = [f for f in breaches if f["group"] == g["index"]]
