@@ -195,6 +195,8 @@ def test_small_tensors_carry_payloads_up_to_the_limit(auditor_server):
 
 
 def test_another_job_under_a_taken_name_is_refused_with_one_error(auditor_server, caplog):
+    """Refused, and its records spooled for `auditor ingest --run NEW` (issue 41): nothing of
+    the job is lost to the name clash."""
     first = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
     _one_step(first)
     assert first.close()["acked"] == 2
@@ -203,10 +205,15 @@ def test_another_job_under_a_taken_name_is_refused_with_one_error(auditor_server
                            spool_mode="spill")
     _one_step(second, value=3.0)
     s = second.close(timeout=5.0)
-    assert s["acked"] == 0 and s["dropped_by_reason"] == {"run_name_taken": 2}
+    assert s["acked"] == 0 and s["spooled"] == 2 and s["dropped_by_reason"] == {}
+    off = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-c",
+                        spool_mode="off")
+    _one_step(off)
+    s = off.close(timeout=5.0)  # no spool asked for: counted as dropped, as they were before
+    assert s["spooled"] == 0 and s["dropped_by_reason"] == {"run_name_taken": 2}
     errors = [r for r in caplog.records
               if r.levelno >= logging.ERROR and r.name.startswith("agents")]
-    assert len(errors) == 1 and "ALREADY_EXISTS" in errors[0].getMessage()
+    assert len(errors) == 2 and "ALREADY_EXISTS" in errors[0].getMessage()
     assert "rename_if_taken" in errors[0].getMessage()
     rows = _rows(auditor_server.db_path, "ref")
     assert len(rows) == 2  # never merged
