@@ -42,6 +42,10 @@ GROUP_CAUSES = 5000
 """Breaching findings (the earliest in execution order) whose causes are worked out to group
 them; the rest are grouped by phase, stage, verdict and factor alone."""
 
+GROUP_SITES_LISTED = 1000
+"""Sites a group's JSON lists (`sites`); `site_count` counts them all and `sites_text` says
+them all compactly."""
+
 NOUNS = {"input": ("input", "inputs"), "fwd": ("activation", "activations"),
          "bwd": ("activation gradient", "activation gradients"), "loss": ("loss", "losses"),
          "grad": ("parameter gradient", "parameter gradients"),
@@ -181,7 +185,8 @@ class Group:
             "stage": self.stage, "verdict": self.verdict, "count": self.count,
             "first_order": self.first_order, "steps": sorted(self.steps),
             "microbatches": sorted(self.microbatches), "roles": list(self.roles),
-            "sites": list(self.sites), "sites_text": self.sites_text(),
+            "sites": list(self.sites)[:GROUP_SITES_LISTED], "site_count": len(self.sites),
+            "sites_text": self.sites_text(),
             "scaled_by": self.scaled_by, "metric": metric,
             "value_range": [min(self.values), max(self.values)] if self.values else None,
             "cause": self.cause, "causes_examined": self.causes_examined,
