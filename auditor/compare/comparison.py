@@ -98,6 +98,12 @@ class Comparison:
     candidate is from a pure rescaling of the reference."""
     memo: dict = field(default_factory=dict)
     """Evidence derived once per comparison and reused by every finding's cause (`causes`)."""
+    noise: dict[int, dict] = field(default_factory=dict)
+    """Keys judged against the reference's noise bands: their band and verdict
+    (`auditor.compare.noise`; the finding's ``metrics.noise``)."""
+    noise_summary: dict | None = None
+    """With noise bands: the counts per kind and the reference's nondeterminism (the report's
+    ``noise``)."""
 
     def __len__(self) -> int:
         return len(self.A)
@@ -190,6 +196,8 @@ class Comparison:
                               if not k.startswith("_")}
         if self.scaled_by is not None and not math.isnan(self.scaled_by[i]):
             out["scaled_by"] = _jf(self.scaled_by[i])
+        if i in self.noise:
+            out["noise"] = self.noise[i]
         if self.bwd_factor != 1.0 and (int(self.A[i]) & 0xF) == PHASE_IDS["bwd"] \
                 and not math.isnan(self.rel_l2[i]):
             out["ref_scaled_by"] = self.bwd_factor

@@ -32,6 +32,7 @@ from auditor.compare.columns import Catalog
 from auditor.compare.comparison import CompareError
 from auditor.compare.conventions import evaluate_runs
 from auditor.compare.localize import localize_breaches
+from auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
 from auditor.compare.payloads import measure_exact_breaches
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
@@ -54,11 +55,13 @@ def _open(reader_or_path: Reader | str | Path) -> tuple[Reader, bool]:
 
 
 def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
-                 policy: Policy | None = None, *, select: KeySelection | None = None):
+                 policy: Policy | None = None, *, select: KeySelection | None = None,
+                 noise: NoiseSpec | None = None):
     """Compare two stored runs; returns the report model (`auditor.compare.result.Report`).
 
     `select` keeps only some steps and phases of both runs (a resumed run from its first step
-    on; a checkpoint's state); the report says what was left out."""
+    on; a checkpoint's state); the report says what was left out. `noise` judges the candidate
+    against the reference's own run-to-run noise (`auditor.compare.noise`, docs/noise.md)."""
 
     policy = policy or Policy()
     reader, owned = _open(reader_or_path)
@@ -86,8 +89,12 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
             labels={"ref": ref_info["labels"], "cand": cand_info["labels"]})
         scale_warnings = selected + uneven_ref + uneven_cand + grouping + scale_warnings
         comp.timings["load"] = t1 - t0
+        if noise is not None:
+            resolve_bands(reader, ref, noise, policy, select)
+            comp.noise_summary = apply_bands(comp, noise)
         t2 = time.perf_counter()
         localize_breaches(comp)
+        noise_pieces(comp)
         measure_exact_breaches(comp)  # a bitwise breach: how much and where, from payloads
         comp.timings["localize"] = time.perf_counter() - t2
         report = Report.build(comp, ref_info, cand_info, policy)

@@ -218,10 +218,11 @@ def measure_text(f: dict, *, compact: bool = False) -> str:
     if f.get("uncertain"):
         text += (" (a lower bound: nothing measures it)" if bound else
                  " (within noise)" if compact else " (within noise of the threshold)")
+    noise = noise_text(metrics.get("noise"))
     scaled = metrics.get("scaled_by")
     if scaled is not None:
-        return f"scaled by {_fixed(scaled)} ({text})"
-    extra = []
+        return f"scaled by {_fixed(scaled)} ({text}{'; ' + noise if noise else ''})"
+    extra = [noise] if noise else []
     payload = metrics.get("payload")
     if f.get("verdict") in ("diverged", "close") and payload:
         if f["metric"] != "max_abs" and payload.get("max_abs") is not None:
@@ -250,6 +251,21 @@ def _exact_text(f: dict, payload: dict) -> str:
     if payload.get("mismatched") and f.get("numel"):
         extra.append(f"{payload['mismatched']} of {f['numel']} elements differ")
     return "fingerprints differ" + ("; " + ", ".join(extra) if extra else "")
+
+
+def noise_text(noise: dict | None) -> str:
+    """A finding's verdict against the reference's noise bands (``metrics.noise``) in words:
+    "317x the reference's run-to-run noise"; "" when the bands did not decide it."""
+    kind = (noise or {}).get("kind")
+    times = (noise or {}).get("times")
+    if kind == "beyond_noise" and isinstance(times, (int, float)):
+        return (f"{times:.2g}x" if times < 10 else f"{times:,.0f}x") + \
+            " the reference's run-to-run noise"
+    if kind == "beyond_floor":
+        return "the reference's reruns are bitwise equal here"
+    if kind == "excused":
+        return "within the reference's run-to-run noise"
+    return ""
 
 
 def pieces_text(p: dict | None, *, short: bool = False) -> str:

@@ -13,6 +13,7 @@ from auditor.compare.columns import Catalog, ReadMark, RunColumns
 from auditor.compare.keys import LogicalKeys
 from auditor.compare.localize import localize
 from auditor.compare.metrics import PayloadUnavailable
+from auditor.compare.noise import NoiseSpec, apply_bands, resolve_bands
 from auditor.compare.order import APPROXIMATED
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
@@ -55,12 +56,18 @@ class LiveComparison:
     order, which a status event says once.
     """
 
-    def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None) -> None:
+    def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None, *,
+                 noise: NoiseSpec | None = None) -> None:
         self.reader = reader
         self.names = {"ref": ref, "cand": cand}
         self.policy = policy or Policy()
         reader.run_id(ref)
         reader.run_id(cand)
+        self.noise = noise
+        """Noise bands the keys are judged against (`auditor.compare.noise`): measured here
+        from the reference's reruns, which must be stored already."""
+        if noise is not None:
+            resolve_bands(reader, ref, noise, self.policy)
         self.catalog = Catalog(reader, self.policy.renames)
         from auditor.compare.conventions import bwd_factor
         self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
@@ -159,6 +166,8 @@ class LiveComparison:
         comp.mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}
         comp.labels = {side: self.reader.run_info(name)["labels"]
                        for side, name in self.names.items()}
+        if self.noise is not None:
+            comp.noise_summary = apply_bands(comp, self.noise)
         return comp
 
     def _bwd_factor(self) -> float:

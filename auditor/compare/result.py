@@ -124,11 +124,15 @@ class Report:
                 "breaches": self.breaches,
                 "uncertain": self.uncertain,
                 "exit_code": self.exit_code,
+                **({"noise": self.comparison.noise_summary["counts"]}
+                   if self.comparison.noise_summary is not None else {}),
             },
             "first_divergence": None if self.first is None else self.first.as_dict(),
             "graph_breaks": [g.as_dict() for g in self.graph_breaks],
             "warnings": self.warnings,
             "groups": [g.as_dict() for g in self.groups],
+            **({"noise": self.comparison.noise_summary}
+               if self.comparison.noise_summary is not None else {}),
         }
 
 

@@ -45,6 +45,8 @@ class _IdenticalWriter:
             ok &= ~np.isin(idx, list(c.notes))
         if c.payload:
             ok &= ~np.isin(idx, list(c.payload))
+        if c.noise:  # judged against the reference's noise bands: metrics.noise
+            ok &= ~np.isin(idx, list(c.noise))
         return ok
 
     def render_many(self, idx: np.ndarray) -> list[str]:
