@@ -1,9 +1,9 @@
 """The `auditor` command line: thin commands over the daemon, the store and the comparison.
 
 Owns the click group `main` (`auditor.cli.main`, with serve) and the modules that register more
-commands on it: `runs` (runs, show), `compare` (compare, watch), `ingest` (ingest) and
-`checkpoint` (checkpoint); `about` holds
-`--version` and the environment variables every help page lists. It may import
+commands on it: `runs` (runs, show), `compare` (compare, watch), `ingest` (ingest),
+`checkpoint` (checkpoint) and `calibrate` (calibrate; the noise options of compare and watch);
+`about` holds `--version` and the environment variables every help page lists. It may import
 everything below it (daemon, store, compare, report, wire); nothing imports the CLI.
 
 Ctrl-C is quiet from the command's first instant: the `auditor` script imports this package
@@ -33,6 +33,7 @@ from auditor.cli import runs as _runs  # noqa: E402,F401  (registers runs, show)
 from auditor.cli import compare as _compare  # noqa: E402,F401  (registers compare, watch)
 from auditor.cli import ingest as _ingest  # noqa: E402,F401  (registers ingest)
 from auditor.cli import checkpoint as _checkpoint  # noqa: E402,F401  (registers checkpoint)
+from auditor.cli import calibrate as _calibrate  # noqa: E402,F401  (registers calibrate)
 from auditor.cli.about import attach_environment_help  # noqa: E402
 
 attach_environment_help(main)  # after every command is registered: each help names its variables

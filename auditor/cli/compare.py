@@ -3,9 +3,11 @@
     auditor compare REF CAND [--policy FILE] [--preset NAME] [--format text|json|junit|html]
                              [-o FILE] [--json-output FILE] [--html-output FILE]
                              [-v/--verbose] [--all] [--limit N] [--steps K:M]
+                             [--noise RUN ... | --noise-bands FILE] [--noise-slack X]
                              [--store PATH|URL | --address HOST:PORT]
     auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
                            [--poll S] [--timeout S] [--wait [--wait-timeout S]]
+                           [--noise RUN ... | --noise-bands FILE] [--noise-slack X]
                            [--store PATH|URL | --address HOST:PORT]
 
 Exit codes: 0 = every finding within policy, 1 = some finding breaches it, 2 = usage or input
@@ -29,6 +31,7 @@ from auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, RunNotFound, 
                               client_tls, main, store_or_address, tls_options, with_nearest)
 from auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
 from auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
+from auditor.cli.calibrate import noise_options, noise_spec
 from auditor.store import UnknownRun
 from protos import numaudit_pb2 as pb
 
@@ -103,11 +106,13 @@ def _width() -> int:
                                       "phase and stage (0 = all).")
 @click.option("--steps", metavar="K:|K:M|K", help="Compare only steps K..M-1 of both runs (K: = "
               "from K on: a run resumed at step K against the uninterrupted one).")
+@noise_options
 @_sources
 @tls_options
 def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
             output: Path | None, json_output: Path | None, html_output: Path | None,
             verbose: bool, show_all: bool, limit: int, steps: str | None,
+            noise: tuple[str, ...], noise_bands: Path | None, noise_slack: float | None,
             db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
             tls_cert: str | None, tls_key: str | None) -> int:
     """Compare run CAND against the reference run REF; exit 1 when findings breach the policy."""
@@ -129,11 +134,13 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
             raise InputError(str(exc)) from None
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     try:
+        spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource))
         if isinstance(source, StoreSource):
             try:
-                report = compare_runs(source.reader, ref, cand, policy, select=select)
+                report = compare_runs(source.reader, ref, cand, policy, select=select,
+                                      noise=spec)
             except UnknownRun as exc:
-                raise with_nearest(source, (ref, cand), str(exc)) from None
+                raise with_nearest(source, (ref, cand, *noise), str(exc)) from None
             except KeyRangeError as exc:
                 raise InputError(str(exc)) from None
             exit_code = report.exit_code
@@ -249,11 +256,11 @@ def _write(output: Path | None, text: str | None, report: Any) -> None:
 # -- watch ---------------------------------------------------------------------------------------
 
 def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
-                  timeout: float) -> Iterator[Any]:
+                  timeout: float, noise: Any = None) -> Iterator[Any]:
     """The same loop as the Watch RPC, against a store file (yields auditor.compare.live.LiveEvent)."""
     from auditor.compare.live import LiveComparison, LiveEvent
 
-    live = LiveComparison(reader, ref, cand, policy)
+    live = LiveComparison(reader, ref, cand, policy, noise=noise)
     yield LiveEvent(status=f"watching {ref} vs {cand}")
     last_news = time.monotonic()
     while True:
@@ -309,10 +316,12 @@ def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: s
                                            "refusing them (see --wait-timeout).")
 @click.option("--wait-timeout", type=click.FloatRange(min=0), default=DEFAULT_WAIT_TIMEOUT_S,
               show_default=True, help="With --wait: seconds to wait for both runs to register.")
+@noise_options
 @_sources
 @tls_options
 def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
           show_all: bool, poll: float, idle: float, wait: bool, wait_timeout: float,
+          noise: tuple[str, ...], noise_bands: Path | None, noise_slack: float | None,
           db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
           tls_cert: str | None, tls_key: str | None) -> int:
     """Compare REF and CAND while they run: findings as soon as keys are final in both; at the
@@ -321,6 +330,11 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
 
     policy, policy_text = _load_policy(policy_file, preset)
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
+    try:
+        spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource))
+    except InputError:
+        source.close()
+        raise
     breaches = 0
     try:
         if wait:
@@ -330,7 +344,8 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
             try:
                 stream = ((ev.finding.as_dict() if ev.finding else None, ev.first_divergence,
                            ev.status)
-                          for ev in _local_events(source.reader, ref, cand, policy, poll, idle))
+                          for ev in _local_events(source.reader, ref, cand, policy, poll, idle,
+                                                  spec))
                 for doc, first, status in stream:
                     breaches += _print_event(doc, first, status, fmt, show_all)
             except UnknownRun as exc:
@@ -346,14 +361,14 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
         source.close()
         return 1 if breaches else 130
     try:
-        code = _final_summary(source, ref, cand, policy, policy_text, preset, fmt)
+        code = _final_summary(source, ref, cand, policy, policy_text, preset, fmt, spec)
     finally:
         source.close()
     return code if code is not None else (1 if breaches else 0)
 
 
 def _final_summary(source: Any, ref: str, cand: str, policy: Policy, policy_text: str,
-                   preset: str | None, fmt: str) -> int | None:
+                   preset: str | None, fmt: str, noise: Any = None) -> int | None:
     """The end of a watch: the comparison of what the store holds now, its summary line,
     first divergence and findings grouped by cause as `auditor compare` prints them (text), or
     one ``{"event": "summary", ...}`` line (json). Returns its exit code (None when the
@@ -364,7 +379,7 @@ def _final_summary(source: Any, ref: str, cand: str, policy: Policy, policy_text
         if isinstance(source, StoreSource):
             from auditor.compare.engine import compare_runs
 
-            doc = compare_runs(source.reader, ref, cand, policy).header_dict()
+            doc = compare_runs(source.reader, ref, cand, policy, noise=noise).header_dict()
         else:
             req = pb.CompareRequest(ref=ref, cand=cand, policy_toml=policy_text,
                                     preset=preset or "")

@@ -22,7 +22,7 @@ from auditor.compare.align import ROLE_NAMES, phase_name
 from auditor.compare.ranges import format_ranges
 from auditor.compare.result import Report
 from auditor.report.html_assets import CSS, JS, SVG_DEFS
-from auditor.report.text import run_text, summary_line
+from auditor.report.text import noise_line, run_text, summary_line
 
 MAX_ROWS = 64
 """Heatmap rows per phase; more modules are bucketed into this many rows."""
@@ -261,18 +261,27 @@ def page_data(doc: dict, findings: Iterable[dict]) -> dict:
         "title": f"numaudit: {runs['ref']['name']} vs {runs['cand']['name']}",
         "headline": f"numaudit: {run_text(runs['ref'])} vs {run_text(runs['cand'])}",
         "policy": f"policy: {pol['name']} ({pol['source']}, sha256 {pol['sha256'][:12]})",
-        "summary": summary_line(doc["summary"]), "exit_code": doc["summary"]["exit_code"],
+        "summary": summary_line(doc["summary"]) + (
+            f"; {noise_line(doc['noise'])}" if doc.get("noise") else ""),
+        "exit_code": doc["summary"]["exit_code"],
         "runs": {side: {"name": r["name"], "world_size": r["world_size"],
                         "mesh_shape": r.get("mesh_shape") or [],
                         "mesh_dim_names": r.get("mesh_dim_names") or []}
                  for side, r in runs.items()},
         "first": first_doc, "graph_breaks": [{"group": g, "items": items}
                                              for g, items in breaks.items()],
-        "warnings": doc.get("warnings") or [], "heatmaps": heatmaps, "findings": rows,
+        "warnings": _noise_warning(doc) + (doc.get("warnings") or []), "heatmaps": heatmaps,
+        "findings": rows,
         "groups": [_group(g) for g in doc.get("groups") or []],
         "findings_listed": listed, "findings_included": doc.get("findings_included", "all"),
         "verdicts": list(F.VERDICTS),
     }
+
+
+def _noise_warning(doc: dict) -> list[str]:
+    """The reference's own nondeterminism (noise bands, docs/noise.md) as the first warning."""
+    text = ((doc.get("noise") or {}).get("nondeterminism") or {}).get("text")
+    return [text[0].upper() + text[1:]] if text else []
 
 
 def script_json(data: dict) -> str:

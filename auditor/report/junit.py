@@ -38,11 +38,26 @@ def render_junit(doc: dict, findings: Iterable[dict]) -> str:
                 close = sum(1 for f in items if f["verdict"] == "close")
                 out = ET.SubElement(tc, "system-out")
                 out.text = f"{len(items)} keys: {len(items) - close} identical, {close} close"
+                excused = sum(1 for f in items
+                              if ((f.get("metrics") or {}).get("noise") or {}).get("kind")
+                              == "excused")
+                if excused:
+                    out.text += (f" ({excused} within the reference's run-to-run noise, "
+                                 "beyond the preset alone)")
         suite.set("failures", str(nfail))
         total += len(cases)
         fails += nfail
     root.set("tests", str(total))
     root.set("failures", str(fails))
+    if doc.get("noise"):  # judged against the reference's noise bands (docs/noise.md)
+        props = ET.Element("properties")
+        counts = doc["noise"].get("counts", {})
+        for name, value in [("noise.runs", ",".join(doc["noise"].get("runs", []))),
+                            ("noise.slack", f"{doc['noise'].get('slack', 0):g}"),
+                            *((f"noise.{k}", str(v)) for k, v in counts.items())]:
+            ET.SubElement(props, "property", name=name, value=value)
+        for suite in root:
+            suite.insert(0, props)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") \
         + "\n"

@@ -57,6 +57,8 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
                    style="bold"))
     con.print(f"policy: {pol['name']} ({pol['source']}, sha256 {pol['sha256'][:12]})")
     con.print(Text(summary_line(summ), style="bold red" if summ["breaches"] else "bold green"))
+    if doc.get("noise"):
+        con.print(noise_line(doc["noise"]))
 
     con.print()
     first = doc.get("first_divergence")
@@ -94,6 +96,12 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
         con.print(Text("Warnings", style="bold"))
         for w in doc["warnings"]:
             para(f"- {w}", 2)
+
+    nondet = (doc.get("noise") or {}).get("nondeterminism")
+    if nondet and nondet.get("text"):
+        con.print()
+        con.print(Text("Reference noise", style="bold"))
+        para(nondet["text"][0].upper() + nondet["text"][1:], 2)
 
     groups = doc.get("groups")
     if groups is not None and not show_all:
@@ -278,6 +286,28 @@ def summary_line(summ: dict) -> str:
         text += (f"; {summ['uncertain']} uncertain (within noise of their threshold, or "
                  "nothing to measure them by)")
     return text
+
+
+def noise_line(noise: dict) -> str:
+    """The line under the summary when the candidate was judged against noise bands: "noise
+    bands: 3 runs of ref (3 pairs, within 4x): 79 keys noisy, 33 bitwise; 70 within their band
+    (23 of them beyond the preset alone), 1 beyond the reference's noise, ..."."""
+    c, k = noise.get("counts", {}), noise.get("keys", {})
+    runs = noise.get("runs", [])
+    where = noise.get("source") if noise.get("source") not in (None, "runs") else \
+        ", ".join(runs)
+    parts = [f"{c.get('within_band', 0)} within their band"
+             + (f" ({c['excused']} of them beyond the preset alone)" if c.get("excused") else "")]
+    for name, text in (("beyond_noise", "beyond the reference's run-to-run noise"),
+                       ("beyond_floor", "beyond the rounding floor where its runs are bitwise "
+                                        "equal"),
+                       ("not_applied", "judged by the preset alone (no band piece by piece)"),
+                       ("unbanded", "without a band")):
+        if c.get(name):
+            parts.append(f"{c[name]} {text}")
+    return (f"noise bands of {len(runs)} reference runs ({where}; {noise.get('pairs', 0)} pairs, "
+            f"within {noise.get('slack', 0):g}x): {k.get('noisy', 0)} keys noisy, "
+            f"{k.get('bitwise', 0)} bitwise equal; " + ", ".join(parts))
 
 
 def to_text(report: Report, *, width: int | None = None, show_all: bool = False,
