@@ -53,6 +53,9 @@ class Bands:
     state: np.ndarray
     dtype: np.ndarray
     """Index into `dtypes` (-1 unknown)."""
+    numel: np.ndarray
+    """Elements of the key's logical tensor in the reference (-1 unknown): a comparison's key
+    with another count (microbatches grouped otherwise) is another tensor, and gets no band."""
     differ: np.ndarray
     """Pairs of runs in which the key is not bitwise equal."""
     rel: np.ndarray
@@ -115,6 +118,7 @@ class _Entry:
     """One key's distances over the pairs seen so far."""
 
     dtype: str | None
+    numel: int = -1
     pairs: int = 0
     differ: int = 0
     whole: list[PieceDistance] = field(default_factory=list)
@@ -148,13 +152,15 @@ class BandBuilder:
             key = (a, cat.site_names.get(b >> 32, f"site#{b >> 32}"), b & 0xFFFFFFFF)
             ri, ci = int(comp.ri[i]), int(comp.ci[i])
             dt = cat.dtypes[rk.dtype[ri]] if ri >= 0 and rk.dtype[ri] >= 0 else None
+            numel = int(rk.numel[ri]) if ri >= 0 else -1
             e = self.entries.get(key)
             if e is None:
                 if not first:
-                    e = self.entries[key] = _Entry(dt, reason=f"not held by {comp.ref.name} or "
-                                                              f"{comp.cand.name} in every pair")
+                    e = self.entries[key] = _Entry(
+                        dt, numel, reason=f"not held by {comp.ref.name} or {comp.cand.name} in "
+                                          "every pair")
                 else:
-                    e = self.entries[key] = _Entry(dt)
+                    e = self.entries[key] = _Entry(dt, numel)
                     self.first_order[key] = int(comp.rank_in_order[i])
             e.pairs += 1
             if e.reason:
@@ -184,6 +190,7 @@ class BandBuilder:
         B = np.array([(site_idx[k[1]] << 32) | k[2] for k in keys], np.int64)
         state = np.zeros(K, np.int8)
         dtype = np.full(K, -1, np.int16)
+        numel = np.array([self.entries[k].numel for k in keys], np.int64)
         differ = np.zeros(K, np.int16)
         whole = {f: np.zeros(K) for f in KEY_FIELDS}
         piece_start = np.zeros(K + 1, np.int64)
@@ -218,7 +225,8 @@ class BandBuilder:
         meta.setdefault("created_unix", time.time())
         bands = Bands(
             runs=self.runs, pairs=self.pairs, sites=sites, dtypes=dtypes, A=A, B=B,
-            state=state, dtype=dtype, differ=differ, piece_start=piece_start, p_box=p_box,
+            state=state, dtype=dtype, numel=numel, differ=differ, piece_start=piece_start,
+            p_box=p_box,
             p_bitwise=np.array(pcols["bitwise"], bool),
             **{f: whole[f] for f in KEY_FIELDS},
             **{f"p_{f}": np.array(pcols[f], np.float64) for f in KEY_FIELDS},

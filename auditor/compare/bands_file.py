@@ -35,7 +35,7 @@ MAX_MEMBER_BYTES = 1 << 31
 MAX_META_BYTES = 64 << 20
 
 _COLUMNS: dict[str, str] = {
-    "key_a": "<i8", "key_b": "<i8", "key_state": "|i1", "key_dtype": "<i2",
+    "key_a": "<i8", "key_b": "<i8", "key_state": "|i1", "key_dtype": "<i2", "key_numel": "<i8",
     "key_differ": "<i2", "key_reason": "<i4", "piece_start": "<i8",
     **{f"key_{f}": "<f8" for f in KEY_FIELDS},
     "p_ndim": "|i1", "p_dims_start": "<i8", "p_dims": "<i8", "p_bitwise": "|b1",
@@ -71,6 +71,7 @@ def save_bands(bands: Bands, path: str | Path) -> None:
     }
     cols = {
         "key_a": bands.A, "key_b": bands.B, "key_state": bands.state, "key_dtype": bands.dtype,
+        "key_numel": bands.numel,
         "key_differ": bands.differ, "key_reason": key_reason, "piece_start": bands.piece_start,
         **{f"key_{f}": getattr(bands, f) for f in KEY_FIELDS},
         "p_ndim": np.array(ndim, np.int8), "p_dims_start": np.array(starts, np.int64),
@@ -170,7 +171,7 @@ def _bands(meta, cols: dict, err) -> Bands:
     if nondet is not None and not isinstance(nondet, dict):
         raise err("meta.nondeterminism", "not an object")
     K = len(cols["key_a"])
-    for f in ("key_b", "key_state", "key_dtype", "key_differ", "key_reason",
+    for f in ("key_b", "key_state", "key_dtype", "key_numel", "key_differ", "key_reason",
               *(f"key_{x}" for x in KEY_FIELDS)):
         if len(cols[f]) != K:
             raise err(f, f"{len(cols[f])} entries for {K} keys")
@@ -184,6 +185,8 @@ def _bands(meta, cols: dict, err) -> Bands:
     if K and (state.min() < 0 or state.max() > UNUSABLE):
         raise err("key_state", "a state that is none of bitwise, noisy, unusable")
     _in_range(cols["key_dtype"], -1, len(dtypes), "key_dtype", err)
+    if np.any(cols["key_numel"] < -1):
+        raise err("key_numel", "a negative element count")
     _in_range(cols["key_reason"], -1, len(reasons), "key_reason", err)
     if np.any((cols["key_reason"] >= 0) != (state == UNUSABLE)):
         raise err("key_reason", "a reason for a key with a band, or none for one without")
@@ -204,7 +207,8 @@ def _bands(meta, cols: dict, err) -> Bands:
     boxes = _boxes(cols, P, err)
     return Bands(
         runs=runs, pairs=pairs, sites=sites, dtypes=dtypes, A=a, B=b, state=state,
-        dtype=cols["key_dtype"], differ=cols["key_differ"], piece_start=ps, p_box=boxes,
+        dtype=cols["key_dtype"], numel=cols["key_numel"], differ=cols["key_differ"],
+        piece_start=ps, p_box=boxes,
         p_bitwise=cols["p_bitwise"], **{f: cols[f"key_{f}"] for f in KEY_FIELDS},
         **{f"p_{f}": cols[f"p_{f}"] for f in KEY_FIELDS},
         reasons={int(g): reasons[int(r)] for g, r in enumerate(cols["key_reason"]) if r >= 0},

@@ -92,6 +92,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         if noise is not None:
             resolve_bands(reader, ref, noise, policy, select)
             comp.noise_summary = apply_bands(comp, noise)
+            scale_warnings += comp.noise_summary.pop("warnings")
         t2 = time.perf_counter()
         localize_breaches(comp)
         noise_pieces(comp)

@@ -168,6 +168,7 @@ class LiveComparison:
                        for side, name in self.names.items()}
         if self.noise is not None:
             comp.noise_summary = apply_bands(comp, self.noise)
+            comp.noise_summary.pop("warnings")
         return comp
 
     def _bwd_factor(self) -> float:

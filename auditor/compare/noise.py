@@ -50,7 +50,13 @@ WIDE_FLOOR_ROUNDINGS = 16.0
 and a reduction in another order (another sharding) leaves a few roundings."""
 MAX_ABS_SLACK = 2.0
 """max_abs is allowed this many times ``slack`` times the largest max_abs among the runs."""
-KINDS = ("within_band", "excused", "beyond_noise", "beyond_floor", "not_applied", "unbanded")
+KINDS = ("within_band", "excused", "preset_breach", "beyond_noise", "beyond_floor",
+         "not_applied", "unbanded")
+"""What the bands made of the comparison's keys that are not identical (docs/noise.md):
+within their band (``excused``: of those, the ones the preset alone would breach), within it
+but breached by the preset (boxes within the rounding floor do not excuse it), beyond the
+reference's run-to-run noise, beyond the rounding floor where every run was bitwise equal, with a
+band that could not be applied piece by piece, without a band."""
 MAX_PIECES_LISTED = 32
 
 
@@ -95,6 +101,16 @@ def apply_bands(comp, spec: NoiseSpec) -> dict:
         _record(comp, i, {"kind": "not_applied", "band": "none",
                           "reason": bands.reasons.get(int(g_all[i]), "")})
     judged = judged[bands.state[g_all[judged]] != UNUSABLE]
+    numel = comp.ref_keys.numel[comp.ri[judged]]
+    other = judged[(bands.numel[g_all[judged]] >= 0) & (bands.numel[g_all[judged]] != numel)]
+    for i in other.tolist():
+        counts["not_applied"] += 1
+        _record(comp, i, {"kind": "not_applied", "band": "none",
+                          "reason": "the bands were measured on another tensor at this key "
+                                    f"({int(bands.numel[g_all[i]])} elements, here "
+                                    f"{int(comp.ref_keys.numel[comp.ri[i]])}: microbatches "
+                                    "grouped otherwise?)"})
+    judged = np.setdiff1d(judged, other)
     measured = measure_keys(comp, judged)
     for i in judged.tolist():
         kind = _judge(comp, i, int(g_all[i]), measured[i], spec)
@@ -102,7 +118,11 @@ def apply_bands(comp, spec: NoiseSpec) -> dict:
         if kind == "excused":
             counts["within_band"] += 1
     noisy = bands.state == NOISY
-    return {"runs": list(bands.runs), "pairs": bands.pairs, "slack": spec.slack,
+    warnings = []
+    if comp.cand.name in bands.runs:
+        warnings.append(f"{comp.cand.name} is one of the runs the noise bands were measured "
+                        "among: it lies within them by construction")
+    return {"warnings": warnings, "runs": list(bands.runs), "pairs": bands.pairs, "slack": spec.slack,
             "source": spec.source or "runs", "keys": {"noisy": int(noisy.sum()),
                                                       "bitwise": int((bands.state == BITWISE).sum()),
                                                       "unusable": int((bands.state == UNUSABLE).sum())},
@@ -146,10 +166,15 @@ def _judge(comp, i: int, g: int, measured, spec: NoiseSpec) -> str:
     logical = tuple(comp.catalog.shapes[comp.ref_keys.shape[int(comp.ri[i])]][0])
     for p in measured:
         band = _band_of(bands, g, p.box)
-        if band is None or math.isnan(band[1]) or math.isnan(p.rel):
-            why = ("the reference's pieces are not those the bands were measured on"
-                   if band is None else "a distance could not be measured")
-            return _whole(comp, i, g, why, spec, floor, dtype, base)
+        if band is None:  # another sharding of the reference: no band is this box's
+            why = "the reference's pieces are not those the bands were measured on"
+            _record(comp, i, dict(base, kind="not_applied", reason=why))
+            comp.notes.setdefault(i, []).append(f"not judged against the reference's noise "
+                                                f"({why}): the preset decides")
+            return "not_applied"
+        if math.isnan(band[1]) or math.isnan(p.rel):
+            return _whole(comp, i, g, "a distance could not be measured", spec, floor, dtype,
+                          base)
         rows.append(_piece_verdict(comp, p, band, slack, floor, abs_slack(spec)))
         rows[-1]["whole"] = p.box is not None and tuple(p.box[1]) == logical
     beyond = [r for r in rows if r["beyond"]]
@@ -160,9 +185,9 @@ def _judge(comp, i: int, g: int, measured, spec: NoiseSpec) -> str:
     noisy_rows = [r for r in rows if not r["band_bitwise"] and r["band_rel"] > 0]
     if noisy_rows:
         info["times"] = max(r["times"] for r in noisy_rows)
-    if any(r["uncertain"] for r in rows):
-        comp.uncertain[i] = True
+    uncertain = any(r["uncertain"] for r in rows)
     if beyond:
+        comp.uncertain[i] = uncertain
         noisy_beyond = [r for r in beyond if not r["band_bitwise"]]
         kind = "beyond_noise" if noisy_beyond else "beyond_floor"
         top = max(noisy_beyond or beyond, key=lambda r: r["ratio_to_limit"])
@@ -175,8 +200,11 @@ def _judge(comp, i: int, g: int, measured, spec: NoiseSpec) -> str:
     if comp.breach[i] and excusable and rows and worst is not None:
         _excuse(comp, i, worst, info)
         return "excused"
-    _record(comp, i, dict(info, kind="within_band"))
-    return "within_band"
+    if not comp.breach[i]:
+        comp.uncertain[i] = uncertain
+    kind = "preset_breach" if comp.breach[i] else "within_band"
+    _record(comp, i, dict(info, kind=kind))
+    return kind
 
 
 def abs_slack(spec: NoiseSpec) -> float:

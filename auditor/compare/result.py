@@ -25,7 +25,7 @@ from auditor.compare.policy import Policy
 from auditor.compare.ranges import format_ranges
 
 SCHEMA = "numaudit.report"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped on any change that could break a reader of the JSON report (docs/report-schema.md)."""
 
 

@@ -298,7 +298,8 @@ def noise_line(noise: dict) -> str:
         ", ".join(runs)
     parts = [f"{c.get('within_band', 0)} within their band"
              + (f" ({c['excused']} of them beyond the preset alone)" if c.get("excused") else "")]
-    for name, text in (("beyond_noise", "beyond the reference's run-to-run noise"),
+    for name, text in (("preset_breach", "within their band but breaching the preset"),
+                       ("beyond_noise", "beyond the reference's run-to-run noise"),
                        ("beyond_floor", "beyond the rounding floor where its runs are bitwise "
                                         "equal"),
                        ("not_applied", "judged by the preset alone (no band piece by piece)"),

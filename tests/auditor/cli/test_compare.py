@@ -147,7 +147,7 @@ def test_compare_rpc_returns_the_json_report(daemon):
     resp = stub.Compare(pb.CompareRequest(ref="ref", cand="bumped"), timeout=T)
     assert resp.exit_code == 1
     doc = json.loads(resp.report_json)
-    assert doc["schema_version"] == 4 and doc["findings_included"] == "all"
+    assert doc["schema_version"] == 5 and doc["findings_included"] == "all"
     assert doc["first_divergence"]["key"]["microbatch"] == 1
     same = stub.Compare(pb.CompareRequest(ref="ref", cand="same", preset="bitwise"), timeout=T)
     assert same.exit_code == 0
