@@ -72,8 +72,8 @@ def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | N
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Write the bands here (an .npz archive, docs/noise.md).")
 @click.option("--preset", type=click.Choice(list(PRESETS)),
-              help="Tolerance preset whose elementwise test the bands' share of failing "
-                   "elements counts (and whose renames apply).")
+              help="Tolerance preset whose elementwise test counts the bands' share of "
+                   "failing elements.")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Policy file (TOML, docs/policy.md): its renames and payload budget.")
 @click.option("--steps", metavar="K:|K:M|K", help="Measure only steps K..M-1.")

@@ -16,7 +16,9 @@ Pipeline, vectorized over keys (numpy columns, no Python object per record on th
 5. for the rest, read moments and sketches (and payloads where both runs sent them) in chunks and
    compute the policy's metric against its threshold (`auditor.compare.metrics`, `findings.judge`);
 6. order everything by execution order, find the first divergence, group graph breaks;
-7. for the breaching keys a report lists, say which ranks' pieces differ
+7. with noise bands (reruns of the reference), judge every key that differs per rank piece
+   against the reference's own run-to-run noise (`auditor.compare.noise`, docs/noise.md);
+8. for the breaching keys a report lists, say which ranks' pieces differ
    (`auditor.compare.localize`), while the store is still open.
 
 `auditor.compare.live.LiveComparison` runs the same pipeline incrementally for `watch`.
