@@ -43,8 +43,10 @@ def noise_options(fn: Any) -> Any:
 
 
 def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | None,
-               local: bool) -> Any:
+               local: bool, ref: str = "") -> Any:
     """The `auditor.compare.noise.NoiseSpec` the options ask for (None without them)."""
+    if ref and ref in noise:
+        raise InputError(f"noise: {ref!r} is the reference itself; give its reruns")
     if not noise and bands_file is None:
         if slack is not None:
             raise InputError("noise-slack: needs --noise RUN or --noise-bands FILE")
@@ -57,7 +59,8 @@ def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | N
     from auditor.compare.bands_file import BandsError, load_bands
     from auditor.compare.noise import DEFAULT_SLACK, NoiseSpec
 
-    spec = NoiseSpec(reruns=tuple(noise), slack=DEFAULT_SLACK if slack is None else slack)
+    spec = NoiseSpec(reruns=tuple(dict.fromkeys(noise)),
+                     slack=DEFAULT_SLACK if slack is None else slack)
     if bands_file is not None:
         try:
             spec.bands = load_bands(bands_file)

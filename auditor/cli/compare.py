@@ -134,7 +134,7 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
             raise InputError(str(exc)) from None
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     try:
-        spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource))
+        spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource), ref)
         if isinstance(source, StoreSource):
             try:
                 report = compare_runs(source.reader, ref, cand, policy, select=select,
@@ -331,7 +331,7 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
     policy, policy_text = _load_policy(policy_file, preset)
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     try:
-        spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource))
+        spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource), ref)
     except InputError:
         source.close()
         raise

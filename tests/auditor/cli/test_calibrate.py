@@ -82,6 +82,8 @@ def test_watch_with_noise_ends_with_the_banded_summary(db):
     (("compare", "ref", "clean", "--noise-bands", "{tmp}/missing.npz"), "no such file"),
     (("compare", "ref", "clean", "--noise", "reff2"), "did you mean 'ref2'"),
     (("compare", "ref", "clean", "--noise", "ref2", "--noise-slack", "0.5"), "0.5"),
+    (("compare", "ref", "clean", "--noise", "ref"), "'ref' is the reference itself"),
+    (("watch", "ref", "clean", "--noise", "ref"), "'ref' is the reference itself"),
 ])
 def test_noise_usage_errors_exit_2_in_one_line(db, tmp_path, args, message):
     res = cli(*(a.format(tmp=tmp_path) for a in args), "--db", db)
