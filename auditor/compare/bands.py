@@ -30,7 +30,7 @@ BITWISE, NOISY, UNUSABLE = 0, 1, 2
 distances say by how much); no band (missing in a rerun, not comparable, or not measurable
 piece by piece: the reason is in `Bands.reasons`)."""
 STATE_NAMES = ("bitwise", "noisy", "unusable")
-KEY_FIELDS = ("rel", "sigma", "max_abs", "ulp", "share")
+KEY_FIELDS = ("rel", "sigma", "max_abs", "bound", "ulp", "share", "allclose")
 """Distances kept per key and per piece (the largest over the pairs of reruns)."""
 _KEY_DTYPE = np.dtype([("a", "<i8"), ("b", "<i8")])
 
@@ -61,6 +61,11 @@ class Bands:
     rel: np.ndarray
     sigma: np.ndarray
     max_abs: np.ndarray
+    bound: np.ndarray
+    """The largest lower bound of max_abs from the extremes (known without payloads)."""
+    allclose: np.ndarray
+    """The largest elementwise ratio of the policy the bands were measured under
+    (``meta["policy"]``): max |a - b| / (atol + rtol |a|)."""
     ulp: np.ndarray
     share: np.ndarray
     piece_start: np.ndarray
@@ -71,6 +76,8 @@ class Bands:
     p_rel: np.ndarray
     p_sigma: np.ndarray
     p_max_abs: np.ndarray
+    p_bound: np.ndarray
+    p_allclose: np.ndarray
     p_ulp: np.ndarray
     p_share: np.ndarray
     reasons: dict[int, str] = field(default_factory=dict)
@@ -245,17 +252,19 @@ def _whole_of(comp, i: int) -> PieceDistance:
     return _whole(comp, i)
 
 
-def _largest(ds: list[PieceDistance]) -> tuple[float, float, float, float, float]:
-    """(rel, its sigma, max_abs, ulp, share): the largest over pairs; an unknown relative
-    distance makes the band unknown (NaN), an unknown max_abs, ULP or share is left out of
-    its maximum (a band that underestimates them only breaches more)."""
+def _largest(ds: list[PieceDistance]) -> tuple[float, ...]:
+    """(rel, its sigma, max_abs, its bound, ulp, share, allclose): the largest over pairs; an
+    unknown relative distance makes the band unknown (NaN), an unknown max_abs, bound, ULP,
+    share or allclose is left out of its maximum (a band that underestimates them only
+    breaches more)."""
     if any(math.isnan(d.rel) for d in ds):
-        return (math.nan,) * 5
+        return (math.nan,) * len(KEY_FIELDS)
     worst = max(ds, key=lambda d: d.rel)
 
     def top(vals):
         known = [v for v in vals if not math.isnan(v)]
         return max(known) if known else math.nan
 
-    return (worst.rel, worst.sigma, top([d.max_abs for d in ds]), top([d.ulp for d in ds]),
-            top([d.share for d in ds]))
+    return (worst.rel, worst.sigma, top([d.max_abs for d in ds]),
+            top([d.max_abs_bound for d in ds]), top([d.ulp for d in ds]),
+            top([d.share for d in ds]), top([d.allclose for d in ds]))

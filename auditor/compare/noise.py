@@ -133,15 +133,18 @@ def _record(comp, i: int, info: dict) -> None:
     comp.noise[i] = info
 
 
-def _band_of(bands: Bands, g: int, box) -> tuple[bool, float, float, float] | None:
-    """(bitwise, rel, sigma, max_abs) of a box's band; None when the bands have no such box."""
+def _band_of(bands: Bands, g: int, box, same_policy: bool) -> tuple | None:
+    """(bitwise, rel, sigma, max_abs, max_abs's bound from the extremes, allclose) of a box's
+    band; None when the bands have no such box. Their elementwise ratio counts only under the
+    policy they were measured with (NaN otherwise)."""
     if bands.state[g] == BITWISE:
-        return True, 0.0, 0.0, 0.0
+        return True, 0.0, 0.0, 0.0, 0.0, 0.0
     j = bands.pieces(g).get(box)
     if j is None:
         return None
     return (bool(bands.p_bitwise[j]), float(bands.p_rel[j]), float(bands.p_sigma[j]),
-            float(bands.p_max_abs[j]))
+            float(bands.p_max_abs[j]), float(bands.p_bound[j]),
+            float(bands.p_allclose[j]) if same_policy else math.nan)
 
 
 def _dtype_floor(comp, i: int) -> tuple[float, str]:
@@ -165,7 +168,7 @@ def _judge(comp, i: int, g: int, measured, spec: NoiseSpec) -> str:
     rows = []
     logical = tuple(comp.catalog.shapes[comp.ref_keys.shape[int(comp.ri[i])]][0])
     for p in measured:
-        band = _band_of(bands, g, p.box)
+        band = _band_of(bands, g, p.box, spec_policy_same(bands, comp))
         if band is None:  # another sharding of the reference: no band is this box's
             why = "the reference's pieces are not those the bands were measured on"
             _record(comp, i, dict(base, kind="not_applied", reason=why))
@@ -213,27 +216,51 @@ def abs_slack(spec: NoiseSpec) -> float:
 
 def _piece_verdict(comp, p: PieceDistance, band, slack: float, floor: float,
                    a_slack: float) -> dict:
-    band_bitwise, b_rel, b_sigma, b_abs = band
+    band_bitwise, b_rel, b_sigma, b_abs, b_bound, b_close = band
     noise_limit = 0.0 if band_bitwise else slack * b_rel
     limit = max(noise_limit, floor)
     abs_limit = math.nan
-    if not band_bitwise and not math.isnan(b_abs) and not math.isnan(p.max_abs):
+    if not band_bitwise and not math.isnan(b_abs):
         abs_limit = max(a_slack * b_abs, floor * (p.ref_abs_max if not math.isnan(p.ref_abs_max)
                                                   else 0.0))
+    # without payloads the extremes bound the candidate's max_abs from below: enough to breach,
+    # never to excuse
+    cand_abs = p.max_abs if not math.isnan(p.max_abs) else p.max_abs_bound
     pol = comp.policy
     breach, unc = F.judge(np.array([p.rel]), np.array([p.sigma]), np.array([limit]),
                           pol.sigmas, pol.on_uncertain)
-    over_abs = not math.isnan(abs_limit) and p.max_abs > abs_limit
+    over_abs = not math.isnan(abs_limit) and cand_abs > abs_limit
     beyond = bool(breach[0]) or over_abs
     within_noise = (not beyond and not band_bitwise and b_rel > 0 and p.rel <= noise_limit
-                    and (math.isnan(abs_limit) or p.max_abs <= a_slack * b_abs))
+                    and _abs_within(p, b_abs, b_bound, a_slack, floor))
     times = p.rel / b_rel if b_rel > 0 else (math.inf if p.rel > 0 else 0.0)
     ratio = max(p.rel / limit if limit > 0 else (math.inf if p.rel > 0 else 0.0),
-                p.max_abs / abs_limit if over_abs else 0.0)
+                cand_abs / abs_limit if over_abs else 0.0)
     return {"piece": p, "band_bitwise": band_bitwise, "band_rel": b_rel, "band_max_abs": b_abs,
+            "band_allclose": b_close,
             "limit": limit, "abs_limit": abs_limit, "beyond": beyond, "over_abs": over_abs,
             "within_noise": within_noise, "times": times, "ratio_to_limit": ratio,
             "uncertain": bool(unc[0])}
+
+
+def spec_policy_same(bands: Bands, comp) -> bool:
+    """Whether the bands were measured under the comparison's policy (their elementwise ratios
+    are then the candidate's kind)."""
+    return (bands.meta.get("policy") or {}).get("sha256") == comp.policy.sha256
+
+
+def _abs_within(p: PieceDistance, b_abs: float, b_bound: float, a_slack: float,
+                floor: float) -> bool:
+    """Whether the candidate's largest element difference is within the noise's, as far as it
+    can be shown: against the reruns' max_abs, a known max_abs of the candidate; without one
+    (no payloads) its lower bound from the extremes against theirs. Only what is shown
+    excuses a preset's breach."""
+    if not math.isnan(b_abs):
+        return not math.isnan(p.max_abs) and p.max_abs <= a_slack * b_abs
+    if not math.isnan(b_bound):
+        ref = p.ref_abs_max if not math.isnan(p.ref_abs_max) else 0.0
+        return p.max_abs_bound <= max(a_slack * b_bound, floor * ref)
+    return True
 
 
 def _piece_dict(comp, r: dict) -> dict:
@@ -245,7 +272,8 @@ def _piece_dict(comp, r: dict) -> dict:
             "rel_l2": _jf(p.rel), "sigma": _jf(p.sigma), "max_abs": _jf(p.max_abs),
             "band": "bitwise" if r["band_bitwise"] else "noisy",
             "band_rel_l2": _jf(r["band_rel"]), "band_max_abs": _jf(r["band_max_abs"]),
-            "limit": _jf(r["limit"]), "beyond": r["beyond"], "method": p.method}
+            "limit": _jf(r["limit"]), "beyond": r["beyond"], "method": p.method,
+            "allclose": _jf(p.allclose), "band_allclose": _jf(r["band_allclose"])}
 
 
 def _jf(v: float):
@@ -276,7 +304,10 @@ def _breach(comp, i: int, top: dict, kind: str, info: dict, dtype: str,
                 f"is {_times(top['times'])} the largest distance among its {runs} runs "
                 f"({format_float(top['band_rel'])}; within noise: up to {info['slack']:g}x)")
         if top["over_abs"]:
-            what += (f"; max_abs {format_float(p.max_abs)} against {format_float(top['abs_limit'])}"
+            bound = "" if not math.isnan(p.max_abs) else " at least"
+            what += (f"; max_abs{bound} "
+                     f"{format_float(p.max_abs if not bound else p.max_abs_bound)} against "
+                     f"{format_float(top['abs_limit'])}"
                      f" ({info['abs_slack']:g}x theirs, {format_float(top['band_max_abs'])})")
         if also:
             what += ("; and beyond the rounding floor where the runs are bitwise equal: "
@@ -287,7 +318,8 @@ def _breach(comp, i: int, top: dict, kind: str, info: dict, dtype: str,
                 f"the rounding floor of {dtype} (rel_l2 {format_float(info['floor'])}) is a "
                 f"finding: rel_l2 {format_float(p.rel)} on {_where(top)}")
     if top["over_abs"] and not p.rel > top["limit"]:
-        comp.metric[i], comp.value[i], comp.threshold[i] = (METRIC_CODES["max_abs"], p.max_abs,
+        cand_abs = p.max_abs if not math.isnan(p.max_abs) else p.max_abs_bound
+        comp.metric[i], comp.value[i], comp.threshold[i] = (METRIC_CODES["max_abs"], cand_abs,
                                                             top["abs_limit"])
         comp.sigma[i] = math.nan
     else:

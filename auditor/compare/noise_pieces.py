@@ -63,6 +63,10 @@ class PieceDistance:
     """"fingerprint", "payload", "sketch" or "key" (the comparison's whole-key metrics)."""
     cand_ranks: list[int] | None = None
     """The candidate's ranks holding the same box (None: it holds other boxes)."""
+    allclose: float = NAN
+    """The preset's elementwise test at its worst element, max |c - r| / (atol + rtol |r|)
+    (assert_close passes at <= 1; NaN unknown): element by element, relative to each element,
+    where max_abs is dominated by the largest ones."""
 
     @classmethod
     def equal(cls, box, ranks, cand_ranks=None) -> PieceDistance:
@@ -133,11 +137,12 @@ def _whole(comp, i: int) -> PieceDistance:
         numel = max(int(comp.cand_keys.numel[int(comp.ci[i])]), 1)
         return PieceDistance(None, [], bool(pm.get("_bitwise")), _num(pm["rel_l2"]), 0.0,
                              _num(pm["max_abs"]), _num(pm["max_abs"]), _num(pm.get("ulp")),
-                             (pm.get("mismatched") or 0) / numel, NAN, "key")
+                             (pm.get("mismatched") or 0) / numel, NAN, "key",
+                             allclose=_num(pm.get("allclose")))
     rel = float(comp.rel_l2[i])
     sigma = float(comp.rel_sigma[i])
     return PieceDistance(None, [], False, rel, 0.0 if math.isnan(sigma) else sigma,
-                         method="key")
+                         max_abs_bound=NAN, method="key")
 
 
 def _num(v) -> float:
@@ -197,7 +202,8 @@ def _exact(box, ranks, r: np.ndarray, c: np.ndarray, bits, dtype: str, check) ->
     rz = np.where(np.isfinite(r), r, 0.0)
     return PieceDistance(box, ranks, bitwise, float(pm.rel_l2), 0.0, float(pm.max_abs),
                          float(pm.max_abs), ulp, pm.mismatched / max(r.size, 1),
-                         float(np.abs(rz).max(initial=0.0)), "payload")
+                         float(np.abs(rz).max(initial=0.0)), "payload",
+                         allclose=float(pm.allclose))
 
 
 def _piece(comp, cols, row: int):

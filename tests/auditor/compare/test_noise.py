@@ -10,6 +10,7 @@ import math
 from contextlib import closing
 
 import numpy as np
+import torch
 import pytest
 
 from auditor.compare.bands import BITWISE, NOISY
@@ -256,3 +257,35 @@ def test_rounding_floor_per_dtype():
     assert rounding_floor("float32") == 16 * 2.0 ** -23
     assert rounding_floor("int64") == 0.0 and math.isclose(rounding_floor("float16"), 2 ** -10)
     assert np.isclose(rounding_floor("float64"), 16 * 2.0 ** -52)
+
+
+@pytest.mark.parametrize("preset", ["bf16", "fp32"])
+def test_an_error_in_one_element_within_the_noise_distance_breaches_by_max_abs(tmp_path,
+                                                                              preset):
+    """Noise on every element (one bfloat16 ulp each): one element off by 1 keeps the relative
+    L2 within 4x the reruns', but its max_abs is beyond 8x theirs."""
+    from tests.auditor.noisy_runs import one_bf16_ulp
+    from tests.auditor.synth import RunBuilder
+
+    base = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+
+    def run(name, seed, bump=0.0):
+        t = one_bf16_ulp(base, seed, share=1.0)
+        t[5, 7] += bump
+        b = RunBuilder(name)
+        b.add_full(t, step=0, microbatch=-1, phase="grad", site="w", role="value",
+                   payload=True)
+        return b
+
+    db = write_runs(tmp_path / "a.db", run("ref", 1), run("ref2", 2), run("ref3", 3),
+                    run("clean", 4), run("cand", 5, bump=1.0))
+    noise = NoiseSpec(reruns=("ref2", "ref3"))
+    clean = compare_runs(db, "ref", "clean", preset_policy(preset), noise=noise)
+    assert clean.exit_code == 0
+    first = compare_runs(db, "ref", "cand", preset_policy(preset), noise=noise).first
+    info = first.metrics["noise"]
+    assert info["kind"] == "beyond_noise" and first.metric == "max_abs"
+    piece = info["pieces"][0]
+    assert piece["rel_l2"] <= DEFAULT_SLACK * piece["band_rel_l2"]
+    assert piece["max_abs"] > 2 * DEFAULT_SLACK * piece["band_max_abs"]
+    assert any("max_abs 1 against" in n for n in first.notes)
