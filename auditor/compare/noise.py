@@ -122,10 +122,10 @@ def apply_bands(comp, spec: NoiseSpec) -> dict:
     if comp.cand.name in bands.runs:
         warnings.append(f"{comp.cand.name} is one of the runs the noise bands were measured "
                         "among: it lies within them by construction")
-    return {"warnings": warnings, "runs": list(bands.runs), "pairs": bands.pairs, "slack": spec.slack,
-            "source": spec.source or "runs", "keys": {"noisy": int(noisy.sum()),
-                                                      "bitwise": int((bands.state == BITWISE).sum()),
-                                                      "unusable": int((bands.state == UNUSABLE).sum())},
+    keys = {"noisy": int(noisy.sum()), "bitwise": int((bands.state == BITWISE).sum()),
+            "unusable": int((bands.state == UNUSABLE).sum())}
+    return {"warnings": warnings, "runs": list(bands.runs), "pairs": bands.pairs,
+            "slack": spec.slack, "source": spec.source or "runs", "keys": keys,
             "counts": counts, "nondeterminism": bands.meta.get("nondeterminism")}
 
 
