@@ -71,6 +71,12 @@ class Agent:
             self._sender = Sender(config, ident, self.counters)
             shutdown.register(self)
         self.capturer = Capturer(config, ident, self._sink, self.counters)
+        from agents.ops import OpCapture
+
+        self.ops = OpCapture(self.capturer, config, ident)
+        """Op-level captures (NUMAUDIT_OPS, a plan, the auditor's directives: agents/ops.py)."""
+        if self._sender is not None and config.directives:
+            self._sender.directives = self.ops.inbox
 
     def _sink(self, batch: HostBatch) -> None:
         if self._sender is not None:
@@ -93,7 +99,9 @@ class Agent:
             note_dropouts(self.ident, module)
             note_tied_parameters(self.ident, module)
             note_unpassed_mesh(self.ident, module)
-            return self.capturer.hook_modules(module, stage, pipelined=pipelined)
+            n = self.capturer.hook_modules(module, stage, pipelined=pipelined)
+            self.ops.watch(module, stage)
+            return n
         except Exception as exc:
             self.capturer._failed("watch", exc)
             return 0
@@ -118,6 +126,11 @@ class Agent:
         """Key captures inside the block by `step`; capture parameter gradients at its end."""
         if self.active:
             self.capturer.start_step(step)
+            try:
+                if self.ops.start_step(step, self.capturer._step_on):
+                    self.capturer._step_on = True  # a directive of the auditor names this step
+            except Exception as exc:  # never into training
+                self.capturer._failed("op-level capture", exc)
         try:
             yield
         except BaseException:
@@ -165,10 +178,19 @@ class Agent:
         grad_output, same layout) when the bwd phase is on.
         """
         if self.active:
-            self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
-                                  microbatch=microbatch, stage=stage, rows=rows,
-                                  backward=backward, reduce=reduce, weight=weight,
-                                  replicate=replicate)
+            cap = self.capturer
+            if cap.op_frames and not cap.ops_paused:  # inside a module whose ops are captured:
+                cap.ops_paused += 1  # the agent's own digest work is not the model's
+            else:
+                cap = None
+            try:
+                self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
+                                      microbatch=microbatch, stage=stage, rows=rows,
+                                      backward=backward, reduce=reduce, weight=weight,
+                                      replicate=replicate)
+            finally:
+                if cap is not None:
+                    cap.ops_paused -= 1
 
     def capture_segments(self, tensor: torch.Tensor, counts, rows, *, site: str,
                          phase: str = "fwd", role: str = "output",
@@ -183,9 +205,9 @@ class Agent:
         role grad_output).
         """
         if self.active:
-            self.capturer.capture_segments(tensor, counts, rows, phase=phase, site=site,
-                                           role=role, microbatch=microbatch, stage=stage,
-                                           backward=backward)
+            self.capturer._paused(self.capturer.capture_segments, tensor, counts, rows,
+                                  phase=phase, site=site, role=role, microbatch=microbatch,
+                                  stage=stage, backward=backward)
 
     def capture_state_dict(self, state_dict, *, step: int, stage: int = -1) -> None:
         """Digest a (nested) state dict as it is saved or loaded: phase ``state`` at `step`.
@@ -241,6 +263,7 @@ class Agent:
                 else:
                     self.capturer.flush()
                     self.capturer.remove_hooks()
+                    self.ops.remove_hooks()
                 if self._sender is not None:
                     self._sender.close(self.config.flush_timeout_s if timeout is None
                                        else timeout)

@@ -164,6 +164,10 @@ class Capturer:
         self._phases = frozenset(config.phases)
         self._fwd_on, self._bwd_on = "fwd" in self._phases, "bwd" in self._phases
         self._step_on = step_selected(config, self.step)
+        self.op_frames: list = []
+        """Frames of modules whose operations are captured now (agents/ops.py): while any is
+        open, the agent's own hooks pause that capture (`_paused`)."""
+        self.ops_paused = 0
         self._run_grad_hook = not_traced(self._grad_hook_body)
         self._run_backward_hook = not_traced(self._backward_hook_body)
         """The gradient hooks' bodies, run eagerly under torch.compile (hooks.not_traced): one
@@ -265,6 +269,8 @@ class Capturer:
         def hook(module, inputs, output):
             if not self._step_on:  # a step the selection leaves out: nothing else to do
                 return
+            if self.op_frames and not self.ops_paused:  # inside a module whose operations
+                return self._paused(hook, module, inputs, output)  # are captured (ops.py)
             try:
                 if graph_task_id() != -1:  # in backward: a checkpoint's recomputation
                     self._replayed(site, stage, output)
@@ -304,7 +310,28 @@ class Capturer:
                 self._failed("forward hook", exc)
             self._batches.drain()
 
-        return not_traced(hook)
+        wrapped = not_traced(hook)
+        wrapped._numaudit_capture = True  # agents/ops.py runs its own hook before this one
+        return wrapped
+
+    def _paused(self, fn, *args, **kwargs):
+        """`fn` with op-level capture paused: the agent's own digest work is not the model's
+        operations (agents/ops.py)."""
+        self.ops_paused += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.ops_paused -= 1
+
+    def set_payload_globs(self, globs: tuple[str, ...]) -> tuple[str, ...]:
+        """Make `globs` the payload globs (a directive's, for one step); returns the old ones.
+        The plans and payload decisions cached per site are worked out again."""
+        old = self.config.payload
+        if globs != old:
+            self.config = dataclasses.replace(self.config, payload=globs)
+            self._payload_sites.clear()
+            self._plans.clear()
+        return old
 
     def _skip_outside_chunk(self, output, fwd: bool, bwd: bool) -> None:
         """Count what a hooked module's output outside any chunk would have been captured as."""

@@ -50,6 +50,9 @@ ENV_BATCH_DIM = "NUMAUDIT_BATCH_DIM"  # the dim the data-parallel split concaten
 ENV_DP_DIMS = "NUMAUDIT_DP_DIMS"      # comma-separated mesh dims that split the batch
 ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (default: torchrun's)
 ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
+ENV_OPS = "NUMAUDIT_OPS"              # module-site globs whose every operation is captured
+ENV_PLAN = "NUMAUDIT_PLAN"            # drill-down plan file (`auditor drill -o`): ops, steps, payload
+ENV_DIRECTIVES = "NUMAUDIT_DIRECTIVES"  # "0": ignore the auditor's live directives (watch --escalate)
 SPOOL_MODES = ("spill", "always", "off")
 
 PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update", "state")
@@ -166,6 +169,15 @@ class AgentConfig:
     """The job's id, the same on every rank; default TORCHELASTIC_RUN_ID (docs/agent.md)."""
     rename_if_taken: bool = False
     """A run name registered by another job becomes NAME.2, NAME.3, ... instead of refused."""
+    ops: tuple[str, ...] = ()
+    """Globs on module sites inside whose forward and backward every operation's tensors are
+    captured, on the selected steps (agents/ops.py, docs/drill-down.md); none by default."""
+    plan: str | None = None
+    """A drill-down plan file written by `auditor drill -o` (TOML): its ops, steps and payload
+    globs are taken as if given here (docs/drill-down.md)."""
+    directives: bool = True
+    """Act on the auditor's live directives (`auditor watch --escalate`): capture the operations
+    of a flagged module at the step it names. False: they are ignored."""
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -259,7 +271,18 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["job_id"] = env[ENV_JOB_ID].strip()
     if ENV_RENAME in env:
         changes["rename_if_taken"] = env[ENV_RENAME].strip() in ("1", "true", "yes")
-    return dataclasses.replace(config, **changes)
+    if ENV_OPS in env:
+        changes["ops"] = _split(env[ENV_OPS])
+    if ENV_DIRECTIVES in env:
+        changes["directives"] = env[ENV_DIRECTIVES].strip() not in ("0", "false", "no")
+    if env.get(ENV_PLAN):
+        changes["plan"] = env[ENV_PLAN]
+    out = dataclasses.replace(config, **changes)
+    if out.plan:
+        from agents.plan import apply_plan  # between the arguments and the variables
+
+        out = apply_plan(out, out.plan, explicit=set(changes))
+    return out
 
 
 def check(config: AgentConfig) -> None:
@@ -317,6 +340,8 @@ def check(config: AgentConfig) -> None:
         raise ValueError(f"microbatch_size: {config.microbatch_size} < 1")
     if not 0 <= config.batch_dim < 64:
         raise ValueError(f"batch_dim: {config.batch_dim} is not in [0, 64)")
+    if isinstance(config.ops, str) or not all(isinstance(g, str) and g for g in config.ops):
+        raise ValueError(f"ops: {config.ops!r} is not a tuple of module-site globs ({ENV_OPS})")
 
 
 def step_selected(config: AgentConfig, step: int) -> bool:

@@ -72,12 +72,17 @@ class Sender:
         self.relay: dict | None = None
         """In sidecar mode, the sidecar's outcome of this session (SidecarTransport.outcome)."""
         self.delivery: Delivery | None = None
+        self.directives = None
+        """Where directives of the auditor go (the op capture's inbox, set by the agent; a
+        deque: the ack reader thread appends, the training thread takes them at step start).
+        None: they are ignored (NUMAUDIT_DIRECTIVES=0)."""
         target = config.sidecar or config.address
         if target:
             transport = (SidecarTransport(config.sidecar) if config.sidecar
                          else GrpcTransport(config.address, config.token,
                                             TLSConfig.from_files(config.tls_ca, config.tls_cert,
-                                                                 config.tls_key)))
+                                                                 config.tls_key),
+                                            on_directives=self._directed))
             fallback = {"spill": f"records are kept in memory (up to {config.max_unacked_bytes} "
                                  f"bytes) and spilled to {config.spool_dir} at close",
                         "always": f"records are written ahead to {config.spool_dir}",
@@ -143,6 +148,22 @@ class Sender:
         if self.relay and self.relay.get("run"):  # sidecar mode: the name it registered upstream
             return self.relay["run"]
         return (d.registered_run if d is not None and d.registered_run else self.config.run)
+
+    def _directed(self, directives) -> None:
+        """The auditor's directives, from the ack reader thread: handed to the op capture,
+        which applies each at the start of the step it names (agents/ops.py). Never blocks."""
+        inbox = self.directives
+        if inbox is None:
+            return
+        from agents.directives import accepted
+
+        for d in directives:
+            ok = accepted(d)
+            if ok is not None:
+                inbox.append(ok)
+            else:
+                log.warning("rank %d: numaudit ignored a malformed directive of the auditor "
+                            "(id %d)", self.ident.rank, d.id)
 
     # -- training thread ----------------------------------------------------------------------
 
@@ -402,6 +423,7 @@ class Sender:
             job_id=i.job_id, rename_if_taken=self.config.rename_if_taken,
             grad_scale=i.grad_scale, grad_scale_source=i.grad_scale_source[:256],
             agent_version=package_version()[:256],
+            takes_directives=bool(self.config.directives and not self.config.sidecar),
         )
         req.mesh_shape.extend(i.mesh_shape)
         req.mesh_dim_names.extend(i.mesh_dim_names)

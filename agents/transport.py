@@ -92,9 +92,10 @@ def _request_bytes(item) -> bytes:
 class _GrpcStream:
     """One Ingest call: sends are queued for grpc's request iterator; a thread reads acks."""
 
-    def __init__(self, ingest) -> None:
+    def __init__(self, ingest, on_directives: Callable | None = None) -> None:
         self._outbox: queue.Queue = queue.Queue()
         self.acks: queue.Queue = queue.Queue()
+        self._on_directives = on_directives
         self.call = ingest(self._requests())
         threading.Thread(target=self._read, name="numaudit-acks", daemon=True).start()
 
@@ -108,6 +109,11 @@ class _GrpcStream:
     def _read(self) -> None:
         try:
             for ack in self.call:
+                if ack.directives and self._on_directives is not None:
+                    try:  # handed over here: the sender may sleep while training runs
+                        self._on_directives(list(ack.directives))
+                    except Exception:  # never lose the ack to a directive
+                        pass
                 self.acks.put(ack)
             self.acks.put(EOF_MARK)
         except Exception as exc:
@@ -125,8 +131,10 @@ class GrpcTransport:
     """The auditor daemon over gRPC; the channel is created on first use."""
 
     def __init__(self, address: str, token: str | None = None,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, on_directives: Callable | None = None) -> None:
         self.address, self._token, self._tls = address, token, tls
+        self._on_directives = on_directives
+        """Called from the ack reader thread with an Ack's directives (docs/drill-down.md)."""
         self._channel = None
         self._stub = None
         self._ingest = None
@@ -168,7 +176,7 @@ class GrpcTransport:
 
     def open_stream(self) -> _GrpcStream:
         self._connect()
-        return _GrpcStream(self._ingest)
+        return _GrpcStream(self._ingest, self._on_directives)
 
     def close_session(self, req: pb.CloseSessionRequest, timeout: float) -> None:
         try:

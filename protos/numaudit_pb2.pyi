@@ -202,7 +202,7 @@ class Record(_message.Message):
     def __init__(self, key: _Optional[_Union[Key, _Mapping]] = ..., stage: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., is_none: _Optional[bool] = ..., digest: _Optional[_Union[Digest, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., capture_order: _Optional[int] = ..., samples: _Optional[_Union[SampleDigests, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source", "agent_version")
+    __slots__ = ("schema_version", "run", "session_id", "rank", "world_size", "mesh_shape", "mesh_dim_names", "mesh_coordinate", "stages", "torch_version", "dtype", "seed", "labels", "host", "local_rank", "job_id", "rename_if_taken", "grad_scale", "grad_scale_source", "agent_version", "takes_directives")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class RegisterRequest(_message.Message):
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TAKES_DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     run: str
     session_id: str
@@ -250,7 +251,8 @@ class RegisterRequest(_message.Message):
     grad_scale: float
     grad_scale_source: str
     agent_version: str
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    takes_directives: bool
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., run: _Optional[str] = ..., session_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_dim_names: _Optional[_Iterable[str]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[int]] = ..., torch_version: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., job_id: _Optional[str] = ..., rename_if_taken: _Optional[bool] = ..., grad_scale: _Optional[float] = ..., grad_scale_source: _Optional[str] = ..., agent_version: _Optional[str] = ..., takes_directives: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "acked_seq", "run", "packed_batches", "packed_payloads")
@@ -385,7 +387,7 @@ class RecordBatch(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., records_crc32: _Optional[int] = ..., packed: _Optional[_Union[PackedRecords, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts", "packed_batches", "packed_payloads")
+    __slots__ = ("session_id", "acked_seq", "stored", "duplicates", "conflicts", "packed_batches", "packed_payloads", "directives")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +395,7 @@ class Ack(_message.Message):
     CONFLICTS_FIELD_NUMBER: _ClassVar[int]
     PACKED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     acked_seq: int
     stored: int
@@ -400,7 +403,22 @@ class Ack(_message.Message):
     conflicts: int
     packed_batches: bool
     packed_payloads: bool
-    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ..., packed_batches: _Optional[bool] = ..., packed_payloads: _Optional[bool] = ...) -> None: ...
+    directives: _containers.RepeatedCompositeFieldContainer[Directive]
+    def __init__(self, session_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., conflicts: _Optional[int] = ..., packed_batches: _Optional[bool] = ..., packed_payloads: _Optional[bool] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ...) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("id", "step", "ops", "payload", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    step: int
+    ops: _containers.RepeatedScalarFieldContainer[str]
+    payload: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, id: _Optional[int] = ..., step: _Optional[int] = ..., ops: _Optional[_Iterable[str]] = ..., payload: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("schema_version", "session_id", "records_sent", "records_dropped", "capture_errors", "dropped_by_reason")
@@ -566,27 +584,31 @@ class CompareResponse(_message.Message):
     def __init__(self, report_json: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("ref", "cand", "policy_toml", "preset", "poll_interval_s", "timeout_s")
+    __slots__ = ("ref", "cand", "policy_toml", "preset", "poll_interval_s", "timeout_s", "escalate")
     REF_FIELD_NUMBER: _ClassVar[int]
     CAND_FIELD_NUMBER: _ClassVar[int]
     POLICY_TOML_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
     POLL_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ESCALATE_FIELD_NUMBER: _ClassVar[int]
     ref: str
     cand: str
     policy_toml: str
     preset: str
     poll_interval_s: float
     timeout_s: float
-    def __init__(self, ref: _Optional[str] = ..., cand: _Optional[str] = ..., policy_toml: _Optional[str] = ..., preset: _Optional[str] = ..., poll_interval_s: _Optional[float] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    escalate: bool
+    def __init__(self, ref: _Optional[str] = ..., cand: _Optional[str] = ..., policy_toml: _Optional[str] = ..., preset: _Optional[str] = ..., poll_interval_s: _Optional[float] = ..., timeout_s: _Optional[float] = ..., escalate: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("finding_json", "first_divergence", "status")
+    __slots__ = ("finding_json", "first_divergence", "status", "drill_json")
     FINDING_JSON_FIELD_NUMBER: _ClassVar[int]
     FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    DRILL_JSON_FIELD_NUMBER: _ClassVar[int]
     finding_json: str
     first_divergence: bool
     status: str
-    def __init__(self, finding_json: _Optional[str] = ..., first_divergence: _Optional[bool] = ..., status: _Optional[str] = ...) -> None: ...
+    drill_json: str
+    def __init__(self, finding_json: _Optional[str] = ..., first_divergence: _Optional[bool] = ..., status: _Optional[str] = ..., drill_json: _Optional[str] = ...) -> None: ...

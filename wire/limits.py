@@ -66,6 +66,17 @@ MAX_TEXT_CHARS = 256
 MAX_STAGES = 4096
 MAX_DROP_REASONS = 64
 
+# Directives (Ack.directives, `auditor watch --escalate`): the daemon sends nothing beyond these,
+# and an agent drops a directive that breaks them.
+MAX_DIRECTIVE_GLOBS = 16
+"""Module-site globs (`Directive.ops`), and payload globs, of one directive."""
+MAX_DIRECTIVE_GLOB_CHARS = 512
+MAX_DIRECTIVE_REASON_CHARS = 1024
+MAX_DIRECTIVES_PER_RUN = 8
+"""Directives the daemon keeps for one run (newest kept); each reaches every session of it."""
+DIRECTIVE_TTL_S = 600.0
+"""A directive not delivered within this long is dropped (its step is long past)."""
+
 # Key ranges: the comparison engine packs a key into two int64s (auditor/compare/columns.py:
 # step << 24 | (microbatch + 1) << 4 | phase, and site << 32 | role << 28 | index << 14 | call),
 # so the daemon refuses (INVALID_ARGUMENT) any record it could store but never compare.
@@ -89,6 +100,12 @@ BUSY_PREFIX = "busy: "
 """Starts the details of a RESOURCE_EXHAUSTED that means "the daemon is at a capacity cap, try
 again later" (streams, watches, compares, bytes in flight), as opposed to "this batch is too
 large", which is final for that batch. Senders back off and resend; they never drop for it."""
+
+ENDED_PREFIX = "ended: "
+"""Starts the details of an UNAVAILABLE that means "the daemon ended this Ingest stream" (idle,
+or its receive slot or its place under the stream cap was wanted by another stream): the daemon
+is up and answered. Senders keep what is unacked and open a new stream at once; it is not an
+outage (no backoff, no "cannot reach" warning)."""
 
 # -- Keepalive and timing ------------------------------------------------------------------------
 

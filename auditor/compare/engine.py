@@ -33,6 +33,7 @@ from pathlib import Path
 from auditor.compare.columns import Catalog
 from auditor.compare.comparison import CompareError
 from auditor.compare.conventions import evaluate_runs
+from auditor.compare.drill import attach_ops, split_ops
 from auditor.compare.localize import localize_breaches
 from auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
 from auditor.compare.payloads import measure_exact_breaches
@@ -78,6 +79,8 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
             rc, cc = select.apply(rc), select.apply(cc)
             selected = [select.describe()] if select.describe() else []
         ref_info["records"], cand_info["records"] = len(rc), len(cc)
+        rc, rc_ops = split_ops(rc, catalog)  # operations compare on their own (drill.py)
+        cc, cc_ops = split_ops(cc, catalog)
         t1 = time.perf_counter()
         rc, uneven_ref = place_uneven(rc, catalog, cc)
         cc, uneven_cand = place_uneven(cc, catalog, rc)
@@ -102,6 +105,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
         comp.timings["localize"] = time.perf_counter() - t2
         report = Report.build(comp, ref_info, cand_info, policy)
         report.warnings.extend(scale_warnings)
+        attach_ops(report, rc_ops, cc_ops, catalog, reader)
         comp.timings["total"] = time.perf_counter() - t0
         return report
     finally:

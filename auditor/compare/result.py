@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -56,6 +56,11 @@ class Report:
     """Breaching findings grouped by cause, in execution order (`auditor.compare.groups`)."""
     group_of: np.ndarray | None = None
     """Per key: the index of its group, -1 for a key that does not breach."""
+    ops: Any = None
+    """The op-level comparison (`auditor.compare.ops.OpReport`) when the runs captured
+    operations (docs/drill-down.md); it explains, the module-level keys decide the exit code."""
+    drill: dict | None = None
+    """The rerun that drills into the first divergence's module (`auditor.compare.drill`)."""
 
     @property
     def breaches(self) -> int:
@@ -133,6 +138,8 @@ class Report:
             "groups": [g.as_dict() for g in self.groups],
             **({"noise": self.comparison.noise_summary}
                if self.comparison.noise_summary is not None else {}),
+            **({"ops": self.ops.as_dict()} if self.ops is not None else {}),
+            **({"drill": self.drill} if self.drill is not None else {}),
         }
 
 

@@ -10,6 +10,7 @@ from auditor.compare.align import PHASE_IDS, phase_name
 from auditor.compare.findings import format_float
 from auditor.compare.ranges import format_ranges
 from auditor.compare.result import Report
+from auditor.report.ops_text import print_drill
 
 TEXT_ROWS_PER_GROUP = 50
 """Breaching findings listed per (phase, stage) group in the text report unless --limit says."""
@@ -82,6 +83,7 @@ def render_text(doc: dict, findings: Iterable[dict], *, width: int | None = None
             para(worst_text(payload, runs, scalar), 2)
         for note in first.get("notes", []):
             para(f"note: {note}", 2)
+    print_drill(con, para, doc)  # the rerun to drill into it; op-level findings (ops_text)
 
     if doc.get("graph_breaks"):
         con.print()
