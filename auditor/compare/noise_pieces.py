@@ -14,8 +14,13 @@ box a rank, with its replicas, holds), in this order of cost:
 - Partial addends and reductions over the batch have no piece of their own: the key is one
   "piece" (box None), measured as the comparison measured the whole key.
 
-Pieces the auditor re-placed (regrouped microbatches, uneven rows) are not measured: their
-digests describe other places. A key that cannot be measured gets the reason instead.
+- the candidate's pieces re-placed by the auditor (its microbatches regrouped into the
+  reference's, uneven rows), whose digests describe other places: as other boxes, from payloads,
+  else from both runs' per-sample digests restricted to each box's samples
+  (`per_sample.localize_boxes`).
+
+The reference's own pieces re-placed are not measured: they are not the pieces its bands were
+measured on. A key that cannot be measured gets the reason instead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from auditor.compare import merge as M
+from auditor.compare import per_sample
 from auditor.compare.align import PHASE_IDS, phase_name, role_name
 from auditor.compare.metrics import (FLOAT_DTYPES, PayloadUnavailable, bits_to_values,
                                      decode_payload, payload_metrics, sketch_metrics)
@@ -107,15 +113,17 @@ def _plan(comp, i: int, todo: list, policy):
     placed = comp.catalog.placed
     rb, cb = key_boxes(comp, "ref", ri), key_boxes(comp, "cand", ci)
     rows = [r for rs in rb.values() for r in rs]
-    if not all(placed[int(comp.ref.layout[r])] for r in rows) or \
-            not all(placed[int(comp.cand.layout[r])] for rs in cb.values() for r in rs):
-        return "pieces re-placed by the auditor (regrouped or uneven rows): their digests " \
-               "describe other places"
+    if not all(placed[int(comp.ref.layout[r])] for r in rows):
+        return "the reference's pieces were re-placed by the auditor (regrouped or uneven " \
+               "rows): they are not the pieces its bands were measured on"
     shapes = comp.catalog.shapes
     if shapes[rk.shape[ri]][2] != shapes[ck.shape[ci]][2]:
         return "flat pieces in one run, boxes of the tensor's shape in the other"
     ranks = {box: [int(comp.ref.rank[r]) for r in rs] for box, rs in rb.items()}
-    if set(rb) != set(cb):
+    if set(rb) != set(cb) or \
+            not all(placed[int(comp.cand.layout[r])] for rs in cb.values() for r in rs):
+        # other boxes, or the candidate's pieces moved (microbatches regrouped): its digests
+        # describe no box of the reference; both runs' bytes, else their per-sample digests
         return _sliced(comp, i, rb, ranks, policy)
     scale = _scale(comp, i)
     exact = bool(rk.exact[ri] and ck.exact[ci]) and scale == 1.0
@@ -171,8 +179,7 @@ def _sliced(comp, i: int, rb: dict, ranks: dict, policy):
         comp.cand.rid[comp.cand_keys.taken_row[comp.cand_keys.taken_start[ci]:
                                                comp.cand_keys.taken_start[ci + 1]]]])
     if not len(rids) or len(comp.catalog.payload_rids(rids)) < len(set(rids.tolist())):
-        return ("the runs' pieces occupy other boxes and not every piece carries its payload: "
-                "a box of the reference has no digest of its own in the candidate")
+        return _sampled(comp, i, rb, ranks)
     try:
         r_vals, r_bits, dt_r = logical_values(comp, "ref", ri)
         c_vals, c_bits, dt_c = logical_values(comp, "cand", ci)
@@ -187,6 +194,17 @@ def _sliced(comp, i: int, rb: dict, ranks: dict, policy):
             and scale == 1.0 and dt_r == dt_c else None
         out.append(_exact(box, ranks[box], r_vals[sl] * scale, c_vals[sl], bits, dt_r, check))
     return out
+
+
+def _sampled(comp, i: int, rb: dict, ranks: dict):
+    """The reference's boxes (of whole samples) measured from both runs' per-sample digests
+    restricted to each box's samples (`per_sample.localize_boxes`), or why not."""
+    got = per_sample.localize_boxes(comp, i, rb, _scale(comp, i), lambda *_: False)
+    if got is None or any(math.isnan(rel) for _, _, _, rel in got):
+        return ("the runs' pieces occupy other boxes (or were re-placed by the auditor) and "
+                "neither payloads nor per-sample digests measure each box of the reference")
+    return [PieceDistance(box, ranks[box], False, float(rel), method="samples")
+            for box, _, _, rel in got]
 
 
 def _exact(box, ranks, r: np.ndarray, c: np.ndarray, bits, dtype: str, check) -> PieceDistance:

@@ -19,11 +19,16 @@ Cases:
 - ``x125``: as ref, but ``layers.1.attn``'s query gradient is scaled by 1.25 in step 0 (a noisy
   site);
 - ``rank1``: as ref, but rank 1's attention is nondeterministic too: its pieces differ by as
-  much as rank 0's do, which a band pooled over ranks would excuse.
+  much as rank 0's do, which a band pooled over ranks would excuse;
+- ``acc2``: as ref, but each rank accumulates two microbatches of 2 (the loss divided by 2,
+  no_sync on the first) and sends no payloads: another configuration, whose activations the
+  auditor regroups into the reference's microbatch and measures from per-sample digests;
+- ``acc2_rank1``: as acc2, with rank 1's attention nondeterministic too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -132,20 +137,23 @@ def train(case: str, run: str) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     STATE["gen"] = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-    STATE["noisy"] = rank == 0 or case == "rank1"
+    STATE["noisy"] = rank == 0 or case.endswith("rank1")
     model = DDP(Model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / LOSS_SCALE)
-    agent = agents.attach(model, run=run)
+    acc = 2 if case.startswith("acc2") else 1
+    agent = agents.attach(model, run=run, **({"payload_max_bytes": 0} if acc > 1 else {}))
     for step in range(STEPS):
         STATE["scale"] = {"layers.1.attn": 1.25} if case == "x125" and step == 0 else {}
-        rows = step_tokens(step).chunk(world)[rank]
+        share = step_tokens(step).chunk(world)[rank]
         with agent.step(step):
-            with agent.microbatch(0):
-                logits = model(rows[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                         rows[:, 1:].reshape(-1))
-                agent.capture(loss, site="loss", phase="loss")
-                (loss * LOSS_SCALE).backward()
+            for j, rows in enumerate(share.chunk(acc)):
+                sync = model.no_sync() if j < acc - 1 else contextlib.nullcontext()
+                with sync, agent.microbatch(j):
+                    logits = model(rows[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                             rows[:, 1:].reshape(-1))
+                    agent.capture(loss, site="loss", phase="loss")
+                    (loss * LOSS_SCALE / acc).backward()
             if case == "scaled" and step == 0:
                 model.module.get_parameter(SCALED_PARAM).grad.mul_(1.01)
         optimizer.step()

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 JOB = ROOT / "tests" / "e2e" / "noise_job.py"
 NOISE_STARTS = "bwd layers.1.norm1 grad_output @ step 0 mb 0"
 RUNS = ("ref:ref", "ref:ref2", "ref:ref3", "ref:clean1", "ref:clean2", "ref:clean3",
-        "scaled:scaled", "x125:x125", "rank1:rank1")
+        "scaled:scaled", "x125:x125", "rank1:rank1", "acc2:acc2", "acc2_rank1:acc2_rank1")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,21 @@ def test_a_band_measured_on_rank_0_never_excuses_rank_1s_piece(store):
     assert str(first.key) == NOISE_STARTS
     assert first.metrics["noise"]["kind"] == "beyond_floor"
     assert [d["ranks"] for d in first.pieces["differ"]] == [[1]]
+
+
+def test_another_configuration_is_judged_per_piece_from_per_sample_digests(store):
+    """acc2 accumulates two microbatches a rank and sends no payloads: its activations are
+    regrouped into the reference's microbatch, so each of the reference's boxes is measured from
+    both runs' per-sample digests. The clean one passes; with rank 1 nondeterministic too, rank
+    1's box is the first divergence, where the reference's noise starts."""
+    clean = _compare(store, "acc2")
+    assert clean.exit_code == 0, clean.first and (clean.first.headline(), clean.first.notes)
+    first = _compare(store, "acc2_rank1").first
+    assert str(first.key) == NOISE_STARTS
+    assert first.metrics["noise"]["kind"] == "beyond_floor"
+    assert [(d["ranks"], d["box"]) for d in first.pieces["differ"]] == \
+        [([1], "[4:8, 0:8, 0:32]")]
+    assert {p["method"] for p in first.metrics["noise"]["pieces"]} == {"samples"}
 
 
 def test_calibrate_then_compare_says_where_the_reference_noise_starts(store, tmp_path):
