@@ -13,7 +13,7 @@ from auditor.compare.columns import Catalog, ReadMark, RunColumns
 from auditor.compare.keys import LogicalKeys
 from auditor.compare.localize import localize
 from auditor.compare.metrics import PayloadUnavailable
-from auditor.compare.noise import NoiseSpec, apply_bands, resolve_bands
+from auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
 from auditor.compare.order import APPROXIMATED
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
@@ -262,6 +262,8 @@ class LiveComparison:
                 got = None
             if got is not None:
                 comp.pieces[fd] = got
+            if self.noise is not None:
+                noise_pieces(comp)  # boxes beyond their own noise band, not the preset's
         self.announced = True
         return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
 

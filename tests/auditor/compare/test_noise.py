@@ -247,6 +247,7 @@ def test_watch_judges_keys_against_the_bands(db):
     first = [e.finding for e in events if e.first_divergence]
     assert [str(f.key) for f in first] == [BWD]
     assert first[0].metrics["noise"]["kind"] == "beyond_floor"
+    assert first[0].pieces["method"] == "band" and first[0].pieces["differ"][0]["ranks"] == [1]
     breaches = {str(e.finding.key) for e in events if e.finding is not None and
                 not e.first_divergence and e.finding.breach}
     assert breaches == {BWD}
