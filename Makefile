@@ -4,6 +4,8 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 BUILD   := build
 INJECT  ?=
+OPS     ?=
+DRILL   ?=
 
 .PHONY: audit test test-fast bench proto clean kernels postgres chromium
 
@@ -51,7 +53,7 @@ else
 endif
 
 audit: $(STAMP) $(KERNEL)
-	$(PY) -m examples.audit --build $(BUILD) $(if $(INJECT),--inject $(INJECT))
+	$(PY) -m examples.audit --build $(BUILD) $(if $(INJECT),--inject $(INJECT)) $(if $(OPS),--ops $(OPS)) $(if $(DRILL),--drill)
 
 test: $(STAMP) $(KERNEL) postgres chromium
 	$(PY) -m pytest -q --durations=15

@@ -225,7 +225,7 @@ class Digester:
                 plan, t = items[at[0]]
                 joined = plan.descriptors.copy()
                 joined[:, 0] += t.data_ptr()
-                total = plan.count
+                blob, total = joined.tobytes(), plan.count
             else:
                 descs = []
                 for i in at:
@@ -233,14 +233,16 @@ class Digester:
                     arr = plan.descriptors.copy()
                     arr[:, 0] += t.data_ptr()
                     descs.append(arr)
-                joined = np.concatenate(descs)
-                total = len(joined)
+                # the kernel reads descriptors one after another: pieces of another ndim have
+                # rows of another width, which one array could not hold
+                blob = b"".join(a.tobytes() for a in descs)
+                total = sum(len(a) for a in descs)
             arena = self._sample_rows.get(kd)
             if arena is None:
                 arena = self._sample_rows[kd] = _SampleRows(kd)
             f64, i64, f64_at, i64_at = arena.take(total)
             try:
-                bad = self._cpu.kernel()(total, joined.tobytes(), kd, f64_at, i64_at)
+                bad = self._cpu.kernel()(total, blob, kd, f64_at, i64_at)
                 if bad:
                     raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
             except Exception as exc:

@@ -34,7 +34,6 @@ import logging
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

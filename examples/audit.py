@@ -17,6 +17,13 @@ candidate each under its own name.
 `--also NAME:INJECT` (repeatable) adds more candidates to the same 8-rank job, one after another
 under their own run names, each compared against the reference: most of an 8-rank CPU job is its
 start-up, so many faults cost little more than one.
+
+Drill-down (docs/drill-down.md): `--ops GLOBS` has both runs capture every operation of those
+modules (NUMAUDIT_OPS), so the report names the operation that differs; `--drill` does it after
+the fact: when the first divergence is a module's own, `auditor drill` writes the plan, both runs
+run again with it (NUMAUDIT_PLAN, under NAME-drill) and are compared.
+
+    python -m examples.audit --inject softmax-scale --drill
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "examples" / "policies" / "ds3_vs_pp.toml"
 INJECTIONS = ("reshard-after-forward", "break-backward", "last-microbatch-only", "grad-scale",
-              "swap-microbatches", "ulp-shared-expert", "drop-expert-tokens")
+              "swap-microbatches", "ulp-shared-expert", "drop-expert-tokens", "softmax-scale",
+              "bf16-matmul")
 """`--inject` names; the faults themselves live in examples/dsv3_pp.py (INJECTIONS)."""
 REF_RANKS, CAND_RANKS = 4, 8
 JOB_TIMEOUT_S = 300
@@ -82,12 +90,13 @@ class Daemon:
         self.port_file.unlink(missing_ok=True)
 
 
-def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=()) -> float:
+def run_job(script: str, nproc: int, name: str, address: str, log: Path, extra=(),
+            env_extra: dict[str, str] | None = None) -> float:
     """One torchrun job with the agent pointed at the daemon; returns its wall time."""
     # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's
     # Python stack into the log, so the failure says which code was running, not just the signal.
     env = dict(os.environ, NUMAUDIT_ADDR=address, NUMAUDIT_RUN=name, OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(ROOT / "examples" / script), "--name", name, *extra]
     started = time.monotonic()
@@ -149,6 +158,8 @@ class Outcome:
     """Seconds per phase: daemon, ref, cand, compare, total."""
     also: dict[str, "Outcome"] = dataclasses.field(default_factory=dict)
     """The `--also` candidates' outcomes, by run name (rc and reports; timings not split)."""
+    drill: "Outcome | None" = None
+    """With `--drill`: the comparison of both runs rerun with the drill-down plan."""
 
 
 def compare(ref: str, cand: str, db: Path, policy: Path | None, text_report: Path,
@@ -190,6 +201,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "('none' for none), compared like the first; repeatable")
     p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `auditor compare` (repeatable)")
+    p.add_argument("--ops", metavar="GLOBS",
+                   help="both runs capture every operation of these module sites "
+                        "(NUMAUDIT_OPS, comma-separated; docs/drill-down.md)")
+    p.add_argument("--drill", action="store_true",
+                   help="when the first divergence is a module's own, rerun both runs with the "
+                        "plan `auditor drill` writes and compare them (the operation is named)")
     return p.parse_args(argv)
 
 
@@ -215,13 +232,14 @@ def audit(args: argparse.Namespace) -> Outcome:
     _say(f"auditor listening on {daemon.address} (database {db}) "
          f"in {outcome.timings['daemon']:.1f}s")
     capture = ["--bwd"] if args.bwd else []
+    ops = {"NUMAUDIT_OPS": args.ops} if args.ops else {}
     try:
         if not args.skip_ref:
             _say(f"reference '{args.ref_name}': DeepSeek-V3, {REF_RANKS} ranks, FSDP2, "
                  "16 microbatches per rank ...")
             outcome.timings["ref"] = run_job("dsv3_spmd.py", REF_RANKS, args.ref_name,
                                              daemon.address, logs / f"{args.ref_name}.log",
-                                             capture)
+                                             capture, ops)
             _say(f"reference done in {outcome.timings['ref']:.1f}s")
         inject = capture + (["--inject", args.inject] if args.inject else [])
         for also in args.also:
@@ -230,7 +248,8 @@ def audit(args: argparse.Namespace) -> Outcome:
         _say(f"candidate '{args.cand_name}': DeepSeek-V3, {CAND_RANKS} ranks = 2 pipeline x 4 "
              f"FSDP2, ZBV schedule{label} ...")
         outcome.timings["cand"] = run_job("dsv3_pp.py", CAND_RANKS, args.cand_name,
-                                          daemon.address, logs / f"{args.cand_name}.log", inject)
+                                          daemon.address, logs / f"{args.cand_name}.log", inject,
+                                          ops)
         _say(f"candidate done in {outcome.timings['cand']:.1f}s")
 
         started = time.monotonic()
@@ -247,6 +266,8 @@ def audit(args: argparse.Namespace) -> Outcome:
             other.rc = compare(args.ref_name, name, db, args.policy, other.text_report,
                                other.json_report, args.compare_arg, echo=False)
         outcome.timings["compare"] = time.monotonic() - started
+        if args.drill and outcome.rc == 1:
+            outcome.drill = drill(args, build, db, daemon.address, capture)
     finally:
         daemon.stop()
     outcome.timings["total"] = time.monotonic() - total
@@ -257,6 +278,34 @@ def audit(args: argparse.Namespace) -> Outcome:
     _say(f"          {outcome.json_report}")
     _say(f"logs:     {logs}")
     return outcome
+
+
+def drill(args: argparse.Namespace, build: Path, db: Path, address: str,
+          capture: list[str]) -> Outcome | None:
+    """`--drill`: `auditor drill` writes the plan; both runs run again with it under
+    NAME-drill; their comparison names the operation. None when there is nothing to drill."""
+    plan = build / "drill-plan.toml"
+    proc = subprocess.run([sys.executable, "-m", "auditor", "drill", args.ref_name,
+                           args.cand_name, "--db", str(db), "--policy", str(args.policy),
+                           "-o", str(plan)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        _say(f"no drill-down: {proc.stderr.strip()}")
+        return None
+    _say(f"drill-down plan {plan}: {proc.stderr.strip()}")
+    env = {"NUMAUDIT_PLAN": str(plan)}
+    ref, cand = f"{args.ref_name}-drill", f"{args.cand_name}-drill"
+    logs = build / "logs"
+    _say(f"reference '{ref}' with the plan ...")
+    run_job("dsv3_spmd.py", REF_RANKS, ref, address, logs / f"{ref}.log", capture, env)
+    _say(f"candidate '{cand}' with the plan ...")
+    run_job("dsv3_pp.py", CAND_RANKS, cand, address, logs / f"{cand}.log",
+            capture + (["--inject", args.inject] if args.inject else []), env)
+    _say(f"auditor compare {ref} {cand} --policy {_short(args.policy)}")
+    out = Outcome(rc=2, db=db, text_report=build / f"report-{cand}.txt",
+                  json_report=build / f"report-{cand}.json")
+    out.rc = compare(ref, cand, db, args.policy, out.text_report, out.json_report,
+                     args.compare_arg)
+    return out
 
 
 def _check_kept_database(db: Path, ref: str, cands: list[str]) -> None:

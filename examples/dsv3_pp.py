@@ -34,6 +34,7 @@ import dataclasses
 import os
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: `exam
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
@@ -219,6 +221,39 @@ def _inject_drop_expert_tokens(run: PipelineRun) -> None:
             module.layers[DROP_LAYER].moe.drop_expert = DROP_EXPERT
 
 
+SOFTMAX_LAYER = "1"
+"""`softmax-scale` takes this layer's attention softmax scale from the wrong head width ..."""
+
+
+def _inject_softmax_scale(run: PipelineRun) -> None:
+    """... the value head's (v_head_dim**-0.5 = 0.25) instead of the query/key head's
+    (qk_head_dim**-0.5 = 0.204), in the candidate only: a bug inside one operation (the
+    attention kernel's `scale` argument). The module-level report finds the layer's attention;
+    its operations (`--ops`, or the drill rerun) name the kernel and the argument."""
+    for module in run.modules:
+        if SOFTMAX_LAYER in module.layers:
+            attention = module.layers[SOFTMAX_LAYER].attention
+            attention.softmax_scale = attention.v_dim ** -0.5
+
+
+BF16_LAYER = "1"
+"""`bf16-matmul` computes this layer's `moe.shared_experts.w1` projection in bfloat16 ..."""
+
+
+def _inject_bf16_matmul(run: PipelineRun) -> None:
+    """... in the candidate only (inputs and weight cast to bfloat16, the result cast back): a
+    mixed-precision slip inside one module. The module-level report finds the layer's shared
+    experts; their operations name the casts and the matmul computed in bfloat16."""
+
+    def bf16_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.bfloat16(), self.weight.bfloat16()).float()
+
+    for module in run.modules:
+        if BF16_LAYER in module.layers:
+            w1 = module.layers[BF16_LAYER].moe.shared_experts.w1
+            w1.forward = types.MethodType(bf16_linear, w1)
+
+
 INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
     "reshard-after-forward": _inject_reshard_after_forward,
     "break-backward": _inject_break_backward,
@@ -227,6 +262,8 @@ INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
     "swap-microbatches": _inject_swap_microbatches,
     "ulp-shared-expert": _inject_ulp_shared_expert,
     "drop-expert-tokens": _inject_drop_expert_tokens,
+    "softmax-scale": _inject_softmax_scale,
+    "bf16-matmul": _inject_bf16_matmul,
 }
 """Faults `--inject NAME` plants after the run is built, to show what an audit catches."""
 

@@ -2,7 +2,8 @@
 
 Owns the click group `main` (`auditor.cli.main`, with serve) and the modules that register more
 commands on it: `runs` (runs, show), `compare` (compare, watch), `ingest` (ingest),
-`checkpoint` (checkpoint) and `calibrate` (calibrate; the noise options of compare and watch);
+`checkpoint` (checkpoint), `calibrate` (calibrate; the noise options of compare and watch) and
+`drill` (drill: the rerun plan that finds the operation);
 `about` holds `--version` and the environment variables every help page lists. It may import
 everything below it (daemon, store, compare, report, wire); nothing imports the CLI.
 
@@ -34,6 +35,7 @@ from auditor.cli import compare as _compare  # noqa: E402,F401  (registers compa
 from auditor.cli import ingest as _ingest  # noqa: E402,F401  (registers ingest)
 from auditor.cli import checkpoint as _checkpoint  # noqa: E402,F401  (registers checkpoint)
 from auditor.cli import calibrate as _calibrate  # noqa: E402,F401  (registers calibrate)
+from auditor.cli import drill as _drill  # noqa: E402,F401  (registers drill)
 from auditor.cli.about import attach_environment_help  # noqa: E402
 
 attach_environment_help(main)  # after every command is registered: each help names its variables

@@ -6,7 +6,7 @@
                              [--noise RUN ... | --noise-bands FILE] [--noise-slack X]
                              [--store PATH|URL | --address HOST:PORT]
     auditor watch REF CAND [--policy FILE] [--preset NAME] [--format text|json] [--all]
-                           [--poll S] [--timeout S] [--wait [--wait-timeout S]]
+                           [--poll S] [--timeout S] [--wait [--wait-timeout S]] [--escalate]
                            [--noise RUN ... | --noise-bands FILE] [--noise-slack X]
                            [--store PATH|URL | --address HOST:PORT]
 
@@ -282,14 +282,16 @@ def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
 
 
 def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: str | None,
-                   poll: float, timeout: float) -> Iterator[tuple[dict | None, bool, str]]:
+                   poll: float, timeout: float, escalate: bool = False
+                   ) -> Iterator[tuple[dict | None, bool, str, dict | None]]:
     req = pb.WatchRequest(ref=ref, cand=cand, policy_toml=policy_text, preset=preset or "",
-                          poll_interval_s=poll, timeout_s=timeout)
+                          poll_interval_s=poll, timeout_s=timeout, escalate=escalate)
     deadline = timeout * 4 + 60 if timeout else 24 * 3600.0
     try:
         for ev in source.stub.Watch(req, timeout=deadline):
             yield (json.loads(ev.finding_json) if ev.finding_json else None,
-                   ev.first_divergence, ev.status)
+                   ev.first_divergence, ev.status,
+                   json.loads(ev.drill_json) if ev.drill_json else None)
     except grpc.RpcError as exc:
         code, details = exc.code(), (exc.details() or "").replace("\n", " ")
         if code == grpc.StatusCode.NOT_FOUND:
@@ -316,11 +318,16 @@ def _remote_events(source: Any, ref: str, cand: str, policy_text: str, preset: s
                                            "refusing them (see --wait-timeout).")
 @click.option("--wait-timeout", type=click.FloatRange(min=0), default=DEFAULT_WAIT_TIMEOUT_S,
               show_default=True, help="With --wait: seconds to wait for both runs to register.")
+@click.option("--escalate", is_flag=True, help="When a module introduces a divergence, ask both "
+              "runs' agents (through the daemon: needs --address and the escalate scope) to "
+              "capture its operations at the next step, and print the operation that differs "
+              "(docs/drill-down.md).")
 @noise_options
 @_sources
 @tls_options
 def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt: str,
           show_all: bool, poll: float, idle: float, wait: bool, wait_timeout: float,
+          escalate: bool,
           noise: tuple[str, ...], noise_bands: Path | None, noise_slack: float | None,
           db: Path | None, address: str | None, timeout: float, tls_ca: str | None,
           tls_cert: str | None, tls_key: str | None) -> int:
@@ -332,6 +339,9 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
     try:
         spec = noise_spec(noise, noise_bands, noise_slack, isinstance(source, StoreSource), ref)
+        if escalate and isinstance(source, StoreSource):
+            raise InputError("escalate: needs --address: the daemon holds the runs' streams "
+                             "that carry the directives (a store file cannot reach the agents)")
     except InputError:
         source.close()
         raise
@@ -353,8 +363,11 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
             except KeyRangeError as exc:
                 raise InputError(str(exc)) from None
         else:
-            for doc, first, status in _remote_events(source, ref, cand, policy_text, preset, poll,
-                                                     idle):
+            for doc, first, status, drill in _remote_events(source, ref, cand, policy_text,
+                                                            preset, poll, idle, escalate):
+                if drill is not None:
+                    _print_drill_event(drill, status, fmt)
+                    continue
                 breaches += _print_event(doc, first, status, fmt, show_all)
     except KeyboardInterrupt:
         click.echo("auditor: watch interrupted", err=True)
@@ -423,3 +436,26 @@ def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all:
     if doc["breach"] or show_all:
         click.echo(headline(doc))
     return int(doc["breach"])
+
+
+def _print_drill_event(drill: dict, status: str, fmt: str) -> None:
+    """An escalation's event: a directive sent (status), or the op-level findings of a
+    module's step (`auditor.compare.live_drill`), printed on stdout."""
+    if fmt == "json":
+        kind = "drill" if "drill" in drill else "directive"
+        click.echo(json.dumps({"event": kind, kind: drill[kind], "status": status},
+                              allow_nan=False))
+        return
+    if "directive" in drill:
+        click.echo(f"[watch] {status}", err=True)
+        return
+    r = drill["drill"]
+    for w in r.get("warnings", []):
+        click.echo(f"[watch] drill {r['site']} @ step {r['step']}: {w}", err=True)
+    if not r["calls"]:
+        return
+    click.echo(f"DRILL {r['site']} @ step {r['step']}: {r['differ']} of {r['calls']} module "
+               "calls differ operation by operation")
+    for f in r["findings"][:1] if r["differ"] else ():
+        where = f"{f['phase']} {f['module']} microbatch {f['microbatch']}"
+        click.echo(f"  OPERATION: {f['kind']} at {f['op']} ({where}): {f['reason']}")

@@ -11,9 +11,11 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.columns import Catalog, ReadMark, RunColumns
 from auditor.compare.keys import LogicalKeys
+from auditor.compare.live_drill import LiveDrill, directive_status, drill_status, latest_step
 from auditor.compare.localize import localize
 from auditor.compare.metrics import PayloadUnavailable
 from auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
+from auditor.compare.ops import split_ops
 from auditor.compare.order import APPROXIMATED
 from auditor.compare.policy import Policy
 from auditor.compare.ranks import mesh_of
@@ -32,6 +34,10 @@ class LiveEvent:
     finding: F.Finding | None = None
     first_divergence: bool = False
     status: str = ""
+    directive: dict | None = None
+    """With escalation: a directive to send both runs' agents (`live_drill`)."""
+    drill: dict | None = None
+    """With escalation: the op-level comparison of an escalated module's step."""
 
 
 class LiveComparison:
@@ -57,7 +63,7 @@ class LiveComparison:
     """
 
     def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None, *,
-                 noise: NoiseSpec | None = None) -> None:
+                 noise: NoiseSpec | None = None, escalate: bool = False) -> None:
         self.reader = reader
         self.names = {"ref": ref, "cand": cand}
         self.policy = policy or Policy()
@@ -86,6 +92,9 @@ class LiveComparison:
         """Regrouping lines already reported (one status event each)."""
         self._lines: list[str] = []
         """The last regrouping's lines."""
+        self.drill = LiveDrill(self.names, self.catalog) if escalate else None
+        """Escalation (`auditor watch --escalate`): operation records go there, and modules
+        that introduce a divergence get directives (`auditor.compare.live_drill`)."""
 
     def _progress(self, side: str) -> tuple[float, bool]:
         """(the step every rank of the run is past, whether the run is finished)."""
@@ -114,6 +123,9 @@ class LiveComparison:
             old = self.cols[side]
             fresh, self.marks[side] = self.catalog.load_new(self.names[side], side,
                                                             self.marks[side])
+            fresh, op_rows = split_ops(fresh, self.catalog)  # compared by the drill, if any
+            if self.drill is not None:
+                self.drill.add(side, op_rows)
             if not len(fresh):
                 continue
             new_rows += len(fresh)
@@ -142,13 +154,32 @@ class LiveComparison:
             s = min(self.breach_steps)
             if s < past or self.finished:
                 events.extend(self._announce(s))
+        if self.drill is not None:
+            events.extend(self._drilled(past, self.finished))
         return events
+
+    def _drilled(self, past: float, finished: bool) -> list[LiveEvent]:
+        """The escalated modules' op-level comparisons whose step both runs are past, and the
+        directives asked again for those a run passed without captures (`live_drill`)."""
+        if not self.drill.ready(past, finished):
+            return []
+        mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}
+        labels = {side: self.reader.run_info(name)["labels"]
+                  for side, name in self.names.items()}
+        reports, again = self.drill.progress(past, finished, latest_step(self.cols),
+                                             self.policy, self.reader, self._bwd_factor(),
+                                             mesh, labels)
+        return ([LiveEvent(status=drill_status(r), drill=r) for r in reports]
+                + [LiveEvent(status=directive_status(d, self.names), directive=d)
+                   for d in again])
 
     def flush(self) -> list[LiveEvent]:
         """Report everything left (the runs ended or the watch timed out)."""
         events = self._emit(math.inf, everything=True)
         if not self.announced and self.breach_steps:
             events.extend(self._announce(min(self.breach_steps)))
+        if self.drill is not None:
+            events.extend(self._drilled(math.inf, True))
         return events
 
     def _pending(self, side: str) -> RunColumns:
@@ -232,6 +263,10 @@ class LiveComparison:
             if f.breach:
                 self.breach_steps.add(f.key.step)
         self.emitted += sum(e.finding is not None for e in events)
+        if self.drill is not None:  # modules that introduce a divergence: ask for their ops
+            events += [LiveEvent(status=directive_status(d, self.names), directive=d)
+                       for d in self.drill.flagged([e.finding for e in events if e.finding],
+                                                   latest_step(self.cols))]
         # mark the rows of reported keys (by record id: regrouping re-sorts the rows)
         for which, lk, cols, keys in (("ref", rk, comp.ref, comp.ri),
                                       ("cand", ck, comp.cand, comp.ci)):

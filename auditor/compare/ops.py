@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -286,8 +286,9 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
         return _breaching(comp, index, a, ids[r], OUT_ROLE[phase], call, per_rank)
 
     module_bad = phase == FWD and (a, module, call) in module_breaches
+    first_inherited: OpFinding | None = None
     for n, (place, kind, item) in enumerate(events):
-        if kind == "unpaired":
+        if kind == "unpaired" and first_inherited is None:
             # the finding when what it feeds differs: the next operation both runs ran, or,
             # when none follows, the module's output
             nxt = next((e[2][0] for e in events[n + 1:] if e[1] == "pair"), None)
@@ -295,12 +296,19 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
                 return _unpaired_finding(out, comp, al, item[0], item[1], nxt is not None,
                                          pairs, index, a, ids, phase, call)
             continue
+        if kind == "unpaired":
+            continue
         r, c = item
         outs = _keys(index, a, ids[r], OUT_ROLE[phase], call)
         breaching = [(k, i) for k, i in outs if not _passes(comp, i, per_rank)]
         if breaching:
-            return _pair_finding(out, comp, al, r, c, breaching, index, a, ids[r], phase, call,
-                                 per_rank)
+            got = _pair_finding(replace(out), comp, al, r, c, breaching, index, a, ids[r],
+                                phase, call, per_rank)
+            if got.kind == "introduced":
+                return got
+            first_inherited = first_inherited or got
+    if first_inherited is not None:  # nothing introduced inside: it came in from outside
+        return first_inherited
     if module_bad:
         out.kind = "unknown"
         out.reason = (f"every one of the {len(pairs)} operations both runs ran matches, yet the "
@@ -339,9 +347,15 @@ def _scalar(comp, i: int, side: str) -> float | None:
         return None
 
 
+AMPLIFICATION = 100.0
+"""An operation whose output differs this many times more (relative L2) than any of its inputs
+introduced that difference itself, whatever its inputs carry (weights already apart after a
+few steps of training, a rounding difference upstream)."""
+
+
 def _pair_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, bad: list, index: dict,
                   a: int, sid: int, phase: int, call: int, per_rank: dict) -> OpFinding:
-    """The first paired operation whose outputs breach: introduced or inherited."""
+    """A paired operation whose outputs breach: introduced or inherited (`out` filled)."""
     name = al.names[("ref", r)]
     out.op = f"{name} (op {r}{'' if c == r else f'; op {c} in {comp.cand.name}'})"
     j, i = bad[0]
@@ -359,39 +373,62 @@ def _pair_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, bad: list
     factor = comp.scaled_by[i] if comp.scaled_by is not None else math.nan
     if math.isfinite(factor) and not bad_in and "scaled by" not in head:
         notes.append(f"{comp.cand.name}'s = {comp.ref.name}'s x{F.format_float(float(factor))}")
-    inp = "its inputs" if phase == FWD else "the gradients reaching it"
+    inp = "input" if phase == FWD else "gradient reaching output"
     forward = _forward_differs(comp, index, a, sid, call, per_rank) if phase == BWD else None
-    if bad_in:
-        k, x = bad_in[0]
-        out.kind = "inherited"
-        out.reason = (f"{head}; {inp[4:]} {k} already differs ({comp.key(x)} "
-                      f"{F.VERDICT_NAMES[int(comp.verdict[x])]}): the difference comes into the "
-                      "module call from outside its operations (its input, a parameter, or a "
-                      "tensor made elsewhere)")
-    elif forward is not None:
-        out.kind = "inherited"
-        out.reason = (f"{head}, while the gradients reaching it match; its forward already "
-                      f"differs ({forward}), and its backward computes from what the forward "
-                      "saved")
-    elif bad_scalar:
+    amplified = _amplified(comp, i, bad_in)
+    if bad_scalar:
         k, x = bad_scalar[0]
         vr, vc = _scalar(comp, x, "ref"), _scalar(comp, x, "cand")
         values = (f" ({F.format_float(vr)} in {comp.ref.name}, {F.format_float(vc)} in "
                   f"{comp.cand.name})" if vr is not None and vc is not None else "")
         out.kind = "introduced"
-        out.reason = (f"{head}; its tensor inputs ({len(tensors)}) match and its float argument "
-                      f"{k - SCALAR_INDEX} differs{values}: this operation is called "
+        match = "match" if not bad_in else "differ far less" if amplified else "differ too"
+        out.reason = (f"{head}; its tensor inputs ({len(tensors)}) {match} and its float "
+                      f"argument {k - SCALAR_INDEX} differs{values}: this operation is called "
                       "otherwise (a scale, an epsilon, a probability)")
+    elif forward is not None and not (bad_in and not amplified):
+        out.kind = "inherited"
+        out.reason = (f"{head}; its forward already differs ({forward}), and its backward "
+                      "computes from what the forward saved")
+    elif bad_in and amplified:
+        out.kind = "introduced"
+        out.reason = (f"{head}, far beyond what its inputs carry ({amplified}): this operation "
+                      "computes otherwise")
+    elif bad_in:
+        k, x = bad_in[0]
+        out.kind = "inherited"
+        where = ("the difference comes into the module call from outside its operations (its "
+                 "input, a parameter, or a tensor made elsewhere)" if phase == FWD else
+                 "the gradient comes into the module call already different (from what runs "
+                 "after the module, or a forward that differs)")
+        out.reason = (f"{head}; its {inp} {k} already differs ({comp.key(x)} "
+                      f"{F.VERDICT_NAMES[int(comp.verdict[x])]}): {where}")
     else:
         out.kind = "introduced"
         states = {F.VERDICT_NAMES[int(comp.verdict[x])] for _, x in tensors} or {"none"}
-        why = (f"all {len(tensors)} of {inp} are identical" if states == {"identical"} else
-               f"{inp} match (within tolerance: {', '.join(sorted(states))})" if tensors else
-               "it has no tensor input")
+        n = len(tensors)
+        which = f"its {inp}" if n == 1 else f"all {n} of its {inp}s"
+        why = (f"{which} {'is' if n == 1 else 'are'} identical" if states == {"identical"}
+               else f"{which} match{'es' if n == 1 else ''} (within tolerance: "
+                    f"{', '.join(sorted(states))})" if tensors else "it has no tensor input")
         out.reason = f"{head}, while {why}: this operation computes otherwise"
     if notes:
         out.reason += "; " + "; ".join(notes)
     return out
+
+
+def _amplified(comp, i: int, bad_in: list) -> str:
+    """Where output key i differs AMPLIFICATION times more than every breaching input: the
+    relative L2 distances, as text ("" when not, or not measured)."""
+    out_rel = float(comp.rel_l2[i])
+    ins = [float(comp.rel_l2[x]) for _, x in bad_in]
+    if not bad_in or not math.isfinite(out_rel) or not all(math.isfinite(v) for v in ins):
+        return ""
+    worst = max(ins)
+    if out_rel <= AMPLIFICATION * max(worst, 1e-12):
+        return ""
+    return (f"rel_l2 {F.format_float(out_rel)} against at most {F.format_float(worst)} "
+            "in its inputs")
 
 
 def _forward_differs(comp, index: dict, a: int, sid: int, call: int,

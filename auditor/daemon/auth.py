@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 from google.protobuf.message import Message
 
-from auditor.daemon.tokens import READ, WRITE, Grant, Tokens
+from auditor.daemon.tokens import ESCALATE, READ, WRITE, Grant, Tokens
 from protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,16 @@ def check_rename(grant: Grant | None, requested: str, run: str) -> None:
         raise PermissionDenied(f"Register: token {grant.name!r} may not write run {run!r} "
                                f"({requested!r} belongs to another job and would be renamed "
                                "to it): choose another run name")
+
+
+def check_escalate(grant: Grant | None, *runs: str) -> None:
+    """PermissionDenied unless `grant` (None: no tokens) holds the escalate scope on every run
+    of an escalating watch: it makes those runs' agents capture more (docs/security.md)."""
+    for run in runs:
+        if grant is not None and not grant.may(ESCALATE, run):
+            raise PermissionDenied(f"Watch: token {grant.name!r} may not escalate run {run!r} "
+                                   "(escalate scope): watch without --escalate, or use a token "
+                                   "whose escalate globs name both runs")
 
 
 class Unauthenticated(Exception):

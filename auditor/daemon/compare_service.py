@@ -179,12 +179,16 @@ _watch_ids = itertools.count(1)
 def _event_bytes(ev: Any) -> tuple[bytes, bool]:
     """A live comparison's event as a serialized WatchEvent, and whether it is a finding."""
     if ev.finding is None:
-        return pb.WatchEvent(status=ev.status).SerializeToString(), False
+        extra = ev.drill or ev.directive
+        return pb.WatchEvent(status=ev.status, drill_json=json.dumps(
+            {"drill": ev.drill} if ev.drill else {"directive": ev.directive}, allow_nan=False)
+            if extra else "").SerializeToString(), False
     return pb.WatchEvent(finding_json=json.dumps(ev.finding.as_dict(), allow_nan=False),
                          first_divergence=ev.first_divergence).SerializeToString(), True
 
 
-def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset: str) -> None:
+def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset: str,
+               escalate: bool = False) -> None:
     """In the watch worker."""
     from auditor.compare.columns import KeyRangeError
     from auditor.compare.live import LiveComparison
@@ -192,7 +196,7 @@ def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset
     policy = resolve_policy(policy_toml, preset, source="policy_toml")
     reader = Reader(db)
     try:
-        live = LiveComparison(reader, ref, cand, policy)
+        live = LiveComparison(reader, ref, cand, policy, escalate=escalate)
     except KeyRangeError as exc:
         reader.close()
         raise StoreError(str(exc)) from None
@@ -203,8 +207,9 @@ def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset
 
 
 def _live_poll(key: int, flush: bool,
-               limit: int) -> tuple[list[bytes], int, bool, int, int]:
-    """In the watch worker: ``(events, findings among them, finished, emitted, events left)``.
+               limit: int) -> tuple[list[bytes], int, bool, int, int, list[dict]]:
+    """In the watch worker: ``(events, findings among them, finished, emitted, events left,
+    directives to send)`` (directives: `watch --escalate`, auditor.compare.live_drill).
 
     Events a poll (or the final flush) found are handed out ``limit`` at a time;
     the store is read again only once they are all out. Each event is a serialized WatchEvent,
@@ -214,18 +219,20 @@ def _live_poll(key: int, flush: bool,
     if key not in _LIVE:
         raise WorkerLost("Watch: the watch worker was restarted; watch again")
     _, live, pending, is_finding = _LIVE[key]
+    directives = []
     if not pending:
         try:
             events = live.flush() if flush else live.poll()
         except KeyRangeError as exc:
             raise StoreError(str(exc)) from None
+        directives = [ev.directive for ev in events if ev.directive]
         for ev in events:
             data, finding = _event_bytes(ev)
             pending.append(data)
             is_finding.append(finding)
     out, findings = pending[:limit], sum(is_finding[:limit])
     del pending[:limit], is_finding[:limit]
-    return out, findings, live.finished, live.emitted, len(pending)
+    return out, findings, live.finished, live.emitted, len(pending), directives
 
 
 def _live_close(key: int) -> None:
@@ -257,17 +264,23 @@ async def _watch(service: Any,
     key = next(_watch_ids)
     generation = workers.generation
     await workers.run(None, _live_open, key, _db_path(service), request.ref, request.cand,
-                      request.policy_toml, request.preset)
+                      request.policy_toml, request.preset, request.escalate)
+    board = getattr(service, "directives", None) if request.escalate else None
+    if board is not None:
+        board.arm()
     try:
-        yield pb.WatchEvent(status=f"watching {request.ref} vs {request.cand}")
+        yield pb.WatchEvent(status=f"watching {request.ref} vs {request.cand}"
+                                   + (" (escalating)" if board is not None else ""))
         last_news = time.monotonic()
         while True:
             started = time.monotonic()
             left = 1
             while left:  # a poll's events, a chunk per call
-                events, findings, finished, emitted, left = await workers.run(
+                events, findings, finished, emitted, left, directives = await workers.run(
                     None, _live_poll, key, False, WATCH_EVENTS_PER_CALL)
                 for ev in events:
+                    yield ev
+                for ev in _post(board, request, directives):
                     yield ev
                 if findings:
                     last_news = time.monotonic()
@@ -275,7 +288,7 @@ async def _watch(service: Any,
             if finished or timed_out:
                 flush = True
                 while flush or left:  # the final flush's events, a chunk per call
-                    events, _, _, emitted, left = await workers.run(
+                    events, _, _, emitted, left, _ = await workers.run(
                         None, _live_poll, key, flush, WATCH_EVENTS_PER_CALL)
                     flush = False
                     for ev in events:
@@ -291,8 +304,34 @@ async def _watch(service: Any,
             spent = time.monotonic() - started
             await asyncio.sleep(max(poll, 2 * spent))
     finally:
+        if board is not None:
+            board.disarm()
         if workers.generation == generation and not workers.closed:  # else its state is gone
             try:
                 await asyncio.shield(workers.run(None, _live_close, key))
             except BaseException:  # the daemon stops meanwhile
                 pass
+
+
+def _post(board: Any, request: pb.WatchRequest, directives: list[dict]) -> list[pb.WatchEvent]:
+    """Post an escalating watch's directives for both runs' agents on the daemon's board
+    (auditor/daemon/directives.py); a status event says where each went, and plainly when a
+    run's agents take none (a node sidecar relays no directive)."""
+    out = []
+    for d in directives if board is not None else ():
+        sent = []
+        for run in (request.ref, request.cand):
+            posted = board.post(run, d["step"], d["ops"], d["payload"], d["reason"])
+            takes, total = board.takers(run)
+            plain = "" if takes or not total else (
+                " (a node sidecar relays none, or the agents are of an earlier build or set "
+                "NUMAUDIT_DIRECTIVES=0): escalation needs direct connections; drill with a "
+                "rerun instead (`auditor drill`)")
+            sent.append(f"{run}: directive {posted.id}, {takes} of {total} sessions take "
+                        f"directives{plain}")
+        log.info("watch %s vs %s: asked for the operations of %s at step %d (%s)",
+                 request.ref, request.cand, ", ".join(d["ops"]), d["step"], "; ".join(sent))
+        out.append(pb.WatchEvent(status=f"directives sent for step {d['step']} ("
+                                        + "; ".join(sent) + ")",
+                                 drill_json=json.dumps({"directive": d}, allow_nan=False)))
+    return out

@@ -38,7 +38,10 @@ from wire import limits
 from auditor.daemon.admission import (MEMORY_PER_WIRE_BYTE, Admission, IdleStream,
                                       ServerLimits, TooBusy)
 from auditor.daemon.auth import (AuthInterceptor, PermissionDenied, Unauthenticated,
-                                 check_rename, current_grant)
+                                 check_escalate, check_rename, current_grant)
+from auditor.daemon.directives import DirectiveBoard, StreamDirectives
+from auditor.daemon.parsing import (  # noqa: F401 (MalformedRequest, CorruptBatch re-exported)
+    CorruptBatch, MalformedRequest, _lenient_parser, _parsed, _parsed_stream, _serializer)
 from auditor.daemon.reflection import enable_reflection
 from auditor.daemon import reads
 from auditor.daemon.metrics import DaemonMetrics
@@ -47,11 +50,10 @@ from auditor.daemon.ingest_wait import next_batch
 from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
 from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
 from wire.packed import RecordColumns, content_hashes
-from wire.checksum import received_records_checksum
 from wire.tls import ServerTLS
 from auditor.daemon.tokens import Tokens
 from auditor.daemon.validate import (
-    CorruptedInTransit, ValidationError, validate_batch, validate_close, validate_describe,
+    ValidationError, validate_batch, validate_close, validate_describe,
     validate_register,
 )
 from auditor.store.backend import describe, open_writer, store_location
@@ -117,61 +119,6 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
     # A bug. Answer UNAVAILABLE (never INTERNAL/UNKNOWN) and leave the traceback in the log.
     log.error("%s: unexpected error", method, exc_info=exc)
     return grpc.StatusCode.UNAVAILABLE, f"auditor: unexpected {type(exc).__name__} (logged); retry later"
-
-
-class MalformedRequest:
-    """What our deserializer returns for bytes that do not parse as the expected message."""
-
-    __slots__ = ("type_name",)
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-
-
-class CorruptBatch:
-    """What our deserializer returns for a RecordBatch whose `records_crc32` does not match the
-    bytes received: corrupted in transit (ABORTED, the agent resends)."""
-
-    __slots__ = ()
-
-
-def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
-    type_name = cls.DESCRIPTOR.full_name
-    is_batch = cls is pb.RecordBatch
-
-    def parse(data: bytes) -> Any:
-        try:
-            message = cls.FromString(data)
-        except Exception:  # DecodeError, recursion limits: the peer's fault, reported in the handler
-            return MalformedRequest(type_name)
-        if is_batch and message.HasField("records_crc32"):
-            # Checked on the bytes as received (wire/checksum.py), not on a re-encoding: any
-            # valid encoding passes. Cleared once checked, so validation does not redo it.
-            try:
-                if received_records_checksum(data) != message.records_crc32:
-                    return CorruptBatch()
-            except ValueError:
-                return MalformedRequest(type_name)
-            message.ClearField("records_crc32")
-        # Fields this build does not know are ignored: dropped here, never stored or hashed.
-        message.DiscardUnknownFields()
-        return message
-
-    return parse
-
-
-def _parsed(message: Any) -> Any:
-    if isinstance(message, MalformedRequest):
-        raise ValidationError("request", f"not a valid {message.type_name}")
-    if isinstance(message, CorruptBatch):
-        raise CorruptedInTransit("records_crc32", "does not match the records as received "
-                                                  "(corrupted in transit); resend the batch")
-    return message
-
-
-async def _parsed_stream(messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    async for message in messages:
-        yield _parsed(message)
 
 
 def _rpc(kind: str) -> Callable:
@@ -243,6 +190,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         self.metrics.watch_admission(self._admission, self._slots)
         self._read_workers = Workers("Read", self._limits.read_processes)
         self._stopping = asyncio.Event()
+        self.directives = DirectiveBoard()
+        """Directives `watch --escalate` posts for the agents, sent on their Ingest streams."""
 
     def close(self) -> None:
         """Stops the worker processes of reads, watches and comparisons."""
@@ -292,6 +241,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
             return acked, run
 
         acked, run = await self._commit(register)
+        self.directives.note_register(run, request.session_id, request.takes_directives)
         log.info("registered run=%s rank=%d/%d session=%s job=%s acked_seq=%d%s", run,
                  request.rank, request.world_size, request.session_id, request.job_id, acked,
                  f" (renamed from {request.run}: the name belongs to another job)"
@@ -305,9 +255,16 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         slot = StreamSlot()
         with self._admission.ingest_stream(), contextlib.ExitStack() as leave:
             leave.callback(self._slots.release, slot)
+            directives = StreamDirectives(self.directives, self._session_run)
             while True:
                 try:
-                    batch = await self._next_or_stop(request_iterator, slot)
+                    if directives.listening():  # an escalating watch runs: directives too
+                        nxt = asyncio.ensure_future(self._next_or_stop(request_iterator, slot))
+                        async for ack in directives.while_waiting(nxt):
+                            yield ack
+                        batch = nxt.result()
+                    else:
+                        batch = await self._next_or_stop(request_iterator, slot)
                 except StopAsyncIteration:
                     return
                 t0, nbytes = time.monotonic(), batch.ByteSize()
@@ -322,9 +279,11 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                           result.stored, result.duplicates, result.conflicts)
                 self.metrics.acked(nbytes, result.stored, result.duplicates, result.conflicts,
                                    time.monotonic() - t0)
-                yield pb.Ack(session_id=session, acked_seq=result.acked_seq,
+                ack = pb.Ack(session_id=session, acked_seq=result.acked_seq,
                              stored=result.stored, duplicates=result.duplicates,
                              conflicts=result.conflicts)
+                await directives.on_ack(ack)
+                yield ack
 
     @_rpc("unary_unary")
     async def CloseSession(self, request: pb.CloseSessionRequest,
@@ -354,25 +313,19 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
         with self.metrics.compare_seconds.time():
             return await rpc_compare.compare(self, request, context)
 
+    async def _session_run(self, session_id: str) -> str:
+        return await self._read(lambda reader: reader.session_run(session_id))
+
     @_rpc("unary_stream")
     async def Watch(self, request: pb.WatchRequest,
                     context: Any) -> AsyncIterator[pb.WatchEvent | bytes]:
         from auditor.daemon import compare_service as rpc_compare
 
+        if request.escalate:  # only a token with the escalate scope on both runs
+            check_escalate(current_grant(), request.ref, request.cand)
+
         async for event in rpc_compare.watch(self, request, context):
             yield event
-
-
-def _serializer(cls: type) -> Callable[[Any], bytes]:
-    """A response serializer that passes bytes through: a handler whose reply was serialized
-    in a worker process (Compare's reply, Watch's events) returns those bytes, so the daemon
-    never holds a large reply as a message or serializes it on its event loop."""
-    serialize = cls.SerializeToString
-
-    def to_bytes(reply: Any) -> bytes:
-        return reply if type(reply) is bytes else serialize(reply)
-
-    return to_bytes
 
 
 def add_auditor_service(service: AuditorService, server: grpc.aio.Server) -> None:

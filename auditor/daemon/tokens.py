@@ -5,6 +5,7 @@
     sha256 = "<64 hex digits: printf %s TOKEN | sha256sum>"
     write = ["ref", "ref-*"]         # Register, Ingest, CloseSession on these runs
     read = ["*"]                     # ListRuns, DescribeRun, Compare, Watch on these runs
+    escalate = ["ref", "cand-*"]     # watch --escalate: ask these runs' agents for op captures
 
     [[token]]
     name = "ops"
@@ -32,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-READ, WRITE = "read", "write"
+READ, WRITE, ESCALATE = "read", "write", "escalate"
 _NAME = re.compile(r"[A-Za-z0-9._@:-]{1,64}")
 _GLOB = re.compile(r"[A-Za-z0-9._*?\[\]!-]{1,256}")
 _HEX_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096
-_ENTRY_KEYS = {"name", "token", "sha256", READ, WRITE, "admin"}
+_ENTRY_KEYS = {"name", "token", "sha256", READ, WRITE, ESCALATE, "admin"}
 
 
 class TokenFileError(ValueError):
@@ -64,21 +65,26 @@ class Grant:
     """Globs of run names this token may write."""
     admin: bool = False
     """Read and write every run (and whatever management RPCs come later)."""
+    escalate: tuple[str, ...] = ()
+    """Globs of run names whose agents this token may send directives to (`auditor watch
+    --escalate`: op-level captures at a step the auditor names; docs/drill-down.md)."""
 
     def __repr__(self) -> str:  # keeps the digest out of logs and tracebacks
         return (f"Grant(name={self.name!r}, read={self.read!r}, write={self.write!r}, "
-                f"admin={self.admin})")
+                f"escalate={self.escalate!r}, admin={self.admin})")
+
+    def _globs(self, scope: str) -> tuple[str, ...]:
+        return {READ: self.read, WRITE: self.write, ESCALATE: self.escalate}[scope]
 
     def has(self, scope: str) -> bool:
         """True when the token holds `scope` on some run."""
-        return self.admin or bool(self.read if scope == READ else self.write)
+        return self.admin or bool(self._globs(scope))
 
     def may(self, scope: str, run: str) -> bool:
         """True when the token holds `scope` on `run`."""
         if self.admin:
             return True
-        globs = self.read if scope == READ else self.write
-        return any(fnmatch.fnmatchcase(run, g) for g in globs)
+        return any(fnmatch.fnmatchcase(run, g) for g in self._globs(scope))
 
 
 class Tokens:
@@ -180,7 +186,7 @@ def _parse_entry(entry: Any, where: str) -> Grant:
             raise TokenFileError(f"{where}: sha256: must be 64 hex digits (sha256sum of the token)")
         digest = bytes.fromhex(hexdigest)
     scopes = {}
-    for scope in (READ, WRITE):
+    for scope in (READ, WRITE, ESCALATE):
         globs = entry.get(scope, [])
         if isinstance(globs, str):
             globs = [globs]
@@ -192,6 +198,7 @@ def _parse_entry(entry: Any, where: str) -> Grant:
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise TokenFileError(f"{where}: admin: must be true or false")
-    if not (admin or scopes[READ] or scopes[WRITE]):
-        raise TokenFileError(f"{where}: grants nothing: give read, write or admin = true")
-    return Grant(name, digest, scopes[READ], scopes[WRITE], admin)
+    if not (admin or scopes[READ] or scopes[WRITE] or scopes[ESCALATE]):
+        raise TokenFileError(f"{where}: grants nothing: give read, write, escalate or "
+                             "admin = true")
+    return Grant(name, digest, scopes[READ], scopes[WRITE], admin, scopes[ESCALATE])
