@@ -259,8 +259,26 @@ def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Caus
     if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND, F.INCOMPLETE):
         return F.Cause("unknown", f"{what} ({prev}) could not be compared "
                                   f"({F.VERDICT_NAMES[v]})", prev)
+    if i is not None and _unmeasured_below(comp, j, i):
+        # the previous capture's bits differ by an amount nothing measures (its lower bound is
+        # within tolerance): no evidence that it carries the difference this capture shows
+        return F.Cause("introduced", f"{what} ({prev}) differs in its bits by an unmeasured "
+                                     f"amount (rel_l2 >= {F.format_float(float(comp.rel_l2[j]))}, "
+                                     "within tolerance as far as it is known) and this capture "
+                                     f"differs by rel_l2 {F.format_float(float(comp.rel_l2[i]))}"
+                                     ": the difference most likely arises here", prev)
     return F.Cause("inherited", f"{what} ({prev}) already differs "
                                 f"({F.VERDICT_NAMES[v]})", prev)
+
+
+def _unmeasured_below(comp: Comparison, j: int, i: int) -> bool:
+    """Key j breaches only as uncertain, on a lower bound within its threshold, while key i is
+    a certain breach far beyond any amplified rounding of that bound."""
+    if not (comp.uncertain[j] and not comp.uncertain[i] and _bound_only(comp, j)):
+        return False
+    before, after = float(comp.rel_l2[j]), float(comp.rel_l2[i])
+    return (np.isfinite(before) and np.isfinite(after) and before <= float(comp.threshold[j])
+            and after > ROUNDING_AMPLIFICATION * max(before, 1e-12))
 
 
 def _block_start_cause(comp: Comparison, step: int) -> F.Cause:
