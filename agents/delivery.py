@@ -13,6 +13,10 @@ Failure policy, by status code:
 - ABORTED (the batch checksum did not match: corrupted in transit): resent;
 - RESOURCE_EXHAUSTED whose details start with `wire.limits.BUSY_PREFIX` (the daemon is at a
   capacity cap: streams, bytes in flight): not a refusal; reconnect with backoff and resend;
+- UNAVAILABLE whose details start with `wire.limits.ENDED_PREFIX` (the daemon ended the stream:
+  idle, or its receive slot or its place under the stream cap was wanted): the peer is up; keep
+  the channel, open a new stream after RECONNECT_BACKOFF_MIN_S and resend. Not an outage: the
+  backoff does not grow and the peer is not reported unreachable;
 - the peer refused the session (UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, or a
   registration refused for what it says): give up, everything pending is counted `refused`;
 - anything else (UNAVAILABLE, DEADLINE_EXCEEDED, a hung peer caught by the ack watchdog):
@@ -295,6 +299,14 @@ class Delivery:
     def _failed(self, err: TransportError, registering: bool = False) -> None:
         code = err.code()
         self._drop_stream()
+        if code == grpc.StatusCode.UNAVAILABLE and err.details().startswith(limits.ENDED_PREFIX):
+            # The daemon ended the stream and said so: it is up, and the channel is sound. A
+            # new stream soon, but not in a loop should a peer answer nothing else.
+            self.reconnects += 1
+            self._next_attempt = time.monotonic() + RECONNECT_BACKOFF_MIN_S
+            log.debug("%s: stream ended by the peer (%s); reconnecting", self.name,
+                      err.details())
+            return
         # A fresh connection next time: one whose bytes were corrupted or that hangs can stay
         # "up" while every call on it times out, so reusing the channel would never recover.
         self.transport.close()

@@ -5,7 +5,10 @@ isolation"): open Ingest streams, Watch streams (in all and per caller), compari
 of batches between receipt and commit. A call over a cap is answered RESOURCE_EXHAUSTED naming the
 limit (`TooBusy`); a batch waits up to `inflight_wait_s` for bytes to free before it is refused.
 An Ingest stream that sends nothing for `idle_stream_s` is ended (`IdleStream`, UNAVAILABLE: the
-agent reconnects when it has something to send), so idle connections cannot pile up.
+agent reconnects when it has something to send), so idle connections cannot pile up. At the
+stream cap, a new stream takes the place of the oldest stream that has sent no batch
+`first_batch_s` after it opened (`make_room`), so streams that never send cannot keep a new rank
+out; below the cap no stream is ended for being slow to send its first batch.
 
 Pure bookkeeping on the event loop: no locks, no threads.
 """
@@ -47,10 +50,12 @@ class ServerLimits:
     idle_stream_s: float = 600.0
     """An Ingest stream with no batch for this long is ended (0 = never)."""
     first_batch_s: float = 5.0
-    """An Ingest stream that has sent no batch this long after it opened is ended (0 = only
-    `idle_stream_s`): an agent opens its stream when it has a batch to send, so a stream that
-    sends nothing holds a place under `max_ingest_streams` for nothing (20,000 of them kept a
-    capped daemon from admitting a new rank)."""
+    """An Ingest stream that has sent no batch this long after it opened may lose its place to
+    a new stream when `max_ingest_streams` are open (the oldest such stream, one per new
+    stream): an agent opens its stream when it has a batch to send, so a stream that sends
+    nothing holds a place for nothing (20,000 of them kept a capped daemon from admitting a new
+    rank). Never while there is room: a first batch slow to arrive (a throttled link) is not cut
+    off."""
     compare_budget_s: float = 300.0
     """Longest a comparison may run; its worker process is killed after (DEADLINE_EXCEEDED)."""
     compare_processes: int = 1
@@ -64,7 +69,9 @@ class TooBusy(Exception):
 
 
 class IdleStream(Exception):
-    """An Ingest stream sent nothing for `idle_stream_s` (UNAVAILABLE: reconnect to send more)."""
+    """The daemon ended an Ingest stream: nothing sent for `idle_stream_s`, or its receive slot
+    or its place under the cap was wanted (UNAVAILABLE, `wire.limits.ENDED_PREFIX`: reconnect to
+    send more)."""
 
 
 class Admission:
@@ -74,6 +81,10 @@ class Admission:
         self.limits = limits
         self.on_freed: Callable[[], None] | None = None
         """Called when admitted bytes are freed (the receive slots may then grant more)."""
+        self.make_room: Callable[[float, str], bool] | None = None
+        """`make_room(older_than_s, why)` ends the oldest open stream that has sent no batch
+        since it opened at least `older_than_s` ago; False when there is none
+        (`ReceiveSlots.make_room`)."""
         self.streams = 0
         self.watches: Counter[str] = Counter()
         self.compares = 0
@@ -82,7 +93,10 @@ class Admission:
 
     @contextlib.contextmanager
     def ingest_stream(self) -> Iterator[None]:
-        if self.streams >= self.limits.max_ingest_streams:
+        """A place under `max_ingest_streams`; at the cap, the place of a stream that has sent
+        nothing `first_batch_s` after it opened (it ends: the count is over the cap by the
+        streams so ended until their handlers return, on the loop's next turns)."""
+        if self.streams >= self.limits.max_ingest_streams and not self._room_made():
             raise TooBusy(f"Ingest: {self.streams} streams open, the limit is "
                           f"{self.limits.max_ingest_streams} (max_ingest_streams)")
         self.streams += 1
@@ -90,6 +104,13 @@ class Admission:
             yield
         finally:
             self.streams -= 1
+
+    def _room_made(self) -> bool:
+        first_s = self.limits.first_batch_s
+        return self.make_room is not None and self.make_room(
+            first_s, f"Ingest: {self.streams} streams open, the limit (max_ingest_streams), and "
+            f"this one sent nothing in the {first_s:g} s after it opened: a new stream takes its "
+            "place; the stream is closed (reconnect to send)")
 
     @contextlib.contextmanager
     def watch(self, caller: str) -> Iterator[None]:

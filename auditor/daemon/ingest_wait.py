@@ -1,10 +1,15 @@
 """Waiting for an Ingest stream's next batch: bounded by the daemon stopping, the idle timeout,
-and the stream's receive slot (`receive_slots`) being taken back."""
+and the stream's receive slot or its place (`receive_slots`) being taken back.
+
+No other clock: a stream slow to send its first batch is ended only when its place is wanted
+(`ReceiveSlots.make_room`, at the stream cap). Ending it after a fixed time regardless (5 s,
+issue 40) cut off every agent whose first batch took longer to arrive over a throttled link or
+from a loaded machine: it reconnected, resent, and was cut off again, never acked.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator
 
 from auditor.daemon.admission import IdleStream
@@ -34,25 +39,19 @@ async def _receive(batches: AsyncIterator[Any], slot: StreamSlot, slots: Receive
 
 async def next_batch(batches: AsyncIterator[Any], slot: StreamSlot, slots: ReceiveSlots,
                      stopping: asyncio.Event, idle_s: float,
-                     shutting_down: type[Exception], first_batch_s: float = 0.0) -> Any:
+                     shutting_down: type[Exception]) -> Any:
     """The next batch; `shutting_down()` when the daemon stops first, IdleStream after `idle_s`
-    (0 = never), `first_batch_s` after the stream opened while it has sent nothing (0 = no such
-    limit), or when the slot is taken back, StopAsyncIteration at the end of the stream."""
+    (0 = never) or when the slot or the stream's place is taken back (`slot.why`),
+    StopAsyncIteration at the end of the stream."""
     if stopping.is_set():
         raise shutting_down()
-    timeout = idle_s or None
-    first = not slot.batches and first_batch_s > 0
-    if first:
-        left = max(0.0, first_batch_s - (time.monotonic() - slot.opened))
-        first = timeout is None or left <= timeout
-        timeout = left if timeout is None else min(timeout, left)
     slot.evicted.clear()  # told to go just as its last batch arrived: that batch was taken
     nxt = asyncio.ensure_future(_receive(batches, slot, slots))
     stop = asyncio.ensure_future(stopping.wait())
     evict = asyncio.ensure_future(slot.evicted.wait())
     try:
         await asyncio.wait((nxt, stop, evict), return_when=asyncio.FIRST_COMPLETED,
-                           timeout=timeout)
+                           timeout=idle_s or None)
     except BaseException:  # the call was cancelled (the agent closed it) while we waited
         abandon(nxt)
         raise
@@ -65,11 +64,7 @@ async def next_batch(batches: AsyncIterator[Any], slot: StreamSlot, slots: Recei
         if stopping.is_set():
             raise shutting_down()
         if slot.evicted.is_set():
-            raise IdleStream(f"Ingest: idle while {slots.waiting} streams wait to send; the "
-                             "stream is closed (reconnect to send more)")
-        if first:
-            raise IdleStream(f"Ingest: no batch {first_batch_s:g} s after the stream opened; the "
-                             "stream is closed (open one when there is a batch to send)")
+            raise IdleStream(slot.why)
         raise IdleStream(f"Ingest: no batch for {idle_s:g} s; the stream is closed (reconnect "
                          "to send more)")
     error = nxt.exception()  # StopAsyncIteration at the end of the stream

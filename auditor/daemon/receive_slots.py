@@ -26,24 +26,31 @@ batch to send, so a stream that has waited long without one is more likely idle 
 a rank that just connected is not queued behind thousands of them. The trade-off is documented
 in docs/reliability.md ("Memory bounded by what is in flight").
 
+The same bookkeeping makes room under `max_ingest_streams` (`make_room`, called by
+`Admission.ingest_stream` at the cap): the open streams that have received no batch yet are kept
+oldest first, and a new stream at the cap ends the oldest of them that opened at least
+`first_batch_s` ago, one per new stream. Only then: a stream whose first batch is slow to arrive
+(a throttled link, a loaded machine) is never ended while the daemon has room for it.
+
 Pure bookkeeping on the event loop, like `admission`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from wire import limits
 
 
 class StreamSlot:
     """One Ingest stream's place: whether it holds a slot, since when it waits for a message,
-    and the event that ends it when its slot is taken back."""
+    and the event that ends it (with `why`) when its slot or its place is taken back."""
 
-    __slots__ = ("holding", "reading_since", "batches", "evicted", "opened", "_grant")
+    __slots__ = ("holding", "reading_since", "batches", "evicted", "why", "opened", "_grant")
 
     def __init__(self) -> None:
         self.opened = time.monotonic()
@@ -51,6 +58,8 @@ class StreamSlot:
         self.reading_since: float | None = None
         self.batches = 0
         self.evicted = asyncio.Event()
+        self.why = ""
+        """What `IdleStream` says when `evicted` is set."""
         self._grant: asyncio.Future | None = None
 
 
@@ -70,6 +79,8 @@ class ReceiveSlots:
         self.evict_after_s = evict_after_s
         self.held = 0
         self._holders: set[StreamSlot] = set()
+        self._silent: dict[StreamSlot, None] = {}
+        """Open streams that have received no batch, oldest first (`make_room`)."""
         self._waiters: dict[StreamSlot, tuple[int, int]] = {}
         self._order = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -102,6 +113,27 @@ class ReceiveSlots:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @contextlib.contextmanager
+    def open(self, stream: StreamSlot) -> Iterator[None]:
+        """The stream's life: counted as silent until its first batch, its slot given back at
+        the end."""
+        self._silent[stream] = None
+        try:
+            yield
+        finally:
+            self._silent.pop(stream, None)
+            self.release(stream)
+
+    def make_room(self, older_than_s: float, why: str) -> bool:
+        """Ends the oldest open stream that has received no batch, if it opened at least
+        `older_than_s` ago (its `next_batch` raises IdleStream(`why`)); False when none has."""
+        stream = next(iter(self._silent), None)
+        if stream is None or time.monotonic() - stream.opened < older_than_s:
+            return False
+        del self._silent[stream]
+        self._end(stream, why)
+        return True
+
     async def acquire(self, stream: StreamSlot) -> None:
         """Waits for a slot (cancellable); the stream holds it until `release`."""
         if stream.holding:
@@ -130,6 +162,7 @@ class ReceiveSlots:
     def received(self, stream: StreamSlot) -> None:
         stream.reading_since = None
         stream.batches += 1
+        self._silent.pop(stream, None)
 
     def release(self, stream: StreamSlot) -> None:
         """Gives the slot back (idempotent) and hands it to the best waiter."""
@@ -167,8 +200,15 @@ class ReceiveSlots:
         idle = sorted((s.reading_since, id(s), s) for s in self._holders
                       if s.reading_since is not None and not s.evicted.is_set()
                       and now - s.reading_since >= self.evict_after_s)
+        why = (f"Ingest: idle while {len(self._waiters)} streams wait to send; the stream is "
+               "closed (reconnect to send more)")
         for _, _, stream in idle[:len(self._waiters)]:
-            stream.evicted.set()
+            self._end(stream, why)
             if self._on_evict is not None:
                 self._on_evict()
         self._arm()
+
+    @staticmethod
+    def _end(stream: StreamSlot, why: str) -> None:
+        stream.why = why
+        stream.evicted.set()

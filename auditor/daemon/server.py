@@ -108,7 +108,7 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
     if isinstance(exc, TooBusy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, limits.BUSY_PREFIX + str(exc)
     if isinstance(exc, IdleStream):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
+        return grpc.StatusCode.UNAVAILABLE, limits.ENDED_PREFIX + str(exc)
     if isinstance(exc, BudgetExceeded):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, WorkerLost):
@@ -187,6 +187,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                                               per_byte=MEMORY_PER_WIRE_BYTE,
                                               on_evict=self.metrics.evictions.inc)
         self._admission.on_freed = self._slots.budget_freed
+        self._admission.make_room = self._slots.make_room  # at the stream cap: a silent stream
         self.metrics.watch_admission(self._admission, self._slots)
         self._read_workers = Workers("Read", self._limits.read_processes)
         self._stopping = asyncio.Event()
@@ -226,8 +227,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     async def _next_or_stop(self, batches: AsyncIterator[pb.RecordBatch],
                             slot: StreamSlot) -> pb.RecordBatch:
         return await next_batch(batches, slot, self._slots, self._stopping,
-                                self._limits.idle_stream_s, ShuttingDown,
-                                first_batch_s=self._limits.first_batch_s)
+                                self._limits.idle_stream_s, ShuttingDown)
 
     @_rpc("unary_unary")
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
@@ -253,8 +253,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     async def Ingest(self, request_iterator: AsyncIterator[pb.RecordBatch],
                      context: Any) -> AsyncIterator[pb.Ack]:
         slot = StreamSlot()
-        with self._admission.ingest_stream(), contextlib.ExitStack() as leave:
-            leave.callback(self._slots.release, slot)
+        with self._admission.ingest_stream(), self._slots.open(slot):
             directives = StreamDirectives(self.directives, self._session_run)
             while True:
                 try:
