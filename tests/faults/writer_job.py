@@ -4,7 +4,9 @@
 
 Record i has the key (step = i // per_step, microbatch 0, phase input, site "s{i % per_step}",
 role value) and the tensor `arange(8) + i` (float32), so a test can re-derive every key it should
-find in the store. The job writes, under --out, as it goes (line-buffered, so a SIGKILL loses at
+find in the store. Records carry no per-sample digests unless --sample-digests: they made each
+of these 8-element records ~4 times larger on the wire (~1.3 KB instead of ~320 bytes), and the
+tests' sizes (a link's seconds at its rate, a memory budget, a tmpfs) are set for the small ones. The job writes, under --out, as it goes (line-buffered, so a SIGKILL loses at
 most the line being written):
 
 - batches.jsonl: every batch the sender cut: its seq and, per record, the key and the content hash
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataloader-workers", type=int, default=0,
                    help="after the first ack, feed the rest through a forking DataLoader")
     p.add_argument("--no-close", action="store_true", help="exit without agent.close()")
+    p.add_argument("--sample-digests", action="store_true",
+                   help="per-sample digests of the records (off: the tests' sizes assume none)")
     args = p.parse_args(argv)
 
     import torch
@@ -154,12 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up: the first digest pays torch's lazy initialisation (~1 s here); step timings
     # below must measure the steady state, where a wait on the network would stand out.
     warm = agents.attach(None, run="warmup", spool_mode="off", sketch_k=args.sketch_k,
-                         phases=("input",))
+                         phases=("input",), sample_digests=args.sample_digests)
     with warm.step(0), warm.microbatch(0):
         warm.capture(torch.zeros(BASE_NUMEL), site="warmup", phase="input")
     warm.close(timeout=0.1)
     options = dict(sketch_k=args.sketch_k, spool_mode=args.spool_mode,
-                   flush_timeout_s=args.flush_timeout, phases=("input",))
+                   flush_timeout_s=args.flush_timeout, phases=("input",),
+                   sample_digests=args.sample_digests)
     if args.spool is not None:
         options["spool_dir"] = str(args.spool)
     for name, value in (("connect_timeout_s", args.connect_timeout),
