@@ -25,7 +25,7 @@ from wire import limits
 pytestmark = pytest.mark.timeout(120)
 CAP = 200
 FLOOD = 1000
-NEW_RANKS = 5
+NEW_RANKS = 2
 
 
 async def _flood(address: str) -> list:
