@@ -142,6 +142,7 @@ class Agent:
         if self.active:
             self.capture_gradients()
             self.capturer.flush()
+            self.ops.end_step()  # a directive's hooks and payload globs last one step
 
     @contextlib.contextmanager
     def microbatch(self, microbatch: int) -> Iterator[None]:

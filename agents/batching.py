@@ -282,8 +282,8 @@ class Batcher:
         digester, dims, default = self._digester, self._batch_dims, self._batch_dim
         todo = []
         for cap, t in items:
-            if cap.row < 0:
-                continue
+            if cap.row < 0 or "/" in cap.site:  # an operation's capture (agents/ops.py): its
+                continue  # keys are compared in the grouping both runs captured, no samples
             try:
                 plan = digester.sample_plan(t, cap.layout, dims.get((cap.site, cap.index),
                                                                     default) if dims else

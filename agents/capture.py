@@ -805,7 +805,8 @@ class Capturer:
                 PHASE_IDS[phase], ROLE_IDS[role])
 
     def _capture_fast(self, t: torch.Tensor, phase: str, site: str, role: str, index: int,
-                      call: int, microbatch: int, stage: int, step: int) -> bool:
+                      call: int, microbatch: int, stage: int, step: int,
+                      layout: PieceLayout | None = None) -> bool:
         """Capture a plain CPU tensor with the default layout through a cached plan; False
         (nothing done) when it takes the general path (:meth:`_capture_one`). Never raises.
 
@@ -814,11 +815,12 @@ class Capturer:
         dict lookup, the descriptor (one struct pack), the Capture and, for small pieces, the
         payload buffer. In a training step Python runs with cold caches between the model's
         ops, where each line of the general path cost several times what a loop over it
-        measures.
+        measures. `layout`: a plain tensor's layout when the caller worked it out (op-level
+        captures, agents/ops.py; the same object for every capture it holds for).
         """
         try:
             tt = type(t)
-            dt_layout = None
+            dt_layout = layout
             if tt is not torch.Tensor and tt is not torch.nn.Parameter:
                 if not _is_dtensor(t):
                     return False

@@ -144,10 +144,15 @@ class OpCapture:
         self._seen_ids: set[int] = set()
         self._lock = threading.Lock()
         self._saved_payload: tuple[str, ...] | None = None
+        self._layouts: dict[tuple, PieceLayout | bool] = {}
+        """(phase, shape, holds the batch, replica) -> layout: one object per kind, so the
+        capturer's cached plans are reused across microbatches."""
         self.late = 0
         """Directives that arrived after the step they named had started."""
         self.applied: list[tuple[int, int]] = []
         """(directive id, step) of the directives acted on."""
+        self.seen = {"calls": 0, "ops": 0}
+        """Module calls whose operations were captured, and their operations (forward)."""
 
     @property
     def paused(self) -> int:
@@ -239,6 +244,13 @@ class OpCapture:
                  step, ", ".join(globs), n, f"; payloads of {', '.join(payload)}" if payload
                  else "")
 
+    def end_step(self) -> None:
+        """The step block ended: its directives' hooks and payload globs end with it."""
+        try:
+            self._end_directives()
+        except Exception as exc:  # never into training
+            self.failed("op-level capture", exc)
+
     def _end_directives(self) -> None:
         """Undo the last step's directives: their hooks and payload globs."""
         if self._saved_payload is not None:
@@ -279,6 +291,7 @@ class OpCapture:
                     self._mode = _Mode(self)
                 self._mode.__enter__()
             self.frames.append(frame)
+            self.seen["calls"] += 1
         except Exception as exc:
             self.failed("operation capture", exc)
 
@@ -326,6 +339,7 @@ class OpCapture:
         self._finish_last(frame)
         n = frame.ops
         frame.ops = n + 1
+        self.seen["ops"] += 1
         site = op_site(frame.site, n, name)
         outputs_only, mutated = _written_args(func, name, args, kwargs)
         cap = self.capturer
@@ -347,7 +361,8 @@ class OpCapture:
             for k, v in enumerate(scalars):
                 self._capture(torch.tensor(v, dtype=torch.float64), frame, site, "fwd",
                               "input", SCALAR_INDEX + k, False)
-            cap._drain()
+            if mutated:  # digested before the operation writes them; else with its outputs
+                cap._drain()
         return site, batch, holds, mutated
 
     def after(self, frame: Frame, prep, name: str, args, kwargs, out) -> None:
@@ -423,6 +438,9 @@ class OpCapture:
             if layout is False:
                 cap.counters.miss(NOT_CAPTURED_OP)
                 return
+            if cap._capture_fast(t, phase, site, role, index, frame.call, frame.microbatch,
+                                 frame.stage, cap.step, layout):
+                return
             cap._capture_one(t, phase=phase, site=site, role=role, index=index,
                              call=frame.call, microbatch=frame.microbatch, stage=frame.stage,
                              layout=layout)
@@ -433,9 +451,18 @@ class OpCapture:
     def _layout(self, t: torch.Tensor, phase: str, site: str, holds: bool):
         """The layout of a plain tensor of an operation (module docstring); False where it
         cannot be placed (a value of the rank's samples that holds no batch dim)."""
-        ident = self.ident
         shape = tuple(t.shape)
         replica = self.capturer.replicated(phase, site, None)
+        key = (phase, shape, holds, replica)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 4096:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._new_layout(shape, phase, holds, replica)
+        return layout
+
+    def _new_layout(self, shape: tuple, phase: str, holds: bool, replica: bool):
+        ident = self.ident
         if ident.dp_size == 1:
             return dataclasses.replace(PieceLayout.full(shape), replica=replica)
         dim = self.config.batch_dim

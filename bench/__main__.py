@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from bench import checkpoint, compare, digest, gpu, ingest, overhead
+from bench import checkpoint, compare, digest, gpu, ingest, ops, overhead
 
-BENCHES: list[Callable[[Sequence[str]], int]] = [digest.main, overhead.main, compare.main,
-                                                  ingest.main, checkpoint.main, gpu.main]
+BENCHES: list[Callable[[Sequence[str]], int]] = [digest.main, overhead.main, ops.main,
+                                                  compare.main, ingest.main, checkpoint.main,
+                                                  gpu.main]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

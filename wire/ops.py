@@ -29,6 +29,13 @@ CAST_OPS = ("aten._to_copy", "aten.to", "aten._autocast_to_reduced_precision",
 """Operations that change a tensor's dtype (the names a dtype cast dispatches as)."""
 
 
+VIEW_OPS = ("aten.t", "aten.view", "aten._unsafe_view", "aten.transpose", "aten.permute",
+            "aten.expand", "aten.reshape", "aten.squeeze", "aten.unsqueeze", "aten.slice",
+            "aten.select", "aten.split", "aten.split_with_sizes", "aten.chunk", "aten.detach",
+            "aten.alias", "aten.clone", "aten.contiguous", "aten.as_strided", "aten.unbind")
+"""Operations that move or alias values without computing new ones."""
+
+
 def op_site(module: str, ordinal: int, name: str) -> str:
     """``layers.1.attention``, 12, ``aten.mm`` → ``layers.1.attention/12:aten.mm``."""
     return f"{module}{OP_SEP}{ordinal}:{name}"
@@ -58,6 +65,11 @@ def op_name(func) -> str:
 
 def is_collective(name: str) -> bool:
     return name.startswith(COLLECTIVE_PREFIXES)
+
+
+def is_view(name: str) -> bool:
+    """An operation that moves or aliases values (``aten.t``, ``aten.view``...)."""
+    return any(name == c or name.startswith(c + ".") for c in VIEW_OPS)
 
 
 def is_cast(name: str) -> bool:

@@ -1,5 +1,4 @@
-"""Op-level comparison: the first operation inside a module call whose output differs while its
-inputs match (docs/drill-down.md).
+"""Op-level comparison: the first operation inside a module call whose output differs while itsinputs match (docs/drill-down.md).
 
 Records of operations (sites ``<module>/<n>:<op>``, wire/ops.py) are kept out of the module-level
 comparison and compared here: each module call's operations are aligned by order and name
@@ -17,7 +16,7 @@ own (shards, partial sums) are compared rank by rank when both runs hold them so
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -25,16 +24,14 @@ import numpy as np
 
 from auditor.compare import findings as F
 from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS, ROLE_IDS
 from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.op_align import Alignment, align_ops, describe, op_text, unpaired_kind
+from auditor.compare.op_align import Alignment, align_ops, describe, unpaired_kind
+from auditor.compare.op_causes import (BWD, FWD, OUT_ROLE, _breaching, _dtype_finding, _keys,
+                                       _other_dtype, _pair_finding, _passes,
+                                       _unpaired_finding)
 from auditor.compare.ranges import format_ranges
-from wire.ops import OP_SEP, SCALAR_INDEX, is_cast, op_site, parse_op_site
+from wire.ops import OP_SEP, is_view, op_site, parse_op_site
 
-FWD, BWD = PHASE_IDS["fwd"], PHASE_IDS["bwd"]
-IN_ROLE = {FWD: ROLE_IDS["input"], BWD: ROLE_IDS["grad_output"]}
-OUT_ROLE = {FWD: ROLE_IDS["output"], BWD: ROLE_IDS["grad_input"]}
-PASSING = (F.IDENTICAL, F.CLOSE, F.IGNORED)
 MAX_LISTED = 1000
 """Calls whose op-level findings the JSON report lists (the text report summarizes them all)."""
 
@@ -255,12 +252,6 @@ def _per_rank(comp) -> dict[int, tuple[bool, str]]:
     return out
 
 
-def _passes(comp, i: int, per_rank: dict) -> bool:
-    if i in per_rank:
-        return per_rank[i][0]
-    return int(comp.verdict[i]) in PASSING
-
-
 def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_rank: dict,
                   module_breaches: set) -> OpFinding:
     a, module, call = g
@@ -286,19 +277,40 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
         return _breaching(comp, index, a, ids[r], OUT_ROLE[phase], call, per_rank)
 
     module_bad = phase == FWD and (a, module, call) in module_breaches
+    # whether anything from each event on differs: a breaching operation, or the module's output
+    later = [False] * (len(events) + 1)
+    later[len(events)] = module_bad
+    for n in range(len(events) - 1, -1, -1):
+        kind, item = events[n][1], events[n][2]
+        later[n] = later[n + 1] or (kind == "pair" and bad(item[0]))
     first_inherited: OpFinding | None = None
+    first_cast = None
     for n, (place, kind, item) in enumerate(events):
-        if kind == "unpaired" and first_inherited is None:
+        if kind == "unpaired":
+            if first_inherited is not None or not later[n + 1]:
+                continue
+            if unpaired_kind(al.names[item]) == "cast":
+                # its effect shows as an operation computed in another dtype (below)
+                first_cast = first_cast or item
+                continue
             # the finding when what it feeds differs: the next operation both runs ran, or,
             # when none follows, the module's output
             nxt = next((e[2][0] for e in events[n + 1:] if e[1] == "pair"), None)
             if (nxt is not None and bad(nxt)) or (nxt is None and module_bad):
-                return _unpaired_finding(out, comp, al, item[0], item[1], nxt is not None,
-                                         pairs, index, a, ids, phase, call)
-            continue
-        if kind == "unpaired":
+                # of the operations one run lacks here, a collective is the one to name
+                run = [e[2] for e in itertools.takewhile(lambda e: e[1] == "unpaired",
+                                                         events[n:])]
+                side, o = next((x for x in run if unpaired_kind(al.names[x]) == "collective"),
+                               item)
+                return _unpaired_finding(out, comp, al, side, o, nxt is not None, pairs,
+                                         index, a, ids, phase, call)
             continue
         r, c = item
+        if later[n] and not is_view(al.names[("ref", r)]):
+            other = _other_dtype(comp, al, r, index, a, ids[r], phase, call)
+            if other:  # computed in another precision, and what follows differs
+                return _dtype_finding(out, comp, al, r, c, other, first_cast, index, a, ids[r],
+                                      phase, call, per_rank)
         outs = _keys(index, a, ids[r], OUT_ROLE[phase], call)
         breaching = [(k, i) for k, i in outs if not _passes(comp, i, per_rank)]
         if breaching:
@@ -309,202 +321,12 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
             first_inherited = first_inherited or got
     if first_inherited is not None:  # nothing introduced inside: it came in from outside
         return first_inherited
+    if first_cast is not None:
+        return _unpaired_finding(out, comp, al, first_cast[0], first_cast[1], False, pairs,
+                                 index, a, ids, phase, call)
     if module_bad:
         out.kind = "unknown"
         out.reason = (f"every one of the {len(pairs)} operations both runs ran matches, yet the "
                       "module's output differs: what differs happens in no operation the "
                       "agents saw (a forward hook, or code outside torch's operations)")
     return out
-
-
-def _keys(index: dict, a: int, sid: int | None, role: int, call: int) -> list[tuple[int, int]]:
-    return sorted(index.get((a, sid, role, call), ())) if sid is not None else []
-
-
-def _breaching(comp, index, a, sid, role, call, per_rank) -> bool:
-    return any(not _passes(comp, i, per_rank) for _, i in _keys(index, a, sid, role, call))
-
-
-def _dtype(comp, i: int, side: str) -> str | None:
-    k = int(comp.ri[i] if side == "ref" else comp.ci[i])
-    lk = comp.ref_keys if side == "ref" else comp.cand_keys
-    if k < 0 or lk.dtype[k] < 0:
-        return None
-    return comp.catalog.dtypes[int(lk.dtype[k])]
-
-
-def _scalar(comp, i: int, side: str) -> float | None:
-    """The value of a 0-dim key (a float argument), from its record's moments."""
-    k = int(comp.ri[i] if side == "ref" else comp.ci[i])
-    lk, cols = (comp.ref_keys, comp.ref) if side == "ref" else (comp.cand_keys, comp.cand)
-    if k < 0:
-        return None
-    rid = cols.rid[int(lk.first[k]):int(lk.first[k]) + 1]
-    try:
-        got = comp.catalog.fetch_digests(rid)
-        return float(got["sum"][0])
-    except Exception:  # digests unavailable: say the argument differs, without values
-        return None
-
-
-AMPLIFICATION = 100.0
-"""An operation whose output differs this many times more (relative L2) than any of its inputs
-introduced that difference itself, whatever its inputs carry (weights already apart after a
-few steps of training, a rounding difference upstream)."""
-
-
-def _pair_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, bad: list, index: dict,
-                  a: int, sid: int, phase: int, call: int, per_rank: dict) -> OpFinding:
-    """A paired operation whose outputs breach: introduced or inherited (`out` filled)."""
-    name = al.names[("ref", r)]
-    out.op = f"{name} (op {r}{'' if c == r else f'; op {c} in {comp.cand.name}'})"
-    j, i = bad[0]
-    f = comp.finding(i)
-    out.finding, out.breach = f.as_dict(), True
-    what = "output" if phase == FWD else "gradient for input"
-    rel = "" if i not in per_rank else f"; {per_rank[i][1]}"
-    head = f"its {what} {j} is {f.verdict} ({F.measure_text(f.as_dict()) or f.verdict}{rel})"
-    inputs = _keys(index, a, sid, IN_ROLE[phase], call)
-    tensors = [(k, x) for k, x in inputs if k < SCALAR_INDEX]
-    scalars = [(k, x) for k, x in inputs if k >= SCALAR_INDEX]
-    bad_in = [(k, x) for k, x in tensors if not _passes(comp, x, per_rank)]
-    bad_scalar = [(k, x) for k, x in scalars if not _passes(comp, x, per_rank)]
-    notes = _dtype_note(comp, i, tensors)
-    factor = comp.scaled_by[i] if comp.scaled_by is not None else math.nan
-    if math.isfinite(factor) and not bad_in and "scaled by" not in head:
-        notes.append(f"{comp.cand.name}'s = {comp.ref.name}'s x{F.format_float(float(factor))}")
-    inp = "input" if phase == FWD else "gradient reaching output"
-    forward = _forward_differs(comp, index, a, sid, call, per_rank) if phase == BWD else None
-    amplified = _amplified(comp, i, bad_in)
-    if bad_scalar:
-        k, x = bad_scalar[0]
-        vr, vc = _scalar(comp, x, "ref"), _scalar(comp, x, "cand")
-        values = (f" ({F.format_float(vr)} in {comp.ref.name}, {F.format_float(vc)} in "
-                  f"{comp.cand.name})" if vr is not None and vc is not None else "")
-        out.kind = "introduced"
-        match = "match" if not bad_in else "differ far less" if amplified else "differ too"
-        out.reason = (f"{head}; its tensor inputs ({len(tensors)}) {match} and its float "
-                      f"argument {k - SCALAR_INDEX} differs{values}: this operation is called "
-                      "otherwise (a scale, an epsilon, a probability)")
-    elif forward is not None and not (bad_in and not amplified):
-        out.kind = "inherited"
-        out.reason = (f"{head}; its forward already differs ({forward}), and its backward "
-                      "computes from what the forward saved")
-    elif bad_in and amplified:
-        out.kind = "introduced"
-        out.reason = (f"{head}, far beyond what its inputs carry ({amplified}): this operation "
-                      "computes otherwise")
-    elif bad_in:
-        k, x = bad_in[0]
-        out.kind = "inherited"
-        where = ("the difference comes into the module call from outside its operations (its "
-                 "input, a parameter, or a tensor made elsewhere)" if phase == FWD else
-                 "the gradient comes into the module call already different (from what runs "
-                 "after the module, or a forward that differs)")
-        out.reason = (f"{head}; its {inp} {k} already differs ({comp.key(x)} "
-                      f"{F.VERDICT_NAMES[int(comp.verdict[x])]}): {where}")
-    else:
-        out.kind = "introduced"
-        states = {F.VERDICT_NAMES[int(comp.verdict[x])] for _, x in tensors} or {"none"}
-        n = len(tensors)
-        which = f"its {inp}" if n == 1 else f"all {n} of its {inp}s"
-        why = (f"{which} {'is' if n == 1 else 'are'} identical" if states == {"identical"}
-               else f"{which} match{'es' if n == 1 else ''} (within tolerance: "
-                    f"{', '.join(sorted(states))})" if tensors else "it has no tensor input")
-        out.reason = f"{head}, while {why}: this operation computes otherwise"
-    if notes:
-        out.reason += "; " + "; ".join(notes)
-    return out
-
-
-def _amplified(comp, i: int, bad_in: list) -> str:
-    """Where output key i differs AMPLIFICATION times more than every breaching input: the
-    relative L2 distances, as text ("" when not, or not measured)."""
-    out_rel = float(comp.rel_l2[i])
-    ins = [float(comp.rel_l2[x]) for _, x in bad_in]
-    if not bad_in or not math.isfinite(out_rel) or not all(math.isfinite(v) for v in ins):
-        return ""
-    worst = max(ins)
-    if out_rel <= AMPLIFICATION * max(worst, 1e-12):
-        return ""
-    return (f"rel_l2 {F.format_float(out_rel)} against at most {F.format_float(worst)} "
-            "in its inputs")
-
-
-def _forward_differs(comp, index: dict, a: int, sid: int, call: int,
-                     per_rank: dict) -> str | None:
-    """For an operation's backward: its forward's first input or output that breaches (what
-    the backward saved from it), as text; None when the forward matched."""
-    fa = a - BWD + FWD
-    for role in (ROLE_IDS["input"], ROLE_IDS["output"]):
-        for _, x in _keys(index, fa, sid, role, call):
-            if not _passes(comp, x, per_rank):
-                return f"{comp.key(x)} {F.VERDICT_NAMES[int(comp.verdict[x])]}"
-    return None
-
-
-def _dtype_note(comp, i: int, tensors: list) -> list[str]:
-    """Where the operation's output or inputs hold another dtype in each run."""
-    dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
-    ins = {(_dtype(comp, x, "ref"), _dtype(comp, x, "cand")) for _, x in tensors}
-    ins = {p for p in ins if p[0] != p[1]}
-    if dr != dc and dr and dc:
-        return [f"dtype: computed in {dc} in {comp.cand.name}, {dr} in {comp.ref.name}"]
-    if ins:
-        pr, pc = sorted(ins)[0]
-        return [f"dtype: its inputs are {pc} in {comp.cand.name}, {pr} in {comp.ref.name}"]
-    return []
-
-
-def _unpaired_finding(out: OpFinding, comp, al: Alignment, side: str, o: int, bad_after: bool,
-                      pairs: list, index: dict, a: int, ids: dict, phase: int,
-                      call: int) -> OpFinding:
-    """An operation one run lacks, with what follows it differing."""
-    name = al.names[(side, o)]
-    kind = unpaired_kind(name)
-    out.breach = True
-    follows = ("the operation after it differs" if bad_after else
-               "the module's output differs")
-    before = [r for r, _ in pairs if r < al.place[(side, o)]]
-    matched = (f"the {len(before)} operations before it match" if before else
-               "it is the call's first operation")
-    if side == "ref":
-        out.kind = "absent"
-        out.op = f"{name} (op {o} in {comp.ref.name})"
-        out.reason = (f"{comp.ref.name} runs the {kind} {name} (op {o}) and {comp.cand.name} "
-                      f"does not: {matched}, and {follows}")
-        if kind == "collective":
-            out.reason += (f": the {kind} {comp.cand.name} leaves out (an all-reduce of a "
-                           "tensor-parallel block's partial sums, an all-gather of its shards)")
-    else:
-        out.kind = "added"
-        out.op = f"{name} (op {o} in {comp.cand.name})"
-        out.reason = (f"{comp.cand.name} runs the {kind} {name} (op {o}) and {comp.ref.name} "
-                      f"does not: {matched}, and {follows}")
-        if is_cast(name):
-            first = _first_other_dtype(comp, al, o, pairs, index, a, ids, phase, call)
-            if first:
-                out.reason += f"; {first}"
-    return out
-
-
-def _first_other_dtype(comp, al: Alignment, o: int, pairs: list, index: dict, a: int,
-                       ids: dict, phase: int, call: int) -> str:
-    """After a cast only the candidate runs: the first paired operation computed in another
-    dtype than the reference's ("aten.mm (op 3) runs in bfloat16 in cand, float32 in ref")."""
-    for r, c in pairs:
-        if c < o:
-            continue
-        outs = _keys(index, a, ids[r], OUT_ROLE[phase], call)
-        for _, i in outs:
-            dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
-            if dr and dc and dr != dc:
-                return (f"from it on {op_text(al, 'ref', r)} computes in {dc} in "
-                        f"{comp.cand.name} and in {dr} in {comp.ref.name}")
-        ins = _keys(index, a, ids[r], IN_ROLE[phase], call)
-        for _, i in ins:
-            dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
-            if dr and dc and dr != dc:
-                return (f"{op_text(al, 'ref', r)} gets {dc} inputs in {comp.cand.name}, {dr} "
-                        f"in {comp.ref.name}")
-    return ""

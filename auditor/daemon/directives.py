@@ -8,8 +8,9 @@ of that run passes it on: on the Ack of its next batch, or, while the stream wai
 on an Ack sent just for it (stored 0, the session's acked_seq), so an agent between steps gets
 it before the next step starts. The board validates and bounds what it sends (wire/limits.py):
 at most MAX_DIRECTIVES_PER_RUN per run, each dropped after DIRECTIVE_TTL_S; a stream sends each
-directive once (an agent that reconnects may get one again, and acts on each id once). Streams
-only listen while some escalating watch runs (`arm`): otherwise Ingest is exactly what it was.
+directive once (an agent that reconnects may get one again, and acts on each id once). A stream
+whose session is known waits for its next batch and for the board at once (~12 us a batch); it
+looks up its run and sends directives only while some escalating watch runs (`arm`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,14 @@ class DirectiveBoard:
     # -- posting ----------------------------------------------------------------------------------
 
     def arm(self) -> None:
+        """An escalating watch starts: waiting streams wake to learn their session's run."""
         self.armed += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
 
     def disarm(self) -> None:
         self.armed = max(0, self.armed - 1)
@@ -81,9 +89,7 @@ class DirectiveBoard:
                          reason=reason[:limits.MAX_DIRECTIVE_REASON_CHARS])
         queue = self._by_run.setdefault(run, deque(maxlen=limits.MAX_DIRECTIVES_PER_RUN))
         queue.append((d, time.monotonic()))
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-        self._changed = None
+        self._wake()
         return d
 
     def pending(self, run: str | None, delivered: set[int]) -> list[pb.Directive]:
@@ -97,7 +103,7 @@ class DirectiveBoard:
         return [d for d, _ in queue if d.id not in delivered]
 
     def changed(self) -> asyncio.Future:
-        """Resolved at the next `post`."""
+        """Resolved at the next `post` or `arm`."""
         if self._changed is None or self._changed.done():
             self._changed = asyncio.get_running_loop().create_future()
         return self._changed
@@ -116,9 +122,11 @@ class StreamDirectives:
         self.delivered: set[int] = set()
 
     def listening(self) -> bool:
-        """Whether the stream should wait for directives too (an escalating watch runs, and
-        the stream's session is known)."""
-        return bool(self.board.armed and self.session)
+        """Whether the stream waits for directives too: once its session is known (its first
+        batch came). A stream waiting since before an escalating watch started must wake for
+        its directives (an agent between steps sends nothing); racing the wait costs ~12 us a
+        batch."""
+        return bool(self.session)
 
     async def on_ack(self, ack: pb.Ack) -> None:
         """Add the directives this stream has not sent to an Ack of a batch."""
@@ -149,12 +157,13 @@ class StreamDirectives:
         """Acks carrying directives, sent while the stream waits for its next batch (`nxt`,
         which the caller then reads). Cancelled, it abandons `nxt`."""
         try:
-            await self._learn_run()
             while not nxt.done():
-                ack = pb.Ack(session_id=self.session, acked_seq=self.acked)
-                if self._attach(ack):
-                    yield ack
-                    continue
+                if self.board.armed:
+                    await self._learn_run()
+                    ack = pb.Ack(session_id=self.session, acked_seq=self.acked)
+                    if self._attach(ack):
+                        yield ack
+                        continue
                 await asyncio.wait((nxt, self.board.changed()),
                                    return_when=asyncio.FIRST_COMPLETED)
         except BaseException:

@@ -34,8 +34,11 @@ DP_RANK_ROWS = 2
 
 
 FAULTS = ("break-backward", "grad-scale", "ulp-shared-expert", "swap-microbatches",
-          "last-microbatch-only", "drop-expert-tokens")
-"""The faults this module audits: all in one 8-rank job (`--also`), which spares five start-ups."""
+          "last-microbatch-only", "drop-expert-tokens", "softmax-scale", "bf16-matmul")
+"""The faults this module audits: all in one 8-rank job (`--also`), which spares seven start-ups."""
+OPS = "layers.1.attention,layers.1.moe.shared_experts"
+"""Modules whose operations every run captures (`--ops`, NUMAUDIT_OPS): the two op-level faults
+are named as operations (issue 43) without a drill rerun."""
 
 
 class Audits:
@@ -49,7 +52,7 @@ class Audits:
     def run(self, inject: str | None = None) -> tuple[audit.Outcome, dict]:
         key = inject or "clean"
         if key not in self._runs:
-            argv = ["--build", str(self.build)]
+            argv = ["--build", str(self.build), "--ops", OPS]
             if inject is not None:
                 self.run()  # the reference comes with the clean audit
                 first, *rest = FAULTS
@@ -229,3 +232,39 @@ def test_dropped_expert_tokens_are_localized_to_that_layers_experts(audits):
     assert not [f for f in diverged if f["key"]["site"] == f"layers.{DROP_LAYER}.moe.router"]
     experts = {f["key"]["index"] for f in diverged if f["key"]["site"] == site}
     assert experts == {DROP_EXPERT}
+
+
+def test_a_wrong_softmax_scale_is_localized_to_the_operation(audits):
+    """The module-level report finds layer 1's attention (its output projection, the first
+    capture after the attention kernel); its operations name the multiplication by the scale
+    (SDPA's math path multiplies q and k by the square root of `scale`) and the argument."""
+    outcome, report = audits.run("softmax-scale")
+    assert outcome.rc == 1
+    first = report["first_divergence"]
+    assert first["key"]["site"].startswith("layers.1.attention") and first["stage"] == 1
+    assert first["cause"]["kind"] == "introduced"
+    fwd = [f for f in report["ops"]["findings"]
+           if (f["phase"], f["module"]) == ("fwd", "layers.1.attention")]
+    assert len(fwd) == 16  # every microbatch
+    for f in fwd:
+        assert f["kind"] == "introduced" and f["op"].startswith("aten.mul"), f
+        assert "float argument 0 differs" in f["reason"], f["reason"]
+    assert "Operations (drill-down)" in outcome.text_report.read_text()
+
+
+def test_a_bf16_matmul_is_localized_to_the_operation(audits):
+    outcome, report = audits.run("bf16-matmul")
+    assert outcome.rc == 1
+    first = report["first_divergence"]
+    assert first["key"]["site"] == "layers.1.moe.shared_experts"
+    assert first["cause"]["kind"] == "introduced"
+    fwd = [f for f in report["ops"]["findings"]
+           if (f["phase"], f["module"]) == ("fwd", "layers.1.moe.shared_experts")]
+    assert len(fwd) == 16
+    for f in fwd:
+        assert f["kind"] == "introduced" and f["op"].startswith("aten.mm"), f
+        assert "computes in bfloat16 in pp8_bf16_matmul and in float32 in ref" in f["reason"]
+    # the other modules' operations match (no fault there)
+    assert not [f for f in report["ops"]["findings"]
+                if (f["phase"], f["module"]) == ("fwd", "layers.1.attention")]
+
