@@ -404,23 +404,24 @@ class OpCapture:
     def _node_hook(self, site: str, call: int, mb: int, stage: int, step: int,
                    holds: tuple, batch: bool, grad_inputs, grad_outputs) -> None:
         """Backward of one operation: the gradients reaching its outputs and those produced for
-        its inputs, keyed by the forward's step, microbatch and call. Never raises."""
-        key = (step, mb, site, call)
-        if key in self._bwd_seen:
-            return
-        self._bwd_seen.add(key)
+        its inputs, keyed by the forward's step, microbatch and call, each once. A split
+        backward (ZBV, DualPipeV) runs a node twice: for the inputs' gradients, then for the
+        weights' (the first run gives None for those). Never raises."""
         cap = self.capturer
         saved = cap.step
         cap.step = step
+        seen = self._bwd_seen
         try:
             frame = Frame(0, "", call, mb, stage, step)
-            for j, g in enumerate(grad_outputs):
-                if isinstance(g, torch.Tensor):
-                    self._capture(g, frame, site, "bwd", "grad_output", j, batch)
-            for i, g in enumerate(grad_inputs):
-                if isinstance(g, torch.Tensor):
-                    self._capture(g, frame, site, "bwd", "grad_input", i,
-                                  holds[i] if i < len(holds) else batch)
+            for role, grads in (("grad_output", grad_outputs), ("grad_input", grad_inputs)):
+                for j, g in enumerate(grads):
+                    key = (step, mb, site, call, role, j)
+                    if not isinstance(g, torch.Tensor) or key in seen:
+                        continue
+                    seen.add(key)
+                    holds_j = (batch if role == "grad_output" else
+                               holds[j] if j < len(holds) else batch)
+                    self._capture(g, frame, site, "bwd", role, j, holds_j)
             cap._drain()
         except Exception as exc:
             self.failed("backward operation capture", exc)

@@ -204,6 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ops", metavar="GLOBS",
                    help="both runs capture every operation of these module sites "
                         "(NUMAUDIT_OPS, comma-separated; docs/drill-down.md)")
+    p.add_argument("--ops-only-for", action="append", default=[], metavar="INJECT",
+                   help="with --ops: only the candidates with these faults capture operations "
+                        "(the reference does); repeatable")
     p.add_argument("--drill", action="store_true",
                    help="when the first divergence is a module's own, rerun both runs with the "
                         "plan `auditor drill` writes and compare them (the operation is named)")
@@ -244,6 +247,8 @@ def audit(args: argparse.Namespace) -> Outcome:
         inject = capture + (["--inject", args.inject] if args.inject else [])
         for also in args.also:
             inject += ["--also", also]
+        for only in args.ops_only_for:
+            inject += ["--ops-only-for", only]
         label = f", injected fault: {args.inject}" if args.inject else ""
         _say(f"candidate '{args.cand_name}': DeepSeek-V3, {CAND_RANKS} ranks = 2 pipeline x 4 "
              f"FSDP2, ZBV schedule{label} ...")

@@ -292,6 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="then run another candidate in the same job, under its own run name and "
                         "agent, with fault INJECT ('none' for none); repeatable. Saves the job's "
                         "start-up (most of an 8-rank CPU job) when auditing many faults")
+    p.add_argument("--ops-only-for", action="append", default=[], metavar="INJECT",
+                   choices=sorted(INJECTIONS),
+                   help="with NUMAUDIT_OPS set: only the candidates with these faults capture "
+                        "operations (the others run without it); repeatable")
     add_audit_args(p)
     return p.parse_args(argv)
 
@@ -486,10 +490,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     start, cpu = time.perf_counter(), time.process_time()
+    ops = os.environ.get("NUMAUDIT_OPS")
     try:
         for name, inject in [(args.name, args.inject), *args.also]:
             if RUN_ENV in os.environ:  # the agent lets the environment name the run
                 os.environ[RUN_ENV] = name
+            if ops is not None and args.ops_only_for:  # op-level captures where asked
+                if inject in args.ops_only_for:
+                    os.environ["NUMAUDIT_OPS"] = ops
+                else:
+                    os.environ.pop("NUMAUDIT_OPS", None)
             train(argparse.Namespace(**{**vars(args), "name": name, "inject": inject}))
             if dist.get_rank() == 0:
                 print(f"[{name}] {args.steps} step(s) in {time.perf_counter() - start:.2f} s "

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["split_ops", "attach_ops", "drill_plan", "module_breaches"]
 
 DRILL_PHASES = ("fwd", "bwd")
+NOT_THE_MODULE = ("the first activation gradient of backward",)
+"""How `auditor.compare.causes` starts an introduced cause that is not the module's own
+computation (the backward seed: where backward starts, the loss's gradient)."""
 
 
 def module_breaches(comp: "Comparison") -> set[tuple[int, str, int]]:
@@ -72,6 +75,8 @@ def drill_plan(report: "Report") -> Plan | None:
     key = first.key
     if key.phase not in DRILL_PHASES or not key.site or is_op_site(key.site):
         return None
+    if first.cause.reason.startswith(NOT_THE_MODULE):
+        return None  # the causes say what differs is not what the module computes
     # the module, and its parent: the parent's own code between its submodules (a scale, a
     # residual add) feeds the module's input, which module-level captures do not hold
     parent = key.site.rsplit(".", 1)[0] if "." in key.site else ""
@@ -96,8 +101,8 @@ def drill_dict(plan: Plan, ref: str, cand: str) -> dict:
             "env": f"NUMAUDIT_OPS={globs} NUMAUDIT_STEPS={step}",
             "command": f"auditor drill {ref} {cand} -o plan.toml",
             "text": (f"rerun both runs with NUMAUDIT_OPS={globs} NUMAUDIT_STEPS={step} (or "
-                     f"`auditor drill {ref} {cand} -o plan.toml` and NUMAUDIT_PLAN=plan.toml) to "
-                     f"find the operation inside {site} where they part ways")}
+                     f"NUMAUDIT_PLAN from `auditor drill {ref} {cand} -o plan.toml`): the report "
+                     f"then names the operation inside {site}")}
 
 
 def first_op_finding(ops: OpReport | None, finding: F.Finding | None):

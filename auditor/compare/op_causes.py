@@ -28,18 +28,18 @@ OUT_ROLE = {FWD: ROLE_IDS["output"], BWD: ROLE_IDS["grad_input"]}
 PASSING = (F.IDENTICAL, F.CLOSE, F.IGNORED)
 
 
-def _passes(comp, i: int, per_rank: dict) -> bool:
+def passes(comp, i: int, per_rank: dict) -> bool:
     if i in per_rank:
         return per_rank[i][0]
     return int(comp.verdict[i]) in PASSING
 
 
-def _other_dtype(comp, al: Alignment, r: int, index: dict, a: int, sid: int, phase: int,
+def other_dtype(comp, al: Alignment, r: int, index: dict, a: int, sid: int, phase: int,
                  call: int) -> tuple[str, str] | None:
     """(ref dtype, cand dtype) where the operation's output or an input holds another float
     dtype in each run: it computes in another precision."""
     for role in (OUT_ROLE[phase], IN_ROLE[phase]):
-        for k, x in _keys(index, a, sid, role, call):
+        for k, x in keys_of(index, a, sid, role, call):
             if k >= SCALAR_INDEX:
                 continue
             dr, dc = _dtype(comp, x, "ref"), _dtype(comp, x, "cand")
@@ -48,7 +48,7 @@ def _other_dtype(comp, al: Alignment, r: int, index: dict, a: int, sid: int, pha
     return None
 
 
-def _dtype_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, dtypes: tuple,
+def dtype_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, dtypes: tuple,
                    cast, index: dict, a: int, sid: int, phase: int, call: int,
                    per_rank: dict) -> "OpFinding":
     """An operation computed in another dtype than the reference's, with what follows it
@@ -56,7 +56,7 @@ def _dtype_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, dtypes
     dr, dc = dtypes
     out.kind, out.breach = "introduced", True
     out.op = f"{al.names[('ref', r)]} (op {r}{'' if c == r else f'; op {c} in {comp.cand.name}'})"
-    outs = _keys(index, a, sid, OUT_ROLE[phase], call)
+    outs = keys_of(index, a, sid, OUT_ROLE[phase], call)
     if outs:
         f = comp.finding(outs[0][1])
         out.finding = f.as_dict()
@@ -70,12 +70,12 @@ def _dtype_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, dtypes
     return out
 
 
-def _keys(index: dict, a: int, sid: int | None, role: int, call: int) -> list[tuple[int, int]]:
+def keys_of(index: dict, a: int, sid: int | None, role: int, call: int) -> list[tuple[int, int]]:
     return sorted(index.get((a, sid, role, call), ())) if sid is not None else []
 
 
-def _breaching(comp, index, a, sid, role, call, per_rank) -> bool:
-    return any(not _passes(comp, i, per_rank) for _, i in _keys(index, a, sid, role, call))
+def breaching(comp, index, a, sid, role, call, per_rank) -> bool:
+    return any(not passes(comp, i, per_rank) for _, i in keys_of(index, a, sid, role, call))
 
 
 def _dtype(comp, i: int, side: str) -> str | None:
@@ -106,7 +106,7 @@ introduced that difference itself, whatever its inputs carry (weights already ap
 few steps of training, a rounding difference upstream)."""
 
 
-def _pair_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, bad: list, index: dict,
+def pair_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, bad: list, index: dict,
                   a: int, sid: int, phase: int, call: int, per_rank: dict) -> "OpFinding":
     """A paired operation whose outputs breach: introduced or inherited (`out` filled)."""
     name = al.names[("ref", r)]
@@ -117,11 +117,16 @@ def _pair_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, bad: li
     what = "output" if phase == FWD else "gradient for input"
     rel = "" if i not in per_rank else f"; {per_rank[i][1]}"
     head = f"its {what} {j} is {f.verdict} ({F.measure_text(f.as_dict()) or f.verdict}{rel})"
-    inputs = _keys(index, a, sid, IN_ROLE[phase], call)
+    if f.verdict in ("missing_in_ref", "missing_in_cand", "incomplete"):
+        out.kind = "unknown"  # nothing to judge: the next operation may say more
+        out.reason = (f"its {what} {j} could not be compared ({f.verdict}"
+                      f"{': ' + f.detail if f.detail else ''})")
+        return out
+    inputs = keys_of(index, a, sid, IN_ROLE[phase], call)
     tensors = [(k, x) for k, x in inputs if k < SCALAR_INDEX]
     scalars = [(k, x) for k, x in inputs if k >= SCALAR_INDEX]
-    bad_in = [(k, x) for k, x in tensors if not _passes(comp, x, per_rank)]
-    bad_scalar = [(k, x) for k, x in scalars if not _passes(comp, x, per_rank)]
+    bad_in = [(k, x) for k, x in tensors if not passes(comp, x, per_rank)]
+    bad_scalar = [(k, x) for k, x in scalars if not passes(comp, x, per_rank)]
     notes = _dtype_note(comp, i, tensors)
     factor = comp.scaled_by[i] if comp.scaled_by is not None else math.nan
     if math.isfinite(factor) and not bad_in and "scaled by" not in head:
@@ -190,8 +195,8 @@ def _forward_differs(comp, index: dict, a: int, sid: int, call: int,
     the backward saved from it), as text; None when the forward matched."""
     fa = a - BWD + FWD
     for role in (ROLE_IDS["input"], ROLE_IDS["output"]):
-        for _, x in _keys(index, fa, sid, role, call):
-            if not _passes(comp, x, per_rank):
+        for _, x in keys_of(index, fa, sid, role, call):
+            if not passes(comp, x, per_rank):
                 return f"{comp.key(x)} {F.VERDICT_NAMES[int(comp.verdict[x])]}"
     return None
 
@@ -209,7 +214,7 @@ def _dtype_note(comp, i: int, tensors: list) -> list[str]:
     return []
 
 
-def _unpaired_finding(out: "OpFinding", comp, al: Alignment, side: str, o: int, bad_after: bool,
+def unpaired_finding(out: "OpFinding", comp, al: Alignment, side: str, o: int, bad_after: bool,
                       pairs: list, index: dict, a: int, ids: dict, phase: int,
                       call: int) -> "OpFinding":
     """An operation one run lacks, with what follows it differing."""
@@ -248,13 +253,13 @@ def _first_other_dtype(comp, al: Alignment, o: int, pairs: list, index: dict, a:
     for r, c in pairs:
         if c < o or is_view(al.names[("ref", r)]):  # the first operation that computes
             continue
-        outs = _keys(index, a, ids[r], OUT_ROLE[phase], call)
+        outs = keys_of(index, a, ids[r], OUT_ROLE[phase], call)
         for _, i in outs:
             dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
             if dr and dc and dr != dc:
                 return (f"from it on {op_text(al, 'ref', r)} computes in {dc} in "
                         f"{comp.cand.name} and in {dr} in {comp.ref.name}")
-        ins = _keys(index, a, ids[r], IN_ROLE[phase], call)
+        ins = keys_of(index, a, ids[r], IN_ROLE[phase], call)
         for _, i in ins:
             dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
             if dr and dc and dr != dc:

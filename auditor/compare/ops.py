@@ -1,4 +1,5 @@
-"""Op-level comparison: the first operation inside a module call whose output differs while itsinputs match (docs/drill-down.md).
+"""Op-level comparison: the first operation inside a module call whose output differs while its
+inputs match (docs/drill-down.md).
 
 Records of operations (sites ``<module>/<n>:<op>``, wire/ops.py) are kept out of the module-level
 comparison and compared here: each module call's operations are aligned by order and name
@@ -26,9 +27,9 @@ from auditor.compare import findings as F
 from auditor.compare import merge as M
 from auditor.compare.columns import Catalog, RunColumns
 from auditor.compare.op_align import Alignment, align_ops, describe, unpaired_kind
-from auditor.compare.op_causes import (BWD, FWD, OUT_ROLE, _breaching, _dtype_finding, _keys,
-                                       _other_dtype, _pair_finding, _passes,
-                                       _unpaired_finding)
+from auditor.compare.op_causes import (BWD, FWD, OUT_ROLE, breaching, dtype_finding, keys_of,
+                                       other_dtype, pair_finding, passes,
+                                       unpaired_finding)
 from auditor.compare.ranges import format_ranges
 from wire.ops import OP_SEP, is_view, op_site, parse_op_site
 
@@ -274,7 +275,7 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
     ids = {r: comp.catalog.site_id(op_site(module, r, al.names[("ref", r)])) for r, _ in pairs}
 
     def bad(r: int) -> bool:
-        return _breaching(comp, index, a, ids[r], OUT_ROLE[phase], call, per_rank)
+        return breaching(comp, index, a, ids[r], OUT_ROLE[phase], call, per_rank)
 
     module_bad = phase == FWD and (a, module, call) in module_breaches
     # whether anything from each event on differs: a breaching operation, or the module's output
@@ -302,19 +303,19 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
                                                          events[n:])]
                 side, o = next((x for x in run if unpaired_kind(al.names[x]) == "collective"),
                                item)
-                return _unpaired_finding(out, comp, al, side, o, nxt is not None, pairs,
+                return unpaired_finding(out, comp, al, side, o, nxt is not None, pairs,
                                          index, a, ids, phase, call)
             continue
         r, c = item
         if later[n] and not is_view(al.names[("ref", r)]):
-            other = _other_dtype(comp, al, r, index, a, ids[r], phase, call)
+            other = other_dtype(comp, al, r, index, a, ids[r], phase, call)
             if other:  # computed in another precision, and what follows differs
-                return _dtype_finding(out, comp, al, r, c, other, first_cast, index, a, ids[r],
+                return dtype_finding(out, comp, al, r, c, other, first_cast, index, a, ids[r],
                                       phase, call, per_rank)
-        outs = _keys(index, a, ids[r], OUT_ROLE[phase], call)
-        breaching = [(k, i) for k, i in outs if not _passes(comp, i, per_rank)]
-        if breaching:
-            got = _pair_finding(replace(out), comp, al, r, c, breaching, index, a, ids[r],
+        outs = keys_of(index, a, ids[r], OUT_ROLE[phase], call)
+        bad_outs = [(k, i) for k, i in outs if not passes(comp, i, per_rank)]
+        if bad_outs:
+            got = pair_finding(replace(out), comp, al, r, c, bad_outs, index, a, ids[r],
                                 phase, call, per_rank)
             if got.kind == "introduced":
                 return got
@@ -322,7 +323,7 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
     if first_inherited is not None:  # nothing introduced inside: it came in from outside
         return first_inherited
     if first_cast is not None:
-        return _unpaired_finding(out, comp, al, first_cast[0], first_cast[1], False, pairs,
+        return unpaired_finding(out, comp, al, first_cast[0], first_cast[1], False, pairs,
                                  index, a, ids, phase, call)
     if module_bad:
         out.kind = "unknown"

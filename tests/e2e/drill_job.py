@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 tests/e2e/drill_job.py tp:tp_ref tp_noreduce:tp_cand
 
+(In the test suite these cases run inside the parallelism matrix's job, tests/e2e/parallel_job.py,
+as `drill_tp` and `drill_tp_noreduce`.)
 A Megatron-style MLP split over the job's 2 ranks (mesh dim "tp"): w1 column-sharded, w2
 row-sharded, then the all-reduce that sums the ranks' partial outputs
 (`torch.distributed.nn.functional.all_reduce`, which dispatches `c10d.allreduce_`). Case

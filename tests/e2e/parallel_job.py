@@ -431,6 +431,10 @@ def run_case(case: str, run: str) -> None:
         run_tp(case, run)
     elif case in PP_CASES:
         run_pp(case, run)
+    elif case.startswith("drill_"):  # op-level captures of a TP block (tests/e2e/drill_job.py)
+        from tests.e2e.drill_job import run_one as run_drill
+
+        run_drill(case.removeprefix("drill_"), run)
     else:
         raise SystemExit(f"unknown case {case!r}")
 

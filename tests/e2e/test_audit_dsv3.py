@@ -36,9 +36,12 @@ DP_RANK_ROWS = 2
 FAULTS = ("break-backward", "grad-scale", "ulp-shared-expert", "swap-microbatches",
           "last-microbatch-only", "drop-expert-tokens", "softmax-scale", "bf16-matmul")
 """The faults this module audits: all in one 8-rank job (`--also`), which spares seven start-ups."""
+OP_FAULTS = ("softmax-scale", "bf16-matmul")
+"""The faults inside one operation: only their candidates capture operations."""
 OPS = "layers.1.attention,layers.1.moe.shared_experts"
-"""Modules whose operations every run captures (`--ops`, NUMAUDIT_OPS): the two op-level faults
-are named as operations (issue 43) without a drill rerun."""
+"""Modules whose operations the reference, the clean candidate and the OP_FAULTS candidates
+capture (`--ops`, NUMAUDIT_OPS): the two op-level faults are named as operations (issue 43)
+without a drill rerun."""
 
 
 class Audits:
@@ -58,6 +61,7 @@ class Audits:
                 first, *rest = FAULTS
                 argv += ["--skip-ref", "--cand-name", _run_name(first), "--inject", first]
                 argv += [f"--also={_run_name(f)}:{f}" for f in rest]
+                argv += [f"--ops-only-for={f}" for f in OP_FAULTS]
             outcome = audit.audit(audit.parse_args(argv))
             if inject is None:
                 self._runs[key] = outcome, json.loads(outcome.json_report.read_text())
@@ -119,6 +123,8 @@ def test_clean_audit_passes_the_shipped_policy(audits):
     assert not bad
     assert report["first_divergence"] is None
     assert report["graph_breaks"] == []
+    # their operations too: every one of the 64 module calls matches, operation by operation
+    assert report["ops"]["calls"] == 64 and report["ops"]["findings"] == []
     # the timing `make audit` promises (docs/benchmarks.md), with room for a busy machine
     assert outcome.timings["total"] < 240
 

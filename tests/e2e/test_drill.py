@@ -1,9 +1,8 @@
-"""Drill-down end to end (issue 43): a tensor-parallel block whose all-reduce is left out, named
-as the collective that is absent; and `auditor watch --escalate` asking two running jobs for a
-flagged module's operations, the operation named for step 1 without a rerun.
-
-Real processes as a user starts them: `auditor serve`, torchrun (2 ranks, gloo), `auditor
-watch`, `auditor compare`.
+"""Drill-down live (issue 43): `auditor watch --escalate` asks two running jobs for a flagged
+module's operations, and names the operation for step 1 without a rerun. Real processes as a
+user starts them: `auditor serve`, the two runs, `auditor watch`, `auditor compare`. (The
+tensor-parallel block whose all-reduce is absent runs in the parallelism matrix's job:
+tests/e2e/test_parallelisms.py.)
 """
 
 from __future__ import annotations
@@ -15,32 +14,9 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon, compare_json, torchrun
+from tests.e2e.helpers import ROOT, Daemon, compare_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def test_a_missing_all_reduce_is_named_as_the_absent_collective(tmp_path):
-    daemon = Daemon(tmp_path)
-    try:
-        torchrun("../tests/e2e/drill_job.py", 2, "tp:tp_ref", "tp_noreduce:tp_cand",
-                 env={"NUMAUDIT_ADDR": daemon.address})
-    finally:
-        assert daemon.stop() == 0
-    code, report = compare_json(daemon.db, "tp_ref", "tp_cand")
-    assert code == 1
-    ops = report["ops"]
-    assert ops["modules"] == ["block"] and ops["calls"] == 4
-    fwd = [f for f in ops["findings"] if f["phase"] == "fwd"]
-    assert len(fwd) == 2  # one per microbatch
-    for f in fwd:
-        assert f["kind"] == "absent" and f["op"].startswith("c10d.allreduce_"), f
-        assert "the 6 operations before it match" in f["reason"]
-        assert "the module's output differs" in f["reason"]
-    # the same job's reference against itself: every operation of both ranks matches rank by
-    # rank (the shards and partial sums each rank holds are not replicas, in both runs alike)
-    code, same = compare_json(daemon.db, "tp_ref", "tp_ref")
-    assert same["ops"]["findings"] == [] and same["ops"]["calls"] == 4
 
 
 def _job(name: str, scale: float, address: str) -> subprocess.Popen:

@@ -49,6 +49,9 @@ CLIP = ("pp_clip_global", "pp_clip_local", "fsdp1_clip", "fsdp1_clip_local")
 ACCUMULATION = ("ddp_acc_div",)
 """DDP that divides each microbatch's loss by the 4 accumulated microbatches after capturing it:
 against `ddp` (which does not divide), issue 41's loss not divided by the accumulation count."""
+DRILL = ("drill_tp", "drill_tp_noreduce")
+"""A Megatron-style tensor-parallel block with its operations captured (tests/e2e/drill_job.py),
+and the same block whose all-reduce is left out (issue 43)."""
 FOUR_RANKS = ("fsdp_tp_sp", "fsdp_tp_sp_norm_plain", "hsdp", "fsdp1_hybrid", "pp_tp_sp")
 """Cases in their own 4-rank job: FSDP2 over dp=2 x TP with sequence parallelism over tp=2,
 HSDP (FSDP2 sharding over dp_shard=2, replicated over dp_replicate=2), FSDP1's HYBRID_SHARD
@@ -116,7 +119,8 @@ def matrix(tmp_path_factory) -> Matrix:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ref = pool.submit(_run, [sys.executable, str(JOB), "single:ref",
                                      "single_clip:ref_clip"], dict(env, WORLD_SIZE="1"))
-            _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP + ACCUMULATION), env=env)
+            _torchrun(*(f"{c}:{c}" for c in CLEAN + BUGS + CLIP + ACCUMULATION + DRILL),
+                      env=env)
             ref.result()
         # A second job under a name the first one owns: refused; then asked to rename.
         # Its records are spooled (for `auditor ingest --run NEW`), here into the test's folder.
@@ -493,3 +497,22 @@ def test_a_loss_not_divided_by_the_accumulation_count_fits_one_screen(matrix, re
         members = [f for f in breaches if f["group"] == g["index"]]
         assert len(members) == g["count"] and set(g["sites"]) == {f["key"]["site"]
                                                                   for f in members}
+
+
+def test_a_missing_all_reduce_is_named_as_the_absent_collective(matrix):
+    """Operations of the TP block (issue 43): the candidate's all-reduce is absent, named as
+    the collective it leaves out; the block's shards and partial sums, which both runs' ranks
+    hold each their own, compare rank by rank (the reference against itself: no finding)."""
+    code, report = matrix.compare("drill_tp_noreduce", ref="drill_tp")
+    assert code == 1
+    ops = report["ops"]
+    assert ops["modules"] == ["block"] and ops["calls"] == 4
+    fwd = [f for f in ops["findings"] if f["phase"] == "fwd"]
+    assert len(fwd) == 2  # one per microbatch
+    for f in fwd:
+        assert f["kind"] == "absent" and f["op"].startswith("c10d.allreduce_"), f
+        assert "the 6 operations before it match" in f["reason"]
+        assert "the module's output differs" in f["reason"]
+    code, same = matrix.compare("drill_tp", ref="drill_tp")
+    assert same["ops"]["findings"] == [] and same["ops"]["calls"] == 4
+
