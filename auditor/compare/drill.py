@@ -3,8 +3,8 @@
 
 `attach_ops` gives a report its op-level comparison (`auditor.compare.ops`) when the runs
 captured operations, and, when the first divergence is a module's own (introduced at a module's
-forward output or activation gradient) and its operations were not captured at that step, the
-rerun that captures them (`drill_plan`): the same settings for both runs,
+forward output or activation gradient) and its operations were not captured, the rerun that
+captures them (`drill_plan`): the same settings for both runs,
 ``NUMAUDIT_OPS=<site> NUMAUDIT_STEPS=<step>``, or the plan file `auditor drill` writes.
 """
 
@@ -82,8 +82,8 @@ def drill_plan(report: "Report") -> Plan | None:
     parent = key.site.rsplit(".", 1)[0] if "." in key.site else ""
     sites = (key.site, parent) if parent else (key.site,)
     ops = report.ops
-    if ops is not None and any(f.module in sites and f.step == key.step for f in ops.calls):
-        return None
+    if ops is not None and any(f.module in sites for f in ops.calls):
+        return None  # its operations were captured (at that step, or a later one live)
     payload = [f"fwd:{key.site}"]
     reason = (f"first divergence of {report.ref['name']} vs {report.cand['name']}: "
               f"{first.verdict} {key}; {first.cause.kind}: {first.cause.reason}")

@@ -140,10 +140,13 @@ def pair_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, bad: lis
         values = (f" ({F.format_float(vr)} in {comp.ref.name}, {F.format_float(vc)} in "
                   f"{comp.cand.name})" if vr is not None and vc is not None else "")
         out.kind = "introduced"
-        match = "match" if not bad_in else "differ far less" if amplified else "differ too"
-        out.reason = (f"{head}; its tensor inputs ({len(tensors)}) {match} and its float "
-                      f"argument {k - SCALAR_INDEX} differs{values}: this operation is called "
-                      "otherwise (a scale, an epsilon, a probability)")
+        n = len(tensors)
+        match = ("match" if not bad_in else "differ far less" if amplified else "differ too")
+        which = (f"its tensor input {match.replace('match', 'matches').replace('differ', 'differs')}"
+                 if n == 1 else f"its {n} tensor inputs {match}")
+        out.reason = (f"{head}; {which} and its float argument {k - SCALAR_INDEX} "
+                      f"differs{values}: this operation is called otherwise (a scale, an "
+                      "epsilon, a probability)")
     elif forward is not None and not (bad_in and not amplified):
         out.kind = "inherited"
         out.reason = (f"{head}; its forward already differs ({forward}), and its backward "
