@@ -512,9 +512,9 @@ def _written_args(func, name: str, args, kwargs) -> tuple[set[int], list[torch.T
 def _wait_collective(name: str, out) -> None:
     """Wait for a collective before its results are read: a functional one's tensor, an
     in-place one's Work (the last element of what it returns)."""
-    if name.startswith("_c10d_functional.") and isinstance(out, torch.Tensor):
+    if name.startswith("_c10d_functional") and isinstance(out, torch.Tensor):  # autograd's too
         torch.ops._c10d_functional.wait_tensor(out)
-    elif name.startswith("_c10d_functional.") and isinstance(out, (list, tuple)):
+    elif name.startswith("_c10d_functional") and isinstance(out, (list, tuple)):
         for t in out:
             if isinstance(t, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(t)

@@ -229,3 +229,51 @@ def test_an_operation_that_cannot_be_digested_is_counted_not_raised(auditor_serv
     summary = agent.close()
     assert torch.isfinite(y).all()
     assert summary["not_captured"].get("op_not_digestible", 0) >= 1
+
+
+class Reduced(torch.nn.Module):
+    """An MLP whose output goes through a functional all-reduce (over one rank: the identity)."""
+
+    def __init__(self, reduce: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Linear(8, 8)
+        self.reduce = reduce
+
+    def forward(self, x):
+        y = torch.relu(self.w(x))
+        if self.reduce:
+            import torch.distributed._functional_collectives as funcol
+
+            y = funcol.all_reduce(y, "sum", torch.distributed.group.WORLD)
+        return y * 2
+
+
+def test_a_collective_one_run_adds_is_said_and_the_rest_still_pairs(auditor_server, tmp_path):
+    """A functional all-reduce (waited for before its output is read) in one run only: the
+    operations after it pair with the other run's, and the call says it adds the collective
+    without a finding, since nothing it feeds differs (one rank: the sum is the identity)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        for name, reduce in (("plain", False), ("reduced", True)):
+            model = torch.nn.Sequential()
+            model.add_module("m", Reduced(reduce))
+            agent = agents.attach(model, run=name, address=auditor_server.address, ops=("m",))
+            with agent.step(0), agent.microbatch(0):
+                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+            assert agent.close()["errors"] == 0
+    finally:
+        dist.destroy_process_group()
+    names = {parse_op_site(s)[2] for s in _op_sites(auditor_server.db_path, "reduced")}
+    assert "_c10d_functional.all_reduce" in names and "aten.mul.Tensor" in names
+    report = compare_runs(auditor_server.db_path, "plain", "reduced", preset_policy("bitwise"))
+    (call,) = report.ops.calls
+    assert call.kind == "identical" and not call.breach
+    assert call.structure == [
+        "reduced runs the collective _c10d_functional.all_reduce (op 4), which plain does not"]
+    assert report.exit_code == 0
