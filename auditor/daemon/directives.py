@@ -166,7 +166,6 @@ class StreamDirectives:
                         continue
                 await asyncio.wait((nxt, self.board.changed()),
                                    return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            if not nxt.done():
-                abandon(nxt)
+        except BaseException:  # the call ended while it waited: nobody reads `nxt` now
+            abandon(nxt)  # (done or not: its exception, a StopAsyncIteration, is retrieved)
             raise
