@@ -15,6 +15,10 @@ Compare and Watch run in spawned worker processes, and what a client may make th
 
 Access control (`tokens`) is an interceptor (auditor/daemon/auth.py) whose refusals go through the same
 `status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
+
+Directives (`auditor watch --escalate`, docs/drill-down.md) ride on Ingest's Acks: the watch
+posts them on the service's `DirectiveBoard`, and each stream sends its session's run's
+directives on its next Ack, or on an Ack of their own while it waits (auditor/daemon/directives.py).
 """
 
 from __future__ import annotations
