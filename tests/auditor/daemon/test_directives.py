@@ -110,3 +110,24 @@ def test_escalating_needs_the_escalate_scope(tmp_path):
         # past the scope check, the runs do not exist yet
         assert watch("esc", True)[0] == "NOT_FOUND"
         assert watch("reader", False)[0] == "NOT_FOUND"
+
+
+def test_a_run_whose_agents_take_no_directive_is_said_plainly():
+    """Ranks behind the node sidecar (or NUMAUDIT_DIRECTIVES=0, an earlier agent) register
+    without takes_directives: the escalating watch's status says escalation needs direct
+    connections."""
+    from auditor.daemon.compare_service import _post
+
+    async def scenario() -> list[pb.WatchEvent]:
+        board = DirectiveBoard()
+        board.note_register("ref", "s1", True)
+        board.note_register("cand", "s2", False)
+        board.note_register("cand", "s3", False)
+        return _post(board, pb.WatchRequest(ref="ref", cand="cand", escalate=True),
+                     [{"ops": ["m"], "payload": ["fwd:m"], "step": 3, "reason": "r"}])
+
+    (event,) = asyncio.run(scenario())
+    assert "ref: directive 1, 1 of 1 sessions take directives;" in event.status
+    assert "cand: directive 2, 0 of 2 sessions take directives" in event.status
+    assert "escalation needs direct connections" in event.status
+    assert '"step": 3' in event.drill_json
