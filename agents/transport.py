@@ -13,6 +13,7 @@ safety, grpc/grpc#32992).
 from __future__ import annotations
 
 import queue
+import random
 import select
 import socket
 import threading
@@ -80,6 +81,16 @@ class Transport(Protocol):
 
 # -- gRPC ---------------------------------------------------------------------------------------
 
+def replica_addresses(address: str) -> list[str]:
+    """The daemon replicas of a comma-separated `address` ("10.0.0.1:50551,10.0.0.2:50551"),
+    each dialed on its own; [] for one address or a gRPC target URI (dns:, ipv4:, ipv6:, unix:),
+    which the channel resolves itself."""
+    parts = [p.strip() for p in address.split(",") if p.strip()]
+    if len(parts) < 2 or address.startswith(("dns:", "ipv4:", "ipv6:", "unix:")):
+        return []
+    return parts
+
+
 INGEST_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Auditor'].full_name}/Ingest"
 
 
@@ -133,6 +144,10 @@ class GrpcTransport:
     def __init__(self, address: str, token: str | None = None,
                  tls: TLSConfig | None = None, on_directives: Callable | None = None) -> None:
         self.address, self._token, self._tls = address, token, tls
+        self._replicas = replica_addresses(address)
+        """Replicas of the daemon listed in `address`, dialed one at a time (see `close`)."""
+        self._at = random.randrange(len(self._replicas)) if self._replicas else 0
+        """The replica dialed next: a random start spreads ranks over the replicas."""
         self._on_directives = on_directives
         """Called from the ack reader thread with an Ack's directives (docs/drill-down.md)."""
         self._channel = None
@@ -147,7 +162,8 @@ class GrpcTransport:
 
     def _connect(self):
         if self._stub is None:
-            self._channel = open_channel(self.address, tls=self._tls, token=self._token)
+            target = self._replicas[self._at] if self._replicas else self.address
+            self._channel = open_channel(target, tls=self._tls, token=self._token)
             self._stub = numaudit_pb2_grpc.AuditorStub(self._channel)
             # The generated stub's Ingest, with a serializer that also takes sealed bytes.
             self._ingest = self._channel.stream_stream(
@@ -185,9 +201,18 @@ class GrpcTransport:
             raise as_transport_error(exc) from None
 
     def close(self) -> None:
+        """Closes the channel; the next call dials the next replica when several are listed.
+
+        The delivery closes the transport on every failure (refused, unreachable, a stream
+        without acks), so a failure moves the agent to another replica. One channel across all
+        of them (round robin) could place the new stream on the replica that just hung: a
+        SIGSTOPped daemon still completes TCP handshakes, and one rank in four kept returning to
+        it for a whole 7 s freeze (tests/faults/test_replicas.py)."""
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = self._ingest = None
+            if self._replicas:
+                self._at = (self._at + 1) % len(self._replicas)
 
 
 # -- node sidecar over a Unix socket ------------------------------------------------------------

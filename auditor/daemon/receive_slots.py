@@ -19,9 +19,12 @@ budget). A budget below one largest message's share still lets one stream receiv
 Agents keep one long-lived stream per rank and it waits for the next batch holding its slot. So
 when streams wait for a slot, every `evict_after_s` the streams that have held a slot without
 receiving anything for that long are ended (`IdleStream`, UNAVAILABLE: the agent reconnects and
-resends, nothing is lost), at most one per waiter. Streams that have delivered a batch before get
-freed slots first, oldest waiter first (a flood of streams that never send cannot starve working
-agents); among streams that have not, the newest first: an agent opens its stream when it has a
+resends, nothing is lost), at most one per waiter. While both kinds wait, freed slots alternate
+between streams that have delivered a batch before (oldest waiter first) and streams that have
+not (newest first): a flood of streams that never send takes at most every other slot, so it
+cannot starve working agents, and agents that keep sending cannot starve a rank new to this
+daemon (one failing over from a hung replica waited out a whole 7 s freeze while three busy
+streams took every slot). Newest first among the new: an agent opens its stream when it has a
 batch to send, so a stream that has waited long without one is more likely idle (a flood), and
 a rank that just connected is not queued behind thousands of them. The trade-off is documented
 in docs/reliability.md ("Memory bounded by what is in flight").
@@ -83,6 +86,8 @@ class ReceiveSlots:
         """Open streams that have received no batch, oldest first (`make_room`)."""
         self._waiters: dict[StreamSlot, tuple[int, int]] = {}
         self._order = itertools.count()
+        self._newcomer_turn = False
+        """Whether the next freed slot goes to a stream that has sent nothing yet (`_grant_next`)."""
         self._timer: asyncio.TimerHandle | None = None
         self._on_evict = on_evict
 
@@ -182,6 +187,14 @@ class ReceiveSlots:
     def _grant_next(self) -> None:
         while self._waiters and self._room():
             stream = min(self._waiters, key=self._waiters.__getitem__)
+            if self._waiters[stream][0] == 0 and self._newcomer_turn:
+                newcomers = [w for w, (cls, _) in self._waiters.items() if cls == 1]
+                if newcomers:
+                    stream = min(newcomers, key=self._waiters.__getitem__)
+            # Alternate while both kinds wait: working streams that never stop sending would
+            # otherwise take every freed slot, and a rank new to this daemon (one failing
+            # over from a hung replica) would wait as long as they send.
+            self._newcomer_turn = self._waiters[stream][0] == 0
             del self._waiters[stream]
             if stream._grant is not None and not stream._grant.done():
                 self._take(stream)

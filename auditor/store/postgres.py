@@ -215,15 +215,29 @@ class QmarkConnection:
 
 # -- Connecting -------------------------------------------------------------------------------
 
-WRITER_TIMEOUTS = {"idle_in_transaction_session_timeout": "2s", "lock_timeout": "1s",
+WRITER_TIMEOUTS = {"idle_in_transaction_session_timeout": "1s", "lock_timeout": "1s",
                    "statement_timeout": "15s"}
 """A writer's session settings, so that a replica that hangs (SIGSTOP, a stalled host) in the
 middle of a transaction releases its row locks within seconds: the server ends a session idle
 in a transaction for 2 s (a writer never is: it runs its statements back to back), and a
-statement still running after 15 s (a COPY whose client stopped sending); a writer waiting 1 s
-for a lock gives up and runs again (`postgres_writer`) instead of holding its own group of
-acks behind another replica's transaction. Before, a replica frozen while idle in a
-transaction stalled the other's sessions for as long as it stayed frozen (issue 40)."""
+statement still running after 15 s; a writer waiting 1 s for a lock gives up and runs again
+(`postgres_writer`) instead of holding its own group of acks behind another replica's
+transaction. A batch's COPY gets a tighter limit of its own (`copy_timeout_ms`): a replica
+frozen in the middle of one holds its locks only that long. Before, a replica frozen while idle
+in a transaction stalled the other's sessions for as long as it stayed frozen (issue 40)."""
+
+COPY_BASE_MS = 1000
+COPY_BYTES_PER_MS = 8 << 10
+"""A batch's COPY statements may take 1 s plus 1 ms per 8 KiB they carry (about 8 MB/s; a
+48 MiB batch: 7.1 s), room for a slow link to the database; no longer, so that a replica frozen while streaming a COPY
+releases its row locks soon (the server cancels the statement, then ends the session idle in
+the aborted transaction 1 s later), not after the session-wide `statement_timeout`."""
+
+
+def copy_timeout_ms(records: int, payload_bytes: int) -> int:
+    """`statement_timeout` for the COPY statements of a batch of `records` rows that carry
+    `payload_bytes` of payload (a row's fixed columns count as 512 bytes)."""
+    return COPY_BASE_MS + (payload_bytes + 512 * records) // COPY_BYTES_PER_MS
 
 
 def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
@@ -436,6 +450,9 @@ class PgStore:
             fresh = False
         ids = self.site_ids(cols.sites, create=fresh)
         site_ids = [ids.get(name, -1) for name in cols.sites]
+        payload_bytes = sum(len(p.data) for p in cols.payloads.values())
+        self.raw.execute("SELECT set_config('statement_timeout', %s, true)",
+                         (f"{copy_timeout_ms(n, payload_bytes)}ms",))
         args = (cols, site_ids, run_id, rank, hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
         if fresh and n and direct:

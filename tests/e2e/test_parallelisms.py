@@ -399,7 +399,7 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
                if "ERROR" in line and "ALREADY_EXISTS" in line and "'ddp' belongs to another job"
                in line]
     assert len(refused) == 2, log[-3000:]  # one clear error per rank
-    spooled = re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, spooled 370, "
+    spooled = re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, spooled 370 in \S+, "
                          r"dropped 0; .*`(auditor ingest \S+ --run NEW_NAME --address \S+)` "
                          r"stores them under a new name", log)
     assert len(spooled) == 2, log[-3000:]  # nothing lost to the name clash: told how to keep it

@@ -1,5 +1,5 @@
 """Two `auditor serve` replicas on one PostgreSQL database, agents reaching them through gRPC
-client-side load balancing (the address lists both; round robin).
+the address lists both (each agent dials one at a time and moves to the other at a failure).
 
 - SIGKILL the replica serving the streams mid-stream: the agents continue on the other, nothing
   acked is lost, nothing is stored twice, nothing is stored that no agent produced.
@@ -90,8 +90,7 @@ def _resume_then_finish(jobs: list[Writer], since: float, timeout: float, what: 
 
 
 def _storing(rep: Auditor) -> int:
-    """Batches this replica stored (its debug log says each): round robin spreads a channel's
-    calls, so the replica that registered a session need not be the one holding its stream."""
+    """Batches this replica stored (its debug log says each)."""
     try:
         return rep.log.read_text().count(" stored=")
     except OSError:
@@ -176,6 +175,8 @@ def _freeze_in_a_transaction(rep: Auditor, url: str, app: str, within_s: float =
                 if held:
                     return
                 rep.signal(signal.SIGCONT)
+                time.sleep(0.2)  # it runs a while: stopped most of the time, it would lose its
+                # agents to the other replica (3 s without an ack) and have no transaction left
             time.sleep(0.001)
     raise AssertionError("never caught the replica inside a transaction")
 

@@ -75,6 +75,41 @@ def test_streams_that_never_sent_are_served_newest_first():
     asyncio.run(main())
 
 
+def test_busy_streams_cannot_starve_a_rank_new_to_the_daemon():
+    """Three agents that always have a next batch keep the two slots turning over; a fourth
+    rank's first stream (failing over from a frozen replica) still gets the second freed slot,
+    and the busy ones the slots in between: freed slots alternate between the two kinds."""
+    async def main() -> None:
+        slots = ReceiveSlots(2, evict_after_s=60)
+        busy = [StreamSlot() for _ in range(3)]
+        for s in busy:
+            s.batches = 5
+        await slots.acquire(busy[0])
+        await slots.acquire(busy[1])
+        waiting = asyncio.ensure_future(slots.acquire(busy[2]))
+        await asyncio.sleep(0)
+        newcomer = StreamSlot()
+        t_new = asyncio.ensure_future(slots.acquire(newcomer))
+        await asyncio.sleep(0)
+        order = []
+        for turn in range(4):  # each holder in turn receives a batch, gives its slot back and
+            holder = next(s for s in busy if s.holding)  # at once asks for the next one
+            slots.received(holder)
+            slots.release(holder)
+            again = asyncio.ensure_future(slots.acquire(holder))
+            await asyncio.sleep(0)
+            order.append("new" if t_new.done() and "new" not in order else "busy")
+            if t_new.done():
+                break
+            assert not again.done()
+            waiting = again
+        assert t_new.done() and order.count("new") == 1 and len(order) <= 2, order
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_receiving_and_admitted_bytes_share_one_budget():
     """Slots reserve a largest message each, admitted batches their own share, in one budget."""
     async def main() -> None:

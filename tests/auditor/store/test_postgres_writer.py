@@ -69,3 +69,30 @@ def test_queued_items_commit_together_and_fail_alone(pg_url):
         reader.close()
     assert rows == [("sess-0", 3), ("sess-1", 3), ("sess-2", 3), ("sess-3", 1)]
     assert acked == {"sess-0": 2, "sess-1": 1, "sess-2": 2, "sess-3": 1}
+
+
+def test_a_batch_copy_is_limited_by_its_size_then_the_session_limit_returns(pg_url):
+    """A replica frozen in the middle of a batch's COPY holds its row locks only as long as that
+    batch's own limit (1 s + 1 ms per 8 KiB), not the session's 15 s; the limit ends with the
+    transaction."""
+    from auditor.store.postgres import copy_timeout_ms
+
+    SHOW_MS = "SELECT setting FROM pg_settings WHERE name = 'statement_timeout'"
+
+    writer = PgWriter(pg_url, synchronous="NORMAL", connections=1)
+    try:
+        writer.submit(lambda s: s.register_session(
+            register_request(session_id="s", rank=0, world_size=1))).result(20)
+
+        def ingest_then_show(s):
+            s.ingest(batch(1, [record(0, j) for j in range(4)], "s"))
+            return s.raw.execute(SHOW_MS).fetchone()[0]
+
+        during = writer.submit(ingest_then_show).result(20)
+        after = writer.submit(
+            lambda s: s.raw.execute(SHOW_MS).fetchone()[0]).result(20)
+        assert int(during) == copy_timeout_ms(4, 0) < 1100
+        assert int(after) == 15_000
+        assert 7000 < copy_timeout_ms(0, 48 << 20) < 7500  # the largest batch: room for a slow link
+    finally:
+        writer.close()
