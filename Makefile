@@ -7,13 +7,13 @@ INJECT  ?=
 OPS     ?=
 DRILL   ?=
 
-.PHONY: audit test test-fast bench proto clean kernels postgres chromium
+.PHONY: audit test test-fast bench proto clean kernels postgres chromium package-check
 
 # The fused CPU digest kernel (agents/kernels/): built here, never inside training. If it cannot
 # be built the agent warns once and uses the eager digest.
 KERNEL  := agents/kernels/build/libnumaudit_digest.so
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(KERNEL): $(STAMP) agents/kernels/digest_cpu.cpp agents/kernels/dispatch.cpp agents/kernels/build.py
-	$(PY) -m agents.kernels.build || echo "make: kernel not built; the agent will use the eager digest"
+	$(PY) -m numaudit.agents.kernels.build || echo "make: kernel not built; the agent will use the eager digest"
 
 kernels: $(KERNEL)
 
@@ -61,11 +61,20 @@ test: $(STAMP) $(KERNEL) postgres chromium
 test-fast: $(STAMP) $(KERNEL) postgres chromium
 	$(PY) -m pytest -q -m "not slow"
 
+# numaudit installed the ordinary way (CI, after make test): sdist and wheel built, the wheel
+# installed in a fresh virtual environment outside the checkout, the fused kernel loaded from it,
+# a 2-rank job streamed to `auditor serve` and compared (tests/package/check_wheel.sh).
+package-check: $(STAMP)
+	PY=$(PY) bash tests/package/check_wheel.sh
+
 bench: $(STAMP) $(KERNEL)
 	$(PY) -m bench
 
+# The proto is compiled as numaudit/protos/numaudit.proto (a link to protos/ in a scratch tree),
+# so the generated code imports itself under the one import root, numaudit.protos.
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/numaudit.proto
+	rm -rf $(BUILD)/proto && mkdir -p $(BUILD)/proto/numaudit && ln -s $(CURDIR)/protos $(BUILD)/proto/numaudit/protos
+	cd $(BUILD)/proto && $(CURDIR)/$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. numaudit/protos/numaudit.proto
 
 clean:
 	rm -rf $(BUILD) .pytest_cache agents/kernels/build

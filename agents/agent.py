@@ -11,16 +11,16 @@ from typing import Iterator, Sequence
 
 import torch
 
-from agents.capture import AUTO, Capturer, Counters, HostBatch
-from agents.config import AgentConfig, apply_env, check
-from agents.identity import RankIdentity, job_identity, rank_identity
-from agents import shutdown
-from agents.normalization import (grad_scale, note_batch_norms, note_capture_depth,
+from numaudit.agents.capture import AUTO, Capturer, Counters, HostBatch
+from numaudit.agents.config import AgentConfig, apply_env, check
+from numaudit.agents.identity import RankIdentity, job_identity, rank_identity
+from numaudit.agents import shutdown
+from numaudit.agents.normalization import (grad_scale, note_batch_norms, note_capture_depth,
                                   note_dropouts, note_tied_parameters, note_unpassed_mesh)
 
 log = logging.getLogger(__name__)
 
-SUMMARY_LOGGER = "agents.summary"
+SUMMARY_LOGGER = "numaudit.agents.summary"
 """The logger of the line each rank logs at close (INFO; WARNING when records were spooled or
 dropped). Configure it, or `agents`, like any logger; where logging is not configured at all
 it writes to stderr by itself, so a first run says what it sent."""
@@ -66,12 +66,12 @@ class Agent:
                         "off", ident.rank)
             self.active = False
         if self.active:
-            from agents.sender import Sender  # grpc only where auditing is on
+            from numaudit.agents.sender import Sender  # grpc only where auditing is on
 
             self._sender = Sender(config, ident, self.counters)
             shutdown.register(self)
         self.capturer = Capturer(config, ident, self._sink, self.counters)
-        from agents.ops import OpCapture
+        from numaudit.agents.ops import OpCapture
 
         self.ops = OpCapture(self.capturer, config, ident)
         """Op-level captures (NUMAUDIT_OPS, a plan, the auditor's directives: agents/ops.py)."""
@@ -114,7 +114,7 @@ class Agent:
         if not self.active:
             return None
         try:
-            from agents.optimizer import OptimizerWatch
+            from numaudit.agents.optimizer import OptimizerWatch
 
             return OptimizerWatch(self, optimizer, updates=updates)
         except Exception as exc:
@@ -224,7 +224,7 @@ class Agent:
         if not self.active:
             return
         try:
-            from agents.state import flatten, leaf_tensor
+            from numaudit.agents.state import flatten, leaf_tensor
 
             items = [(name, stage, leaf_tensor(value), None)
                      for name, value in flatten(state_dict)]
@@ -403,14 +403,14 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
     import sys
     from pathlib import Path
 
-    from agents.transport import wait_for_socket
+    from numaudit.agents.transport import wait_for_socket
 
     if wait_for_socket(cfg.sidecar, 0):
         return True
     if ident.local_rank == 0:
         spool = Path(cfg.spool_dir)
         spool.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "agents.sidecar", "--listen", cfg.sidecar,
+        cmd = [sys.executable, "-m", "numaudit.agents.sidecar", "--listen", cfg.sidecar,
                "--spool", str(spool), "--exit-when-idle", "10"]
         if cfg.address:
             cmd += ["--auditor", cfg.address]

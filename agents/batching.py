@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from agents.config import AgentConfig
-from agents.digest import digest_batch_to_host
-from agents.fastpath import Digester
-from agents.layout import PieceLayout
-from agents.rows import I64_COLUMNS, RowBatch
-from agents.sample_digest import SAMPLE_PHASES, SampleDigests, combine_units
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.digest import digest_batch_to_host
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.rows import I64_COLUMNS, RowBatch
+from numaudit.agents.sample_digest import SAMPLE_PHASES, SampleDigests, combine_units
 
 I64_ROW_BYTES = 8 * I64_COLUMNS
 

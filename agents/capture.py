@@ -25,20 +25,20 @@ from typing import Callable, Iterator
 import torch
 from torch.utils._pytree import tree_leaves
 
-from agents import fsdp1
-from agents.config import AgentConfig, step_selected
-from agents.device_copy import payload_copy
-from agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
-from agents.digest import has_moments
-from agents.fastpath import Digester
-from agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
-from agents.identity import RankIdentity
-from agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
-from agents.layout import (PieceLayout, batch_layout, batch_rows, complex_real_layout,
+from numaudit.agents import fsdp1
+from numaudit.agents.config import AgentConfig, step_selected
+from numaudit.agents.device_copy import payload_copy
+from numaudit.agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
+from numaudit.agents.digest import has_moments
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
+from numaudit.agents.identity import RankIdentity
+from numaudit.agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
+from numaudit.agents.layout import (PieceLayout, batch_layout, batch_rows, complex_real_layout,
                            dtensor_layout, dim_shard_layout, holds_batch, ragged_layout,
                            reduction_layout)
-from agents.sites import matches, normalize_site, select_modules
-from protos import numaudit_pb2 as pb
+from numaudit.agents.sites import matches, normalize_site, select_modules
+from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 

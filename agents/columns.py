@@ -17,12 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
-from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
-from wire import limits
-from wire.checksum import crc32
-from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
+from numaudit.agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+from numaudit.wire import limits
+from numaudit.wire.checksum import crc32
+from numaudit.wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
                          SAMPLE_COLUMNS, SCALAR_COLUMNS, PayloadChunk, RecordColumns, _ranges)
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
 

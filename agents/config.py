@@ -279,7 +279,7 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["plan"] = env[ENV_PLAN]
     out = dataclasses.replace(config, **changes)
     if out.plan:
-        from agents.plan import apply_plan  # between the arguments and the variables
+        from numaudit.agents.plan import apply_plan  # between the arguments and the variables
 
         out = apply_plan(out, out.plan, explicit=set(changes))
     return out
@@ -293,14 +293,14 @@ def check(config: AgentConfig) -> None:
     k = config.sketch_k
     if k < 1 or k & (k - 1):
         raise ValueError(f"sketch_k: {k} is not a power of two")
-    from wire.limits import MAX_SKETCH_BUCKETS
+    from numaudit.wire.limits import MAX_SKETCH_BUCKETS
 
     if k > MAX_SKETCH_BUCKETS:  # the auditor refuses such records (docs/protocol.md)
         raise ValueError(f"sketch_k: {k} is over the protocol's {MAX_SKETCH_BUCKETS} buckets")
     if (config.address or config.sidecar) and not config.run:
         raise ValueError(f"run: required with an address (argument run= or {ENV_RUN})")
     if config.run:  # the auditor's rule; spool file names are built from it
-        from wire.names import check_run_name
+        from numaudit.wire.names import check_run_name
 
         check_run_name(config.run)
     if bool(config.tls_cert) != bool(config.tls_key):

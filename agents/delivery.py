@@ -34,10 +34,10 @@ from typing import Callable
 
 import grpc
 
-from wire import limits
-from agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
-from wire.packed import for_peer
-from protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
+from numaudit.wire.packed import for_peer
+from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Iterator
 
 import torch
 
-from agents import hashing
-from agents.layout import PieceLayout, complex_real_layout
+from numaudit.agents import hashing
+from numaudit.agents.layout import PieceLayout, complex_real_layout
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wire import limits
+from numaudit.wire import limits
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ import torch
 
 import numpy as np
 
-from agents.digest import N_MOMENTS, digest_piece
-from agents.layout import PieceLayout
-from agents.rows import RowBatch
-from agents.sample_digest import SamplePlan, digest_samples_eager, plan_samples
+from numaudit.agents.digest import N_MOMENTS, digest_piece
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.rows import RowBatch
+from numaudit.agents.sample_digest import SamplePlan, digest_samples_eager, plan_samples
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class Digester:
         self._cpu = None
         self._triton = None
         if mode == "auto":
-            from agents.kernels import cpu
-            from agents.kernels.accel import TritonDigest
+            from numaudit.agents.kernels import cpu
+            from numaudit.agents.kernels.accel import TritonDigest
 
             if cpu.load() is not None:  # else cpu.load() has logged the one warning
                 self._cpu = cpu

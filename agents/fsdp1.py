@@ -32,8 +32,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from agents.layout import PieceLayout, flat_layout
-from agents.sites import normalize_site
+from numaudit.agents.layout import PieceLayout, flat_layout
+from numaudit.agents.sites import normalize_site
 
 
 @dataclasses.dataclass(frozen=True)

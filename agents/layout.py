@@ -293,7 +293,7 @@ def fill_reduction(msg: Any, layout: PieceLayout) -> None:
     """Set a ``numaudit.v1.Layout`` message's reduction fields from `layout` (none: untouched)."""
     if not layout.reduce:
         return
-    from protos import numaudit_pb2 as pb
+    from numaudit.protos import numaudit_pb2 as pb
 
     msg.reduce = pb.REDUCTION_MEAN if layout.reduce == "mean" else pb.REDUCTION_SUM
     msg.reduce_weight = layout.reduce_weight

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.config import AgentConfig
-from agents.identity import RankIdentity
-from agents.sites import normalize_site
-from wire.labels import (BATCH_STATS_LABEL, CAPTURE_DEPTH_LABEL, DROPOUT_LABEL, TIED_LABEL,
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.identity import RankIdentity
+from numaudit.agents.sites import normalize_site
+from numaudit.wire.labels import (BATCH_STATS_LABEL, CAPTURE_DEPTH_LABEL, DROPOUT_LABEL, TIED_LABEL,
                          UNPASSED_MESH_LABEL)
 
 

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agents import fsdp1
-from agents.capture import STEP_LEVEL
-from agents.config import step_selected
-from agents.sites import normalize_site
+from numaudit.agents import fsdp1
+from numaudit.agents.capture import STEP_LEVEL
+from numaudit.agents.config import step_selected
+from numaudit.agents.sites import normalize_site
 
 if TYPE_CHECKING:
-    from agents.agent import Agent
+    from numaudit.agents.agent import Agent
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from agents.agent import Agent
-from agents.normalization import note_schedule
+from numaudit.agents.agent import Agent
+from numaudit.agents.normalization import note_schedule
 
 log = logging.getLogger(__name__)
 

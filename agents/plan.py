@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from wire.plan import read_plan
+from numaudit.wire.plan import read_plan
 
 if TYPE_CHECKING:
-    from agents.config import AgentConfig
+    from numaudit.agents.config import AgentConfig
 
 
 def apply_plan(config: "AgentConfig", path: str, *, explicit: set[str]) -> "AgentConfig":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from agents.digest import N_MOMENTS
+from numaudit.agents.digest import N_MOMENTS
 
 I64_COLUMNS = 6
 

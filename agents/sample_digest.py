@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agents import hashing
-from agents.digest import N_MOMENTS, _bits_view, _chunks, _IndexMap, _workspace, has_moments
-from agents.layout import PieceLayout
+from numaudit.agents import hashing
+from numaudit.agents.digest import N_MOMENTS, _bits_view, _chunks, _IndexMap, _workspace, has_moments
+from numaudit.agents.layout import PieceLayout
 
 SAMPLE_PHASES = frozenset({1, 2, 6})
 """Phase ids whose captures hold a microbatch's samples (fwd, bwd, input: numaudit.v1 Phase)."""

@@ -19,19 +19,19 @@ import time
 import uuid
 
 
-from agents.capture import Counters, HostBatch
-from agents.columns import Part, PayloadCompressor, part_columns, split_payloads
-from agents.config import AgentConfig
-from agents.delivery import RUN_NAME_TAKEN, Delivery
-from agents.identity import RankIdentity
-from agents.transport import GrpcTransport, SidecarTransport
-from wire import limits
-from wire.packed import RecordColumns, concat, empty
-from wire.sealed import sealed_batch
-from wire.spool import SpoolWriter
-from wire.tls import TLSConfig
-from wire.version import package_version
-from protos import numaudit_pb2 as pb
+from numaudit.agents.capture import Counters, HostBatch
+from numaudit.agents.columns import Part, PayloadCompressor, part_columns, split_payloads
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.delivery import RUN_NAME_TAKEN, Delivery
+from numaudit.agents.identity import RankIdentity
+from numaudit.agents.transport import GrpcTransport, SidecarTransport
+from numaudit.wire import limits
+from numaudit.wire.packed import RecordColumns, concat, empty
+from numaudit.wire.sealed import sealed_batch
+from numaudit.wire.spool import SpoolWriter
+from numaudit.wire.tls import TLSConfig
+from numaudit.wire.version import package_version
+from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Sender:
         inbox = self.directives
         if inbox is None:
             return
-        from agents.directives import accepted
+        from numaudit.agents.directives import accepted
 
         for d in directives:
             ok = accepted(d)

@@ -1,6 +1,6 @@
 """The node sidecar: a per-node process that relays the ranks' records to the auditor.
 
-    python -m agents.sidecar --listen unix:///tmp/numaudit.sock --auditor HOST:PORT --spool DIR
+    python -m numaudit.agents.sidecar --listen unix:///tmp/numaudit.sock --auditor HOST:PORT --spool DIR
 
 Ranks in sidecar mode (`NUMAUDIT_SIDECAR=unix:///...`) hand their batches over a Unix socket
 (framed like the spool, no gRPC in the training process). The sidecar appends each batch to the
@@ -38,18 +38,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.delivery import Delivery
-from agents.transport import GrpcTransport, unix_path
-from wire.channels import tls_from_env
-from wire.tls import TLSConfig, TLSError
-from wire.names import BadName, check_run_name, check_session_id
-from wire.packed import batch_capture_count
-from wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_OUTCOME, KIND_REGISTER, SpoolError,
+from numaudit.agents.delivery import Delivery
+from numaudit.agents.transport import GrpcTransport, unix_path
+from numaudit.wire.channels import tls_from_env
+from numaudit.wire.tls import TLSConfig, TLSError
+from numaudit.wire.names import BadName, check_run_name, check_session_id
+from numaudit.wire.packed import batch_capture_count
+from numaudit.wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_OUTCOME, KIND_REGISTER, SpoolError,
                         SpoolWriter, decode, encode, encode_error, encode_outcome, read_frame,
                         read_spool, spool_files)
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 
-log = logging.getLogger("agents.sidecar")
+log = logging.getLogger("numaudit.agents.sidecar")
 
 SYNC_INTERVAL_S = 0.2
 """Spool files are fsynced this often (and at session close)."""
@@ -429,7 +429,7 @@ class Sidecar:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agents.sidecar", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m numaudit.agents.sidecar", description=__doc__.splitlines()[0])
     p.add_argument("--listen", required=True, help="unix:///PATH of the socket ranks connect to")
     p.add_argument("--auditor", default=os.environ.get("NUMAUDIT_ADDR"),
                    help="auditor HOST:PORT; without it the sidecar only spools")

@@ -22,12 +22,12 @@ from typing import Any, Callable, Protocol
 
 import grpc
 
-from wire.channels import open_channel
-from wire.spool import (KIND_ACK, KIND_ERROR, KIND_OUTCOME, SpoolError, decode, encode,
+from numaudit.wire.channels import open_channel
+from numaudit.wire.spool import (KIND_ACK, KIND_ERROR, KIND_OUTCOME, SpoolError, decode, encode,
                         encode_outcome, read_frame)
-from wire.tls import TLSConfig
-from protos import numaudit_pb2 as pb
-from protos import numaudit_pb2_grpc
+from numaudit.wire.tls import TLSConfig
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 
 ABORT_POLL_S = 0.02
 """How often a blocking call checks whether its owner has given up on it (close deadline)."""
@@ -278,7 +278,7 @@ def _reply(kind: int, body: bytes) -> Any:
 
 
 class SidecarTransport:
-    """The node sidecar (`python -m agents.sidecar`) over its Unix socket."""
+    """The node sidecar (`python -m numaudit.agents.sidecar`) over its Unix socket."""
 
     def __init__(self, address: str) -> None:
         self.path = unix_path(address)

@@ -1,6 +1,6 @@
-"""`python -m auditor` runs the `auditor` command."""
+"""`python -m numaudit.auditor` runs the `auditor` command."""
 
-from auditor.cli import main
+from numaudit.auditor.cli import main
 
 if __name__ == "__main__":
     main(prog_name="auditor")

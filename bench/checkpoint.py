@@ -44,7 +44,7 @@ import torch
 def _save(root: Path, dtype: torch.dtype, mib: int, fmt: str) -> Path:
     import torch.distributed.checkpoint as dcp
 
-    from auditor.checkpoint.safetensors import write_safetensors
+    from numaudit.auditor.checkpoint.safetensors import write_safetensors
 
     n_tensors = 24
     per = max(1, (mib << 20) // n_tensors // torch.empty((), dtype=dtype).element_size())
@@ -84,8 +84,8 @@ def _cold(fn, path: Path):
 
 def _read_only(path: Path, box_bytes: int) -> int:
     """Every chunk read the way the checkpoint reader reads it, nothing digested."""
-    from auditor.checkpoint.formats import open_source
-    from auditor.checkpoint.sources import boxes
+    from numaudit.auditor.checkpoint.formats import open_source
+    from numaudit.auditor.checkpoint.sources import boxes
 
     src = open_source(str(path))
     buf = torch.empty(box_bytes, dtype=torch.uint8)
@@ -108,11 +108,11 @@ def _read_only(path: Path, box_bytes: int) -> int:
 def _digest_only(path: Path) -> tuple[int, float]:
     """The same tensors digested in memory as the reader hands them over (the capturer's fused
     CPU kernel, boxes with their layouts), loaded first, off the clock; nothing sent."""
-    from agents.agent import Agent
-    from agents.config import AgentConfig
-    from agents.identity import RankIdentity
-    from agents.layout import PieceLayout
-    from auditor.checkpoint.formats import open_source
+    from numaudit.agents.agent import Agent
+    from numaudit.agents.config import AgentConfig
+    from numaudit.agents.identity import RankIdentity
+    from numaudit.agents.layout import PieceLayout
+    from numaudit.auditor.checkpoint.formats import open_source
 
     src = open_source(str(path))
     tensors = []
@@ -136,9 +136,9 @@ def _digest_only(path: Path) -> tuple[int, float]:
 
 
 def _audit(path: Path, max_memory: int) -> tuple[int, float]:
-    from auditor.checkpoint.digest import digest_checkpoint
-    from auditor.checkpoint.formats import open_source
-    from auditor.daemon.server import BackgroundServer
+    from numaudit.auditor.checkpoint.digest import digest_checkpoint
+    from numaudit.auditor.checkpoint.formats import open_source
+    from numaudit.auditor.daemon.server import BackgroundServer
 
     with tempfile.TemporaryDirectory() as tmp, \
             BackgroundServer("127.0.0.1:0", Path(tmp) / "b.db", synchronous="NORMAL",
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     args, _ = ap.parse_known_args(argv)
-    from auditor.cli.checkpoint import _size
+    from numaudit.auditor.cli.checkpoint import _size
 
     torch.set_num_threads(args.threads)
     mib = 64 if args.quick else args.mib

@@ -52,8 +52,8 @@ def _shape_for(n_keys: int) -> tuple[int, int, int, int]:
 def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
                 sketch_k: int = SKETCH_K, close_fraction: float = CLOSE_FRACTION) -> dict:
     """Write runs "ref" (1 piece per key) and "cand" (``pieces`` shards per key)."""
-    from auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
-    from auditor.store import connect
+    from numaudit.auditor.compare.digests import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+    from numaudit.auditor.store import connect
 
     steps, mbs, modules, params = _shape_for(n_keys)
     rng = np.random.default_rng(seed)
@@ -148,7 +148,7 @@ def _insert(conn, rows) -> None:
 def _ensure_segments(db: Path) -> None:
     """Key segments for runs whose records the build wrote as rows (`key_segments.backfill`; a
     store the agent's batches filled has them from ingest)."""
-    from auditor.store import connect, key_segments
+    from numaudit.auditor.store import connect, key_segments
 
     conn = connect(db, synchronous="OFF")
     try:
@@ -166,7 +166,7 @@ def copy_to_postgres(db: Path, url: str) -> str:
 
     import psycopg
 
-    from auditor.store.postgres import pg_connect
+    from numaudit.auditor.store.postgres import pg_connect
 
     name = "bench_" + "".join(c if c.isalnum() else "_" for c in db.stem)
     target = url.rsplit("/", 1)[0] + "/" + name
@@ -194,9 +194,9 @@ def copy_to_postgres(db: Path, url: str) -> str:
 
 def run_one(directory: Path, n_keys: int, pieces: int, sketch_k: int = SKETCH_K,
             close_fraction: float = CLOSE_FRACTION, store: str | None = None) -> dict:
-    from auditor.compare.engine import compare_runs
-    from auditor.report.json_report import write_json
-    from auditor.report.text import to_text
+    from numaudit.auditor.compare.engine import compare_runs
+    from numaudit.auditor.report.json_report import write_json
+    from numaudit.auditor.report.text import to_text
 
     directory.mkdir(parents=True, exist_ok=True)
     tag = "" if close_fraction == CLOSE_FRACTION else f"-close{close_fraction:g}"

@@ -61,7 +61,7 @@ def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def self_checks(k: int, dtypes: Sequence[torch.dtype]) -> bool:
-    from agents.kernels import accel
+    from numaudit.agents.kernels import accel
 
     impl = accel._load()
     if isinstance(impl, str):
@@ -81,9 +81,9 @@ def self_checks(k: int, dtypes: Sequence[torch.dtype]) -> bool:
 
 def throughput(k: int, sizes: list[int], repeats: int) -> dict[tuple, float]:
     """Prints the table; returns {(dtype, MiB): Triton GB/s}."""
-    from agents.digest import digest_piece
-    from agents.kernels import accel
-    from agents.layout import PieceLayout
+    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.kernels import accel
+    from numaudit.agents.layout import PieceLayout
 
     impl = accel._load()
     print("| dtype | piece | copy GB/s | Triton GB/s | Triton/copy | eager GB/s |\n"
@@ -122,8 +122,8 @@ def throughput(k: int, sizes: list[int], repeats: int) -> dict[tuple, float]:
 def lists(k: int, repeats: int, device: str = "cuda") -> None:
     """A list of 256 pieces of 4 KiB in one call against 256 calls of one piece (``device``
     "cpu" runs it under Triton's interpreter, where only whether it runs means anything)."""
-    from agents.kernels import accel
-    from agents.layout import PieceLayout
+    from numaudit.agents.kernels import accel
+    from numaudit.agents.layout import PieceLayout
 
     impl = accel._load()
     if isinstance(impl, str):
@@ -152,10 +152,10 @@ def lists(k: int, repeats: int, device: str = "cuda") -> None:
 
 
 def captures(n: int) -> None:
-    from agents.batching import Counters
-    from agents.capture import Capturer
-    from agents.config import AgentConfig
-    from agents.identity import RankIdentity
+    from numaudit.agents.batching import Counters
+    from numaudit.agents.capture import Capturer
+    from numaudit.agents.config import AgentConfig
+    from numaudit.agents.identity import RankIdentity
 
     print("| tensor | host us per capture (median) | synchronizing calls |\n|---|---:|---:|")
     for label, shape, dtype in (("4 KiB float32 (a payload too)", (1024,), torch.float32),
@@ -207,8 +207,8 @@ def sweep(k: int) -> None:
 
 
 def _sweep_child(k: int) -> int:
-    from agents.kernels import digest_triton as impl
-    from agents.layout import PieceLayout
+    from numaudit.agents.kernels import digest_triton as impl
+    from numaudit.agents.layout import PieceLayout
 
     cells = []
     for dtype in (torch.bfloat16, torch.float32):

@@ -62,8 +62,8 @@ def checkpoint_roundtrip(device: str = "cuda") -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import agents
-    from auditor.daemon.server import BackgroundServer
+    import numaudit
+    from numaudit.auditor.daemon.server import BackgroundServer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
@@ -79,7 +79,7 @@ def checkpoint_roundtrip(device: str = "cuda") -> bool:
         warnings.simplefilter("ignore")
         db = Path(tmp) / "a.db"
         with BackgroundServer(f"unix:{tmp}/s.sock", db, grace=1.0) as server:
-            agent = agents.attach(None, run="live", address=server.address, spool_mode="off")
+            agent = numaudit.attach(None, run="live", address=server.address, spool_mode="off")
             agent.capture_state_dict(sd, step=0)
             summary = agent.close(timeout=120)
         w = msd["0.weight"].detach().clone()
@@ -90,7 +90,7 @@ def checkpoint_roundtrip(device: str = "cuda") -> bool:
         reports = {}
         for name in ("same", "ulp"):
             out = Path(tmp) / f"{name}.json"
-            code = subprocess.run([sys.executable, "-m", "auditor", "checkpoint", "run:live",
+            code = subprocess.run([sys.executable, "-m", "numaudit.auditor", "checkpoint", "run:live",
                                    f"{tmp}/{name}", "--db", str(db), "--format", "json", "-o",
                                    str(out)], capture_output=True, timeout=300).returncode
             reports[name] = code, json.loads(out.read_text())

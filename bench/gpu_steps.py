@@ -1,7 +1,7 @@
 """Step overhead of the agent on the ~1B bf16 decoder (bench/gpu_model.py), on one GPU.
 
 Three identical models (same weights, same batches) train side by side: agent off, the
-README's defaults (``agents.attach(model, run=...)``: phases fwd, grad, loss, input, depth 3),
+README's defaults (``numaudit.attach(model, run=...)``: phases fwd, grad, loss, input, depth 3),
 and depth 5 with ``bwd`` added. Steps are interleaved (off, defaults, deep, off, ...) so that
 drift reaches every side alike; each step's wall time is taken with the device synchronized at
 its start and end. The agents stream to a real ``auditor serve`` in its own process over a unix
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-import agents
+import numaudit
 from bench.gpu_model import DecoderArgs, batches, build, train_step
 
 DEEP = {"max_depth": 5, "phases": ("fwd", "bwd", "grad", "loss", "input")}
@@ -44,7 +44,7 @@ def auditor_daemon():
     """``auditor serve`` in a child process on a unix socket; yields the address."""
     with tempfile.TemporaryDirectory(prefix="numaudit-gpu-") as tmp:
         sock = f"{tmp}/auditor.sock"
-        proc = subprocess.Popen([sys.executable, "-m", "auditor", "serve", "--listen",
+        proc = subprocess.Popen([sys.executable, "-m", "numaudit.auditor", "serve", "--listen",
                                  f"unix:{sock}", "--store", f"{tmp}/audit.db"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -69,7 +69,7 @@ class _Tally:
     sample by sample: those bytes count twice."""
 
     def __init__(self, agent) -> None:
-        from agents.sample_digest import SAMPLE_PHASES
+        from numaudit.agents.sample_digest import SAMPLE_PHASES
 
         self.bytes = self.pieces = 0
         twice = agent.config.sample_digests
@@ -107,7 +107,7 @@ def overhead(args: DecoderArgs, steps: int, device: str = "cuda",
             agent = None
             if options is not None:
                 slug = "".join(c if c.isalnum() else "-" for c in name)
-                agent = agents.attach(model, run=f"gpu-{slug}-{os.getpid()}",
+                agent = numaudit.attach(model, run=f"gpu-{slug}-{os.getpid()}",
                                       address=address, spool_mode="off", **options)
             sides[name] = {"model": model, "opt": opt, "agent": agent, "times": [],
                            "drain": [], "tally": _Tally(agent) if agent else None}
@@ -163,7 +163,7 @@ def profile(args: DecoderArgs, rows: int = 14, device: str = "cuda") -> None:
     mbs = batches(args, device)
     model = build(args, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    agent = agents.attach(model, run=f"gpu-profile-{os.getpid()}", spool_mode="off", **DEEP)
+    agent = numaudit.attach(model, run=f"gpu-profile-{os.getpid()}", spool_mode="off", **DEEP)
     for i in range(2):  # warm-up
         train_step(model, opt, agent, i, mbs)
     _sync(device)

@@ -72,9 +72,9 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
     shrink them by 10 %, as for float noise)."""
     import zstandard
 
-    from protos import numaudit_pb2 as pb
-    from wire.checksum import crc32, records_checksum
-    from wire.packed import (HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns, packed_batch,
+    from numaudit.protos import numaudit_pb2 as pb
+    from numaudit.wire.checksum import crc32, records_checksum
+    from numaudit.wire.packed import (HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns, packed_batch,
                              split_batch, to_records)
 
     rng = np.random.default_rng(seed + rank)
@@ -139,8 +139,8 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
 
 def _session(address: str, run: str, rank: int, world: int, batches: list[bytes],
              window: int, start: threading.Barrier, out: dict) -> None:
-    from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
-    from wire.channels import open_channel
+    from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+    from numaudit.wire.channels import open_channel
 
     channel = open_channel(address)  # several replicas: round robin
     stub = numaudit_pb2_grpc.AuditorStub(channel)
@@ -211,7 +211,7 @@ def _daemon(store: str, args: argparse.Namespace, tmp: Path, i: int):
     server_root = Path(args.server_root).resolve()
     env = dict(os.environ, PYTHONPATH=str(server_root), PYTHONUNBUFFERED="1")
     with open(log_path, "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "auditor", "serve", "--listen",
+        proc = subprocess.Popen([sys.executable, "-m", "numaudit.auditor", "serve", "--listen",
                                  "127.0.0.1:0", *target, "--sync", args.sync, "--port-file",
                                  str(port_file), "--log-level", "warning"],
                                 cwd=server_root, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -317,12 +317,12 @@ def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None
     this thread's CPU per batch, and bytes per record on disk after a checkpoint."""
     import itertools
 
-    from auditor.daemon.validate import validate_batch
-    from auditor.store import key_segments
-    from auditor.store.rows import insert_rows, record_columns, rows_of
-    from auditor.store.sqlite import connect
-    from protos import numaudit_pb2 as pb
-    from wire.packed import content_hashes
+    from numaudit.auditor.daemon.validate import validate_batch
+    from numaudit.auditor.store import key_segments
+    from numaudit.auditor.store.rows import insert_rows, record_columns, rows_of
+    from numaudit.auditor.store.sqlite import connect
+    from numaudit.protos import numaudit_pb2 as pb
+    from numaudit.wire.packed import content_hashes
 
     per = n_batches // 8
     batches = []

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-import agents
+import numaudit
 from examples.dsv3.auditing import CAPTURE_DEPTH, EXCLUDE, LOSS_SITE, PAYLOAD, capture_input_tokens
 from examples.dsv3.data import batches
 from examples.dsv3.model import ModelArgs, Transformer
@@ -86,7 +86,7 @@ class _null:
 
 
 def _attach(model: torch.nn.Module, phases: tuple[str, ...], **config):
-    agent = agents.attach(model, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
+    agent = numaudit.attach(model, run="bench", phases=phases, max_depth=CAPTURE_DEPTH,
                           exclude=EXCLUDE, payload=PAYLOAD, spool_mode="off", **config)
     capture_input_tokens(agent, model)
     return agent
@@ -131,9 +131,9 @@ def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]
     ready: layout, digest, row queued, payload copied), with the fused kernel and with the
     eager digest. Batches are handed to a sink that drops them; the flush every
     `device_batch` captures is in the mean, not in the median."""
-    from agents.capture import Capturer, Counters
-    from agents.config import AgentConfig
-    from agents.identity import RankIdentity
+    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.config import AgentConfig
+    from numaudit.agents.identity import RankIdentity
 
     t = torch.randn(nbytes // 4)
     out = []
@@ -159,10 +159,10 @@ def kind_costs(repeats: int = 1000) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from agents.capture import Capturer, Counters
-    from agents.config import AgentConfig
-    from agents.identity import RankIdentity
-    from agents.ragged import rows_from_counts
+    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.config import AgentConfig
+    from numaudit.agents.identity import RankIdentity
+    from numaudit.agents.ragged import rows_from_counts
 
     if dist.is_initialized():
         raise RuntimeError("kind_costs makes its own process group")
@@ -216,7 +216,7 @@ def depth_cost(repeats: int) -> dict[str, float] | None:
     phases = ("fwd", "grad", "loss")
     sides = [(model(), None), (model(), "block_depth=1"), (model(), "block_depth=0"),
              (model(), None)]
-    agents_ = [None if how is None else agents.attach(
+    agents_ = [None if how is None else numaudit.attach(
         m, run="bench", phases=phases, spool_mode="off", block_depth=int(how[-1]))
         for m, how in sides]
 
@@ -256,8 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, _ = parser.parse_known_args(argv)
     torch.set_num_threads(1)
     repeats = args.repeats or (3 if args.quick else 9)
-    from agents.config import AgentConfig, apply_env
-    from agents.kernels import cpu
+    from numaudit.agents.config import AgentConfig, apply_env
+    from numaudit.agents.kernels import cpu
 
     fused = apply_env(AgentConfig()).digest == "auto" and cpu.load() is not None
     print(f"## Agent step overhead (torch {torch.__version__}, 1 thread, {MICROBATCHES} "

@@ -66,7 +66,7 @@ class Daemon:
         self.port_file.unlink(missing_ok=True)
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
+            [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
              "--port-file", str(self.port_file)],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
@@ -171,7 +171,7 @@ def compare(ref: str, cand: str, db: Path, policy: Path | None, text_report: Pat
     the time the jobs exit. Without a policy file, `extra` should name a `--preset`.
     """
     proc = subprocess.run(
-        [sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
+        [sys.executable, "-m", "numaudit.auditor", "compare", ref, cand, "--db", str(db),
          *(["--policy", str(policy)] if policy is not None else []), *extra,
          "--format", "text", "--json-output", str(json_report)],
         stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -290,7 +290,7 @@ def drill(args: argparse.Namespace, build: Path, db: Path, address: str,
     """`--drill`: `auditor drill` writes the plan; both runs run again with it under
     NAME-drill; their comparison names the operation. None when there is nothing to drill."""
     plan = build / "drill-plan.toml"
-    proc = subprocess.run([sys.executable, "-m", "auditor", "drill", args.ref_name,
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "drill", args.ref_name,
                            args.cand_name, "--db", str(db), "--policy", str(args.policy),
                            "-o", str(plan)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -315,7 +315,7 @@ def drill(args: argparse.Namespace, build: Path, db: Path, address: str,
 
 def _check_kept_database(db: Path, ref: str, cands: list[str]) -> None:
     """--skip-ref: the database must hold the reference and not yet the candidates."""
-    from auditor.store import Reader
+    from numaudit.auditor.store import Reader
 
     if not db.exists():
         raise SetupError(f"--skip-ref: no database at {db} (run once without --skip-ref)")

@@ -47,8 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
-import agents
-from agents.pipeline import agent_loss, watch_stages
+import numaudit
+from numaudit.agents.pipeline import agent_loss, watch_stages
 from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
                                     capture_experts, capture_input_tokens, close_agent)
 from examples.dsv3.data import batches, local_batch
@@ -391,7 +391,7 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     mesh = make_mesh()
     # The audit agent. Its stage modules are added by `watch_stages` once they exist; the
     # schedule's loss function is wrapped so each microbatch's (unscaled) loss is captured.
-    agent = agents.attach(run=args.name, mesh=mesh, dp_dim="dp", **agent_options(args))
+    agent = numaudit.attach(run=args.name, mesh=mesh, dp_dim="dp", **agent_options(args))
     run = build(args, mesh, loss=agent_loss(agent, loss_fn, site=LOSS_SITE))
     if args.inject is not None:
         INJECTIONS[args.inject](run)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-import agents
+import numaudit
 from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
                                     capture_experts, capture_input_tokens, close_agent)
 from examples.dsv3.data import batches
@@ -80,7 +80,7 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     model = build_model(args, dp_mesh)
     # The audit agent: hooks every module and parameter of the model. The address comes from
     # $NUMAUDIT_ADDR; without one the agent counts its captures as dropped and training goes on.
-    agent = agents.attach(model, run=args.name, mesh=dp_mesh, dp_dim="dp", **agent_options(args))
+    agent = numaudit.attach(model, run=args.name, mesh=dp_mesh, dp_dim="dp", **agent_options(args))
     capture_input_tokens(agent, model)
     capture_experts(agent, model, dp_mesh.get_group())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: `examples.*`
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    agent = agents.attach(model, run=args.name, mesh=mesh, dp_dim="dp", dtype="float32",
+    agent = numaudit.attach(model, run=args.name, mesh=mesh, dp_dim="dp", dtype="float32",
                           seed=args.seed, payload=tuple(filter(None, args.payload.split(","))))
     gen = torch.Generator().manual_seed(args.seed + 1000 * mesh.get_local_rank("dp"))
     for step in range(args.steps):

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import agents
-from agents.ragged import RaggedRows, ragged_rows
+import numaudit
+from numaudit.agents.ragged import RaggedRows, ragged_rows
 from examples.teardown import exit_rank
 
 DIM, HIDDEN, EXPERTS, TOP_K, LAYERS = 16, 32, 8, 2, 4
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     for layer in model.layers:
         layer.backward = args.backward
     phases = ("fwd", "input") + (("bwd", "grad") if args.backward else ())
-    agent = agents.attach(model, run=args.name, dp_rank=rank, dp_size=world, phases=phases,
+    agent = numaudit.attach(model, run=args.name, dp_rank=rank, dp_size=world, phases=phases,
                           exclude=("layers.*.experts*",), dtype="float32",
                           loss_normalization="global_mean")
     audit_experts(agent, model, backward=args.backward)

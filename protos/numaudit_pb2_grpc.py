@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import numaudit_pb2 as protos_dot_numaudit__pb2
+from numaudit.protos import numaudit_pb2 as numaudit_dot_protos_dot_numaudit__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/numaudit_pb2_grpc.py depends on'
+        + ' but the generated code in numaudit/protos/numaudit_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class AuditorStub:
         """
         self.Register = channel.unary_unary(
                 '/numaudit.v1.Auditor/Register',
-                request_serializer=protos_dot_numaudit__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.RegisterResponse.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.RegisterResponse.FromString,
                 _registered_method=True)
         self.Ingest = channel.stream_stream(
                 '/numaudit.v1.Auditor/Ingest',
-                request_serializer=protos_dot_numaudit__pb2.RecordBatch.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.Ack.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.RecordBatch.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.Ack.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/numaudit.v1.Auditor/CloseSession',
-                request_serializer=protos_dot_numaudit__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.CloseSessionResponse.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
         self.ListRuns = channel.unary_unary(
                 '/numaudit.v1.Auditor/ListRuns',
-                request_serializer=protos_dot_numaudit__pb2.ListRunsRequest.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.ListRunsResponse.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.ListRunsResponse.FromString,
                 _registered_method=True)
         self.DescribeRun = channel.unary_unary(
                 '/numaudit.v1.Auditor/DescribeRun',
-                request_serializer=protos_dot_numaudit__pb2.DescribeRunRequest.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.DescribeRunResponse.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.DescribeRunRequest.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.DescribeRunResponse.FromString,
                 _registered_method=True)
         self.Compare = channel.unary_unary(
                 '/numaudit.v1.Auditor/Compare',
-                request_serializer=protos_dot_numaudit__pb2.CompareRequest.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.CompareResponse.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.CompareRequest.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.CompareResponse.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/numaudit.v1.Auditor/Watch',
-                request_serializer=protos_dot_numaudit__pb2.WatchRequest.SerializeToString,
-                response_deserializer=protos_dot_numaudit__pb2.WatchEvent.FromString,
+                request_serializer=numaudit_dot_protos_dot_numaudit__pb2.WatchRequest.SerializeToString,
+                response_deserializer=numaudit_dot_protos_dot_numaudit__pb2.WatchEvent.FromString,
                 _registered_method=True)
 
 
@@ -126,38 +126,38 @@ def add_AuditorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=protos_dot_numaudit__pb2.RegisterRequest.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.RegisterResponse.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.RegisterRequest.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.RegisterResponse.SerializeToString,
             ),
             'Ingest': grpc.stream_stream_rpc_method_handler(
                     servicer.Ingest,
-                    request_deserializer=protos_dot_numaudit__pb2.RecordBatch.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.Ack.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.RecordBatch.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.Ack.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
-                    request_deserializer=protos_dot_numaudit__pb2.CloseSessionRequest.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.CloseSessionResponse.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.CloseSessionRequest.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.CloseSessionResponse.SerializeToString,
             ),
             'ListRuns': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRuns,
-                    request_deserializer=protos_dot_numaudit__pb2.ListRunsRequest.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.ListRunsResponse.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.ListRunsRequest.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.ListRunsResponse.SerializeToString,
             ),
             'DescribeRun': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeRun,
-                    request_deserializer=protos_dot_numaudit__pb2.DescribeRunRequest.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.DescribeRunResponse.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.DescribeRunRequest.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.DescribeRunResponse.SerializeToString,
             ),
             'Compare': grpc.unary_unary_rpc_method_handler(
                     servicer.Compare,
-                    request_deserializer=protos_dot_numaudit__pb2.CompareRequest.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.CompareResponse.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.CompareRequest.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.CompareResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=protos_dot_numaudit__pb2.WatchRequest.FromString,
-                    response_serializer=protos_dot_numaudit__pb2.WatchEvent.SerializeToString,
+                    request_deserializer=numaudit_dot_protos_dot_numaudit__pb2.WatchRequest.FromString,
+                    response_serializer=numaudit_dot_protos_dot_numaudit__pb2.WatchEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,8 +185,8 @@ class Auditor:
             request,
             target,
             '/numaudit.v1.Auditor/Register',
-            protos_dot_numaudit__pb2.RegisterRequest.SerializeToString,
-            protos_dot_numaudit__pb2.RegisterResponse.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.RegisterRequest.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.RegisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -212,8 +212,8 @@ class Auditor:
             request_iterator,
             target,
             '/numaudit.v1.Auditor/Ingest',
-            protos_dot_numaudit__pb2.RecordBatch.SerializeToString,
-            protos_dot_numaudit__pb2.Ack.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.RecordBatch.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,
@@ -239,8 +239,8 @@ class Auditor:
             request,
             target,
             '/numaudit.v1.Auditor/CloseSession',
-            protos_dot_numaudit__pb2.CloseSessionRequest.SerializeToString,
-            protos_dot_numaudit__pb2.CloseSessionResponse.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.CloseSessionRequest.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,8 +266,8 @@ class Auditor:
             request,
             target,
             '/numaudit.v1.Auditor/ListRuns',
-            protos_dot_numaudit__pb2.ListRunsRequest.SerializeToString,
-            protos_dot_numaudit__pb2.ListRunsResponse.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.ListRunsRequest.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.ListRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -293,8 +293,8 @@ class Auditor:
             request,
             target,
             '/numaudit.v1.Auditor/DescribeRun',
-            protos_dot_numaudit__pb2.DescribeRunRequest.SerializeToString,
-            protos_dot_numaudit__pb2.DescribeRunResponse.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.DescribeRunRequest.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.DescribeRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -320,8 +320,8 @@ class Auditor:
             request,
             target,
             '/numaudit.v1.Auditor/Compare',
-            protos_dot_numaudit__pb2.CompareRequest.SerializeToString,
-            protos_dot_numaudit__pb2.CompareResponse.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.CompareRequest.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.CompareResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -347,8 +347,8 @@ class Auditor:
             request,
             target,
             '/numaudit.v1.Auditor/Watch',
-            protos_dot_numaudit__pb2.WatchRequest.SerializeToString,
-            protos_dot_numaudit__pb2.WatchEvent.FromString,
+            numaudit_dot_protos_dot_numaudit__pb2.WatchRequest.SerializeToString,
+            numaudit_dot_protos_dot_numaudit__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,8 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import grpc
 
-from wire import limits
-from wire.tls import TLSConfig
+from numaudit.wire import limits
+from numaudit.wire.tls import TLSConfig
 
 # Environment of the CLI clients (`auditor runs/show/compare --address`); arguments win. The agent
 # reads the same variables through agents/config.py.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from wire import limits
+from numaudit.wire import limits
 
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % limits.MAX_RUN_NAME_CHARS)
 """What a run name may be: letters, digits, `.`, `_`, `-`; 1 to MAX_RUN_NAME_CHARS."""

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 
 IS_NONE, REPLICA, PARTIAL, COMPLEX_AS_REAL, HAS_MOMENTS, FLAT = 1, 2, 4, 8, 16, 32
 FLAG_BITS = IS_NONE | REPLICA | PARTIAL | COMPLEX_AS_REAL | HAS_MOMENTS | FLAT
@@ -594,7 +594,7 @@ def split_batch(session_id: str, seq: int, packed: RecordColumns,
 
 def _finish_batch(msg: pb.RecordBatch, packed: RecordColumns,
                   checksum: bool = True) -> pb.RecordBatch:
-    from wire.checksum import batch_checksum
+    from numaudit.wire.checksum import batch_checksum
 
     if packed.n:
         to_packed(packed, into=msg.packed)
@@ -618,7 +618,7 @@ def payloads_apart(batch: pb.RecordBatch) -> pb.RecordBatch:
     is when its packed records carry no payload."""
     if not batch.HasField("packed") or not len(batch.packed.payloads):
         return batch
-    from wire.checksum import batch_checksum
+    from numaudit.wire.checksum import batch_checksum
 
     moved = packed_batch(batch.session_id, batch.seq, from_packed(batch.packed))
     moved.schema_version = batch.schema_version
@@ -629,7 +629,7 @@ def payloads_apart(batch: pb.RecordBatch) -> pb.RecordBatch:
 
 def unpacked_batch(batch: pb.RecordBatch) -> pb.RecordBatch:
     """The same batch with every record per record (for a peer without packed batches)."""
-    from wire.checksum import batch_checksum
+    from numaudit.wire.checksum import batch_checksum
 
     if not batch.HasField("packed"):
         return batch

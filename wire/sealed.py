@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from protos import numaudit_pb2 as pb
-from wire.checksum import crc32
-from wire.packed import SCALAR_COLUMNS, PayloadChunk, RecordColumns
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.checksum import crc32
+from numaudit.wire.packed import SCALAR_COLUMNS, PayloadChunk, RecordColumns
 
 _LEN, _VARINT = 2, 0
 _PACKED_FIELDS = pb.PackedRecords.DESCRIPTOR.fields_by_name

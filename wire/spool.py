@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from wire import limits
-from wire.checksum import crc32
-from wire.names import spool_file_name
-from protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.wire.checksum import crc32
+from numaudit.wire.names import spool_file_name
+from numaudit.protos import numaudit_pb2 as pb
 
 KIND_REGISTER = 1
 KIND_BATCH = 2

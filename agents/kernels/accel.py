@@ -25,11 +25,11 @@ import logging
 
 import torch
 
-from agents import hashing
-from agents.digest import N_MOMENTS, digest_piece
-from agents.kernels.cpu import index_map
-from agents.kernels.triton_plan import F32_TILE_ERROR
-from agents.layout import PieceLayout, complex_real_layout
+from numaudit.agents import hashing
+from numaudit.agents.digest import N_MOMENTS, digest_piece
+from numaudit.agents.kernels.cpu import index_map
+from numaudit.agents.kernels.triton_plan import F32_TILE_ERROR
+from numaudit.agents.layout import PieceLayout, complex_real_layout
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _load():
     """The Triton digest module (``prepare``, ``digest_prepared``, ``digest_rows``), or why it
     cannot be used."""
     try:
-        from agents.kernels import digest_triton
+        from numaudit.agents.kernels import digest_triton
     except Exception as exc:  # ImportError without triton; anything triton raises on import
         return f"{type(exc).__name__}: {exc}"
     return digest_triton

@@ -1,14 +1,16 @@
-"""Build the CPU digest kernel: ``python -m agents.kernels.build`` (``make kernels``).
+"""Build the CPU digest kernel: ``python -m numaudit.agents.kernels.build`` (``make kernels``).
 
 Compiles digest_cpu.cpp once per x86-64 ISA level plus the dispatcher into
-``agents/kernels/build/libnumaudit_digest.so`` (ignored by git). Plain C++ with no torch headers,
+``agents/kernels/build/libnumaudit_digest.so`` (ignored by git), with a stamp of the sources it
+was built from beside it. ``pip install`` builds the same into the package (setup.py). Plain C++ with no torch headers,
 so it needs only g++ and takes seconds; it runs from the Makefile, never inside training. The
-library is rebuilt only when a source is newer than it.
+library is rebuilt only when it was built from other sources.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import shutil
@@ -25,12 +27,28 @@ ISA_LEVELS = (("v4", "x86-64-v4"), ("v3", "x86-64-v3"), ("base", "x86-64"))
 """(entry suffix, -march) per build of digest_cpu.cpp; dispatch.cpp picks one at run time."""
 
 
+def sources_digest() -> str:
+    """SHA-256 over the kernel's sources and flags: what a library was built from."""
+    h = hashlib.sha256(" ".join(CXX_FLAGS + tuple(m for _, m in ISA_LEVELS)).encode())
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    return h.hexdigest()
+
+
+def stamp_of(library: Path) -> Path:
+    """The file beside a library naming the sources it was built from (`sources_digest`)."""
+    return library.with_suffix(".sources")
+
+
 def stale(library: Path = LIBRARY) -> bool:
-    """True when the library is missing or older than one of its sources."""
-    if not library.exists():
+    """True when the library is missing or was built from other sources than these.
+
+    By content, not by time: an installed wheel's files all carry the install's time, so the
+    library can look older than its sources though it was built from them."""
+    stamp = stamp_of(library)
+    if not library.exists() or not stamp.exists():
         return True
-    built = library.stat().st_mtime
-    return any(src.stat().st_mtime > built for src in SOURCES)
+    return stamp.read_text().strip() != sources_digest()
 
 
 def build(library: Path = LIBRARY, cxx: str | None = None, force: bool = False) -> Path:
@@ -54,7 +72,10 @@ def build(library: Path = LIBRARY, cxx: str | None = None, force: bool = False) 
         _run([cxx, "-O2", "-std=c++17", "-fPIC", "-c", str(SOURCES[1]), "-o", str(dispatch)])
         staged = Path(tmp) / library.name
         _run([cxx, "-shared", "-o", str(staged), *objects, str(dispatch)])
+        stamp = Path(tmp) / "stamp"
+        stamp.write_text(sources_digest() + "\n")
         os.replace(staged, library)  # atomic: a loading process never sees half a library
+        os.replace(stamp, stamp_of(library))
     return library
 
 
@@ -65,7 +86,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.kernels.build",
+    parser = argparse.ArgumentParser(prog="python -m numaudit.agents.kernels.build",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)

@@ -26,9 +26,9 @@ import threading
 
 import torch
 
-from agents.digest import N_MOMENTS
-from agents.kernels import build
-from agents.layout import PieceLayout
+from numaudit.agents.digest import N_MOMENTS
+from numaudit.agents.kernels import build
+from numaudit.agents.layout import PieceLayout
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ _loaded = False
 def load() -> ctypes.CDLL | None:
     """The kernel library, loaded once; None (and one warning) when it cannot be used.
 
-    A library older than its sources is refused rather than run: it could compute a different
-    digest than the sources say.
+    A library built from other sources than those beside it is refused rather than run: it
+    could compute a different digest than the sources say.
     """
     global _lib, _load_error, _loaded
     if _loaded:
@@ -65,8 +65,9 @@ def load() -> ctypes.CDLL | None:
             return _lib
         try:
             if build.stale():
-                raise OSError(f"{build.LIBRARY} is missing or older than its sources "
-                              "(run `make kernels`)")
+                raise OSError(f"{build.LIBRARY} is missing or was built from other sources "
+                              "(in a checkout: run `make kernels`; installed: reinstall numaudit "
+                              "where a C++ compiler is present)")
             lib = ctypes.CDLL(str(build.LIBRARY))
             lib.numaudit_digest_abi.restype = ctypes.c_int64
             lib.numaudit_digest_isa.restype = ctypes.c_int64
@@ -248,7 +249,7 @@ def digest_piece_fused(
     ``layout`` is the piece's layout (its complex layout for complex ``t``, as digest_piece
     accepts; the real view's layout is accepted too).
     """
-    from agents.layout import complex_real_layout
+    from numaudit.agents.layout import complex_real_layout
 
     t = t.detach()
     if t.is_complex():

@@ -33,14 +33,14 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from agents import hashing
-from agents.digest import N_MOMENTS
-from agents.kernels import triton_kernels as kern
-from agents.kernels.triton_launch import (Launchers, RowArena, Workspace, current_stream)
-from agents.kernels.triton_plan import (MAX_DIMS, NUM_WARPS, Plan, check_k,  # noqa: F401
+from numaudit.agents import hashing
+from numaudit.agents.digest import N_MOMENTS
+from numaudit.agents.kernels import triton_kernels as kern
+from numaudit.agents.kernels.triton_launch import (Launchers, RowArena, Workspace, current_stream)
+from numaudit.agents.kernels.triton_plan import (MAX_DIMS, NUM_WARPS, Plan, check_k,  # noqa: F401
                                         inverse_place_tensor, plan_piece, rows_per_step,
                                         tiling, vector_reads)
-from agents.layout import PieceLayout
+from numaudit.agents.layout import PieceLayout
 
 FINISH_BLOCK = 16
 """Tiles a finishing program adds per step."""

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from agents import hashing
-from agents.kernels.triton_plan import F32_SAFE, W
+from numaudit.agents import hashing
+from numaudit.agents.kernels.triton_plan import F32_SAFE, W
 
 _SK_SEED = tl.constexpr(hashing.SKETCH_SEED)
 _GAMMA = tl.constexpr(hashing.GOLDEN_GAMMA)

@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 import triton
 
-from agents.config import ENV_TRITON_FAST_LAUNCH
-from agents.digest import N_MOMENTS
+from numaudit.agents.config import ENV_TRITON_FAST_LAUNCH
+from numaudit.agents.digest import N_MOMENTS
 
 _VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
 ALL_ARGS = _VERSION >= (3, 3)

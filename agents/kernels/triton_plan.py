@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agents import hashing
-from agents.config import ENV_TRITON_ROWS, ENV_TRITON_WARPS
-from agents.kernels.cpu import index_map
-from agents.layout import PieceLayout, complex_real_layout
+from numaudit.agents import hashing
+from numaudit.agents.config import ENV_TRITON_ROWS, ENV_TRITON_WARPS
+from numaudit.agents.kernels.cpu import index_map
+from numaudit.agents.layout import PieceLayout, complex_real_layout
 
 MAX_DIMS = 4
 """Dims of a piece after merging those contiguous in both memory and the logical tensor."""

@@ -35,12 +35,12 @@ from typing import Any, Iterator
 
 import torch
 
-from agents.pickles import BoundedUnpickler, UnsafePickle, check_pickle
-from auditor.checkpoint.dcp_metadata import (MAX_METADATA_BYTES, StorageRef, TensorLayout,
+from numaudit.agents.pickles import BoundedUnpickler, UnsafePickle, check_pickle
+from numaudit.auditor.checkpoint.dcp_metadata import (MAX_METADATA_BYTES, StorageRef, TensorLayout,
                                              check_metadata, read_metadata)
-from auditor.checkpoint.files import FileRanges, open_regular, read_bounded
-from auditor.checkpoint.safetensors import read_header
-from auditor.checkpoint.sources import (CheckpointError, Chunk, Entry, Source, file_chunk,
+from numaudit.auditor.checkpoint.files import FileRanges, open_regular, read_bounded
+from numaudit.auditor.checkpoint.safetensors import read_header
+from numaudit.auditor.checkpoint.sources import (CheckpointError, Chunk, Entry, Source, file_chunk,
                                         tensor_chunk)
 
 MAX_VALUE_BYTES = 64 << 20

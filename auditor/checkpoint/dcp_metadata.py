@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from agents.pickles import BoundedUnpickler, UnsafePickle
-from auditor.checkpoint.sources import CheckpointError
-from wire import limits
+from numaudit.agents.pickles import BoundedUnpickler, UnsafePickle
+from numaudit.auditor.checkpoint.sources import CheckpointError
+from numaudit.wire import limits
 
 MAX_METADATA_BYTES = 1 << 30
 """Largest ``.metadata`` read (a 100B-parameter model's is tens of MiB)."""

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agents.agent import Agent
-from agents.config import AgentConfig, check
-from agents.identity import job_identity, rank_identity
-from agents.layout import PieceLayout
-from agents.sites import normalize_site
-from agents.state import TooDeep, expand, leaf_tensor
-from auditor.checkpoint.mapping import NameMap
-from auditor.checkpoint.sources import CheckpointError, Entry, Slab, Source
-from wire import limits
+from numaudit.agents.agent import Agent
+from numaudit.agents.config import AgentConfig, check
+from numaudit.agents.identity import job_identity, rank_identity
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.sites import normalize_site
+from numaudit.agents.state import TooDeep, expand, leaf_tensor
+from numaudit.auditor.checkpoint.mapping import NameMap
+from numaudit.auditor.checkpoint.sources import CheckpointError, Entry, Slab, Source
+from numaudit.wire import limits
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import torch
 
-from auditor.checkpoint.errors import CheckpointError
+from numaudit.auditor.checkpoint.errors import CheckpointError
 
 MAX_OPEN_FILES = 64
 """Files of a checkpoint held open at once (each mapped slab holds one more while it lives)."""

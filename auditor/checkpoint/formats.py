@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from auditor.checkpoint.dcp import DcpSource
-from auditor.checkpoint.safetensors import SafetensorsSource, check_complete
-from auditor.checkpoint.sources import CheckpointError, Source
-from auditor.checkpoint.torch_save import SUFFIXES, TorchSaveSource
+from numaudit.auditor.checkpoint.dcp import DcpSource
+from numaudit.auditor.checkpoint.safetensors import SafetensorsSource, check_complete
+from numaudit.auditor.checkpoint.sources import CheckpointError, Source
+from numaudit.auditor.checkpoint.torch_save import SUFFIXES, TorchSaveSource
 
 
 def open_source(spec: str) -> Source:

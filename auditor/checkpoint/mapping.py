@@ -27,7 +27,7 @@ from typing import Any
 
 import re2
 
-from auditor.checkpoint.sources import CheckpointError, read_text
+from numaudit.auditor.checkpoint.sources import CheckpointError, read_text
 
 MAX_MAP_BYTES = 1 << 20
 MAX_MAP_ENTRIES = 4096

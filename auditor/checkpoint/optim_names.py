@@ -20,7 +20,7 @@ import re
 from dataclasses import replace
 from typing import Iterator
 
-from auditor.checkpoint.sources import Entry, Source
+from numaudit.auditor.checkpoint.sources import Entry, Source
 
 _PARAMS = re.compile(r"^(?P<prefix>(?:.+\.)?)param_groups\.(?P<group>\d+)\.params$")
 

@@ -31,11 +31,11 @@ from typing import Any, Iterator
 
 import torch
 
-from auditor.checkpoint.dcp_metadata import MAX_ELEMENTS, describe
-from auditor.checkpoint.files import FileRanges, regular
-from auditor.checkpoint.sources import (CheckpointError, Entry, Source, file_chunk, read_text,
+from numaudit.auditor.checkpoint.dcp_metadata import MAX_ELEMENTS, describe
+from numaudit.auditor.checkpoint.files import FileRanges, regular
+from numaudit.auditor.checkpoint.sources import (CheckpointError, Entry, Source, file_chunk, read_text,
                                        tiles)
-from wire import limits
+from numaudit.wire import limits
 
 MAX_HEADER_BYTES = 100 << 20
 """Largest JSON header read (the format's own limit is 100 MB)."""

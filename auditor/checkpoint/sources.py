@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from auditor.checkpoint.errors import CheckpointError
-from auditor.checkpoint.files import FileRanges, read_text
+from numaudit.auditor.checkpoint.errors import CheckpointError
+from numaudit.auditor.checkpoint.files import FileRanges, read_text
 
 __all__ = ["CheckpointError", "Chunk", "Entry", "FileRanges", "Part", "Slab", "Source", "boxes",
            "file_chunk", "plan", "read_text", "tensor_chunk", "tiles"]

@@ -20,10 +20,10 @@ from typing import Iterator
 
 import torch
 
-from agents.pickles import UnsafePickle, check_pickle
-from agents.state import TooDeep, check_depth, flatten
-from auditor.checkpoint.files import open_regular
-from auditor.checkpoint.sources import CheckpointError, Chunk, Entry, Source, tensor_chunk
+from numaudit.agents.pickles import UnsafePickle, check_pickle
+from numaudit.agents.state import TooDeep, check_depth, flatten
+from numaudit.auditor.checkpoint.files import open_regular
+from numaudit.auditor.checkpoint.sources import CheckpointError, Chunk, Entry, Source, tensor_chunk
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 MAX_PICKLE_BYTES = 64 << 20

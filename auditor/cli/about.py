@@ -16,9 +16,9 @@ from typing import Any
 
 import click
 
-from wire import limits
-from wire.version import package_version
-from protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.wire.version import package_version
+from numaudit.protos import numaudit_pb2 as pb
 
 _CONSTANT = re.compile(r'^(ENV_\w+)\s*=\s*"(NUMAUDIT_\w+)"\s*#\s*(.+?)\s*$', re.M)
 
@@ -54,10 +54,10 @@ def _section(title: str, variables: list[tuple[str, str]]) -> str:
 
 def client_variables() -> list[tuple[str, str]]:
     """The variables the auditor commands read (arguments win over them)."""
-    from wire import channels
+    from numaudit.wire import channels
 
     # by its full name: `auditor.cli.main` as an attribute of the package is the click group
-    cli_main = importlib.import_module("auditor.cli.main")
+    cli_main = importlib.import_module("numaudit.auditor.cli.main")
     seen: dict[str, str] = {}
     for module in (cli_main, channels):
         for name, what in environment_variables(module):
@@ -67,7 +67,7 @@ def client_variables() -> list[tuple[str, str]]:
 
 def agent_variables() -> list[tuple[str, str]]:
     """The variables the agent in a training rank reads (they override `attach` arguments)."""
-    from agents import config  # stdlib only: loads neither torch nor the rest of the agent
+    from numaudit.agents import config  # stdlib only: loads neither torch nor the rest of the agent
 
     return environment_variables(config)
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import click
 
-from auditor.cli.main import ENV_DB, STORE, InputError, StoreSource, main, with_nearest
-from auditor.compare.policy import PRESETS, PolicyError, load_policy, preset_policy
-from auditor.store import UnknownRun
+from numaudit.auditor.cli.main import ENV_DB, STORE, InputError, StoreSource, main, with_nearest
+from numaudit.auditor.compare.policy import PRESETS, PolicyError, load_policy, preset_policy
+from numaudit.auditor.store import UnknownRun
 
 
 def noise_options(fn: Any) -> Any:
@@ -56,8 +56,8 @@ def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | N
     if not local:
         raise InputError("noise: needs the store (--db); the daemon's Compare and Watch have "
                          "no noise bands")
-    from auditor.compare.bands_file import BandsError, load_bands
-    from auditor.compare.noise import DEFAULT_SLACK, NoiseSpec
+    from numaudit.auditor.compare.bands_file import BandsError, load_bands
+    from numaudit.auditor.compare.noise import DEFAULT_SLACK, NoiseSpec
 
     spec = NoiseSpec(reruns=tuple(dict.fromkeys(noise)),
                      slack=DEFAULT_SLACK if slack is None else slack)
@@ -88,11 +88,11 @@ def calibrate(runs: tuple[str, ...], output: Path, preset: str | None,
     configuration: every pair of them) and save them for `compare --noise-bands`."""
     import os
 
-    from auditor.compare.bands_file import describe_file, save_bands
-    from auditor.compare.calibrate import measure_bands
-    from auditor.compare.comparison import CompareError
-    from auditor.compare.selection import KeySelection
-    from auditor.store.location import store_location
+    from numaudit.auditor.compare.bands_file import describe_file, save_bands
+    from numaudit.auditor.compare.calibrate import measure_bands
+    from numaudit.auditor.compare.comparison import CompareError
+    from numaudit.auditor.compare.selection import KeySelection
+    from numaudit.auditor.store.location import store_location
 
     if len(set(runs)) < 2:
         raise InputError("runs: give the reference and at least one rerun (two runs or more)")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import click
 
-from auditor.cli.compare import (_load_policy, _policy_options, check_outputs, render_report,
+from numaudit.auditor.cli.compare import (_load_policy, _policy_options, check_outputs, render_report,
                                  write_outputs)
-from auditor.cli.checkpoint_report import (measure_differences, prefix_map,
+from numaudit.auditor.cli.checkpoint_report import (measure_differences, prefix_map,
                                            suggestion_from_report)
-from auditor.cli.main import ENV_DB, InputError, main
-from auditor.report.text import TEXT_ROWS_PER_GROUP
+from numaudit.auditor.cli.main import ENV_DB, InputError, main
+from numaudit.auditor.report.text import TEXT_ROWS_PER_GROUP
 
 RUN_PREFIX = "run:"
 
@@ -81,10 +81,10 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
     """
     import os
 
-    from auditor.checkpoint.mapping import load_map
-    from auditor.checkpoint.formats import open_source
-    from auditor.checkpoint.optim_names import name_optimizer_indices
-    from auditor.checkpoint.sources import CheckpointError
+    from numaudit.auditor.checkpoint.mapping import load_map
+    from numaudit.auditor.checkpoint.formats import open_source
+    from numaudit.auditor.checkpoint.optim_names import name_optimizer_indices
+    from numaudit.auditor.checkpoint.sources import CheckpointError
 
     # a reshard or a conversion does no arithmetic: bitwise unless told otherwise
     policy, _ = _load_policy(policy_file, preset or (None if policy_file else "bitwise"))
@@ -160,8 +160,8 @@ def _close(sides: dict) -> None:
 def _digest_files(sides: dict, store: Path, step: int, cap: int, name_map, *,
                   keep: bool) -> dict[str, str]:
     """Run name of each side: file sides digested into `store` first."""
-    from auditor.checkpoint.digest import digest_checkpoint
-    from auditor.daemon.server import BackgroundServer
+    from numaudit.auditor.checkpoint.digest import digest_checkpoint
+    from numaudit.auditor.daemon.server import BackgroundServer
 
     runs = {side: s for side, s in sides.items() if isinstance(s, str)}
     files = {side: s for side, s in sides.items() if not isinstance(s, str)}
@@ -202,7 +202,7 @@ def _private_listen(directory: Path) -> str:
 
 
 def _reader(store: Path):
-    from auditor.store import Reader, StoreError
+    from numaudit.auditor.store import Reader, StoreError
 
     try:
         return Reader(store)
@@ -211,10 +211,10 @@ def _reader(store: Path):
 
 
 def _compare(reader, runs: dict[str, str], step: int, policy):
-    from auditor.compare.columns import KeyRangeError
-    from auditor.compare.engine import compare_runs
-    from auditor.compare.selection import KeySelection
-    from auditor.store import UnknownRun
+    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.engine import compare_runs
+    from numaudit.auditor.compare.selection import KeySelection
+    from numaudit.auditor.store import UnknownRun
 
     select = KeySelection(step, step + 1, KeySelection.of_phases("state").phases, asked=False)
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from auditor.checkpoint.prefix import PrefixMatch, prefix_match
+from numaudit.auditor.checkpoint.prefix import PrefixMatch, prefix_match
 
 
 def _toml_inline(m: PrefixMatch) -> str:
@@ -19,7 +19,7 @@ def prefix_map(sides: dict[str, Any], directory: Path) -> tuple[Any, list[str]]:
     """For two checkpoints read from files and no --map: (the name map, what the report says).
     The map when the prefix explains every CAND name unambiguously (applied, said so), else
     None with the map suggested; (None, []) when no prefix relates the names."""
-    from auditor.checkpoint.mapping import load_map
+    from numaudit.auditor.checkpoint.mapping import load_map
 
     if any(isinstance(s, str) for s in sides.values()):
         return None, []
@@ -61,7 +61,7 @@ def measure_differences(report: Any, sides: dict[str, Any], name_map: Any, cap: 
     MEASURED_ENTRIES diverged tensors that both sides read from files and that fit `cap` bytes
     each, read both back and measure how much and where (max_abs, ulp, the largest
     difference's index: the finding's `metrics.payload`). Returns how many were measured."""
-    from auditor.compare import findings as F
+    from numaudit.auditor.compare import findings as F
 
     if any(isinstance(s, str) for s in sides.values()):
         return 0
@@ -110,8 +110,8 @@ def _measure(ref: tuple, cand: tuple, cap: int) -> dict | None:
     import numpy as np
     import torch
 
-    from auditor.compare.metrics import json_float, payload_metrics
-    from auditor.compare.ulp import ulp_distance
+    from numaudit.auditor.compare.metrics import json_float, payload_metrics
+    from numaudit.auditor.compare.ulp import ulp_distance
 
     (r_entry, _), (c_entry, transposed) = ref, cand
     itemsize = torch.empty((), dtype=r_entry.dtype).element_size()

@@ -27,13 +27,13 @@ from typing import Any, Iterator
 import click
 import grpc
 
-from auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, RunNotFound, StoreSource,
+from numaudit.auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, RunNotFound, StoreSource,
                               client_tls, main, store_or_address, tls_options, with_nearest)
-from auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
-from auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
-from auditor.cli.calibrate import noise_options, noise_spec
-from auditor.store import UnknownRun
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
+from numaudit.auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
+from numaudit.auditor.cli.calibrate import noise_options, noise_spec
+from numaudit.auditor.store import UnknownRun
+from numaudit.protos import numaudit_pb2 as pb
 
 # The engine (numpy) is imported by the commands that use it, so `auditor serve` starts fast.
 TEXT_ROWS_PER_GROUP = 50
@@ -119,12 +119,12 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
     policy, policy_text = _load_policy(policy_file, preset)
     check_outputs(output, json_output, html_output)
     remote_json: str | None = None
-    from auditor.compare.columns import KeyRangeError
-    from auditor.compare.engine import compare_runs
-    from auditor.compare.selection import KeySelection
-    from auditor.report.html import render_html
-    from auditor.report.junit import render_junit
-    from auditor.report.text import render_text
+    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.engine import compare_runs
+    from numaudit.auditor.compare.selection import KeySelection
+    from numaudit.auditor.report.html import render_html
+    from numaudit.auditor.report.junit import render_junit
+    from numaudit.auditor.report.text import render_text
 
     select = None
     if steps is not None:
@@ -199,9 +199,9 @@ def render_report(report: Any, fmt: str, output: Path | None, show_all: bool, li
                   html: bool, verbose: bool = False) -> tuple[str | None, str | None]:
     """(text for --format, HTML text when `html` or the format is html) of a local report; the
     text is None for json (written from the report itself)."""
-    from auditor.report.html import to_html
-    from auditor.report.junit import to_junit
-    from auditor.report.text import to_text
+    from numaudit.auditor.report.html import to_html
+    from numaudit.auditor.report.junit import to_junit
+    from numaudit.auditor.report.text import to_text
 
     html_text = to_html(report) if fmt == "html" or html else None
     if fmt == "json":
@@ -231,7 +231,7 @@ def _text_width(output: Path | None) -> int:
 
 def _write(output: Path | None, text: str | None, report: Any) -> None:
     """Write a rendered report (or stream the JSON one) to the output file or stdout."""
-    from auditor.report.json_report import write_json
+    from numaudit.auditor.report.json_report import write_json
 
     try:
         if output is None:
@@ -258,7 +258,7 @@ def _write(output: Path | None, text: str | None, report: Any) -> None:
 def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
                   timeout: float, noise: Any = None) -> Iterator[Any]:
     """The same loop as the Watch RPC, against a store file (yields auditor.compare.live.LiveEvent)."""
-    from auditor.compare.live import LiveComparison, LiveEvent
+    from numaudit.auditor.compare.live import LiveComparison, LiveEvent
 
     live = LiveComparison(reader, ref, cand, policy, noise=noise)
     yield LiveEvent(status=f"watching {ref} vs {cand}")
@@ -333,7 +333,7 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
           tls_cert: str | None, tls_key: str | None) -> int:
     """Compare REF and CAND while they run: findings as soon as keys are final in both; at the
     end, the summary and first divergence `auditor compare` prints (its exit code too)."""
-    from auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.columns import KeyRangeError
 
     policy, policy_text = _load_policy(policy_file, preset)
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
@@ -386,11 +386,11 @@ def _final_summary(source: Any, ref: str, cand: str, policy: Policy, policy_text
     first divergence and findings grouped by cause as `auditor compare` prints them (text), or
     one ``{"event": "summary", ...}`` line (json). Returns its exit code (None when the
     comparison could not be made: the watch's own count decides)."""
-    from auditor.report.text import render_text
+    from numaudit.auditor.report.text import render_text
 
     try:
         if isinstance(source, StoreSource):
-            from auditor.compare.engine import compare_runs
+            from numaudit.auditor.compare.engine import compare_runs
 
             doc = compare_runs(source.reader, ref, cand, policy, noise=noise).header_dict()
         else:
@@ -413,7 +413,7 @@ def _final_summary(source: Any, ref: str, cand: str, policy: Policy, policy_text
 
 def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all: bool) -> int:
     """Print one event; returns 1 for a breaching finding (counted once, not on announcement)."""
-    from auditor.compare.findings import headline
+    from numaudit.auditor.compare.findings import headline
 
     if fmt == "json":
         kind = "status" if doc is None else ("first_divergence" if first else "finding")

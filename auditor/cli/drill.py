@@ -19,19 +19,19 @@ from pathlib import Path
 
 import click
 
-from auditor.cli.compare import _load_policy, _policy_options, _source, _sources
-from auditor.cli.main import InputError, RunNotFound, StoreSource, main, tls_options, with_nearest
-from auditor.store import UnknownRun
-from protos import numaudit_pb2 as pb
-from wire.plan import Plan, format_plan
+from numaudit.auditor.cli.compare import _load_policy, _policy_options, _source, _sources
+from numaudit.auditor.cli.main import InputError, RunNotFound, StoreSource, main, tls_options, with_nearest
+from numaudit.auditor.store import UnknownRun
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.plan import Plan, format_plan
 
 
 def _report_doc(source, ref: str, cand: str, policy, policy_text: str,
                 preset: str | None) -> dict:
     """The JSON report's head, from the store or from the daemon."""
     if isinstance(source, StoreSource):
-        from auditor.compare.columns import KeyRangeError
-        from auditor.compare.engine import compare_runs
+        from numaudit.auditor.compare.columns import KeyRangeError
+        from numaudit.auditor.compare.engine import compare_runs
 
         try:
             return compare_runs(source.reader, ref, cand, policy).header_dict()
@@ -107,6 +107,6 @@ def drill(ref: str, cand: str, policy_file: Path | None, preset: str | None,
 
 
 def _headline(first: dict) -> str:
-    from auditor.compare.findings import headline
+    from numaudit.auditor.compare.findings import headline
 
     return headline(first)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from wire.channels import token_from_env
-from auditor.cli.main import ENV_ADDR, ENV_DB, InputError, client_tls, main, tls_options
-from auditor.daemon.replay import replay, replay_into_db
-from auditor.store import StoreError, check_store_file
-from wire.spool import spool_files
+from numaudit.wire.channels import token_from_env
+from numaudit.auditor.cli.main import ENV_ADDR, ENV_DB, InputError, client_tls, main, tls_options
+from numaudit.auditor.daemon.replay import replay, replay_into_db
+from numaudit.auditor.store import StoreError, check_store_file
+from numaudit.wire.spool import spool_files
 
 
 @main.command()
@@ -49,7 +49,7 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, run: 
     if db is None and address is None:
         raise InputError("give --db PATH or --address HOST:PORT")
     if run is not None:
-        from wire.names import BadName, check_run_name
+        from numaudit.wire.names import BadName, check_run_name
 
         try:
             check_run_name(run)

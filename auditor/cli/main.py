@@ -31,16 +31,16 @@ from typing import Any, Sequence
 import click
 import grpc
 
-from wire import limits
-from auditor.store import summary
-from wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
-from auditor.store import Reader, StoreError, UnknownRun, check_store_file
-from auditor.store.location import describe, is_postgres_url, store_location
-from wire.tls import ServerTLS, TLSConfig, TLSError
-from auditor.cli.about import print_version
-from auditor.daemon.admission import ServerLimits
-from auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.wire import limits
+from numaudit.auditor.store import summary
+from numaudit.wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
+from numaudit.auditor.store import Reader, StoreError, UnknownRun, check_store_file
+from numaudit.auditor.store.location import describe, is_postgres_url, store_location
+from numaudit.wire.tls import ServerTLS, TLSConfig, TLSError
+from numaudit.auditor.cli.about import print_version
+from numaudit.auditor.daemon.admission import ServerLimits
+from numaudit.auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
 # Environment (arguments win over the environment):
 ENV_DB = "NUMAUDIT_DB"            # store (file or postgresql:// URL) when --store/--db is not given
@@ -50,7 +50,7 @@ DEFAULT_TIMEOUT_S = 10.0          # deadline of each call to a remote auditor
 log = logging.getLogger("auditor")
 # `auditor checkpoint` digests files through agents: their close line is news only when
 # something was not stored (WARNING), never a line per side on success (agents.agent)
-logging.getLogger("agents.summary").setLevel(logging.WARNING)
+logging.getLogger("numaudit.agents.summary").setLevel(logging.WARNING)
 
 
 class InputError(click.ClickException):
@@ -405,9 +405,9 @@ def port_in_use(listen: str) -> str:
 async def _serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
                  tokens: Tokens | None, tls: ServerTLS | None,
                  server_limits: ServerLimits | None = None, metrics_listen: str | None = None) -> None:
-    from auditor.daemon.memory import return_freed_memory
-    from auditor.daemon.metrics import DaemonMetrics
-    from auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
+    from numaudit.auditor.daemon.memory import return_freed_memory
+    from numaudit.auditor.daemon.metrics import DaemonMetrics
+    from numaudit.auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
 
     return_freed_memory()  # the daemon's RSS then follows its in-flight budget
     metrics = DaemonMetrics()

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import click
 
-from auditor.cli.main import client_tls, main, source_options, store_or_address, tls_options
-from auditor.compare.ranges import format_ranges
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.cli.main import client_tls, main, source_options, store_or_address, tls_options
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.protos import numaudit_pb2 as pb
 
 format_option = click.option("--format", "fmt", type=click.Choice(["text", "json"]),
                              default="text", show_default=True)

@@ -13,9 +13,9 @@ from typing import Callable, Sequence
 
 import grpc
 
-from auditor.cli.main import AddressSource, InputError, StoreSource
-from auditor.store import UnknownRun
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.cli.main import AddressSource, InputError, StoreSource
+from numaudit.auditor.store import UnknownRun
+from numaudit.protos import numaudit_pb2 as pb
 
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 """Default of --wait-timeout: how long a watch waits for its runs to register."""

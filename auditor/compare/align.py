@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 
 PHASE_NAMES: dict[int, str] = {
     pb.PHASE_FWD: "fwd", pb.PHASE_BWD: "bwd", pb.PHASE_GRAD: "grad",

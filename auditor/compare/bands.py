@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.noise_pieces import PieceDistance
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.noise_pieces import PieceDistance
 
 BITWISE, NOISY, UNUSABLE = 0, 1, 2
 """`Bands.state` of a key: every pair of reruns bitwise equal; some pair differs (the band's
@@ -247,7 +247,7 @@ def _box_order(box) -> tuple:
 
 
 def _whole_of(comp, i: int) -> PieceDistance:
-    from auditor.compare.noise_pieces import _whole
+    from numaudit.auditor.compare.noise_pieces import _whole
 
     return _whole(comp, i)
 

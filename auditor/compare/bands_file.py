@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from auditor.compare.bands import KEY_FIELDS, NOISY, UNUSABLE, Bands
-from auditor.compare.metrics import ITEMSIZE
+from numaudit.auditor.compare.bands import KEY_FIELDS, NOISY, UNUSABLE, Bands
+from numaudit.auditor.compare.metrics import ITEMSIZE
 
 FORMAT = "numaudit.noise_bands"
 VERSION = 1

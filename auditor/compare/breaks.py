@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS, site_module
-from wire.labels import CAPTURE_DEPTH_LABEL
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import PHASE_IDS, site_module
+from numaudit.wire.labels import CAPTURE_DEPTH_LABEL
 
 
 def graph_breaks(comp) -> list[F.GraphBreak]:

@@ -17,19 +17,19 @@ from typing import Callable
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.bands import BandBuilder, Bands
-from auditor.compare.columns import Catalog
-from auditor.compare.comparison import M_SHAPE, CompareError
-from auditor.compare.conventions import bwd_factor
-from auditor.compare.noise_pieces import measure_keys
-from auditor.compare.nondeterminism import describe_noise
-from auditor.compare.policy import Policy
-from auditor.compare.replicas import regroup_with_replicas
-from auditor.compare.selection import KeySelection
-from auditor.compare.uneven import place_uneven
-from auditor.compare.verdicts import evaluate
-from auditor.store import Reader
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.bands import BandBuilder, Bands
+from numaudit.auditor.compare.columns import Catalog
+from numaudit.auditor.compare.comparison import M_SHAPE, CompareError
+from numaudit.auditor.compare.conventions import bwd_factor
+from numaudit.auditor.compare.noise_pieces import measure_keys
+from numaudit.auditor.compare.nondeterminism import describe_noise
+from numaudit.auditor.compare.policy import Policy
+from numaudit.auditor.compare.replicas import regroup_with_replicas
+from numaudit.auditor.compare.selection import KeySelection
+from numaudit.auditor.compare.uneven import place_uneven
+from numaudit.auditor.compare.verdicts import evaluate
+from numaudit.auditor.store import Reader
 
 log = logging.getLogger(__name__)
 

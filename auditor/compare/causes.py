@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS
-from auditor.compare.evidence_gaps import uncompared as _uncompared
-from auditor.compare.optimizer_cause import optimizer_cause
-from wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
-from auditor.compare.segments import unique
-from auditor.compare.state_cause import state_cause
-from auditor.compare.tied import tied_note
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.evidence_gaps import uncompared as _uncompared
+from numaudit.auditor.compare.optimizer_cause import optimizer_cause
+from numaudit.wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
+from numaudit.auditor.compare.segments import unique
+from numaudit.auditor.compare.state_cause import state_cause
+from numaudit.auditor.compare.tied import tied_note
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 
 
@@ -132,8 +132,8 @@ def _input_cause(comp: Comparison, i: int) -> F.Cause:
 
 def _replica_cause(comp: Comparison, i: int) -> F.Cause:
     """Copies that must be identical disagree: name the ranks and the mesh dim they span."""
-    from auditor.compare.ranges import format_ranges
-    from auditor.compare.ranks import key_boxes, varying_dims
+    from numaudit.auditor.compare.ranges import format_ranges
+    from numaudit.auditor.compare.ranks import key_boxes, varying_dims
 
     key = comp.key(i)
     ri, ci = int(comp.ri[i]), int(comp.ci[i])

@@ -15,16 +15,16 @@ from typing import Sequence
 
 import numpy as np
 
-from auditor.compare import reads
-from auditor.compare.align import RenameRule, canonical_sites, normalize_site
-from auditor.compare.digests import (FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64,
+from numaudit.auditor.compare import reads
+from numaudit.auditor.compare.align import RenameRule, canonical_sites, normalize_site
+from numaudit.auditor.compare.digests import (FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64,
                                      shift_fingerprint)
-from auditor.compare.merge import Piece
-from auditor.compare.reads import (  # noqa: F401  (DIGEST_COLUMNS, no_gc: re-exported)
+from numaudit.auditor.compare.merge import Piece
+from numaudit.auditor.compare.reads import (  # noqa: F401  (DIGEST_COLUMNS, no_gc: re-exported)
     DIGEST_COLUMNS, ID_CHUNK, KEY_ORDER, MAX_CALL, MAX_MICROBATCH, MAX_STEP, SELECT, Arrays,
     ids_in, no_gc, row_arrays)
-from auditor.compare.segments import unique
-from auditor.store import Reader
+from numaudit.auditor.compare.segments import unique
+from numaudit.auditor.store import Reader
 
 
 def translation(old: Piece, new: Piece) -> int | None:

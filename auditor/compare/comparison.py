@@ -15,14 +15,14 @@ from typing import Iterator
 
 import numpy as np
 
-from auditor.compare import causes
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare import parents, tied
-from auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
-from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.keys import LogicalKeys
-from auditor.compare.policy import METRICS, Policy
+from numaudit.auditor.compare import causes
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare import parents, tied
+from numaudit.auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
+from numaudit.auditor.compare.columns import Catalog, RunColumns
+from numaudit.auditor.compare.keys import LogicalKeys
+from numaudit.auditor.compare.policy import METRICS, Policy
 
 METRIC_CODES = {m: i for i, m in enumerate(METRICS)}
 """Code of each policy metric in `Comparison.metric`."""

@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare import factors
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS
-from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.comparison import Comparison
-from auditor.compare.grad_evidence import GradEvidence, differ_text, grad_evidence, sharing
-from auditor.compare.loss_reduction import compared as _compared
-from auditor.compare.loss_reduction import decide
-from auditor.compare.policy import Policy
-from auditor.compare.verdicts import evaluate
-from auditor.store import Reader
+from numaudit.auditor.compare import factors
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.columns import Catalog, RunColumns
+from numaudit.auditor.compare.comparison import Comparison
+from numaudit.auditor.compare.grad_evidence import GradEvidence, differ_text, grad_evidence, sharing
+from numaudit.auditor.compare.loss_reduction import compared as _compared
+from numaudit.auditor.compare.loss_reduction import decide
+from numaudit.auditor.compare.policy import Policy
+from numaudit.auditor.compare.verdicts import evaluate
+from numaudit.auditor.store import Reader
 
 LOSS, BWD = PHASE_IDS["loss"], PHASE_IDS["bwd"]
 

@@ -284,14 +284,14 @@ def sketch_l2_estimate(a: DigestValues, b: DigestValues) -> tuple[float, float]:
     for differences spread over many elements; a difference confined to a handful of elements
     can collide in one bucket and be badly under- or over-estimated (docs/digests.md).
     """
-    from auditor.compare.metrics import sketch_band  # the one definition of the band
+    from numaudit.auditor.compare.metrics import sketch_band  # the one definition of the band
     sa, sb = _sketches(a, b)
     est = float(np.sqrt(np.sum((sa - sb) ** 2)))
     return est, est * float(sketch_band(sa.shape[0]))
 
 
 def _band(k: int) -> float:
-    from auditor.compare.metrics import sketch_band
+    from numaudit.auditor.compare.metrics import sketch_band
     return float(sketch_band(k))
 
 

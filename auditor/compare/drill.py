@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS, ROLE_IDS
-from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.ops import OpReport, compare_ops, split_ops
-from auditor.compare.uneven import place_uneven
-from wire.ops import is_op_site
-from wire.plan import Plan
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS, ROLE_IDS
+from numaudit.auditor.compare.columns import Catalog, RunColumns
+from numaudit.auditor.compare.ops import OpReport, compare_ops, split_ops
+from numaudit.auditor.compare.uneven import place_uneven
+from numaudit.wire.ops import is_op_site
+from numaudit.wire.plan import Plan
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
-    from auditor.compare.result import Report
+    from numaudit.auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.result import Report
 
 __all__ = ["split_ops", "attach_ops", "drill_plan", "module_breaches"]
 

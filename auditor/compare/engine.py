@@ -30,22 +30,22 @@ import json
 import time
 from pathlib import Path
 
-from auditor.compare.columns import Catalog
-from auditor.compare.comparison import CompareError
-from auditor.compare.conventions import evaluate_runs
-from auditor.compare.drill import attach_ops, split_ops
-from auditor.compare.localize import localize_breaches
-from auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
-from auditor.compare.payloads import measure_exact_breaches
-from auditor.compare.policy import Policy
-from auditor.compare.ranks import mesh_of
-from auditor.compare.regroup import rescale_declared
-from auditor.compare.replicas import regroup_with_replicas
-from auditor.compare.uneven import place_uneven
-from auditor.compare.result import Report
-from auditor.compare.selection import KeySelection
-from auditor.compare.verdicts import evaluate
-from auditor.store import Reader
+from numaudit.auditor.compare.columns import Catalog
+from numaudit.auditor.compare.comparison import CompareError
+from numaudit.auditor.compare.conventions import evaluate_runs
+from numaudit.auditor.compare.drill import attach_ops, split_ops
+from numaudit.auditor.compare.localize import localize_breaches
+from numaudit.auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
+from numaudit.auditor.compare.payloads import measure_exact_breaches
+from numaudit.auditor.compare.policy import Policy
+from numaudit.auditor.compare.ranks import mesh_of
+from numaudit.auditor.compare.regroup import rescale_declared
+from numaudit.auditor.compare.replicas import regroup_with_replicas
+from numaudit.auditor.compare.uneven import place_uneven
+from numaudit.auditor.compare.result import Report
+from numaudit.auditor.compare.selection import KeySelection
+from numaudit.auditor.compare.verdicts import evaluate
+from numaudit.auditor.store import Reader
 
 
 def _open(reader_or_path: Reader | str | Path) -> tuple[Reader, bool]:

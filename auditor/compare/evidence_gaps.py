@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from auditor.compare import findings as F
+from numaudit.auditor.compare import findings as F
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 
 def uncompared(comp: Comparison, j: int) -> str:

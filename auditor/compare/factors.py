@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS
-from auditor.compare.integer_ratio import INTEGER_RTOL, MAX_NAMED, snap  # noqa: F401
-from auditor.compare.metrics import EPS64, MACHINE_EPS
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.integer_ratio import INTEGER_RTOL, MAX_NAMED, snap  # noqa: F401
+from numaudit.auditor.compare.metrics import EPS64, MACHINE_EPS
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 PIECE_SCAN = 8192
 """Keys whose moments and sketches one `factor_evidence` call reads at most."""
@@ -150,9 +150,9 @@ def factor_evidence(comp: Comparison, keys: np.ndarray) -> None:
     """Fill `norm_ratio`, `scaled_resid` and `scaled_by` for breaching keys whose verdict came
     from fingerprints alone (the exact metric of the bitwise preset), from both runs' payloads
     where they are (exactly) or their moments and sketches."""
-    from auditor.compare.metrics import PayloadUnavailable
-    from auditor.compare.payloads import logical_values
-    from auditor.compare.slow import merge_side
+    from numaudit.auditor.compare.metrics import PayloadUnavailable
+    from numaudit.auditor.compare.payloads import logical_values
+    from numaudit.auditor.compare.slow import merge_side
 
     keys = np.asarray(keys, np.int64)[:PIECE_SCAN]
     if not len(keys):

@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from auditor.compare.align import Key
-from auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.align import Key
+from numaudit.auditor.compare.ranges import format_ranges
 
 IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, \
     INCOMPLETE, REPLICA_DIVERGENCE, CONFLICT, IGNORED = range(11)
@@ -357,7 +357,7 @@ def group_graph_breaks(entries: Sequence[tuple[str, str, int | None, str, int]],
     ``totals_module`` per (side, module), so a module where only some parameters lack a
     gradient reads "K of N parameters of M received no gradient (frozen or unused)".
     """
-    from auditor.compare.align import common_prefix, site_module
+    from numaudit.auditor.compare.align import common_prefix, site_module
 
     out: list[GraphBreak] = []
     by_side_kind: dict[tuple[str, str], list] = {}

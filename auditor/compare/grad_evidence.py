@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import factors
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare import factors
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import PHASE_IDS
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 GRAD = PHASE_IDS["grad"]
 SAME_FACTOR_RTOL = 1e-4

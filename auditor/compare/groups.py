@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS, phase_name, role_name
-from auditor.compare.ranges import format_ranges
-from auditor.compare.site_sets import compact_sites
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS, phase_name, role_name
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.site_sets import compact_sites
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 GROUP_CAUSES = 5000
 """Breaching findings (the earliest in execution order) whose causes are worked out to group

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from auditor.compare.merge import (INCOMPLETE, NONE, REDUCE_MEAN, REDUCE_SUM, REPLICA_DIVERGENCE,
+from numaudit.auditor.compare.merge import (INCOMPLETE, NONE, REDUCE_MEAN, REDUCE_SUM, REPLICA_DIVERGENCE,
                                    TilingPlan, plan_tiling)
-from auditor.compare.positions import key_positions
-from auditor.compare.ranges import format_ranges
-from auditor.compare.segments import ranges_index, unique
+from numaudit.auditor.compare.positions import key_positions
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.segments import ranges_index, unique
 
 
 @dataclass

@@ -7,24 +7,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.columns import Catalog, ReadMark, RunColumns
-from auditor.compare.keys import LogicalKeys
-from auditor.compare.live_drill import LiveDrill, directive_status, drill_status, latest_step
-from auditor.compare.localize import localize
-from auditor.compare.metrics import PayloadUnavailable
-from auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
-from auditor.compare.ops import split_ops
-from auditor.compare.order import APPROXIMATED
-from auditor.compare.policy import Policy
-from auditor.compare.ranks import mesh_of
-from auditor.compare.regroup import rescale_declared
-from auditor.compare.replicas import regroup_with_replicas
-from auditor.compare.segments import ranges_index
-from auditor.compare.uneven import place_uneven
-from auditor.compare.verdicts import evaluate
-from auditor.store import Reader
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.columns import Catalog, ReadMark, RunColumns
+from numaudit.auditor.compare.keys import LogicalKeys
+from numaudit.auditor.compare.live_drill import LiveDrill, directive_status, drill_status, latest_step
+from numaudit.auditor.compare.localize import localize
+from numaudit.auditor.compare.metrics import PayloadUnavailable
+from numaudit.auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
+from numaudit.auditor.compare.ops import split_ops
+from numaudit.auditor.compare.order import APPROXIMATED
+from numaudit.auditor.compare.policy import Policy
+from numaudit.auditor.compare.ranks import mesh_of
+from numaudit.auditor.compare.regroup import rescale_declared
+from numaudit.auditor.compare.replicas import regroup_with_replicas
+from numaudit.auditor.compare.segments import ranges_index
+from numaudit.auditor.compare.uneven import place_uneven
+from numaudit.auditor.compare.verdicts import evaluate
+from numaudit.auditor.store import Reader
 
 
 @dataclass
@@ -75,7 +75,7 @@ class LiveComparison:
         if noise is not None:
             resolve_bands(reader, ref, noise, self.policy)
         self.catalog = Catalog(reader, self.policy.renames)
-        from auditor.compare.conventions import bwd_factor
+        from numaudit.auditor.compare.conventions import bwd_factor
         self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
         self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
         self.marks = {side: ReadMark() for side in self.names}
@@ -207,7 +207,7 @@ class LiveComparison:
         microbatches their steps were re-keyed into so far (`regroup.rescale_declared`)."""
         if not self.catalog.__dict__.get("regrouped_sizes"):
             return self.bwd_factor
-        from auditor.compare.conventions import bwd_factor
+        from numaudit.auditor.compare.conventions import bwd_factor
         infos = {side: self.reader.run_info(name) for side, name in self.names.items()}
         rescale_declared(infos, self.catalog)
         return bwd_factor(infos["ref"], infos["cand"])[0]

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.ops import compare_ops
-from wire.ops import is_op_site, parse_op_site
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.columns import Catalog, RunColumns
+from numaudit.auditor.compare.ops import compare_ops
+from numaudit.wire.ops import is_op_site, parse_op_site
 
 MAX_MODULES = 3
 """Modules one watch escalates at most (each its own directive)."""

@@ -34,14 +34,14 @@ import math
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare import per_sample
-from auditor.compare.align import PHASE_IDS, phase_name, role_name
-from auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload,
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare import per_sample
+from numaudit.auditor.compare.align import PHASE_IDS, phase_name, role_name
+from numaudit.auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload,
                                      sketch_metrics)
-from auditor.compare.payloads import logical_values
-from auditor.compare.ranks import box_text, fixed_dims, key_boxes
+from numaudit.auditor.compare.payloads import logical_values
+from numaudit.auditor.compare.ranks import box_text, fixed_dims, key_boxes
 
 LOCALIZE_PER_GROUP = 50
 """Breaching findings localized per (phase, stage) group, in execution order (the text report

@@ -29,13 +29,13 @@ from typing import Callable
 
 import numpy as np
 
-from auditor.compare import factors
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS
-from auditor.compare.columns import RunColumns
-from auditor.compare.comparison import Comparison
-from auditor.compare.grad_evidence import GradEvidence, differ_text, sharing
+from numaudit.auditor.compare import factors
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.columns import RunColumns
+from numaudit.auditor.compare.comparison import Comparison
+from numaudit.auditor.compare.grad_evidence import GradEvidence, differ_text, sharing
 
 LOSS = PHASE_IDS["loss"]
 GLOBAL_NORMALIZATIONS = ("global_mean", "sum")

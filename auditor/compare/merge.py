@@ -31,9 +31,9 @@ from typing import Sequence
 
 import numpy as np
 
-from auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
-from auditor.compare.ranges import format_ranges
-from auditor.compare.ragged_hint import undeclared_ragged
+from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.ragged_hint import undeclared_ragged
 
 MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""

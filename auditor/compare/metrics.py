@@ -26,8 +26,8 @@ from typing import Sequence
 import numpy as np
 import zstandard
 
-from wire import limits
-from wire.checksum import crc32
+from numaudit.wire import limits
+from numaudit.wire.checksum import crc32
 
 EPS64 = float(np.finfo(np.float64).eps)
 ROUNDING_FLOOR = 4.0

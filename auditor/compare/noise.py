@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.bands import BITWISE, NOISY, UNUSABLE, Bands
-from auditor.compare.comparison import METRIC_CODES, METRIC_NAMES, M_SHAPE
-from auditor.compare.findings import format_float
-from auditor.compare.metrics import ITEMSIZE, MACHINE_EPS
-from auditor.compare.noise_pieces import PieceDistance, measure_keys
-from auditor.compare.ranks import box_text, fixed_dims
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.bands import BITWISE, NOISY, UNUSABLE, Bands
+from numaudit.auditor.compare.comparison import METRIC_CODES, METRIC_NAMES, M_SHAPE
+from numaudit.auditor.compare.findings import format_float
+from numaudit.auditor.compare.metrics import ITEMSIZE, MACHINE_EPS
+from numaudit.auditor.compare.noise_pieces import PieceDistance, measure_keys
+from numaudit.auditor.compare.ranks import box_text, fixed_dims
 
 DEFAULT_SLACK = 4.0
 """How many times the largest distance among the reference's runs a candidate may lie from it
@@ -406,7 +406,7 @@ def _whole(comp, i: int, g: int, why: str, spec: NoiseSpec, floor: float, dtype:
 def resolve_bands(reader, ref: str, spec: NoiseSpec, policy, select=None) -> Bands:
     """The spec's bands: those given, else measured among the reference and its reruns."""
     if spec.bands is None:
-        from auditor.compare.calibrate import measure_bands
+        from numaudit.auditor.compare.calibrate import measure_bands
 
         spec.bands = measure_bands(reader, [ref, *spec.reruns], policy, select=select)
     return spec.bands

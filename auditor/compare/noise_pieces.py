@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare import merge as M
-from auditor.compare import per_sample
-from auditor.compare.align import PHASE_IDS, phase_name, role_name
-from auditor.compare.metrics import (FLOAT_DTYPES, PayloadUnavailable, bits_to_values,
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare import per_sample
+from numaudit.auditor.compare.align import PHASE_IDS, phase_name, role_name
+from numaudit.auditor.compare.metrics import (FLOAT_DTYPES, PayloadUnavailable, bits_to_values,
                                      decode_payload, payload_metrics, sketch_metrics)
-from auditor.compare.payloads import logical_values
-from auditor.compare.ranks import key_boxes
-from auditor.compare.ulp import ulp_distance
+from numaudit.auditor.compare.payloads import logical_values
+from numaudit.auditor.compare.ranks import key_boxes
+from numaudit.auditor.compare.ulp import ulp_distance
 
 NAN = math.nan
 

@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from auditor.compare.align import Key, phase_name, role_name
+from numaudit.auditor.compare.align import Key, phase_name, role_name
 
 _ATTENTION = re.compile(r"attn|attention|sdpa|mha|flash", re.I)
 _EMBEDDING = re.compile(r"embed|(^|\.)wte$|(^|\.)tok($|\.)|tok_embeddings|lookup", re.I)
@@ -59,7 +59,7 @@ def describe_noise(bands, comp=None) -> dict:
     """The nondeterminism among the runs the bands were measured on: ``{"differs", "first",
     "previous", "reach", "worst", "mechanism", "advice", "text"}`` (keys as dicts). The order
     is the execution order of the bands' first pair (``bands.meta["order"]``)."""
-    from auditor.compare.bands import NOISY
+    from numaudit.auditor.compare.bands import NOISY
 
     order = bands.meta.get("order")
     if order is None or not len(bands):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
-from wire.ops import is_cast, is_collective
+from numaudit.wire.ops import is_cast, is_collective
 
 
 @dataclass

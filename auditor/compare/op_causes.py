@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS, ROLE_IDS
-from auditor.compare.op_align import Alignment, op_text, unpaired_kind
-from wire.ops import SCALAR_INDEX, is_cast, is_view
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS, ROLE_IDS
+from numaudit.auditor.compare.op_align import Alignment, op_text, unpaired_kind
+from numaudit.wire.ops import SCALAR_INDEX, is_cast, is_view
 
 if TYPE_CHECKING:
-    from auditor.compare.ops import OpFinding
+    from numaudit.auditor.compare.ops import OpFinding
 
 FWD, BWD = PHASE_IDS["fwd"], PHASE_IDS["bwd"]
 IN_ROLE = {FWD: ROLE_IDS["input"], BWD: ROLE_IDS["grad_output"]}

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.op_align import Alignment, align_ops, describe, unpaired_kind
-from auditor.compare.op_causes import (BWD, FWD, OUT_ROLE, breaching, dtype_finding, keys_of,
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.columns import Catalog, RunColumns
+from numaudit.auditor.compare.op_align import Alignment, align_ops, describe, unpaired_kind
+from numaudit.auditor.compare.op_causes import (BWD, FWD, OUT_ROLE, breaching, dtype_finding, keys_of,
                                        other_dtype, pair_finding, passes,
                                        unpaired_finding)
-from auditor.compare.ranges import format_ranges
-from wire.ops import OP_SEP, is_view, op_site, parse_op_site
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.wire.ops import OP_SEP, is_view, op_site, parse_op_site
 
 MAX_LISTED = 1000
 """Calls whose op-level findings the JSON report lists (the text report summarizes them all)."""
@@ -118,7 +118,7 @@ def compare_ops(rc: RunColumns, cc: RunColumns, catalog: Catalog, policy, reader
     one run lacks is the finding when what follows differs)."""
     if not len(rc) and not len(cc):
         return None
-    from auditor.compare.verdicts import evaluate
+    from numaudit.auditor.compare.verdicts import evaluate
 
     tables = {side: _table(cols, catalog) for side, cols in (("ref", rc), ("cand", cc))}
     groups = sorted(set(tables["ref"].groups) | set(tables["cand"].groups))

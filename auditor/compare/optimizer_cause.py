@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS
-from auditor.compare.evidence_gaps import gap_remedy, uncompared
-from auditor.compare.ranks import key_boxes
-from auditor.compare.segments import unique
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.evidence_gaps import gap_remedy, uncompared
+from numaudit.auditor.compare.ranks import key_boxes
+from numaudit.auditor.compare.segments import unique
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 
 def optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.align import AFTER_BACKWARD_PHASES, PHASE_IDS, exec_order, fill_positions
-from auditor.compare.columns import unpack_a
-from auditor.compare.comparison import Comparison
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import AFTER_BACKWARD_PHASES, PHASE_IDS, exec_order, fill_positions
+from numaudit.auditor.compare.columns import unpack_a
+from numaudit.auditor.compare.comparison import Comparison
 
 APPROXIMATED = "execution order is approximated by storage order"
 """How the warning about runs without capture numbers starts (`auditor watch` shows it too)."""

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS
 
 if TYPE_CHECKING:
-    from auditor.compare.columns import Catalog
-    from auditor.compare.comparison import Comparison
-    from auditor.compare.keys import LogicalKeys
+    from numaudit.auditor.compare.columns import Catalog
+    from numaudit.auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.keys import LogicalKeys
 
 ACTIVATION_PHASES = (PHASE_IDS["fwd"], PHASE_IDS["bwd"])
 MEMO = "unrun_parents"

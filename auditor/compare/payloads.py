@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare.segments import segment_reduce
-from auditor.compare.ulp import ulp_distance
-from auditor.compare.metrics import (EPS64, FLOAT_DTYPES, ITEMSIZE, MACHINE_EPS,
+from numaudit.auditor.compare.segments import segment_reduce
+from numaudit.auditor.compare.ulp import ulp_distance
+from numaudit.auditor.compare.metrics import (EPS64, FLOAT_DTYPES, ITEMSIZE, MACHINE_EPS,
                                      PayloadUnavailable, bits_to_values, decode_payload,
                                      payload_metrics)
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 
 def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:
@@ -158,8 +158,8 @@ def measure_exact_breaches(comp: Comparison, limit: int = MEASURED_EXACT) -> Non
     """A key decided by fingerprints alone (the bitwise preset) says only that they differ:
     where both runs sent its payloads, measure how much and where (max_abs, ulp, the largest
     difference's index) for the earliest `limit` such breaches. The verdict stands."""
-    from auditor.compare import findings as F
-    from auditor.compare.policy import METRICS
+    from numaudit.auditor.compare import findings as F
+    from numaudit.auditor.compare.policy import METRICS
 
     exact = list(METRICS).index("exact")  # its code in comp.metric (comparison.METRIC_CODES)
     todo = [int(i) for i in comp.indices(breaches_only=True)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare.digests import FINGERPRINT_SEED, fingerprint_to_int64
-from auditor.compare.metrics import EPS64, ROUNDING_FLOOR, sketch_band
-from auditor.compare.reads import ID_CHUNK, ids_in
-from auditor.compare.sample_estimate import N_MOMENTS, Units, estimate
-from auditor.compare.segments import ranges_index, unique
+from numaudit.auditor.compare.digests import FINGERPRINT_SEED, fingerprint_to_int64
+from numaudit.auditor.compare.metrics import EPS64, ROUNDING_FLOOR, sketch_band
+from numaudit.auditor.compare.reads import ID_CHUNK, ids_in
+from numaudit.auditor.compare.sample_estimate import N_MOMENTS, Units, estimate
+from numaudit.auditor.compare.segments import ranges_index, unique
 
 
 @dataclass

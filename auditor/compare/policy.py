@@ -22,8 +22,8 @@ from typing import Any, Iterable, Mapping
 
 import re2
 
-from auditor.compare.align import PHASE_IDS, ROLE_IDS, RenameRule, glob_to_regex
-from auditor.compare.policy_model import (  # noqa: F401  (the policy API, re-exported)
+from numaudit.auditor.compare.align import PHASE_IDS, ROLE_IDS, RenameRule, glob_to_regex
+from numaudit.auditor.compare.policy_model import (  # noqa: F401  (the policy API, re-exported)
     ACTIONS, DEFAULT_PAYLOAD_MAX_BYTES, DEFAULT_SIGMAS, DTYPE_TOLERANCES, ELEMENTWISE_PRESETS,
     METRICS, NONFINITE, ON_UNCERTAIN, PAYLOAD_METRICS, PRESET_FLOORS, PRESETS, Check, Policy,
     PolicyError, Rule, looser, tolerance,

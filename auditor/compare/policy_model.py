@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping
 
-from auditor.compare.align import RenameRule
+from numaudit.auditor.compare.align import RenameRule
 
 # torch.testing.assert_close defaults; float8 types have none there: their machine epsilon.
 DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare.align import fill_positions
-from auditor.compare.segments import unique
+from numaudit.auditor.compare.align import fill_positions
+from numaudit.auditor.compare.segments import unique
 
 
 def key_positions(cols, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:

@@ -12,7 +12,7 @@ import json
 import sqlite3
 from typing import Sequence
 
-from auditor.compare import merge as M
+from numaudit.auditor.compare import merge as M
 
 
 def mesh_of(reader, run: str) -> dict:

@@ -30,8 +30,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from auditor.compare.segments import unique
-from auditor.store import Reader, key_segments
+from numaudit.auditor.compare.segments import unique
+from numaudit.auditor.store import Reader, key_segments
 
 # Packed key: A = step << 24 | (microbatch + 1) << 4 | phase,
 #             B = site << 32 | role << 28 | index << 14 | call.

@@ -39,10 +39,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from auditor.compare.columns import Catalog, RunColumns, unpack_a
-from auditor.compare.merge import REDUCE_NONE, Piece
-from auditor.compare.samples import align_samples, round_robin, sample_starts, share_dim
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare.columns import Catalog, RunColumns, unpack_a
+from numaudit.auditor.compare.merge import REDUCE_NONE, Piece
+from numaudit.auditor.compare.samples import align_samples, round_robin, sample_starts, share_dim
+from numaudit.protos import numaudit_pb2 as pb
 
 BATCH_PHASES = (pb.PHASE_INPUT, pb.PHASE_FWD, pb.PHASE_BWD)
 """Per-microbatch phases whose tensors hold the microbatch's samples along a batch dim."""
@@ -166,7 +166,7 @@ def _probe(rc, cc, at_r, at_c, ph_r, ph_c) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _lines(notes: dict[str, list[int]]) -> list[str]:
-    from auditor.compare.ranges import format_ranges
+    from numaudit.auditor.compare.ranges import format_ranges
     return [f"step {format_ranges(steps)}: {text}" if len(steps) == 1 else
             f"steps {format_ranges(steps)}: {text}" for text, steps in notes.items()]
 

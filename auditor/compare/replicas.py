@@ -29,11 +29,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from auditor.compare.columns import Catalog, RunColumns, translation, unpack_a
-from auditor.compare.digests import shift_fingerprint
-from auditor.compare.regroup import regroup
-from auditor.compare.samples import share_dim
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare.columns import Catalog, RunColumns, translation, unpack_a
+from numaudit.auditor.compare.digests import shift_fingerprint
+from numaudit.auditor.compare.regroup import regroup
+from numaudit.auditor.compare.samples import share_dim
+from numaudit.protos import numaudit_pb2 as pb
 
 SPREAD_PHASES = (pb.PHASE_FWD, pb.PHASE_INPUT)
 """Per-microbatch phases whose keys that hold no batch are the same in every microbatch."""

@@ -14,15 +14,15 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import parents
-from auditor.compare.align import PHASE_IDS
-from auditor.compare.breaks import graph_breaks
-from auditor.compare.causes import excluded_by_policy
-from auditor.compare.comparison import Comparison
-from auditor.compare.groups import Group, group_breaches
-from auditor.compare.policy import Policy
-from auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import parents
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.breaks import graph_breaks
+from numaudit.auditor.compare.causes import excluded_by_policy
+from numaudit.auditor.compare.comparison import Comparison
+from numaudit.auditor.compare.groups import Group, group_breaches
+from numaudit.auditor.compare.policy import Policy
+from numaudit.auditor.compare.ranges import format_ranges
 
 SCHEMA = "numaudit.report"
 SCHEMA_VERSION = 5

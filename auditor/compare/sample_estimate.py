@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare.digests import FINGERPRINT_H
-from auditor.compare.metrics import EPS64, concentration_factor
+from numaudit.auditor.compare.digests import FINGERPRINT_H
+from numaudit.auditor.compare.metrics import EPS64, concentration_factor
 
 N_MOMENTS = 5
 LOWER_BOUND_SLACK = 16.0

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare.metrics import PayloadUnavailable, bits_to_values, decode_payload
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare.metrics import PayloadUnavailable, bits_to_values, decode_payload
+from numaudit.protos import numaudit_pb2 as pb
 
 ALIGN_MAX_ROWS = 4096
 """Rows matched one by one to align samples (the nearest-row search is quadratic)."""
@@ -77,7 +77,7 @@ def sample_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
     distance to another sample's estimates the distance between the samples (a sketch is linear
     and keyed within the sample). None unless every piece has one unit per sample and holds its
     samples whole (no shard of a sample), or for more than ALIGN_MAX_ROWS samples."""
-    from auditor.compare.per_sample import fetch
+    from numaudit.auditor.compare.per_sample import fetch
 
     starts = sample_starts(rows)
     sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.compare.align import PHASE_IDS, PHASE_NAMES
-from auditor.compare.columns import RunColumns, unpack_a
+from numaudit.auditor.compare.align import PHASE_IDS, PHASE_NAMES
+from numaudit.auditor.compare.columns import RunColumns, unpack_a
 
 
 @dataclass(frozen=True)

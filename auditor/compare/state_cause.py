@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare.payloads import logical_values
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.payloads import logical_values
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 SUM_RTOL = 1e-9
 """Sums of the same values summed in another order agree to about n * 2**-53 relative."""

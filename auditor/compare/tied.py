@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from auditor.compare.align import PHASE_IDS
-from wire.labels import TIED_LABEL
+from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.wire.labels import TIED_LABEL
 
 if TYPE_CHECKING:
-    from auditor.compare.comparison import Comparison
+    from numaudit.auditor.compare.comparison import Comparison
 
 PARAMETER_PHASES = frozenset(PHASE_IDS[p] for p in ("grad", "param", "optim_grad", "update"))
 """The phases keyed by parameter name: the ones a tie changes."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare.metrics import MACHINE_EPS, ordered_bits
+from numaudit.auditor.compare.metrics import MACHINE_EPS, ordered_bits
 
 MIN_NORMAL_EXPONENT = {
     "float64": -1022, "float32": -126, "float16": -14, "bfloat16": -126,

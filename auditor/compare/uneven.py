@@ -30,10 +30,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from auditor.compare.align import phase_name
-from auditor.compare.columns import Catalog, RunColumns
-from auditor.compare.ragged_hint import undeclared_ragged
-from auditor.compare.samples import share_dim
+from numaudit.auditor.compare.align import phase_name
+from numaudit.auditor.compare.columns import Catalog, RunColumns
+from numaudit.auditor.compare.ragged_hint import undeclared_ragged
+from numaudit.auditor.compare.samples import share_dim
 
 
 def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns

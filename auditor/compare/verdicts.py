@@ -12,21 +12,21 @@ import time
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
-from auditor.compare.columns import Catalog, RunColumns, shape_flags
-from auditor.compare.keys import LogicalKeys, build_keys, merged_as_sum
-from auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
-from auditor.compare.metrics import FLOAT_DTYPES
-from auditor.compare.order import order_keys
-from auditor.compare.parents import MEMO as PARENTS_MEMO
-from auditor.compare.parents import unrun_parents
-from auditor.compare.policy import Check, Policy
-from auditor.compare.ranges import format_ranges
-from auditor.compare.slow import (SLOW_CHUNK, merge_side, record_ids, slow_chunk,
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
+from numaudit.auditor.compare.columns import Catalog, RunColumns, shape_flags
+from numaudit.auditor.compare.keys import LogicalKeys, build_keys, merged_as_sum
+from numaudit.auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
+from numaudit.auditor.compare.metrics import FLOAT_DTYPES
+from numaudit.auditor.compare.order import order_keys
+from numaudit.auditor.compare.parents import MEMO as PARENTS_MEMO
+from numaudit.auditor.compare.parents import unrun_parents
+from numaudit.auditor.compare.policy import Check, Policy
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.slow import (SLOW_CHUNK, merge_side, record_ids, slow_chunk,
                                    store_nonfinite)
-from auditor.store import Reader
+from numaudit.auditor.store import Reader
 
 _ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
 _NONFINITE = {"match": 0, "forbid": 1, "allow": 2}

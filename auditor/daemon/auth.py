@@ -31,8 +31,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 from google.protobuf.message import Message
 
-from auditor.daemon.tokens import ESCALATE, READ, WRITE, Grant, Tokens
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.daemon.tokens import ESCALATE, READ, WRITE, Grant, Tokens
+from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 

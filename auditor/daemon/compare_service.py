@@ -29,15 +29,15 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from wire import limits
-from auditor.compare.policy import Policy, PolicyError, resolve_policy
-from auditor.store import Reader, StoreError
-from auditor.store.location import store_location
-from auditor.daemon.admission import Admission, ServerLimits
-from auditor.daemon.auth import Unauthenticated, bearer_token
-from auditor.daemon.validate import ValidationError, check_run_name
-from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
-from protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.auditor.compare.policy import Policy, PolicyError, resolve_policy
+from numaudit.auditor.store import Reader, StoreError
+from numaudit.auditor.store.location import store_location
+from numaudit.auditor.daemon.admission import Admission, ServerLimits
+from numaudit.auditor.daemon.auth import Unauthenticated, bearer_token
+from numaudit.auditor.daemon.validate import ValidationError, check_run_name
+from numaudit.auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
+from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def request_policy(request: pb.CompareRequest | pb.WatchRequest) -> Policy:
 
 def report_json_within(report: Any, budget: int = RESPONSE_BUDGET_BYTES) -> str:
     """The JSON report, dropping identical then passing findings until it fits ``budget``."""
-    from auditor.report.json_report import to_json
+    from numaudit.auditor.report.json_report import to_json
 
     text = to_json(report, include_identical=True) if len(report.comparison) < 200_000 else ""
     if text and len(text.encode()) <= budget:
@@ -133,8 +133,8 @@ def _compare(db: Path, ref: str, cand: str, policy_toml: str,
     MB (37 MB for 50,000 keys per run with identical findings); built into a message and
     serialized in the daemon, it held the daemon's GIL and event loop for about 60 ms per
     compare, and Ingest acks waited behind it."""
-    from auditor.compare.columns import KeyRangeError
-    from auditor.compare.engine import compare_runs
+    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.engine import compare_runs
 
     policy = resolve_policy(policy_toml, preset, source="policy_toml")
     reader = Reader(db)
@@ -190,8 +190,8 @@ def _event_bytes(ev: Any) -> tuple[bytes, bool]:
 def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset: str,
                escalate: bool = False) -> None:
     """In the watch worker."""
-    from auditor.compare.columns import KeyRangeError
-    from auditor.compare.live import LiveComparison
+    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.live import LiveComparison
 
     policy = resolve_policy(policy_toml, preset, source="policy_toml")
     reader = Reader(db)
@@ -214,7 +214,7 @@ def _live_poll(key: int, flush: bool,
     Events a poll (or the final flush) found are handed out ``limit`` at a time;
     the store is read again only once they are all out. Each event is a serialized WatchEvent,
     which the daemon sends as it is."""
-    from auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.columns import KeyRangeError
 
     if key not in _LIVE:
         raise WorkerLost("Watch: the watch worker was restarted; watch again")

@@ -21,10 +21,10 @@ import time
 from collections import deque
 from typing import AsyncIterator, Awaitable, Callable
 
-from auditor.daemon.ingest_wait import abandon
-from auditor.daemon.validate import ValidationError, check_run_name
-from protos import numaudit_pb2 as pb
-from wire import limits
+from numaudit.auditor.daemon.ingest_wait import abandon
+from numaudit.auditor.daemon.validate import ValidationError, check_run_name
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 
 
 class DirectiveBoard:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from auditor.daemon.admission import IdleStream
-from auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
+from numaudit.auditor.daemon.admission import IdleStream
+from numaudit.auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
 
 
 def abandon(task: asyncio.Future) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
-from auditor.daemon.metrics_http import MetricsServer
+from numaudit.auditor.daemon.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable
 
-from auditor.daemon.validate import CorruptedInTransit, ValidationError
-from protos import numaudit_pb2 as pb
-from wire.checksum import received_records_checksum
+from numaudit.auditor.daemon.validate import CorruptedInTransit, ValidationError
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.checksum import received_records_checksum
 
 
 class MalformedRequest:

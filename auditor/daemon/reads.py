@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from auditor.store import Reader, summary
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.store import Reader, summary
+from numaudit.protos import numaudit_pb2 as pb
 
 
 def describe_run(db: Path, run: str) -> pb.DescribeRunResponse:

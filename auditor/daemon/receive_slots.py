@@ -46,7 +46,7 @@ import itertools
 import time
 from typing import Callable, Iterator
 
-from wire import limits
+from numaudit.wire import limits
 
 
 class StreamSlot:

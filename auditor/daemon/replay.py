@@ -20,11 +20,11 @@ from typing import Iterable
 
 import grpc
 
-from wire.channels import open_channel
-from wire.packed import PackedFormatError, batch_capture_count, for_peer
-from wire.spool import SpoolError, read_spool, spool_files
-from wire.tls import TLSConfig
-from protos import numaudit_pb2_grpc
+from numaudit.wire.channels import open_channel
+from numaudit.wire.packed import PackedFormatError, batch_capture_count, for_peer
+from numaudit.wire.spool import SpoolError, read_spool, spool_files
+from numaudit.wire.tls import TLSConfig
+from numaudit.protos import numaudit_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def replay(paths: Iterable[str | Path], address: str, *, token: str | None = Non
 def replay_into_db(paths: Iterable[str | Path], db_path: str | Path, *,
                    run: str = "") -> list[ReplayResult]:
     """Replay into a database file through an in-process daemon bound to loopback."""
-    from auditor.daemon.server import BackgroundServer
+    from numaudit.auditor.daemon.server import BackgroundServer
 
     with BackgroundServer("127.0.0.1:0", db_path, grace=1.0) as server:
         return replay(paths, server.address, run=run)

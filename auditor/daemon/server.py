@@ -38,33 +38,33 @@ import grpc
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from wire import limits
-from auditor.daemon.admission import (MEMORY_PER_WIRE_BYTE, Admission, IdleStream,
+from numaudit.wire import limits
+from numaudit.auditor.daemon.admission import (MEMORY_PER_WIRE_BYTE, Admission, IdleStream,
                                       ServerLimits, TooBusy)
-from auditor.daemon.auth import (AuthInterceptor, PermissionDenied, Unauthenticated,
+from numaudit.auditor.daemon.auth import (AuthInterceptor, PermissionDenied, Unauthenticated,
                                  check_escalate, check_rename, current_grant)
-from auditor.daemon.directives import DirectiveBoard, StreamDirectives
-from auditor.daemon.parsing import (  # noqa: F401 (MalformedRequest, CorruptBatch re-exported)
+from numaudit.auditor.daemon.directives import DirectiveBoard, StreamDirectives
+from numaudit.auditor.daemon.parsing import (  # noqa: F401 (MalformedRequest, CorruptBatch re-exported)
     CorruptBatch, MalformedRequest, _lenient_parser, _parsed, _parsed_stream, _serializer)
-from auditor.daemon.reflection import enable_reflection
-from auditor.daemon import reads
-from auditor.daemon.metrics import DaemonMetrics
-from auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
-from auditor.daemon.ingest_wait import next_batch
-from auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
-from auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
-from wire.packed import RecordColumns, content_hashes
-from wire.tls import ServerTLS
-from auditor.daemon.tokens import Tokens
-from auditor.daemon.validate import (
+from numaudit.auditor.daemon.reflection import enable_reflection
+from numaudit.auditor.daemon import reads
+from numaudit.auditor.daemon.metrics import DaemonMetrics
+from numaudit.auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
+from numaudit.auditor.daemon.ingest_wait import next_batch
+from numaudit.auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
+from numaudit.auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
+from numaudit.wire.packed import RecordColumns, content_hashes
+from numaudit.wire.tls import ServerTLS
+from numaudit.auditor.daemon.tokens import Tokens
+from numaudit.auditor.daemon.validate import (
     ValidationError, validate_batch, validate_close, validate_describe,
     validate_register,
 )
-from auditor.store.backend import describe, open_writer, store_location
-from auditor.store.files import readable_by_others
-from auditor.store.location import is_postgres_url
-from auditor.store.writer import StoreWriter, WriterClosed
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.auditor.store.backend import describe, open_writer, store_location
+from numaudit.auditor.store.files import readable_by_others
+from numaudit.auditor.store.location import is_postgres_url
+from numaudit.auditor.store.writer import StoreWriter, WriterClosed
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     # The comparison engine wires these two; the decorator already maps its errors.
     @_rpc("unary_unary")
     async def Compare(self, request: pb.CompareRequest, context: Any) -> bytes:
-        from auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
+        from numaudit.auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
 
         with self.metrics.compare_seconds.time():
             return await rpc_compare.compare(self, request, context)
@@ -322,7 +322,7 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     @_rpc("unary_stream")
     async def Watch(self, request: pb.WatchRequest,
                     context: Any) -> AsyncIterator[pb.WatchEvent | bytes]:
-        from auditor.daemon import compare_service as rpc_compare
+        from numaudit.auditor.daemon import compare_service as rpc_compare
 
         if request.escalate:  # only a token with the escalate scope on both runs
             check_escalate(current_grant(), request.ref, request.cand)

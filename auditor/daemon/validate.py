@@ -27,14 +27,14 @@ import math
 import threading
 import zstandard
 
-from wire import limits, names
-from protos import numaudit_pb2 as pb
-from auditor.daemon import validate_columns as vc
-from auditor.daemon.errors import (CorruptPayload, CorruptedInTransit, TooLarge,
+from numaudit.wire import limits, names
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.auditor.daemon import validate_columns as vc
+from numaudit.auditor.daemon.errors import (CorruptPayload, CorruptedInTransit, TooLarge,
                                    UnsupportedVersion, ValidationError, short)
-from auditor.daemon.validate_layout import ITEMSIZE, REAL_FLOAT_DTYPES, REDUCTIONS, check_layout
-from wire.checksum import batch_checksum, crc32
-from wire.packed import PackedFormatError, RecordColumns, batch_columns, batch_record_count
+from numaudit.auditor.daemon.validate_layout import ITEMSIZE, REAL_FLOAT_DTYPES, REDUCTIONS, check_layout
+from numaudit.wire.checksum import batch_checksum, crc32
+from numaudit.wire.packed import PackedFormatError, RecordColumns, batch_columns, batch_record_count
 
 CODECS = ("zstd", "raw")
 _PHASES = frozenset(v for v in pb.Phase.values() if v != pb.PHASE_UNSPECIFIED)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from auditor.daemon.errors import ValidationError, short
-from protos import numaudit_pb2 as pb
-from wire import limits
+from numaudit.auditor.daemon.errors import ValidationError, short
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 
 # Bytes per element, by torch dtype name without "torch.". Complex dtypes are listed for layouts
 # sent as complex; complex_as_real layouts name the real dtype instead.

@@ -17,12 +17,12 @@ import json
 import math
 from typing import Iterable, Iterator
 
-from auditor.compare import findings as F
-from auditor.compare.align import ROLE_NAMES, phase_name
-from auditor.compare.ranges import format_ranges
-from auditor.compare.result import Report
-from auditor.report.html_assets import CSS, JS, SVG_DEFS
-from auditor.report.text import noise_line, run_text, summary_line
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import ROLE_NAMES, phase_name
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.result import Report
+from numaudit.auditor.report.html_assets import CSS, JS, SVG_DEFS
+from numaudit.auditor.report.text import noise_line, run_text, summary_line
 
 MAX_ROWS = 64
 """Heatmap rows per phase; more modules are bucketed into this many rows."""

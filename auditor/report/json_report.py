@@ -9,12 +9,12 @@ from typing import IO
 
 import numpy as np
 
-from auditor.compare import findings as F
-from auditor.compare import merge as M
-from auditor.compare.align import ROLE_NAMES, phase_name
-from auditor.compare.columns import shape_flags
-from auditor.compare.comparison import METRIC_NAMES
-from auditor.compare.result import Report
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare import merge as M
+from numaudit.auditor.compare.align import ROLE_NAMES, phase_name
+from numaudit.auditor.compare.columns import shape_flags
+from numaudit.auditor.compare.comparison import METRIC_NAMES
+from numaudit.auditor.compare.result import Report
 
 
 class _IdenticalWriter:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import Iterable, Iterator
 
-from auditor.compare import findings as F
-from auditor.compare.result import Report
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.result import Report
 
 
 def render_junit(doc: dict, findings: Iterable[dict]) -> str:

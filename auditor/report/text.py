@@ -5,12 +5,12 @@ from __future__ import annotations
 import io
 from typing import Iterable, Iterator
 
-from auditor.compare import findings as F
-from auditor.compare.align import PHASE_IDS, phase_name
-from auditor.compare.findings import format_float
-from auditor.compare.ranges import format_ranges
-from auditor.compare.result import Report
-from auditor.report.ops_text import print_drill
+from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.align import PHASE_IDS, phase_name
+from numaudit.auditor.compare.findings import format_float
+from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.result import Report
+from numaudit.auditor.report.ops_text import print_drill
 
 TEXT_ROWS_PER_GROUP = 50
 """Breaching findings listed per (phase, stage) group in the text report unless --limit says."""
@@ -127,8 +127,8 @@ def _print_groups(con, para, doc: dict, groups: list[dict], width: int, printed:
     """Breaching findings by cause: each group's headline, cause, keys and shared notes."""
     from rich.text import Text
 
-    from auditor.compare.groups import template
-    from auditor.compare.site_sets import shorten
+    from numaudit.auditor.compare.groups import template
+    from numaudit.auditor.compare.site_sets import shorten
 
     con.print()
     if not groups:

@@ -11,9 +11,9 @@ contract (`protos`, `wire`) and nothing else of numaudit: the store knows no ser
 comparison and no CLI.
 """
 
-from auditor.store.files import APPLICATION_ID, NotAStore, check_store_file
-from auditor.store.reader import Reader
-from auditor.store.sqlite import (
+from numaudit.auditor.store.files import APPLICATION_ID, NotAStore, check_store_file
+from numaudit.auditor.store.reader import Reader
+from numaudit.auditor.store.sqlite import (
     RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, RunNameTaken, Store, StoreError, UnknownRun,
     UnknownSession, connect, content_hash, from_int64, to_int64, unpack_sketch,
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from auditor.store.location import describe, is_postgres_url, store_location  # noqa: F401
+from numaudit.auditor.store.location import describe, is_postgres_url, store_location  # noqa: F401
 
 
 def open_writer(location: str | Path, *, synchronous: str = "FULL") -> Any:
@@ -17,9 +17,9 @@ def open_writer(location: str | Path, *, synchronous: str = "FULL") -> Any:
     transaction holding the work committed, and `close()`; a SQLite `StoreWriter` is one thread
     committing groups of work, a `PgWriter` a few connections with a transaction per item."""
     if is_postgres_url(location):
-        from auditor.store.postgres_writer import PgWriter
+        from numaudit.auditor.store.postgres_writer import PgWriter
 
         return PgWriter(str(location), synchronous=synchronous)
-    from auditor.store.writer import StoreWriter
+    from numaudit.auditor.store.writer import StoreWriter
 
     return StoreWriter(location, synchronous=synchronous)

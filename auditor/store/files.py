@@ -13,7 +13,7 @@ import sqlite3
 import stat
 from pathlib import Path
 
-from auditor.store.errors import StoreError
+from numaudit.auditor.store.errors import StoreError
 
 APPLICATION_ID = 0x6E756D61  # "numa"
 """`PRAGMA application_id` of every numaudit store. A SQLite file with another id, or with none

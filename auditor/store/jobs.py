@@ -10,10 +10,10 @@ from __future__ import annotations
 import sqlite3
 from typing import Sequence
 
-from auditor.store.errors import RunNameTaken
-from wire import limits
-from protos import numaudit_pb2 as pb
-from wire.packed import RecordColumns
+from numaudit.auditor.store.errors import RunNameTaken
+from numaudit.wire import limits
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.packed import RecordColumns
 
 
 def run_for_job(conn: sqlite3.Connection, req: pb.RegisterRequest) -> tuple[str, tuple | None]:

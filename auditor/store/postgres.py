@@ -35,19 +35,27 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
-import psycopg
-from psycopg import errors as pg_errors
 
-from auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
-from auditor.store.errors import StoreError, UnknownSession
-from auditor.store.files import NotAStore
-from auditor.store.jobs import run_for_job
-from auditor.store.pg_copy import (COLUMNS as COPY_COLUMNS, ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS,
+from numaudit.auditor.store.files import NotAStore
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+except ModuleNotFoundError as exc:  # a plain install: SQLite only
+    if exc.name != "psycopg":
+        raise
+    raise NotAStore("db: a postgresql:// store needs psycopg, which a plain install does not "
+                    "bring: pip install 'numaudit[postgres]'") from None
+
+from numaudit.auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
+from numaudit.auditor.store.errors import StoreError, UnknownSession
+from numaudit.auditor.store.jobs import run_for_job
+from numaudit.auditor.store.pg_copy import (COLUMNS as COPY_COLUMNS, ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS,
                                    copy_buffer)
-from auditor.store.rows import sample_rows
-from auditor.store.sqlite import IngestResult, SCHEMA_VERSION
-from protos import numaudit_pb2 as pb
-from wire.packed import RecordColumns, batch_columns, content_hashes
+from numaudit.auditor.store.rows import sample_rows
+from numaudit.auditor.store.sqlite import IngestResult, SCHEMA_VERSION
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.packed import RecordColumns, batch_columns, content_hashes
 
 log = logging.getLogger(__name__)
 

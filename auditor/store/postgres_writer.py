@@ -19,12 +19,10 @@ import logging
 import time
 from typing import Any, Callable
 
-import psycopg
-from psycopg import errors as pg_errors
-
-from auditor.store.files import NotAStore
-from auditor.store.postgres import PgStore, pg_connect, redact
-from auditor.store.work_queue import QueuedWriter, fail, resolve, run_group
+from numaudit.auditor.store.files import NotAStore
+# psycopg through the store's module: where it is not installed, that import says so (NotAStore)
+from numaudit.auditor.store.postgres import PgStore, pg_connect, pg_errors, psycopg, redact
+from numaudit.auditor.store.work_queue import QueuedWriter, fail, resolve, run_group
 
 log = logging.getLogger(__name__)
 

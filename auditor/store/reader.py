@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from auditor.store.location import is_postgres_url
-from auditor.store.errors import UnknownRun, UnknownSession
-from auditor.store.sqlite import connect
+from numaudit.auditor.store.location import is_postgres_url
+from numaudit.auditor.store.errors import UnknownRun, UnknownSession
+from numaudit.auditor.store.sqlite import connect
 
 
 class Reader:
@@ -25,7 +25,7 @@ class Reader:
 
     def __init__(self, path: str | Path) -> None:
         if is_postgres_url(path):
-            from auditor.store.postgres import QmarkConnection, pg_connect
+            from numaudit.auditor.store.postgres import QmarkConnection, pg_connect
 
             self.dialect = "postgres"
             self.conn = QmarkConnection(pg_connect(str(path), readonly=True))

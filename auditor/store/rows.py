@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
+from numaudit.wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
                          RecordColumns)
 
 INSERT_COLUMNS = (

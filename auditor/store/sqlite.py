@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from auditor.store.errors import (  # noqa: F401  (re-exported)
+from numaudit.auditor.store.errors import (  # noqa: F401  (re-exported)
     RunNameTaken, StoreError, UnknownRun, UnknownSession)
-from auditor.store.jobs import resent, run_for_job
-from auditor.store.rows import (
+from numaudit.auditor.store.jobs import resent, run_for_job
+from numaudit.auditor.store.rows import (
     INSERT_COLUMNS, INSERT_RECORD as _INSERT_RECORD, INSERT_SAMPLES, insert_rows,
     record_columns, rows_of, sample_rows)
-from protos import numaudit_pb2 as pb
-from wire.packed import RecordColumns, batch_columns, content_hashes, from_records
-from auditor.store.files import APPLICATION_ID, check_store_file, create_private
-from auditor.store import key_segments
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.packed import RecordColumns, batch_columns, content_hashes, from_records
+from numaudit.auditor.store.files import APPLICATION_ID, check_store_file, create_private
+from numaudit.auditor.store import key_segments
 
 SCHEMA_VERSION = 5
 """2 added the reduction columns of records and the job and gradient scale of sessions, 3 the

@@ -6,8 +6,8 @@ Shared by the daemon (answering RPCs) and the CLI (reading a store file directly
 
 from __future__ import annotations
 
-from auditor.store import Reader
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2 as pb
 
 
 def run_summary(reader: Reader, name: str, sessions: list[dict] | None = None) -> pb.RunSummary:

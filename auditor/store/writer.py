@@ -21,9 +21,9 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from auditor.store import Store
-from auditor.store.sqlite import WAL_BACKSTOP_BYTES
-from auditor.store.work_queue import QueuedWriter, WriterClosed, fail, resolve, run_group
+from numaudit.auditor.store import Store
+from numaudit.auditor.store.sqlite import WAL_BACKSTOP_BYTES
+from numaudit.auditor.store.work_queue import QueuedWriter, WriterClosed, fail, resolve, run_group
 
 log = logging.getLogger(__name__)
 

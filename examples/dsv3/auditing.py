@@ -92,7 +92,7 @@ def capture_experts(agent, model: torch.nn.Module, group) -> None:
     alike (the same layers in the same order in both example runs), so it cannot deadlock.
     Experts that got no tokens on a rank still send their empty piece.
     """
-    from agents.ragged import ragged_rows
+    from numaudit.agents.ragged import ragged_rows
 
     for name, layer in getattr(model, "layers", {}).items():
         site = f"layers.{name}.moe.experts"

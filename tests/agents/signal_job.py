@@ -1,4 +1,4 @@
-"""A script with an asyncio event loop that handles SIGUSR1, set up before `agents.attach`:
+"""A script with an asyncio event loop that handles SIGUSR1, set up before `numaudit.attach`:
 asyncio reads its signals from Python's wakeup fd, which the agent then points at its own
 SIGTERM watcher (agents/shutdown.py), forwarding every byte. Prints "asyncio handler ran" once
 the loop's handler has run after a SIGUSR1, or "asyncio handler did not run" after 10 s.
@@ -12,14 +12,14 @@ import asyncio
 import os
 import signal
 
-import agents
+import numaudit
 
 
 def main() -> None:
     loop = asyncio.new_event_loop()
     ran = asyncio.Event()
     loop.add_signal_handler(signal.SIGUSR1, ran.set)  # sets Python's wakeup fd to asyncio's
-    agent = agents.attach(None)
+    agent = numaudit.attach(None)
     os.kill(os.getpid(), signal.SIGUSR1)
 
     async def wait() -> bool:

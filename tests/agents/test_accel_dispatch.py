@@ -18,11 +18,11 @@ import sys
 import pytest
 import torch
 
-from agents.digest import digest_piece
-from agents.fastpath import Digester
-from agents.kernels import accel
-from agents.layout import PieceLayout
-from agents.rows import RowBatch
+from numaudit.agents.digest import digest_piece
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.kernels import accel
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.rows import RowBatch
 
 K = 16
 
@@ -115,7 +115,7 @@ def test_a_kernel_that_agrees_is_used(monkeypatch):
 def _digest_twice(monkeypatch, caplog, stand) -> tuple[list, list, list]:
     """The test pieces digested twice by one Digester over `stand`: (pieces, first, second)."""
     pieces = _pieces()
-    with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
+    with caplog.at_level(logging.WARNING, logger="numaudit.agents.kernels.accel"):
         digester = _digester_with(monkeypatch, stand)
         return pieces, _rows(digester, pieces), _rows(digester, pieces)
 
@@ -145,7 +145,7 @@ def test_a_kernel_that_fails_later_falls_back_for_good(monkeypatch, caplog):
 def test_shapes_the_kernel_refuses_take_the_eager_path_silently(monkeypatch, caplog):
     stand = _Stand(refuse=lambda t: tuple(t.shape) in ((5, 300), (3, 300), (40,)))  # not checks
     pieces = _pieces()
-    with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
+    with caplog.at_level(logging.WARNING, logger="numaudit.agents.kernels.accel"):
         got = _rows(_digester_with(monkeypatch, stand), pieces)
     assert _same(got, _eager(pieces)) and not caplog.records
     assert stand.calls == CHECK_CALLS  # the checks only
@@ -154,7 +154,7 @@ def test_shapes_the_kernel_refuses_take_the_eager_path_silently(monkeypatch, cap
 def test_a_refused_piece_leaves_the_rest_of_its_list_to_triton(monkeypatch, caplog):
     stand = _Stand(refuse=lambda t: t.shape == (3, 300))  # the shard only
     pieces = _pieces()
-    with caplog.at_level(logging.WARNING, logger="agents.kernels.accel"):
+    with caplog.at_level(logging.WARNING, logger="numaudit.agents.kernels.accel"):
         got = _rows(_digester_with(monkeypatch, stand), pieces)
     assert _same(got, _eager(pieces)) and not caplog.records
     # the whole tensor and the ints: one list
@@ -178,9 +178,9 @@ def test_eager_mode_never_routes_to_triton(monkeypatch):
 _REAL = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from agents.fastpath import Digester
-from agents.rows import RowBatch
-from agents.kernels.accel import term_magnitudes, within_contract
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.rows import RowBatch
+from numaudit.agents.kernels.accel import term_magnitudes, within_contract
 from tests.agents.test_accel_dispatch import K, _pieces, _rows, _eager
 d = Digester("auto", triton_devices=("cpu",))
 pieces = _pieces()

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import agents
-from agents.layout import PieceLayout
-from auditor.store import Reader, from_int64
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.store import Reader, from_int64
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,7 @@ def _records(db, run):
 
 def test_records_reach_the_store_with_none_grads_explicit(auditor_server):
     model = Net()
-    agent = agents.attach(model, run="ref", address=auditor_server.address)
+    agent = numaudit.attach(model, run="ref", address=auditor_server.address)
     _train(agent, model)
     s = agent.close()
     assert s["dropped"] == 0 and s["errors"] == 0
@@ -69,10 +69,10 @@ def test_records_reach_the_store_with_none_grads_explicit(auditor_server):
 
 
 def test_fingerprint_in_store_matches_digest_of_the_tensor(auditor_server):
-    from agents.digest import digest_piece
+    from numaudit.agents.digest import digest_piece
 
     t = torch.randn(5, 3)
-    agent = agents.attach(None, run="ref", address=auditor_server.address)
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address)
     with agent.step(0), agent.microbatch(0):
         agent.capture(t, site="x", phase="input")
     agent.close()
@@ -85,7 +85,7 @@ def test_payload_travels_compressed_and_round_trips(auditor_server):
     import zstandard
 
     t = torch.randn(1, 8).expand(256, 8).contiguous()  # 8 KiB that zstd shrinks
-    agent = agents.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
     with agent.step(0), agent.microbatch(0):
         agent.capture(t, site="x", phase="input")
     agent.close()
@@ -101,10 +101,10 @@ def test_payload_travels_compressed_and_round_trips(auditor_server):
 def test_incompressible_payloads_are_stored_raw_and_read_back_whole(auditor_server):
     """Float noise does not compress: after the first payload of a site the agent sends the
     bytes as they are (codec raw); every step's payload still reads back as its tensor."""
-    from auditor.compare.metrics import bits_to_values, decode_payload
+    from numaudit.auditor.compare.metrics import bits_to_values, decode_payload
 
     steps = [torch.randn(256, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
-    agent = agents.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
     for s, t in enumerate(steps):
         with agent.step(s), agent.microbatch(0):
             agent.capture(t, site="x", phase="input")
@@ -127,14 +127,14 @@ def test_payloads_larger_than_a_chunk_arrive_whole_raw_and_compressed(auditor_se
     writes them straight into the sealed batch from the agent's host copy): noise as codec raw
     after the first (level 1 judged on a probe), a compressible tensor as zstd; every step's
     payload reads back as its tensor from a real daemon's store."""
-    from auditor.compare.metrics import bits_to_values, decode_payload
-    from wire import limits
+    from numaudit.auditor.compare.metrics import bits_to_values, decode_payload
+    from numaudit.wire import limits
 
     monkeypatch.setattr(limits, "PAYLOAD_CHUNK_BYTES", 48 << 10)
     g = torch.Generator().manual_seed(5)
     noise = [torch.randn(300, 256, generator=g) for _ in range(4)]  # 300 KiB each
     ramp = torch.arange(300 * 256, dtype=torch.float32).view(300, 256) % 7
-    agent = agents.attach(None, run="ref", address=auditor_server.address,
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address,
                           payload=("input:x", "input:ramp"), batch_records=2)
     for s, t in enumerate(noise):
         with agent.step(s), agent.microbatch(0):
@@ -171,7 +171,7 @@ def test_checkpoint_recomputation_is_not_a_new_call(auditor_server):
             return checkpoint(self.inner, x, use_reentrant=False)
 
     model = Ckpt()
-    agent = agents.attach(model, run="ref", address=auditor_server.address, phases=("fwd",))
+    agent = numaudit.attach(model, run="ref", address=auditor_server.address, phases=("fwd",))
     with agent.step(0), agent.microbatch(0):
         model(torch.randn(2, 4, requires_grad=True)).sum().backward()
     agent.close()
@@ -191,7 +191,7 @@ def test_repeated_calls_are_numbered(auditor_server):
             return self.lin(self.lin(x))
 
     model = Twice()
-    agent = agents.attach(model, run="ref", address=auditor_server.address, phases=("fwd",))
+    agent = numaudit.attach(model, run="ref", address=auditor_server.address, phases=("fwd",))
     with agent.step(0):
         for j in range(2):
             with agent.microbatch(j):
@@ -209,7 +209,7 @@ def _free_port() -> int:
 
 def test_dead_auditor_never_blocks_training_and_drops_are_counted():
     model = Net()
-    agent = agents.attach(model, run="ref", address=f"127.0.0.1:{_free_port()}",
+    agent = numaudit.attach(model, run="ref", address=f"127.0.0.1:{_free_port()}",
                           flush_timeout_s=0.5, spool_mode="off")
     started = time.monotonic()
     _train(agent, model, steps=3)
@@ -224,7 +224,7 @@ def test_dead_auditor_never_blocks_training_and_drops_are_counted():
 
 
 def test_rejected_batch_is_dropped_and_counted_and_later_ones_delivered(auditor_server):
-    agent = agents.attach(None, run="ref", address=auditor_server.address, batch_records=1)
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address, batch_records=1)
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.ones(2), site="good1", phase="input")
         agent.capture(torch.ones(2), site="x" * 600, phase="input")  # site too long: refused
@@ -240,7 +240,7 @@ def test_queue_overflow_drops_and_counts_without_blocking(auditor_server, monkey
     """A sender stuck on its work (slow host copies, slow serialization) never stalls training."""
     import threading
 
-    from agents.sender import Sender
+    from numaudit.agents.sender import Sender
 
     release = threading.Event()
     original = Sender._add
@@ -250,7 +250,7 @@ def test_queue_overflow_drops_and_counts_without_blocking(auditor_server, monkey
         original(self, batch)
 
     monkeypatch.setattr(Sender, "_add", stuck)
-    agent = agents.attach(None, run="ref", address=auditor_server.address, queue_records=4,
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address, queue_records=4,
                           device_batch=1)
     started = time.monotonic()
     with agent.step(0), agent.microbatch(0):
@@ -266,14 +266,14 @@ def test_queue_overflow_drops_and_counts_without_blocking(auditor_server, monkey
 
 
 def test_hooks_never_raise_into_training(auditor_server, monkeypatch):
-    import agents.capture as capture
+    import numaudit.agents.capture as capture
 
     def broken(*a, **k):
         raise RuntimeError("digest exploded")
 
     monkeypatch.setattr(capture.Digester, "digest", broken)
     model = Net()
-    agent = agents.attach(model, run="ref", address=auditor_server.address)
+    agent = numaudit.attach(model, run="ref", address=auditor_server.address)
     _train(agent, model)  # must not raise
     s = agent.close()
     assert s["errors"] > 0
@@ -282,14 +282,14 @@ def test_hooks_never_raise_into_training(auditor_server, monkeypatch):
 def test_disabled_agent_hooks_nothing(monkeypatch):
     monkeypatch.setenv("NUMAUDIT_DISABLE", "1")
     model = Net()
-    agent = agents.attach(model, run="ref", address="127.0.0.1:1")
+    agent = numaudit.attach(model, run="ref", address="127.0.0.1:1")
     _train(agent, model)
     assert agent.close()["captured"] == 0
     assert not model.a._forward_hooks
 
 
 def test_drops_reach_the_auditor_even_when_nothing_was_sent(auditor_server):
-    agent = agents.attach(None, run="ref", address=auditor_server.address, queue_records=1,
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address, queue_records=1,
                           device_batch=1)
     agent._sender.submit = lambda batch: agent.counters.drop("queue_full", len(batch.captures))
     with agent.step(0), agent.microbatch(0):
@@ -303,11 +303,11 @@ def test_drops_reach_the_auditor_even_when_nothing_was_sent(auditor_server):
 
 
 def test_without_auditor_records_are_spooled_and_ingest_replays_them_once(tmp_path):
-    from auditor.daemon.replay import replay_into_db
+    from numaudit.auditor.daemon.replay import replay_into_db
 
     spool = tmp_path / "spool"
     model = Net()
-    agent = agents.attach(model, run="offline", spool_dir=str(spool))
+    agent = numaudit.attach(model, run="offline", spool_dir=str(spool))
     _train(agent, model)
     s = agent.close()
     assert s["dropped"] == 0 and s["spooled"] == s["captured"] > 0
@@ -330,7 +330,7 @@ def test_hung_auditor_close_spills_and_returns_in_time(tmp_path):
         hung.listen(16)
         address = "127.0.0.1:%d" % hung.getsockname()[1]
         model = Net()
-        agent = agents.attach(model, run="ref", address=address, spool_dir=str(spool),
+        agent = numaudit.attach(model, run="ref", address=address, spool_dir=str(spool),
                               flush_timeout_s=1.0, connect_timeout_s=0.3)
         started = time.monotonic()
         _train(agent, model)
@@ -344,12 +344,12 @@ def test_hung_auditor_close_spills_and_returns_in_time(tmp_path):
 
 def test_registration_refused_for_its_content_is_final_not_retried(auditor_server, tmp_path):
     """A run registered with world size 2 refuses a rank claiming 3: the agent stops trying."""
-    first = agents.attach(None, run="ref", address=auditor_server.address, dp_rank=0, dp_size=1)
+    first = numaudit.attach(None, run="ref", address=auditor_server.address, dp_rank=0, dp_size=1)
     first.ident.world_size = 2
     with first.step(0), first.microbatch(0):
         first.capture(torch.ones(1), site="x", phase="input")
     first.close()
-    other = agents.attach(None, run="ref", address=auditor_server.address, dp_rank=0, dp_size=1,
+    other = numaudit.attach(None, run="ref", address=auditor_server.address, dp_rank=0, dp_size=1,
                           spool_mode="off")
     other.ident.world_size = 3
     with other.step(0), other.microbatch(0):
@@ -363,9 +363,9 @@ def test_registration_refused_for_its_content_is_final_not_retried(auditor_serve
 
 def test_integer_records_carry_the_digest_seeds(auditor_server):
     """Seeds travel with every digest, so integer inputs compare like any other tensor."""
-    from agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+    from numaudit.agents.digest import FINGERPRINT_SEED, SKETCH_SEED
 
-    agent = agents.attach(None, run="ref", address=auditor_server.address)
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address)
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.arange(6), site="tokens", phase="input")
     agent.close()
@@ -376,7 +376,7 @@ def test_integer_records_carry_the_digest_seeds(auditor_server):
 
 def test_a_step_that_raises_captures_no_gradients(auditor_server):
     model = Net()
-    agent = agents.attach(model, run="ref", address=auditor_server.address)
+    agent = numaudit.attach(model, run="ref", address=auditor_server.address)
     with pytest.raises(RuntimeError, match="boom"):
         with agent.step(0), agent.microbatch(0):
             model(torch.randn(2, 4)).sum().backward()
@@ -389,7 +389,7 @@ def test_a_step_that_raises_captures_no_gradients(auditor_server):
 def test_a_gradient_hook_run_twice_is_captured_once(auditor_server):
     """Split backward can run a tensor's hooks twice; each key is captured once."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 3))
-    agent = agents.attach(model, run="ref", address=auditor_server.address, phases=("bwd",))
+    agent = numaudit.attach(model, run="ref", address=auditor_server.address, phases=("bwd",))
     with agent.step(0), agent.microbatch(0):
         out = model(torch.randn(2, 3))
         loss = out.sum()
@@ -401,7 +401,7 @@ def test_a_gradient_hook_run_twice_is_captured_once(auditor_server):
 
 def test_without_a_run_name_auditing_is_off_and_nothing_is_spooled(tmp_path, caplog):
     model = Net()
-    agent = agents.attach(model, spool_dir=str(tmp_path / "spool"))
+    agent = numaudit.attach(model, spool_dir=str(tmp_path / "spool"))
     _train(agent, model)
     assert agent.close()["captured"] == 0
     assert not model.a._forward_hooks

@@ -8,16 +8,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import agents
-from auditor.cli import main
-from auditor.store import Reader
-from wire.version import package_version
+import numaudit
+from numaudit.auditor.cli import main
+from numaudit.auditor.store import Reader
+from numaudit.wire.version import package_version
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_agents_version_reaches_the_store_and_show(auditor_server):
-    agent = agents.attach(None, run="ref", address=auditor_server.address)
+    agent = numaudit.attach(None, run="ref", address=auditor_server.address)
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.ones(3), site="x", phase="input")
     agent.close()

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-import agents
-from auditor.daemon.admission import ServerLimits
-from auditor.daemon.server import BackgroundServer
-from auditor.store import Reader
+import numaudit
+from numaudit.auditor.daemon.admission import ServerLimits
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.store import Reader
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,14 +34,14 @@ def test_an_agent_refused_for_capacity_waits_and_delivers_everything(tmp_path):
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", grace=1.0,
                           server_limits=limits) as server:
         model = torch.nn.Linear(4, 2)
-        first = agents.attach(model, run="first", address=server.address)
+        first = numaudit.attach(model, run="first", address=server.address)
         _send(first, model)
         first.capturer.flush()
         deadline = time.monotonic() + 30
         while first.summary()["acked"] < first.summary()["captured"]:  # its stream is open
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        second = agents.attach(model, run="second", address=server.address, flush_timeout_s=20)
+        second = numaudit.attach(model, run="second", address=server.address, flush_timeout_s=20)
         _send(second, model)
         second.capturer.flush()
         time.sleep(1.0)  # the second agent is refused for capacity meanwhile

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-import agents
-from agents.batching import Capture
-from agents.columns import part_columns, split_payloads
-from agents.layout import PieceLayout
-from agents.sidecar import Sidecar
-from auditor.daemon.replay import replay_into_db
-from auditor.store import RECORD_COLUMNS, Reader
-from protos import numaudit_pb2 as pb
-from wire import limits
+import numaudit
+from numaudit.agents.batching import Capture
+from numaudit.agents.columns import part_columns, split_payloads
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.sidecar import Sidecar
+from numaudit.auditor.daemon.replay import replay_into_db
+from numaudit.auditor.store import RECORD_COLUMNS, Reader
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 
 pytestmark = pytest.mark.timeout(90)
 COL = {name: i for i, name in enumerate(RECORD_COLUMNS)}
@@ -94,7 +94,7 @@ def _check_hook_order(rows: list[tuple]) -> None:
 
 def test_numbers_follow_the_hooks_not_the_storage(auditor_server):
     model = Mixed()
-    agent = agents.attach(model, run="mixed", address=auditor_server.address,
+    agent = numaudit.attach(model, run="mixed", address=auditor_server.address,
                           phases=("fwd", "bwd", "grad", "loss", "input"))
     _train(agent, model)
     s = agent.close()
@@ -114,7 +114,7 @@ def test_numbers_survive_the_sidecar_its_spool_and_auditor_ingest(tmp_path):
     sidecar.start()
     try:
         model = Mixed()
-        agent = agents.attach(model, run="relayed", sidecar=sock,
+        agent = numaudit.attach(model, run="relayed", sidecar=sock,
                               phases=("fwd", "bwd", "grad", "loss", "input"))
         _train(agent, model)
         s = agent.close()
@@ -129,7 +129,7 @@ def test_numbers_survive_the_sidecar_its_spool_and_auditor_ingest(tmp_path):
 def test_fused_and_eager_captures_share_one_clock(auditor_server):
     """Captures that take the fused path and the general one (a replica override, a None, a
     complex tensor) interleaved: numbered as they were made."""
-    agent = agents.attach(None, run="paths", address=auditor_server.address)
+    agent = numaudit.attach(None, run="paths", address=auditor_server.address)
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.ones(4), site="a", phase="input")
         agent.capture(torch.ones(4), site="b", phase="input", replicate=True)

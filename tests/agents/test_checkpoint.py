@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agents.capture import NOT_CAPTURED_AMBIGUOUS, Capturer, Counters
-from agents.config import AgentConfig
-from agents.identity import RankIdentity
+from numaudit.agents.capture import NOT_CAPTURED_AMBIGUOUS, Capturer, Counters
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.identity import RankIdentity
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from auditor.compare.engine import compare_runs
-from auditor.daemon.server import BackgroundServer
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.daemon.server import BackgroundServer
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,17 +43,17 @@ def test_the_close_summary_shows_and_a_taken_name_spools_for_ingest(tmp_path):
         assert len(lines) == 2, proc.stderr
         first, second = lines
         # logging was never configured: the INFO line shows anyway, once per close
-        assert first.startswith("INFO agents.summary: rank 0: numaudit run=taken: captured ")
+        assert first.startswith("INFO numaudit.agents.summary: rank 0: numaudit run=taken: captured ")
         assert re.search(r"acked by the auditor (\d+), spooled 0, dropped 0", first)
         n = int(re.search(r"captured (\d+)", first).group(1))
-        assert second.startswith("WARNING agents.summary: rank 0:")
+        assert second.startswith("WARNING numaudit.agents.summary: rank 0:")
         assert f"acked by the auditor 0, spooled {n} in " in second
         command = re.search(r"`(auditor ingest (\S+) --run NEW_NAME --address (\S+))` stores "
                             r"them under a new name$", second)
         assert command and command.group(3) == server.address, second
         assert "records are spooled" in proc.stderr  # the refusal says where they went
         spool = command.group(2)
-        ingest = subprocess.run([sys.executable, "-m", "auditor", "ingest", spool, "--run",
+        ingest = subprocess.run([sys.executable, "-m", "numaudit.auditor", "ingest", spool, "--run",
                                  "kept", "--address", server.address], cwd=ROOT,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                 capture_output=True, text=True, timeout=60)
@@ -71,8 +71,8 @@ def test_a_model_holding_dtensors_without_a_mesh_says_so(fake_rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import agents
-    from wire.labels import UNPASSED_MESH_LABEL
+    from numaudit import agents
+    from numaudit.wire.labels import UNPASSED_MESH_LABEL
 
     fake_rank(0)
     mesh = init_device_mesh("cpu", (4,))

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from agents.columns import PayloadCompressor, part_columns, split_payloads
-from wire import packed as P
+import numaudit
+from numaudit.agents.columns import PayloadCompressor, part_columns, split_payloads
+from numaudit.wire import packed as P
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _host_batches():
-    agent = agents.attach(None, run="cols", spool_mode="off", phases=("input", "fwd", "loss"),
+    agent = numaudit.attach(None, run="cols", spool_mode="off", phases=("input", "fwd", "loss"),
                           payload=("input:pay",), sketch_k=16, device_batch=4)
     got = []
     agent.capturer._batches._sink = got.append
@@ -55,7 +55,7 @@ def test_parts_built_together_are_the_records_built_apart():
 
 
 def _layouts():
-    from agents.layout import PieceLayout, RaggedParts
+    from numaudit.agents.layout import PieceLayout, RaggedParts
 
     full = PieceLayout.full((4, 3))
     return [
@@ -93,8 +93,8 @@ def test_layout_columns_are_each_layouts_fields_also_after_the_table_starts_afre
     full table starts afresh (here every third layout) without changing any record."""
     import numpy as np
 
-    import agents.columns as C
-    from agents.batching import Capture
+    import numaudit.agents.columns as C
+    from numaudit.agents.batching import Capture
 
     monkeypatch.setattr(C, "MAX_TABLE_LAYOUTS", table_size)
     monkeypatch.setattr(C, "_TABLE", C._LayoutTable())

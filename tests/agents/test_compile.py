@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.capture import Capturer, Counters
-from agents.config import AgentConfig
-from agents.identity import RankIdentity
+from numaudit.agents.capture import Capturer, Counters
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.identity import RankIdentity
 
 pytestmark = pytest.mark.timeout(120)
 STEPS = 6

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agents.config import AgentConfig, apply_env, check, parse_int_set
+from numaudit.agents.config import AgentConfig, apply_env, check, parse_int_set
 
 
 def test_environment_overrides_arguments():
@@ -45,7 +45,7 @@ def test_check_names_the_field(changes, field):
 
 
 def test_step_selection_every_first_and_list_compose():
-    from agents.config import AgentConfig, apply_env, check, step_selected
+    from numaudit.agents.config import AgentConfig, apply_env, check, step_selected
 
     cfg = apply_env(AgentConfig(step_every=5), {"NUMAUDIT_STEP_FIRST": "21"})
     assert [s for s in range(40) if step_selected(cfg, s)] == [0, 5, 10, 15, 20]
@@ -61,10 +61,10 @@ def test_step_selection_every_first_and_list_compose():
 def test_capturer_captures_only_selected_steps():
     import torch
 
-    from agents.capture import Capturer, Counters
-    from agents.config import AgentConfig
-    from agents.identity import RankIdentity
-    from agents.ragged import RaggedRows
+    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.config import AgentConfig
+    from numaudit.agents.identity import RankIdentity
+    from numaudit.agents.ragged import RaggedRows
 
     batches = []
     cap = Capturer(AgentConfig(step_every=2, step_first=5, phases=("input",)), RankIdentity(),

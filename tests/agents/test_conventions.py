@@ -8,12 +8,12 @@ import logging
 import pytest
 import torch
 
-import agents
-from agents.config import AgentConfig, apply_env, check
-from agents.identity import RankIdentity, job_identity
-from agents.normalization import grad_scale
-from auditor.store import RECORD_COLUMNS, Reader
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.agents.config import AgentConfig, apply_env, check
+from numaudit.agents.identity import RankIdentity, job_identity
+from numaudit.agents.normalization import grad_scale
+from numaudit.auditor.store import RECORD_COLUMNS, Reader
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 COL = {name: i for i, name in enumerate(RECORD_COLUMNS)}
@@ -45,13 +45,13 @@ def test_dp_rank_zero_and_dp_size_one_are_taken_at_their_word(monkeypatch):
     """`dp_rank or cfg.dp_rank` dropped the 0; on rank 1 of 2 it then raised."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    agent = agents.attach(None, dp_rank=0, dp_size=1)
+    agent = numaudit.attach(None, dp_rank=0, dp_size=1)
     assert (agent.ident.dp_rank, agent.ident.dp_size) == (0, 1)
     assert agent.ident.ranks_per_dp_rank == 2  # the other rank holds the same batch share
 
 
 def test_loss_is_a_weighted_mean_reduction_over_dp_by_default(auditor_server):
-    agent = agents.attach(None, run="r", address=auditor_server.address, dp_rank=1, dp_size=2)
+    agent = numaudit.attach(None, run="r", address=auditor_server.address, dp_rank=1, dp_size=2)
     _one_step(agent)
     agent.capture(torch.tensor(1.0), site="aux", phase="loss", reduce="sum")
     agent.capture(torch.tensor(1.0), site="plain", phase="loss", reduce=None)
@@ -68,7 +68,7 @@ def test_loss_is_a_weighted_mean_reduction_over_dp_by_default(auditor_server):
 
 
 def test_weight_comes_from_microbatch_size_or_the_argument(auditor_server):
-    agent = agents.attach(None, run="r", address=auditor_server.address, dp_rank=0, dp_size=2,
+    agent = numaudit.attach(None, run="r", address=auditor_server.address, dp_rank=0, dp_size=2,
                           microbatch_size=5)
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.tensor(1.0), site="loss", phase="loss")
@@ -103,7 +103,7 @@ def test_grad_scale_of_a_sum_needs_the_batch_size_and_env_overrides():
 
 
 def test_grad_scale_and_job_reach_the_store(auditor_server):
-    agent = agents.attach(None, run="r", address=auditor_server.address, dp_rank=0, dp_size=4,
+    agent = numaudit.attach(None, run="r", address=auditor_server.address, dp_rank=0, dp_size=4,
                           job_id="job-a")
     _one_step(agent)
     agent.close()
@@ -115,15 +115,15 @@ def test_grad_scale_and_job_reach_the_store(auditor_server):
 def test_a_data_parallel_run_lists_its_batchnorms_in_a_label(auditor_server):
     """BatchNorms (SyncBatchNorm aside) of a data-parallel run reach the store as the label the
     auditor explains differences with; one process, or no BatchNorm, sets none."""
-    from agents.normalization import note_batch_norms
-    from wire.labels import BATCH_STATS_LABEL
+    from numaudit.agents.normalization import note_batch_norms
+    from numaudit.wire.labels import BATCH_STATS_LABEL
 
     def net():
         return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4),
                                    torch.nn.SyncBatchNorm(4), torch.nn.LayerNorm(4),
                                    torch.nn.BatchNorm1d(4))
 
-    agent = agents.attach(net(), run="bn", address=auditor_server.address, dp_rank=1,
+    agent = numaudit.attach(net(), run="bn", address=auditor_server.address, dp_rank=1,
                           dp_size=2)
     _one_step(agent)
     agent.close()
@@ -146,8 +146,8 @@ def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
     MultiheadAttention with dropout > 0) reach the store as the label the auditor explains
     differences with, in one process too; p = 0, eval mode and modules without dropout are left
     out."""
-    from agents.normalization import note_dropouts
-    from wire.labels import DROPOUT_LABEL
+    from numaudit.agents.normalization import note_dropouts
+    from numaudit.wire.labels import DROPOUT_LABEL
 
     net = torch.nn.ModuleDict({
         "drop": torch.nn.Dropout(0.1), "off": torch.nn.Dropout(0.0),
@@ -155,7 +155,7 @@ def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
         "quiet": torch.nn.MultiheadAttention(4, 2),
         "block": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout2d(0.5)),
         "alpha": torch.nn.AlphaDropout(0.3), "norm": torch.nn.LayerNorm(4)})
-    agent = agents.attach(net, run="drop", address=auditor_server.address)
+    agent = numaudit.attach(net, run="drop", address=auditor_server.address)
     _one_step(agent)
     agent.close()
     info, _ = _run_info(auditor_server.db_path, "drop")
@@ -171,7 +171,7 @@ def test_plain_tensors_are_replicas_when_other_ranks_share_the_dp_rank(auditor_s
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = torch.nn.Linear(2, 2)
-    agent = agents.attach(model, run="tp", address=auditor_server.address, dp_rank=0, dp_size=1,
+    agent = numaudit.attach(model, run="tp", address=auditor_server.address, dp_rank=0, dp_size=1,
                           shard_sites=["fwd:mine"])
     with agent.step(0), agent.microbatch(0):
         model(torch.ones(3, 2)).sum().backward()
@@ -185,7 +185,7 @@ def test_plain_tensors_are_replicas_when_other_ranks_share_the_dp_rank(auditor_s
 
 
 def test_small_tensors_carry_payloads_up_to_the_limit(auditor_server):
-    agent = agents.attach(None, run="p", address=auditor_server.address, payload_max_bytes=64)
+    agent = numaudit.attach(None, run="p", address=auditor_server.address, payload_max_bytes=64)
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.ones(16), site="small", phase="fwd")   # 64 bytes
         agent.capture(torch.ones(17), site="big", phase="fwd")     # 68 bytes
@@ -197,22 +197,22 @@ def test_small_tensors_carry_payloads_up_to_the_limit(auditor_server):
 def test_another_job_under_a_taken_name_is_refused_with_one_error(auditor_server, caplog):
     """Refused, and its records spooled for `auditor ingest --run NEW` (issue 41): nothing of
     the job is lost to the name clash."""
-    first = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
+    first = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
     _one_step(first)
     assert first.close()["acked"] == 2
-    caplog.set_level(logging.ERROR, logger="agents")
-    second = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-b",
+    caplog.set_level(logging.ERROR, logger="numaudit.agents")
+    second = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-b",
                            spool_mode="spill")
     _one_step(second, value=3.0)
     s = second.close(timeout=5.0)
     assert s["acked"] == 0 and s["spooled"] == 2 and s["dropped_by_reason"] == {}
-    off = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-c",
+    off = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-c",
                         spool_mode="off")
     _one_step(off)
     s = off.close(timeout=5.0)  # no spool asked for: counted as dropped, as they were before
     assert s["spooled"] == 0 and s["dropped_by_reason"] == {"run_name_taken": 2}
     errors = [r for r in caplog.records
-              if r.levelno >= logging.ERROR and r.name.startswith("agents")]
+              if r.levelno >= logging.ERROR and r.name.startswith("numaudit.agents")]
     assert len(errors) == 2 and "ALREADY_EXISTS" in errors[0].getMessage()
     assert "rename_if_taken" in errors[0].getMessage()
     rows = _rows(auditor_server.db_path, "ref")
@@ -220,12 +220,12 @@ def test_another_job_under_a_taken_name_is_refused_with_one_error(auditor_server
 
 
 def test_rename_if_taken_gives_every_rank_of_the_job_the_same_new_name(auditor_server):
-    first = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
+    first = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
     _one_step(first)
     first.close()
     renamed = []
     for rank in (1, 0):  # ranks of job b, registering in any order
-        a = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-b",
+        a = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-b",
                           rename_if_taken=True, dp_rank=rank, dp_size=2)
         a.ident.rank, a.ident.world_size = rank, 2
         _one_step(a)
@@ -233,7 +233,7 @@ def test_rename_if_taken_gives_every_rank_of_the_job_the_same_new_name(auditor_s
         assert s["acked"] == 2
         renamed.append(s["run"])
     assert renamed == ["ref.2", "ref.2"]
-    again = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-c",
+    again = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-c",
                           rename_if_taken=True)
     _one_step(again)
     assert again.close()["run"] == "ref.3"
@@ -242,10 +242,10 @@ def test_rename_if_taken_gives_every_rank_of_the_job_the_same_new_name(auditor_s
 
 
 def test_same_job_resumes_and_conflicting_content_is_counted(auditor_server):
-    first = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
+    first = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
     _one_step(first)
     first.close()
-    rerun = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
+    rerun = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
     _one_step(rerun, value=5.0)  # same job (an elastic restart), same keys, other loss
     s = rerun.close()
     assert s["conflicts"] == 1  # the input is the same; the loss is not
@@ -263,21 +263,21 @@ def test_job_id_precedence(monkeypatch):
 
 
 def test_through_the_sidecar_a_taken_name_is_renamed_or_refused(auditor_server, tmp_path):
-    from agents.sidecar import Sidecar
+    from numaudit.agents.sidecar import Sidecar
 
-    first = agents.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
+    first = numaudit.attach(None, run="ref", address=auditor_server.address, job_id="job-a")
     _one_step(first)
     first.close()
     sock = f"unix://{tmp_path}/s.sock"
     sidecar = Sidecar(sock, tmp_path / "relay", auditor=auditor_server.address)
     sidecar.start()
     try:
-        renamed = agents.attach(None, run="ref", sidecar=sock, job_id="job-b",
+        renamed = numaudit.attach(None, run="ref", sidecar=sock, job_id="job-b",
                                 rename_if_taken=True)
         _one_step(renamed)
         s = renamed.close(timeout=10.0)
         assert s["run"] == "ref.2" and s["acked"] == 2
-        refused = agents.attach(None, run="ref", sidecar=sock, job_id="job-c")
+        refused = numaudit.attach(None, run="ref", sidecar=sock, job_id="job-c")
         _one_step(refused)
         s = refused.close(timeout=10.0)
         assert s["acked"] == 0 and s["dropped_by_reason"] == {"run_name_taken": 2}

@@ -17,9 +17,9 @@ import pytest
 import torch
 import zstandard
 
-import agents
-from agents.device_copy import payload_copy
-from auditor.store.reader import Reader
+import numaudit
+from numaudit.agents.device_copy import payload_copy
+from numaudit.auditor.store.reader import Reader
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +39,7 @@ class _Copies:
 
 def test_the_sender_reads_a_device_batch_only_after_its_event(auditor_server):
     t = torch.randn(4, 3, generator=torch.Generator().manual_seed(5))
-    agent = agents.attach(None, address=auditor_server.address, run="dev", phases=("fwd",),
+    agent = numaudit.attach(None, address=auditor_server.address, run="dev", phases=("fwd",),
                           sketch_k=16)
     batches = []
     agent.capturer._batches._sink = batches.append  # the batch as the sender would get it

@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents import digest as D
-from agents import hashing
-from agents.digest import (
+from numaudit.agents import digest as D
+from numaudit.agents import hashing
+from numaudit.agents.digest import (
     DEFAULT_SKETCH_K,
     _digest,
     digest_batch_to_host,
@@ -22,8 +22,8 @@ from agents.digest import (
     has_moments,
     release_workspaces,
 )
-from agents.layout import PieceLayout, complex_real_layout
-from auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
+from numaudit.agents.layout import PieceLayout, complex_real_layout
+from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
 
 M64 = (1 << 64) - 1
 M32 = (1 << 32) - 1

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from agents.capture import Capturer, Counters
-from agents.columns import payload_bytes
-from agents.hooks import add_grad_hook
-from agents.config import AgentConfig
-from agents.identity import RankIdentity
-from agents.kernels import cpu
+from numaudit.agents.capture import Capturer, Counters
+from numaudit.agents.columns import payload_bytes
+from numaudit.agents.hooks import add_grad_hook
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.identity import RankIdentity
+from numaudit.agents.kernels import cpu
 
 K = 64
 
@@ -209,7 +209,7 @@ def _segment_records(digest: str) -> dict[tuple, tuple]:
     """Records of expert segments (agents.Agent.capture_segments) over two steps: float32 rows
     with their gradients, a strided bfloat16 tensor, 1-D token ids, empty segments, a payload
     glob that asks for a large segment's bytes, and routing that changes between calls."""
-    from agents.ragged import rows_from_counts
+    from numaudit.agents.ragged import rows_from_counts
 
     g = torch.Generator().manual_seed(5)
     cfg = AgentConfig(digest=digest, sketch_k=K, phases=("fwd", "bwd"), device_batch=16,

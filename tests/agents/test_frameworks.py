@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-import agents
-from agents.capture import PHASE_IDS, Capturer, Counters
-from agents.config import AgentConfig, apply_env, check
-from agents.identity import rank_identity
-from agents.layout import PieceLayout, batch_rows, holds_batch
-from agents.sites import block_sites, select_modules
+import numaudit
+from numaudit.agents.capture import PHASE_IDS, Capturer, Counters
+from numaudit.agents.config import AgentConfig, apply_env, check
+from numaudit.agents.identity import rank_identity
+from numaudit.agents.layout import PieceLayout, batch_rows, holds_batch
+from numaudit.agents.sites import block_sites, select_modules
 
 B, S, D = 4, 8, 16
 
@@ -76,7 +76,7 @@ def test_dp_dims_from_the_environment(fake_rank, monkeypatch):
     check(cfg)
     assert cfg.dp_dims == ("rep", "shard")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
-    agent = agents.attach(None, mesh=mesh, dp_dim="dp")  # the environment wins
+    agent = numaudit.attach(None, mesh=mesh, dp_dim="dp")  # the environment wins
     assert (agent.ident.dp_rank, agent.ident.dp_size) == (1, 4)
     with pytest.raises(ValueError, match="dp_dims"):
         check(AgentConfig(dp_dims="dp"))

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from agents import fsdp1
-from agents.layout import flat_layout
+from numaudit.agents import fsdp1
+from numaudit.agents.layout import flat_layout
 
 
 class Info(NamedTuple):  # torch's _ShardParamInfo, field for field
@@ -127,9 +127,9 @@ def test_original_parameters_map_to_their_own_view_and_replicas_follow_the_group
 def test_flat_parameters_it_cannot_read_are_captured_as_they_are_and_counted():
     """FSDP1 internals other than these (a FlatParameter without the metadata read here): the
     sweep goes on, that parameter is captured under its own name, and the failure is counted."""
-    from agents.capture import Capturer, Counters
-    from agents.config import AgentConfig
-    from agents.identity import rank_identity
+    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.config import AgentConfig
+    from numaudit.agents.identity import rank_identity
 
     module, flat, _ = flat_module(0, 2)
     del flat._fqns

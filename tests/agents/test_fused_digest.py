@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.digest import N_MOMENTS, _digest
-from agents.fastpath import Digester
-from agents.kernels import build, cpu
-from agents.layout import PieceLayout, batch_layout, complex_real_layout
-from agents.rows import RowBatch
+from numaudit.agents.digest import N_MOMENTS, _digest
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.kernels import build, cpu
+from numaudit.agents.layout import PieceLayout, batch_layout, complex_real_layout
+from numaudit.agents.rows import RowBatch
 
 K = 16
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -246,6 +246,20 @@ def test_stale_library_is_refused_with_one_warning(tmp_path, monkeypatch, caplog
     assert digester.digest([(t, PieceLayout.full((6,)), 0)], K, rows) == [0]
     ref64, ref_i64 = _digest(t, PieceLayout.full((6,)), K, sync_free=None)
     assert torch.equal(rows.i64[0], ref_i64)  # the eager row, copied into the batch
+
+
+def test_a_library_is_stale_by_its_sources_not_by_file_times(tmp_path):
+    """An installed wheel's files all carry the install's time, so the library may look older
+    than its sources: it is still the one built from them. Built from other sources, or
+    with no stamp saying what it was built from, it is refused."""
+    lib = tmp_path / build.LIBRARY.name
+    lib.write_bytes(b"not loaded here")
+    assert build.stale(lib)  # no stamp
+    build.stamp_of(lib).write_text(build.sources_digest() + "\n")
+    os.utime(lib, (1, 1))  # far older than every source
+    assert not build.stale(lib)
+    build.stamp_of(lib).write_text("0" * 64 + "\n")
+    assert build.stale(lib)
 
 
 def test_rejects_bad_k_and_bad_layout():

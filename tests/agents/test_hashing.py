@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from agents import hashing as H
+from numaudit.agents import hashing as H
 
 
 def test_every_fingerprint_key_is_odd():

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from agents.layout import (
+from numaudit.agents.layout import (
     PieceLayout,
     UnsupportedLayout,
     batch_layout,
@@ -43,7 +43,7 @@ def test_full_and_validate():
 
 
 def test_layout_proto_round_trip():
-    from protos import numaudit_pb2 as pb
+    from numaudit.protos import numaudit_pb2 as pb
 
     lay = PieceLayout((8, 6, 2), (4, 0, 0), (4, 6, 2), replica=True)
     msg = lay.to_proto(pb.Layout(), dtype="float32", complex_as_real=True)
@@ -53,7 +53,7 @@ def test_layout_proto_round_trip():
 
 def test_flat_layout_is_a_range_of_the_flattening_and_travels_flat():
     """An FSDP1 rank's range of a parameter: its flattening, elements start .. start + count."""
-    from protos import numaudit_pb2 as pb
+    from numaudit.protos import numaudit_pb2 as pb
 
     lay = flat_layout(12, 5, 7)
     assert lay == PieceLayout((12,), (5,), (7,), flat=True) and lay.numel == 7
@@ -176,7 +176,7 @@ def test_dtensor_layout_matches_placements(fake_rank):
         mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))
         coord = mesh.get_coordinate()
         # digest_piece accepts the DTensor itself and digests its local shard
-        from agents.digest import digest_piece
+        from numaudit.agents.digest import digest_piece
 
         dt = distribute_tensor(torch.arange(20.0).view(5, 4), mesh, [Shard(0), Shard(1)])
         lay = dtensor_layout(dt)
@@ -213,7 +213,7 @@ def _gloo_worker(rank: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from agents.digest import digest_piece
+    from numaudit.agents.digest import digest_piece
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4,
@@ -277,8 +277,8 @@ def gloo_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gloo_dtensor_pieces_tile_and_digests_merge(gloo_results):
-    from agents.digest import digest_piece
-    from auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
+    from numaudit.agents.digest import digest_piece
+    from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
 
     for name, (_, shape, _) in GLOO_CASES.items():
         per_rank = [r[name] for r in gloo_results]

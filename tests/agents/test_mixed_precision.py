@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.store import RECORD_COLUMNS, Reader
+import numaudit
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.store import RECORD_COLUMNS, Reader
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,10 +44,10 @@ def _job(address: str, run: str, *, amp: bool = False, scale: float | None = Non
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if scale is None:
-        agent = agents.attach(model, run=run, address=address, optimizer=opt, phases=PHASES)
+        agent = numaudit.attach(model, run=run, address=address, optimizer=opt, phases=PHASES)
         scaler = None
     else:
-        agent = agents.attach(model, run=run, address=address, optimizer=opt, grad_scale=scale,
+        agent = numaudit.attach(model, run=run, address=address, optimizer=opt, grad_scale=scale,
                               phases=PHASES + ("optim_grad", "update"))
         scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000)  # stays
     gen = torch.Generator().manual_seed(1)

@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-import agents
-from agents.sidecar import Sidecar
-from agents.transport import SidecarTransport, TransportError
-from wire.names import BadName, check_run_name, spool_file_name
-from wire.spool import SpoolWriter, read_spool
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.agents.sidecar import Sidecar
+from numaudit.agents.transport import SidecarTransport, TransportError
+from numaudit.wire.names import BadName, check_run_name, spool_file_name
+from numaudit.wire.spool import SpoolWriter, read_spool
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,8 +76,8 @@ def test_spool_file_names_are_one_component_or_refused(tmp_path):
 
 def test_attach_refuses_a_run_name_the_auditor_would_refuse(tmp_path):
     with pytest.raises(ValueError, match="run"):
-        agents.attach(None, run="../../escaped", address="127.0.0.1:1")
-    agent = agents.attach(None, run="ok.run-1", spool_dir=str(tmp_path))  # no address: spools
+        numaudit.attach(None, run="../../escaped", address="127.0.0.1:1")
+    agent = numaudit.attach(None, run="ok.run-1", spool_dir=str(tmp_path))  # no address: spools
     with agent.step(0), agent.microbatch(0):
         agent.capture(torch.ones(2), site="x", phase="input")
     assert agent.close()["spooled"] == 1

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from agents.directives import Directive
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.store import Reader
-from wire.ops import SCALAR_INDEX, parse_op_site
-from wire.plan import Plan, format_plan
+import numaudit
+from numaudit.agents.directives import Directive
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.store import Reader
+from numaudit.wire.ops import SCALAR_INDEX, parse_op_site
+from numaudit.wire.plan import Plan, format_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +55,7 @@ def _train(agent, model, steps=2, microbatches=2):
 
 
 def _run(server, name, model, **options):
-    agent = agents.attach(model, run=name, address=server.address,
+    agent = numaudit.attach(model, run=name, address=server.address,
                           phases=("fwd", "bwd", "grad"), **options)
     return agent, _train(agent, model)
 
@@ -135,7 +135,7 @@ def test_modules_that_do_not_match_are_not_touched():
     model = Net()
     before = {n: (len(m._forward_pre_hooks), len(m._forward_hooks))
               for n, m in model.named_modules()}
-    agent = agents.attach(model, run="x", ops=("mlp",), spool_mode="off")
+    agent = numaudit.attach(model, run="x", ops=("mlp",), spool_mode="off")
     hooked = {n for n, m in model.named_modules()
               if len(m._forward_pre_hooks) != before[n][0]}
     assert hooked == {"", "mlp"}  # the root's batch-size pre-hook is the agent's as ever
@@ -156,28 +156,28 @@ def test_a_plan_file_sets_ops_steps_and_payload(tmp_path, monkeypatch):
     plan.write_text(format_plan(Plan(ops=("mlp", "mlp.w2"), steps=(3,),
                                      payload=("fwd:mlp.w2",))))
     monkeypatch.setenv("NUMAUDIT_PLAN", str(plan))
-    agent = agents.attach(Net(), run="p", payload=("fwd:out",), spool_mode="off")
+    agent = numaudit.attach(Net(), run="p", payload=("fwd:out",), spool_mode="off")
     cfg = agent.config
     assert cfg.ops == ("mlp", "mlp.w2") and cfg.steps == frozenset({3})
     assert cfg.payload == ("fwd:out", "fwd:mlp.w2")
     agent.close()
     monkeypatch.setenv("NUMAUDIT_STEPS", "5")  # a variable wins over the plan
-    agent = agents.attach(Net(), run="p", spool_mode="off")
+    agent = numaudit.attach(Net(), run="p", spool_mode="off")
     assert agent.config.steps == frozenset({5}) and agent.config.ops == ("mlp", "mlp.w2")
     agent.close()
     plan.write_text("version = 1\nops = []\n")
     with pytest.raises(ValueError, match="ops: no module to drill into"):
-        agents.attach(Net(), run="p", spool_mode="off")
+        numaudit.attach(Net(), run="p", spool_mode="off")
     plan.write_text("version = 2\nops = ['mlp']\n")
     with pytest.raises(ValueError, match="version"):
-        agents.attach(Net(), run="p", spool_mode="off")
+        numaudit.attach(Net(), run="p", spool_mode="off")
 
 
 def test_a_directive_captures_its_step_and_a_late_one_is_ignored(auditor_server):
     """A directive names a step: that step is captured (whatever the step selection) with the
     operations and payloads it asks for; one for a step already started is ignored."""
     model = Net()
-    agent = agents.attach(model, run="d", address=auditor_server.address,
+    agent = numaudit.attach(model, run="d", address=auditor_server.address,
                           phases=("fwd", "bwd", "grad"), steps=frozenset({0}),
                           payload_max_bytes=0)
     agent.ops.inbox.append(Directive(1, 2, ("mlp",), ("fwd:mlp",), "test"))
@@ -223,7 +223,7 @@ def test_an_operation_that_cannot_be_digested_is_counted_not_raised(auditor_serv
             return self.s(x)
 
     model = M()
-    agent = agents.attach(model, run="sp", address=auditor_server.address, ops=("s",))
+    agent = numaudit.attach(model, run="sp", address=auditor_server.address, ops=("s",))
     with agent.step(0), agent.microbatch(0):
         y = model(torch.randn(3, 3))
     summary = agent.close()
@@ -263,7 +263,7 @@ def test_a_collective_one_run_adds_is_said_and_the_rest_still_pairs(auditor_serv
         for name, reduce in (("plain", False), ("reduced", True)):
             model = torch.nn.Sequential()
             model.add_module("m", Reduced(reduce))
-            agent = agents.attach(model, run=name, address=auditor_server.address, ops=("m",))
+            agent = numaudit.attach(model, run=name, address=auditor_server.address, ops=("m",))
             with agent.step(0), agent.microbatch(0):
                 model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
             assert agent.close()["errors"] == 0

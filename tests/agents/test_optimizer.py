@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.store import Reader
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,9 +38,9 @@ def _job(address: str, run: str, clip: str, *, steps: int = 2, via_attach: bool 
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if via_attach:
-        agent = agents.attach(model, run=run, address=address, optimizer=opt)
+        agent = numaudit.attach(model, run=run, address=address, optimizer=opt)
     else:
-        agent = agents.attach(model, run=run, address=address, phases=("fwd", "grad", "param"))
+        agent = numaudit.attach(model, run=run, address=address, phases=("fwd", "grad", "param"))
         agent.watch_optimizer(opt)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):

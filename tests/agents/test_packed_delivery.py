@@ -11,16 +11,16 @@ import grpc
 import pytest
 import torch
 
-import agents
-from agents.delivery import Delivery
-from agents.transport import GrpcTransport
-from auditor.daemon.replay import replay_into_db
-from auditor.daemon.server import BackgroundServer
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.agents.delivery import Delivery
+from numaudit.agents.transport import GrpcTransport
+from numaudit.auditor.daemon.replay import replay_into_db
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import record, register_request
-from wire import packed as P
-from wire.checksum import batch_checksum, received_records_checksum
-from wire.spool import SpoolWriter, read_spool
+from numaudit.wire import packed as P
+from numaudit.wire.checksum import batch_checksum, received_records_checksum
+from numaudit.wire.spool import SpoolWriter, read_spool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ def _stored(db) -> list[tuple]:
 
 def _spooled_session(tmp_path) -> Path:
     """The spool file of an agent that captured `_capture`'s records (spool_mode always)."""
-    agent = agents.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
+    agent = numaudit.attach(None, run="packed", spool_dir=str(tmp_path / "spool"),
                           spool_mode="always", phases=("input", "fwd"), payload=("input:pay",),
                           sketch_k=32, batch_records=8)
     _capture(agent)
@@ -86,7 +86,7 @@ def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
 
 def test_agent_to_a_real_daemon_stores_every_record(tmp_path):
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
-        agent = agents.attach(None, address=srv.address, run="live", phases=("input", "fwd"),
+        agent = numaudit.attach(None, address=srv.address, run="live", phases=("input", "fwd"),
                               payload=("input:pay",), sketch_k=16, batch_records=8)
         _capture(agent, steps=3)
         agent.close(timeout=10.0)
@@ -222,8 +222,8 @@ class _OldDaemonStub:
 
 @pytest.mark.parametrize("packed_batches", [True, False])
 def test_replay_sends_an_auditor_of_an_earlier_build_what_it_takes(tmp_path, packed_batches):
-    from auditor.daemon.replay import _replay_file
-    from protos import numaudit_pb2_grpc
+    from numaudit.auditor.daemon.replay import _replay_file
+    from numaudit.protos import numaudit_pb2_grpc
 
     path = _spooled_session(tmp_path)
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
@@ -264,7 +264,7 @@ class _RecordingPeer:
 
 
 def _sealed(seq: int) -> bytes:
-    from wire.sealed import sealed_batch
+    from numaudit.wire.sealed import sealed_batch
 
     return sealed_batch("seal-0", seq, P.from_records(
         [record(seq, j, payload=b"\x07" * 48 if j == 1 else None) for j in range(4)]))
@@ -342,9 +342,9 @@ def test_sealed_batches_are_kept_as_their_bytes_and_parsed_only_for_an_older_pee
 def test_a_batch_that_fails_to_encode_is_counted_and_the_sender_goes_on(tmp_path, monkeypatch):
     """An encoder failure (a bug) loses that batch only: its records are counted as
     build_error, the sender thread keeps running, and later batches are stored."""
-    import agents.sender
+    from numaudit.agents import sender as agents_sender
 
-    real, calls = agents.sender.sealed_batch, []
+    real, calls = agents_sender.sealed_batch, []
 
     def flaky(session_id, seq, cols):
         calls.append(seq)
@@ -352,9 +352,9 @@ def test_a_batch_that_fails_to_encode_is_counted_and_the_sender_goes_on(tmp_path
             raise RuntimeError("injected encoder failure")
         return real(session_id, seq, cols)
 
-    monkeypatch.setattr(agents.sender, "sealed_batch", flaky)
+    monkeypatch.setattr(agents_sender, "sealed_batch", flaky)
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
-        agent = agents.attach(None, address=srv.address, run="flaky", phases=("input", "fwd"),
+        agent = numaudit.attach(None, address=srv.address, run="flaky", phases=("input", "fwd"),
                               payload=("input:pay",), sketch_k=16, batch_records=8)
         _capture(agent, steps=3)
         s = agent.close(timeout=10.0)

@@ -11,12 +11,12 @@ import copy
 import pytest
 import torch
 
-import agents
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report.text import to_text
-from auditor.store import RECORD_COLUMNS, Reader
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.text import to_text
+from numaudit.auditor.store import RECORD_COLUMNS, Reader
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,7 @@ def _job(address: str, run: str, model: torch.nn.Module, x: torch.Tensor, rows: 
     monkeypatch.setenv("RANK", str(dp_rank))
     monkeypatch.setenv("WORLD_SIZE", str(dp_size))
     model = copy.deepcopy(model)
-    agent = agents.attach(model, run=run, address=address, dp_rank=dp_rank, dp_size=dp_size,
+    agent = numaudit.attach(model, run=run, address=address, dp_rank=dp_rank, dp_size=dp_size,
                           phases=("loss",))
     with agent.step(0), agent.microbatch(0):
         per_sample = torch.nn.functional.mse_loss(model(x[rows]), torch.zeros(len(x[rows]), 1),

@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 
-from agents import pickles
-from agents.pickles import BoundedUnpickler, UnsafePickle, check_pickle
+from numaudit.agents import pickles
+from numaudit.agents.pickles import BoundedUnpickler, UnsafePickle, check_pickle
 
 PLAIN = {"a": [1, 2, {"b": (1, 2.5)}], "s": {1, 2}, "f": frozenset([3]), "x": b"xx",
          1.5: None, "t": True, "big": 1 << 80, "u": "é" * 3}

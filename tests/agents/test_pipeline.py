@@ -21,16 +21,16 @@ _JOB = textwrap.dedent('''
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       NUMAUDIT_SPOOL_MODE="off")
     dist.init_process_group("gloo")
-    import agents
-    from agents.pipeline import agent_loss, watch_stages
+    import numaudit
+    from numaudit.agents.pipeline import agent_loss, watch_stages
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    agent = agents.attach(run="pp")
+    agent = numaudit.attach(run="pp")
     stage = PipelineStage(model, 0, 1, torch.device("cpu"))  # no shapes: inferred on step 0
     seen = collections.Counter()
-    from agents.capture import PHASE_IDS
+    from numaudit.agents.capture import PHASE_IDS
     phases = {v: k for k, v in PHASE_IDS.items()}
     sink = agent.capturer._batches._sink  # every capture, hooks' and agent.capture's
     def spy(batch):

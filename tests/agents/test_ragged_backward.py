@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from agents.digest import digest_piece
-from agents.layout import ragged_layout
-from agents.ragged import rows_from_counts
-from auditor.store import RECORD_COLUMNS, Reader, from_int64
-from protos import numaudit_pb2 as pb
+import numaudit
+from numaudit.agents.digest import digest_piece
+from numaudit.agents.layout import ragged_layout
+from numaudit.agents.ragged import rows_from_counts
+from numaudit.auditor.store import RECORD_COLUMNS, Reader, from_int64
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 COL = {c: i for i, c in enumerate(RECORD_COLUMNS)}
@@ -43,7 +43,7 @@ def test_input_and_output_gradients_of_ragged_segments_are_both_captured(auditor
     torch.manual_seed(0)
     counts = [3, 0, 2]
     w = torch.randn(4, 4, requires_grad=True)
-    agent = agents.attach(None, run="seg", address=auditor_server.address, phases=("fwd", "bwd"))
+    agent = numaudit.attach(None, run="seg", address=auditor_server.address, phases=("fwd", "bwd"))
     rows = rows_from_counts([counts], 0)
     grads = {}
     with agent.step(0), agent.microbatch(0):
@@ -68,7 +68,7 @@ def test_input_and_output_gradients_of_ragged_segments_are_both_captured(auditor
 
 
 def test_input_and_output_gradients_of_one_capture_site_are_both_captured(auditor_server):
-    agent = agents.attach(None, run="one", address=auditor_server.address, phases=("fwd", "bwd"))
+    agent = numaudit.attach(None, run="one", address=auditor_server.address, phases=("fwd", "bwd"))
     with agent.step(0), agent.microbatch(0):
         x = torch.randn(3, 2, requires_grad=True)
         h = x * 2.0

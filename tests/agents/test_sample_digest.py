@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from agents import digest as D
-from agents import hashing
-from agents.capture import Capturer, Counters
-from agents.config import AgentConfig
-from agents.fastpath import Digester
-from agents.identity import RankIdentity
-from agents.kernels import cpu
-from agents.layout import PieceLayout
-from agents.sample_digest import (MAX_SAMPLES, MAX_UNITS, _combine, _Torch, combine_units,
+from numaudit.agents import digest as D
+from numaudit.agents import hashing
+from numaudit.agents.capture import Capturer, Counters
+from numaudit.agents.config import AgentConfig
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.identity import RankIdentity
+from numaudit.agents.kernels import cpu
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.sample_digest import (MAX_SAMPLES, MAX_UNITS, _combine, _Torch, combine_units,
                                   digest_samples_eager, sample_layout, unit_plan)
 from tests.agents.test_digest import ref_digest
 from tests.agents.test_fast_path import _Net
@@ -187,7 +187,7 @@ def test_hooks_record_sample_digests_of_batch_holding_captures_on_either_path():
 
 
 def test_sample_digests_can_be_switched_off():
-    from agents.config import apply_env
+    from numaudit.agents.config import apply_env
     assert apply_env(AgentConfig(), {"NUMAUDIT_SAMPLE_DIGESTS": "0"}).sample_digests is False
     assert apply_env(AgentConfig(), {}).sample_digests is True
 
@@ -195,10 +195,10 @@ def test_sample_digests_can_be_switched_off():
 _TRITON = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from agents.fastpath import Digester
-from agents.kernels.accel import term_magnitudes, within_contract
-from agents.layout import PieceLayout
-from agents.sample_digest import digest_samples_eager, sample_layout
+from numaudit.agents.fastpath import Digester
+from numaudit.agents.kernels.accel import term_magnitudes, within_contract
+from numaudit.agents.layout import PieceLayout
+from numaudit.agents.sample_digest import digest_samples_eager, sample_layout
 d = Digester("auto", triton_devices=("cpu",))
 d._cpu = None  # CPU pieces to Triton (under its interpreter), as accelerator pieces would go
 g = torch.Generator().manual_seed(5)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import agents
-from agents.sidecar import Sidecar
-from agents.transport import SidecarTransport, wait_for_socket
-from auditor.daemon.replay import replay_into_db
-from auditor.store import Reader, UnknownRun
+from numaudit import agents
+from numaudit.agents.sidecar import Sidecar
+from numaudit.agents.transport import SidecarTransport, wait_for_socket
+from numaudit.auditor.daemon.replay import replay_into_db
+from numaudit.auditor.store import Reader, UnknownRun
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_no_grpc_channel_is_created_in_sidecar_mode(tmp_path):
 
 
 def _start_sidecar(sock: str, spool: Path, auditor: str | None, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "agents.sidecar", "--listen", sock, "--spool", str(spool)]
+    cmd = [sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sock, "--spool", str(spool)]
     if auditor:
         cmd += ["--auditor", auditor]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
@@ -145,7 +145,7 @@ def test_a_payload_in_chunks_counts_as_one_capture_through_the_sidecar(tmp_path,
     sidecar's counts count captures, so captured = acked + spooled + dropped still holds, the
     store keeps one record per capture, and the daemon's acks and `auditor ingest` count
     records, not chunks."""
-    from wire import limits
+    from numaudit.wire import limits
 
     monkeypatch.setattr(limits, "PAYLOAD_CHUNK_BYTES", 32 << 10)
     sock = f"unix://{tmp_path}/s.sock"
@@ -173,14 +173,14 @@ def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
     bytes, and relays them upstream as they are, instead of serializing the parsed message
     again. The rank's bytes are marked here with an unknown field in front, where no
     serializer writes one (it puts unknown fields last)."""
-    import agents.sender
-    from protos import numaudit_pb2 as pb
-    from wire.checksum import received_records_checksum
-    from wire.spool import KIND_BATCH, read_frame
+    from numaudit.agents import sender as agents_sender
+    from numaudit.protos import numaudit_pb2 as pb
+    from numaudit.wire.checksum import received_records_checksum
+    from numaudit.wire.spool import KIND_BATCH, read_frame
 
     mark = bytes((0xC0, 0x3E, 0x01))  # field 1000, varint 1: unknown to RecordBatch
-    sent, seal = [], agents.sender.sealed_batch
-    monkeypatch.setattr(agents.sender, "sealed_batch",
+    sent, seal = [], agents_sender.sealed_batch
+    monkeypatch.setattr(agents_sender, "sealed_batch",
                         lambda *a: sent.append(mark + seal(*a)) or sent[-1])
     sock = f"unix://{tmp_path}/s.sock"
     sidecar = Sidecar(sock, tmp_path / "relay")  # no auditor: the relay spool stays to be read
@@ -216,7 +216,7 @@ def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tm
     _capture(agent, 3)
     assert agent.close()["acked"] == 3
     assert _wait(lambda: len(_stored_sites(auditor_server.db_path, "ref")) == 3)
-    pid = int(subprocess.run(["pgrep", "-f", f"agents.sidecar --listen {sock}"],
+    pid = int(subprocess.run(["pgrep", "-f", f"numaudit.agents.sidecar --listen {sock}"],
                              capture_output=True, text=True).stdout.split()[0])
     os.kill(pid, signal.SIGTERM)  # don't wait the 10 s idle period in a test
     assert _wait(lambda: not wait_for_socket(sock, 0), 10)
@@ -226,7 +226,7 @@ def test_a_session_whose_forwarding_fails_does_not_stop_the_others(auditor_serve
                                                                    monkeypatch):
     """One relayed session's forwarding step raising (a bug) is logged and retried; the
     sidecar's other sessions keep flowing, and the failed one is delivered once it recovers."""
-    from agents.delivery import Delivery
+    from numaudit.agents.delivery import Delivery
 
     failures = {"left": 20}
     service = Delivery.service

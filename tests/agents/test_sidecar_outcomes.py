@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from agents.sidecar import Sidecar
-from auditor.daemon.server import BackgroundServer
-from auditor.store import Reader, UnknownRun
-from auditor.daemon.tokens import Tokens
+import numaudit
+from numaudit.agents.sidecar import Sidecar
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.store import Reader, UnknownRun
+from numaudit.auditor.daemon.tokens import Tokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ def _run(case: str, mode: str, auditor, tmp_path) -> tuple[dict, dict | None]:
     else:
         opts.update(address=auditor.address, token=token)
     try:
-        agent = agents.attach(None, **opts)
+        agent = numaudit.attach(None, **opts)
         with agent.step(0):
             for mb in range(N // PER_BATCH):
                 with agent.microbatch(mb):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from wire.spool import MAGIC, SpoolWriter, read_spool
-from protos import numaudit_pb2 as pb
+from numaudit.wire.spool import MAGIC, SpoolWriter, read_spool
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,8 +101,8 @@ import resource, signal, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from tests.agents.test_spool import _batch, SID
-from wire.spool import SpoolWriter
-from protos import numaudit_pb2 as pb
+from numaudit.wire.spool import SpoolWriter
+from numaudit.protos import numaudit_pb2 as pb
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death, as on a full disk
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 w = SpoolWriter(Path(sys.argv[1]), "run", 0, SID)

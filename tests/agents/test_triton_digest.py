@@ -41,11 +41,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-from agents import hashing  # noqa: E402
-from agents.digest import N_MOMENTS, _digest  # noqa: E402
-from agents.kernels.accel import term_magnitudes, within_contract  # noqa: E402
-from agents.kernels.triton_plan import MIN_TILE_ROWS, plan_piece, tiling  # noqa: E402
-from agents.layout import PieceLayout, batch_layout  # noqa: E402
+from numaudit.agents import hashing  # noqa: E402
+from numaudit.agents.digest import N_MOMENTS, _digest  # noqa: E402
+from numaudit.agents.kernels.accel import term_magnitudes, within_contract  # noqa: E402
+from numaudit.agents.kernels.triton_plan import MIN_TILE_ROWS, plan_piece, tiling  # noqa: E402
+from numaudit.agents.layout import PieceLayout, batch_layout  # noqa: E402
 
 K = 16
 SKETCH_KS = [1, 8, 256, 4096]
@@ -63,7 +63,7 @@ NONFINITE_AT = (3, 17, 40, 41, 90, 300, 511, 777)
 
 @pytest.fixture(scope="module")
 def triton_digest():
-    import agents.kernels.digest_triton as mod
+    import numaudit.agents.kernels.digest_triton as mod
 
     return mod
 
@@ -328,7 +328,7 @@ def test_many_pieces_of_one_group_find_their_tiles(triton_digest):
 def test_a_piece_of_more_tiles_than_one_finishing_step(triton_digest, monkeypatch):
     """More tile partials than the finishing program reads in one step (FINISH_BLOCK); tiles
     made small so that the interpreter has fewer rows to run."""
-    from agents.kernels import triton_plan
+    from numaudit.agents.kernels import triton_plan
 
     monkeypatch.setattr(triton_plan, "MIN_TILE_ROWS", 4)
     n = (triton_digest.FINISH_BLOCK + 3) * 4 * hashing.LANES + 5
@@ -398,7 +398,7 @@ def test_tiles_float32_cannot_sum_are_summed_in_float64(triton_digest, dtype, sc
 def test_agent_rows_come_from_an_arena_that_is_replaced_when_full(triton_digest, monkeypatch):
     """digest_rows (the agent's call) writes into the device's row arena: lists take
     consecutive rows, and a full arena is replaced without touching rows handed out before."""
-    from agents.kernels import triton_launch
+    from numaudit.agents.kernels import triton_launch
 
     monkeypatch.setattr(triton_launch, "ARENA_ROWS", 4)
     pieces = [(t.to(_device()), lay) for t, lay in _mixed_pieces()[:6]]
@@ -444,7 +444,7 @@ def test_a_variant_is_launched_through_triton_once_then_through_its_handle():
     the compiled kernel's launcher with addresses and, since Triton 3.3, the constexprs after
     the runtime arguments; hooks and launch metadata None. Under the interpreter every launch
     goes through Triton (there is no compiled kernel)."""
-    from agents.kernels import triton_launch
+    from numaudit.agents.kernels import triton_launch
 
     kernel = _JitKernel()
     launch = triton_launch.Launcher(kernel, {"K": 8, "FLOAT": None}, num_warps=8, ints=("n",))
@@ -466,7 +466,7 @@ def test_a_kernel_that_typed_an_integer_int32_keeps_tritons_launcher():
     """A Triton that typed an integer argument by the first call's value (int32 for a small
     one) would truncate a larger one passed through the handle: such a kernel is launched
     through Triton every time, which types and checks each call."""
-    from agents.kernels import triton_launch
+    from numaudit.agents.kernels import triton_launch
 
     kernel = _JitKernel(n_type="i32")
     launch = triton_launch.Launcher(kernel, {"K": 8}, num_warps=8, ints=("n",))
@@ -480,7 +480,7 @@ def test_whole_groups_of_8_at_16_bytes_are_read_in_vectors(triton_digest, dtype)
     """A line whose first index and end are multiples of 8, at an address where its rows start
     on 16 bytes, takes the vector path (its masks per group of 8 lanes); the same layout one
     element further in memory does not. Both digest as the eager reference does."""
-    from agents.kernels.triton_plan import plan_piece, vector_reads
+    from numaudit.agents.kernels.triton_plan import plan_piece, vector_reads
 
     layout = PieceLayout((3000,), (48,), (1040,))  # rows partly live at both ends
     buf = _values(dtype, 1040 + 16, 71).to(_device())
@@ -494,9 +494,9 @@ _COMPILE = r"""
 import torch, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from agents.kernels import digest_triton as dt, triton_kernels as kern
-from agents.kernels.triton_plan import NUM_WARPS
-from agents.layout import PieceLayout
+from numaudit.agents.kernels import digest_triton as dt, triton_kernels as kern
+from numaudit.agents.kernels.triton_plan import NUM_WARPS
+from numaudit.agents.layout import PieceLayout
 
 POINTERS = {"desc_ptr": "*i64", "inv_ptr": "*i32", "table_ptr": "*i64", "pow_ptr": "*i64",
             "part_i64_ptr": "*i64", "part_f64_ptr": "*fp64", "part_sk_ptr": "*fp64",

@@ -17,13 +17,13 @@ from typing import Iterable, Sequence
 import torch
 import zstandard
 
-from agents.digest import digest_piece
-from agents.layout import PieceLayout
-from wire import limits
-from auditor.compare.digests import DigestValues
-from auditor.daemon.validate import validate_batch
-from auditor.store.backend import open_writer
-from protos import numaudit_pb2 as pb
+from numaudit.agents.digest import digest_piece
+from numaudit.agents.layout import PieceLayout
+from numaudit.wire import limits
+from numaudit.auditor.compare.digests import DigestValues
+from numaudit.auditor.daemon.validate import validate_batch
+from numaudit.auditor.store.backend import open_writer
+from numaudit.protos import numaudit_pb2 as pb
 
 PHASES = {"fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
           "param": pb.PHASE_PARAM, "loss": pb.PHASE_LOSS, "input": pb.PHASE_INPUT}

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from auditor.checkpoint.safetensors import write_safetensors  # noqa: E402
+from numaudit.auditor.checkpoint.safetensors import write_safetensors  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 
 VOCAB, DIM, CLASSES, LAYERS = 8192, 64, 16, 4
@@ -218,9 +218,9 @@ def capture_live(save: str, sd: dict, stage: int = -1, **attach) -> None:
     one agent, one `capture_state_dict`, closed; anything not acked ends the job."""
     if not os.environ.get("NUMAUDIT_ADDR"):
         return
-    import agents
+    import numaudit
 
-    agent = agents.attach(None, run=LIVE_RUNS[save], spool_mode="off", **attach)
+    agent = numaudit.attach(None, run=LIVE_RUNS[save], spool_mode="off", **attach)
     agent.capture_state_dict(sd, step=LIVE_STEP, stage=stage)
     summary = agent.close()
     if not summary["captured"] or summary["acked"] != summary["captured"] or summary["dropped"]:

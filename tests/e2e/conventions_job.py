@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 from tests.e2e.parallel_job import (BATCH, MICROBATCHES, STEPS, Model,  # noqa: E402
                                     _allreduce_summed, _globally_normalized, loss_fn,
@@ -71,7 +71,7 @@ def train(name: str, run: str) -> None:
         if style == "sum":
             model.register_comm_hook(None, _allreduce_summed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    agent = agents.attach(model, run=run, mesh=mesh, dp_dim="dp")
+    agent = numaudit.attach(model, run=run, mesh=mesh, dp_dim="dp")
     share = BATCH // world
     rows = [(rank * share + i + (1 if case == "shard" and rank == 1 else 0)) % BATCH
             for i in range(share)]

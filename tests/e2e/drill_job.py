@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
@@ -73,7 +73,7 @@ def run_one(case: str, run: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = Model(rank, world, reduce=case != "tp_noreduce")
-    agent = agents.attach(model, run=run, mesh=mesh, ops=("block",),
+    agent = numaudit.attach(model, run=run, mesh=mesh, ops=("block",),
                           phases=("fwd", "bwd", "grad"))
     for step in range(1):
         with agent.step(step):

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 
 
 class MLP(torch.nn.Module):
@@ -58,7 +58,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     model = Net(args.scale)
-    agent = agents.attach(model, run=args.name, phases=("fwd", "bwd", "grad"))
+    agent = numaudit.attach(model, run=args.name, phases=("fwd", "bwd", "grad"))
     for step in range(args.steps):
         with agent.step(step):
             for mb in range(2):

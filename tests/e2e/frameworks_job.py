@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
@@ -103,7 +103,7 @@ def run_hf(case: str, run: str) -> None:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    agent = agents.attach(model, run=run, mesh=mesh)   # the README's line
+    agent = numaudit.attach(model, run=run, mesh=mesh)   # the README's line
     share = BATCH // world
 
     def microbatches(step: int) -> list[torch.Tensor]:
@@ -185,7 +185,7 @@ def run_tt(case: str, run: str) -> None:
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    agent = agents.attach(model, run=run, mesh=parallel_dims)
+    agent = numaudit.attach(model, run=run, mesh=parallel_dims)
     dp = world if parallel == "fsdp" else 1
     share = BATCH // dp
     reader = rank if dp > 1 else 0

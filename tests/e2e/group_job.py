@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
 NARROW = dict(vocab=16, dim=8, hidden=16, seq=4, samples=16)
@@ -119,7 +119,7 @@ def train(case: str, run: str) -> None:
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     options = {"acc4_declared": {"grad_scale": 0.25}, "acc4_old": {"sample_digests": False}}
-    agent = agents.attach(model, run=run, **options.get(case, {}))
+    agent = numaudit.attach(model, run=run, **options.get(case, {}))
     n_local = {"acc1": 1, "ddp_rr1": 1, "shuffled": 1}.get(case, 4 if world == 1 else 2)
     for step in range(STEPS):
         tokens = step_tokens(step)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Daemon:
-    """`python -m auditor serve` on a free port; stop() sends SIGTERM and returns the exit code."""
+    """`python -m numaudit.auditor serve` on a free port; stop() sends SIGTERM and returns the exit code."""
 
     def __init__(self, tmp: Path, name: str = "audit") -> None:
         self.db = tmp / f"{name}.db"
@@ -21,7 +21,7 @@ class Daemon:
         self.log = tmp / f"{name}.log"
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
              "--db", str(self.db), "--port-file", str(self.port_file)],
             stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
         )
@@ -87,7 +87,7 @@ def compare_json(db: Path, ref: str, cand: str, *extra: str, preset: str = "fp32
     """`auditor compare REF CAND --format json` as a user runs it: (exit code, report)."""
     import json
 
-    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", ref, cand, "--db",
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "compare", ref, cand, "--db",
                            str(db), "--preset", preset, "--format", "json", *extra], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                           text=True, timeout=120)
@@ -104,7 +104,7 @@ def checkpoint_json(ref: str | Path, cand: str | Path, *extra: str, preset: str 
 
     from click.testing import CliRunner
 
-    from auditor.cli import main
+    from numaudit.auditor.cli import main
 
     res = CliRunner().invoke(main, ["checkpoint", str(ref), str(cand), "--preset", preset,
                                     "--format", "json", *extra])

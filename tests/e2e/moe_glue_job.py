@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
 DIM, EXPERTS, TOKENS, STEPS = 8, 6, 12, 2
@@ -83,7 +83,7 @@ def train(case: str, run: str) -> None:
     # "_nopay": no payloads at all, so undeclared ragged experts are judged by their
     # fingerprints, moved to their places by the auditor (fingerprint version 3)
     options = dict(payload_max_bytes=0) if case.endswith("_nopay") else {}
-    agent = agents.attach(model, run=run, **options)
+    agent = numaudit.attach(model, run=run, **options)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(10 + step)
         x = torch.randn(TOKENS, DIM, generator=g).chunk(world)[rank]

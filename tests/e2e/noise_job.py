@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
 VOCAB, DIM, HIDDEN, SEQ, BATCH, STEPS = 32, 32, 64, 8, 8, 2
@@ -141,7 +141,7 @@ def train(case: str, run: str) -> None:
     model = DDP(Model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / LOSS_SCALE)
     acc = 2 if case.startswith("acc2") else 1
-    agent = agents.attach(model, run=run, **({"payload_max_bytes": 0} if acc > 1 else {}))
+    agent = numaudit.attach(model, run=run, **({"payload_max_bytes": 0} if acc > 1 else {}))
     for step in range(STEPS):
         STATE["scale"] = {"layers.1.attn": 1.25} if case == "x125" and step == 0 else {}
         share = step_tokens(step).chunk(world)[rank]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
 DIM, QKV, HIDDEN, VOCAB = 32, 96, 128, 16
@@ -70,7 +70,7 @@ def train(case: str, run: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    agent = agents.attach(model, run=run)
+    agent = numaudit.attach(model, run=run)
     g = torch.Generator().manual_seed(7)
     with agent.step(0):
         for mb in range(MICROBATCHES):

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
-from agents.pipeline import agent_loss, watch_stages  # noqa: E402
+from numaudit import agents  # noqa: E402
+from numaudit.agents.pipeline import agent_loss, watch_stages  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 

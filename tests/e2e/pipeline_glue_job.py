@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
-from agents.pipeline import agent_loss, watch_stages  # noqa: E402
+import numaudit  # noqa: E402
+from numaudit.agents.pipeline import agent_loss, watch_stages  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 from tests.e2e.parallel_job import (BATCH, LAYERS, MICROBATCHES, STEPS, Model,  # noqa: E402
@@ -58,7 +58,7 @@ def write_summary(run: str, summary: dict) -> None:
 def run_ref(run: str) -> None:
     model = Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    agent = agents.attach(model, run=run)
+    agent = numaudit.attach(model, run=run)
     user_hooks(agent, model, first=True)
     readme_loop(agent, model, optimizer,
                 lambda step: [microbatch_tokens(step, j) for j in range(MICROBATCHES)])
@@ -76,7 +76,7 @@ def run_pp(case: str, run: str) -> None:
     mine = [rank, n_stages - 1 - rank] if v else [rank]  # DualPipeV's V placement
     per_stage = LAYERS // n_stages
     model = Model()
-    agent = agents.attach(None, run=run, mesh=mesh, dp_dim="dp")
+    agent = numaudit.attach(None, run=run, mesh=mesh, dp_dim="dp")
     stages, params = [], []
     for s in mine:
         module = stage_module(model, list(range(s * per_stage, (s + 1) * per_stage)),

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES, BATCH = 8, 16, 4, 8
 STEPS, SAVED_AFTER = 4, 1
@@ -80,7 +80,7 @@ def state_dict(model: Model, optimizer: torch.optim.Optimizer) -> dict:
 def full(run: str, ckpt: Path) -> None:
     model = Model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-    agent = agents.attach(model, run=run, optimizer=optimizer, phases=PHASES)
+    agent = numaudit.attach(model, run=run, optimizer=optimizer, phases=PHASES)
     for step in range(STEPS):
         train(agent, model, optimizer, step)
         if step == SAVED_AFTER:
@@ -93,7 +93,7 @@ def full(run: str, ckpt: Path) -> None:
 def resume(run: str, ckpt: Path, case: str) -> None:
     model = Model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-    agent = agents.attach(model, run=run, optimizer=optimizer, phases=PHASES)
+    agent = numaudit.attach(model, run=run, optimizer=optimizer, phases=PHASES)
     sd = state_dict(model, optimizer)  # the placeholders DCP loads into, in place
     if case == "noopt":  # planted: the optimizer's state is not loaded
         del sd["optim"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import agents  # noqa: E402
+import numaudit  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
@@ -63,7 +63,7 @@ def run(case: str, name: str) -> None:
             model = torch.nn.parallel.DistributedDataParallel(model)
     # sequence-first code says where its batch is (`_undeclared`: it does not)
     declared = seq_first and not case.endswith("_undeclared")
-    agent = agents.attach(model, run=name, mesh=mesh, dp_dim="dp", batch_dim=1 if declared else 0)
+    agent = numaudit.attach(model, run=name, mesh=mesh, dp_dim="dp", batch_dim=1 if declared else 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     share = BATCH // world
     for step in range(STEPS):

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report.json_report import to_json
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.json_report import to_json
 from tests.e2e.helpers import ROOT, Daemon, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -67,7 +67,7 @@ def compare(db, ref: str, cand: str, preset: str = "fp32") -> tuple[int, dict]:
     if key not in _REPORTS:
         from click.testing import CliRunner
 
-        from auditor.cli import main
+        from numaudit.auditor.cli import main
 
         res = CliRunner().invoke(main, ["compare", ref, cand, "--db", str(db), "--preset", preset,
                                         "--format", "json"])
@@ -105,7 +105,7 @@ def test_rotary_outputs_are_replicas_and_blocks_are_seen_inside(db, ref, cand):
 def test_torchtitan_needs_no_batch_split_declaration(db):
     """attach(model, mesh=parallel_dims): the data-loading mesh's `batch` dim splits the
     samples under FSDP2; under TP (its `tp` dim spans the world) there is one dp rank."""
-    from auditor.store import Reader
+    from numaudit.auditor.store import Reader
 
     reader = Reader(db)
     try:

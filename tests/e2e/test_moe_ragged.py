@@ -64,7 +64,7 @@ def moe_store(tmp_path_factory):
 
 def compare(db, tmp, ref: str, cand: str) -> tuple[int, dict]:
     out = tmp / f"{ref}-{cand}.json"
-    rc = subprocess.call([sys.executable, "-m", "auditor", "compare", ref, cand, "--db", str(db),
+    rc = subprocess.call([sys.executable, "-m", "numaudit.auditor", "compare", ref, cand, "--db", str(db),
                           "--preset", "fp32", "--format", "json", "-o", str(out)], cwd=ROOT)
     return rc, json.loads(out.read_text())
 
@@ -96,7 +96,7 @@ def test_clean_pairs_pass_with_every_expert_captured(moe_store, cand):
 
 def test_some_experts_have_no_tokens_on_some_rank(moe_store):
     """The clean pairs above include zero-row pieces next to non-empty ones (and empty experts)."""
-    from auditor.store import RECORD_COLUMNS, Reader
+    from numaudit.auditor.store import RECORD_COLUMNS, Reader
 
     db, _ = moe_store
     col = {c: i for i, c in enumerate(RECORD_COLUMNS)}

@@ -94,7 +94,7 @@ class Matrix:
         if key not in self._reports:
             path = self.out / f"{ref}-{cand}.{fmt}"
             proc = subprocess.run(
-                [sys.executable, "-m", "auditor", "compare", ref, cand, "--db",
+                [sys.executable, "-m", "numaudit.auditor", "compare", ref, cand, "--db",
                  str(self.daemon.db), "--preset", "fp32", "--format", fmt, "-o", str(path)],
                 cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                 text=True, timeout=120)
@@ -104,7 +104,7 @@ class Matrix:
         return code, (json.loads(text) if fmt == "json" else text)
 
     def show(self, run: str) -> str:
-        return _run([sys.executable, "-m", "auditor", "show", run, "--db", str(self.daemon.db)],
+        return _run([sys.executable, "-m", "numaudit.auditor", "show", run, "--db", str(self.daemon.db)],
                     dict(os.environ, PYTHONPATH=str(ROOT))).stdout
 
 
@@ -411,7 +411,7 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
     assert code == 0 and report["runs"]["cand"]["ranks_registered"] == 2
     # the refused job's spools, stored as its log says, under a new name: the same run as ddp
     files = [cmd.split()[2] for cmd in spooled]
-    _run([sys.executable, "-m", "auditor", "ingest", *files, "--run", "ddp_kept", "--address",
+    _run([sys.executable, "-m", "numaudit.auditor", "ingest", *files, "--run", "ddp_kept", "--address",
           matrix.daemon.address], dict(os.environ, PYTHONPATH=str(ROOT)))
     code, report = matrix.compare("ddp_kept", ref="ddp")
     assert code == 0 and report["summary"]["keys"] == 370, report["summary"]

@@ -43,7 +43,7 @@ class Runs:
         if cand not in self._reports:
             path = self.out / f"{cand}.json"
             proc = subprocess.run(
-                [sys.executable, "-m", "auditor", "compare", "ref", cand, "--db",
+                [sys.executable, "-m", "numaudit.auditor", "compare", "ref", cand, "--db",
                  str(self.daemon.db), "--preset", "fp32", "--format", "json", "-o", str(path)],
                 cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                 text=True, timeout=120)

@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from auditor.store import RECORD_COLUMNS, Reader
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.store import RECORD_COLUMNS, Reader
+from numaudit.protos import numaudit_pb2 as pb
 
 from .helpers import Daemon, torchrun
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from wire.spool import read_spool
-from protos import numaudit_pb2 as pb
+from numaudit.wire.spool import read_spool
+from numaudit.protos import numaudit_pb2 as pb
 
 
 def real_session(directory: Path) -> tuple[pb.RegisterRequest, list[pb.RecordBatch]]:
-    import agents
+    import numaudit
 
-    agent = agents.attach(None, run="fuzz", spool_dir=str(directory), spool_mode="always",
+    agent = numaudit.attach(None, run="fuzz", spool_dir=str(directory), spool_mode="always",
                           phases=("input", "fwd", "loss"), payload=("input:p*",), sketch_k=32,
                           batch_records=4)
     g = torch.Generator().manual_seed(0)

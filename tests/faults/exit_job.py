@@ -32,7 +32,7 @@ import time
 
 import torch
 
-import agents
+import numaudit
 
 UNSENT = 10
 
@@ -46,7 +46,7 @@ def main() -> None:
     args = p.parse_args()
     if args.how in ("sigterm-user", "sigterm-user-blocked"):
         signal.signal(signal.SIGTERM, _user_handler)
-    agent = agents.attach(None, batch_records=8)
+    agent = numaudit.attach(None, batch_records=8)
     if args.how == "sigterm-user-after-blocked":  # replaces the agent's handler
         signal.signal(signal.SIGTERM, _user_handler)
     with agent.step(0):

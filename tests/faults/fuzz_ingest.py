@@ -19,12 +19,12 @@ from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports(include=["auditor.daemon.validate", "auditor.store"]):
-    from auditor.store import Store, StoreError
-    from auditor.daemon.validate import ValidationError
+with atheris.instrument_imports(include=["numaudit.auditor.daemon.validate", "numaudit.auditor.store"]):
+    from numaudit.auditor.store import Store, StoreError
+    from numaudit.auditor.daemon.validate import ValidationError
 
-from auditor.daemon.server import MalformedRequest, _lenient_parser, _validate_and_hash  # noqa: E402
-from protos import numaudit_pb2 as pb  # noqa: E402
+from numaudit.auditor.daemon.server import MalformedRequest, _lenient_parser, _validate_and_hash  # noqa: E402
+from numaudit.protos import numaudit_pb2 as pb  # noqa: E402
 
 SESSION = "fuzz-session"
 _parse = _lenient_parser(pb.RecordBatch)

@@ -1,6 +1,6 @@
 """Processes and store checks shared by the fault tests.
 
-- `Auditor`: `python -m auditor serve` on a fixed loopback port and db, so it can be SIGKILLed,
+- `Auditor`: `python -m numaudit.auditor serve` on a fixed loopback port and db, so it can be SIGKILLed,
   SIGSTOPped, SIGTERMed and started again on the same address and file.
 - `Writer`: tests/faults/writer_job.py as a subprocess ("the training process"), and readers for
   what it logged (batches cut, acks, failures, its final report).
@@ -91,7 +91,7 @@ class Auditor:
         out.write(f"--- start {self.starts} at {time.monotonic():.3f}\n")
         out.flush()
         self.proc = subprocess.Popen(
-            [PY, "-m", "auditor", "serve", "--listen", self.address, "--db", str(self.db),
+            [PY, "-m", "numaudit.auditor", "serve", "--listen", self.address, "--db", str(self.db),
              "--port-file", str(port_file), "--grace", str(self.grace), *self.extra],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=self.preexec_fn,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -283,7 +283,7 @@ class Writer:
         return keys
 
     def expected_keys(self, n: int, per_step: int = 50) -> set[tuple]:
-        from protos import numaudit_pb2 as pb
+        from numaudit.protos import numaudit_pb2 as pb
 
         return {(i // per_step, 0, pb.PHASE_INPUT, f"s{i % per_step}", pb.ROLE_VALUE, 0, 0,
                  self.rank) for i in range(n)}
@@ -295,7 +295,7 @@ class Writer:
 # -- what the store holds ---------------------------------------------------------------------------
 
 def _segments_match(conn: sqlite3.Connection, run_id: int) -> bool:
-    from auditor.store import key_segments
+    from numaudit.auditor.store import key_segments
 
     rids = sorted(r for (r,) in conn.execute("SELECT record_id FROM records WHERE run_id = ?",
                                               (run_id,)))
@@ -365,7 +365,7 @@ class StoreView:
 
 def replay_into_file(spools: Iterable[Path], db: Path):
     """`auditor ingest` of spool files into the store file `db` (an in-process daemon)."""
-    from auditor.daemon.replay import replay_into_db
+    from numaudit.auditor.daemon.replay import replay_into_db
 
     assert str(db).endswith(".db"), f"{db}: not a store file (an address?)"
     files = list(spools)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from auditor.daemon.replay import replay
+from numaudit.auditor.daemon.replay import replay
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
 
 FLUSH_S = 2.0

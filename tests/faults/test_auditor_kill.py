@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from auditor.daemon.replay import replay
+from numaudit.auditor.daemon.replay import replay
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
 
 FLUSH_S = 3.0

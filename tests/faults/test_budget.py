@@ -45,7 +45,7 @@ def test_memory_budget_drops_are_counted_and_reported(tmp_path):
     dropped = s["dropped_by_reason"].get("buffer_full", 0)
     view = StoreView.read(auditor.db)
     shown = json.loads(subprocess.run(
-        [sys.executable, "-m", "auditor", "show", "faults", "--db", str(auditor.db),
+        [sys.executable, "-m", "numaudit.auditor", "show", "faults", "--db", str(auditor.db),
          "--format", "json"], cwd=ROOT, capture_output=True, text=True, check=True,
         timeout=60).stdout)
     (rank,) = shown["ranks"]

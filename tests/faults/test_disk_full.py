@@ -24,10 +24,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from auditor.store import Reader
+from numaudit.auditor.store import Reader
 from tests.auditor.builders import batch, record, register_request
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
-from protos import numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2_grpc
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import numpy as np
 
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
-from wire import packed as P
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.wire import packed as P
 from tests.faults.corpus import real_session
 from tests.faults.harness import ROOT, Auditor, figure
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import agents
-from agents.transport import wait_for_socket
-from auditor.daemon.replay import replay_into_db
-from wire.spool import read_spool
+import numaudit
+from numaudit.agents.transport import wait_for_socket
+from numaudit.auditor.daemon.replay import replay_into_db
+from numaudit.wire.spool import read_spool
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,13 +40,13 @@ def test_a_full_spool_acks_nothing_it_did_not_write(tmp_path):
     sock = f"unix://{tmp_path}/s.sock"
     spool = tmp_path / "relay"
     log = open(tmp_path / "sidecar.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "agents.sidecar", "--listen", sock,
+    proc = subprocess.Popen([sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sock,
                              "--spool", str(spool)], cwd=ROOT, stdout=log, stderr=log)
     try:
         assert wait_for_socket(sock, 60)
         # room for the registration and about three batches of ~21 KB
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (70000, resource.RLIM_INFINITY))
-        agent = agents.attach(None, run="full", sidecar=sock, batch_records=PER_BATCH,
+        agent = numaudit.attach(None, run="full", sidecar=sock, batch_records=PER_BATCH,
                               flush_timeout_s=30, spool_dir=str(tmp_path / "agent-spool"))
         for mb in range(BATCHES):
             with agent.step(0), agent.microbatch(mb):

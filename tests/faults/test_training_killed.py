@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from wire.packed import batch_columns, batch_record_count, to_records
-from auditor.daemon.replay import replay
-from wire.spool import read_spool
+from numaudit.wire.packed import batch_columns, batch_record_count, to_records
+from numaudit.auditor.daemon.replay import replay
+from numaudit.wire.spool import read_spool
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
 
 

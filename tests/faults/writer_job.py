@@ -45,10 +45,10 @@ def _open(path: Path):
 
 def instrument(agent, out: Path) -> None:
     """Log every batch cut, every ack and every connection failure of `agent` under `out`."""
-    import agents.sender as sender_module
-    from wire.packed import batch_columns, content_hashes
+    import numaudit.agents.sender as sender_module
+    from numaudit.wire.packed import batch_columns, content_hashes
 
-    from protos import numaudit_pb2 as pb
+    from numaudit.protos import numaudit_pb2 as pb
 
     sender = agent._sender
     delivery = sender.delivery
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import agents
+    import numaudit
 
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     # Warm-up: the first digest pays torch's lazy initialisation (~1 s here); step timings
     # below must measure the steady state, where a wait on the network would stand out.
-    warm = agents.attach(None, run="warmup", spool_mode="off", sketch_k=args.sketch_k,
+    warm = numaudit.attach(None, run="warmup", spool_mode="off", sketch_k=args.sketch_k,
                          phases=("input",), sample_digests=args.sample_digests)
     with warm.step(0), warm.microbatch(0):
         warm.capture(torch.zeros(BASE_NUMEL), site="warmup", phase="input")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("max_unacked_bytes", args.max_unacked_bytes)):
         if value is not None:
             options[name] = value
-    agent = agents.attach(None, run=args.run, address=args.address, **options)
+    agent = numaudit.attach(None, run=args.run, address=args.address, **options)
     instrument(agent, args.out)
     progress = args.out / "progress"
     base = torch.arange(BASE_NUMEL, dtype=torch.float32)

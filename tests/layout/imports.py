@@ -2,13 +2,17 @@
 
 Reads every module with `ast` (imports inside functions count too: a lazy import is still a
 dependency; imports under `if TYPE_CHECKING:` do not, they never run) and resolves each import to the project module it loads: `from a.b import c` is
-module `a.b.c` when that file exists, else the package `a.b`.
+module `a.b.c` when that file exists, else the package `a.b`; `numaudit.a.b` is the repository's
+`a.b` (the one import root, numaudit/__init__.py).
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+ROOT_PACKAGE = "numaudit."
+"""The import root: `numaudit.agents.x` is the repository's module `agents.x`."""
 
 
 def project_modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
@@ -48,14 +52,17 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
                 continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
+                targets = [a.name.removeprefix(ROOT_PACKAGE) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
+                if base == "numaudit" and not node.level:  # from numaudit import agents
+                    base = ""
+                base = base.removeprefix(ROOT_PACKAGE)
                 if node.level:  # relative: resolve against this module's package
                     pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
                     pkg = pkg[:len(pkg) - (node.level - 1)]
                     base = ".".join(pkg + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                targets = [name if (name := f"{base}.{a.name}".lstrip(".")) in modules else base
                            for a in node.names]
             for t in targets:
                 r = _resolve(t, modules)

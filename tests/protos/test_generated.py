@@ -16,14 +16,14 @@ GENERATED = ("numaudit_pb2.py", "numaudit_pb2_grpc.py", "numaudit_pb2.pyi")
 @pytest.mark.timeout(60)
 def test_generated_code_is_not_stale(tmp_path):
     pytest.importorskip("grpc_tools")
-    (tmp_path / "protos").mkdir()
-    shutil.copy(REPO / "protos" / "numaudit.proto", tmp_path / "protos" / "numaudit.proto")
+    (tmp_path / "numaudit" / "protos").mkdir(parents=True)
+    shutil.copy(REPO / "protos" / "numaudit.proto", tmp_path / "numaudit" / "protos")
     # The same command as the Makefile's `make proto`, run in a copy of the tree.
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
-         "--grpc_python_out=.", "--pyi_out=.", "protos/numaudit.proto"],
+         "--grpc_python_out=.", "--pyi_out=.", "numaudit/protos/numaudit.proto"],
         cwd=tmp_path, check=True, capture_output=True, timeout=60,
     )
     stale = [name for name in GENERATED
-             if (tmp_path / "protos" / name).read_bytes() != (REPO / "protos" / name).read_bytes()]
+             if (tmp_path / "numaudit" / "protos" / name).read_bytes() != (REPO / "protos" / name).read_bytes()]
     assert not stale, f"stale generated code: {stale}; run `make proto` and commit the result"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wire.channels import channel_target
+from numaudit.wire.channels import channel_target
 
 RR = [("grpc.lb_policy_name", "round_robin")]
 

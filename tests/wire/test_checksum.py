@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from wire import checksum
+from numaudit.wire import checksum
 
 
 @settings(max_examples=200, derandomize=True)

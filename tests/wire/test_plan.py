@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wire.plan import Plan, format_plan, parse_plan, read_plan
+from numaudit.wire.plan import Plan, format_plan, parse_plan, read_plan
 
 
 def test_a_plan_round_trips():

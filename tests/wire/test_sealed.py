@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import none_record, record
-from wire import checksum, packed as P
-from wire.sealed import sealed_batch
+from numaudit.wire import checksum, packed as P
+from numaudit.wire.sealed import sealed_batch
 
 
 def _protobufs(session: str, seq: int, cols: P.RecordColumns) -> bytes:

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from wire.channels import open_channel
-from auditor.daemon.server import BackgroundServer
-from auditor.store import Reader
-from wire.tls import ServerTLS, TLSConfig, TLSError
-from auditor.daemon.tokens import Tokens
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.wire.channels import open_channel
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.store import Reader
+from numaudit.wire.tls import ServerTLS, TLSConfig, TLSError
+from numaudit.auditor.daemon.tokens import Tokens
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.pki import PKI, make_pki
 
 T = 5
@@ -70,9 +70,9 @@ def deliver(address: str, run: str, **tls_options) -> dict:
     """An agent captures three tensors and closes; returns its summary."""
     import torch
 
-    import agents
+    import numaudit
 
-    agent = agents.attach(None, run=run, address=address, token=WRITER, spool_mode="off",
+    agent = numaudit.attach(None, run=run, address=address, token=WRITER, spool_mode="off",
                           flush_timeout_s=5.0, **tls_options)
     with agent.step(0), agent.microbatch(0):
         for i in range(3):
@@ -105,12 +105,12 @@ def test_agent_takes_tls_files_from_the_environment(pki, tls_server, monkeypatch
 
 
 def test_agent_refuses_a_certificate_without_its_key(pki):
-    import agents
+    import numaudit
 
     with pytest.raises(ValueError, match="tls_cert/tls_key"):
-        agents.attach(None, run="tls-x", address="127.0.0.1:1", tls_cert=str(pki.client_cert))
+        numaudit.attach(None, run="tls-x", address="127.0.0.1:1", tls_cert=str(pki.client_cert))
     with pytest.raises(ValueError, match="tls_ca: cannot read"):
-        agents.attach(None, run="tls-x", address="127.0.0.1:1", tls_ca="/nonexistent/ca.pem")
+        numaudit.attach(None, run="tls-x", address="127.0.0.1:1", tls_ca="/nonexistent/ca.pem")
 
 
 # -- Clients that must fail, and the ones that must not ------------------------------------------
@@ -159,7 +159,7 @@ def test_serve_and_runs_over_mutual_tls(pki, tmp_path):
     tokens_file.chmod(0o600)
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0", "--db",
+        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db",
          str(tmp_path / "audit.db"), "--port-file", str(port_file), "--tokens", str(tokens_file),
          "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
          "--tls-client-ca", str(pki.ca), "--grace", "1"],
@@ -168,7 +168,7 @@ def test_serve_and_runs_over_mutual_tls(pki, tmp_path):
     env["NUMAUDIT_TOKEN"] = READER
 
     def auditor(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "auditor", *args], cwd=REPO, text=True,
+        return subprocess.run([sys.executable, "-m", "numaudit.auditor", *args], cwd=REPO, text=True,
                               capture_output=True, timeout=30, env={**env, **extra_env})
 
     try:
@@ -207,8 +207,8 @@ def test_sidecar_relays_over_mutual_tls_with_its_token(pki, mtls_server, tmp_pat
 
     import torch
 
-    import agents
-    from agents.sidecar import Sidecar
+    import numaudit
+    from numaudit.agents.sidecar import Sidecar
 
     sock = f"unix://{tmp_path}/s.sock"
     sidecar = Sidecar(sock, tmp_path / "relay", auditor=mtls_server.address, token=WRITER,
@@ -216,7 +216,7 @@ def test_sidecar_relays_over_mutual_tls_with_its_token(pki, mtls_server, tmp_pat
                                                str(pki.client_key)))
     sidecar.start()
     try:
-        agent = agents.attach(None, run="tls-sidecar", sidecar=sock)
+        agent = numaudit.attach(None, run="tls-sidecar", sidecar=sock)
         with agent.step(0), agent.microbatch(0):
             agent.capture(torch.ones(3), site="x", phase="input")
         assert agent.close()["acked"] == 1

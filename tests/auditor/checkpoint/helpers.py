@@ -1,6 +1,6 @@
 """What the checkpoint tests share: real saves (DCP, hand-written safetensors) and the CLI.
 
-`cli` runs `auditor ...` in this process through the same click `main` that `python -m auditor`
+`cli` runs `auditor ...` in this process through the same click `main` that `python -m numaudit.auditor`
 calls (exit code, stdout, stderr), since a subprocess spends ~3 s importing torch and this folder
 has a time budget; `auditor` runs it as a subprocess, for the tests that need the real process
 (one line on stderr, what a pickle may do to the process, peak RSS).
@@ -45,7 +45,7 @@ def cli(*args) -> Result:
     """`auditor ARGS...` in this process; arguments may be paths."""
     from click.testing import CliRunner
 
-    from auditor.cli import main
+    from numaudit.auditor.cli import main
 
     res = CliRunner().invoke(main, [str(a) for a in args])
     exc = res.exception if not isinstance(res.exception, SystemExit) else None
@@ -53,8 +53,8 @@ def cli(*args) -> Result:
 
 
 def auditor(*args, timeout: float = 60) -> Result:
-    """`python -m auditor ARGS...` as a user runs it."""
-    proc = subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], cwd=REPO,
+    """`python -m numaudit.auditor ARGS...` as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     return Result(proc.returncode, proc.stdout, proc.stderr)

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import agents
-from agents.state import flatten
-from auditor.daemon.server import BackgroundServer
+import numaudit
+from numaudit.agents.state import flatten
+from numaudit.auditor.daemon.server import BackgroundServer
 from tests.auditor.checkpoint.helpers import (all_identical, auditor, by_site, cli, input_error,
                                               save_dcp)
 
@@ -71,8 +71,8 @@ def test_the_reader_gives_back_every_saved_entry_bitwise(saves):
     """DcpSource alone: each tensor reassembled from boxes of at most 100 elements (streamed
     from the file, or, for the transposed view, loaded whole then sliced) equals what was
     saved, and each plain value loads as itself."""
-    from auditor.checkpoint.dcp import DcpSource
-    from auditor.checkpoint.sources import boxes
+    from numaudit.auditor.checkpoint.dcp import DcpSource
+    from numaudit.auditor.checkpoint.sources import boxes
 
     saved = dict(flatten(saves["state"]))
     source = DcpSource(saves["A"])
@@ -159,7 +159,7 @@ def test_a_live_capture_compares_with_the_files_it_saved(saves, tmp_path):
     without reading them back, entry by entry, bitwise."""
     db = tmp_path / "audit.db"
     with BackgroundServer("127.0.0.1:0", db, grace=1.0) as server:
-        agent = agents.attach(None, run="live", address=server.address, spool_mode="off")
+        agent = numaudit.attach(None, run="live", address=server.address, spool_mode="off")
         agent.capture_state_dict(saves["state"], step=3)
         summary = agent.close(timeout=30)
     assert summary["acked"] == summary["captured"] == len(saves["sites"]), summary
@@ -308,7 +308,7 @@ def test_scheduler_train_and_dataloader_state_are_compared_field_by_field(tmp_pa
     # a live capture of the same state names and values every entry as the reader does
     db = tmp_path / "live.db"
     with BackgroundServer("127.0.0.1:0", db, grace=1.0) as server:
-        agent = agents.attach(None, run="live", address=server.address, spool_mode="off")
+        agent = numaudit.attach(None, run="live", address=server.address, spool_mode="off")
         agent.capture_state_dict(trainer_state(3, marker), step=0)
         assert agent.close(timeout=30)["dropped"] == 0
     res = cli("checkpoint", "run:live", tmp_path / "A", "--db", db, "--format", "json")

@@ -183,7 +183,7 @@ def test_ten_thousand_files_read_under_ulimit_1024(tmp_path):
     whole = write_safetensors(tmp_path / "whole.safetensors", {
         "w": torch.arange(FILES, dtype=torch.float32)[:, None].expand(FILES, 2).contiguous()})
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "auditor", "checkpoint", whole, ckpt],
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "checkpoint", whole, ckpt],
                           cwd=REPO, capture_output=True, text=True, timeout=220,
                           preexec_fn=_limit_descriptors,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents import pickles
-from agents.state import TooDeep, expand
+from numaudit.agents import pickles
+from numaudit.agents.state import TooDeep, expand
 from tests.auditor.checkpoint.helpers import (REPO, cli, input_error, save_dcp,
                                               write_raw_safetensors, write_safetensors)
 from tests.auditor.checkpoint.hostile import (deep_tuple_key, nested_dicts, nested_lists,
@@ -39,7 +39,7 @@ def test_30000_chunks_along_dim_1_are_planned_in_linear_time():
     """Chunks that all share their dim-0 range (a tensor split by columns) were compared
     pairwise: 16 s at 4,000, ~900 s at 30,000. Counted by corners, 30,000 take well under a
     second, and one chunk saved twice is still found."""
-    from auditor.checkpoint.sources import Entry, plan, tiles, tensor_chunk
+    from numaudit.auditor.checkpoint.sources import Entry, plan, tiles, tensor_chunk
 
     n = 30_000
     placed = [((0, c), (4, 1)) for c in range(n)]
@@ -58,7 +58,7 @@ def test_30000_chunks_along_dim_1_are_planned_in_linear_time():
 
 def test_a_two_star_glob_on_a_480kb_name_takes_linear_time(tmp_path):
     """The documented ``**`` compiled to a backtracking regex took time quadratic in the name."""
-    from auditor.checkpoint.mapping import load_map
+    from numaudit.auditor.checkpoint.mapping import load_map
 
     path = tmp_path / "map.toml"
     path.write_text('[[map]]\ncand = "**.x.**.weight"\nref = "**.y.**.weight"\n')
@@ -103,8 +103,8 @@ def test_a_metadata_pickle_never_makes_more_than_its_budget(flood):
     """What the unpickler makes is charged as it goes, on every prefix of the file: any flood
     stops within the budget (32 bytes a byte plus 16 MiB), or ends as data that is not DCP
     metadata, one line either way."""
-    from auditor.checkpoint.dcp_metadata import _MetadataUnpickler, check_metadata
-    from auditor.checkpoint.sources import CheckpointError
+    from numaudit.auditor.checkpoint.dcp_metadata import _MetadataUnpickler, check_metadata
+    from numaudit.auditor.checkpoint.sources import CheckpointError
 
     data = _flood(FLOODS[flood], 4 * MIB)
     unpickler = _MetadataUnpickler(data, "x/.metadata")
@@ -116,8 +116,8 @@ def test_a_metadata_pickle_never_makes_more_than_its_budget(flood):
 def test_what_is_charged_is_what_is_made():
     """The charges are the memory: Python's own count of the peak while the unpickler runs
     stays below the budget (1 MiB of empty dicts, refused at 0.4 MiB by the prefix check)."""
-    from auditor.checkpoint.dcp_metadata import _dataclasses, read_metadata
-    from auditor.checkpoint.sources import CheckpointError
+    from numaudit.auditor.checkpoint.dcp_metadata import _dataclasses, read_metadata
+    from numaudit.auditor.checkpoint.sources import CheckpointError
 
     _dataclasses()  # DCP's modules imported before counting
     data = _flood(b"}")
@@ -130,7 +130,7 @@ def test_a_real_metadata_fits_its_budget_with_room():
     """What a real DCP .metadata is charged: 20-22 bytes of objects per byte, under the 32."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from auditor.checkpoint.dcp_metadata import _MetadataUnpickler
+    from numaudit.auditor.checkpoint.dcp_metadata import _MetadataUnpickler
 
     entries, storage = {}, {}
     for t in range(50):
@@ -162,8 +162,8 @@ def test_a_json_header_is_parsed_in_memory_bounded_by_its_size(shape):
     """21 MB of ``{}`` items took 818 MB (39x) to parse. A header whose braces, brackets and
     keys would take more than 24 bytes a byte is refused unparsed; what is parsed stays
     below that (measured: 15x at most)."""
-    from auditor.checkpoint.safetensors import JSON_MEMORY_PER_BYTE, parse_json
-    from auditor.checkpoint.sources import CheckpointError
+    from numaudit.auditor.checkpoint.safetensors import JSON_MEMORY_PER_BYTE, parse_json
+    from numaudit.auditor.checkpoint.sources import CheckpointError
 
     data = JSON_SHAPES[shape]
     peak, error = _peak_bytes(lambda: parse_json(data, "h"))

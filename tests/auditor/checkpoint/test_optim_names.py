@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from auditor.checkpoint.optim_names import index_names
+from numaudit.auditor.checkpoint.optim_names import index_names
 from tests.auditor.checkpoint.helpers import cli, save_dcp
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agents
-from auditor.compare.selection import KeySelection
-from auditor.daemon.server import BackgroundServer
+import numaudit
+from numaudit.auditor.compare.selection import KeySelection
+from numaudit.auditor.daemon.server import BackgroundServer
 from tests.auditor.checkpoint.helpers import cli
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,7 +36,7 @@ def test_compare_from_a_step_leaves_the_earlier_difference_out(tmp_path):
     w = torch.arange(12.).reshape(3, 4)
     with BackgroundServer("127.0.0.1:0", db, grace=1.0) as server:
         for run in ("ref", "cand"):
-            agent = agents.attach(None, run=run, address=server.address, spool_mode="off")
+            agent = numaudit.attach(None, run=run, address=server.address, spool_mode="off")
             for step in (1, 2):
                 bumped = run == "cand" and step == 1
                 agent.capture_state_dict({"model": {"w": w + 1 if bumped else w},

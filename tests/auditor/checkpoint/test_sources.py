@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from auditor.checkpoint.sources import CheckpointError, FileRanges, boxes, file_chunk
+from numaudit.auditor.checkpoint.sources import CheckpointError, FileRanges, boxes, file_chunk
 
 pytestmark = pytest.mark.timeout(60)
 

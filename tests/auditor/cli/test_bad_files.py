@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def auditor(*args, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "numaudit.auditor", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
 

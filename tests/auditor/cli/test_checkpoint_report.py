@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from auditor.checkpoint.prefix import prefix_match
+from numaudit.auditor.checkpoint.prefix import prefix_match
 from tests.auditor.cli.three_runs import cli
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from wire import limits
-from auditor.store import Reader
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.wire import limits
+from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import batch, none_record, record, register_request
 
 T = 10
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def auditor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "numaudit.auditor", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=30,
                           env={**os.environ, **(env or {})})
 
@@ -54,7 +54,7 @@ def free_port() -> int:
 def test_serve_subprocess_port_file_and_sigterm(tmp_path):
     db, port_file = tmp_path / "audit.db", tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
+        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
          "--port-file", str(port_file), "--grace", "2"],
         cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:

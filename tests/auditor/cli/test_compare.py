@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.cli.three_runs import cli, runs
 from tests.auditor.synth import send, write_runs
 
@@ -107,7 +107,7 @@ def test_policy_file_with_preset_override(db):
 
 
 def test_the_installed_command_runs(db):
-    proc = subprocess.run([sys.executable, "-m", "auditor", "compare", "ref", "bumped", "--db",
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "compare", "ref", "bumped", "--db",
                            str(db), "--format", "json"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
@@ -129,9 +129,9 @@ def test_watch_on_a_store_file(db):
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    from wire import limits
-    from auditor.daemon.server import BackgroundServer
-    from protos import numaudit_pb2_grpc
+    from numaudit.wire import limits
+    from numaudit.auditor.daemon.server import BackgroundServer
+    from numaudit.protos import numaudit_pb2_grpc
 
     d = tmp_path_factory.mktemp("daemon")
     with BackgroundServer("127.0.0.1:0", d / "audit.db", synchronous="NORMAL", grace=0.5) as srv:
@@ -185,7 +185,7 @@ def test_watch_rpc_hands_a_large_poll_out_in_chunks(daemon, monkeypatch):
     """A poll that finds many keys at once reaches the client in chunks of
     WATCH_EVENTS_PER_CALL events from the watch worker: the same events, in the same order, as
     in one piece (the daemon never unpickles a whole store's findings at once)."""
-    from auditor.daemon import compare_service
+    from numaudit.auditor.daemon import compare_service
 
     _, stub = daemon
     request = pb.WatchRequest(ref="ref", cand="bumped", poll_interval_s=0.05, timeout_s=5)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import agents
-from auditor.cli import main
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from wire.plan import read_plan
+import numaudit
+from numaudit.auditor.cli import main
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.wire.plan import read_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +30,7 @@ class Net(torch.nn.Module):
 
 def _train(address: str, name: str, eps: float, steps: int = 3) -> None:
     model = Net(eps)
-    agent = agents.attach(model, run=name, address=address, phases=("fwd", "bwd", "grad"))
+    agent = numaudit.attach(model, run=name, address=address, phases=("fwd", "bwd", "grad"))
     for step in range(steps):
         with agent.step(step), agent.microbatch(0):
             model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.layout import PieceLayout
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
 from tests.auditor.cli.three_runs import cli, runs
 from tests.auditor.synth import RunBuilder, mlp_run, write_runs
-from wire.labels import UNPASSED_MESH_LABEL
+from numaudit.wire.labels import UNPASSED_MESH_LABEL
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ def test_a_port_in_use_is_said_plainly_and_creates_nothing(tmp_path):
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        proc = subprocess.run([sys.executable, "-m", "auditor", "serve", "--listen",
+        proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "serve", "--listen",
                                f"127.0.0.1:{port}", "--db", str(tmp_path / "audit.db")],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
     finally:
@@ -74,7 +74,7 @@ def test_a_run_with_more_steps_gets_a_steps_hint(db):
 
 
 def test_watch_ends_with_the_summary_and_first_divergence_of_compare(db):
-    watched = subprocess.run([sys.executable, "-m", "auditor", "watch", "ref", "bumped", "--db",
+    watched = subprocess.run([sys.executable, "-m", "numaudit.auditor", "watch", "ref", "bumped", "--db",
                               str(db), "--poll", "0.1"], cwd=REPO, capture_output=True,
                              text=True, timeout=60)
     compared = cli("compare", "ref", "bumped", "--db", db)
@@ -92,7 +92,7 @@ def test_watch_ends_with_the_summary_and_first_divergence_of_compare(db):
 STARTED = ("import sys, runpy; sys.stderr.write('started\\n'); sys.stderr.flush(); "
            "sys.argv = ['auditor'] + sys.argv[1:]; runpy.run_module('auditor', "
            "run_name='__main__')")
-"""`python -m auditor ARGS`, saying "started" once the interpreter is up (before then a Ctrl-C
+"""`python -m numaudit.auditor ARGS`, saying "started" once the interpreter is up (before then a Ctrl-C
 is the interpreter's own start-up failing, whatever the program)."""
 
 

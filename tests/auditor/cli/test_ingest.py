@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from wire.packed import batch_record_count
-from wire.spool import SpoolWriter
-from auditor.store import Reader
-from protos import numaudit_pb2 as pb
+from numaudit.wire.packed import batch_record_count
+from numaudit.wire.spool import SpoolWriter
+from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,7 +37,7 @@ def _spool(directory: Path, run: str = "offline", n: int = 3) -> Path:
 
 
 def _ingest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", "ingest", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "numaudit.auditor", "ingest", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -64,7 +64,7 @@ def test_torn_tail_is_reported_the_intact_part_loaded_and_the_exit_is_1(tmp_path
 
 
 def test_a_flipped_byte_mid_file_costs_only_its_frame(tmp_path):
-    from wire.spool import read_spool
+    from numaudit.wire.spool import read_spool
 
     path = _spool(tmp_path / "spool")
     whole = read_spool(path)

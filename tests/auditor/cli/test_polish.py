@@ -14,10 +14,10 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
-from auditor.cli import main
-from wire import limits
-from wire.version import package_version
-from protos import numaudit_pb2_grpc
+from numaudit.auditor.cli import main
+from numaudit.wire import limits
+from numaudit.wire.version import package_version
+from numaudit.protos import numaudit_pb2_grpc
 from tests.auditor.synth import mlp_run, send
 
 REPO = Path(__file__).resolve().parents[3]
@@ -26,7 +26,7 @@ SOURCE_PACKAGES = ("agents", "auditor", "wire", "examples", "bench")
 
 
 def auditor(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "auditor", *map(str, args)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "numaudit.auditor", *map(str, args)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

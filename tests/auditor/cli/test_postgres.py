@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.cli.three_runs import cli, runs
 from tests.auditor.synth import send, write_runs
 
@@ -57,9 +57,9 @@ def test_a_database_that_is_not_there_is_one_line(pg_server):
 
 
 def test_the_daemon_serves_a_postgresql_store(pg_url):
-    from auditor.daemon.server import BackgroundServer
-    from protos import numaudit_pb2_grpc
-    from wire import limits
+    from numaudit.auditor.daemon.server import BackgroundServer
+    from numaudit.protos import numaudit_pb2_grpc
+    from numaudit.wire import limits
 
     with BackgroundServer("127.0.0.1:0", pg_url, synchronous="NORMAL", grace=0.5) as srv:
         with grpc.insecure_channel(srv.address, options=limits.client_options()) as channel:

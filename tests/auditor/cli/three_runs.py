@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from auditor.cli import main
+from numaudit.auditor.cli import main
 from tests.auditor.synth import mlp_run
 
 

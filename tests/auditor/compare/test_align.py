@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from auditor.compare.align import (PHASE_IDS, RenameRule, canonical_sites, exec_order, fill_positions,
+from numaudit.auditor.compare.align import (PHASE_IDS, RenameRule, canonical_sites, exec_order, fill_positions,
                            glob_to_regex, normalize_site)
 
 
 def test_normalize_site_strips_wrappers_like_the_agent():
-    from agents.sites import normalize_site as agent_normalize
+    from numaudit.agents.sites import normalize_site as agent_normalize
 
     for name in ("_orig_mod.module.layers.0._checkpoint_wrapped_module.moe",
                  "module.layers.1._fsdp_wrapped_module.attention.wq",

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report.json_report import to_json
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.json_report import to_json
 from tests.auditor.synth import mlp_run, one_ulp, write_runs
 
 pytestmark = pytest.mark.timeout(120)

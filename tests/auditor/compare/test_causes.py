@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
 from tests.auditor.synth import RunBuilder, one_ulp, write_runs
 
 
@@ -140,7 +140,7 @@ def test_one_frozen_parameter_is_not_a_graph_cut(tmp_path):
 
 def test_replicas_that_disagree_name_the_mesh_dim_of_the_missing_collective(tmp_path):
     """dp=2 x tp=2: the output of a Rowwise layer left unreduced differs across tp ranks."""
-    from agents.layout import PieceLayout
+    from numaudit.agents.layout import PieceLayout
     from tests.auditor.synth import shards
 
     g = torch.Generator().manual_seed(4)
@@ -237,8 +237,8 @@ def test_a_module_holding_dropout_is_named_where_it_introduces_a_difference(tmp_
 
 def _watched_first(db: Path):
     """The first divergence `auditor watch` announces for ref and cand, both runs stored."""
-    from auditor.compare.live import LiveComparison
-    from auditor.store import Reader
+    from numaudit.auditor.compare.live import LiveComparison
+    from numaudit.auditor.store import Reader
 
     reader = Reader(db)
     try:

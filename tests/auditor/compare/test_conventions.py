@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import parse_policy, preset_policy
-from auditor.report.json_report import to_json
-from auditor.report.text import to_text
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import parse_policy, preset_policy
+from numaudit.auditor.report.json_report import to_json
+from numaudit.auditor.report.text import to_text
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.synth import RunBuilder, write_runs
 
 MEAN, SUM = pb.REDUCTION_MEAN, pb.REDUCTION_SUM
@@ -125,8 +125,8 @@ def _write_rank(db, b: RunBuilder, rank: int) -> None:
     """Register and fill only ``rank`` of a run (ranks with their own RegisterRequest fields)."""
     import itertools
 
-    from auditor.store.writer import StoreWriter
-    from wire import limits
+    from numaudit.auditor.store.writer import StoreWriter
+    from numaudit.wire import limits
     writer = StoreWriter(db, synchronous="NORMAL")
     try:
         sid = f"{b.name}-only-{rank}"

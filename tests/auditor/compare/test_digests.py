@@ -8,11 +8,11 @@ import sys
 
 import numpy as np
 
-from auditor.compare.metrics import sketch_band
+from numaudit.auditor.compare.metrics import sketch_band
 import pytest
 
-from auditor.compare import digests as A
-from auditor.compare.digests import (
+from numaudit.auditor.compare import digests as A
+from numaudit.auditor.compare.digests import (
     DigestValues,
     fingerprint_from_int64,
     fingerprint_to_int64,
@@ -22,7 +22,7 @@ from auditor.compare.digests import (
     sketch_l2_estimate,
     sketch_rel_error,
 )
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 
 
 def test_auditor_digests_imports_no_torch():
@@ -32,9 +32,9 @@ def test_auditor_digests_imports_no_torch():
 
 
 def test_seeds_and_row_layout_match_the_agent():
-    from agents import digest as agent
+    from numaudit.agents import digest as agent
 
-    from agents import hashing
+    from numaudit.agents import hashing
 
     assert (A.FINGERPRINT_SEED, A.SKETCH_SEED, A.N_MOMENTS) == (
         agent.FINGERPRINT_SEED, agent.SKETCH_SEED, agent.N_MOMENTS)
@@ -45,8 +45,8 @@ def test_a_shifted_piece_fingerprint_is_the_one_digested_at_its_new_place():
     """shift_fingerprint moves a digested piece by any number of indices, either way."""
     import torch
 
-    from agents.digest import digest_piece
-    from agents.layout import PieceLayout
+    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.layout import PieceLayout
 
     t = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
     for before, after in [(0, 4), (4, 0), (2, 9)]:
@@ -161,8 +161,8 @@ def one_thread():
 
 
 def _digest(x, k: int = 256):
-    from agents.digest import digest_piece
-    from agents.layout import PieceLayout
+    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.layout import PieceLayout
 
     f, i = digest_piece(x, PieceLayout.full(tuple(x.shape)), sketch_k=k)
     return DigestValues.from_rows(f.tolist(), i.tolist(), True)
@@ -262,8 +262,8 @@ def test_a_power_of_two_rescaling_is_predicted_from_the_fingerprint_alone(dtype)
     never a false equality), and float64 (mixed terms) has no prediction."""
     import torch
 
-    from agents.digest import digest_piece
-    from agents.layout import PieceLayout
+    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.layout import PieceLayout
 
     t = torch.randn(37, 5, generator=torch.Generator().manual_seed(4)).to(getattr(torch, dtype))
     layout = PieceLayout.full((37, 5))

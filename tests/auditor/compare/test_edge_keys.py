@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.layout import PieceLayout
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report.json_report import to_json
-from auditor.report.text import to_text
-from auditor.store.writer import StoreWriter
-from protos import numaudit_pb2 as pb
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.json_report import to_json
+from numaudit.auditor.report.text import to_text
+from numaudit.auditor.store.writer import StoreWriter
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.synth import RunBuilder, piece_record, write_runs
-from wire import limits
+from numaudit.wire import limits
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_empty_against_a_tensor_is_a_shape_difference(db):
 def test_merge_side_with_an_empty_key_last_does_not_crash():
     import numpy as np
 
-    from auditor.compare.segments import segment_reduce
+    from numaudit.auditor.compare.segments import segment_reduce
     v = np.arange(5.0)
     out = segment_reduce(np.add, v, np.array([0, 2, 5, 5]), 5, 0.0)
     assert out.tolist() == [1.0, 9.0, 0.0, 0.0]

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.layout import PieceLayout
-from auditor.compare.engine import compare_runs
-from auditor.compare.live import LiveComparison
-from auditor.report.text import to_text
-from auditor.compare.policy import parse_policy, preset_policy
-from auditor.store import Reader, UnknownRun
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.live import LiveComparison
+from numaudit.auditor.report.text import to_text
+from numaudit.auditor.compare.policy import parse_policy, preset_policy
+from numaudit.auditor.store import Reader, UnknownRun
 from tests.auditor.synth import RunBuilder, mlp_run, one_ulp, shards, write_runs
 
 
@@ -446,7 +446,7 @@ def test_a_version_2_reference_is_measured_by_its_sketch_never_by_fingerprint(db
     candidate the fingerprints do not compare (exact is unavailable, never "identical"), the
     sketches still measure the distance; under the bitwise preset the key is at best "close"
     (within one rounding, said so), never "identical"."""
-    from agents.hashing import FINGERPRINT_SEED_V2
+    from numaudit.agents.hashing import FINGERPRINT_SEED_V2
 
     x = torch.randn(16, 8)
     ref, cand = RunBuilder("ref"), RunBuilder("cand")

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from auditor.compare.factors import MAX_NAMED, Count, exact_factor, name_factor, snap
+from numaudit.auditor.compare.factors import MAX_NAMED, Count, exact_factor, name_factor, snap
 
 PP = Count(4, "pp_microbatches of pp", "pp's schedule divides by n_microbatches")
 DP = Count(2, "dp ranks of ddp", "a sum over the dp ranks where a mean was meant")

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from agents.layout import PieceLayout
-from auditor.compare.engine import compare_runs
-from auditor.compare.merge import INCOMPLETE, Piece, plan_tiling
-from auditor.compare.policy import preset_policy
-from auditor.compare.verdicts import same_shapes
-from auditor.report.json_report import to_json
-from auditor.report.text import to_text
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.merge import INCOMPLETE, Piece, plan_tiling
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.verdicts import same_shapes
+from numaudit.auditor.report.json_report import to_json
+from numaudit.auditor.report.text import to_text
 from tests.auditor.synth import RunBuilder, piece_record, write_runs
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from agents.digest import digest_piece
-from agents.layout import PieceLayout
-from auditor.compare.digests import DigestValues
-from auditor.compare.merge import (INCOMPLETE, NONE, OK, REPLICA_DIVERGENCE, Piece, merge_pieces,
+from numaudit.agents.digest import digest_piece
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.compare.digests import DigestValues
+from numaudit.auditor.compare.merge import (INCOMPLETE, NONE, OK, REPLICA_DIVERGENCE, Piece, merge_pieces,
                            plan_tiling)
 
 

@@ -13,9 +13,9 @@ import torch
 import zstandard
 from hypothesis import given, settings
 
-from agents.digest import digest_piece
-from agents.layout import PieceLayout
-from auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload, ordered_bits,
+from numaudit.agents.digest import digest_piece
+from numaudit.agents.layout import PieceLayout
+from numaudit.auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload, ordered_bits,
                              payload_metrics, ratio, sketch_band,
                                      sketch_metrics)
 

@@ -3,8 +3,8 @@ one run adds or lacks is said, never paired with the wrong partner."""
 
 from __future__ import annotations
 
-from auditor.compare.op_align import align_ops, describe, unpaired_kind
-from wire.ops import is_collective, op_site, parse_op_site
+from numaudit.auditor.compare.op_align import align_ops, describe, unpaired_kind
+from numaudit.wire.ops import is_collective, op_site, parse_op_site
 
 
 def _ops(*names: str) -> list[tuple[int, str]]:

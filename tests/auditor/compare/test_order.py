@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.live import LiveComparison
-from auditor.compare.order import APPROXIMATED
-from auditor.compare.policy import preset_policy
-from auditor.report.html import to_html
-from auditor.store import Reader
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.live import LiveComparison
+from numaudit.auditor.compare.order import APPROXIMATED
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.html import to_html
+from numaudit.auditor.store import Reader
 from tests.auditor.synth import RunBuilder, shards, write_runs
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from auditor.compare.policy import (DTYPE_TOLERANCES, PolicyError, load_policy, parse_policy,
+from numaudit.auditor.compare.policy import (DTYPE_TOLERANCES, PolicyError, load_policy, parse_policy,
                             preset_policy, resolve_policy)
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from agents.digest import digest_piece
-from agents.layout import PieceLayout, ragged_layout
-from agents.ragged import rows_from_counts
-from auditor.compare.digests import DigestValues
-from auditor.compare.merge import INCOMPLETE, OK, Piece, merge_pieces, plan_tiling
+from numaudit.agents.digest import digest_piece
+from numaudit.agents.layout import PieceLayout, ragged_layout
+from numaudit.agents.ragged import rows_from_counts
+from numaudit.auditor.compare.digests import DigestValues
+from numaudit.auditor.compare.merge import INCOMPLETE, OK, Piece, merge_pieces, plan_tiling
 
 K = 32
 
@@ -140,7 +140,7 @@ def test_replicas_of_a_part_are_copies():
 
 
 def _batch_pieces(rows_per_rank: list[int], cols: int = 4) -> list[Piece]:
-    from agents.layout import batch_layout
+    from numaudit.agents.layout import batch_layout
 
     n = len(rows_per_rank)
     return [as_piece(batch_layout((r, cols), k, n)) for k, r in enumerate(rows_per_rank)]
@@ -162,7 +162,7 @@ def test_an_undeclared_ragged_output_is_named_as_such(rows):
 
 
 def test_other_shape_disagreements_keep_their_own_text():
-    from agents.layout import batch_layout
+    from numaudit.agents.layout import batch_layout
 
     # trailing dims differ: not the ragged signature
     pieces = [as_piece(batch_layout((4, 3), 0, 2)), as_piece(batch_layout((6, 5), 1, 2))]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from agents.layout import PieceLayout, batch_layout
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report.json_report import to_json
+from numaudit.agents.layout import PieceLayout, batch_layout
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.json_report import to_json
 from tests.auditor.synth import RunBuilder, write_runs
 
 S, D = 8, 16

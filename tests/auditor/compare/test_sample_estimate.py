@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents import hashing
-from auditor.compare.metrics import sketch_band
-from auditor.compare.sample_estimate import Units, estimate, fold
+from numaudit.agents import hashing
+from numaudit.auditor.compare.metrics import sketch_band
+from numaudit.auditor.compare.sample_estimate import Units, estimate, fold
 
 M = 96      # elements per sample
 BASE_K = 64
@@ -79,7 +79,7 @@ def grouped(x: np.ndarray, groups: list[int], unit_k, word, sign) -> Units:
 
 
 def per_sample(size: int) -> tuple[int, int]:
-    from agents.sample_digest import unit_plan
+    from numaudit.agents.sample_digest import unit_plan
     return unit_plan(size)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.compare.ulp import ulp_distance, ulp_of
+from numaudit.auditor.compare.ulp import ulp_distance, ulp_of
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

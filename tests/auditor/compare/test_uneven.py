@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.layout import batch_layout
-from auditor.compare.engine import compare_runs
-from auditor.compare.findings import measure_text
-from auditor.compare.policy import preset_policy
-from auditor.report.json_report import to_json
+from numaudit.agents.layout import batch_layout
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.findings import measure_text
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report.json_report import to_json
 from tests.auditor.synth import RunBuilder, write_runs
 
 SITE = "layers.0.moe.experts.3"
@@ -85,7 +85,7 @@ def test_a_store_before_fingerprint_version_3_keeps_payload_comparison(tmp_path)
 
 
 def _as_version_2(*runs: RunBuilder) -> None:
-    from agents.hashing import FINGERPRINT_SEED_V2
+    from numaudit.agents.hashing import FINGERPRINT_SEED_V2
 
     for run in runs:
         for recs in run.records.values():

@@ -21,7 +21,7 @@ def daemon(db: Path, *args: str, log_level: str = "warning") -> Iterator[tuple[s
     port_file = db.with_suffix(".port")
     err = open(db.with_suffix(".log"), "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
+        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
          "--port-file", str(port_file), "--grace", "1", "--log-level", log_level, *args],
         cwd=REPO, stderr=err, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

@@ -22,12 +22,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from auditor.daemon import auth
-from wire.channels import open_channel
-from auditor.daemon.server import SERVICE_NAME, BackgroundServer
-from auditor.store import Reader
-from auditor.daemon.tokens import Tokens, TokenFileError
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.auditor.daemon import auth
+from numaudit.wire.channels import open_channel
+from numaudit.auditor.daemon.server import SERVICE_NAME, BackgroundServer
+from numaudit.auditor.store import Reader
+from numaudit.auditor.daemon.tokens import Tokens, TokenFileError
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 
 T = 10
@@ -327,7 +327,7 @@ def test_token_file_errors_name_the_file_and_entry_never_the_secret(entries, mes
 def test_serve_with_a_bad_token_file_exits_2_in_one_line(tmp_path):
     bad = tmp_path / "tokens.toml"
     bad.write_text('[[token]]\nname = "ci"\ntoken = "too-short"\nwrite = ["*"]\n')
-    proc = subprocess.run([sys.executable, "-m", "auditor", "serve", "--tokens", str(bad),
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "serve", "--tokens", str(bad),
                            "--db", str(tmp_path / "a.db"), "--listen", "127.0.0.1:0"],
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
@@ -345,7 +345,7 @@ def test_tokens_never_reach_the_daemon_log_and_cli_uses_numaudit_token(tmp_path)
     tokens_file.chmod(0o600)
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "auditor", "serve", "--listen", "127.0.0.1:0", "--db",
+        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db",
          str(tmp_path / "audit.db"), "--port-file", str(port_file), "--tokens", str(tokens_file),
          "--log-level", "debug", "--grace", "1"],
         cwd=REPO, stderr=subprocess.PIPE, text=True)
@@ -362,13 +362,13 @@ def test_tokens_never_reach_the_daemon_log_and_cli_uses_numaudit_token(tmp_path)
                 attempt(stub, admin, rpc, "A", f"log-{tok}-{rpc}")
         env = {**os.environ, "NUMAUDIT_TOKEN": SECRET["read-A"]}
         env.pop("NUMAUDIT_DB", None)
-        runs = subprocess.run([sys.executable, "-m", "auditor", "runs", "--address", address,
+        runs = subprocess.run([sys.executable, "-m", "numaudit.auditor", "runs", "--address", address,
                                "--format", "json"], cwd=REPO, capture_output=True, text=True,
                               timeout=30, env=env)
         assert runs.returncode == 0, runs.stderr
         assert [r["run"] for r in json.loads(runs.stdout)] == [RUN["A"]]
         env["NUMAUDIT_TOKEN"] = SECRET["wrong"]
-        show = subprocess.run([sys.executable, "-m", "auditor", "show", RUN["A"], "--address",
+        show = subprocess.run([sys.executable, "-m", "numaudit.auditor", "show", RUN["A"], "--address",
                                address], cwd=REPO, capture_output=True, text=True, timeout=30,
                               env=env)
         assert show.returncode == 2 and "UNAUTHENTICATED" in show.stderr
@@ -388,7 +388,7 @@ def test_list_runs_is_filtered_whatever_form_the_reply_takes():
     Compare reply is) is parsed and filtered like a message, never passed through whole."""
     import asyncio
 
-    from auditor.daemon.tokens import Grant
+    from numaudit.auditor.daemon.tokens import Grant
 
     reply = pb.ListRunsResponse()
     for name in ("run-a", "run-b"):

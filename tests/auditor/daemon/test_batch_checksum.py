@@ -11,8 +11,8 @@ import zlib
 import grpc
 import pytest
 
-from wire.checksum import received_records_checksum, records_checksum
-from protos import numaudit_pb2 as pb
+from numaudit.wire.checksum import received_records_checksum, records_checksum
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import V1, batch, record, register_request
 
 T = 10
@@ -30,7 +30,7 @@ def _varint(n: int) -> bytes:
 
 def _fields(data: bytes) -> list[bytes]:
     """The top-level fields of a message, each as its raw bytes (tag included)."""
-    from wire.checksum import _varint as read_varint
+    from numaudit.wire.checksum import _varint as read_varint
 
     out, i = [], 0
     while i < len(data):

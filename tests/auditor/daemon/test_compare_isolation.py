@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 
-from auditor.daemon.admission import ServerLimits
-from auditor.daemon.server import BackgroundServer
-from wire import limits
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.auditor.daemon.admission import ServerLimits
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.wire import limits
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 
 T = 10

@@ -9,13 +9,13 @@ import time
 import grpc
 import pytest
 
-from auditor.daemon.directives import DirectiveBoard, StreamDirectives
-from auditor.daemon.server import BackgroundServer
-from auditor.daemon.tokens import TokenFileError, Tokens
-from auditor.daemon.validate import ValidationError
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
-from wire import limits
-from wire.channels import open_channel
+from numaudit.auditor.daemon.directives import DirectiveBoard, StreamDirectives
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.daemon.tokens import TokenFileError, Tokens
+from numaudit.auditor.daemon.validate import ValidationError
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.wire import limits
+from numaudit.wire.channels import open_channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,7 +116,7 @@ def test_a_run_whose_agents_take_no_directive_is_said_plainly():
     """Ranks behind the node sidecar (or NUMAUDIT_DIRECTIVES=0, an earlier agent) register
     without takes_directives: the escalating watch's status says escalation needs direct
     connections."""
-    from auditor.daemon.compare_service import _post
+    from numaudit.auditor.daemon.compare_service import _post
 
     async def scenario() -> list[pb.WatchEvent]:
         board = DirectiveBoard()

@@ -15,12 +15,12 @@ import time
 import grpc
 import pytest
 
-from auditor.daemon.admission import ServerLimits
-from auditor.daemon.server import BackgroundServer
-from protos import numaudit_pb2_grpc
+from numaudit.auditor.daemon.admission import ServerLimits
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.protos import numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 from tests.auditor.daemon.daemon_proc import daemon
-from wire import limits
+from numaudit.wire import limits
 
 pytestmark = pytest.mark.timeout(120)
 CAP = 200

@@ -10,9 +10,9 @@ import json
 import grpc
 import pytest
 
-from auditor.compare import reads
-from wire import limits
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare import reads
+from numaudit.wire import limits
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, record, register_request
 
 T = 10

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from auditor.daemon import metrics_http
-from auditor.daemon.metrics_http import MetricsServer
+from numaudit.auditor.daemon import metrics_http
+from numaudit.auditor.daemon.metrics_http import MetricsServer
 from tests.auditor.daemon.daemon_proc import daemon
 
 pytestmark = pytest.mark.timeout(60)

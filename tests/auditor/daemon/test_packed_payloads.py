@@ -12,14 +12,14 @@ import pytest
 import zstandard
 from hypothesis import given, settings, strategies as st
 
-from auditor.daemon import validate_columns as vc
-from auditor.daemon.validate import CorruptPayload, TooLarge, validate_batch
-from auditor.store.writer import StoreWriter
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.daemon import validate_columns as vc
+from numaudit.auditor.daemon.validate import CorruptPayload, TooLarge, validate_batch
+from numaudit.auditor.store.writer import StoreWriter
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import (batch, float32_bytes, none_record, payload_for, record,
                                     register_request)
 from tests.auditor.daemon.test_packed_validate import _outcome
-from wire import limits, packed as P
+from numaudit.wire import limits, packed as P
 
 pytestmark = pytest.mark.timeout(60)
 

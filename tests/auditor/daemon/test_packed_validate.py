@@ -14,10 +14,10 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from auditor.daemon.validate import ValidationError, validate_batch, validate_record
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.daemon.validate import ValidationError, validate_batch, validate_record
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, none_record, record
-from wire import limits, packed as P
+from numaudit.wire import limits, packed as P
 
 
 def _variants() -> list[pb.Record]:

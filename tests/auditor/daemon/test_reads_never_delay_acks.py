@@ -17,9 +17,9 @@ import time
 import grpc
 import pytest
 
-from auditor.store import Store
-from wire import limits
-from protos import numaudit_pb2_grpc
+from numaudit.auditor.store import Store
+from numaudit.wire import limits
+from numaudit.protos import numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 from tests.auditor.daemon.daemon_proc import REPO, daemon
 
@@ -31,7 +31,7 @@ P99_BOUND_S = 0.050
 
 _READERS = r"""
 import sys, threading, time, grpc
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 stub = numaudit_pb2_grpc.AuditorStub(grpc.insecure_channel(sys.argv[1],
     options=[("grpc.max_receive_message_length", 64 << 20)]))
 def loop(call):

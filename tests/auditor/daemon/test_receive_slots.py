@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
+from numaudit.auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,8 +8,8 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from auditor.daemon.server import BackgroundServer
-from auditor.daemon.tokens import Tokens
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.daemon.tokens import Tokens
 
 T = 10
 pytestmark = pytest.mark.timeout(60)

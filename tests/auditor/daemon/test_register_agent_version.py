@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from auditor.daemon.validate import ValidationError, validate_register
-from wire import limits
+from numaudit.auditor.daemon.validate import ValidationError, validate_register
+from numaudit.wire import limits
 from tests.auditor.builders import register_request
 
 pytestmark = pytest.mark.timeout(60)

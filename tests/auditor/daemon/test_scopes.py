@@ -7,13 +7,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from auditor.daemon.metrics import DaemonMetrics
-from auditor.daemon.server import BackgroundServer
-from auditor.daemon.tokens import Tokens
-from auditor.store import Reader
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.auditor.daemon.metrics import DaemonMetrics
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.daemon.tokens import Tokens
+from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import register_request
-from wire.channels import open_channel
+from numaudit.wire.channels import open_channel
 
 T = 10
 pytestmark = pytest.mark.timeout(60)

@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from wire import limits
-from auditor.daemon.server import BackgroundServer
-from auditor.store import RECORD_COLUMNS, Reader
-from protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.wire import limits
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.store import RECORD_COLUMNS, Reader
+from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import (
     batch, float32_bytes, none_record, payload_for, record, register_request, zstd_header,
 )

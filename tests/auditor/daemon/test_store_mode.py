@@ -10,11 +10,11 @@ import stat
 
 import pytest
 
-from auditor.daemon.server import BackgroundServer
-from auditor.daemon.tokens import Tokens
-from protos import numaudit_pb2_grpc
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.daemon.tokens import Tokens
+from numaudit.protos import numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
-from wire.channels import open_channel
+from numaudit.wire.channels import open_channel
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "tok-writer-5d8a2c7e1f4b9a63"
@@ -50,7 +50,7 @@ def test_a_store_readable_by_others_is_named_in_a_warning(tmp_path, caplog):
         pass
     os.chmod(db, 0o644)
     tokens = Tokens.parse({"token": [{"name": "w", "token": SECRET, "write": ["*"]}]})
-    with caplog.at_level("WARNING", logger="auditor.daemon.server"):
+    with caplog.at_level("WARNING", logger="numaudit.auditor.daemon.server"):
         with BackgroundServer("127.0.0.1:0", db, tokens=tokens):
             pass
     assert any("can be read by other users" in r.getMessage() and str(db) in r.getMessage()

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-import agents
-from auditor.cli.checkpoint import _private_listen
-from auditor.daemon.server import BackgroundServer
-from auditor.store import Reader
+import numaudit
+from numaudit.auditor.cli.checkpoint import _private_listen
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.auditor.store import Reader
 
 
 def test_agents_deliver_through_a_unix_socket(tmp_path):
@@ -21,7 +21,7 @@ def test_agents_deliver_through_a_unix_socket(tmp_path):
     with BackgroundServer(f"unix:{sock}", tmp_path / "u.db", grace=1.0) as server:
         assert server.address == f"unix:{sock}"
         assert stat.S_ISSOCK(sock.stat().st_mode)
-        agent = agents.attach(None, run="over-unix", address=server.address, spool_mode="off")
+        agent = numaudit.attach(None, run="over-unix", address=server.address, spool_mode="off")
         agent.capture_state_dict({"w": torch.arange(6.0), "lr": 0.1}, step=0)
         summary = agent.close(timeout=30)
     assert (summary["acked"], summary["dropped"]) == (2, 0), summary

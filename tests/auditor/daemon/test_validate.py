@@ -9,12 +9,12 @@ import pytest
 import zstandard
 from hypothesis import given, settings, strategies as st
 
-from wire import limits
-from auditor.daemon.validate import (
+from numaudit.wire import limits
+from numaudit.auditor.daemon.validate import (
     ITEMSIZE, CorruptPayload, TooLarge, UnsupportedVersion, ValidationError, check_run_name,
     check_zstd_header, validate_batch, validate_close, validate_record, validate_register,
 )
-from protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import (
     batch, float32_bytes, none_record, payload_for, record, register_request, zstd_header,
 )
@@ -318,7 +318,7 @@ def test_a_failed_decompression_leaves_the_thread_able_to_check_the_next_payload
 def test_capture_order_is_a_count_from_zero():
     """0 is an agent of an earlier build (not numbered); a negative number is refused by name,
     per record and packed alike."""
-    from wire import packed as P
+    from numaudit.wire import packed as P
 
     for order in (0, 1, limits.MAX_CAPTURE_ORDER):
         r = record()

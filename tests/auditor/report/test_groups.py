@@ -8,8 +8,8 @@ import re
 
 from hypothesis import given, strategies as st
 
-from auditor.compare.groups import template
-from auditor.compare.site_sets import compact_sites, shorten
+from numaudit.auditor.compare.groups import template
+from numaudit.auditor.compare.site_sets import compact_sites, shorten
 
 
 def _expand(text: str) -> set[str]:

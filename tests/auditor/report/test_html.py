@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report import html as H
-from auditor.report.json_report import to_json
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report import html as H
+from numaudit.auditor.report.json_report import to_json
 from tests.auditor.cli.three_runs import cli, runs
 from tests.auditor.synth import write_runs
 
@@ -144,10 +144,10 @@ def test_cli_renders_the_daemons_report_as_the_same_page(db, tmp_path):
     """--address: the page is rendered here from the Compare RPC's JSON, as from a store."""
     import grpc
 
-    from auditor.daemon.server import BackgroundServer
-    from protos import numaudit_pb2_grpc
+    from numaudit.auditor.daemon.server import BackgroundServer
+    from numaudit.protos import numaudit_pb2_grpc
     from tests.auditor.synth import send
-    from wire import limits
+    from numaudit.wire import limits
 
     local, remote = tmp_path / "local.html", tmp_path / "remote.html"
     assert cli("compare", "ref", "bumped", "--db", db, "--html-output", local).exit_code == 1

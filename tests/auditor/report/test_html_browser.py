@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.report import html as H
-from auditor.report.json_report import to_json
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.report import html as H
+from numaudit.auditor.report.json_report import to_json
 from tests import browser
 from tests.auditor.cli.three_runs import runs
 from tests.auditor.report.test_html import EVIL, _synthetic_doc

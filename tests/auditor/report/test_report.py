@@ -8,13 +8,13 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from auditor.compare.engine import compare_runs
-from auditor.compare.policy import preset_policy
-from auditor.compare.result import SCHEMA, SCHEMA_VERSION
-from auditor.report.json_report import to_json
-from auditor.report.junit import to_junit
-from auditor.report.text import render_text, to_text
-from auditor.daemon.compare_service import report_json_within
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.result import SCHEMA, SCHEMA_VERSION
+from numaudit.auditor.report.json_report import to_json
+from numaudit.auditor.report.junit import to_junit
+from numaudit.auditor.report.text import render_text, to_text
+from numaudit.auditor.daemon.compare_service import report_json_within
 from tests.auditor.synth import mlp_run, write_runs
 
 

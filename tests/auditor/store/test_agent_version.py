@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from auditor.store import Reader, summary
-from auditor.store.backend import open_writer
+from numaudit.auditor.store import Reader, summary
+from numaudit.auditor.store.backend import open_writer
 from tests.auditor.builders import register_request
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-from auditor.store import (RECORD_COLUMNS, Reader, RunNameTaken, StoreError, UnknownSession,
+from numaudit.auditor.store import (RECORD_COLUMNS, Reader, RunNameTaken, StoreError, UnknownSession,
                            summary)
-from auditor.store.backend import open_writer
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.store.backend import open_writer
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, float32_bytes, record, register_request
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,7 +141,7 @@ def test_packed_payload_batches_store_their_chunks(writer, store_location):
     `records` and `payload_chunks` under ids drawn beforehand), one whose 2-chunk payload
     repeats a key (PostgreSQL: the staging path), and resends of both: every record readable
     with its own payload, nothing stored twice."""
-    from wire.packed import from_records, split_batch
+    from numaudit.wire.packed import from_records, split_batch
 
     register(writer)
     payloads = {j: float32_bytes(12 + j) for j in (0, 3, 4)}
@@ -177,7 +177,7 @@ def test_a_payload_in_chunks_is_counted_and_flagged_as_one_record(writer, store_
     """Each later chunk travels as a row repeating its record's key and content: stored,
     duplicates and conflicts count the record once, and a conflicting record is flagged once,
     on a fresh batch and on a resend alike (the agent and `auditor ingest` count the same)."""
-    from wire.packed import from_records, split_batch
+    from numaudit.wire.packed import from_records, split_batch
 
     data = float32_bytes(64)
 
@@ -220,7 +220,7 @@ def flat_column(reader, run: str = "ref") -> dict[tuple[int, int], int]:
 def test_a_flat_piece_comes_back_flat(writer, store_location):
     """Per record and packed, on a fresh batch and through a resend: the flag is stored, read
     back, and part of what a record says (sent again with only the flag changed, a conflict)."""
-    from wire.packed import from_records, split_batch
+    from numaudit.wire.packed import from_records, split_batch
 
     register(writer)
     first = [flat_record(0, 0), flat_record(0, 1, flat=False), record(0, 2)]
@@ -369,7 +369,7 @@ def test_a_restarted_database_server_is_reconnected(pg_server, pg_url):
 def test_a_database_that_is_not_a_store_is_refused(pg_server, pg_url):
     import psycopg
 
-    from auditor.store import NotAStore
+    from numaudit.auditor.store import NotAStore
 
     with pytest.raises(NotAStore, match="holds no numaudit store"):
         Reader(pg_url)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from auditor.store import RECORD_COLUMNS, key_segments
-from auditor.store.backend import open_writer
+from numaudit.auditor.store import RECORD_COLUMNS, key_segments
+from numaudit.auditor.store.backend import open_writer
 from tests.auditor.builders import batch, float32_bytes, payload_for, record
 from tests.auditor.store.test_backends import call, ingest, read, register
-from wire.packed import from_records, split_batch
+from numaudit.wire.packed import from_records, split_batch
 
 pytestmark = pytest.mark.timeout(60)
 

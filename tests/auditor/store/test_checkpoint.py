@@ -9,10 +9,10 @@ import sqlite3
 
 import pytest
 
-from auditor.store import Reader
-from auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
-from auditor.store import writer as writer_module
-from auditor.store.writer import StoreWriter
+from numaudit.auditor.store import Reader
+from numaudit.auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
+from numaudit.auditor.store import writer as writer_module
+from numaudit.auditor.store.writer import StoreWriter
 from tests.auditor.builders import batch, record, register_request
 from tests.faults.harness import wait_until
 
@@ -62,7 +62,7 @@ def test_a_reader_holding_a_snapshot_does_not_stop_commits(tmp_path, monkeypatch
     """A passive checkpoint copies only what no reader still needs; the writer goes on, and the
     checkpointer says when a reader holds it back and when it caught up."""
     monkeypatch.setattr(writer_module, "HELD_BACK_WARN_BYTES", 16 << 10)
-    caplog.set_level(logging.INFO, logger="auditor.store.writer")
+    caplog.set_level(logging.INFO, logger="numaudit.auditor.store.writer")
     db = tmp_path / "audit.db"
     w = StoreWriter(db, synchronous="NORMAL")
     cp = w.checkpointer

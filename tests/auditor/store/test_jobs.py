@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from auditor.store import Reader, RunNameTaken
-from auditor.store.writer import StoreWriter
+from numaudit.auditor.store import Reader, RunNameTaken
+from numaudit.auditor.store.writer import StoreWriter
 from tests.auditor.builders import batch, record, register_request
 
 pytestmark = pytest.mark.timeout(30)

@@ -7,11 +7,11 @@ import sqlite3
 
 import pytest
 
-from auditor.store import content_hash
-from auditor.store.writer import StoreWriter
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.store import content_hash
+from numaudit.auditor.store.writer import StoreWriter
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, none_record, record, register_request
-from wire import packed as P
+from numaudit.wire import packed as P
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,8 +115,8 @@ def test_failed_bulk_insert_leaves_nothing_and_the_session_unacked(writer, tmp_p
 
 
 def test_page_size_applies_to_new_store_files_only(tmp_path, monkeypatch):
-    from auditor.store import connect
-    from auditor.store import sqlite as store_sqlite
+    from numaudit.auditor.store import connect
+    from numaudit.auditor.store import sqlite as store_sqlite
 
     monkeypatch.setattr(store_sqlite, "PAGE_SIZE", 16384)
     conn = connect(tmp_path / "a.db")

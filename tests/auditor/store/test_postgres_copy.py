@@ -9,10 +9,10 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from auditor.store import pg_copy
-from auditor.store.rows import INSERT_COLUMNS, record_rows
-from protos import numaudit_pb2 as pb
-from wire.packed import content_hashes, from_records
+from numaudit.auditor.store import pg_copy
+from numaudit.auditor.store.rows import INSERT_COLUMNS, record_rows
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.packed import content_hashes, from_records
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from auditor.compare.columns import Catalog, ReadMark
-from auditor.compare.live import LiveComparison
-from auditor.store import Reader
-from auditor.store.postgres import PgStore
+from numaudit.auditor.compare.columns import Catalog, ReadMark
+from numaudit.auditor.compare.live import LiveComparison
+from numaudit.auditor.store import Reader
+from numaudit.auditor.store.postgres import PgStore
 from tests.auditor.builders import batch, record, register_request
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from auditor.store import Reader, UnknownSession
-from auditor.store.postgres_writer import PgWriter
+from numaudit.auditor.store import Reader, UnknownSession
+from numaudit.auditor.store.postgres_writer import PgWriter
 from tests.auditor.builders import batch, record, register_request
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,7 +75,7 @@ def test_a_batch_copy_is_limited_by_its_size_then_the_session_limit_returns(pg_u
     """A replica frozen in the middle of a batch's COPY holds its row locks only as long as that
     batch's own limit (1 s + 1 ms per 8 KiB), not the session's 15 s; the limit ends with the
     transaction."""
-    from auditor.store.postgres import copy_timeout_ms
+    from numaudit.auditor.store.postgres import copy_timeout_ms
 
     SHOW_MS = "SELECT setting FROM pg_settings WHERE name = 'statement_timeout'"
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from auditor.compare.per_sample import fetch
-from auditor.daemon.validate import ValidationError, validate_batch
-from auditor.store.backend import open_writer
-from auditor.store.reader import Reader
+from numaudit.auditor.compare.per_sample import fetch
+from numaudit.auditor.daemon.validate import ValidationError, validate_batch
+from numaudit.auditor.store.backend import open_writer
+from numaudit.auditor.store.reader import Reader
 from tests.auditor.builders import batch, float32_bytes, payload_for, record
 from tests.auditor.store.test_backends import ingest, read, register
-from wire.packed import from_packed, from_records, split_batch, to_packed, to_records
-from wire.sealed import sealed_batch
-from protos import numaudit_pb2 as pb
+from numaudit.wire.packed import from_packed, from_records, split_batch, to_packed, to_records
+from numaudit.wire.sealed import sealed_batch
+from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +53,7 @@ def test_samples_travel_alike_per_record_packed_and_sealed():
     assert [r.SerializeToString() for r in back] == [r.SerializeToString() for r in recs]
     sealed = pb.RecordBatch.FromString(sealed_batch("sess-0", 1, cols))
     assert sealed.packed.SerializeToString() == to_packed(cols).SerializeToString()
-    from wire.packed import take
+    from numaudit.wire.packed import take
     assert to_records(take(cols, np.array([2])))[0] == recs[2]
 
 

@@ -10,15 +10,15 @@ import sqlite3
 import numpy as np
 import pytest
 
-from auditor.compare import reads
-from auditor.compare.columns import Catalog
-from auditor.compare.engine import compare_runs
-from auditor.store import Reader, connect, key_segments
-from auditor.store.backend import open_writer
-from protos import numaudit_pb2 as pb
+from numaudit.auditor.compare import reads
+from numaudit.auditor.compare.columns import Catalog
+from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.store import Reader, connect, key_segments
+from numaudit.auditor.store.backend import open_writer
+from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, none_record, record, register_request
 from tests.auditor.synth import mlp_run, write_runs
-from wire import packed as P
+from numaudit.wire import packed as P
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,7 +230,7 @@ def test_segments_that_disagree_with_their_count_are_not_used(odd_store, monkeyp
 
 
 def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path, monkeypatch):
-    from auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.columns import KeyRangeError
 
     db = tmp_path / "audit.db"
     w = open_writer(db, synchronous="NORMAL")

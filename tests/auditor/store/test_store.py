@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from auditor.store import RECORD_COLUMNS, Reader, StoreError, UnknownSession, content_hash
-from auditor.store.writer import StoreWriter, WriterClosed
+from numaudit.auditor.store import RECORD_COLUMNS, Reader, StoreError, UnknownSession, content_hash
+from numaudit.auditor.store.writer import StoreWriter, WriterClosed
 from tests.auditor.builders import batch, record, register_request
 
 pytestmark = pytest.mark.timeout(30)
@@ -151,7 +151,7 @@ def test_ragged_parts_are_stored(writer, tmp_path):
 def test_a_version_1_store_is_upgraded_in_place(tmp_path):
     import sqlite3
 
-    from auditor.store import sqlite as store_sqlite
+    from numaudit.auditor.store import sqlite as store_sqlite
 
     old = store_sqlite._SCHEMA
     for table, column, decl in store_sqlite._ADDED_COLUMNS:
