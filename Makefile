@@ -7,7 +7,7 @@ INJECT  ?=
 OPS     ?=
 DRILL   ?=
 
-.PHONY: audit test test-fast bench proto clean kernels postgres chromium package-check
+.PHONY: audit test test-fast bench proto clean kernels postgres chromium package-check lint
 
 # The fused CPU digest kernel (agents/kernels/): built here, never inside training. If it cannot
 # be built the agent warns once and uses the eager digest.
@@ -60,6 +60,19 @@ test: $(STAMP) $(KERNEL) postgres chromium
 
 test-fast: $(STAMP) $(KERNEL) postgres chromium
 	$(PY) -m pytest -q -m "not slow"
+
+# The code's own hygiene (CI, before make test): ruff over the product's packages, and mypy over
+# the packages typed clean so far (MYPY_PACKAGES grows one package at a time). mypy reads them
+# under their import root, numaudit.*, through links in a scratch tree.
+LINT_DIRS     := agents auditor wire numaudit
+MYPY_PACKAGES := -m numaudit -p numaudit.wire -p numaudit.protos
+
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINT_DIRS)
+	rm -rf $(BUILD)/typecheck && mkdir -p $(BUILD)/typecheck/numaudit
+	ln -s $(CURDIR)/numaudit/__init__.py $(BUILD)/typecheck/numaudit/__init__.py
+	for d in agents auditor wire protos; do ln -s $(CURDIR)/$$d $(BUILD)/typecheck/numaudit/$$d; done
+	cd $(BUILD)/typecheck && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml $(MYPY_PACKAGES)
 
 # numaudit installed the ordinary way (CI, after make test): sdist and wheel built, the wheel
 # installed in a fresh virtual environment outside the checkout, the fused kernel loaded from it,

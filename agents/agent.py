@@ -7,16 +7,22 @@ import logging
 import os
 import threading
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from numaudit.agents import shutdown
 from numaudit.agents.capture import AUTO, Capturer, Counters, HostBatch
 from numaudit.agents.config import AgentConfig, apply_env, check
 from numaudit.agents.identity import RankIdentity, job_identity, rank_identity
-from numaudit.agents import shutdown
-from numaudit.agents.normalization import (grad_scale, note_batch_norms, note_capture_depth,
-                                  note_dropouts, note_tied_parameters, note_unpassed_mesh)
+from numaudit.agents.normalization import (
+    grad_scale,
+    note_batch_norms,
+    note_capture_depth,
+    note_dropouts,
+    note_tied_parameters,
+    note_unpassed_mesh,
+)
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +322,7 @@ class Agent:
             "run": snd.run if snd else self.config.run,
         }
 
-    def __enter__(self) -> "Agent":
+    def __enter__(self) -> Agent:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -363,7 +369,8 @@ def attach(
     if cfg.sidecar and cfg.start_sidecar and cfg.enabled:
         ensure_sidecar(cfg, ident)
     agent = Agent(cfg, ident)
-    modules = [] if model is None else ([model] if isinstance(model, torch.nn.Module) else list(model))
+    modules = [] if model is None else ([model] if isinstance(model, torch.nn.Module)
+                                        else list(model))
     stage_ids = list(stages) if stages else [-1] * len(modules)
     if len(stage_ids) != len(modules):
         raise ValueError(f"stages: {len(stage_ids)} indices for {len(modules)} stage modules")
@@ -398,7 +405,6 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
     The sidecar runs in its own session (it outlives the job long enough to deliver, then exits
     when idle), so it can neither take the training process down nor be killed with its group.
     """
-    import os
     import subprocess
     import sys
     from pathlib import Path

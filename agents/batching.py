@@ -16,8 +16,8 @@ import ctypes
 import itertools
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -300,7 +300,7 @@ class Batcher:
         except Exception as exc:
             self._failed("sample digests", exc)
             return
-        for (cap, plan, t), res in zip(todo, results):
+        for (cap, plan, _t), res in zip(todo, results):
             if isinstance(res, Exception):
                 self._failed(f"sample digests of {cap.site}", res)
                 continue

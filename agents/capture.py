@@ -5,9 +5,9 @@ digest of each tensor it sees on that tensor's device (vectorized, no host sync 
 pieces go through the fused kernel, which writes their rows straight into the host batch's
 buffers and copies small pieces' payload bytes in the same pass; rows computed on an
 accelerator are kept, and every `device_batch` captures (or at a microbatch or step boundary)
-stacked and sent to the host in one asynchronous copy (agents/batching.py). The sender thread waits for
-that copy, builds records and does all network I/O. No hook ever raises into training: failures
-are counted, logged once per kind with the rank, and the capture is dropped.
+stacked and sent to the host in one asynchronous copy (agents/batching.py). The sender thread
+waits for that copy, builds records and does all network I/O. No hook ever raises into training:
+failures are counted, logged once per kind with the rank, and the capture is dropped.
 """
 
 from __future__ import annotations
@@ -20,23 +20,31 @@ import math
 import struct
 import weakref
 from collections import Counter, deque
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from numaudit.agents import fsdp1
+from numaudit.agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from numaudit.agents.config import AgentConfig, step_selected
 from numaudit.agents.device_copy import payload_copy
-from numaudit.agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
 from numaudit.agents.digest import has_moments
 from numaudit.agents.fastpath import Digester
 from numaudit.agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
-from numaudit.agents.layout import (PieceLayout, batch_layout, batch_rows, complex_real_layout,
-                           dtensor_layout, dim_shard_layout, holds_batch, ragged_layout,
-                           reduction_layout)
+from numaudit.agents.layout import (
+    PieceLayout,
+    batch_layout,
+    batch_rows,
+    complex_real_layout,
+    dim_shard_layout,
+    dtensor_layout,
+    holds_batch,
+    ragged_layout,
+    reduction_layout,
+)
 from numaudit.agents.sites import matches, normalize_site, select_modules
 from numaudit.protos import numaudit_pb2 as pb
 
@@ -53,7 +61,8 @@ ROLE_IDS = {
 }
 STEP_LEVEL = -1  # microbatch id of per-step captures (grad, param, optim_grad, update)
 PER_STEP_PHASES = ("grad", "param", "optim_grad", "update", "state")
-"""Phases captured once per step, of parameters and state_dict entries: full tensors (replicas over dp) unless DTensors."""
+"""Phases captured once per step, of parameters and state_dict entries: full tensors (replicas
+over dp) unless DTensors."""
 MAX_NO_GRAD_CALLS = 64
 """No-grad forwards remembered per (step, microbatch, site) for a reentrant checkpoint's replay."""
 NOT_CAPTURED_AMBIGUOUS = "checkpoint_reentrant_ambiguous"

@@ -11,18 +11,29 @@ message per record, and no per-host-batch columns to merge again.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Sequence
 
 import numpy as np
 
 from numaudit.agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.checksum import crc32
-from numaudit.wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
-                         SAMPLE_COLUMNS, SCALAR_COLUMNS, PayloadChunk, RecordColumns, _ranges)
-from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.packed import (
+    COMPLEX_AS_REAL,
+    FLAT,
+    HAS_MOMENTS,
+    IS_NONE,
+    PARTIAL,
+    REPLICA,
+    SAMPLE_COLUMNS,
+    SCALAR_COLUMNS,
+    PayloadChunk,
+    RecordColumns,
+    _ranges,
+)
 
 _REDUCE = {"": pb.REDUCTION_NONE, "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM}
 
@@ -122,8 +133,8 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     if any_none:
         live_names = [d for d, z in zip(dtype_names, none.tolist()) if not z]
         dtypes = {d: i for i, d in enumerate(dict.fromkeys(live_names))}
-        cols["dtype"] = np.array([0 if z else dtypes[d] for d, z in zip(dtype_names, none.tolist())],
-                                 "<i4")
+        cols["dtype"] = np.array([0 if z else dtypes[d]
+                                  for d, z in zip(dtype_names, none.tolist())], "<i4")
         lays = [None if c.is_none else c.layout for c in captures]
     else:
         dtypes = {d: i for i, d in enumerate(dict.fromkeys(dtype_names))}
@@ -369,13 +380,13 @@ class PayloadCompressor:
         if left:
             self._raw_left[key] = left - 1
             return "raw", raw
-        if left == 0 and raw.nbytes > 2 * self.PROBE:
-            # A retry of a (phase, site, role) that did not compress: level 1 on its first
-            # PROBE bytes says whether the whole would (float noise does not, anywhere in it),
-            # at a fraction of the cost (a 1 MiB logits payload: ~2 ms a retry in a step).
-            if len(self._good.compress(raw[:self.PROBE])) > 0.9 * self.PROBE:
-                self._raw_left[key] = self.RETRY
-                return "raw", raw
+        # A retry of a (phase, site, role) that did not compress: level 1 on its first PROBE
+        # bytes says whether the whole would (float noise does not, anywhere in it), at a
+        # fraction of the cost (a 1 MiB logits payload: ~2 ms a retry in a step).
+        if (left == 0 and raw.nbytes > 2 * self.PROBE
+                and len(self._good.compress(raw[:self.PROBE])) > 0.9 * self.PROBE):
+            self._raw_left[key] = self.RETRY
+            return "raw", raw
         data = self._good.compress(raw)
         if len(data) > 0.9 * raw.nbytes:
             if len(self._raw_left) >= 4096:

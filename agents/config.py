@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 ENV_ADDR = "NUMAUDIT_ADDR"            # auditor address HOST:PORT
 ENV_RUN = "NUMAUDIT_RUN"              # run name
@@ -35,7 +35,8 @@ ENV_SKETCH_K = "NUMAUDIT_SKETCH_K"    # CountSketch buckets
 ENV_TRITON_ROWS = "NUMAUDIT_TRITON_ROWS"  # Triton digest: rows a program reads per step (tuning)
 ENV_TRITON_WARPS = "NUMAUDIT_TRITON_WARPS"  # Triton digest: warps per program (tuning)
 ENV_TRITON_FAST_LAUNCH = "NUMAUDIT_TRITON_FAST_LAUNCH"  # "0": every Triton launch through its JIT
-ENV_SAMPLE_DIGESTS = "NUMAUDIT_SAMPLE_DIGESTS"  # "0": no per-sample digests of batch-holding captures
+ENV_SAMPLE_DIGESTS = "NUMAUDIT_SAMPLE_DIGESTS"  # "0": no per-sample digests of batch-holding
+                                                # captures
 ENV_FLUSH_TIMEOUT = "NUMAUDIT_FLUSH_TIMEOUT"  # seconds close() waits for acks
 ENV_SIDECAR = "NUMAUDIT_SIDECAR"      # node sidecar socket, unix:///PATH (then no gRPC in-process)
 ENV_SPOOL = "NUMAUDIT_SPOOL"          # spool directory
@@ -43,7 +44,8 @@ ENV_SPOOL_MODE = "NUMAUDIT_SPOOL_MODE"  # spill | always | off
 ENV_PAYLOAD_MAX = "NUMAUDIT_PAYLOAD_MAX_BYTES"  # pieces up to this size carry a payload; 0 = off
 ENV_REPLICATE = "NUMAUDIT_REPLICATE_SITES"  # "phase:site" globs of plain tensors that are replicas
 ENV_SHARD = "NUMAUDIT_SHARD_SITES"    # "phase:site" globs of plain tensors that are not replicas
-ENV_GRAD_SCALE = "NUMAUDIT_GRAD_SCALE"  # activation-gradient scale of this run (docs/parallelisms.md)
+ENV_GRAD_SCALE = "NUMAUDIT_GRAD_SCALE"  # activation-gradient scale of this run
+                                        # (docs/parallelisms.md)
 ENV_LOSS_NORM = "NUMAUDIT_LOSS_NORMALIZATION"  # per_rank_mean | global_mean | sum
 ENV_MICROBATCH_SIZE = "NUMAUDIT_MICROBATCH_SIZE"  # this rank's batch elements per microbatch
 ENV_BATCH_DIM = "NUMAUDIT_BATCH_DIM"  # the dim the data-parallel split concatenates on
@@ -51,8 +53,10 @@ ENV_DP_DIMS = "NUMAUDIT_DP_DIMS"      # comma-separated mesh dims that split the
 ENV_JOB_ID = "NUMAUDIT_JOB_ID"        # job id shared by the job's ranks (default: torchrun's)
 ENV_RENAME = "NUMAUDIT_RENAME_IF_TAKEN"  # "1": a run name of another job becomes NAME.2, NAME.3...
 ENV_OPS = "NUMAUDIT_OPS"              # module-site globs whose every operation is captured
-ENV_PLAN = "NUMAUDIT_PLAN"            # drill-down plan file (`auditor drill -o`): ops, steps, payload
-ENV_DIRECTIVES = "NUMAUDIT_DIRECTIVES"  # "0": ignore the auditor's live directives (watch --escalate)
+ENV_PLAN = "NUMAUDIT_PLAN"            # drill-down plan file (`auditor drill -o`): ops, steps,
+                                      # payload
+ENV_DIRECTIVES = "NUMAUDIT_DIRECTIVES"  # "0": ignore the auditor's live directives
+                                        # (watch --escalate)
 SPOOL_MODES = ("spill", "always", "off")
 
 PHASES = ("fwd", "bwd", "grad", "param", "loss", "input", "optim_grad", "update", "state")
@@ -150,7 +154,8 @@ class AgentConfig:
     """"spill": only what is unacked at close (or everything, without an address); "always":
     every batch is written ahead of sending (survives a killed training process); "off"."""
     payload_max_bytes: int = 16 << 10
-    """Pieces of at most this many bytes carry their raw bytes (exact verdicts); 0 = only `payload`."""
+    """Pieces of at most this many bytes carry their raw bytes (exact verdicts); 0 = only
+    `payload`."""
     replicate_sites: tuple[str, ...] = ()
     """Globs on "phase:site" of plain tensors that are replicas over the non-dp mesh dims."""
     shard_sites: tuple[str, ...] = ()
@@ -311,7 +316,8 @@ def check(config: AgentConfig) -> None:
         if path and not os.access(path, os.R_OK):
             raise ValueError(f"{key}: cannot read {path}")
     if config.spool_mode not in SPOOL_MODES:
-        raise ValueError(f"spool_mode: {config.spool_mode!r} is not one of {', '.join(SPOOL_MODES)}")
+        raise ValueError(f"spool_mode: {config.spool_mode!r} is not one of "
+                         f"{', '.join(SPOOL_MODES)}")
     if config.step_every is not None and config.step_every < 1:
         raise ValueError(f"step_every: {config.step_every} < 1 ({ENV_STEP_EVERY})")
     if config.step_first is not None and config.step_first < 0:

@@ -1,4 +1,5 @@
-"""Delivery: one session's numbered batches to the next hop, at least once, never blocking its owner.
+"""Delivery: one session's numbered batches to the next hop, at least once, never blocking its
+owner.
 
 A `Delivery` is pumped by its owner's thread (`service()` every few milliseconds): it registers
 the session when there is something to send, streams pending batches, drops them as acks arrive
@@ -29,15 +30,21 @@ import logging
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
-from numaudit.wire import limits
-from numaudit.agents.transport import EOF_MARK, Stream, Transport, TransportError, as_transport_error
-from numaudit.wire.packed import for_peer
+from numaudit.agents.transport import (
+    EOF_MARK,
+    Stream,
+    Transport,
+    TransportError,
+    as_transport_error,
+)
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.wire.packed import for_peer
 
 log = logging.getLogger(__name__)
 

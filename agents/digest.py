@@ -28,8 +28,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

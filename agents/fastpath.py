@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 import numpy as np
+import torch
 
 from numaudit.agents.digest import N_MOMENTS, digest_piece
 from numaudit.agents.layout import PieceLayout
@@ -76,7 +75,8 @@ class Digester:
         """The fused kernel digests this piece (and can copy its payload bytes while at it)."""
         return self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex
 
-    def fused_plan(self, t: torch.Tensor, layout: PieceLayout) -> tuple[int, int, int, bytes] | None:
+    def fused_plan(self, t: torch.Tensor,
+                   layout: PieceLayout) -> tuple[int, int, int, bytes] | None:
         """``(dtype code, ndim, base, descriptor tail)`` of a piece the fused kernel takes, else
         None: what a caller caches per site, shape, strides and dtype so that a capture's
         descriptor is one ``pack_head(t.data_ptr(), code, ndim, base, payload) + tail``

@@ -51,10 +51,11 @@ def not_traced(fn):
 
     What ``torch.compiler.disable(fn)`` does, without its cost where nothing is compiled: its
     wrapper sets and restores the frame evaluation hook on every call (1.1 us against 0.15 for a
-    plain call; ~830 hook calls a step at scale 1 of the DS3-style model). This one calls ``fn`` straight when no compiled
-    code runs on this thread, and the disabled ``fn`` when some does. Dynamo never traces it: it
-    carries the disable mark (a graph break where a compiled frame calls it, guarded on ``fn``
-    as disable's is) and its code is on Dynamo's skip list (a frame of it is never compiled).
+    plain call; ~830 hook calls a step at scale 1 of the DS3-style model). This one calls ``fn``
+    straight when no compiled code runs on this thread, and the disabled ``fn`` when some does.
+    Dynamo never traces it: it carries the disable mark (a graph break where a compiled frame
+    calls it, guarded on ``fn`` as disable's is) and its code is on Dynamo's skip list (a frame
+    of it is never compiled).
     """
     if _dynamo_callback is None:  # pragma: no cover
         return torch.compiler.disable(fn)

@@ -234,8 +234,8 @@ def job_identity(declared: str | None = None) -> tuple[str, str]:
     it is torchrun's default "none" (static rendezvous: every job would share it); one generated
     id agreed through the job's c10d store (needs torch.distributed initialized before attach: the
     first rank to ask sets it, the others read it, nobody waits); a generated id for a job of one
-    process (one per process). A multi-process job with none of these gets "" and a warning: its sessions cannot
-    be told from another job's, so pass job_id= (docs/agent.md).
+    process (one per process). A multi-process job with none of these gets "" and a warning: its
+    sessions cannot be told from another job's, so pass job_id= (docs/agent.md).
     """
     if declared:
         return declared, "declared"

@@ -159,7 +159,7 @@ def ragged_layout(local_shape: Sequence[int], row_offset: int, total_rows: int, 
         raise ValueError("local_shape: a ragged piece has rows (at least one dim)")
     if parts < 1:
         raise ValueError(f"parts: {parts} < 1")
-    if span < 1 or not 0 <= part or part + span > parts:
+    if span < 1 or not part >= 0 or part + span > parts:
         raise ValueError(f"part: parts {part} .. {part + span - 1} not within [0, {parts})")
     if row_offset < 0 or row_offset + local_shape[0] > total_rows:
         raise ValueError(f"row_offset: rows {row_offset} + {local_shape[0]} exceed total_rows "
@@ -180,7 +180,7 @@ def flat_layout(numel: int, start: int, count: int, *, replica: bool = False) ->
     whatever its shape: the piece is a range of the tensor's flattening, which the digest indexes
     as it indexes the tensor itself (by flat index). FSDP1 holds each rank's share of a
     parameter this way; ``count`` 0 is a rank that holds none of it."""
-    if not 0 <= start or not 0 <= count or start + count > numel:
+    if not start >= 0 or not count >= 0 or start + count > numel:
         raise ValueError(f"start: elements {start} + {count} exceed numel {numel}")
     layout = PieceLayout(logical_shape=(int(numel),), offsets=(int(start),), shape=(int(count),),
                          replica=replica, flat=True)
@@ -381,7 +381,8 @@ def _finish(
     local_shape = tuple(int(s) for s in local_shape)
     offsets = tuple(int(o) for o in offsets)
     if any(isinstance(p, _StridedShard) for p in placements):
-        _check_strided_is_box(global_shape, mesh_shape, coordinate, placements, local_shape, offsets)
+        _check_strided_is_box(global_shape, mesh_shape, coordinate, placements, local_shape,
+                              offsets)
     layout = PieceLayout(
         logical_shape=global_shape,
         offsets=offsets,

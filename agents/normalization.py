@@ -1,4 +1,5 @@
-"""How this run's loss is normalized, as the scale of its activation gradients (docs/parallelisms.md).
+"""How this run's loss is normalized, as the scale of its activation gradients
+(docs/parallelisms.md).
 
 `grad_scale` is what the agent sends at Register: this run's activation gradients (phase `bwd`)
 relative to one process that runs the same microbatches with each microbatch's loss averaged over
@@ -35,8 +36,13 @@ from typing import Any
 from numaudit.agents.config import AgentConfig
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.sites import normalize_site
-from numaudit.wire.labels import (BATCH_STATS_LABEL, CAPTURE_DEPTH_LABEL, DROPOUT_LABEL, TIED_LABEL,
-                         UNPASSED_MESH_LABEL)
+from numaudit.wire.labels import (
+    BATCH_STATS_LABEL,
+    CAPTURE_DEPTH_LABEL,
+    DROPOUT_LABEL,
+    TIED_LABEL,
+    UNPASSED_MESH_LABEL,
+)
 
 
 def grad_scale(config: AgentConfig, ident: RankIdentity) -> tuple[float, str]:

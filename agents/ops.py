@@ -88,7 +88,7 @@ class Frame:
 class _Mode(TorchDispatchMode):
     """Sees every operation while a watched module's frame is open (`OpCapture.frames`)."""
 
-    def __init__(self, owner: "OpCapture") -> None:
+    def __init__(self, owner: OpCapture) -> None:
         super().__init__()
         self.owner = owner
 

@@ -35,7 +35,8 @@ import pickle
 import struct
 import sys
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 MEMORY_PER_BYTE = 32
 """Bytes of objects a pickle may make per byte of pickle, beyond the bytes of its strings (a
@@ -366,10 +367,10 @@ class _StandIn:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> "_StandIn":
+    def __call__(self, *args: Any, **kwargs: Any) -> _StandIn:
         return _StandIn()
 
-    def __getitem__(self, key: Any) -> "_StandIn":  # a stand-in for a dict-like still hashes
+    def __getitem__(self, key: Any) -> _StandIn:  # a stand-in for a dict-like still hashes
         return _StandIn()
 
     def __setitem__(self, key: Any, value: Any) -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from numaudit.agents.config import AgentConfig
 
 
-def apply_plan(config: "AgentConfig", path: str, *, explicit: set[str]) -> "AgentConfig":
+def apply_plan(config: AgentConfig, path: str, *, explicit: set[str]) -> AgentConfig:
     """`config` with the plan at `path` applied; `explicit`: fields the environment set (they
     win). ValueError naming the file and field for a plan that cannot be read."""
     plan = read_plan(path)

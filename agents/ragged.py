@@ -17,8 +17,8 @@ offsets from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def rows_from_counts(counts: Sequence[Sequence[int]], part: int, span: int = 1
     segment ``s`` is the concatenation of ``counts[0][s], counts[1][s], ...`` rows.
     """
     parts = len(counts)
-    if not 0 <= part or span < 1 or part + span > parts:
+    if not part >= 0 or span < 1 or part + span > parts:
         raise ValueError(f"part: parts {part} .. {part + span - 1} not within [0, {parts})")
     n_seg = len(counts[0]) if parts else 0
     if any(len(c) != n_seg for c in counts):

@@ -43,7 +43,14 @@ import numpy as np
 import torch
 
 from numaudit.agents import hashing
-from numaudit.agents.digest import N_MOMENTS, _bits_view, _chunks, _IndexMap, _workspace, has_moments
+from numaudit.agents.digest import (
+    N_MOMENTS,
+    _bits_view,
+    _chunks,
+    _IndexMap,
+    _workspace,
+    has_moments,
+)
 from numaudit.agents.layout import PieceLayout
 
 SAMPLE_PHASES = frozenset({1, 2, 6})

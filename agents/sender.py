@@ -18,20 +18,19 @@ import threading
 import time
 import uuid
 
-
 from numaudit.agents.capture import Counters, HostBatch
 from numaudit.agents.columns import Part, PayloadCompressor, part_columns, split_payloads
 from numaudit.agents.config import AgentConfig
 from numaudit.agents.delivery import RUN_NAME_TAKEN, Delivery
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.transport import GrpcTransport, SidecarTransport
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.packed import RecordColumns, concat, empty
 from numaudit.wire.sealed import sealed_batch
 from numaudit.wire.spool import SpoolWriter
 from numaudit.wire.tls import TLSConfig
 from numaudit.wire.version import package_version
-from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +224,8 @@ class Sender:
                     self._queued -= len(item.captures)
                 self._add(item)
             now = time.monotonic()
-            if self._pending and (draining or now - self._batch_started >= self.config.batch_interval_s):
+            if self._pending and (draining
+                                  or now - self._batch_started >= self.config.batch_interval_s):
                 self._cutting = True
                 try:
                     self._cut()

@@ -1,6 +1,7 @@
 """The node sidecar: a per-node process that relays the ranks' records to the auditor.
 
-    python -m numaudit.agents.sidecar --listen unix:///tmp/numaudit.sock --auditor HOST:PORT --spool DIR
+    python -m numaudit.agents.sidecar --listen unix:///tmp/numaudit.sock --auditor HOST:PORT
+                                      --spool DIR
 
 Ranks in sidecar mode (`NUMAUDIT_SIDECAR=unix:///...`) hand their batches over a Unix socket
 (framed like the spool, no gRPC in the training process). The sidecar appends each batch to the
@@ -40,14 +41,26 @@ from pathlib import Path
 
 from numaudit.agents.delivery import Delivery
 from numaudit.agents.transport import GrpcTransport, unix_path
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.channels import tls_from_env
-from numaudit.wire.tls import TLSConfig, TLSError
 from numaudit.wire.names import BadName, check_run_name, check_session_id
 from numaudit.wire.packed import batch_capture_count
-from numaudit.wire.spool import (KIND_BATCH, KIND_CLOSE, KIND_OUTCOME, KIND_REGISTER, SpoolError,
-                        SpoolWriter, decode, encode, encode_error, encode_outcome, read_frame,
-                        read_spool, spool_files)
-from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.spool import (
+    KIND_BATCH,
+    KIND_CLOSE,
+    KIND_OUTCOME,
+    KIND_REGISTER,
+    SpoolError,
+    SpoolWriter,
+    decode,
+    encode,
+    encode_error,
+    encode_outcome,
+    read_frame,
+    read_spool,
+    spool_files,
+)
+from numaudit.wire.tls import TLSConfig, TLSError
 
 log = logging.getLogger("numaudit.agents.sidecar")
 
@@ -97,7 +110,7 @@ class Sidecar:
     """Accepts rank connections on a Unix socket; spools and forwards their sessions."""
 
     def __init__(self, listen: str, spool_dir: str | Path, *, auditor: str | None = None,
-                 token: str | None = None, tls: "TLSConfig | None" = None,
+                 token: str | None = None, tls: TLSConfig | None = None,
                  max_spool_bytes: int = DEFAULT_MAX_SPOOL_BYTES,
                  exit_when_idle_s: float | None = None) -> None:
         """`tls` secures the upstream channel to the auditor (the rank side is a local socket)."""
@@ -329,7 +342,8 @@ class Sidecar:
             self._last_activity = time.monotonic()
             conn.close()
 
-    def _handle(self, kind: int, body: bytes, session: Session | None) -> tuple[bytes, Session | None]:
+    def _handle(self, kind: int, body: bytes,
+                session: Session | None) -> tuple[bytes, Session | None]:
         try:
             message = decode(kind, body)
         except Exception:
@@ -412,7 +426,8 @@ class Sidecar:
             if batch.seq > s.spooled_seq:
                 if self._spool_bytes() + len(body) > self.max_spool_bytes:
                     return encode_error("RESOURCE_EXHAUSTED",
-                                        f"sidecar spool over its budget ({self.max_spool_bytes} bytes)")
+                                        "sidecar spool over its budget "
+                                        f"({self.max_spool_bytes} bytes)")
                 try:  # acked only once on stable storage; a failed write leaves no partial frame
                     s.spool.append(batch, durable=True, body=body)
                 except (OSError, ValueError) as exc:
@@ -429,7 +444,8 @@ class Sidecar:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m numaudit.agents.sidecar", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m numaudit.agents.sidecar",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--listen", required=True, help="unix:///PATH of the socket ranks connect to")
     p.add_argument("--auditor", default=os.environ.get("NUMAUDIT_ADDR"),
                    help="auditor HOST:PORT; without it the sidecar only spools")

@@ -7,7 +7,7 @@ in FQNs; a key must not depend on them, so both runs align on the names of the p
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

@@ -17,7 +17,8 @@ nested in tuples, in a crashed interpreter (`agents.pickles`).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

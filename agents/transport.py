@@ -1,4 +1,5 @@
-"""Transports: how a session's batches reach the next hop (the auditor over gRPC, or the node sidecar).
+"""Transports: how a session's batches reach the next hop (the auditor over gRPC, or the node
+sidecar).
 
 Both offer the same four operations to `agents.delivery.Delivery` — register, open a stream of
 batches whose acks arrive on a queue, close the session, close the transport — and report
@@ -18,16 +19,25 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import grpc
 
-from numaudit.wire.channels import open_channel
-from numaudit.wire.spool import (KIND_ACK, KIND_ERROR, KIND_OUTCOME, SpoolError, decode, encode,
-                        encode_outcome, read_frame)
-from numaudit.wire.tls import TLSConfig
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire.channels import open_channel
+from numaudit.wire.spool import (
+    KIND_ACK,
+    KIND_ERROR,
+    KIND_OUTCOME,
+    SpoolError,
+    decode,
+    encode,
+    encode_outcome,
+    read_frame,
+)
+from numaudit.wire.tls import TLSConfig
 
 ABORT_POLL_S = 0.02
 """How often a blocking call checks whether its owner has given up on it (close deadline)."""
@@ -303,7 +313,8 @@ class SidecarTransport:
             frame = read_frame(sock.makefile("rb").read)
         except (OSError, SpoolError) as exc:
             sock.close()
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"sidecar {self.path}: {exc}") from None
+            raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                                 f"sidecar {self.path}: {exc}") from None
         if frame is None:
             sock.close()
             raise TransportError(grpc.StatusCode.UNAVAILABLE, "sidecar closed the connection")

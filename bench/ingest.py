@@ -74,8 +74,14 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
 
     from numaudit.protos import numaudit_pb2 as pb
     from numaudit.wire.checksum import crc32, records_checksum
-    from numaudit.wire.packed import (HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns, packed_batch,
-                             split_batch, to_records)
+    from numaudit.wire.packed import (
+        HAS_MOMENTS,
+        SCALAR_COLUMNS,
+        RecordColumns,
+        packed_batch,
+        split_batch,
+        to_records,
+    )
 
     rng = np.random.default_rng(seed + rank)
     sites = _sites(256)
@@ -139,7 +145,8 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
 
 def _session(address: str, run: str, rank: int, world: int, batches: list[bytes],
              window: int, start: threading.Barrier, out: dict) -> None:
-    from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+    from numaudit.protos import numaudit_pb2 as pb
+    from numaudit.protos import numaudit_pb2_grpc
     from numaudit.wire.channels import open_channel
 
     channel = open_channel(address)  # several replicas: round robin

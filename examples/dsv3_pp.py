@@ -48,13 +48,19 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
 import numaudit
-from numaudit.agents.pipeline import agent_loss, watch_stages
-from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
-                                    capture_experts, capture_input_tokens, close_agent)
+from examples.dsv3.auditing import (
+    LOSS_SITE,
+    add_audit_args,
+    agent_options,
+    capture_experts,
+    capture_input_tokens,
+    close_agent,
+)
 from examples.dsv3.data import batches, local_batch
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
 from examples.dsv3_spmd import full_grads
 from examples.teardown import exit_rank
+from numaudit.agents.pipeline import agent_loss, watch_stages
 
 RUN_ENV = "NUMAUDIT_RUN"
 """Run name when --name is not given. The agent reads it too and, when both are set, lets it win

@@ -32,8 +32,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import numaudit
-from examples.dsv3.auditing import (LOSS_SITE, add_audit_args, agent_options,
-                                    capture_experts, capture_input_tokens, close_agent)
+from examples.dsv3.auditing import (
+    LOSS_SITE,
+    add_audit_args,
+    agent_options,
+    capture_experts,
+    capture_input_tokens,
+    close_agent,
+)
 from examples.dsv3.data import batches
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn
 from examples.teardown import exit_rank

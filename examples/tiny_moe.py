@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import numaudit
-from numaudit.agents.ragged import RaggedRows, ragged_rows
 from examples.teardown import exit_rank
+from numaudit.agents.ragged import RaggedRows, ragged_rows
 
 DIM, HIDDEN, EXPERTS, TOP_K, LAYERS = 16, 32, 8, 2, 4
 BATCH, SEQ = 4, 3
@@ -133,8 +133,10 @@ class MoELayer(nn.Module):
                     ) -> torch.Tensor:
         """`send_rows[d]` rows to rank d, `recv_rows[s]` from rank s, in rank order."""
         if self.backward:  # the functional collective: its backward sends gradients home
-            from torch.distributed._functional_collectives import (all_to_all_single_autograd,
-                                                                   wait_tensor)
+            from torch.distributed._functional_collectives import (
+                all_to_all_single_autograd,
+                wait_tensor,
+            )
 
             return wait_tensor(all_to_all_single_autograd(rows, recv_rows, send_rows,
                                                           dist.group.WORLD))

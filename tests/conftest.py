@@ -24,9 +24,9 @@ if not torch.cuda.is_available():
     # is first imported, and torch.compile's inductor imports it in earlier tests.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from numaudit.wire import limits
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 
 
 @pytest.fixture(autouse=True, scope="module")

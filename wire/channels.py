@@ -9,7 +9,8 @@ already carry an `authorization` entry alone. Limits and keepalive come from `wi
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -28,7 +29,8 @@ def tls_from_env_files(env: Mapping[str, str] | None = None
                        ) -> tuple[str | None, str | None, str | None]:
     """(ca, cert, key) named by NUMAUDIT_TLS_CA/CERT/KEY, None for each unset."""
     env = os.environ if env is None else env
-    return tuple(env.get(name) or None for name in (ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY))
+    ca, cert, key = (env.get(name) or None for name in (ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY))
+    return ca, cert, key
 
 
 def tls_from_env(env: Mapping[str, str] | None = None) -> TLSConfig | None:
@@ -49,7 +51,8 @@ def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
     the channel resolves all of them and spreads calls round robin (gRPC's client-side load
     balancing), skipping a replica that is down. Agents do not use this for such a list: each
     dials one replica at a time and moves on at a failure (`agents.transport.GrpcTransport`),
-    since round robin could send a new stream back to a replica that hangs. A gRPC target URI ("dns:///auditors.example:50051") also gets round robin.
+    since round robin could send a new stream back to a replica that hangs. A gRPC target URI
+    ("dns:///auditors.example:50051") also gets round robin.
     """
     parts = [p.strip() for p in address.split(",") if p.strip()]
     round_robin = [("grpc.lb_policy_name", "round_robin")]

@@ -61,8 +61,9 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 
 def received_records_checksum(data: bytes) -> int:
-    """The checksum of the `records` entries and `packed` message of a serialized RecordBatch, from its bytes as
-    received (the daemon's side). ValueError when the bytes are not protobuf wire format."""
+    """The checksum of the `records` entries and `packed` message of a serialized RecordBatch,
+    from its bytes as received (the daemon's side). ValueError when the bytes are not protobuf
+    wire format."""
     return _walk(data)
 
 

@@ -13,7 +13,7 @@ import re
 
 from numaudit.wire import limits
 
-RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % limits.MAX_RUN_NAME_CHARS)
+RUN_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{limits.MAX_RUN_NAME_CHARS}}}")
 """What a run name may be: letters, digits, `.`, `_`, `-`; 1 to MAX_RUN_NAME_CHARS."""
 _PLAIN_COMPONENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 

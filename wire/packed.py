@@ -16,8 +16,8 @@ No torch, no auditor imports: wire is shared by both ends.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -507,7 +507,7 @@ def concat(parts: Sequence[RecordColumns]) -> RecordColumns:
     sites: dict[str, int] = {}
     dtypes: dict[str, int] = {}
     cols: dict[str, list[np.ndarray]] = {name: [] for name, _ in SCALAR_COLUMNS}
-    payloads: dict[int, pb.Payload] = {}
+    payloads: dict[int, pb.Payload | PayloadChunk] = {}
     unfit: dict[int, pb.Record] = {}
     names: list[tuple[int, str]] = []
     base = 0

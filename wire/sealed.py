@@ -79,7 +79,7 @@ def _payload_header(p) -> bytes:
     if type(p) is not PayloadChunk:  # a Payload message (tests, conversions): all but data
         p = PayloadChunk(p.codec, p.raw_nbytes, p.compressed_nbytes, p.crc32, p.chunk_index,
                          p.chunk_count, b"")
-    parts = []
+    parts: list[bytes] = []
     if p.codec:
         codec = p.codec.encode()
         parts += (_CODEC, _varint(len(codec)), codec)

@@ -1,4 +1,5 @@
-"""The spool: an append-only file of framed protobuf messages, for records the auditor has not acked.
+"""The spool: an append-only file of framed protobuf messages, for records the auditor has not
+acked.
 
 An agent (or node sidecar) writes one spool file per session when there is no auditor, when it
 is hung at close, or always as a durable buffer; `auditor ingest SPOOL...` replays it later
@@ -27,14 +28,14 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.checksum import crc32
 from numaudit.wire.names import spool_file_name
-from numaudit.protos import numaudit_pb2 as pb
 
 KIND_REGISTER = 1
 KIND_BATCH = 2
@@ -73,6 +74,8 @@ def encode(message, body: bytes | None = None) -> bytes:
     if isinstance(message, bytes):
         return _frame(KIND_ERROR, message)
     if message is None:
+        if body is None:
+            raise ValueError("a batch frame without a message needs its serialized bytes")
         return _frame(KIND_BATCH, body)
     return _frame(_KINDS[type(message)], message.SerializeToString() if body is None else body)
 
@@ -136,7 +139,7 @@ class SpoolWriter:
         self._open(Path(directory) / name)
 
     @classmethod
-    def reopen(cls, path: str | Path, truncate_to: int | None = None) -> "SpoolWriter":
+    def reopen(cls, path: str | Path, truncate_to: int | None = None) -> SpoolWriter:
         """Append to an existing spool file (a restarted sidecar resuming a session).
 
         `truncate_to` (SpoolContents.end) first cuts off a torn tail, so new frames follow the
@@ -185,10 +188,13 @@ class SpoolWriter:
 
     def _truncate(self, good: int) -> None:
         """Cut the file back to `good` bytes; if even that fails, later appends refuse."""
+        fd = self._fd
+        if fd is None:
+            return
         try:
-            os.ftruncate(self._fd, good)
+            os.ftruncate(fd, good)
         except OSError:
-            os.close(self._fd)
+            os.close(fd)
             self._fd = None
 
     def sync(self) -> None:

@@ -62,7 +62,7 @@ class TLSConfig:
 
     @classmethod
     def from_files(cls, ca: str | Path | None = None, cert: str | Path | None = None,
-                   key: str | Path | None = None) -> "TLSConfig | None":
+                   key: str | Path | None = None) -> TLSConfig | None:
         """None when no file is named (plaintext); TLSError when cert and key are not a pair."""
         if not (ca or cert or key):
             return None

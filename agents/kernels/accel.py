@@ -208,7 +208,7 @@ class TritonDigest:
             # as one list, and each alone (the other launch kind)
             runs = [list(range(len(pieces)))] + [[j] for j in range(len(pieces))]
             first = None
-            for attempt in range(2):  # the second launches through the compiled kernels
+            for _attempt in range(2):  # the second launches through the compiled kernels
                 got = []
                 for run in runs:
                     f64, i64 = impl.digest_prepared([impl.prepare(*pieces[j]) for j in run],

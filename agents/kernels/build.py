@@ -2,9 +2,9 @@
 
 Compiles digest_cpu.cpp once per x86-64 ISA level plus the dispatcher into
 ``agents/kernels/build/libnumaudit_digest.so`` (ignored by git), with a stamp of the sources it
-was built from beside it. ``pip install`` builds the same into the package (setup.py). Plain C++ with no torch headers,
-so it needs only g++ and takes seconds; it runs from the Makefile, never inside training. The
-library is rebuilt only when it was built from other sources.
+was built from beside it. ``pip install`` builds the same into the package (setup.py). Plain
+C++ with no torch headers, so it needs only g++ and takes seconds; it runs from the Makefile,
+never inside training. The library is rebuilt only when it was built from other sources.
 """
 
 from __future__ import annotations

@@ -36,10 +36,18 @@ import triton.language as tl
 from numaudit.agents import hashing
 from numaudit.agents.digest import N_MOMENTS
 from numaudit.agents.kernels import triton_kernels as kern
-from numaudit.agents.kernels.triton_launch import (Launchers, RowArena, Workspace, current_stream)
-from numaudit.agents.kernels.triton_plan import (MAX_DIMS, NUM_WARPS, Plan, check_k,  # noqa: F401
-                                        inverse_place_tensor, plan_piece, rows_per_step,
-                                        tiling, vector_reads)
+from numaudit.agents.kernels.triton_launch import Launchers, RowArena, Workspace, current_stream
+from numaudit.agents.kernels.triton_plan import (  # noqa: F401
+    MAX_DIMS,
+    NUM_WARPS,
+    Plan,
+    check_k,
+    inverse_place_tensor,
+    plan_piece,
+    rows_per_step,
+    tiling,
+    vector_reads,
+)
 from numaudit.agents.layout import PieceLayout
 
 FINISH_BLOCK = 16

@@ -108,7 +108,7 @@ def _tile_pass(x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bp
     ss = tl.zeros([R, _LANES], ACC)
     lo = tl.full([R, _LANES], _INF, ACC)
     hi = tl.full([R, _LANES], -_INF, ACC)
-    if K > _LANES:
+    if K > _LANES:  # noqa: SIM108  (a constexpr branch: Triton compiles only the one taken)
         sk = tl.zeros([NW, _LANES], ACC)
     else:
         sk = tl.zeros([R, _LANES], ACC)
@@ -140,7 +140,7 @@ def _tile_pass(x_ptr, x_off, inv_ptr, table_ptr, pow_ptr, row_start, row_end, bp
             raw = tl.load(start + blk_in * _LANES + lanes, mask=live, other=0)
         else:
             live = (lanes >= lo_lane) & (lanes < hi_lane)
-            if UNIT:
+            if UNIT:  # noqa: SIM108  (a constexpr branch, as above)
                 off = line_m + base + lanes
             else:
                 off = line_m + (base + lanes) * line_stride

@@ -18,7 +18,7 @@ so a capture allocates nothing.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton

@@ -29,19 +29,31 @@ import io
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from numaudit.agents.pickles import BoundedUnpickler, UnsafePickle, check_pickle
-from numaudit.auditor.checkpoint.dcp_metadata import (MAX_METADATA_BYTES, StorageRef, TensorLayout,
-                                             check_metadata, read_metadata)
+from numaudit.auditor.checkpoint.dcp_metadata import (
+    MAX_METADATA_BYTES,
+    StorageRef,
+    TensorLayout,
+    check_metadata,
+    read_metadata,
+)
 from numaudit.auditor.checkpoint.files import FileRanges, open_regular, read_bounded
 from numaudit.auditor.checkpoint.safetensors import read_header
-from numaudit.auditor.checkpoint.sources import (CheckpointError, Chunk, Entry, Source, file_chunk,
-                                        tensor_chunk)
+from numaudit.auditor.checkpoint.sources import (
+    CheckpointError,
+    Chunk,
+    Entry,
+    Source,
+    file_chunk,
+    tensor_chunk,
+)
 
 MAX_VALUE_BYTES = 64 << 20
 """Largest non-tensor value unpickled; a larger one is compared as raw bytes."""

@@ -178,9 +178,13 @@ def check_metadata(md: Any, where: Path) -> DcpLayout:
     """`md` as a `DcpLayout`; CheckpointError naming `where`, the entry and the field for
     anything the reader could not use."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
-                                                       ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
 
     if type(md) is not Metadata:
         raise CheckpointError(f"{where}: not DCP metadata (holds {describe(md)})")

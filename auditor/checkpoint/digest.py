@@ -5,10 +5,11 @@ rows of at most a third of the memory cap, each filled from the chunks it crosse
 (`sources.plan`), mapped from the file where one chunk fills it (its pages digested where
 they lie, nothing copied) or else read into one of two reused buffers, and digested by the
 agent's digest (the fused kernel on CPU) as a piece of the logical tensor, at its offsets; the
-records travel to an auditor daemon over the agent's own gRPC path (the daemon validates and stores them as any agent's). So a checkpoint and a live run's
-`capture_state_dict` land in the store in one form, and the comparison engine, the policies and
-the renderers apply unchanged. Nothing is dropped silently: the reader waits for the daemon's
-acks to keep the backlog bounded, and a record the agent could not deliver fails the read.
+records travel to an auditor daemon over the agent's own gRPC path (the daemon validates and
+stores them as any agent's). So a checkpoint and a live run's `capture_state_dict` land in the
+store in one form, and the comparison engine, the policies and the renderers apply unchanged.
+Nothing is dropped silently: the reader waits for the daemon's acks to keep the backlog bounded,
+and a record the agent could not deliver fails the read.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ tensor with the one it came from::
     [[map]]
     cand = "model.layers.*.self_attn.q_proj.weight"   # a glob on CAND's names
     ref = "layers.*.attention.wq.weight"               # the REF name; each * filled in order
-    transpose = false                                  # true: CAND holds REF's 2-D tensor transposed
+    transpose = false                                  # true: CAND holds REF's 2-D tensor
+                                                       # transposed
 
 In globs ``*`` matches within one dotted component and ``**`` across components. Entries are
 tried in order, the first match decides; a name no entry matches keeps its name. Globs compile
@@ -54,7 +55,7 @@ class NameMap:
             m = rule.pattern.match(name)
             if m is not None:
                 groups = iter(m.groups())
-                ref = re.sub(r"\*\*|\*", lambda _: next(groups), rule.ref)
+                ref = re.sub(r"\*\*|\*", lambda _, g=groups: next(g), rule.ref)
                 return ref, rule.transpose
         return name, False
 

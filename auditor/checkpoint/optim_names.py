@@ -17,8 +17,8 @@ differ: a finding, never a false pass.) The index side's entries are renamed acc
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 from numaudit.auditor.checkpoint.sources import Entry, Source
 

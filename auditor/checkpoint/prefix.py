@@ -11,8 +11,8 @@ a REF name that no CAND name already holds (`auditor checkpoint` then applies it
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 MIN_MATCHED = 2
 """Names a prefix must explain before it is suggested (one pair is a coincidence)."""

@@ -26,15 +26,22 @@ import json
 import math
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from numaudit.auditor.checkpoint.dcp_metadata import MAX_ELEMENTS, describe
 from numaudit.auditor.checkpoint.files import FileRanges, regular
-from numaudit.auditor.checkpoint.sources import (CheckpointError, Entry, Source, file_chunk, read_text,
-                                       tiles)
+from numaudit.auditor.checkpoint.sources import (
+    CheckpointError,
+    Entry,
+    Source,
+    file_chunk,
+    read_text,
+    tiles,
+)
 from numaudit.wire import limits
 
 MAX_HEADER_BYTES = 100 << 20
@@ -76,9 +83,9 @@ class SafetensorsSource(Source):
                     raise CheckpointError(f"{path}: tensor {name[:200]!r} is also in "
                                           f"{chunks[0][0]}")
                 if chunks and (dtype, len(shape)) != (chunks[0][1], len(chunks[0][2])):
-                    raise CheckpointError(f"{path}: tensor {name[:200]!r} is {dtype} of {len(shape)} "
-                                          f"dims, its chunk in {chunks[0][0]} {chunks[0][1]} of "
-                                          f"{len(chunks[0][2])}")
+                    raise CheckpointError(f"{path}: tensor {name[:200]!r} is {dtype} of "
+                                          f"{len(shape)} dims, its chunk in {chunks[0][0]} "
+                                          f"{chunks[0][1]} of {len(chunks[0][2])}")
                 chunks.append((path, dtype, shape, start, offsets))
         self._logical = {name: _logical(name, chunks) for name, chunks in self._tensors.items()}
 
@@ -154,7 +161,9 @@ def _sizes(value: Any, where: str, what: str) -> tuple[int, ...]:
     """A list of sizes (ints in [0, MAX_ELEMENTS], at most MAX_TENSOR_DIMS of them)."""
     if (not isinstance(value, list) or len(value) > limits.MAX_TENSOR_DIMS
             or not all(type(s) is int and 0 <= s <= MAX_ELEMENTS for s in value)):
-        raise CheckpointError(f"{where}: {what} {describe(value) if not isinstance(value, list) else 'of ' + str(len(value)) + ' items'} is not a list of at most "
+        shown = (describe(value) if not isinstance(value, list)
+                 else "of " + str(len(value)) + " items")
+        raise CheckpointError(f"{where}: {what} {shown} is not a list of at most "
                               f"{limits.MAX_TENSOR_DIMS} sizes in [0, 2**62]")
     return tuple(value)
 
@@ -192,8 +201,9 @@ def read_header(files: FileRanges, path: Path, base: int = 0
         if (not isinstance(span, list) or len(span) != 2
                 or not all(type(o) is int for o in span)
                 or not 0 <= span[0] <= span[1] <= data_len):
-            raise CheckpointError(f"{where}: data_offsets {describe(span) if not isinstance(span, list) else span[:2]} do not lie in the "
-                                  f"file's {data_len} data bytes")
+            raise CheckpointError(f"{where}: data_offsets "
+                                  f"{describe(span) if not isinstance(span, list) else span[:2]} "
+                                  f"do not lie in the file's {data_len} data bytes")
         itemsize = torch.empty((), dtype=dtype).element_size()
         if span[1] - span[0] != math.prod(shape) * itemsize:
             raise CheckpointError(f"{where}: data_offsets span {span[1] - span[0]} bytes, "
@@ -218,8 +228,8 @@ def _logical(name: str, chunks: list) -> tuple[int, ...]:
     logical = tuple(max(o[d] + s[d] for o, s in placed) for d in range(ndim))
     if not tiles(placed, logical):
         held = sum(math.prod(s) for _, s in placed)
-        raise CheckpointError(f"tensor {name[:200]!r}: its {len(chunks)} chunks hold {held} elements "
-                              f"of its {list(logical)}, not each once (in "
+        raise CheckpointError(f"tensor {name[:200]!r}: its {len(chunks)} chunks hold {held} "
+                              f"elements of its {list(logical)}, not each once (in "
                               f"{', '.join(sorted({str(c[0].name) for c in chunks}))})")
     return logical
 

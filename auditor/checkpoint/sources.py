@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -144,7 +145,7 @@ def tiles(placed: list[tuple[tuple[int, ...], tuple[int, ...]]],
     nd = len(shape)
     boxes_ = []
     for o, s in placed:
-        if len(o) != nd or len(s) != nd or not all(0 <= a and 0 <= n and a + n <= m
+        if len(o) != nd or len(s) != nd or not all(a >= 0 and n >= 0 and a + n <= m
                                                     for a, n, m in zip(o, s, shape)):
             return False
         if math.prod(s):

@@ -29,14 +29,14 @@ if _threading.current_thread() is _threading.main_thread() and \
         _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
     _previous = _signal.signal(_signal.SIGINT, _interrupted_while_starting)
 
-from numaudit.auditor.cli.main import main  # noqa: E402
-from numaudit.auditor.cli import runs as _runs  # noqa: E402,F401  (registers runs, show)
-from numaudit.auditor.cli import compare as _compare  # noqa: E402,F401  (registers compare, watch)
-from numaudit.auditor.cli import ingest as _ingest  # noqa: E402,F401  (registers ingest)
-from numaudit.auditor.cli import checkpoint as _checkpoint  # noqa: E402,F401  (registers checkpoint)
 from numaudit.auditor.cli import calibrate as _calibrate  # noqa: E402,F401  (registers calibrate)
+from numaudit.auditor.cli import checkpoint as _checkpoint  # noqa: E402,F401  (registers checkpoint)
+from numaudit.auditor.cli import compare as _compare  # noqa: E402,F401  (registers compare, watch)
 from numaudit.auditor.cli import drill as _drill  # noqa: E402,F401  (registers drill)
+from numaudit.auditor.cli import ingest as _ingest  # noqa: E402,F401  (registers ingest)
+from numaudit.auditor.cli import runs as _runs  # noqa: E402,F401  (registers runs, show)
 from numaudit.auditor.cli.about import attach_environment_help  # noqa: E402
+from numaudit.auditor.cli.main import main  # noqa: E402
 
 attach_environment_help(main)  # after every command is registered: each help names its variables
 

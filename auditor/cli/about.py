@@ -16,9 +16,9 @@ from typing import Any
 
 import click
 
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.version import package_version
-from numaudit.protos import numaudit_pb2 as pb
 
 _CONSTANT = re.compile(r'^(ENV_\w+)\s*=\s*"(NUMAUDIT_\w+)"\s*#\s*(.+?)\s*$', re.M)
 

@@ -16,10 +16,18 @@ from pathlib import Path
 
 import click
 
-from numaudit.auditor.cli.compare import (_load_policy, _policy_options, check_outputs, render_report,
-                                 write_outputs)
-from numaudit.auditor.cli.checkpoint_report import (measure_differences, prefix_map,
-                                           suggestion_from_report)
+from numaudit.auditor.cli.checkpoint_report import (
+    measure_differences,
+    prefix_map,
+    suggestion_from_report,
+)
+from numaudit.auditor.cli.compare import (
+    _load_policy,
+    _policy_options,
+    check_outputs,
+    render_report,
+    write_outputs,
+)
 from numaudit.auditor.cli.main import ENV_DB, InputError, main
 from numaudit.auditor.report.text import TEXT_ROWS_PER_GROUP
 
@@ -81,8 +89,8 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
     """
     import os
 
-    from numaudit.auditor.checkpoint.mapping import load_map
     from numaudit.auditor.checkpoint.formats import open_source
+    from numaudit.auditor.checkpoint.mapping import load_map
     from numaudit.auditor.checkpoint.optim_names import name_optimizer_indices
     from numaudit.auditor.checkpoint.sources import CheckpointError
 

@@ -113,7 +113,7 @@ def _measure(ref: tuple, cand: tuple, cap: int) -> dict | None:
     from numaudit.auditor.compare.metrics import json_float, payload_metrics
     from numaudit.auditor.compare.ulp import ulp_distance
 
-    (r_entry, _), (c_entry, transposed) = ref, cand
+    (r_entry, _), (c_entry, _) = ref, cand
     itemsize = torch.empty((), dtype=r_entry.dtype).element_size()
     if r_entry.dtype != c_entry.dtype or math.prod(r_entry.shape) * itemsize * 2 > cap \
             or not r_entry.dtype.is_floating_point or itemsize > 8:

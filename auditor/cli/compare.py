@@ -21,17 +21,29 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 import grpc
 
-from numaudit.auditor.cli.main import (ENV_ADDR, ENV_DB, STORE, InputError, RunNotFound, StoreSource,
-                              client_tls, main, store_or_address, tls_options, with_nearest)
-from numaudit.auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
-from numaudit.auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
 from numaudit.auditor.cli.calibrate import noise_options, noise_spec
+from numaudit.auditor.cli.main import (
+    ENV_ADDR,
+    ENV_DB,
+    STORE,
+    InputError,
+    RunNotFound,
+    StoreSource,
+    client_tls,
+    main,
+    store_or_address,
+    tls_options,
+    with_nearest,
+)
+from numaudit.auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
+from numaudit.auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
 from numaudit.auditor.store import UnknownRun
 from numaudit.protos import numaudit_pb2 as pb
 
@@ -257,7 +269,8 @@ def _write(output: Path | None, text: str | None, report: Any) -> None:
 
 def _local_events(reader: Any, ref: str, cand: str, policy: Policy, poll: float,
                   timeout: float, noise: Any = None) -> Iterator[Any]:
-    """The same loop as the Watch RPC, against a store file (yields auditor.compare.live.LiveEvent)."""
+    """The same loop as the Watch RPC, against a store file (yields
+    auditor.compare.live.LiveEvent)."""
     from numaudit.auditor.compare.live import LiveComparison, LiveEvent
 
     live = LiveComparison(reader, ref, cand, policy, noise=noise)

@@ -20,7 +20,14 @@ from pathlib import Path
 import click
 
 from numaudit.auditor.cli.compare import _load_policy, _policy_options, _source, _sources
-from numaudit.auditor.cli.main import InputError, RunNotFound, StoreSource, main, tls_options, with_nearest
+from numaudit.auditor.cli.main import (
+    InputError,
+    RunNotFound,
+    StoreSource,
+    main,
+    tls_options,
+    with_nearest,
+)
 from numaudit.auditor.store import UnknownRun
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.plan import Plan, format_plan

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from numaudit.wire.channels import token_from_env
 from numaudit.auditor.cli.main import ENV_ADDR, ENV_DB, InputError, client_tls, main, tls_options
 from numaudit.auditor.daemon.replay import replay, replay_into_db
 from numaudit.auditor.store import StoreError, check_store_file
+from numaudit.wire.channels import token_from_env
 from numaudit.wire.spool import spool_files
 
 
@@ -67,7 +67,8 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, run: 
     failed = False
     for r in results:
         line = (f"{r.path}: run {r.run or '?'} rank {r.rank}: {r.batches} batches, {r.records} "
-                f"records: {r.stored} stored, {r.duplicates} already stored, {r.conflicts} conflicts")
+                f"records: {r.stored} stored, {r.duplicates} already stored, "
+                f"{r.conflicts} conflicts")
         if r.skipped_frames:
             line += (f"; {r.skipped_frames} unreadable frames ({r.skipped_bytes} bytes) "
                      "skipped")

@@ -1,7 +1,8 @@
 """`auditor`: the daemon and the commands that read what it stored.
 
-    auditor serve --listen HOST:PORT --store PATH|postgresql://... [--sync full|normal] [--port-file PATH]
-                  [--metrics-listen HOST:PORT] [--max-streams N --max-inflight-mib N ...]
+    auditor serve --listen HOST:PORT --store PATH|postgresql://... [--sync full|normal]
+                  [--port-file PATH] [--metrics-listen HOST:PORT]
+                  [--max-streams N --max-inflight-mib N ...]
                   [--tokens FILE] [--tls-cert CERT --tls-key KEY [--tls-client-ca CA]]
     auditor runs, auditor show RUN: auditor/cli/runs.py
 
@@ -11,10 +12,10 @@ the command line is visible to every user of the machine); --tls-* default to $N
 Exit codes (DESIGN.md): 0 = ok, 1 = findings that breach the policy (compare), 2 = usage or input
 error, always as one line on stderr. Output is rich on a terminal, plain text otherwise.
 
-More commands (runs, show, compare, watch, ingest, checkpoint) attach to the `main` group: `@main.command()` in their
-own module, imported by `auditor/cli/__init__.py`; `store_or_address` gives them the run source the
-user named (with the token and the TLS settings of `tls_options`) and `InputError` the exit-2
-path.
+More commands (runs, show, compare, watch, ingest, checkpoint) attach to the `main` group:
+`@main.command()` in their own module, imported by `auditor/cli/__init__.py`; `store_or_address`
+gives them the run source the user named (with the token and the TLS settings of `tls_options`) and
+`InputError` the exit-2 path.
 """
 
 from __future__ import annotations
@@ -25,22 +26,28 @@ import os
 import signal
 import sqlite3
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import click
 import grpc
 
-from numaudit.wire import limits
-from numaudit.auditor.store import summary
-from numaudit.wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
-from numaudit.auditor.store import Reader, StoreError, UnknownRun, check_store_file
-from numaudit.auditor.store.location import describe, is_postgres_url, store_location
-from numaudit.wire.tls import ServerTLS, TLSConfig, TLSError
 from numaudit.auditor.cli.about import print_version
 from numaudit.auditor.daemon.admission import ServerLimits
-from numaudit.auditor.daemon.tokens import TokenFileError, Tokens, holds_plaintext, readable_by_others
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.auditor.daemon.tokens import (
+    TokenFileError,
+    Tokens,
+    holds_plaintext,
+    readable_by_others,
+)
+from numaudit.auditor.store import Reader, StoreError, UnknownRun, check_store_file, summary
+from numaudit.auditor.store.location import describe, is_postgres_url, store_location
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
+from numaudit.wire.channels import open_channel, tls_from_env, tls_from_env_files, token_from_env
+from numaudit.wire.tls import ServerTLS, TLSConfig, TLSError
 
 # Environment (arguments win over the environment):
 ENV_DB = "NUMAUDIT_DB"            # store (file or postgresql:// URL) when --store/--db is not given
@@ -63,7 +70,7 @@ class RunNotFound(InputError):
     """A run name the store does not hold (exit 2); `with_nearest` adds the names it does."""
 
 
-def with_nearest(source: "StoreSource | AddressSource", names: Sequence[str],
+def with_nearest(source: StoreSource | AddressSource, names: Sequence[str],
                  message: str) -> InputError:
     """`message` ("run: no run named 'reff' in the store") with the nearest names the source
     holds for each of `names` it lacks ("did you mean 'ref'?"), or the runs it holds."""
@@ -404,10 +411,13 @@ def port_in_use(listen: str) -> str:
 
 async def _serve(listen: str, db: Path | str, sync: str, port_file: Path | None, grace: float,
                  tokens: Tokens | None, tls: ServerTLS | None,
-                 server_limits: ServerLimits | None = None, metrics_listen: str | None = None) -> None:
+                 server_limits: ServerLimits | None = None,
+                 metrics_listen: str | None = None) -> None:
     from numaudit.auditor.daemon.memory import return_freed_memory
     from numaudit.auditor.daemon.metrics import DaemonMetrics
-    from numaudit.auditor.daemon.server import serve as serve_daemon  # grpc.aio only for this command
+    from numaudit.auditor.daemon.server import (
+        serve as serve_daemon,  # grpc.aio only for this command
+    )
 
     return_freed_memory()  # the daemon's RSS then follows its in-flight budget
     metrics = DaemonMetrics()

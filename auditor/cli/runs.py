@@ -11,11 +11,19 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import click
 
-from numaudit.auditor.cli.main import client_tls, main, source_options, store_or_address, tls_options
+from numaudit.auditor.cli.main import (
+    client_tls,
+    main,
+    source_options,
+    store_or_address,
+    tls_options,
+)
 from numaudit.auditor.compare.ranges import format_ranges
 from numaudit.protos import numaudit_pb2 as pb
 
@@ -123,15 +131,16 @@ def _print_describe(d: dict) -> None:
         f"mesh: {mesh_text}",
         f"torch {d['torch_version'] or '?'}, dtype {d['dtype'] or '?'}, seed {d['seed']}"
         + ("".join(f", {k}={v}" for k, v in d["labels"].items())),
-        f"steps: {format_ranges(d['steps'], 'none')} ({len(d['steps'])}); microbatches: {d['microbatches']}",
+        f"steps: {format_ranges(d['steps'], 'none')} ({len(d['steps'])}); "
+        f"microbatches: {d['microbatches']}",
     ]
     click.echo("\n".join(lines) + "\n")
     _print_table(
         ("rank", "mesh coordinate", "stages", "host", "agent", "stored", "sent", "dropped"),
         [(r["rank"], ",".join(map(str, r["mesh_coordinate"])) or "-",
           ",".join(map(str, r["stages"])) or "-", r["host"] or "-", r["agent_version"] or "?",
-          r["stored"],
-          "open" if r["sent"] is None else r["sent"], "open" if r["dropped"] is None else r["dropped"])
+          r["stored"], "open" if r["sent"] is None else r["sent"],
+          "open" if r["dropped"] is None else r["dropped"])
          for r in d["ranks"]],
     )
     click.echo("")

@@ -9,7 +9,7 @@ one-line input error once --wait-timeout has passed.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from numaudit.protos import numaudit_pb2 as pb
 
@@ -76,7 +77,8 @@ class Key(NamedTuple):
 
     def __str__(self) -> str:
         where = f"step {self.step}" + (f" mb {self.microbatch}" if self.microbatch >= 0 else "")
-        extra = (f"[{self.index}]" if self.index else "") + (f" call {self.call}" if self.call else "")
+        extra = ((f"[{self.index}]" if self.index else "")
+                 + (f" call {self.call}" if self.call else ""))
         return f"{self.phase} {self.site} {self.role}{extra} @ {where}"
 
     def as_dict(self) -> dict:
@@ -147,9 +149,9 @@ def canonical_sites(names: Mapping[int, str], renames: Sequence[RenameRule],
             new = rule.apply(new)
         out[sid] = new
         prev = origin.setdefault(new, name)
-        if prev != name and (prev != new or name != new):
-            if normalize_site(prev) != normalize_site(name):
-                warnings.append(f"{side}: sites {prev!r} and {name!r} both align as {new!r}")
+        if (prev != name and (prev != new or name != new)
+                and normalize_site(prev) != normalize_site(name)):
+            warnings.append(f"{side}: sites {prev!r} and {name!r} both align as {new!r}")
     return out, warnings
 
 

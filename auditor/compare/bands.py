@@ -157,7 +157,7 @@ class BandBuilder:
                 continue
             a, b = int(comp.A[i]), int(comp.B[i])
             key = (a, cat.site_names.get(b >> 32, f"site#{b >> 32}"), b & 0xFFFFFFFF)
-            ri, ci = int(comp.ri[i]), int(comp.ci[i])
+            ri = int(comp.ri[i])
             dt = cat.dtypes[rk.dtype[ri]] if ri >= 0 and rk.dtype[ri] >= 0 else None
             numel = int(rk.numel[ri]) if ri >= 0 else -1
             e = self.entries.get(key)

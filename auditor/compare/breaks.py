@@ -20,7 +20,7 @@ from numaudit.wire.labels import CAPTURE_DEPTH_LABEL
 def graph_breaks(comp) -> list[F.GraphBreak]:
     """Group grad_none and all-zero parameter gradients (GRAD phase) by run, stage and module."""
     grad = PHASE_IDS["grad"]
-    is_grad = (comp.A & 0xF) == grad
+    is_grad = grad == (comp.A & 0xF)
     if not is_grad.any():
         return []
     rk, ck = comp.ref_keys, comp.cand_keys
@@ -99,7 +99,7 @@ def _consecutive_stages(cut: list[F.GraphBreak]) -> list[list[F.GraphBreak]]:
 
 def _bwd_of(comp, keys, sites_mask: np.ndarray) -> tuple[int, int]:
     """(captured, all zero) activation gradients (phase bwd, merged) among the masked keys."""
-    bwd = sites_mask & ((keys.A & 0xF) == PHASE_IDS["bwd"]) & (keys.status == M.OK)
+    bwd = sites_mask & (PHASE_IDS["bwd"] == (keys.A & 0xF)) & (keys.status == M.OK)
     return int(bwd.sum()), int((bwd & (keys.all_zero == 1)).sum())
 
 
@@ -130,13 +130,13 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
     CAPTURE_DEPTH_LABEL), or the agent did not hook it. Only the first asks to capture bwd."""
     what = "to tell frozen parameters from a graph cut before the module"
     name = module or "(root)"
-    if not ((keys.A & 0xF) == PHASE_IDS["bwd"]).any():
+    if not (PHASE_IDS["bwd"] == (keys.A & 0xF)).any():
         return (f"{run} captured no activation gradient (phase bwd) of {name}: capture bwd "
                 f"{what}")
     side = "cand" if keys is comp.cand_keys else "ref"
     limit = comp.labels.get(side, {}).get(CAPTURE_DEPTH_LABEL, "")
     level = module.count(".") + 1 if module else 0
-    fwd = int((in_module & ((keys.A & 0xF) == PHASE_IDS["fwd"])).sum())
+    fwd = int((in_module & (PHASE_IDS["fwd"] == (keys.A & 0xF))).sum())
     if limit.isdigit() and level > int(limit) and not fwd:  # (hooked inside a block: has fwd)
         return (f"{run} captured activation gradients (phase bwd) of modules down to depth "
                 f"{limit} (the agent's max_depth) and {name} is at depth {level}, so it has "
@@ -173,7 +173,7 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
         text += (f", at the stage {stop} -> {later} boundary (stage {later}'s parameters "
                  "received gradients)")
     n_bwd, n_zero = _bwd_of(comp, keys, in_stage)
-    if not ((keys.A & 0xF) == PHASE_IDS["bwd"]).any():
+    if not (PHASE_IDS["bwd"] == (keys.A & 0xF)).any():
         return text + (f"; {run} captured no activation gradients (phase bwd), so whether "
                        "backward reached the stage cannot be told: capture bwd to locate the cut")
     if n_bwd and n_zero == n_bwd:
@@ -185,7 +185,7 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
         first = fwd[np.argmin(keys.pos[fwd])]
         site_id = int(keys.B[first] >> 32)
         site = comp.catalog.site_names.get(site_id, "?")
-        back = bwd & ((keys.B >> 32) == site_id)
+        back = bwd & (site_id == (keys.B >> 32))
         if back.any():
             zeros = f"; {n_zero} of them all zero" if n_zero else ", none all zero"
             return text + (f": the backward of its input activation ({site}) was captured "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -17,10 +17,10 @@ from numaudit.auditor.compare import merge as M
 from numaudit.auditor.compare.align import PHASE_IDS
 from numaudit.auditor.compare.evidence_gaps import uncompared as _uncompared
 from numaudit.auditor.compare.optimizer_cause import optimizer_cause
-from numaudit.wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
 from numaudit.auditor.compare.segments import unique
 from numaudit.auditor.compare.state_cause import state_cause
 from numaudit.auditor.compare.tied import tied_note
+from numaudit.wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.comparison import Comparison

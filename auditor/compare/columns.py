@@ -10,19 +10,33 @@ and sketches are read later, and only for the keys whose fingerprints differ.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from numaudit.auditor.compare import reads
 from numaudit.auditor.compare.align import RenameRule, canonical_sites, normalize_site
-from numaudit.auditor.compare.digests import (FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64,
-                                     shift_fingerprint)
+from numaudit.auditor.compare.digests import (
+    FINGERPRINT_SEED,
+    SKETCH_SEED,
+    fingerprint_to_int64,
+    shift_fingerprint,
+)
 from numaudit.auditor.compare.merge import Piece
 from numaudit.auditor.compare.reads import (  # noqa: F401  (DIGEST_COLUMNS, no_gc: re-exported)
-    DIGEST_COLUMNS, ID_CHUNK, KEY_ORDER, MAX_CALL, MAX_MICROBATCH, MAX_STEP, SELECT, Arrays,
-    ids_in, no_gc, row_arrays)
+    DIGEST_COLUMNS,
+    ID_CHUNK,
+    KEY_ORDER,
+    MAX_CALL,
+    MAX_MICROBATCH,
+    MAX_STEP,
+    SELECT,
+    Arrays,
+    ids_in,
+    no_gc,
+    row_arrays,
+)
 from numaudit.auditor.compare.segments import unique
 from numaudit.auditor.store import Reader
 

@@ -10,15 +10,14 @@ it: `verdicts` (cheap verdicts from the columns), `slow` (metrics from moments a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
-from numaudit.auditor.compare import causes
+from numaudit.auditor.compare import causes, parents, tied
 from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare import merge as M
-from numaudit.auditor.compare import parents, tied
 from numaudit.auditor.compare.align import PHASE_IDS, Key, phase_name, role_name
 from numaudit.auditor.compare.columns import Catalog, RunColumns
 from numaudit.auditor.compare.keys import LogicalKeys
@@ -144,7 +143,8 @@ class Comparison:
         shape_code = ck.shape[ci] if ci >= 0 and ck.shape[ci] >= 0 else (
             rk.shape[ri] if ri >= 0 else -1)
         if shape_code >= 0 and cat.shapes[shape_code][2] and ri >= 0 and rk.shape[ri] >= 0:
-            shape_code = int(rk.shape[ri])  # a flat side's shape is its count: the other's says more
+            shape_code = int(rk.shape[ri])  # a flat side's shape is its count: the other's
+                                            # says more
         shape = list(cat.shapes[shape_code][0]) if shape_code >= 0 else None
         numel = int(ck.numel[ci]) if ci >= 0 and ck.status[ci] != M.NONE else (
             int(rk.numel[ri]) if ri >= 0 and rk.status[ri] != M.NONE else None)

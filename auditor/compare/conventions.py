@@ -120,7 +120,7 @@ def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
 
 
 def _phase(comp: Comparison, phase: int) -> np.ndarray:
-    return (comp.A & 0xF) == phase
+    return phase == (comp.A & 0xF)
 
 
 def _forward_matched(comp: Comparison) -> np.ndarray:

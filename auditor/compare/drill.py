@@ -34,20 +34,20 @@ NOT_THE_MODULE = ("the first activation gradient of backward",)
 computation (the backward seed: where backward starts, the loss's gradient)."""
 
 
-def module_breaches(comp: "Comparison") -> set[tuple[int, str, int]]:
+def module_breaches(comp: Comparison) -> set[tuple[int, str, int]]:
     """(A, module site, call) of every module forward output that breaches."""
     out = set()
     out_role = ROLE_IDS["output"]
     fwd = PHASE_IDS["fwd"]
-    idx = np.flatnonzero(comp.breach & ((comp.A & 0xF) == fwd)
-                         & (((comp.B >> 28) & 0xF) == out_role))
+    idx = np.flatnonzero(comp.breach & (fwd == (comp.A & 0xF))
+                         & (out_role == ((comp.B >> 28) & 0xF)))
     for i in idx.tolist():
         b = int(comp.B[i])
         out.add((int(comp.A[i]), comp.catalog.site_names.get(b >> 32, ""), b & 0x3FFF))
     return out
 
 
-def attach_ops(report: "Report", rc_ops: RunColumns, cc_ops: RunColumns, catalog: Catalog,
+def attach_ops(report: Report, rc_ops: RunColumns, cc_ops: RunColumns, catalog: Catalog,
                reader) -> None:
     """Compare the runs' operation records (if any) into ``report.ops``, and say the rerun
     that drills into the first divergence's module (``report.drill``)."""
@@ -65,7 +65,7 @@ def attach_ops(report: "Report", rc_ops: RunColumns, cc_ops: RunColumns, catalog
         report.drill = drill_dict(plan, report.ref["name"], report.cand["name"])
 
 
-def drill_plan(report: "Report") -> Plan | None:
+def drill_plan(report: Report) -> Plan | None:
     """The rerun that captures the operations of the module that introduced the first
     divergence, at its step; None when there is none to drill into (no divergence, one not
     introduced by a module, or its operations are already compared in this report)."""

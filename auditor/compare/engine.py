@@ -7,8 +7,8 @@ Pipeline, vectorized over keys (numpy columns, no Python object per record on th
 1. read each run's records as columns (`auditor.compare.columns`), sites normalized and renamed;
    runs whose steps group their samples into other microbatches are re-keyed into one grouping
    (`auditor.compare.regroup`);
-2. merge each key's pieces into a logical digest (`auditor.compare.keys.build_keys`): tiling, replica
-   and Partial checks, once per distinct layout signature;
+2. merge each key's pieces into a logical digest (`auditor.compare.keys.build_keys`): tiling,
+   replica and Partial checks, once per distinct layout signature;
 3. align the two runs on the key;
 4. decide the cheap verdicts from the columns: missing, None, incomplete, replica divergence,
    non-finite, and *identical* where the fingerprints agree — most keys of two runs that compute
@@ -41,10 +41,9 @@ from numaudit.auditor.compare.policy import Policy
 from numaudit.auditor.compare.ranks import mesh_of
 from numaudit.auditor.compare.regroup import rescale_declared
 from numaudit.auditor.compare.replicas import regroup_with_replicas
-from numaudit.auditor.compare.uneven import place_uneven
 from numaudit.auditor.compare.result import Report
 from numaudit.auditor.compare.selection import KeySelection
-from numaudit.auditor.compare.verdicts import evaluate
+from numaudit.auditor.compare.uneven import place_uneven
 from numaudit.auditor.store import Reader
 
 

@@ -15,8 +15,9 @@ Pure functions but for `annotate` and `factor_evidence`, which read a filled `Co
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 

@@ -19,8 +19,9 @@ A finding *breaches* the policy unless it is identical, close, or an expected ab
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -313,7 +314,7 @@ def format_float(v: float | str | None) -> str:
     return f"{v:.3g}"
 
 
-# -- backward-graph breaks --------------------------------------------------------------------------
+# -- backward-graph breaks -------------------------------------------------------------------------
 
 @dataclass
 class GraphBreak:

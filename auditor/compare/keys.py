@@ -12,8 +12,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numaudit.auditor.compare.merge import (INCOMPLETE, NONE, REDUCE_MEAN, REDUCE_SUM, REPLICA_DIVERGENCE,
-                                   TilingPlan, plan_tiling)
+from numaudit.auditor.compare.merge import (
+    INCOMPLETE,
+    NONE,
+    REDUCE_MEAN,
+    REDUCE_SUM,
+    REPLICA_DIVERGENCE,
+    TilingPlan,
+    plan_tiling,
+)
 from numaudit.auditor.compare.positions import key_positions
 from numaudit.auditor.compare.ranges import format_ranges
 from numaudit.auditor.compare.segments import ranges_index, unique
@@ -75,7 +82,8 @@ class LogicalKeys:
 
 
 def build_keys(cols, catalog) -> LogicalKeys:
-    """Merge every key of a run's columns (`auditor.compare.columns.RunColumns`) using tiling plans."""
+    """Merge every key of a run's columns (`auditor.compare.columns.RunColumns`) using tiling
+    plans."""
     n = len(cols)
     if n:
         new = np.empty(n, dtype=bool)
@@ -156,7 +164,7 @@ def merged_as_sum(lk: LogicalKeys, phase: int) -> LogicalKeys:
     addends make when each rank's value was a sum (or normalized by the whole batch), not a
     mean over its share (`auditor.compare.conventions`). Their addend-tuple fingerprints no
     longer describe the merged value, so such keys are compared by their metrics."""
-    sel = ((lk.A & 0xF) == phase) & (lk.reduced == REDUCE_MEAN) & lk.partial
+    sel = (phase == (lk.A & 0xF)) & (lk.reduced == REDUCE_MEAN) & lk.partial
     if not sel.any():
         return lk
     g = np.flatnonzero(sel)

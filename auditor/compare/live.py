@@ -11,7 +11,12 @@ from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare import merge as M
 from numaudit.auditor.compare.columns import Catalog, ReadMark, RunColumns
 from numaudit.auditor.compare.keys import LogicalKeys
-from numaudit.auditor.compare.live_drill import LiveDrill, directive_status, drill_status, latest_step
+from numaudit.auditor.compare.live_drill import (
+    LiveDrill,
+    directive_status,
+    drill_status,
+    latest_step,
+)
 from numaudit.auditor.compare.localize import localize
 from numaudit.auditor.compare.metrics import PayloadUnavailable
 from numaudit.auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
@@ -216,7 +221,7 @@ class LiveComparison:
                  ) -> tuple[RunColumns, RunColumns]:
         """The rows of steps before ``before`` regrouped (`regroup`), the others as they are;
         the regrouping's lines are kept in ``_lines`` (`_emit` reports each once)."""
-        old_r, old_c = (rc.A >> 24) < before, (cc.A >> 24) < before
+        old_r, old_c = before > (rc.A >> 24), before > (cc.A >> 24)
         if not old_r.any() or not old_c.any():
             return rc, cc
         gr, gc, lines = regroup_with_replicas(rc.take(np.flatnonzero(old_r)),
@@ -284,7 +289,7 @@ class LiveComparison:
         parts = {}
         for side in ("ref", "cand"):
             c = self.cols[side]
-            parts[side] = c.take(np.flatnonzero((c.A >> 24) <= step))
+            parts[side] = c.take(np.flatnonzero(step >= (c.A >> 24)))
         comp = self._evaluate(parts["ref"], parts["cand"], step + 1)
         fd = comp.first_divergence()
         if fd < 0:

@@ -130,14 +130,14 @@ class LiveDrill:
         cols = self.ops[side]
         if not len(cols):
             return cols
-        keep = (cols.A >> 24) == ask.step
+        keep = ask.step == (cols.A >> 24)
         sites = np.unique(cols.B[keep] >> 32).tolist()
         wanted = np.zeros(int(max(sites, default=0)) + 1, bool)
         for sid in sites:
             parsed = parse_op_site(self.catalog.site_names.get(sid, ""))
             wanted[sid] = parsed is not None and parsed[0] in ask.ops
         keep &= wanted[np.minimum(cols.B >> 32, len(wanted) - 1)] & \
-            ((cols.B >> 32) < len(wanted))
+            (len(wanted) > (cols.B >> 32))
         return cols.take(keep)
 
 

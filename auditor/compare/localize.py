@@ -38,8 +38,12 @@ from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare import merge as M
 from numaudit.auditor.compare import per_sample
 from numaudit.auditor.compare.align import PHASE_IDS, phase_name, role_name
-from numaudit.auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload,
-                                     sketch_metrics)
+from numaudit.auditor.compare.metrics import (
+    PayloadUnavailable,
+    bits_to_values,
+    decode_payload,
+    sketch_metrics,
+)
 from numaudit.auditor.compare.payloads import logical_values
 from numaudit.auditor.compare.ranks import box_text, fixed_dims, key_boxes
 

@@ -24,8 +24,8 @@ sum).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -59,7 +59,7 @@ class LossDecision:
 
 def compared(comp: Comparison, phase: int) -> np.ndarray:
     """Keys of a phase both runs hold and the policy compares."""
-    return np.flatnonzero(((comp.A & 0xF) == phase) & (comp.verdict != F.IGNORED)
+    return np.flatnonzero((phase == (comp.A & 0xF)) & (comp.verdict != F.IGNORED)
                           & (comp.ri >= 0) & (comp.ci >= 0))
 
 

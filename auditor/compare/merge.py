@@ -26,14 +26,14 @@ Pure functions; the vectorized application over many keys is `auditor.compare.ke
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import numpy as np
 
 from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
-from numaudit.auditor.compare.ranges import format_ranges
 from numaudit.auditor.compare.ragged_hint import undeclared_ragged
+from numaudit.auditor.compare.ranges import format_ranges
 
 MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
@@ -465,7 +465,7 @@ def _fmt_value(v: object) -> str:
 
 
 
-# -- one key at a time (tests, tools) ----------------------------------------------------------------
+# -- one key at a time (tests, tools) --------------------------------------------------------------
 
 @dataclass
 class LogicalDigest:

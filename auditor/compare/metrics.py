@@ -20,8 +20,8 @@ shape x dtype (FIELD-NOTES: zstd's max_output_size is not a bound).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import zstandard
@@ -51,7 +51,7 @@ def sketch_band(k: int | np.ndarray) -> np.ndarray | float:
     return (s / 2.0) / np.maximum(1.0 - BAND_Z * s, 0.25)
 
 
-# -- digest metrics (vectorized over keys) ----------------------------------------------------------
+# -- digest metrics (vectorized over keys) ---------------------------------------------------------
 
 @dataclass
 class SketchMetrics:
@@ -131,7 +131,7 @@ def ratio(cand: np.ndarray, ref: np.ndarray) -> np.ndarray:
         return np.where(ref != 0, cand / ref, np.where(cand == 0, 1.0, np.inf))
 
 
-# -- payloads ---------------------------------------------------------------------------------------
+# -- payloads --------------------------------------------------------------------------------------
 
 class PayloadUnavailable(Exception):
     """A payload that cannot be used for exact metrics (too large, corrupt, unsupported dtype)."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare.bands import BITWISE, NOISY, UNUSABLE, Bands
-from numaudit.auditor.compare.comparison import METRIC_CODES, METRIC_NAMES, M_SHAPE
+from numaudit.auditor.compare.comparison import M_SHAPE, METRIC_CODES, METRIC_NAMES
 from numaudit.auditor.compare.findings import format_float
 from numaudit.auditor.compare.metrics import ITEMSIZE, MACHINE_EPS
 from numaudit.auditor.compare.noise_pieces import PieceDistance, measure_keys

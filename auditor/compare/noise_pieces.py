@@ -33,8 +33,14 @@ import numpy as np
 from numaudit.auditor.compare import merge as M
 from numaudit.auditor.compare import per_sample
 from numaudit.auditor.compare.align import PHASE_IDS, phase_name, role_name
-from numaudit.auditor.compare.metrics import (FLOAT_DTYPES, PayloadUnavailable, bits_to_values,
-                                     decode_payload, payload_metrics, sketch_metrics)
+from numaudit.auditor.compare.metrics import (
+    FLOAT_DTYPES,
+    PayloadUnavailable,
+    bits_to_values,
+    decode_payload,
+    payload_metrics,
+    sketch_metrics,
+)
 from numaudit.auditor.compare.payloads import logical_values
 from numaudit.auditor.compare.ranks import key_boxes
 from numaudit.auditor.compare.ulp import ulp_distance

@@ -48,9 +48,9 @@ def other_dtype(comp, al: Alignment, r: int, index: dict, a: int, sid: int, phas
     return None
 
 
-def dtype_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, dtypes: tuple,
+def dtype_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, dtypes: tuple,
                    cast, index: dict, a: int, sid: int, phase: int, call: int,
-                   per_rank: dict) -> "OpFinding":
+                   per_rank: dict) -> OpFinding:
     """An operation computed in another dtype than the reference's, with what follows it
     differing: introduced there (the casts before it only feed it)."""
     dr, dc = dtypes
@@ -106,8 +106,8 @@ introduced that difference itself, whatever its inputs carry (weights already ap
 few steps of training, a rounding difference upstream)."""
 
 
-def pair_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, bad: list, index: dict,
-                  a: int, sid: int, phase: int, call: int, per_rank: dict) -> "OpFinding":
+def pair_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, bad: list, index: dict,
+                  a: int, sid: int, phase: int, call: int, per_rank: dict) -> OpFinding:
     """A paired operation whose outputs breach: introduced or inherited (`out` filled)."""
     name = al.names[("ref", r)]
     out.op = f"{name} (op {r}{'' if c == r else f'; op {c} in {comp.cand.name}'})"
@@ -142,7 +142,8 @@ def pair_finding(out: "OpFinding", comp, al: Alignment, r: int, c: int, bad: lis
         out.kind = "introduced"
         n = len(tensors)
         match = ("match" if not bad_in else "differ far less" if amplified else "differ too")
-        which = (f"its tensor input {match.replace('match', 'matches').replace('differ', 'differs')}"
+        which = ("its tensor input "
+                 f"{match.replace('match', 'matches').replace('differ', 'differs')}"
                  if n == 1 else f"its {n} tensor inputs {match}")
         out.reason = (f"{head}; {which} and its float argument {k - SCALAR_INDEX} "
                       f"differs{values}: this operation is called otherwise (a scale, an "
@@ -217,9 +218,9 @@ def _dtype_note(comp, i: int, tensors: list) -> list[str]:
     return []
 
 
-def unpaired_finding(out: "OpFinding", comp, al: Alignment, side: str, o: int, bad_after: bool,
+def unpaired_finding(out: OpFinding, comp, al: Alignment, side: str, o: int, bad_after: bool,
                       pairs: list, index: dict, a: int, ids: dict, phase: int,
-                      call: int) -> "OpFinding":
+                      call: int) -> OpFinding:
     """An operation one run lacks, with what follows it differing."""
     name = al.names[(side, o)]
     kind = unpaired_kind(name)

@@ -27,9 +27,18 @@ from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare import merge as M
 from numaudit.auditor.compare.columns import Catalog, RunColumns
 from numaudit.auditor.compare.op_align import Alignment, align_ops, describe, unpaired_kind
-from numaudit.auditor.compare.op_causes import (BWD, FWD, OUT_ROLE, breaching, dtype_finding, keys_of,
-                                       other_dtype, pair_finding, passes,
-                                       unpaired_finding)
+from numaudit.auditor.compare.op_causes import (
+    BWD,
+    FWD,
+    OUT_ROLE,
+    breaching,
+    dtype_finding,
+    keys_of,
+    other_dtype,
+    pair_finding,
+    passes,
+    unpaired_finding,
+)
 from numaudit.auditor.compare.ranges import format_ranges
 from numaudit.wire.ops import OP_SEP, is_view, op_site, parse_op_site
 
@@ -286,7 +295,7 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
         later[n] = later[n + 1] or (kind == "pair" and bad(item[0]))
     first_inherited: OpFinding | None = None
     first_cast = None
-    for n, (place, kind, item) in enumerate(events):
+    for n, (_place, kind, item) in enumerate(events):
         if kind == "unpaired":
             if first_inherited is not None or not later[n + 1]:
                 continue

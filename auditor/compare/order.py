@@ -15,7 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from numaudit.auditor.compare import findings as F
-from numaudit.auditor.compare.align import AFTER_BACKWARD_PHASES, PHASE_IDS, exec_order, fill_positions
+from numaudit.auditor.compare.align import (
+    AFTER_BACKWARD_PHASES,
+    PHASE_IDS,
+    exec_order,
+    fill_positions,
+)
 from numaudit.auditor.compare.columns import unpack_a
 from numaudit.auditor.compare.comparison import Comparison
 

@@ -11,11 +11,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from numaudit.auditor.compare.metrics import (
+    EPS64,
+    FLOAT_DTYPES,
+    ITEMSIZE,
+    MACHINE_EPS,
+    PayloadUnavailable,
+    bits_to_values,
+    decode_payload,
+    payload_metrics,
+)
 from numaudit.auditor.compare.segments import segment_reduce
 from numaudit.auditor.compare.ulp import ulp_distance
-from numaudit.auditor.compare.metrics import (EPS64, FLOAT_DTYPES, ITEMSIZE, MACHINE_EPS,
-                                     PayloadUnavailable, bits_to_values, decode_payload,
-                                     payload_metrics)
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.comparison import Comparison

@@ -214,7 +214,10 @@ def _units(cat, cols, rows: np.ndarray, coef: np.ndarray, seg: np.ndarray, n: in
         mom.append(sd.f64[:, :N_MOMENTS])
         sk.append(sd.f64[:, N_MOMENTS:].reshape(-1))
         fp.append(sd.fp)
-    cat_ = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))
+
+    def cat_(parts, dt):
+        return np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt)
+
     units = Units(key=cat_(key, np.int64), pos=cat_(pos, np.int64), cnt=cat_(cnt, np.int64),
                   size=cat_(size, np.int64), k=cat_(ks, np.int64),
                   moments=np.concatenate(mom) if mom else np.zeros((0, N_MOMENTS)),

@@ -16,17 +16,32 @@ import functools
 import math
 import re
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import re2
 
 from numaudit.auditor.compare.align import PHASE_IDS, ROLE_IDS, RenameRule, glob_to_regex
 from numaudit.auditor.compare.policy_model import (  # noqa: F401  (the policy API, re-exported)
-    ACTIONS, DEFAULT_PAYLOAD_MAX_BYTES, DEFAULT_SIGMAS, DTYPE_TOLERANCES, ELEMENTWISE_PRESETS,
-    METRICS, NONFINITE, ON_UNCERTAIN, PAYLOAD_METRICS, PRESET_FLOORS, PRESETS, Check, Policy,
-    PolicyError, Rule, looser, tolerance,
+    ACTIONS,
+    DEFAULT_PAYLOAD_MAX_BYTES,
+    DEFAULT_SIGMAS,
+    DTYPE_TOLERANCES,
+    ELEMENTWISE_PRESETS,
+    METRICS,
+    NONFINITE,
+    ON_UNCERTAIN,
+    PAYLOAD_METRICS,
+    PRESET_FLOORS,
+    PRESETS,
+    Check,
+    Policy,
+    PolicyError,
+    Rule,
+    looser,
+    tolerance,
 )
 
 MAX_POLICY_CHARS = 256 << 10
@@ -311,7 +326,8 @@ def _strings(ctx: _Ctx, where: str, t: Mapping[str, Any], f: str) -> tuple[str, 
     return tuple(v)
 
 
-def _number(ctx: _Ctx, where: str, t: Mapping[str, Any], f: str, *, positive: bool = False) -> float:
+def _number(ctx: _Ctx, where: str, t: Mapping[str, Any], f: str, *,
+            positive: bool = False) -> float:
     v = t.get(f)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
             or (positive and v == 0):
@@ -320,7 +336,8 @@ def _number(ctx: _Ctx, where: str, t: Mapping[str, Any], f: str, *, positive: bo
     return float(v)
 
 
-def _choice(ctx: _Ctx, where: str, t: Mapping[str, Any], f: str, options: Iterable[str]) -> str | None:
+def _choice(ctx: _Ctx, where: str, t: Mapping[str, Any], f: str,
+            options: Iterable[str]) -> str | None:
     if f not in t:
         return None
     v = t[f]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Mapping
 
 from numaudit.auditor.compare.align import RenameRule
 
@@ -51,7 +51,8 @@ METRICS: dict[str, str] = {
     "cosine": "1 - cosine similarity",
     "norm_ratio": "| ||cand|| / ||ref|| - 1 |",
     "abs_max_ratio": "| max|cand| / max|ref| - 1 |",
-    "allclose": "max over elements of |cand - ref| / (atol + rtol |ref|) (payloads); passes at <= 1",
+    "allclose": ("max over elements of |cand - ref| / (atol + rtol |ref|) (payloads); "
+                 "passes at <= 1"),
     "max_abs": "max over elements of |cand - ref| (payloads)",
     "max_rel": "max over elements of |cand - ref| / |ref| (payloads)",
     "ulp": "max distance in units in the last place (payloads, same dtype)",
@@ -71,7 +72,8 @@ class PolicyError(ValueError):
 
 
 def tolerance(dtype: str, floor: tuple[float, float] | None = None,
-              overrides: Mapping[str, tuple[float, float]] | None = None) -> tuple[float, float] | None:
+              overrides: Mapping[str, tuple[float, float]] | None = None
+              ) -> tuple[float, float] | None:
     """(rtol, atol) for a dtype, or None when it compares exactly (integers, bools)."""
     tol = (overrides or {}).get(dtype) or DTYPE_TOLERANCES.get(dtype)
     if tol is None:
@@ -81,7 +83,8 @@ def tolerance(dtype: str, floor: tuple[float, float] | None = None,
     return tol
 
 
-def looser(a: tuple[float, float] | None, b: tuple[float, float] | None) -> tuple[float, float] | None:
+def looser(a: tuple[float, float] | None,
+           b: tuple[float, float] | None) -> tuple[float, float] | None:
     """The looser of two tolerances (larger rtol, then larger atol); exact only if both are."""
     if a is None:
         return b
@@ -128,9 +131,7 @@ class Rule:
             ps = f"{phase}:{site}"
             if not any(fnmatch.fnmatchcase(ps if ":" in g else site, g) for g in self.match):
                 return False
-        if self.dtypes and not any(d in self.dtypes for d in dtypes if d):
-            return False
-        return True
+        return not self.dtypes or any(d in self.dtypes for d in dtypes if d)
 
 
 @dataclass(frozen=True)

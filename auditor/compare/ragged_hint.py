@@ -9,7 +9,7 @@ never blocks training), so the auditor recognizes the signature and says how to 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def undeclared_ragged(pieces: Sequence, present: list[int]) -> tuple[list[list[int]], str] | None:

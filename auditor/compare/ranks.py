@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from typing import Sequence
+from collections.abc import Sequence
 
 from numaudit.auditor.compare import merge as M
 

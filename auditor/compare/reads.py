@@ -24,9 +24,9 @@ from __future__ import annotations
 import gc
 import json
 import sqlite3
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 

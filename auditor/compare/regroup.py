@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from numaudit.auditor.compare.columns import Catalog, RunColumns, unpack_a
-from numaudit.auditor.compare.merge import REDUCE_NONE, Piece
+from numaudit.auditor.compare.merge import REDUCE_NONE
 from numaudit.auditor.compare.samples import align_samples, round_robin, sample_starts, share_dim
 from numaudit.protos import numaudit_pb2 as pb
 

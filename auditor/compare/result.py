@@ -9,8 +9,9 @@ head (docs/report-schema.md); findings are materialized one at a time while a re
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ class Report:
             f.group = int(self.group_of[i])
         return f
 
-    # -- the report's head -------------------------------------------------------------------------------------
+    # -- the report's head ------------------------------------------------------------------------
 
     def header_dict(self) -> dict:
         """The JSON report without its findings (docs/report-schema.md)."""

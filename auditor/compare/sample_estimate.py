@@ -30,9 +30,9 @@ coherently, and its band is that of one block's sketch (sigma of the norm 1/sqrt
 differs from sample to sample averages, down to a band about sqrt(B) times narrower. The band is
 stated from the estimates themselves, as an *effective* bucket count ``k_eff = k Y^2 / ||sum_B
 tail_B delta_B delta_B^T||_F^2`` (`metrics.sketch_band` of it; ``tail_B`` widens blocks whose
-difference fills few buckets, `metrics.concentration_factor`). Blocks whose fingerprints agree (both exact) contribute an
-exact 0. Deterministic lower bounds come with it: per block ``| ||ref_B|| - ||cand_B|| |`` (their
-squares add) and the difference of its extremes.
+difference fills few buckets, `metrics.concentration_factor`). Blocks whose fingerprints agree
+(both exact) contribute an exact 0. Deterministic lower bounds come with it: per block
+``| ||ref_B|| - ||cand_B|| |`` (their squares add) and the difference of its extremes.
 
 What is never done: adding the sketches of different samples *keyed alike* (the same labels),
 which would let two samples' differences cancel (a swap of two samples would vanish) or add

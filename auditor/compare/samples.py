@@ -6,9 +6,10 @@ the step's rows are rebuilt from the pieces' payloads and matched one to one: eq
 bitwise, then each remaining row to its nearest with a clear margin. Where they did not (pieces
 over the payload size), the same from both runs' per-sample digests (`sample_rows`): a sample's
 fingerprint, keyed within the sample, is equal wherever the sample sits when its bits are, and
-its sketch is a sketch of the sample alone, so nearest rows are nearest sketches. `round_robin` recognizes the
-one reordering that ordinary data-parallel code makes on purpose: a DistributedSampler deals the
-step's samples to the dp ranks in turn (rank r takes samples r, r + n, r + 2n, ...).
+its sketch is a sketch of the sample alone, so nearest rows are nearest sketches. `round_robin`
+recognizes the one reordering that ordinary data-parallel code makes on purpose: a
+DistributedSampler deals the step's samples to the dp ranks in turn (rank r takes samples r,
+r + n, r + 2n, ...).
 """
 
 from __future__ import annotations

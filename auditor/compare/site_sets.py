@@ -10,7 +10,7 @@ set exactly; the order is the names' first appearance (execution order, for a re
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class _Node:

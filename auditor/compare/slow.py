@@ -14,16 +14,16 @@ import numpy as np
 
 from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare import per_sample
-from numaudit.auditor.compare.columns import Catalog
-from numaudit.auditor.compare.comparison import METRIC_CODES, M_L2, Comparison
 from numaudit.auditor.compare.align import PHASE_IDS
+from numaudit.auditor.compare.columns import Catalog
+from numaudit.auditor.compare.comparison import M_L2, METRIC_CODES, Comparison
 from numaudit.auditor.compare.digests import scaled_fingerprint
 from numaudit.auditor.compare.findings import format_float
 from numaudit.auditor.compare.integer_ratio import snap
 from numaudit.auditor.compare.metrics import EPS64, MACHINE_EPS, ratio, sketch_metrics
-from numaudit.auditor.compare.segments import ranges_index, segment_reduce, unique
 from numaudit.auditor.compare.payloads import payload_for, payload_keys
 from numaudit.auditor.compare.policy import METRICS, PAYLOAD_METRICS
+from numaudit.auditor.compare.segments import ranges_index, segment_reduce, unique
 from numaudit.auditor.store import Reader
 
 SLOW_CHUNK = 8192

@@ -125,9 +125,9 @@ def _shape_in(cols: RunColumns, catalog: Catalog, a: int, b: int) -> tuple[int, 
 def _placed(pieces: list, present: list[int], codes: np.ndarray, fps: np.ndarray,
             catalog: Catalog) -> list[tuple[int, int, int]]:
     """(position, new layout code, fingerprint there) of each present piece: its dp rank's rows
-    after those of the ranks before it (`Catalog.moved`). A piece's dp rank is its offset over its rows (the agent's even split); an
-    empty piece holds nothing and sits at the end. Replicas of one share (the same dp rank)
-    share a place."""
+    after those of the ranks before it (`Catalog.moved`). A piece's dp rank is its offset over its
+    rows (the agent's even split); an empty piece holds nothing and sits at the end. Replicas of
+    one share (the same dp rank) share a place."""
     share: dict[int, int] = {}
     for j in present:
         p = pieces[j]

@@ -16,16 +16,21 @@ from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare import merge as M
 from numaudit.auditor.compare.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
 from numaudit.auditor.compare.columns import Catalog, RunColumns, shape_flags
+from numaudit.auditor.compare.comparison import M_SHAPE, METRIC_CODES, Comparison
 from numaudit.auditor.compare.keys import LogicalKeys, build_keys, merged_as_sum
-from numaudit.auditor.compare.comparison import METRIC_CODES, M_SHAPE, Comparison
 from numaudit.auditor.compare.metrics import FLOAT_DTYPES
 from numaudit.auditor.compare.order import order_keys
 from numaudit.auditor.compare.parents import MEMO as PARENTS_MEMO
 from numaudit.auditor.compare.parents import unrun_parents
 from numaudit.auditor.compare.policy import Check, Policy
 from numaudit.auditor.compare.ranges import format_ranges
-from numaudit.auditor.compare.slow import (SLOW_CHUNK, merge_side, record_ids, slow_chunk,
-                                   store_nonfinite)
+from numaudit.auditor.compare.slow import (
+    SLOW_CHUNK,
+    merge_side,
+    record_ids,
+    slow_chunk,
+    store_nonfinite,
+)
 from numaudit.auditor.store import Reader
 
 _ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
@@ -175,7 +180,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         # activation gradients must equal the reference's times the factor: equal bits are a
         # difference (unless both are all zero)
         z_r, z_c = side(rk.all_zero, ck.all_zero, 0)
-        same &= ((A & 0xF) != PHASE_IDS["bwd"]) | ((z_r == 1) & (z_c == 1))
+        same &= (PHASE_IDS["bwd"] != (A & 0xF)) | ((z_r == 1) & (z_c == 1))
     out_metric[assign(same, F.IDENTICAL)] = METRIC_CODES["exact"]
     hm_r, hm_c = side(rk.has_moments, ck.has_moments, False)
     exact_metric = metric == METRIC_CODES["exact"]
@@ -184,7 +189,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         upcast_equal(fp_r, fp_c, dt_r, dt_c, catalog.dtypes) if catalog.fingerprints_v3
         else False)
     if bwd_factor != 1.0:
-        upcast &= (A & 0xF) != PHASE_IDS["bwd"]
+        upcast &= PHASE_IDS["bwd"] != (A & 0xF)
     same_values = assign(upcast & ~exact_metric, F.CLOSE)
     out_metric[same_values], value[same_values] = metric[same_values], 0.0
     for i in np.flatnonzero(upcast):
@@ -197,7 +202,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     if bwd_factor != 1.0:
         # activation gradients must be the reference's times the factor: unequal fingerprints
         # say nothing, the slow path judges them against the scaled reference
-        exact_metric &= (A & 0xF) != PHASE_IDS["bwd"]
+        exact_metric &= PHASE_IDS["bwd"] != (A & 0xF)
     m = assign((exact_metric | ~hm_r | ~hm_c) & ex_r & ex_c, F.DIVERGED)
     out_metric[m] = METRIC_CODES["exact"]
     for i in np.flatnonzero(m & ~exact_metric):

@@ -18,9 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
 
 MEMORY_PER_WIRE_BYTE = 4
 """Memory the daemon holds per byte of a batch between receipt and commit, at its peak: gRPC's
@@ -154,7 +153,7 @@ class Admission:
             async with self._freed:
                 try:
                     await asyncio.wait_for(self._freed.wait_for(fits), self.limits.inflight_wait_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TooBusy(f"Ingest: {self.inflight_bytes} bytes of batches in flight, the "
                                   f"limit is {self.limits.max_inflight_bytes} "
                                   "(max_inflight_bytes); retry later") from None

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -40,7 +41,7 @@ SESSION_CACHE_SIZE = 65536
 """Session -> run entries kept; the cache is emptied when full (a miss costs one store read)."""
 
 
-_GRANT: contextvars.ContextVar["Grant | None"] = contextvars.ContextVar("numaudit_grant",
+_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar("numaudit_grant",
                                                                        default=None)
 
 

@@ -22,22 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
-import itertools
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
-from numaudit.wire import limits
 from numaudit.auditor.compare.policy import Policy, PolicyError, resolve_policy
-from numaudit.auditor.store import Reader, StoreError
-from numaudit.auditor.store.location import store_location
 from numaudit.auditor.daemon.admission import Admission, ServerLimits
 from numaudit.auditor.daemon.auth import Unauthenticated, bearer_token
 from numaudit.auditor.daemon.validate import ValidationError, check_run_name
 from numaudit.auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
+from numaudit.auditor.store import Reader, StoreError
+from numaudit.auditor.store.location import store_location
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from numaudit.auditor.daemon.ingest_wait import abandon
 from numaudit.auditor.daemon.validate import ValidationError, check_run_name

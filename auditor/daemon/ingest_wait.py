@@ -10,7 +10,8 @@ from a loaded machine: it reconnected, resent, and was cut off again, never acke
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from numaudit.auditor.daemon.admission import IdleStream
 from numaudit.auditor.daemon.receive_slots import ReceiveSlots, StreamSlot

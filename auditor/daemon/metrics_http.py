@@ -20,7 +20,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ serialized in a worker process pass through as bytes.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from numaudit.auditor.daemon.validate import CorruptedInTransit, ValidationError
 from numaudit.protos import numaudit_pb2 as pb
@@ -38,7 +39,8 @@ def _lenient_parser(cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
             message = cls.FromString(data)
-        except Exception:  # DecodeError, recursion limits: the peer's fault, reported in the handler
+        except Exception:  # DecodeError, recursion limits: the peer's fault, reported in the
+                           # handler
             return MalformedRequest(type_name)
         if is_batch and message.HasField("records_crc32"):
             # Checked on the bytes as received (wire/checksum.py), not on a re-encoding: any

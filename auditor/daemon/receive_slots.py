@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from numaudit.wire import limits
 
@@ -87,13 +87,14 @@ class ReceiveSlots:
         self._waiters: dict[StreamSlot, tuple[int, int]] = {}
         self._order = itertools.count()
         self._newcomer_turn = False
-        """Whether the next freed slot goes to a stream that has sent nothing yet (`_grant_next`)."""
+        """Whether the next freed slot goes to a stream that has sent nothing yet
+        (`_grant_next`)."""
         self._timer: asyncio.TimerHandle | None = None
         self._on_evict = on_evict
 
     @classmethod
     def for_budget(cls, inflight_bytes: int, admitted: Callable[[], int] | None = None,
-                   per_byte: int = 1, **kw) -> "ReceiveSlots":
+                   per_byte: int = 1, **kw) -> ReceiveSlots:
         """As many slots as the largest messages (`per_byte` memory bytes a wire byte) fit in
         the in-flight budget, beside the memory `admitted()` (one budget for both)."""
         message = per_byte * limits.MAX_MESSAGE_BYTES

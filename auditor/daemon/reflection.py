@@ -10,7 +10,7 @@ that `grpcurl describe grpc.reflection.v1.ServerReflection` works too.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool

@@ -14,17 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import grpc
 
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire.channels import open_channel
 from numaudit.wire.packed import PackedFormatError, batch_capture_count, for_peer
 from numaudit.wire.spool import SpoolError, read_spool, spool_files
 from numaudit.wire.tls import TLSConfig
-from numaudit.protos import numaudit_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ Isolation: the event loop and the validation threads serve ingest only; Describe
 Compare and Watch run in spawned worker processes, and what a client may make the daemon hold
 (streams, watches, comparisons, bytes in flight) is capped by `admission.ServerLimits`.
 
-Access control (`tokens`) is an interceptor (auditor/daemon/auth.py) whose refusals go through the same
-`status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
+Access control (`tokens`) is an interceptor (auditor/daemon/auth.py) whose refusals go through the
+same `status_for`; TLS and mutual TLS come from `ServerTLS` (wire/tls.py).
 
 Directives (`auditor watch --escalate`, docs/drill-down.md) ride on Ingest's Acks: the watch
 posts them on the service's `DirectiveBoard`, and each stream sends its session's run's
@@ -31,40 +31,62 @@ import logging
 import sqlite3
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from numaudit.wire import limits
-from numaudit.auditor.daemon.admission import (MEMORY_PER_WIRE_BYTE, Admission, IdleStream,
-                                      ServerLimits, TooBusy)
-from numaudit.auditor.daemon.auth import (AuthInterceptor, PermissionDenied, Unauthenticated,
-                                 check_escalate, check_rename, current_grant)
-from numaudit.auditor.daemon.directives import DirectiveBoard, StreamDirectives
-from numaudit.auditor.daemon.parsing import (  # noqa: F401 (MalformedRequest, CorruptBatch re-exported)
-    CorruptBatch, MalformedRequest, _lenient_parser, _parsed, _parsed_stream, _serializer)
-from numaudit.auditor.daemon.reflection import enable_reflection
 from numaudit.auditor.daemon import reads
-from numaudit.auditor.daemon.metrics import DaemonMetrics
-from numaudit.auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
+from numaudit.auditor.daemon.admission import (
+    MEMORY_PER_WIRE_BYTE,
+    Admission,
+    IdleStream,
+    ServerLimits,
+    TooBusy,
+)
+from numaudit.auditor.daemon.auth import (
+    AuthInterceptor,
+    PermissionDenied,
+    Unauthenticated,
+    check_escalate,
+    check_rename,
+    current_grant,
+)
+from numaudit.auditor.daemon.directives import DirectiveBoard, StreamDirectives
 from numaudit.auditor.daemon.ingest_wait import next_batch
-from numaudit.auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
-from numaudit.auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
-from numaudit.wire.packed import RecordColumns, content_hashes
-from numaudit.wire.tls import ServerTLS
+from numaudit.auditor.daemon.metrics import DaemonMetrics
+from numaudit.auditor.daemon.parsing import (  # noqa: F401 (MalformedRequest, CorruptBatch re-exported)
+    CorruptBatch,
+    MalformedRequest,
+    _lenient_parser,
+    _parsed,
+    _parsed_stream,
+    _serializer,
+)
+from numaudit.auditor.daemon.receive_slots import ReceiveSlots, StreamSlot
+from numaudit.auditor.daemon.reflection import enable_reflection
 from numaudit.auditor.daemon.tokens import Tokens
 from numaudit.auditor.daemon.validate import (
-    ValidationError, validate_batch, validate_close, validate_describe,
+    ValidationError,
+    validate_batch,
+    validate_close,
+    validate_describe,
     validate_register,
 )
+from numaudit.auditor.daemon.workers import BudgetExceeded, WorkerLost, Workers
+from numaudit.auditor.store import Reader, RunNameTaken, Store, StoreError, UnknownRun
 from numaudit.auditor.store.backend import describe, open_writer, store_location
 from numaudit.auditor.store.files import readable_by_others
 from numaudit.auditor.store.location import is_postgres_url
 from numaudit.auditor.store.writer import StoreWriter, WriterClosed
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
+from numaudit.wire.packed import RecordColumns, content_hashes
+from numaudit.wire.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +144,8 @@ def status_for(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.UNAVAILABLE, f"store: {type(exc).__name__}: {exc}; retry later"
     # A bug. Answer UNAVAILABLE (never INTERNAL/UNKNOWN) and leave the traceback in the log.
     log.error("%s: unexpected error", method, exc_info=exc)
-    return grpc.StatusCode.UNAVAILABLE, f"auditor: unexpected {type(exc).__name__} (logged); retry later"
+    return (grpc.StatusCode.UNAVAILABLE,
+            f"auditor: unexpected {type(exc).__name__} (logged); retry later")
 
 
 def _rpc(kind: str) -> Callable:
@@ -276,7 +299,8 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                     cols, hashes = await self._offload(_validate_and_hash, batch)
                     session, seq = batch.session_id, batch.seq
                     result = await self._commit(
-                        lambda store, c=cols, h=hashes: store.ingest_columns(session, seq, c, h))
+                        lambda store, c=cols, h=hashes, s=session, q=seq:
+                            store.ingest_columns(s, q, c, h))
                     del batch, cols, hashes  # not held while the stream waits for the next one
                 log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d", session, seq,
                           result.stored, result.duplicates, result.conflicts)
@@ -311,7 +335,9 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
     # The comparison engine wires these two; the decorator already maps its errors.
     @_rpc("unary_unary")
     async def Compare(self, request: pb.CompareRequest, context: Any) -> bytes:
-        from numaudit.auditor.daemon import compare_service as rpc_compare  # numpy and the engine load on the first compare
+        from numaudit.auditor.daemon import (
+            compare_service as rpc_compare,  # numpy and the engine load on the first compare
+        )
 
         with self.metrics.compare_seconds.time():
             return await rpc_compare.compare(self, request, context)
@@ -496,7 +522,7 @@ class BackgroundServer:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         self.start()
         return self
 

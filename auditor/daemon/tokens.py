@@ -29,9 +29,10 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 READ, WRITE, ESCALATE = "read", "write", "escalate"
 _NAME = re.compile(r"[A-Za-z0-9._@:-]{1,64}")
@@ -107,7 +108,7 @@ class Tokens:
         return found
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokens":
+    def load(cls, path: str | Path) -> Tokens:
         """Parse a token file; TokenFileError naming the file and entry for anything wrong."""
         try:
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -118,7 +119,7 @@ class Tokens:
         return cls.parse(data, str(path))
 
     @classmethod
-    def parse(cls, data: dict[str, Any], source: str = "<tokens>") -> "Tokens":
+    def parse(cls, data: dict[str, Any], source: str = "<tokens>") -> Tokens:
         extra = set(data) - {"token"}
         if extra:
             raise TokenFileError(f"tokens: {source}: unknown top-level key(s) {sorted(extra)}; "

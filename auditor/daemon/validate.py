@@ -25,14 +25,26 @@ from __future__ import annotations
 
 import math
 import threading
+
 import zstandard
 
-from numaudit.wire import limits, names
-from numaudit.protos import numaudit_pb2 as pb
 from numaudit.auditor.daemon import validate_columns as vc
-from numaudit.auditor.daemon.errors import (CorruptPayload, CorruptedInTransit, TooLarge,
-                                   UnsupportedVersion, ValidationError, short)
-from numaudit.auditor.daemon.validate_layout import ITEMSIZE, REAL_FLOAT_DTYPES, REDUCTIONS, check_layout
+from numaudit.auditor.daemon.errors import (
+    CorruptedInTransit,
+    CorruptPayload,
+    TooLarge,
+    UnsupportedVersion,
+    ValidationError,
+    short,
+)
+from numaudit.auditor.daemon.validate_layout import (
+    ITEMSIZE,
+    REAL_FLOAT_DTYPES,
+    REDUCTIONS,
+    check_layout,
+)
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits, names
 from numaudit.wire.checksum import batch_checksum, crc32
 from numaudit.wire.packed import PackedFormatError, RecordColumns, batch_columns, batch_record_count
 
@@ -85,14 +97,16 @@ def validate_register(req: pb.RegisterRequest) -> None:
     check_run_name(req.run)
     check_session_id(req.session_id)
     if not 1 <= req.world_size <= limits.MAX_WORLD_SIZE:
-        raise ValidationError("world_size", f"{req.world_size} is not in [1, {limits.MAX_WORLD_SIZE}]")
+        raise ValidationError("world_size",
+                              f"{req.world_size} is not in [1, {limits.MAX_WORLD_SIZE}]")
     if not 0 <= req.rank < req.world_size:
         raise ValidationError("rank", f"{req.rank} is not in [0, world_size {req.world_size})")
     if req.local_rank < 0:
         raise ValidationError("local_rank", f"{req.local_rank} is negative")
     _check_mesh(req)
     if len(req.stages) > limits.MAX_STAGES:
-        raise TooLarge("stages", f"{len(req.stages)} entries exceed the limit of {limits.MAX_STAGES}")
+        raise TooLarge("stages",
+                       f"{len(req.stages)} entries exceed the limit of {limits.MAX_STAGES}")
     for i, stage in enumerate(req.stages):
         if stage < 0:
             raise ValidationError(f"stages[{i}]", f"{stage} is negative")
@@ -106,7 +120,8 @@ def validate_register(req: pb.RegisterRequest) -> None:
     _check_text(req.grad_scale_source, "grad_scale_source")
     _check_text(req.agent_version, "agent_version")
     if len(req.labels) > limits.MAX_LABELS:
-        raise TooLarge("labels", f"{len(req.labels)} entries exceed the limit of {limits.MAX_LABELS}")
+        raise TooLarge("labels",
+                       f"{len(req.labels)} entries exceed the limit of {limits.MAX_LABELS}")
     for k, v in req.labels.items():
         _check_text(k, "labels", required=True)
         _check_text(v, f"labels[{k!r}]", limit=limits.MAX_LABEL_CHARS)
@@ -115,7 +130,8 @@ def validate_register(req: pb.RegisterRequest) -> None:
 def _check_mesh(req: pb.RegisterRequest) -> None:
     shape, names, coord = list(req.mesh_shape), list(req.mesh_dim_names), list(req.mesh_coordinate)
     if len(shape) > limits.MAX_TENSOR_DIMS:
-        raise ValidationError("mesh_shape", f"{len(shape)} dims exceed the limit of {limits.MAX_TENSOR_DIMS}")
+        raise ValidationError("mesh_shape",
+                              f"{len(shape)} dims exceed the limit of {limits.MAX_TENSOR_DIMS}")
     for d, n in enumerate(shape):
         if n < 1:
             raise ValidationError(f"mesh_shape[{d}]", f"{n} is not >= 1")
@@ -144,7 +160,8 @@ def validate_close(req: pb.CloseSessionRequest) -> None:
             raise ValidationError(name, f"{getattr(req, name)} is negative")
     if len(req.dropped_by_reason) > limits.MAX_DROP_REASONS:
         raise TooLarge("dropped_by_reason",
-                       f"{len(req.dropped_by_reason)} entries exceed the limit of {limits.MAX_DROP_REASONS}")
+                       f"{len(req.dropped_by_reason)} entries exceed the limit of "
+                       f"{limits.MAX_DROP_REASONS}")
     for reason, n in req.dropped_by_reason.items():
         _check_text(reason, "dropped_by_reason", required=True)
         if n < 0:
@@ -155,7 +172,7 @@ def validate_describe(req: pb.DescribeRunRequest) -> None:
     check_run_name(req.run)
 
 
-# -- Batches and records -----------------------------------------------------------------------------
+# -- Batches and records ---------------------------------------------------------------------------
 
 def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
     """Everything about a batch that can be checked without the store; raises on the first fault.
@@ -199,7 +216,8 @@ def validate_batch(batch: pb.RecordBatch) -> RecordColumns:
 def validate_record(r: pb.Record, where: str = "record") -> None:
     _check_key(r.key, f"{where}.key")
     if not -1 <= r.stage <= limits.MAX_RECORD_STAGE:
-        raise ValidationError(f"{where}.stage", f"{r.stage} is not in [-1, {limits.MAX_RECORD_STAGE}]")
+        raise ValidationError(f"{where}.stage",
+                              f"{r.stage} is not in [-1, {limits.MAX_RECORD_STAGE}]")
     if not 0 <= r.capture_order <= limits.MAX_CAPTURE_ORDER:
         raise ValidationError(f"{where}.capture_order",
                               f"{r.capture_order} is not in [0, {limits.MAX_CAPTURE_ORDER}]")
@@ -250,7 +268,8 @@ def _check_digest(d: pb.Digest, numel: int, where: str) -> None:
     if nonfinite + d.zero_count > numel:
         raise ValidationError(
             f"{where}.nan_count",
-            f"nan + posinf + neginf + zero counts ({nonfinite + d.zero_count}) exceed numel {numel}",
+            f"nan + posinf + neginf + zero counts ({nonfinite + d.zero_count}) "
+            f"exceed numel {numel}",
         )
     if len(d.sketch) > limits.MAX_SKETCH_BUCKETS:
         raise TooLarge(f"{where}.sketch",
@@ -318,7 +337,8 @@ def _zstd_bound(n: int) -> int:
 def _check_payload_header(p: pb.Payload, dtype: str, numel: int, where: str) -> None:
     """The header of a payload chunk of a record whose layout (`dtype`, `numel` elements) passed."""
     if p.codec not in CODECS:
-        raise ValidationError(f"{where}.codec", f"{short(p.codec)} is not one of {', '.join(CODECS)}")
+        raise ValidationError(f"{where}.codec",
+                              f"{short(p.codec)} is not one of {', '.join(CODECS)}")
     expected = numel * ITEMSIZE[dtype]
     if p.raw_nbytes != expected:
         raise ValidationError(
@@ -327,8 +347,9 @@ def _check_payload_header(p: pb.Payload, dtype: str, numel: int, where: str) -> 
             f"({dtype}) = {expected}",
         )
     if p.raw_nbytes > limits.MAX_PAYLOAD_RAW_BYTES:
-        raise TooLarge(f"{where}.raw_nbytes", f"{p.raw_nbytes} exceeds the per-record payload limit "
-                                              f"of {limits.MAX_PAYLOAD_RAW_BYTES}")
+        raise TooLarge(f"{where}.raw_nbytes",
+                       f"{p.raw_nbytes} exceeds the per-record payload limit "
+                       f"of {limits.MAX_PAYLOAD_RAW_BYTES}")
     if p.chunk_count < 1:
         raise ValidationError(f"{where}.chunk_count", f"{p.chunk_count} is not >= 1")
     if not 0 <= p.chunk_index < p.chunk_count:
@@ -340,7 +361,8 @@ def _check_payload_header(p: pb.Payload, dtype: str, numel: int, where: str) -> 
                               f"{p.compressed_nbytes} != raw_nbytes {p.raw_nbytes} for codec raw")
     if not 0 <= p.compressed_nbytes <= bound:
         raise ValidationError(f"{where}.compressed_nbytes",
-                              f"{p.compressed_nbytes} is not in [0, {bound}] for {p.raw_nbytes} raw bytes")
+                              f"{p.compressed_nbytes} is not in [0, {bound}] for "
+                              f"{p.raw_nbytes} raw bytes")
     if p.chunk_count > max(1, p.compressed_nbytes):
         raise ValidationError(f"{where}.chunk_count",
                               f"{p.chunk_count} chunks for a {p.compressed_nbytes}-byte stream")
@@ -377,7 +399,8 @@ def verify_stream(p: pb.Payload, stream: bytes, where: str) -> None:
                                               f"says {p.compressed_nbytes}")
     crc = crc32(stream)
     if crc != p.crc32:
-        raise CorruptPayload(f"{where}.crc32", f"stream has CRC-32 {crc:#010x}, header says {p.crc32:#010x}")
+        raise CorruptPayload(f"{where}.crc32",
+                             f"stream has CRC-32 {crc:#010x}, header says {p.crc32:#010x}")
     if p.codec != "zstd":
         return
     check_zstd_header(stream, p.raw_nbytes, where)
@@ -443,7 +466,8 @@ def _verify_batch_payloads(c: RecordColumns) -> None:
     raw_total = sum(p.raw_nbytes for _, p, _ in complete if p.codec == "zstd")
     if raw_total > limits.MAX_BATCH_RAW_BYTES:
         raise TooLarge("records", f"payloads would decompress to {raw_total} bytes, over the "
-                                  f"per-batch limit of {limits.MAX_BATCH_RAW_BYTES}; send fewer per batch")
+                                  f"per-batch limit of {limits.MAX_BATCH_RAW_BYTES}; send fewer "
+                                  "per batch")
     for where, p, stream in complete:
         verify_stream(p, stream, where)
 

@@ -17,10 +17,18 @@ import functools
 
 import numpy as np
 
-from numaudit.wire import limits
-from numaudit.wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, RecordColumns,
-                         check_tables, take, to_records)
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.wire.packed import (
+    COMPLEX_AS_REAL,
+    FLAT,
+    HAS_MOMENTS,
+    IS_NONE,
+    PARTIAL,
+    RecordColumns,
+    take,
+    to_records,
+)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a run's site names recur in every batch

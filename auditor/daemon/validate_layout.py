@@ -50,7 +50,8 @@ def check_layout(lay: pb.Layout, where: str) -> int:
         if offsets[d] + shape[d] > logical[d]:
             raise ValidationError(
                 f"{where}.offsets",
-                f"offset {offsets[d]} + shape {shape[d]} exceeds logical_shape {logical[d]} on dim {d}",
+                f"offset {offsets[d]} + shape {shape[d]} exceeds logical_shape {logical[d]} "
+                f"on dim {d}",
             )
     if math.prod(logical) > _INT64_MAX:
         raise ValidationError(f"{where}.logical_shape", "has more elements than an int64 counts")
@@ -58,8 +59,8 @@ def check_layout(lay: pb.Layout, where: str) -> int:
         _check_flat(lay, where)
     if lay.complex_as_real:
         if lay.dtype not in REAL_FLOAT_DTYPES:
-            raise ValidationError(f"{where}.dtype", f"complex_as_real needs the real floating dtype, "
-                                                    f"not {lay.dtype}")
+            raise ValidationError(f"{where}.dtype", "complex_as_real needs the real floating "
+                                                    f"dtype, not {lay.dtype}")
         if ndim == 0 or logical[-1] != 2 or shape[-1] != 2:
             raise ValidationError(f"{where}.shape", "complex_as_real needs a trailing dim of 2 "
                                                     "(real, imaginary) in logical_shape and shape")
@@ -101,7 +102,8 @@ def _check_ragged(lay: pb.Layout, where: str) -> None:
                               f"{lay.ragged_span} is not in [1, ragged_parts - ragged_first = "
                               f"{lay.ragged_parts - lay.ragged_first}]")
     if not lay.logical_shape:
-        raise ValidationError(f"{where}.logical_shape", "a ragged piece has rows (at least one dim)")
+        raise ValidationError(f"{where}.logical_shape",
+                              "a ragged piece has rows (at least one dim)")
     if list(lay.offsets[1:]) != [0] * (len(lay.offsets) - 1) or \
             list(lay.shape[1:]) != list(lay.logical_shape[1:]):
         raise ValidationError(f"{where}.shape", "a ragged piece is a slice of rows: offsets 0 and "

@@ -18,8 +18,9 @@ import logging
 import multiprocessing
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 

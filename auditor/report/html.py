@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare.align import ROLE_NAMES, phase_name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare.result import Report
@@ -16,7 +16,8 @@ def render_junit(doc: dict, findings: Iterable[dict]) -> str:
         k = f["key"]
         suites.setdefault(k["phase"], {}).setdefault(k["site"], []).append(f)
     runs = doc["runs"]
-    root = ET.Element("testsuites", name=f"numaudit {runs['ref']['name']} vs {runs['cand']['name']}",
+    root = ET.Element("testsuites",
+                      name=f"numaudit {runs['ref']['name']} vs {runs['cand']['name']}",
                       tests="0", failures="0")
     total = fails = 0
     for phase, cases in suites.items():

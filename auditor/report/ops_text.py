@@ -4,7 +4,7 @@ and the op-level findings (docs/drill-down.md), from the JSON report's ``drill``
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 
 def op_groups(calls: list[dict]) -> list[tuple[tuple, list[dict]]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from numaudit.auditor.compare import findings as F
 from numaudit.auditor.compare.align import PHASE_IDS, phase_name
@@ -24,7 +24,8 @@ def run_text(info: dict) -> str:
     """A run as the headline names it: "4 ranks, stages 0-3, float32" (the HTML page too)."""
     stages = info.get("stages") or []
     labels = info.get("labels") or {}
-    if labels.get("checkpoint"):  # read from files by `auditor checkpoint`: its readers are no ranks
+    if labels.get("checkpoint"):  # read from files by `auditor checkpoint`: its readers are no
+                                  # ranks
         return (f"{info['name']} ({labels.get('checkpoint_format', 'checkpoint')} "
                 f"{labels['checkpoint']})")
     parts = [f"{info['world_size']} rank" + ("s" if info["world_size"] != 1 else "")]

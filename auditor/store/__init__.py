@@ -14,8 +14,19 @@ comparison and no CLI.
 from numaudit.auditor.store.files import APPLICATION_ID, NotAStore, check_store_file
 from numaudit.auditor.store.reader import Reader
 from numaudit.auditor.store.sqlite import (
-    RECORD_COLUMNS, SCHEMA_VERSION, IngestResult, RunNameTaken, Store, StoreError, UnknownRun,
-    UnknownSession, connect, content_hash, from_int64, to_int64, unpack_sketch,
+    RECORD_COLUMNS,
+    SCHEMA_VERSION,
+    IngestResult,
+    RunNameTaken,
+    Store,
+    StoreError,
+    UnknownRun,
+    UnknownSession,
+    connect,
+    content_hash,
+    from_int64,
+    to_int64,
+    unpack_sketch,
 )
 
 __all__ = ["APPLICATION_ID", "NotAStore", "check_store_file", "RECORD_COLUMNS", "SCHEMA_VERSION",

@@ -8,11 +8,11 @@ acked sequence is a resend only if its records are what was stored; anything els
 from __future__ import annotations
 
 import sqlite3
-from typing import Sequence
+from collections.abc import Sequence
 
 from numaudit.auditor.store.errors import RunNameTaken
-from numaudit.wire import limits
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 from numaudit.wire.packed import RecordColumns
 
 

@@ -22,12 +22,19 @@ reader sees the same whichever backend or path stored a record.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from numaudit.wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
-                         RecordColumns)
+from numaudit.wire.packed import (
+    COMPLEX_AS_REAL,
+    FLAT,
+    HAS_MOMENTS,
+    IS_NONE,
+    PARTIAL,
+    REPLICA,
+    RecordColumns,
+)
 
 HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 TRAILER = struct.pack(">h", -1)

@@ -32,7 +32,8 @@ import json
 import logging
 import re
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,13 +48,13 @@ except ModuleNotFoundError as exc:  # a plain install: SQLite only
     raise NotAStore("db: a postgresql:// store needs psycopg, which a plain install does not "
                     "bring: pip install 'numaudit[postgres]'") from None
 
-from numaudit.auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
 from numaudit.auditor.store.errors import StoreError, UnknownSession
 from numaudit.auditor.store.jobs import run_for_job
-from numaudit.auditor.store.pg_copy import (COLUMNS as COPY_COLUMNS, ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS,
-                                   copy_buffer)
+from numaudit.auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
+from numaudit.auditor.store.pg_copy import COLUMNS as COPY_COLUMNS
+from numaudit.auditor.store.pg_copy import ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS, copy_buffer
 from numaudit.auditor.store.rows import sample_rows
-from numaudit.auditor.store.sqlite import IngestResult, SCHEMA_VERSION
+from numaudit.auditor.store.sqlite import SCHEMA_VERSION, IngestResult
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.packed import RecordColumns, batch_columns, content_hashes
 
@@ -177,7 +178,7 @@ _INSERT_SAMPLES = (
     " WHERE r.content_hash = s.content_hash ON CONFLICT DO NOTHING")
 
 
-# -- SQL written for SQLite, run on PostgreSQL ------------------------------------------------------
+# -- SQL written for SQLite, run on PostgreSQL ------------------------------------------------
 
 @functools.lru_cache(maxsize=512)
 def qmark_to_pyformat(sql: str) -> str:
@@ -237,9 +238,10 @@ in a transaction stalled the other's sessions for as long as it stayed frozen (i
 COPY_BASE_MS = 1000
 COPY_BYTES_PER_MS = 8 << 10
 """A batch's COPY statements may take 1 s plus 1 ms per 8 KiB they carry (about 8 MB/s; a
-48 MiB batch: 7.1 s), room for a slow link to the database; no longer, so that a replica frozen while streaming a COPY
-releases its row locks soon (the server cancels the statement, then ends the session idle in
-the aborted transaction 1 s later), not after the session-wide `statement_timeout`."""
+48 MiB batch: 7.1 s), room for a slow link to the database; no longer, so that a replica frozen
+while streaming a COPY releases its row locks soon (the server cancels the statement, then ends
+the session idle in the aborted transaction 1 s later), not after the session-wide
+`statement_timeout`."""
 
 
 def copy_timeout_ms(records: int, payload_bytes: int) -> int:
@@ -254,8 +256,9 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
     try:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
     except psycopg.OperationalError as exc:
-        raise NotAStore(f"db: cannot connect to {redact(url)}: "
-                        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
+        raise NotAStore(
+            f"db: cannot connect to {redact(url)}: "
+            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
     try:
         if readonly:
             if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is None:

@@ -6,10 +6,10 @@ a session's batches by its row lock, names and ids by unique constraints; see
 `auditor.store.postgres`). Each connection's thread takes what is queued (up to
 `MAX_ITEMS_PER_TRANSACTION` items) and commits it as one transaction, each item in a savepoint of
 its own, so one failing item rolls back alone, as the SQLite writer does (both share
-`auditor.store.work_queue`); futures resolve after the commit. A transaction that loses a race to another replica, or whose connection broke (a
-database restart), is rolled back and its items run again, one transaction each: every work item
-the daemon submits is idempotent (ingest by (session, seq) and by (run, key, rank), register by
-session id).
+`auditor.store.work_queue`); futures resolve after the commit. A transaction that loses a race to
+another replica, or whose connection broke (a database restart), is rolled back and its items run
+again, one transaction each: every work item the daemon submits is idempotent (ingest by
+(session, seq) and by (run, key, rank), register by session id).
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from numaudit.auditor.store.files import NotAStore
+
 # psycopg through the store's module: where it is not installed, that import says so (NotAStore)
 from numaudit.auditor.store.postgres import PgStore, pg_connect, pg_errors, psycopg, redact
 from numaudit.auditor.store.work_queue import QueuedWriter, fail, resolve, run_group
@@ -47,7 +49,8 @@ class PgWriter(QueuedWriter):
 
     max_items = MAX_ITEMS_PER_TRANSACTION
 
-    def __init__(self, url: str, *, synchronous: str = "FULL", connections: int = CONNECTIONS) -> None:
+    def __init__(self, url: str, *, synchronous: str = "FULL",
+                 connections: int = CONNECTIONS) -> None:
         super().__init__(connections, "numaudit-pg-writer")
         self.url, self._synchronous = url, synchronous
         pg_connect(url, synchronous=synchronous).close()  # reachable, schema in place

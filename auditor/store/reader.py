@@ -12,11 +12,11 @@ committed), which runs this module's SQLite-style SQL unchanged. `dialect` says 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from numaudit.auditor.store.location import is_postgres_url
 from numaudit.auditor.store.errors import UnknownRun, UnknownSession
+from numaudit.auditor.store.location import is_postgres_url
 from numaudit.auditor.store.sqlite import connect
 
 

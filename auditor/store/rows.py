@@ -12,12 +12,20 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from numaudit.wire.packed import (COMPLEX_AS_REAL, FLAT, HAS_MOMENTS, IS_NONE, PARTIAL, REPLICA,
-                         RecordColumns)
+from numaudit.wire.packed import (
+    COMPLEX_AS_REAL,
+    FLAT,
+    HAS_MOMENTS,
+    IS_NONE,
+    PARTIAL,
+    REPLICA,
+    RecordColumns,
+)
 
 INSERT_COLUMNS = (
     "run_id", "step", "microbatch", "phase", "site_id", "role", "idx", "call", "rank",

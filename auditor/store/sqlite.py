@@ -1,10 +1,10 @@
 """The auditor's durable store: one SQLite file in WAL mode.
 
 Only one thread writes (see `auditor.store.writer.StoreWriter`); any number read, each with its
-own connection (`auditor.store.reader`). Records are unique on (run, key, rank): a resent record is counted as a duplicate and
-stored once; the same key with different content is kept as first stored and the newcomer goes to
-the `conflicts` table. Batches are unique on (session, seq): a batch at or below the session's
-acked sequence is a resend and is not stored again.
+own connection (`auditor.store.reader`). Records are unique on (run, key, rank): a resent record is
+counted as a duplicate and stored once; the same key with different content is kept as first stored
+and the newcomer goes to the `conflicts` table. Batches are unique on (session, seq): a batch at or
+below the session's acked sequence is a resend and is not stored again.
 
 Durability: `synchronous=FULL` by default, so an acked batch survives a process crash and an OS
 crash; `NORMAL` survives a process crash only (FIELD-NOTES: FULL costs ~28%).
@@ -15,25 +15,31 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-from numaudit.auditor.store.errors import (  # noqa: F401  (re-exported)
-    RunNameTaken, StoreError, UnknownRun, UnknownSession)
+from numaudit.auditor.store import key_segments
+from numaudit.auditor.store.errors import RunNameTaken, StoreError, UnknownRun, UnknownSession  # noqa: F401  (re-exported)
+from numaudit.auditor.store.files import APPLICATION_ID, check_store_file, create_private
 from numaudit.auditor.store.jobs import resent, run_for_job
 from numaudit.auditor.store.rows import (
-    INSERT_COLUMNS, INSERT_RECORD as _INSERT_RECORD, INSERT_SAMPLES, insert_rows,
-    record_columns, rows_of, sample_rows)
+    INSERT_COLUMNS,
+    INSERT_SAMPLES,
+    insert_rows,
+    record_columns,
+    rows_of,
+    sample_rows,
+)
+from numaudit.auditor.store.rows import INSERT_RECORD as _INSERT_RECORD
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.packed import RecordColumns, batch_columns, content_hashes, from_records
-from numaudit.auditor.store.files import APPLICATION_ID, check_store_file, create_private
-from numaudit.auditor.store import key_segments
 
 SCHEMA_VERSION = 5
 """2 added the reduction columns of records and the job and gradient scale of sessions, 3 the
-agent version of sessions, 4 the capture order of records, 5 the sample_digests table; a store of an earlier version is upgraded in place when opened for
-writing (`_upgrade`) and read through views that supply the defaults when opened read-only."""
+agent version of sessions, 4 the capture order of records, 5 the sample_digests table; a store
+of an earlier version is upgraded in place when opened for writing (`_upgrade`) and read through
+views that supply the defaults when opened read-only."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -364,9 +370,10 @@ class Store:
         """Store one validated batch of records given as columns, in bulk.
 
         A resent batch (seq <= acked) stores nothing (`jobs.resent`). Otherwise every record is
-        inserted by multi-row statements (`rows.insert_rows`); when some key is already stored (a record sent again
-        under a new sequence, a key repeated inside the batch) the bulk insert is rolled back to
-        its savepoint and the batch goes row by row, counting duplicates and flagging conflicts.
+        inserted by multi-row statements (`rows.insert_rows`); when some key is already stored (a
+        record sent again under a new sequence, a key repeated inside the batch) the bulk insert is
+        rolled back to its savepoint and the batch goes row by row, counting duplicates and
+        flagging conflicts.
         `hashes` are `wire.packed.content_hashes(cols)` (computed here when None).
         """
         run_id, rank, acked = self.session(session_id)
@@ -393,7 +400,8 @@ class Store:
                 # every row went in, one after another, each taking the largest id + 1 (checked:
                 # were it otherwise, the ids are looked up by key)
                 rids: Sequence[int] = range(top + 1, top + 1 + cols.n)
-                if self.conn.execute("SELECT MAX(record_id) FROM records").fetchone()[0] != rids[-1]:
+                if (self.conn.execute("SELECT MAX(record_id) FROM records").fetchone()[0]
+                        != rids[-1]):
                     rids = [self._record_id(row[:9])[0] for row in rows]
                 for row in sorted(cols.payloads):
                     self._store_chunk(rids[row], cols.payloads[row])

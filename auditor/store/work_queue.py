@@ -15,7 +15,8 @@ import concurrent.futures
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Work = Callable[[Any], Any]
 Item = tuple[Work, concurrent.futures.Future]
@@ -37,7 +38,8 @@ class QueuedWriter:
 
     def __init__(self, threads: int, name: str) -> None:
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # orders submit() against close(): nothing queued after the stop
+        self._lock = threading.Lock()  # orders submit() against close(): nothing queued after the
+                                       # stop
         self._closed = False
         self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}" if threads > 1
                                           else name, daemon=True) for i in range(threads)]

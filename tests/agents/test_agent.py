@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 

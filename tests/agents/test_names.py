@@ -10,9 +10,9 @@ import torch
 import numaudit
 from numaudit.agents.sidecar import Sidecar
 from numaudit.agents.transport import SidecarTransport, TransportError
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.names import BadName, check_run_name, spool_file_name
 from numaudit.wire.spool import SpoolWriter, read_spool
-from numaudit.protos import numaudit_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 

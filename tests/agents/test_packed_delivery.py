@@ -17,10 +17,10 @@ from numaudit.agents.transport import GrpcTransport
 from numaudit.auditor.daemon.replay import replay_into_db
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.protos import numaudit_pb2 as pb
-from tests.auditor.builders import record, register_request
 from numaudit.wire import packed as P
 from numaudit.wire.checksum import batch_checksum, received_records_checksum
 from numaudit.wire.spool import SpoolWriter, read_spool
+from tests.auditor.builders import record, register_request
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,16 @@ from numaudit.agents.fastpath import Digester
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.kernels import cpu
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.sample_digest import (MAX_SAMPLES, MAX_UNITS, _combine, _Torch, combine_units,
-                                  digest_samples_eager, sample_layout, unit_plan)
+from numaudit.agents.sample_digest import (
+    MAX_SAMPLES,
+    MAX_UNITS,
+    _combine,
+    _Torch,
+    combine_units,
+    digest_samples_eager,
+    sample_layout,
+    unit_plan,
+)
 from tests.agents.test_digest import ref_digest
 from tests.agents.test_fast_path import _Net
 

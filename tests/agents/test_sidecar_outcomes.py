@@ -13,8 +13,8 @@ import torch
 import numaudit
 from numaudit.agents.sidecar import Sidecar
 from numaudit.auditor.daemon.server import BackgroundServer
-from numaudit.auditor.store import Reader, UnknownRun
 from numaudit.auditor.daemon.tokens import Tokens
+from numaudit.auditor.store import Reader, UnknownRun
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from numaudit.wire.spool import MAGIC, SpoolWriter, read_spool
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.spool import MAGIC, SpoolWriter, read_spool
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]

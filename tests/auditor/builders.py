@@ -7,8 +7,8 @@ import zlib
 
 import zstandard
 
-from numaudit.wire import limits
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 
 V1 = limits.CURRENT_SCHEMA_VERSION
 

@@ -19,11 +19,11 @@ import zstandard
 
 from numaudit.agents.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
-from numaudit.wire import limits
 from numaudit.auditor.compare.digests import DigestValues
 from numaudit.auditor.daemon.validate import validate_batch
 from numaudit.auditor.store.backend import open_writer
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 
 PHASES = {"fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
           "param": pb.PHASE_PARAM, "loss": pb.PHASE_LOSS, "input": pb.PHASE_INPUT}

@@ -54,8 +54,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from numaudit.auditor.checkpoint.safetensors import write_safetensors  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
+from numaudit.auditor.checkpoint.safetensors import write_safetensors  # noqa: E402
 
 VOCAB, DIM, CLASSES, LAYERS = 8192, 64, 16, 4
 LARGEST_TENSOR_BYTES = VOCAB * DIM * 4

@@ -36,9 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numaudit  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
-from tests.e2e.parallel_job import (BATCH, MICROBATCHES, STEPS, Model,  # noqa: E402
-                                    _allreduce_summed, _globally_normalized, loss_fn,
-                                    microbatch_tokens)
+from tests.e2e.parallel_job import (  # noqa: E402
+    BATCH,
+    MICROBATCHES,
+    STEPS,
+    Model,
+    _allreduce_summed,
+    _globally_normalized,
+    loss_fn,
+    microbatch_tokens,
+)
 
 STYLE = {"ref": "ref", "avg": "avg", "sum": "sum", "bucket": "sum", "frozen": "sum",
          "last_mb": "avg", "shard": "avg", "order": "sum"}

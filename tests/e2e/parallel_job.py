@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from examples.teardown import exit_rank  # noqa: E402
 from numaudit import agents  # noqa: E402
 from numaudit.agents.pipeline import agent_loss, watch_stages  # noqa: E402
-from examples.teardown import exit_rank  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LAYERS = 16, 8, 16, 4
@@ -259,8 +259,11 @@ def _allreduce_skipped_on_rank(bad: int):
 def run_tp(case: str, run: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     two_d = case.startswith("fsdp_")  # 2-D: FSDP2 over dp x tensor and sequence parallel
     world = dist.get_world_size()
@@ -279,8 +282,7 @@ def run_tp(case: str, run: str) -> None:
             plan["out"] = ColwiseParallel(use_local_output=False)  # the loss is Partial(avg)
     parallelize_module(model, mesh["tp"], plan)
     if case == "tp_sp_ac":  # activation checkpointing on every block, as torchtitan applies it
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            checkpoint_wrapper)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for name in list(model.layers.keys()):
             model.layers[name] = checkpoint_wrapper(model.layers[name])
@@ -308,8 +310,7 @@ def _sequence_parallel_plan(case: str) -> dict:
     stay plain and each rank's gradient for them covers its own tokens only (the all-reduce
     SequenceParallel's replicated parameters get is missing)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
@@ -346,8 +347,12 @@ def _present(module: torch.nn.Module, name: str) -> bool:
 
 def run_pp(case: str, run: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     world = dist.get_world_size()
     tp = 2 if case == "pp_tp_sp" else 1  # 3-D: pipeline stages, each TP + SP over 2 ranks

@@ -32,11 +32,20 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numaudit  # noqa: E402
-from numaudit.agents.pipeline import agent_loss, watch_stages  # noqa: E402
 from examples.teardown import exit_rank  # noqa: E402
+from numaudit.agents.pipeline import agent_loss, watch_stages  # noqa: E402
 from tests.e2e.helpers import run_cases  # noqa: E402
-from tests.e2e.parallel_job import (BATCH, LAYERS, MICROBATCHES, STEPS, Model,  # noqa: E402
-                                    loss_fn, microbatch_tokens, readme_loop, stage_module)
+from tests.e2e.parallel_job import (  # noqa: E402
+    BATCH,
+    LAYERS,
+    MICROBATCHES,
+    STEPS,
+    Model,
+    loss_fn,
+    microbatch_tokens,
+    readme_loop,
+    stage_module,
+)
 
 
 def user_hooks(agent, module: torch.nn.Module, first: bool) -> None:

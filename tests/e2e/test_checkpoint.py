@@ -32,17 +32,12 @@ where the files comparison finds it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.ckpt_job import (LARGEST_TENSOR_BYTES, LIVE_RUNS, LIVE_STEP, TRANSPOSED_SITE,
-                                ULP_SITE)
-from tests.e2e.helpers import Daemon, ROOT, checkpoint_json, saved_entries, torchrun
+from tests.e2e.ckpt_job import LARGEST_TENSOR_BYTES, LIVE_RUNS, LIVE_STEP, TRANSPOSED_SITE, ULP_SITE
+from tests.e2e.helpers import ROOT, Daemon, checkpoint_json, saved_entries, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

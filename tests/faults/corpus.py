@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from numaudit.wire.spool import read_spool
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.spool import read_spool
 
 
 def real_session(directory: Path) -> tuple[pb.RegisterRequest, list[pb.RecordBatch]]:

@@ -20,8 +20,8 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["numaudit.auditor.daemon.validate", "numaudit.auditor.store"]):
-    from numaudit.auditor.store import Store, StoreError
     from numaudit.auditor.daemon.validate import ValidationError
+    from numaudit.auditor.store import Store, StoreError
 
 from numaudit.auditor.daemon.server import MalformedRequest, _lenient_parser, _validate_and_hash  # noqa: E402
 from numaudit.protos import numaudit_pb2 as pb  # noqa: E402

@@ -25,9 +25,9 @@ import grpc
 import pytest
 
 from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
-from numaudit.protos import numaudit_pb2_grpc
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -18,12 +18,13 @@ import subprocess
 import sys
 
 import grpc
-import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import packed as P
 from tests.faults.corpus import real_session
 from tests.faults.harness import ROOT, Auditor, figure

@@ -7,7 +7,8 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from numaudit.wire import checksum
 

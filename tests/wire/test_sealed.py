@@ -8,12 +8,14 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from numaudit.protos import numaudit_pb2 as pb
-from tests.auditor.builders import none_record, record
-from numaudit.wire import checksum, packed as P
+from numaudit.wire import checksum
+from numaudit.wire import packed as P
 from numaudit.wire.sealed import sealed_batch
+from tests.auditor.builders import none_record, record
 
 
 def _protobufs(session: str, seq: int, cols: P.RecordColumns) -> bytes:

@@ -13,12 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from numaudit.wire.channels import open_channel
 from numaudit.auditor.daemon.server import BackgroundServer
-from numaudit.auditor.store import Reader
-from numaudit.wire.tls import ServerTLS, TLSConfig, TLSError
 from numaudit.auditor.daemon.tokens import Tokens
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.auditor.store import Reader
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire.channels import open_channel
+from numaudit.wire.tls import ServerTLS, TLSConfig, TLSError
 from tests.auditor.pki import PKI, make_pki
 
 T = 5

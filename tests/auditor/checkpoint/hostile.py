@@ -88,8 +88,11 @@ def bytes_entries(relative_path: str, n: int) -> tuple[dict, dict]:
 
 def tensor_entry(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]],
                  dtype: torch.dtype = torch.float32):
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
                                  [ChunkStorageMetadata(torch.Size(o), torch.Size(s))

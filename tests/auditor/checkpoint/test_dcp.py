@@ -23,8 +23,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import numaudit
 from numaudit.agents.state import flatten
 from numaudit.auditor.daemon.server import BackgroundServer
-from tests.auditor.checkpoint.helpers import (all_identical, auditor, by_site, cli, input_error,
-                                              save_dcp)
+from tests.auditor.checkpoint.helpers import (
+    all_identical,
+    auditor,
+    by_site,
+    cli,
+    input_error,
+    save_dcp,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,10 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.auditor.checkpoint.helpers import (REPO, cli, input_error, save_dcp,
-                                              write_safetensors)
-from tests.auditor.checkpoint.hostile import (bytes_entries, one_row_files_dcp,
-                                              poison_path_class, write_metadata)
+from tests.auditor.checkpoint.helpers import REPO, cli, input_error, save_dcp, write_safetensors
+from tests.auditor.checkpoint.hostile import (
+    bytes_entries,
+    one_row_files_dcp,
+    poison_path_class,
+    write_metadata,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,10 +17,23 @@ import torch
 
 from numaudit.agents import pickles
 from numaudit.agents.state import TooDeep, expand
-from tests.auditor.checkpoint.helpers import (REPO, cli, input_error, save_dcp,
-                                              write_raw_safetensors, write_safetensors)
-from tests.auditor.checkpoint.hostile import (deep_tuple_key, nested_dicts, nested_lists,
-                                              pickle_of, tensor_entry, text, torch_save_with)
+from tests.auditor.checkpoint.helpers import (
+    REPO,
+    cli,
+    input_error,
+    save_dcp,
+    write_raw_safetensors,
+    write_safetensors,
+)
+from tests.auditor.checkpoint.hostile import (
+    deep_tuple_key,
+    nested_dicts,
+    nested_lists,
+    pickle_of,
+    tensor_entry,
+    text,
+    torch_save_with,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +52,7 @@ def test_30000_chunks_along_dim_1_are_planned_in_linear_time():
     """Chunks that all share their dim-0 range (a tensor split by columns) were compared
     pairwise: 16 s at 4,000, ~900 s at 30,000. Counted by corners, 30,000 take well under a
     second, and one chunk saved twice is still found."""
-    from numaudit.auditor.checkpoint.sources import Entry, plan, tiles, tensor_chunk
+    from numaudit.auditor.checkpoint.sources import Entry, plan, tensor_chunk, tiles
 
     n = 30_000
     placed = [((0, c), (4, 1)) for c in range(n)]

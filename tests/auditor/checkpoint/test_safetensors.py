@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.auditor.checkpoint.helpers import (all_identical, by_site, cli, input_error, save_dcp,
-                                              write_raw_safetensors, write_safetensors)
+from tests.auditor.checkpoint.helpers import (
+    all_identical,
+    by_site,
+    cli,
+    input_error,
+    save_dcp,
+    write_raw_safetensors,
+    write_safetensors,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from numaudit.auditor.checkpoint.sources import CheckpointError, FileRanges, boxes, file_chunk
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from numaudit.wire import limits
 from numaudit.auditor.store import Reader
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 from tests.auditor.builders import batch, none_record, record, register_request
 
 T = 10

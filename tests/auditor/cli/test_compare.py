@@ -129,9 +129,9 @@ def test_watch_on_a_store_file(db):
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    from numaudit.wire import limits
     from numaudit.auditor.daemon.server import BackgroundServer
     from numaudit.protos import numaudit_pb2_grpc
+    from numaudit.wire import limits
 
     d = tmp_path_factory.mktemp("daemon")
     with BackgroundServer("127.0.0.1:0", d / "audit.db", synchronous="NORMAL", grace=0.5) as srv:

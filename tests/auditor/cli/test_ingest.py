@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from numaudit.wire.packed import batch_record_count
-from numaudit.wire.spool import SpoolWriter
 from numaudit.auditor.store import Reader
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.packed import batch_record_count
+from numaudit.wire.spool import SpoolWriter
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[3]

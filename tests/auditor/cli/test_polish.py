@@ -3,7 +3,6 @@ against a real daemon whose runs register after the watch started."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from numaudit.auditor.cli import main
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import limits
 from numaudit.wire.version import package_version
-from numaudit.protos import numaudit_pb2_grpc
 from tests.auditor.synth import mlp_run, send
 
 REPO = Path(__file__).resolve().parents[3]

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from numaudit.auditor.compare.align import (PHASE_IDS, RenameRule, canonical_sites, exec_order, fill_positions,
-                           glob_to_regex, normalize_site)
+from numaudit.auditor.compare.align import (
+    PHASE_IDS,
+    RenameRule,
+    canonical_sites,
+    exec_order,
+    fill_positions,
+    glob_to_regex,
+    normalize_site,
+)
 
 
 def test_normalize_site_strips_wrappers_like_the_agent():

@@ -10,8 +10,8 @@ import torch
 
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.policy import preset_policy
-from tests.auditor.synth import RunBuilder, write_runs
 from numaudit.wire.labels import CAPTURE_DEPTH_LABEL
+from tests.auditor.synth import RunBuilder, write_runs
 
 
 def test_a_break_at_a_module_hooked_inside_a_block_is_not_blamed_on_depth(tmp_path: Path):

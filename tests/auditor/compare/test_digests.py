@@ -7,8 +7,6 @@ import subprocess
 import sys
 
 import numpy as np
-
-from numaudit.auditor.compare.metrics import sketch_band
 import pytest
 
 from numaudit.auditor.compare import digests as A
@@ -22,6 +20,7 @@ from numaudit.auditor.compare.digests import (
     sketch_l2_estimate,
     sketch_rel_error,
 )
+from numaudit.auditor.compare.metrics import sketch_band
 from numaudit.protos import numaudit_pb2 as pb
 
 
@@ -33,7 +32,6 @@ def test_auditor_digests_imports_no_torch():
 
 def test_seeds_and_row_layout_match_the_agent():
     from numaudit.agents import digest as agent
-
     from numaudit.agents import hashing
 
     assert (A.FINGERPRINT_SEED, A.SKETCH_SEED, A.N_MOMENTS) == (

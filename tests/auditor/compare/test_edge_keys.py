@@ -14,8 +14,8 @@ from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.text import to_text
 from numaudit.auditor.store.writer import StoreWriter
 from numaudit.protos import numaudit_pb2 as pb
-from tests.auditor.synth import RunBuilder, piece_record, write_runs
 from numaudit.wire import limits
+from tests.auditor.synth import RunBuilder, piece_record, write_runs
 
 
 @pytest.fixture

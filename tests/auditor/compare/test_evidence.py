@@ -20,8 +20,8 @@ from numaudit.auditor.compare.policy import parse_policy, preset_policy
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.text import to_text
 from numaudit.protos import numaudit_pb2 as pb
-from tests.auditor.synth import RunBuilder, write_runs
 from numaudit.wire.labels import CAPTURE_DEPTH_LABEL, TIED_LABEL
+from tests.auditor.synth import RunBuilder, write_runs
 
 MEAN, SUM = pb.REDUCTION_MEAN, pb.REDUCTION_SUM
 LOSS = dict(step=0, microbatch=0, phase="loss", site="loss", role="value")

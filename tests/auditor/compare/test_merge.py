@@ -12,8 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from numaudit.agents.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.digests import DigestValues
-from numaudit.auditor.compare.merge import (INCOMPLETE, NONE, OK, REPLICA_DIVERGENCE, Piece, merge_pieces,
-                           plan_tiling)
+from numaudit.auditor.compare.merge import (
+    INCOMPLETE,
+    NONE,
+    OK,
+    REPLICA_DIVERGENCE,
+    Piece,
+    merge_pieces,
+    plan_tiling,
+)
 
 
 def piece(logical, offsets, shape, **kw) -> Piece:

@@ -15,9 +15,16 @@ from hypothesis import given, settings
 
 from numaudit.agents.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
-from numaudit.auditor.compare.metrics import (PayloadUnavailable, bits_to_values, decode_payload, ordered_bits,
-                             payload_metrics, ratio, sketch_band,
-                                     sketch_metrics)
+from numaudit.auditor.compare.metrics import (
+    PayloadUnavailable,
+    bits_to_values,
+    decode_payload,
+    ordered_bits,
+    payload_metrics,
+    ratio,
+    sketch_band,
+    sketch_metrics,
+)
 
 
 def sketch_of(t: torch.Tensor, k: int = 256) -> np.ndarray:

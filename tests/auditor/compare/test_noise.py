@@ -10,16 +10,16 @@ import math
 from contextlib import closing
 
 import numpy as np
-import torch
 import pytest
+import torch
 
+from numaudit.auditor.compare.align import Key
 from numaudit.auditor.compare.bands import BITWISE, NOISY
 from numaudit.auditor.compare.calibrate import measure_bands
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.live import LiveComparison
 from numaudit.auditor.compare.noise import DEFAULT_SLACK, NoiseSpec, rounding_floor
 from numaudit.auditor.compare.nondeterminism import _mechanism
-from numaudit.auditor.compare.align import Key
 from numaudit.auditor.compare.policy import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.store import Reader

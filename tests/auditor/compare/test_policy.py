@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from numaudit.auditor.compare.policy import (DTYPE_TOLERANCES, PolicyError, load_policy, parse_policy,
-                            preset_policy, resolve_policy)
+from numaudit.auditor.compare.policy import (
+    DTYPE_TOLERANCES,
+    PolicyError,
+    load_policy,
+    parse_policy,
+    preset_policy,
+    resolve_policy,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 

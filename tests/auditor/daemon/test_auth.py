@@ -23,11 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from numaudit.auditor.daemon import auth
-from numaudit.wire.channels import open_channel
 from numaudit.auditor.daemon.server import SERVICE_NAME, BackgroundServer
+from numaudit.auditor.daemon.tokens import TokenFileError, Tokens
 from numaudit.auditor.store import Reader
-from numaudit.auditor.daemon.tokens import Tokens, TokenFileError
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire.channels import open_channel
 from tests.auditor.builders import batch, record, register_request
 
 T = 10

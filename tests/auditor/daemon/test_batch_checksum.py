@@ -11,8 +11,8 @@ import zlib
 import grpc
 import pytest
 
-from numaudit.wire.checksum import received_records_checksum, records_checksum
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.checksum import received_records_checksum, records_checksum
 from tests.auditor.builders import V1, batch, record, register_request
 
 T = 10

@@ -14,8 +14,9 @@ import pytest
 
 from numaudit.auditor.daemon.admission import ServerLimits
 from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import limits
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 
 T = 10

@@ -13,7 +13,8 @@ from numaudit.auditor.daemon.directives import DirectiveBoard, StreamDirectives
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.auditor.daemon.tokens import TokenFileError, Tokens
 from numaudit.auditor.daemon.validate import ValidationError
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import limits
 from numaudit.wire.channels import open_channel
 

@@ -18,9 +18,9 @@ import pytest
 from numaudit.auditor.daemon.admission import ServerLimits
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 from tests.auditor.builders import batch, record, register_request
 from tests.auditor.daemon.daemon_proc import daemon
-from numaudit.wire import limits
 
 pytestmark = pytest.mark.timeout(120)
 CAP = 200

@@ -20,9 +20,10 @@ import grpc
 import pytest
 import zstandard
 
-from numaudit.wire import limits
 from numaudit.auditor.store import Reader
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 from tests.auditor.builders import batch, payload_for, record, register_request
 from tests.auditor.daemon.daemon_proc import daemon
 

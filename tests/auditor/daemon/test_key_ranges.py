@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from numaudit.auditor.compare import reads
-from numaudit.wire import limits
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 from tests.auditor.builders import batch, record, register_request
 
 T = 10

@@ -12,10 +12,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from numaudit.wire import limits
 from numaudit.auditor.daemon.metrics import DaemonMetrics
 from numaudit.auditor.daemon.server import BackgroundServer
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 from tests.auditor.builders import V1, batch, float32_bytes, record, register_request
 from tests.auditor.daemon.daemon_proc import daemon
 

@@ -10,16 +10,24 @@ import zlib
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from numaudit.auditor.daemon import validate_columns as vc
 from numaudit.auditor.daemon.validate import CorruptPayload, TooLarge, validate_batch
 from numaudit.auditor.store.writer import StoreWriter
 from numaudit.protos import numaudit_pb2 as pb
-from tests.auditor.builders import (batch, float32_bytes, none_record, payload_for, record,
-                                    register_request)
+from numaudit.wire import limits
+from numaudit.wire import packed as P
+from tests.auditor.builders import (
+    batch,
+    float32_bytes,
+    none_record,
+    payload_for,
+    record,
+    register_request,
+)
 from tests.auditor.daemon.test_packed_validate import _outcome
-from numaudit.wire import limits, packed as P
 
 pytestmark = pytest.mark.timeout(60)
 

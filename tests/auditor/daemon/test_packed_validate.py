@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import random
 
-import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from numaudit.auditor.daemon.validate import ValidationError, validate_batch, validate_record
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
+from numaudit.wire import packed as P
 from tests.auditor.builders import batch, none_record, record
-from numaudit.wire import limits, packed as P
 
 
 def _variants() -> list[pb.Record]:

@@ -17,8 +17,9 @@ import grpc
 import pytest
 
 from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import limits
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import V1, batch, record, register_request
 
 T = 10

@@ -11,15 +11,14 @@ import os
 import queue
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
 
 from numaudit.auditor.store import Store
-from numaudit.wire import limits
 from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 from tests.auditor.builders import batch, record, register_request
 from tests.auditor.daemon.daemon_proc import REPO, daemon
 

@@ -15,8 +15,9 @@ import time
 import grpc
 import pytest
 
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import limits
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
 from tests.auditor.builders import batch, record, register_request
 from tests.auditor.daemon.daemon_proc import daemon, rss_bytes
 

@@ -11,9 +11,10 @@ from numaudit.auditor.daemon.metrics import DaemonMetrics
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.auditor.daemon.tokens import Tokens
 from numaudit.auditor.store import Reader
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
-from tests.auditor.builders import register_request
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire.channels import open_channel
+from tests.auditor.builders import register_request
 
 T = 10
 pytestmark = pytest.mark.timeout(60)

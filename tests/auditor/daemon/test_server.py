@@ -16,14 +16,22 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from numaudit.wire import limits
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.auditor.store import RECORD_COLUMNS, Reader
-from numaudit.protos import numaudit_pb2 as pb, numaudit_pb2_grpc
+from numaudit.protos import numaudit_pb2 as pb
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
 from tests.auditor.builders import (
-    batch, float32_bytes, none_record, payload_for, record, register_request, zstd_header,
+    batch,
+    float32_bytes,
+    none_record,
+    payload_for,
+    record,
+    register_request,
+    zstd_header,
 )
 
 T = 10  # deadline of every call, seconds

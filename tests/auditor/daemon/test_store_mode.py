@@ -13,8 +13,8 @@ import pytest
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.auditor.daemon.tokens import Tokens
 from numaudit.protos import numaudit_pb2_grpc
-from tests.auditor.builders import batch, record, register_request
 from numaudit.wire.channels import open_channel
+from tests.auditor.builders import batch, record, register_request
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "tok-writer-5d8a2c7e1f4b9a63"

@@ -7,16 +7,32 @@ import zlib
 
 import pytest
 import zstandard
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from numaudit.wire import limits
 from numaudit.auditor.daemon.validate import (
-    ITEMSIZE, CorruptPayload, TooLarge, UnsupportedVersion, ValidationError, check_run_name,
-    check_zstd_header, validate_batch, validate_close, validate_record, validate_register,
+    ITEMSIZE,
+    CorruptPayload,
+    TooLarge,
+    UnsupportedVersion,
+    ValidationError,
+    check_run_name,
+    check_zstd_header,
+    validate_batch,
+    validate_close,
+    validate_record,
+    validate_register,
 )
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import limits
 from tests.auditor.builders import (
-    batch, float32_bytes, none_record, payload_for, record, register_request, zstd_header,
+    batch,
+    float32_bytes,
+    none_record,
+    payload_for,
+    record,
+    register_request,
+    zstd_header,
 )
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 import re
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from numaudit.auditor.compare.groups import template
 from numaudit.auditor.compare.site_sets import compact_sites, shorten

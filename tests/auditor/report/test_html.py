@@ -146,8 +146,8 @@ def test_cli_renders_the_daemons_report_as_the_same_page(db, tmp_path):
 
     from numaudit.auditor.daemon.server import BackgroundServer
     from numaudit.protos import numaudit_pb2_grpc
-    from tests.auditor.synth import send
     from numaudit.wire import limits
+    from tests.auditor.synth import send
 
     local, remote = tmp_path / "local.html", tmp_path / "remote.html"
     assert cli("compare", "ref", "bumped", "--db", db, "--html-output", local).exit_code == 1

@@ -11,10 +11,10 @@ import torch
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.policy import preset_policy
 from numaudit.auditor.compare.result import SCHEMA, SCHEMA_VERSION
+from numaudit.auditor.daemon.compare_service import report_json_within
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.junit import to_junit
 from numaudit.auditor.report.text import render_text, to_text
-from numaudit.auditor.daemon.compare_service import report_json_within
 from tests.auditor.synth import mlp_run, write_runs
 
 

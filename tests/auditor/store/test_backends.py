@@ -12,8 +12,14 @@ import threading
 
 import pytest
 
-from numaudit.auditor.store import (RECORD_COLUMNS, Reader, RunNameTaken, StoreError, UnknownSession,
-                           summary)
+from numaudit.auditor.store import (
+    RECORD_COLUMNS,
+    Reader,
+    RunNameTaken,
+    StoreError,
+    UnknownSession,
+    summary,
+)
 from numaudit.auditor.store.backend import open_writer
 from numaudit.protos import numaudit_pb2 as pb
 from tests.auditor.builders import batch, float32_bytes, record, register_request

@@ -9,9 +9,9 @@ import pytest
 
 from numaudit.auditor.store import RECORD_COLUMNS, key_segments
 from numaudit.auditor.store.backend import open_writer
+from numaudit.wire.packed import from_records, split_batch
 from tests.auditor.builders import batch, float32_bytes, payload_for, record
 from tests.auditor.store.test_backends import call, ingest, read, register
-from numaudit.wire.packed import from_records, split_batch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,8 +10,8 @@ import sqlite3
 import pytest
 
 from numaudit.auditor.store import Reader
-from numaudit.auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
 from numaudit.auditor.store import writer as writer_module
+from numaudit.auditor.store.sqlite import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
 from numaudit.auditor.store.writer import StoreWriter
 from tests.auditor.builders import batch, record, register_request
 from tests.faults.harness import wait_until

@@ -10,8 +10,8 @@ import pytest
 from numaudit.auditor.store import content_hash
 from numaudit.auditor.store.writer import StoreWriter
 from numaudit.protos import numaudit_pb2 as pb
-from tests.auditor.builders import batch, none_record, record, register_request
 from numaudit.wire import packed as P
+from tests.auditor.builders import batch, none_record, record, register_request
 
 pytestmark = pytest.mark.timeout(60)
 

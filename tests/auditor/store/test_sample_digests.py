@@ -12,11 +12,11 @@ from numaudit.auditor.compare.per_sample import fetch
 from numaudit.auditor.daemon.validate import ValidationError, validate_batch
 from numaudit.auditor.store.backend import open_writer
 from numaudit.auditor.store.reader import Reader
-from tests.auditor.builders import batch, float32_bytes, payload_for, record
-from tests.auditor.store.test_backends import ingest, read, register
+from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.packed import from_packed, from_records, split_batch, to_packed, to_records
 from numaudit.wire.sealed import sealed_batch
-from numaudit.protos import numaudit_pb2 as pb
+from tests.auditor.builders import batch, float32_bytes, payload_for, record
+from tests.auditor.store.test_backends import ingest, read, register
 
 pytestmark = pytest.mark.timeout(60)
 

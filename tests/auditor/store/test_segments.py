@@ -16,9 +16,9 @@ from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.store import Reader, connect, key_segments
 from numaudit.auditor.store.backend import open_writer
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import packed as P
 from tests.auditor.builders import batch, none_record, record, register_request
 from tests.auditor.synth import mlp_run, write_runs
-from numaudit.wire import packed as P
 
 pytestmark = pytest.mark.timeout(120)
 
