@@ -1,10 +1,10 @@
 // Fused CPU digest: one pass over a piece computes what agents/digest.py computes eagerly
 // (fingerprint, counts, float64 moments, min/max/abs-max, CountSketch) with the version-3 hash
-// scheme of agents/hashing.py.
+// scheme of wire/hashing.py.
 //
 // Plain C++ without torch headers so that it builds in about a second with the machine's g++;
 // agents/kernels/cpu.py loads it with ctypes and registers it as the torch op numaudit::digest.
-// The scheme and its constants are defined in agents/hashing.py and docs/digests.md; the
+// The scheme and its constants are defined in wire/hashing.py and docs/digests.md; the
 // constants below must stay equal to those (tests compare every implementation).
 //
 // The scheme is built for this loop: a global index i is a lane j = i mod 256 and a block
@@ -113,13 +113,13 @@ struct Tables {
   // The same as float64 sign bits (<< 63), for the loops whose sketch adds float64 lanes.
   alignas(64) uint64_t sign64[8][LANES / 8][8];
   // place[row][q] = g | x << 5: lane group q of a block whose word selects `row` goes to bucket
-  // group g with its 8 lanes permuted by r ^ x (agents/hashing.py place_table).
+  // group g with its 8 lanes permuted by r ^ x (wire/hashing.py place_table).
   alignas(64) uint8_t place[PLACE_ROWS][GROUPS];
   // Permute indices for a lane XOR x (8 lanes), as vpermps (float32) and vpermpd take them.
   alignas(64) int32_t perm8[8][8];
   alignas(64) int64_t perm8_64[8][8];  // the same as 64-bit indices (float64 lanes)
   Tables() {
-    // h = 5 mod 8 (multiplicative order 2**62 mod 2**64), u odd: agents/hashing.py H_BASE, U_SCALE.
+    // h = 5 mod 8 (multiplicative order 2**62 mod 2**64), u odd: wire/hashing.py H_BASE, U_SCALE.
     const uint64_t h = (mix64(FINGERPRINT_SEED) & ~7ULL) | 5ULL;
     const uint64_t u = mix64(FINGERPRINT_SEED + GOLDEN_GAMMA) | 1ULL;
     key[0] = u;
@@ -244,7 +244,7 @@ UINT_ELEM(U64, uint64_t)
 #undef UINT_ELEM
 
 // V(x), the fingerprint's value term: the raw bits of float16/bfloat16/float32 (below 2**32),
-// mix64 of the 64-bit bits for float64, integers and bool (agents/hashing.py value_term). The
+// mix64 of the 64-bit bits for float64, integers and bool (wire/hashing.py value_term). The
 // mix keeps a geometric key from cancelling a change of a high power of two repeated over a
 // power-of-two count of elements.
 template <int64_t D>

@@ -6,7 +6,8 @@ sketch (:func:`merge_partial`). Two runs' logical tensors are then compared thro
 fingerprints (bitwise equality) and sketches (L2 distance, relative error, cosine, each with a
 1-sigma band).
 
-numpy only, no torch: the daemon must start fast. The row layout and seeds mirror
+numpy only, no torch: the daemon must start fast. The hash scheme's seeds and key constants
+are the agent's own (`numaudit.wire.hashing`, imported by both sides); the row layout mirrors
 ``agents/digest.py`` (a test keeps them equal).
 """
 
@@ -19,15 +20,10 @@ from typing import Any
 
 import numpy as np
 
-FINGERPRINT_SEED = 0x6E61763366696E67
-"""Must equal agents.hashing.FINGERPRINT_SEED (hash scheme version 3; version 2's was
-0x6E61763266696E67, version 1's 0x6E756D6175646974); digests made with another seed do not
-compare."""
-FINGERPRINT_H = 0x534472CFFBB9F815
-"""Must equal agents.hashing.H_BASE: version 3's keys are ``u * h**i``, so a fingerprint made
-at global index g becomes the one at g + d when multiplied by ``h**d`` (`shift_fingerprint`)."""
-SKETCH_SEED = 0x6E6176327368656B
-"""Must equal agents.hashing.SKETCH_SEED (version 1's was 0x736B3031)."""
+from numaudit.wire.hashing import FINGERPRINT_SEED, SKETCH_SEED
+from numaudit.wire.hashing import H_BASE as FINGERPRINT_H
+from numaudit.wire.hashing import U_SCALE as FINGERPRINT_U
+
 N_MOMENTS = 5
 """Leading moments in an f64 row: sum, sum_sq, min, max, abs_max; the sketch follows."""
 
@@ -35,8 +31,6 @@ _U64 = 1 << 64
 _MASK64 = _U64 - 1
 
 
-FINGERPRINT_U = 0x62CFC14BBCA7107F
-"""Must equal agents.hashing.U_SCALE: the keys' common odd factor."""
 MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
 """Where a float's exponent field starts: multiplying a normal number by 2**e adds e to it."""
 

@@ -45,6 +45,7 @@ def undeclared_ragged(pieces: Sequence, present: list[int]) -> tuple[list[list[i
             "rank's share of an evenly split batch: the signature of a ragged output (tokens "
             "routed to an expert, sequences packed per rank) whose rows concatenate in dp-rank "
             "order. Declare it where it is captured: Agent.capture(t, ..., rows=...) with rows "
-            "from agents.ragged.ragged_rows(counts, dp_group), or Agent.capture_segments for "
-            "grouped experts (docs/agent.md, Ragged pieces); or exclude the module")
+            "from numaudit.agents.ragged.ragged_rows(counts, dp_group), or "
+            "Agent.capture_segments for grouped experts (docs/agent.md, Ragged pieces); or "
+            "exclude the module")
     return list(by_rows.values()), text

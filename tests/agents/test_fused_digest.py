@@ -307,6 +307,6 @@ def test_every_isa_build_agrees_with_eager(isa, isa_children):
     child = isa_children[isa]
     output, _ = child.communicate(timeout=600)
     assert child.returncode == 0, output[-5000:]
-    probe = subprocess.run([sys.executable, "-c", "from agents.kernels import cpu; "
+    probe = subprocess.run([sys.executable, "-c", "from numaudit.agents.kernels import cpu; "
                             "print(cpu.isa_level())"], env=env, capture_output=True, text=True)
     assert probe.stdout.strip() == str(isa)

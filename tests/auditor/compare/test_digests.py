@@ -26,7 +26,7 @@ from numaudit.protos import numaudit_pb2 as pb
 
 def test_auditor_digests_imports_no_torch():
     """The daemon imports this module at start-up; torch would cost seconds."""
-    code = "import sys, auditor.compare.digests; sys.exit('torch' in sys.modules)"
+    code = "import sys, numaudit.auditor.compare.digests; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
