@@ -30,7 +30,15 @@ FORBIDDEN = {
     "numaudit.auditor.daemon": ("numaudit.auditor.cli",),
 }
 MAX_LINES = 550
-"""No module of the auditor over ~500 lines (the issue's bound, with a little slack)."""
+"""No module over ~500 lines (the issue's bound, with a little slack)."""
+OVER_THE_CAP = {"agents/capture.py": 1205, "wire/packed.py": 805}
+"""Modules still over MAX_LINES, with their length when the cap was extended to agents/ and
+wire/ (issue 42): an entry may only shrink, and goes once its module is under the cap."""
+CHECKPOINT_MAY_USE = {"agents.agent", "agents.config", "agents.identity", "agents.layout",
+                      "agents.sites", "agents.state", "agents.pickles"}
+"""What `auditor checkpoint` may take from the rank side: the agent as a library (an Agent per
+reader streams the files' digests as phase `state`), its state-dict flattening and its bounded
+unpickler; nothing of the delivery, the hooks or the kernels directly."""
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +61,27 @@ def test_dependencies_point_one_way(graph, layer):
     assert bad == []
 
 
-def test_auditor_modules_stay_small():
-    big = {str(p.relative_to(ROOT)): n for p in (ROOT / "auditor").rglob("*.py")
-           if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert big == {}
+def test_modules_stay_small():
+    big = {str(p.relative_to(ROOT)): n for d in ("agents", "auditor", "wire")
+           for p in (ROOT / d).rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    grown = {m: n for m, n in big.items() if n > OVER_THE_CAP.get(m, MAX_LINES)}
+    assert grown == {}, "over the cap (or grown past their allow-list entry)"
+    assert sorted(big) == sorted(OVER_THE_CAP), "an allow-list entry to remove: under the cap now"
+
+
+def test_checkpoint_reading_uses_only_the_agents_library_surface(graph):
+    used = {t for m, targets in graph.items() if _under(m, "auditor.checkpoint")
+            for t in targets if _under(t, "agents")}
+    assert used <= CHECKPOINT_MAY_USE, sorted(used - CHECKPOINT_MAY_USE)
+
+
+def test_only_checkpoint_reading_and_the_cli_import_the_agent(graph):
+    """The daemon, the store and the comparison never load the rank side (the CLI reads the
+    agent's configuration names for --help)."""
+    bad = sorted(f"{m} imports {t}" for m, targets in graph.items()
+                 if _under(m, "auditor") and not _under(m, "auditor.checkpoint")
+                 and not _under(m, "auditor.cli") for t in targets if _under(t, "agents"))
+    assert bad == []
 
 
 def test_every_auditor_subpackage_says_what_it_owns():
