@@ -185,11 +185,11 @@ class Agent:
         grad_output, same layout) when the bwd phase is on.
         """
         if self.active:
-            cap = self.capturer
-            if cap.op_frames and not cap.ops_paused:  # inside a module whose ops are captured:
-                cap.ops_paused += 1  # the agent's own digest work is not the model's
-            else:
-                cap = None
+            cap: Capturer | None = None  # paused below: resumed at the end
+            capturer = self.capturer
+            if capturer.op_frames and not capturer.ops_paused:  # inside a module whose ops are
+                capturer.ops_paused += 1  # captured: the agent's own digest work is not the model's
+                cap = capturer
             try:
                 self.capturer.capture(tensor, phase=phase, site=site, role=role, index=index,
                                       microbatch=microbatch, stage=stage, rows=rows,
@@ -411,12 +411,15 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
 
     from numaudit.agents.transport import wait_for_socket
 
-    if wait_for_socket(cfg.sidecar, 0):
+    sidecar = cfg.sidecar
+    if sidecar is None:  # asked only with a sidecar socket: none to wait for
+        return False
+    if wait_for_socket(sidecar, 0):
         return True
     if ident.local_rank == 0:
         spool = Path(cfg.spool_dir)
         spool.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "numaudit.agents.sidecar", "--listen", cfg.sidecar,
+        cmd = [sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sidecar,
                "--spool", str(spool), "--exit-when-idle", "10"]
         if cfg.address:
             cmd += ["--auditor", cfg.address]
@@ -428,7 +431,7 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
         with open(spool / "sidecar.log", "ab") as out:
             subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env)
-    if wait_for_socket(cfg.sidecar, SIDECAR_START_TIMEOUT_S):
+    if wait_for_socket(sidecar, SIDECAR_START_TIMEOUT_S):
         return True
     log.warning("rank %d: no numaudit sidecar on %s after %.0fs; records will be spilled",
                 ident.rank, cfg.sidecar, SIDECAR_START_TIMEOUT_S)

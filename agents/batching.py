@@ -85,7 +85,7 @@ class HostBatch:
     captures: list[Capture]
     f64: torch.Tensor | None
     i64: torch.Tensor | None
-    ready: object = None
+    ready: torch.cuda.Event | None = None
     """A CUDA event to synchronize on before reading f64/i64; None on CPU."""
 
     def wait(self) -> None:
@@ -189,13 +189,14 @@ class Batcher:
             t = torch.empty(nbytes, dtype=torch.uint8)
             return t, t.data_ptr()
         start = self._arena_used
-        if start + nbytes > ARENA_BYTES:
+        arena = self._arena
+        if arena is None or start + nbytes > ARENA_BYTES:  # None: the first, _arena_used full
             buf = bytearray(ARENA_BYTES)
-            self._arena = memoryview(buf)
+            self._arena = arena = memoryview(buf)
             self._arena_at = ctypes.addressof(ctypes.c_char.from_buffer(buf))
             start = 0
         self._arena_used = (start + nbytes + 63) & ~63
-        return self._arena[start:start + nbytes], self._arena_at + start
+        return arena[start:start + nbytes], self._arena_at + start
 
     def add(self, cap: Capture, t: torch.Tensor, layout: PieceLayout,
             payload_at: int | None) -> None:
@@ -284,8 +285,11 @@ class Batcher:
         for cap, t in items:
             if cap.row < 0 or "/" in cap.site:  # an operation's capture (agents/ops.py): its
                 continue  # keys are compared in the grouping both runs captured, no samples
+            layout = cap.layout
+            if layout is None:  # no layout, no sample digests (plan_samples: None)
+                continue
             try:
-                plan = digester.sample_plan(t, cap.layout, dims.get((cap.site, cap.index),
+                plan = digester.sample_plan(t, layout, dims.get((cap.site, cap.index),
                                                                     default) if dims else
                                             default, cap.phase)
             except Exception as exc:
@@ -364,11 +368,13 @@ def samples_to_host(samples: list[SampleDigests]) -> None:
     at its host rows. On CUDA the copy is asynchronous into pinned memory, on the stream that
     `digest_batch_to_host` then records its event on: waiting for that event (`HostBatch.wait`)
     covers these rows too. Other accelerators copy synchronously."""
-    dev = [s for s in samples if isinstance(s.f64, torch.Tensor) and not s.f64.is_cpu]
+    # (digests, f64, fingerprint): both tensors, or both numpy arrays (combine_units)
+    dev = [(s, s.f64, s.fingerprint) for s in samples if isinstance(s.f64, torch.Tensor)
+           and isinstance(s.fingerprint, torch.Tensor) and not s.f64.is_cpu]
     if not dev:
         return
-    flat_f64 = torch.cat([s.f64.reshape(-1) for s in dev])
-    flat_i64 = torch.cat([s.fingerprint.reshape(-1) for s in dev])
+    flat_f64 = torch.cat([f64.reshape(-1) for _, f64, _ in dev])
+    flat_i64 = torch.cat([fp.reshape(-1) for _, _, fp in dev])
     if flat_f64.device.type == "cuda":
         host_f64 = torch.empty(flat_f64.shape, dtype=flat_f64.dtype, pin_memory=True)
         host_i64 = torch.empty(flat_i64.shape, dtype=flat_i64.dtype, pin_memory=True)
@@ -377,8 +383,8 @@ def samples_to_host(samples: list[SampleDigests]) -> None:
     else:
         host_f64, host_i64 = flat_f64.cpu(), flat_i64.cpu()
     a = b = 0
-    for s in dev:
-        g, width = s.f64.shape
+    for s, f64, _ in dev:
+        g, width = f64.shape
         s.f64 = host_f64[a:a + g * width].view(g, width)
         s.fingerprint = host_i64[b:b + g]
         a += g * width

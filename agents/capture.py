@@ -21,6 +21,7 @@ import struct
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -770,7 +771,7 @@ class Capturer:
         if type(t) is not torch.Tensor or not t.is_cpu or not t.dim() or sum(counts) != len(t):
             return False
         key = ("split", phase, site, role, t.shape[1:], t.stride(), t.dtype)
-        plan = self._plans.get(key, False)
+        plan: tuple | Literal[False] | None = self._plans.get(key, False)
         if plan is False:
             plan = self._new_split_plan(t, phase, site, role)
             if len(self._plans) >= MAX_CACHED_LAYOUTS:
@@ -852,7 +853,7 @@ class Capturer:
             dim = self._batch_dims.get((site, index), -1) if self._batch_dims else -1
             key = ((phase, site, role, dim, t.shape, t.stride(), t.dtype) if dt_layout is None
                    else (phase, site, role, dim, t.shape, t.stride(), t.dtype, id(dt_layout)))
-            plan = self._plans.get(key, False)
+            plan: tuple | Literal[False] | None = self._plans.get(key, False)
             if plan is False or (dt_layout is not None and plan is not None
                                  and plan[0] is not dt_layout):
                 plan = self._new_plan(t, phase, site, role, dt_layout, index)
@@ -1061,8 +1062,10 @@ def _mark(t: torch.Tensor, shards: tuple[int, int, int]) -> None:
     the arguments, and their base is the tensor the previous module's view was made from)."""
     try:
         setattr(t, SHARD_MARK, shards)
-        if t._is_view() and t._base.shape == t.shape:
-            setattr(t._base, SHARD_MARK, shards)
+        if t._is_view():
+            base = t._base  # a view's: not None
+            if base is not None and base.shape == t.shape:
+                setattr(base, SHARD_MARK, shards)
     except (AttributeError, TypeError, RuntimeError):  # a subclass without attributes: the
         pass  # modules it flows into are taken as replicas
 
@@ -1070,8 +1073,10 @@ def _mark(t: torch.Tensor, shards: tuple[int, int, int]) -> None:
 def _mark_of(x: torch.Tensor) -> tuple[int, int, int] | None:
     """The block `x` is marked as: its own mark, or its base's when it is a whole view of it."""
     mark = getattr(x, SHARD_MARK, None)
-    if mark is None and x._is_view() and x._base.shape == x.shape:
-        mark = getattr(x._base, SHARD_MARK, None)
+    if mark is None and x._is_view():
+        base = x._base  # a view's: not None
+        if base is not None and base.shape == x.shape:
+            mark = getattr(base, SHARD_MARK, None)
     return mark
 
 
@@ -1200,6 +1205,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
         try:
             from torch.distributed.tensor import DTensor
         except ImportError:  # pragma: no cover - torch without distributed
-            DTensor = ()
-        _DTENSOR.append(DTensor)
+            _DTENSOR.append(())  # isinstance against no type: never a DTensor
+        else:
+            _DTENSOR.append(DTensor)
     return isinstance(t, _DTENSOR[0])

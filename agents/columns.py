@@ -106,6 +106,8 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
             blocks.append(p)
             base += p.f64.shape[0]
         bases.append(starts[id(p.f64)])
+    f64: np.ndarray | None
+    i64: np.ndarray | None
     if len(blocks) > 1:
         f64 = np.concatenate([p.f64 for p in blocks])
         i64 = np.concatenate([p.i64 for p in blocks])
@@ -148,8 +150,8 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     for j, name in enumerate(_LAYOUT_COLUMNS):
         cols[name] = lint[:, j + 1]
     cols["reduce_weight"] = table.weights[at_row]
-    starts = table.dim_start[at_row]
-    dims = (table.dims[_ranges(starts, starts + 3 * lint[:, 1])] if n
+    dim_starts = table.dim_start[at_row]
+    dims = (table.dims[_ranges(dim_starts, dim_starts + 3 * lint[:, 1])] if n
             else np.zeros(0, "<i8"))
     complex_ = np.fromiter(map(_COMPLEX, captures), bool, n)
     moments = np.fromiter(map(_MOMENTS, captures), bool, n)
@@ -179,6 +181,7 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     mr = rows[moments]
     stats = np.zeros((n, 5), "<f8")
     if len(mr):
+        assert f64 is not None  # a capture with moments has its rows in a block
         if len(mr) == n:
             stats = f64[rows, :5]
         else:
@@ -186,12 +189,12 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
     for j, name in enumerate(_MOMENT_COLUMNS):
         cols[name] = stats[:, j]
     cols["sketch_len"] = np.where(moments, k, 0).astype("<i4")
-    sketch = (np.ascontiguousarray(f64[mr, 5:], "<f8").reshape(-1) if len(mr) and k
-              else np.zeros(0, "<f8"))
+    sketch = (np.ascontiguousarray(f64[mr, 5:], "<f8").reshape(-1)
+              if len(mr) and k and f64 is not None else np.zeros(0, "<f8"))  # k: f64 is set
     values, fps = _sample_columns(captures, cols, n)
     cols = {name: np.ascontiguousarray(cols[name], dt) for name, dt in SCALAR_COLUMNS}
     out = RecordColumns(n, cols, list(sites), list(dtypes), dims, sketch, payloads)
-    if values is not None:
+    if values is not None and fps is not None:  # both or neither
         out.sample_values, out.sample_fps = values, fps
     return out
 
@@ -321,7 +324,9 @@ def split_payloads(captures: Sequence, f64: np.ndarray | None, i64: np.ndarray |
     `compress(capture, raw bytes) -> (codec, stream)` (a PayloadCompressor). A payload
     larger than MAX_PAYLOAD_RAW_BYTES is left out: the digest still travels.
     """
-    plain, chunked, payloads = [], [], {}
+    plain: list = []
+    chunked: list = []
+    payloads: dict[int, PayloadChunk] = {}
     chunk = limits.PAYLOAD_CHUNK_BYTES
     for c in captures:
         p = c.payload

@@ -86,11 +86,11 @@ class _Workspace:
         # Keys and bins of a contiguous range are built for whole blocks of LANES indices and
         # then viewed at the range's offset: room for one block more on each side.
         grid = chunk + 2 * hashing.LANES
-        i64 = dict(dtype=torch.int64, device=device)
-        self.key = torch.empty(grid, **i64)
-        self.bins = torch.empty(grid, **i64)
-        self.tmp = torch.empty(grid, **i64)
-        self.term = torch.empty(grid, **i64)
+        i64 = torch.int64
+        self.key = torch.empty(grid, dtype=i64, device=device)
+        self.bins = torch.empty(grid, dtype=i64, device=device)
+        self.tmp = torch.empty(grid, dtype=i64, device=device)
+        self.term = torch.empty(grid, dtype=i64, device=device)
         self.f64 = torch.empty(chunk, dtype=torch.float64, device=device)
         self._f32: torch.Tensor | None = None
 
@@ -357,6 +357,7 @@ def _digest(
         if moments:
             _chunk_moments(x, ws, m, acc, sync_free)
             lap("moments")
+            assert bins is not None  # keys_into gives bins whenever sketch_k is passed
             acc.sketch2.scatter_add_(0, bins, ws.f64[:m])
             lap("sketch")
         else:

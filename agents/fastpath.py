@@ -132,7 +132,7 @@ class Digester:
                         out[i] = (f64, i64)
                 except Exception as exc:
                     out[i] = exc
-        if fused_at:
+        if fused_at and cpu is not None:  # fused_at: only with the kernel
             first = rows.reserve(len(fused_at))
             try:
                 cpu.digest_into(descs, sketch_k, *rows.pointers(first))
@@ -223,6 +223,7 @@ class Digester:
         for kd, at in groups.items():
             if len(at) == 1:
                 plan, t = items[at[0]]
+                assert plan.descriptors is not None  # grouped: only plans with descriptors
                 joined = plan.descriptors.copy()
                 joined[:, 0] += t.data_ptr()
                 blob, total = joined.tobytes(), plan.count
@@ -230,6 +231,7 @@ class Digester:
                 descs = []
                 for i in at:
                     plan, t = items[i]
+                    assert plan.descriptors is not None  # grouped: only plans with descriptors
                     arr = plan.descriptors.copy()
                     arr[:, 0] += t.data_ptr()
                     descs.append(arr)
@@ -242,7 +244,9 @@ class Digester:
                 arena = self._sample_rows[kd] = _SampleRows(kd)
             f64, i64, f64_at, i64_at = arena.take(total)
             try:
-                bad = self._cpu.kernel()(total, blob, kd, f64_at, i64_at)
+                cpu = self._cpu
+                assert cpu is not None  # descriptors are planned only with the kernel
+                bad = cpu.kernel()(total, blob, kd, f64_at, i64_at)
                 if bad:
                     raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
             except Exception as exc:
@@ -263,14 +267,19 @@ class Digester:
 
     def _samples_fused(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
         cpu = self._cpu
-        descs, counts, ok = [], [], []
+        if cpu is None:  # called only with the kernel; the eager path stands in
+            return
+        descs: list[bytes] = []
+        counts: list[int] = []
+        ok: list[int] = []
         for i in at:
             t, layout, dim, _ = items[i]
             try:
-                first = t.narrow(dim, 0, 1)
-                base, gs = cpu.index_map(tuple(first.shape), layout)
+                sample0 = t.narrow(dim, 0, 1)
+                base, gs = cpu.index_map(tuple(sample0.shape), layout)
                 row = np.array([0, cpu.DTYPE_CODES[t.dtype], t.dim(), base, 0]
-                               + [v for d in zip(first.shape, first.stride(), gs) for v in d],
+                               + [v for d in zip(sample0.shape, sample0.stride(), gs)
+                                  for v in d],
                                np.int64)
                 n = t.shape[dim]
                 arr = np.repeat(row[None, :], n, axis=0)
@@ -300,22 +309,27 @@ class Digester:
             first += n
 
     def _samples_triton(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
-        pieces, owner = [], []
+        triton = self._triton
+        if triton is None:  # called only with Triton; the eager path stands in
+            return
+        pieces: list[tuple[torch.Tensor, PieceLayout]] = []
+        owner: list[tuple[int, int]] = []
         for i in at:
             t, layout, dim, _ = items[i]
             views = t.unbind(dim)
             pieces.extend((v, layout) for v in views)
             owner.append((i, len(views)))
         try:
-            got = self._triton.digest_many(pieces, k)
+            got = triton.digest_many(pieces, k)
         except Exception:  # digest_many never raises; the eager path stands in if it does
             return
         first = 0
         for i, n in owner:
             rows = got[first:first + n]
             first += n
-            if n and all(r is not None for r in rows):
-                out[i] = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+            done = [r for r in rows if r is not None]
+            if n and len(done) == len(rows):
+                out[i] = (torch.stack([r[0] for r in done]), torch.stack([r[1] for r in done]))
 
 
 class _SampleRows:

@@ -29,11 +29,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from numaudit.agents.layout import PieceLayout, flat_layout
 from numaudit.agents.sites import normalize_site
+
+if TYPE_CHECKING:  # the type FSDP1's flat parameters are read as (never imported to run)
+    from torch.distributed.fsdp._flat_param import FlatParameter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,7 @@ class FlatView:
 
     site: str
     """The original parameter's site (its normalized FQN)."""
-    flat: torch.nn.Parameter
+    flat: FlatParameter
     """The FlatParameter holding it (this rank's shard of it)."""
     param: torch.nn.Parameter | None
     """The original parameter (``use_orig_params=True``), else None."""
@@ -145,7 +149,7 @@ def expand(model: torch.nn.Module, dp_size: int, copies: bool) -> dict[int, list
     return out
 
 
-def _flat_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter,
+def _flat_parameters(model: torch.nn.Module) -> Iterator[tuple[str, FlatParameter,
                                                                int | None]]:
     """(FQN prefix of the module it flattens, FlatParameter, its shard group's size or None),
     each once. An FSDP module's handle holds it; when the model was attached from inside the

@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
+_dynamo_callback: Callable[[], object] | None  # None: a torch without Dynamo's C internals
 try:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback

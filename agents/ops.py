@@ -32,8 +32,10 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -184,7 +186,8 @@ class OpCapture:
                                             always_call=True)
         self._hooked[id(module)] = [pre, post]
         # the capturer's hook of this module runs after this one: its digests are not ops
-        hooks = module._forward_hooks
+        # torch types it as a dict; Module keeps its hooks in an OrderedDict
+        hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)
         for key, fn in list(hooks.items()):
             if getattr(fn, "_numaudit_capture", False):
                 hooks.move_to_end(key)

@@ -36,7 +36,7 @@ import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 MEMORY_PER_BYTE = 32
 """Bytes of objects a pickle may make per byte of pickle, beyond the bytes of its strings (a
@@ -100,15 +100,23 @@ def shallow(value: Any, limit: int = MAX_HASH_DEPTH) -> bool:
     return True
 
 
-class BoundedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class BoundedUnpickler(pickle._Unpickler):
     """pickle's pure-Python unpickler under the rules of this module. Subclasses decide which
     globals exist (`find_class`, refused by default), which objects NEWOBJ may create
     (`may_create`) and BUILD may give state (`build`), and which types hash without recursing
     (`flat_keys`)."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    # typeshed types the table's functions as taking a pickle.Unpickler; they take this class
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
     flat_keys: frozenset[type] = frozenset({str, int, bytes, float, bool, type(None)})
     """Key and element types whose hash does not recurse (checked by type, fast)."""
+
+    if TYPE_CHECKING:  # pickle._Unpickler's own, which typeshed does not declare
+        _file_read: Callable[[int], bytes]
+        _file_readline: Callable[[], bytes]
+        metastack: list[list[Any]]
+
+        def pop_mark(self) -> list[Any]: ...
 
     def __init__(self, data: bytes | BinaryIO, where: str = "pickle",
                  size: int | None = None) -> None:
@@ -120,7 +128,7 @@ class BoundedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             size = os.fstat(data.fileno()).st_size
         super().__init__(data)
         self._file = data
-        self.memo: list[Any] = []  # type: ignore[assignment]  # 8 bytes an entry, not ~100
+        self.memo: list[Any] = []  # 8 bytes an entry, not ~100
         self.where = where
         self.budget = MEMORY_PER_BYTE * size + MEMORY_SLACK
         self.charged = 0

@@ -131,10 +131,13 @@ class SamplePlan:
 def plan_samples(layout: PieceLayout | None, dim: int, dtype: torch.dtype, phase: int
                  ) -> SamplePlan | None:
     """The plan of a capture's sample digests, None when it gets none (`wants_samples`)."""
-    if not wants_samples(phase, layout, dtype, dim):
+    if layout is None or not wants_samples(phase, layout, dtype, dim):
         return None
     count = layout.shape[dim]
-    unit, k = unit_plan(count)
+    plan = unit_plan(count)
+    if plan is None:  # wants_samples has checked it is not
+        return None
+    unit, k = plan
     slayout = sample_layout(layout, dim)
     return SamplePlan(layout, dim, unit, k, max(k, DIGEST_MIN_K), count, slayout,
                       math.prod(slayout.logical_shape))
@@ -176,7 +179,8 @@ def combine_units(f64: torch.Tensor | np.ndarray, i64: torch.Tensor | np.ndarray
     if isinstance(f64, np.ndarray):
         return _combine(np, f64, i64[:, 5], unit, numel_s, k)
     if f64.device.type == "cpu":
-        return _combine(np, f64.numpy(), i64.numpy()[:, 5], unit, numel_s, k)
+        i64_np = i64 if isinstance(i64, np.ndarray) else i64.numpy()  # f64's kind: a tensor
+        return _combine(np, f64.numpy(), i64_np[:, 5], unit, numel_s, k)
     return _combine(_Torch, f64, i64[:, 5], unit, numel_s, k)
 
 
@@ -313,6 +317,7 @@ def _block(x: torch.Tensor, a: int, ws, imap: _IndexMap, k: int, f64: torch.Tens
     r, c = x.shape
     rc = r * c
     keys, bins = imap.keys_into(a, c, ws, k)
+    assert bins is not None  # keys_into gives bins whenever sketch_k is passed
     term = ws.term[:rc]
     term.view(r, c).copy_(x.view(bits_dtype) if bits_dtype is not None else x)
     if mixed:

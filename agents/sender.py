@@ -17,6 +17,8 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
+from typing import cast
 
 from numaudit.agents.capture import Counters, HostBatch
 from numaudit.agents.columns import Part, PayloadCompressor, part_columns, split_payloads
@@ -71,14 +73,14 @@ class Sender:
         self.relay: dict | None = None
         """In sidecar mode, the sidecar's outcome of this session (SidecarTransport.outcome)."""
         self.delivery: Delivery | None = None
-        self.directives = None
+        self.directives: deque | None = None
         """Where directives of the auditor go (the op capture's inbox, set by the agent; a
         deque: the ack reader thread appends, the training thread takes them at step start).
         None: they are ignored (NUMAUDIT_DIRECTIVES=0)."""
         target = config.sidecar or config.address
         if target:
             transport = (SidecarTransport(config.sidecar) if config.sidecar
-                         else GrpcTransport(config.address, config.token,
+                         else GrpcTransport(target, config.token,  # target: the address
                                             TLSConfig.from_files(config.tls_ca, config.tls_cert,
                                                                  config.tls_key),
                                             on_directives=self._directed))
@@ -289,14 +291,15 @@ class Sender:
         nbytes = part.record_bytes()
         if self._pending and self._records_bytes + nbytes > limits.MAX_BATCH_PAYLOAD_BYTES:
             self._cut()
-        while len(part):
+        rest: Part | None = part
+        while rest is not None and len(rest):  # (None: returned at the end of the body)
             if not self._pending:
                 self._batch_started = time.monotonic()
             room = limit - self._pending_n
-            if len(part) <= room:
-                head, part, head_bytes = part, None, nbytes
+            if len(rest) <= room:
+                head, rest, head_bytes = rest, None, nbytes
             else:
-                head, part = part.slice(0, room), part.slice(room, len(part))
+                head, rest = rest.slice(0, room), rest.slice(room, len(rest))
                 head_bytes = head.record_bytes()
                 nbytes -= head_bytes
             self._pending.append(head)
@@ -304,7 +307,7 @@ class Sender:
             self._records_bytes += head_bytes
             if self._pending_n >= limit:
                 self._cut()
-            if part is None:
+            if rest is None:
                 return
 
     def _columns(self, parts: list[Part]) -> RecordColumns:
@@ -478,7 +481,8 @@ class Sender:
         """Learn what the sidecar did upstream: the rank's counts then match direct mode."""
         wait = max(0.0, self._deadline - time.monotonic() - 0.3)
         try:
-            self.relay = d.transport.outcome(self.session_id, wait)
+            # asked only in sidecar mode, where the transport is a SidecarTransport
+            self.relay = cast(SidecarTransport, d.transport).outcome(self.session_id, wait)
         except Exception as exc:  # an older or hung sidecar: its acks stand as "held"
             log.warning("rank %d: numaudit sidecar did not report the session's outcome (%s); "
                         "%d records are in its spool", self.ident.rank, exc, d.acked_records)

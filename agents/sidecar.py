@@ -187,6 +187,8 @@ class Sidecar:
                 log.warning("unreadable spool %s left in place: %s", path, exc)
                 continue
             reg = contents.register
+            if reg is None:  # read_spool refuses a spool without one
+                continue
             try:
                 check_run_name(reg.run)
                 check_session_id(reg.session_id)
@@ -233,6 +235,8 @@ class Sidecar:
         """Hand a spooled batch to the session's delivery; count it if it cannot be taken.
         `body`: the bytes it arrived as (sent upstream as they are)."""
         d = s.delivery
+        if d is None:  # offered only where the session has a delivery
+            return
         n = batch_capture_count(batch)
         if d.offer(batch, n, batch.ByteSize() if body is None else len(body), body):
             return
@@ -275,6 +279,8 @@ class Sidecar:
 
     def _finish_session(self, s: Session) -> None:
         d = s.delivery
+        if d is None:  # finished here only where the session has a delivery
+            return
         if d.fatal is not None:
             s.done = True
             log.error("session %s refused by the auditor; spool kept at %s",

@@ -22,6 +22,7 @@ the first such capture.
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 
@@ -138,7 +139,8 @@ class TritonDigest:
 
     def __init__(self, device_types: tuple[str, ...] = ("cuda",)) -> None:
         self.device_types = device_types
-        self._impl = None
+        self._impl: ModuleType | None = None
+        """The Triton digest module, loaded by the first `trusts` that needs it."""
         self._unavailable: str | None = None
         self._trusted: dict[tuple[str, torch.dtype, int], bool] = {}
         self._warned = False
@@ -174,16 +176,22 @@ class TritonDigest:
             try:
                 if not self.trusts(t.device, t.dtype, sketch_k):
                     continue
-                prepared = self._impl.prepare(t, layout)
+                impl = self._impl
+                if impl is None:  # trusts has loaded it
+                    continue
+                prepared = impl.prepare(t, layout)
             except ValueError:  # a dtype or a shape the kernel does not take: eager, as documented
                 continue
             except Exception as exc:
                 self._distrust([(t.device, t.dtype)], sketch_k, exc)
                 continue
             by_device.setdefault(t.device, []).append((i, prepared))
+        impl = self._impl
+        if impl is None:  # then nothing was prepared
+            return out
         for device, items in by_device.items():
             try:
-                rows = self._impl.digest_rows([p for _, p in items], sketch_k=sketch_k)
+                rows = impl.digest_rows([p for _, p in items], sketch_k=sketch_k)
             except Exception as exc:
                 self._distrust([(device, pieces[i][0].dtype) for i, _ in items], sketch_k, exc)
                 continue
@@ -205,6 +213,8 @@ class TritonDigest:
             wants = [(digest_piece(p, layout, sketch_k=sketch_k),
                       term_magnitudes(p, layout, sketch_k)) for p, layout in pieces]
             impl = self._impl
+            if impl is None:  # trusts loads it before it checks
+                return False
             # as one list, and each alone (the other launch kind)
             runs = [list(range(len(pieces)))] + [[j] for j in range(len(pieces))]
             first = None

@@ -175,6 +175,7 @@ def digest_rows(pieces: list[Prepared], *,
     arena = _device(device).arena(current_stream(device), sketch_k)
     first = arena.take(m)
     f64, i64 = arena.f64, arena.i64
+    assert f64 is not None and i64 is not None  # take made them: m >= 1
     _digest_into(pieces, sketch_k, device, (f64, i64), arena.ptrs, first)
     return [(f64[j], i64[j]) for j in range(first, first + m)]
 
@@ -209,7 +210,7 @@ def constexprs(plan: Plan, k: int, count: int, vec: bool) -> tuple[dict, dict]:
     """The tiles and finish kernels' constexprs for a group like ``plan``'s of ``count`` pieces
     (``vec``: read in vectors)."""
     single = count == 1
-    float_tl = _TL_FLOAT.get(plan.float_dtype)
+    float_tl = None if plan.float_dtype is None else _TL_FLOAT.get(plan.float_dtype)
     wide = plan.float_dtype == torch.float64
     tiles = dict(K=k, NW=max(k // hashing.LANES, 1), FLOAT=float_tl,
                  ACC=tl.float64 if wide else tl.float32, WIDE=wide, MIXED=plan.mixed,
@@ -242,6 +243,7 @@ def _launch_group(dev: _Device, ws: Workspace, stream: int, group: list[Prepared
     count = len(group)
     tiles_launch, finish_launch, columns = _variant(dev, plan, k, count, vec)
     inv_at, table_at, pow_at = dev.table_ptrs
+    anchor: Prepared | None
     if count == 1:
         anchor = group[0]
         at = anchor.ptr
@@ -266,6 +268,7 @@ def _launch_group(dev: _Device, ws: Workspace, stream: int, group: list[Prepared
     if desc_t is None:
         desc_t = powers  # not read (the descriptor is in the arguments); a pointer of its type
     if tiles_total:
+        assert anchor is not None  # tiles only where a piece has elements
         tiles_launch(
             (tiles_total, 1), stream,
             (at, desc_at, count, inv_at, table_at, pow_at, pi_at, pf_at, ps_at, *scalars),

@@ -106,7 +106,9 @@ class Workspace:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.tiles = self.sk = 0
-        self.part_i64 = self.part_f64 = self.part_sk = None
+        self.part_i64: torch.Tensor | None = None
+        self.part_f64: torch.Tensor | None = None
+        self.part_sk: torch.Tensor | None = None
         self.ptrs = (0, 0, 0)
 
     def ensure(self, tiles: int, k: int) -> None:
@@ -121,8 +123,10 @@ class Workspace:
         if tiles * k > self.sk:
             self.sk = max(tiles * k, 2 * self.sk, 64 * 256)
             self.part_sk = torch.empty(self.sk, dtype=torch.float64, device=self.device)
-        self.ptrs = (self.part_i64.data_ptr(), self.part_f64.data_ptr(),
-                     self.part_sk.data_ptr())
+        part_i64, part_f64, part_sk = self.part_i64, self.part_f64, self.part_sk
+        # made above: tiles >= 1 and k >= 1 (check_k)
+        assert part_i64 is not None and part_f64 is not None and part_sk is not None
+        self.ptrs = (part_i64.data_ptr(), part_f64.data_ptr(), part_sk.data_ptr())
 
 
 ARENA_ROWS = 1024
@@ -140,17 +144,18 @@ class RowArena:
         self.device = device
         self.k = k
         self.used = self.capacity = 0
-        self.f64 = self.i64 = None
+        self.f64: torch.Tensor | None = None
+        self.i64: torch.Tensor | None = None
         self.ptrs = (0, 0)
 
     def take(self, m: int) -> int:
         """The first of ``m`` consecutive free rows (in ``f64`` and ``i64``)."""
         if self.used + m > self.capacity:
             rows = self.capacity = max(m, ARENA_ROWS)
-            self.f64 = torch.empty((rows, N_MOMENTS + self.k), dtype=torch.float64,
-                                   device=self.device)
-            self.i64 = torch.empty((rows, 6), dtype=torch.int64, device=self.device)
-            self.ptrs = (self.f64.data_ptr(), self.i64.data_ptr())
+            self.f64 = f64 = torch.empty((rows, N_MOMENTS + self.k), dtype=torch.float64,
+                                         device=self.device)
+            self.i64 = i64 = torch.empty((rows, 6), dtype=torch.int64, device=self.device)
+            self.ptrs = (f64.data_ptr(), i64.data_ptr())
             self.used = 0
         first = self.used
         self.used += m
