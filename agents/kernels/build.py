@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = build(force=args.force)
     except RuntimeError as exc:
-        print(f"agents.kernels.build: {exc}", file=sys.stderr)
+        print(f"numaudit.agents.kernels.build: {exc}", file=sys.stderr)
         return 1
-    print(f"agents.kernels.build: {path}")
+    print(f"numaudit.agents.kernels.build: {path}")
     return 0
 
 
