@@ -12,10 +12,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from numaudit.agents import shutdown
-from numaudit.agents.capture import AUTO, Capturer, Counters, HostBatch
-from numaudit.agents.config import AgentConfig, apply_env, check
-from numaudit.agents.identity import RankIdentity, job_identity, rank_identity
-from numaudit.agents.normalization import (
+from numaudit.agents.capture.capture import AUTO, Capturer, Counters, HostBatch
+from numaudit.agents.capture.normalization import (
     grad_scale,
     note_batch_norms,
     note_capture_depth,
@@ -23,6 +21,8 @@ from numaudit.agents.normalization import (
     note_tied_parameters,
     note_unpassed_mesh,
 )
+from numaudit.agents.config import AgentConfig, apply_env, check
+from numaudit.agents.identity import RankIdentity, job_identity, rank_identity
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,16 @@ class Agent:
                         "off", ident.rank)
             self.active = False
         if self.active:
-            from numaudit.agents.sender import Sender  # grpc only where auditing is on
+            from numaudit.agents.delivery.sender import Sender  # grpc only where auditing is on
 
             self._sender = Sender(config, ident, self.counters)
             shutdown.register(self)
         self.capturer = Capturer(config, ident, self._sink, self.counters)
-        from numaudit.agents.ops import OpCapture
+        from numaudit.agents.capture.ops import OpCapture
 
         self.ops = OpCapture(self.capturer, config, ident)
-        """Op-level captures (NUMAUDIT_OPS, a plan, the auditor's directives: agents/ops.py)."""
+        """Op-level captures (NUMAUDIT_OPS, a plan, the auditor's directives:
+        agents/capture/ops.py)."""
         if self._sender is not None and config.directives:
             self._sender.directives = self.ops.inbox
 
@@ -116,11 +117,11 @@ class Agent:
         """Capture gradients as `optimizer.step()` consumes them (phase optim_grad: after
         clipping, unscaling, any gradient transformation) and, with `updates`, the change it
         applies to each parameter (phase update). Returns the hooks' handle (`.remove()`),
-        or None when the agent is off. See agents/optimizer.py for the cost."""
+        or None when the agent is off. See agents/capture/optimizer.py for the cost."""
         if not self.active:
             return None
         try:
-            from numaudit.agents.optimizer import OptimizerWatch
+            from numaudit.agents.capture.optimizer import OptimizerWatch
 
             return OptimizerWatch(self, optimizer, updates=updates)
         except Exception as exc:
@@ -221,7 +222,7 @@ class Agent:
 
         Call it where the checkpoint is saved (``dcp.save(sd, ...)``) and where a resumed run
         has loaded it: each entry is keyed by the name DCP gives it on disk
-        (``optim.state.layers.0.wq.weight.exp_avg``; agents/state.py), DTensors by their
+        (``optim.state.layers.0.wq.weight.exp_avg``; agents/capture/state.py), DTensors by their
         shards, so the capture compares with the saved files (``auditor checkpoint``) and with
         another run's capture. Plain tensors on several dp ranks are replicas, as parameters
         are; name per-rank entries (an RNG state seeded per rank) in `shard_sites`
@@ -230,7 +231,7 @@ class Agent:
         if not self.active:
             return
         try:
-            from numaudit.agents.state import flatten, leaf_tensor
+            from numaudit.agents.capture.state import flatten, leaf_tensor
 
             items = [(name, stage, leaf_tensor(value), None)
                      for name, value in flatten(state_dict)]
@@ -409,7 +410,7 @@ def ensure_sidecar(cfg: AgentConfig, ident: RankIdentity) -> bool:
     import sys
     from pathlib import Path
 
-    from numaudit.agents.transport import wait_for_socket
+    from numaudit.agents.delivery.transport import wait_for_socket
 
     sidecar = cfg.sidecar
     if sidecar is None:  # asked only with a sidecar socket: none to wait for

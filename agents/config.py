@@ -99,7 +99,7 @@ class AgentConfig:
     """Levels captured inside each repeated block (a child of a ModuleList or ModuleDict, such
     as a transformer block), wherever the block sits: 1 sees its attention, MLP and norms
     (`model.layers.0.self_attn` in transformers, below max_depth 3), 2 their projections too;
-    0 = max_depth alone (agents/sites.py)."""
+    0 = max_depth alone (agents/capture/sites.py)."""
     phases: tuple[str, ...] = ("fwd", "grad", "loss", "input")
     """Phases captured; add "bwd" for gradients at module outputs, "param" for weights."""
     steps: frozenset[int] | None = None
@@ -147,7 +147,7 @@ class AgentConfig:
     """Captures digested on the device before one host transfer."""
     digest: str = "auto"
     """"auto": the fused digest kernel where it applies (CPU tensors); "eager": the torch
-    reference everywhere (agents/fastpath.py)."""
+    reference everywhere (agents/digest/fastpath.py)."""
     spool_dir: str = "numaudit-spool"
     """Where records the auditor did not take are written (`auditor ingest` replays them)."""
     spool_mode: str = "spill"
@@ -176,7 +176,7 @@ class AgentConfig:
     """A run name registered by another job becomes NAME.2, NAME.3, ... instead of refused."""
     ops: tuple[str, ...] = ()
     """Globs on module sites inside whose forward and backward every operation's tensors are
-    captured, on the selected steps (agents/ops.py, docs/drill-down.md); none by default."""
+    captured, on the selected steps (agents/capture/ops.py, docs/drill-down.md); none by default."""
     plan: str | None = None
     """A drill-down plan file written by `auditor drill -o` (TOML): its ops, steps and payload
     globs are taken as if given here (docs/drill-down.md)."""
@@ -284,7 +284,8 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
         changes["plan"] = env[ENV_PLAN]
     out = dataclasses.replace(config, **changes)
     if out.plan:
-        from numaudit.agents.plan import apply_plan  # between the arguments and the variables
+        # between the arguments and the variables
+        from numaudit.agents.capture.plan import apply_plan
 
         out = apply_plan(out, out.plan, explicit=set(changes))
     return out

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from numaudit.agents.agent import Agent
-from numaudit.agents.normalization import note_schedule
+from numaudit.agents.capture.normalization import note_schedule
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def watch_stages(agent: Agent, stages: Sequence[Any], *, schedule: Any = None) -
 
     With `schedule`, the run's labels record what it does to parameter gradients (scale_grads
     divides them by n_microbatches); activation gradients keep the loss function's scale, so the
-    run's grad_scale is unchanged (agents/normalization.py).
+    run's grad_scale is unchanged (agents/capture/normalization.py).
     """
     stages = list(stages)
     agent.ident.stages = tuple(sorted(int(s.stage_index) for s in stages))

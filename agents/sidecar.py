@@ -9,7 +9,7 @@ session's spool file and fdatasyncs it before acknowledging it to the rank, so a
 sidecar means the batch is on stable storage: it survives a crash of the training process, of
 the sidecar and of the machine; a write that fails (disk full) is truncated back to the last
 complete frame and answered UNAVAILABLE, and the rank resends. It then delivers every session
-to the auditor with the same acked-resend logic as a rank (agents/delivery.py), keeping the
+to the auditor with the same acked-resend logic as a rank (agents/delivery/delivery.py), keeping the
 rank's session id and sequence numbers, so the auditor's idempotence covers every path: live,
 sidecar resend after restart, and `auditor ingest` of a spool.
 
@@ -39,8 +39,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numaudit.agents.delivery import Delivery
-from numaudit.agents.transport import GrpcTransport, unix_path
+from numaudit.agents.delivery.delivery import Delivery
+from numaudit.agents.delivery.transport import GrpcTransport, unix_path
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.channels import tls_from_env
 from numaudit.wire.names import BadName, check_run_name, check_session_id

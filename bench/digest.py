@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from numaudit.agents.digest import DEFAULT_SKETCH_K, _digest, digest_piece
+from numaudit.agents.digest.digest import DEFAULT_SKETCH_K, _digest, digest_piece
+from numaudit.agents.digest.rows import RowBatch
 from numaudit.agents.kernels import cpu
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.rows import RowBatch
 
 MiB = 1 << 20
 COMPONENTS = ("keys", "fingerprint", "moments", "sketch")
@@ -143,10 +143,15 @@ def measure_samples(shape: tuple[int, ...], dtype: torch.dtype, repeats: int,
     per-sample digests (its cached plan, `Digester.digest_planned` and `combine_units`, as the
     agent's drain makes them): median CPU microseconds of each, paired round by round, and the
     record's bytes on the wire without and with them (`RecordColumns.record_bytes`)."""
-    from numaudit.agents.batching import Capture
-    from numaudit.agents.columns import capture_columns
-    from numaudit.agents.fastpath import Digester
-    from numaudit.agents.sample_digest import SampleDigests, combine_units, sample_layout, unit_plan
+    from numaudit.agents.delivery.columns import capture_columns
+    from numaudit.agents.digest.batching import Capture
+    from numaudit.agents.digest.fastpath import Digester
+    from numaudit.agents.digest.sample_digest import (
+        SampleDigests,
+        combine_units,
+        sample_layout,
+        unit_plan,
+    )
 
     g = torch.Generator().manual_seed(0)
     src = torch.randn(shape, generator=g).to(dtype)

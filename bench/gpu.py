@@ -81,7 +81,7 @@ def self_checks(k: int, dtypes: Sequence[torch.dtype]) -> bool:
 
 def throughput(k: int, sizes: list[int], repeats: int) -> dict[tuple, float]:
     """Prints the table; returns {(dtype, MiB): Triton GB/s}."""
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
     from numaudit.agents.kernels import accel
     from numaudit.agents.layout import PieceLayout
 
@@ -152,9 +152,9 @@ def lists(k: int, repeats: int, device: str = "cuda") -> None:
 
 
 def captures(n: int) -> None:
-    from numaudit.agents.batching import Counters
-    from numaudit.agents.capture import Capturer
+    from numaudit.agents.capture.capture import Capturer
     from numaudit.agents.config import AgentConfig
+    from numaudit.agents.digest.batching import Counters
     from numaudit.agents.identity import RankIdentity
 
     print("| tensor | host us per capture (median) | synchronizing calls |\n|---|---:|---:|")

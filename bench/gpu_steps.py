@@ -36,7 +36,7 @@ CONFIGS = {
 MORE_CONFIGS = {
     "depth 5 + bwd, no per-sample digests": {**DEEP, "sample_digests": False},
 }
-"""Added without --quick: what per-sample digests (agents/sample_digest.py) cost."""
+"""Added without --quick: what per-sample digests (agents/digest/sample_digest.py) cost."""
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ class _Tally:
     sample by sample: those bytes count twice."""
 
     def __init__(self, agent) -> None:
-        from numaudit.agents.sample_digest import SAMPLE_PHASES
+        from numaudit.agents.digest.sample_digest import SAMPLE_PHASES
 
         self.bytes = self.pieces = 0
         twice = agent.config.sample_digests

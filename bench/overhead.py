@@ -12,7 +12,7 @@ network I/O does not. Each "on" step ends when the sender has built that step's 
 them into a wire batch (`Sender.wait_idle`, a sleep): its work is charged to its own step, not
 left to run during the next side's step. A third model with an agent whose batches are dropped
 before the sender (its capturer's sink replaced) gives the "capture only" ratio: hooks, layouts,
-digests and row batches, without the sender thread's record building (agents/sender.py). A
+digests and row batches, without the sender thread's record building (agents/delivery/sender.py). A
 fourth model with an agent whose step selection (`step_every`) leaves the measured steps out
 gives what a step that is not captured costs: the module hooks are installed and return at
 once. A fifth model without an agent ("off again") measures the noise floor: its ratio would be
@@ -131,7 +131,7 @@ def capture_cost(nbytes: int = 4096, repeats: int = 2000) -> tuple[float, float]
     ready: layout, digest, row queued, payload copied), with the fused kernel and with the
     eager digest. Batches are handed to a sink that drops them; the flush every
     `device_batch` captures is in the mean, not in the median."""
-    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.capture.capture import Capturer, Counters
     from numaudit.agents.config import AgentConfig
     from numaudit.agents.identity import RankIdentity
 
@@ -159,7 +159,7 @@ def kind_costs(repeats: int = 1000) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.capture.capture import Capturer, Counters
     from numaudit.agents.config import AgentConfig
     from numaudit.agents.identity import RankIdentity
     from numaudit.agents.ragged import rows_from_counts

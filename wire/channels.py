@@ -50,9 +50,9 @@ def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
     listed comma-separated as IP:PORT ("10.0.0.1:50051,10.0.0.2:50051", IPv6 as "[::1]:50051"):
     the channel resolves all of them and spreads calls round robin (gRPC's client-side load
     balancing), skipping a replica that is down. Agents do not use this for such a list: each
-    dials one replica at a time and moves on at a failure (`agents.transport.GrpcTransport`),
-    since round robin could send a new stream back to a replica that hangs. A gRPC target URI
-    ("dns:///auditors.example:50051") also gets round robin.
+    dials one replica at a time and moves on at a failure
+    (`agents.delivery.transport.GrpcTransport`), since round robin could send a new stream back to a
+    replica that hangs. A gRPC target URI ("dns:///auditors.example:50051") also gets round robin.
     """
     parts = [p.strip() for p in address.split(",") if p.strip()]
     round_robin = [("grpc.lb_policy_name", "round_robin")]

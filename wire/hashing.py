@@ -3,10 +3,11 @@ the sketch, as functions of a global flat index ``i`` only (docs/digests.md). A 
 ends of the wire: the agent computes digests with it, the auditor moves fingerprints and
 predicts scaled ones with it (auditor/compare/digests.py), so both import it from here.
 
-Every implementation — the eager torch path (agents/digest.py, with agents/hashing.py's torch
-tables), the fused CPU kernel (agents/kernels/digest_cpu.cpp) and the Triton kernel — computes
-exactly these; the constants here are the source of truth and the kernels' tests hold them to
-it. Pure Python and numpy: the daemon imports it at start-up, without torch.
+Every implementation — the eager torch path (agents/digest/digest.py, with
+agents/digest/hashing.py's torch tables), the fused CPU kernel (agents/kernels/digest_cpu.cpp) and
+the Triton kernel — computes exactly these; the constants here are the source of truth and the
+kernels' tests hold them to it. Pure Python and numpy: the daemon imports it at start-up, without
+torch.
 
 The index splits into a lane ``j = i mod 256`` and a block ``b = i div 256``.
 

@@ -1,6 +1,7 @@
 """Operation keys: how a capture made inside a module names the operation it comes from.
 
-Op-level captures (agents/ops.py, docs/drill-down.md) are ordinary records whose site names the
+Op-level captures (agents/capture/ops.py, docs/drill-down.md) are ordinary records whose site names
+the
 module, the operation's place in that module's call and the operation:
 
     layers.1.attention/12:aten.mm            the 13th operation of a call of layers.1.attention

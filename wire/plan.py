@@ -34,7 +34,7 @@ class Plan:
     """What a drill-down rerun captures."""
 
     ops: tuple[str, ...]
-    """Module-site globs whose every operation is captured (agents/ops.py)."""
+    """Module-site globs whose every operation is captured (agents/capture/ops.py)."""
     steps: tuple[int, ...]
     """The steps captured; empty = every step."""
     payload: tuple[str, ...] = ()

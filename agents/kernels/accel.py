@@ -26,8 +26,8 @@ from types import ModuleType
 
 import torch
 
-from numaudit.agents import hashing
-from numaudit.agents.digest import N_MOMENTS, digest_piece
+from numaudit.agents.digest import hashing
+from numaudit.agents.digest.digest import N_MOMENTS, digest_piece
 from numaudit.agents.kernels.cpu import index_map
 from numaudit.agents.kernels.triton_plan import F32_TILE_ERROR
 from numaudit.agents.layout import PieceLayout, complex_real_layout
@@ -87,7 +87,7 @@ def term_magnitudes(t: torch.Tensor, layout: PieceLayout,
                     sketch_k: int) -> tuple[float, float, torch.Tensor, torch.Tensor] | None:
     """What the contract's float bounds scale with, for float piece ``t`` (None otherwise):
     ``(sum |x|, sum x**2, per bucket sum |x|, per bucket term count)`` over its finite elements,
-    each element in its sketch bucket (agents/hashing.py ``bucket_sign``, its definition: one
+    each element in its sketch bucket (agents/digest/hashing.py ``bucket_sign``, its definition: one
     Python call per element, for the small pieces of a check)."""
     if not (t.dtype.is_floating_point or t.dtype.is_complex):
         return None

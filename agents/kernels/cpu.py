@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from numaudit.agents.digest import N_MOMENTS
+from numaudit.agents.digest.digest import N_MOMENTS
 from numaudit.agents.kernels import build
 from numaudit.agents.layout import PieceLayout
 
@@ -117,7 +117,7 @@ def index_map(shape: tuple[int, ...], layout: PieceLayout) -> tuple[int, tuple[i
     """``(base, gstrides)`` of a piece tensor of ``shape`` placed by ``layout``.
 
     ``shape`` may differ from ``layout.shape`` by size-1 dims only (as digest_piece allows); a
-    size-1 dim gets gstride 0. Raises ValueError like agents/digest.py does for a bad layout.
+    size-1 dim gets gstride 0. Raises ValueError like agents/digest/digest.py does for a bad layout.
     """
     layout.validate()
     logical = layout.logical_shape
@@ -244,7 +244,8 @@ def _digest_batch_fake(pieces, bases, gstrides, sketch_k):
 def digest_piece_fused(
     t: torch.Tensor, layout: PieceLayout, *, sketch_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as agents.digest.digest_piece, through the op: ``(f64 [5 + k], i64 [6])``.
+    """Same contract as agents.digest.digest.digest_piece, through the op:
+    ``(f64 [5 + k], i64 [6])``.
 
     ``layout`` is the piece's layout (its complex layout for complex ``t``, as digest_piece
     accepts; the real view's layout is accepted too).

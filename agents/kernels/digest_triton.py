@@ -1,6 +1,6 @@
 """The digest of a list of pieces in a few Triton launches, for accelerator tensors (CUDA, ROCm).
 
-Computes what agents/digest.py computes, on hash scheme version 3 (agents/hashing.py):
+Computes what agents/digest/digest.py computes, on hash scheme version 3 (agents/digest/hashing.py):
 fingerprint ``sum_i T[j] * P(b) * V(x_i) mod 2**64``, counts, sum and sum of squares, min,
 max and abs-max over finite elements, and the CountSketch. How a piece is walked (rows of hash
 blocks in the sketch's bucket order, tiles of up to 64k elements) is in
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from numaudit.agents import hashing
-from numaudit.agents.digest import N_MOMENTS
+from numaudit.agents.digest import hashing
+from numaudit.agents.digest.digest import N_MOMENTS
 from numaudit.agents.kernels import triton_kernels as kern
 from numaudit.agents.kernels.triton_launch import Launchers, RowArena, Workspace, current_stream
 from numaudit.agents.kernels.triton_plan import (  # noqa: F401
@@ -149,7 +149,7 @@ def _upload(desc: np.ndarray, device: torch.device) -> torch.Tensor:
 def digest_prepared(pieces: list[Prepared], *,
                     sketch_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``pieces`` (all on one device): ``(f64 [m, 5 + k], i64 [m, 6])`` on that
-    device, row j the digest of piece j (agents.digest.digest_piece's rows, within the
+    device, row j the digest of piece j (agents.digest.digest.digest_piece's rows, within the
     contract above). No host synchronization."""
     check_k(sketch_k)
     m = len(pieces)
@@ -290,7 +290,7 @@ def digest_pieces_triton(
 def digest_piece_triton(
     t: torch.Tensor, layout: PieceLayout, *, sketch_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as agents.digest.digest_piece: ``(f64 [5 + k], i64 [6])`` on ``t``'s device
-    (one piece through :func:`digest_pieces_triton`)."""
+    """Same contract as agents.digest.digest.digest_piece: ``(f64 [5 + k], i64 [6])`` on ``t``'s
+    device (one piece through :func:`digest_pieces_triton`)."""
     f64, i64 = digest_pieces_triton([(t, layout)], sketch_k=sketch_k)
     return f64[0], i64[0]

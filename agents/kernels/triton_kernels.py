@@ -1,7 +1,7 @@
 """The Triton digest's kernels: tiles (one pass over the data) and finish (partials into rows).
 
 What they compute and how a piece is walked is in agents/kernels/triton_plan.py; the hash
-scheme is agents/hashing.py's (version 3). ``_tiles_kernel`` runs one program per tile of
+scheme is agents/digest/hashing.py's (version 3). ``_tiles_kernel`` runs one program per tile of
 one launch group (pieces of one dtype and index path): the program finds its piece (from its
 arguments when the group is one piece, else by a binary search over the pieces' first tiles in
 the descriptor table), reads the tile's rows once, in lane order as a copy would, keeps the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from numaudit.agents import hashing
+from numaudit.agents.digest import hashing
 from numaudit.agents.kernels.triton_plan import F32_SAFE, W
 
 _SK_SEED = tl.constexpr(hashing.SKETCH_SEED)

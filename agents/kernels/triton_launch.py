@@ -24,7 +24,7 @@ import torch
 import triton
 
 from numaudit.agents.config import ENV_TRITON_FAST_LAUNCH
-from numaudit.agents.digest import N_MOMENTS
+from numaudit.agents.digest.digest import N_MOMENTS
 
 _VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
 ALL_ARGS = _VERSION >= (3, 3)

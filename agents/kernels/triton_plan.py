@@ -8,7 +8,7 @@ a 2-D box or a transposed view is many lines, the piece's innermost dim (its oth
 ``MAX_DIMS`` after merging, are the lines' outer coordinates). A row is read in lane order,
 as a copy reads memory; its signed values are then permuted into the order of the sketch's
 buckets: lane ``j`` of block ``B`` goes to bucket ``8 g + (r XOR x)`` with ``g`` and ``x`` from
-the block's row of the placement table (agents/hashing.py), so position ``c`` takes lane
+the block's row of the placement table (agents/digest/hashing.py), so position ``c`` takes lane
 ``8 q + ((c AND 7) XOR x_q)`` with ``q`` the group the placement sends to bucket group
 ``c >> 3`` (:func:`inverse_place_table`). A row then adds into its program's sketch at
 positions that depend only on ``c``: for ``k <= 256`` bucket ``c mod k``, for ``k > 256``
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from numaudit.agents import hashing
 from numaudit.agents.config import ENV_TRITON_ROWS, ENV_TRITON_WARPS
+from numaudit.agents.digest import hashing
 from numaudit.agents.kernels.cpu import index_map
 from numaudit.agents.layout import PieceLayout, complex_real_layout
 

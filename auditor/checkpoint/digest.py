@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from numaudit.agents.agent import Agent
+from numaudit.agents.capture.sites import normalize_site
+from numaudit.agents.capture.state import TooDeep, expand, leaf_tensor
 from numaudit.agents.config import AgentConfig, check
 from numaudit.agents.identity import job_identity, rank_identity
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.sites import normalize_site
-from numaudit.agents.state import TooDeep, expand, leaf_tensor
 from numaudit.auditor.checkpoint.mapping import NameMap
 from numaudit.auditor.checkpoint.sources import CheckpointError, Entry, Slab, Source
 from numaudit.wire import limits

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from numaudit.agents.capture.state import TooDeep, check_depth, flatten
 from numaudit.agents.pickles import UnsafePickle, check_pickle
-from numaudit.agents.state import TooDeep, check_depth, flatten
 from numaudit.auditor.checkpoint.files import open_regular
 from numaudit.auditor.checkpoint.sources import CheckpointError, Chunk, Entry, Source, tensor_chunk
 

@@ -18,11 +18,11 @@ import sys
 import pytest
 import torch
 
-from numaudit.agents.digest import digest_piece
-from numaudit.agents.fastpath import Digester
+from numaudit.agents.digest.digest import digest_piece
+from numaudit.agents.digest.fastpath import Digester
+from numaudit.agents.digest.rows import RowBatch
 from numaudit.agents.kernels import accel
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.rows import RowBatch
 
 K = 16
 
@@ -178,8 +178,8 @@ def test_eager_mode_never_routes_to_triton(monkeypatch):
 _REAL = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from numaudit.agents.fastpath import Digester
-from numaudit.agents.rows import RowBatch
+from numaudit.agents.digest.fastpath import Digester
+from numaudit.agents.digest.rows import RowBatch
 from numaudit.agents.kernels.accel import term_magnitudes, within_contract
 from tests.agents.test_accel_dispatch import K, _pieces, _rows, _eager
 d = Digester("auto", triton_devices=("cpu",))

@@ -69,7 +69,7 @@ def test_records_reach_the_store_with_none_grads_explicit(auditor_server):
 
 
 def test_fingerprint_in_store_matches_digest_of_the_tensor(auditor_server):
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
 
     t = torch.randn(5, 3)
     agent = numaudit.attach(None, run="ref", address=auditor_server.address)
@@ -240,7 +240,7 @@ def test_queue_overflow_drops_and_counts_without_blocking(auditor_server, monkey
     """A sender stuck on its work (slow host copies, slow serialization) never stalls training."""
     import threading
 
-    from numaudit.agents.sender import Sender
+    from numaudit.agents.delivery.sender import Sender
 
     release = threading.Event()
     original = Sender._add
@@ -266,7 +266,7 @@ def test_queue_overflow_drops_and_counts_without_blocking(auditor_server, monkey
 
 
 def test_hooks_never_raise_into_training(auditor_server, monkeypatch):
-    import numaudit.agents.capture as capture
+    import numaudit.agents.capture.capture as capture
 
     def broken(*a, **k):
         raise RuntimeError("digest exploded")
@@ -363,7 +363,7 @@ def test_registration_refused_for_its_content_is_final_not_retried(auditor_serve
 
 def test_integer_records_carry_the_digest_seeds(auditor_server):
     """Seeds travel with every digest, so integer inputs compare like any other tensor."""
-    from numaudit.agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+    from numaudit.agents.digest.digest import FINGERPRINT_SEED, SKETCH_SEED
 
     agent = numaudit.attach(None, run="ref", address=auditor_server.address)
     with agent.step(0), agent.microbatch(0):

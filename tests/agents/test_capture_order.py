@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.agents.batching import Capture
-from numaudit.agents.columns import part_columns, split_payloads
+from numaudit.agents.delivery.columns import part_columns, split_payloads
+from numaudit.agents.digest.batching import Capture
 from numaudit.agents.layout import PieceLayout
 from numaudit.agents.sidecar import Sidecar
 from numaudit.auditor.daemon.replay import replay_into_db

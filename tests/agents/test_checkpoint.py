@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from numaudit.agents.capture import NOT_CAPTURED_AMBIGUOUS, Capturer, Counters
+from numaudit.agents.capture.capture import NOT_CAPTURED_AMBIGUOUS, Capturer, Counters
 from numaudit.agents.config import AgentConfig
 from numaudit.agents.identity import RankIdentity
 

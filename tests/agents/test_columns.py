@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.agents.columns import PayloadCompressor, part_columns, split_payloads
+from numaudit.agents.delivery.columns import PayloadCompressor, part_columns, split_payloads
 from numaudit.wire import packed as P
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,8 +93,8 @@ def test_layout_columns_are_each_layouts_fields_also_after_the_table_starts_afre
     full table starts afresh (here every third layout) without changing any record."""
     import numpy as np
 
-    import numaudit.agents.columns as C
-    from numaudit.agents.batching import Capture
+    import numaudit.agents.delivery.columns as C
+    from numaudit.agents.digest.batching import Capture
 
     monkeypatch.setattr(C, "MAX_TABLE_LAYOUTS", table_size)
     monkeypatch.setattr(C, "_TABLE", C._LayoutTable())

@@ -61,7 +61,7 @@ def test_step_selection_every_first_and_list_compose():
 def test_capturer_captures_only_selected_steps():
     import torch
 
-    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.capture.capture import Capturer, Counters
     from numaudit.agents.config import AgentConfig
     from numaudit.agents.identity import RankIdentity
     from numaudit.agents.ragged import RaggedRows

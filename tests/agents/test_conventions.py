@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import numaudit
+from numaudit.agents.capture.normalization import grad_scale
 from numaudit.agents.config import AgentConfig, apply_env, check
 from numaudit.agents.identity import RankIdentity, job_identity
-from numaudit.agents.normalization import grad_scale
 from numaudit.auditor.store import RECORD_COLUMNS, Reader
 from numaudit.protos import numaudit_pb2 as pb
 
@@ -115,7 +115,7 @@ def test_grad_scale_and_job_reach_the_store(auditor_server):
 def test_a_data_parallel_run_lists_its_batchnorms_in_a_label(auditor_server):
     """BatchNorms (SyncBatchNorm aside) of a data-parallel run reach the store as the label the
     auditor explains differences with; one process, or no BatchNorm, sets none."""
-    from numaudit.agents.normalization import note_batch_norms
+    from numaudit.agents.capture.normalization import note_batch_norms
     from numaudit.wire.labels import BATCH_STATS_LABEL
 
     def net():
@@ -146,7 +146,7 @@ def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
     MultiheadAttention with dropout > 0) reach the store as the label the auditor explains
     differences with, in one process too; p = 0, eval mode and modules without dropout are left
     out."""
-    from numaudit.agents.normalization import note_dropouts
+    from numaudit.agents.capture.normalization import note_dropouts
     from numaudit.wire.labels import DROPOUT_LABEL
 
     net = torch.nn.ModuleDict({

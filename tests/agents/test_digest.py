@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numaudit.agents import digest as D
-from numaudit.agents import hashing
-from numaudit.agents.digest import (
+from numaudit.agents.digest import digest as D
+from numaudit.agents.digest import hashing
+from numaudit.agents.digest.digest import (
     DEFAULT_SKETCH_K,
     _digest,
     digest_batch_to_host,

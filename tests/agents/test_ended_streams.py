@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from numaudit.agents.delivery import Delivery
-from numaudit.agents.transport import GrpcTransport
+from numaudit.agents.delivery.delivery import Delivery
+from numaudit.agents.delivery.transport import GrpcTransport
 from numaudit.auditor.daemon.admission import ServerLimits
 from numaudit.auditor.daemon.server import BackgroundServer
 from tests.auditor.builders import batch, record, register_request
@@ -47,7 +47,7 @@ def test_a_stream_the_daemon_ends_is_resumed_at_once_and_not_an_outage(tmp_path,
         _pump(d, lambda: d.acked_seq == 1)
         time.sleep(3 * IDLE_S)  # the daemon ends the idle stream meanwhile
         _offer(d, 2)  # a batch is pending when the delivery learns of the end
-        with caplog.at_level(logging.WARNING, logger="numaudit.agents.delivery"):
+        with caplog.at_level(logging.WARNING, logger="numaudit.agents.delivery.delivery"):
             d.service()
             assert d.reconnects == 1 and d.pending_records == 1  # ended, the batch kept
             d.warn_if_unreachable(force=True)  # what the sender does at a close right now

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from numaudit.agents.capture import Capturer, Counters
-from numaudit.agents.columns import payload_bytes
+from numaudit.agents.capture.capture import Capturer, Counters
+from numaudit.agents.capture.hooks import add_grad_hook
 from numaudit.agents.config import AgentConfig
-from numaudit.agents.hooks import add_grad_hook
+from numaudit.agents.delivery.columns import payload_bytes
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.kernels import cpu
 

@@ -17,11 +17,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import numaudit
-from numaudit.agents.capture import PHASE_IDS, Capturer, Counters
+from numaudit.agents.capture.capture import PHASE_IDS, Capturer, Counters
+from numaudit.agents.capture.sites import block_sites, select_modules
 from numaudit.agents.config import AgentConfig, apply_env, check
 from numaudit.agents.identity import rank_identity
 from numaudit.agents.layout import PieceLayout, batch_rows, holds_batch
-from numaudit.agents.sites import block_sites, select_modules
 
 B, S, D = 4, 8, 16
 

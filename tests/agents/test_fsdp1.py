@@ -1,4 +1,4 @@
-"""FSDP1 flat parameters as original parameters (agents/fsdp1.py), on FlatParameters whose
+"""FSDP1 flat parameters as original parameters (agents/capture/fsdp1.py), on FlatParameters whose
 metadata is laid out here as FSDP1 lays it out (padding entries between parameters included),
 one rank at a time, without a process group. The real FSDP1 runs are the parallelism matrix's
 (tests/e2e/test_parallelisms.py: both use_orig_params forms, no_sync, HYBRID_SHARD, clipping)."""
@@ -11,7 +11,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from numaudit.agents import fsdp1
+from numaudit.agents.capture import fsdp1
 from numaudit.agents.layout import flat_layout
 
 
@@ -127,7 +127,7 @@ def test_original_parameters_map_to_their_own_view_and_replicas_follow_the_group
 def test_flat_parameters_it_cannot_read_are_captured_as_they_are_and_counted():
     """FSDP1 internals other than these (a FlatParameter without the metadata read here): the
     sweep goes on, that parameter is captured under its own name, and the failure is counted."""
-    from numaudit.agents.capture import Capturer, Counters
+    from numaudit.agents.capture.capture import Capturer, Counters
     from numaudit.agents.config import AgentConfig
     from numaudit.agents.identity import rank_identity
 

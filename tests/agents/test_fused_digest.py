@@ -1,4 +1,4 @@
-"""The fused CPU kernel against the eager reference (agents/digest.py): fingerprints, counts,
+"""The fused CPU kernel against the eager reference (agents/digest/digest.py): fingerprints, counts,
 min/max/abs-max bitwise equal; float64 moments and sketch buckets equal within float64 rounding.
 
 Hypothesis runs derandomized (fixed examples every run) so the suite is deterministic.
@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numaudit.agents.digest import N_MOMENTS, _digest
-from numaudit.agents.fastpath import Digester
+from numaudit.agents.digest.digest import N_MOMENTS, _digest
+from numaudit.agents.digest.fastpath import Digester
+from numaudit.agents.digest.rows import RowBatch
 from numaudit.agents.kernels import build, cpu
 from numaudit.agents.layout import PieceLayout, batch_layout, complex_real_layout
-from numaudit.agents.rows import RowBatch
 
 K = 16
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -1,11 +1,11 @@
-"""The hash scheme's properties that the digest's guarantees rest on (agents/hashing.py)."""
+"""The hash scheme's properties that the digest's guarantees rest on (agents/digest/hashing.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from numaudit.agents import hashing as H
+from numaudit.agents.digest import hashing as H
 
 
 def test_every_fingerprint_key_is_odd():

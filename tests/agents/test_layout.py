@@ -176,7 +176,7 @@ def test_dtensor_layout_matches_placements(fake_rank):
         mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))
         coord = mesh.get_coordinate()
         # digest_piece accepts the DTensor itself and digests its local shard
-        from numaudit.agents.digest import digest_piece
+        from numaudit.agents.digest.digest import digest_piece
 
         dt = distribute_tensor(torch.arange(20.0).view(5, 4), mesh, [Shard(0), Shard(1)])
         lay = dtensor_layout(dt)
@@ -213,7 +213,7 @@ def _gloo_worker(rank: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4,
@@ -277,7 +277,7 @@ def gloo_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gloo_dtensor_pieces_tile_and_digests_merge(gloo_results):
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
     from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
 
     for name, (_, shape, _) in GLOO_CASES.items():

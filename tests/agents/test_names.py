@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import numaudit
+from numaudit.agents.delivery.transport import SidecarTransport, TransportError
 from numaudit.agents.sidecar import Sidecar
-from numaudit.agents.transport import SidecarTransport, TransportError
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.names import BadName, check_run_name, spool_file_name
 from numaudit.wire.spool import SpoolWriter, read_spool

@@ -1,4 +1,4 @@
-"""Op-level captures (agents/ops.py) against a real auditor: what is captured, where, and what
+"""Op-level captures (agents/capture/ops.py) against a real auditor: what is captured, where, and what
 the comparison makes of it (issue 43)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.agents.directives import Directive
+from numaudit.agents.delivery.directives import Directive
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.policy import preset_policy
 from numaudit.auditor.store import Reader

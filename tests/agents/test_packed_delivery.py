@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.agents.delivery import Delivery
-from numaudit.agents.transport import GrpcTransport
+from numaudit.agents.delivery.delivery import Delivery
+from numaudit.agents.delivery.transport import GrpcTransport
 from numaudit.auditor.daemon.replay import replay_into_db
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.protos import numaudit_pb2 as pb
@@ -342,7 +342,7 @@ def test_sealed_batches_are_kept_as_their_bytes_and_parsed_only_for_an_older_pee
 def test_a_batch_that_fails_to_encode_is_counted_and_the_sender_goes_on(tmp_path, monkeypatch):
     """An encoder failure (a bug) loses that batch only: its records are counted as
     build_error, the sender thread keeps running, and later batches are stored."""
-    from numaudit.agents import sender as agents_sender
+    from numaudit.agents.delivery import sender as agents_sender
 
     real, calls = agents_sender.sealed_batch, []
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from numaudit.agents.batching import Capture
-from numaudit.agents.columns import PayloadCompressor
+from numaudit.agents.delivery.columns import PayloadCompressor
+from numaudit.agents.digest.batching import Capture
 
 
 def _cap(site: str) -> Capture:
@@ -42,9 +42,9 @@ def test_raw_payloads_are_the_callers_bytes_which_no_later_capture_overwrites():
     once, into the sealed batch (wire/sealed.py). That is only sound while no later capture
     writes over the copy: payload buffers never overlap and a full arena is replaced, never
     written again."""
-    from numaudit.agents.batching import ARENA_BYTES, Batcher
     from numaudit.agents.config import AgentConfig
-    from numaudit.agents.fastpath import Digester
+    from numaudit.agents.digest.batching import ARENA_BYTES, Batcher
+    from numaudit.agents.digest.fastpath import Digester
 
     z = PayloadCompressor()
     buf = bytearray(np.random.default_rng(2).standard_normal(4096).astype("<f4").tobytes())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.agents.digest import digest_piece
+from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import ragged_layout
 from numaudit.agents.ragged import rows_from_counts
 from numaudit.auditor.store import RECORD_COLUMNS, Reader, from_int64

@@ -1,4 +1,4 @@
-"""Per-sample digests (agents/sample_digest.py): each unit's digest is the definition's (Python,
+"""Per-sample digests (agents/digest/sample_digest.py): each unit's digest is the definition's (Python,
 unbounded integers mod 2**64), whichever implementation made it, and what the hooks record."""
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from numaudit.agents import digest as D
-from numaudit.agents import hashing
-from numaudit.agents.capture import Capturer, Counters
+from numaudit.agents.capture.capture import Capturer, Counters
 from numaudit.agents.config import AgentConfig
-from numaudit.agents.fastpath import Digester
-from numaudit.agents.identity import RankIdentity
-from numaudit.agents.kernels import cpu
-from numaudit.agents.layout import PieceLayout
-from numaudit.agents.sample_digest import (
+from numaudit.agents.digest import digest as D
+from numaudit.agents.digest import hashing
+from numaudit.agents.digest.fastpath import Digester
+from numaudit.agents.digest.sample_digest import (
     MAX_SAMPLES,
     MAX_UNITS,
     _combine,
@@ -32,6 +29,9 @@ from numaudit.agents.sample_digest import (
     sample_layout,
     unit_plan,
 )
+from numaudit.agents.identity import RankIdentity
+from numaudit.agents.kernels import cpu
+from numaudit.agents.layout import PieceLayout
 from tests.agents.test_digest import ref_digest
 from tests.agents.test_fast_path import _Net
 
@@ -203,10 +203,10 @@ def test_sample_digests_can_be_switched_off():
 _TRITON = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from numaudit.agents.fastpath import Digester
+from numaudit.agents.digest.fastpath import Digester
 from numaudit.agents.kernels.accel import term_magnitudes, within_contract
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.sample_digest import digest_samples_eager, sample_layout
+from numaudit.agents.digest.sample_digest import digest_samples_eager, sample_layout
 d = Digester("auto", triton_devices=("cpu",))
 d._cpu = None  # CPU pieces to Triton (under its interpreter), as accelerator pieces would go
 g = torch.Generator().manual_seed(5)

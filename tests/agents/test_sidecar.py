@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from numaudit import agents
+from numaudit.agents.delivery.transport import SidecarTransport, wait_for_socket
 from numaudit.agents.sidecar import Sidecar
-from numaudit.agents.transport import SidecarTransport, wait_for_socket
 from numaudit.auditor.daemon.replay import replay_into_db
 from numaudit.auditor.store import Reader, UnknownRun
 
@@ -173,7 +173,7 @@ def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
     bytes, and relays them upstream as they are, instead of serializing the parsed message
     again. The rank's bytes are marked here with an unknown field in front, where no
     serializer writes one (it puts unknown fields last)."""
-    from numaudit.agents import sender as agents_sender
+    from numaudit.agents.delivery import sender as agents_sender
     from numaudit.protos import numaudit_pb2 as pb
     from numaudit.wire.checksum import received_records_checksum
     from numaudit.wire.spool import KIND_BATCH, read_frame
@@ -226,7 +226,7 @@ def test_a_session_whose_forwarding_fails_does_not_stop_the_others(auditor_serve
                                                                    monkeypatch):
     """One relayed session's forwarding step raising (a bug) is logged and retried; the
     sidecar's other sessions keep flowing, and the failed one is delivered once it recovers."""
-    from numaudit.agents.delivery import Delivery
+    from numaudit.agents.delivery.delivery import Delivery
 
     failures = {"left": 20}
     service = Delivery.service

@@ -3,7 +3,7 @@
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from numaudit.agents.sites import normalize_site, select_modules
+from numaudit.agents.capture.sites import normalize_site, select_modules
 
 
 def test_wrapper_prefixes_are_stripped():

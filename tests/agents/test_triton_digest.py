@@ -3,7 +3,7 @@ Triton's CPU interpreter when there is no GPU, within the accelerator contract (
 "On an accelerator"): fingerprints, counts, min/max/abs-max bitwise equal; sums, sums of
 squares and sketch buckets within the float32-tile bound of their terms' magnitudes, bucket by
 bucket; the same bits twice. One test also holds it to the pure-Python definition of hash
-scheme v3 (agents/hashing.py): keys ``u * h**i`` for indices up to 2**63 (every byte of the
+scheme v3 (agents/digest/hashing.py): keys ``u * h**i`` for indices up to 2**63 (every byte of the
 block power table), ``V(x)`` through mix64 or not per dtype.
 
 The cases aim at what v3 makes position-dependent: pieces that start mid-block and cross
@@ -41,8 +41,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-from numaudit.agents import hashing  # noqa: E402
-from numaudit.agents.digest import N_MOMENTS, _digest  # noqa: E402
+from numaudit.agents.digest import hashing  # noqa: E402
+from numaudit.agents.digest.digest import N_MOMENTS, _digest  # noqa: E402
 from numaudit.agents.kernels.accel import term_magnitudes, within_contract  # noqa: E402
 from numaudit.agents.kernels.triton_plan import MIN_TILE_ROWS, plan_piece, tiling  # noqa: E402
 from numaudit.agents.layout import PieceLayout, batch_layout  # noqa: E402
@@ -192,7 +192,7 @@ DEFINITION_DTYPES = [torch.int64, torch.int32, torch.float64, torch.float32, tor
     ((1, 2 ** 61 - 200), (2, 130), (3, 2 ** 61)),
 ])
 def test_matches_hash_scheme_definition(triton_digest, offsets, shape, logical):
-    """Fingerprint and sketch from agents/hashing.py's pure-Python key, value_term and
+    """Fingerprint and sketch from agents/digest/hashing.py's pure-Python key, value_term and
     bucket_sign, for every dtype rule of ``V`` (one list, several launch groups) and indices
     far out (block bytes above the first two); the sketch with fewer buckets than a block's
     lanes and with more (the placement table and the block word's bits above the lanes both

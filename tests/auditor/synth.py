@@ -1,7 +1,7 @@
 """Synthetic runs written through the real ingest path, for the comparison tests.
 
 Tensors are real torch tensors; pieces are digested by the agent's own code
-(`agents.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`), wrapped in
+(`agents.digest.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`), wrapped in
 protobuf records, validated as the daemon does, and stored by `StoreWriter` + `Store.ingest` into
 a real SQLite file or PostgreSQL database (`open_writer`).
 """
@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import torch
 import zstandard
 
-from numaudit.agents.digest import digest_piece
+from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.digests import DigestValues
 from numaudit.auditor.daemon.validate import validate_batch

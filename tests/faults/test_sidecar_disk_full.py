@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.agents.transport import wait_for_socket
+from numaudit.agents.delivery.transport import wait_for_socket
 from numaudit.auditor.daemon.replay import replay_into_db
 from numaudit.wire.spool import read_spool
 

@@ -45,7 +45,7 @@ def _open(path: Path):
 
 def instrument(agent, out: Path) -> None:
     """Log every batch cut, every ack and every connection failure of `agent` under `out`."""
-    import numaudit.agents.sender as sender_module
+    import numaudit.agents.delivery.sender as sender_module
     from numaudit.protos import numaudit_pb2 as pb
     from numaudit.wire.packed import batch_columns, content_hashes
 

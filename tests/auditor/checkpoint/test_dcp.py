@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import numaudit
-from numaudit.agents.state import flatten
+from numaudit.agents.capture.state import flatten
 from numaudit.auditor.daemon.server import BackgroundServer
 from tests.auditor.checkpoint.helpers import (
     all_identical,

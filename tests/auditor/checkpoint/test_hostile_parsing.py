@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from numaudit.agents import pickles
-from numaudit.agents.state import TooDeep, expand
+from numaudit.agents.capture.state import TooDeep, expand
 from tests.auditor.checkpoint.helpers import (
     REPO,
     cli,
@@ -207,7 +207,7 @@ def test_a_key_nested_in_tuples_never_reaches_hash():
     """A dict key 200,000 tuples deep (200 KB): hashing it overflows the C stack (SIGSEGV), in
     the training process for `capture_state_dict`. Checked in a child process, so that the
     crash it would be fails the test instead of ending it."""
-    code = ("from numaudit.agents.state import expand; import sys; "
+    code = ("from numaudit.agents.capture.state import expand; import sys; "
             "data = sys.stdin.buffer.read(); "
             "print(expand('x', data) == [('x', data)])")
     deep = pickle_of(deep_tuple_key(200_000))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from numaudit.agents.state import flatten
+from numaudit.agents.capture.state import flatten
 from tests.auditor.checkpoint.helpers import all_identical, auditor, cli, input_error, save_dcp
 
 

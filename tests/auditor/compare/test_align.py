@@ -16,7 +16,7 @@ from numaudit.auditor.compare.align import (
 
 
 def test_normalize_site_strips_wrappers_like_the_agent():
-    from numaudit.agents.sites import normalize_site as agent_normalize
+    from numaudit.agents.capture.sites import normalize_site as agent_normalize
 
     for name in ("_orig_mod.module.layers.0._checkpoint_wrapped_module.moe",
                  "module.layers.1._fsdp_wrapped_module.attention.wq",

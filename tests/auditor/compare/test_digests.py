@@ -31,8 +31,8 @@ def test_auditor_digests_imports_no_torch():
 
 
 def test_seeds_and_row_layout_match_the_agent():
-    from numaudit.agents import digest as agent
-    from numaudit.agents import hashing
+    from numaudit.agents.digest import digest as agent
+    from numaudit.agents.digest import hashing
 
     assert (A.FINGERPRINT_SEED, A.SKETCH_SEED, A.N_MOMENTS) == (
         agent.FINGERPRINT_SEED, agent.SKETCH_SEED, agent.N_MOMENTS)
@@ -43,7 +43,7 @@ def test_a_shifted_piece_fingerprint_is_the_one_digested_at_its_new_place():
     """shift_fingerprint moves a digested piece by any number of indices, either way."""
     import torch
 
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
     from numaudit.agents.layout import PieceLayout
 
     t = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
@@ -159,7 +159,7 @@ def one_thread():
 
 
 def _digest(x, k: int = 256):
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
     from numaudit.agents.layout import PieceLayout
 
     f, i = digest_piece(x, PieceLayout.full(tuple(x.shape)), sketch_k=k)
@@ -260,7 +260,7 @@ def test_a_power_of_two_rescaling_is_predicted_from_the_fingerprint_alone(dtype)
     never a false equality), and float64 (mixed terms) has no prediction."""
     import torch
 
-    from numaudit.agents.digest import digest_piece
+    from numaudit.agents.digest.digest import digest_piece
     from numaudit.agents.layout import PieceLayout
 
     t = torch.randn(37, 5, generator=torch.Generator().manual_seed(4)).to(getattr(torch, dtype))

@@ -446,7 +446,7 @@ def test_a_version_2_reference_is_measured_by_its_sketch_never_by_fingerprint(db
     candidate the fingerprints do not compare (exact is unavailable, never "identical"), the
     sketches still measure the distance; under the bitwise preset the key is at best "close"
     (within one rounding, said so), never "identical"."""
-    from numaudit.agents.hashing import FINGERPRINT_SEED_V2
+    from numaudit.agents.digest.hashing import FINGERPRINT_SEED_V2
 
     x = torch.randn(16, 8)
     ref, cand = RunBuilder("ref"), RunBuilder("cand")

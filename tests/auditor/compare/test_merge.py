@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from numaudit.agents.digest import digest_piece
+from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.digests import DigestValues
 from numaudit.auditor.compare.merge import (

@@ -13,7 +13,7 @@ import torch
 import zstandard
 from hypothesis import given, settings
 
-from numaudit.agents.digest import digest_piece
+from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.metrics import (
     PayloadUnavailable,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from numaudit.agents.digest import digest_piece
+from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout, ragged_layout
 from numaudit.agents.ragged import rows_from_counts
 from numaudit.auditor.compare.digests import DigestValues

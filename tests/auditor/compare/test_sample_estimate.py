@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numaudit.agents import hashing
+from numaudit.agents.digest import hashing
 from numaudit.auditor.compare.metrics import sketch_band
 from numaudit.auditor.compare.sample_estimate import Units, estimate, fold
 
@@ -79,7 +79,7 @@ def grouped(x: np.ndarray, groups: list[int], unit_k, word, sign) -> Units:
 
 
 def per_sample(size: int) -> tuple[int, int]:
-    from numaudit.agents.sample_digest import unit_plan
+    from numaudit.agents.digest.sample_digest import unit_plan
     return unit_plan(size)
 
 

@@ -85,7 +85,7 @@ def test_a_store_before_fingerprint_version_3_keeps_payload_comparison(tmp_path)
 
 
 def _as_version_2(*runs: RunBuilder) -> None:
-    from numaudit.agents.hashing import FINGERPRINT_SEED_V2
+    from numaudit.agents.digest.hashing import FINGERPRINT_SEED_V2
 
     for run in runs:
         for recs in run.records.values():

@@ -1,7 +1,7 @@
 """Issue 10 item 14: a session that closes normally logs nothing at ERROR in the daemon.
 
 The agent ends an Ingest stream by finishing its request iterator and cancelling the call
-(agents/transport.py); a handler waiting for the next batch at that moment used to leave an
+(agents/delivery/transport.py); a handler waiting for the next batch at that moment used to leave an
 orphaned `__anext__` task whose StopAsyncIteration asyncio logged as "Task exception was never
 retrieved"."""
 

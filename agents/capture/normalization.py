@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from numaudit.agents.capture.sites import normalize_site
 from numaudit.agents.config import AgentConfig
 from numaudit.agents.identity import RankIdentity
-from numaudit.agents.sites import normalize_site
 from numaudit.wire.labels import (
     BATCH_STATS_LABEL,
     CAPTURE_DEPTH_LABEL,

@@ -14,9 +14,9 @@ Everything here merges across pieces by addition (min/max by min/max), which is 
 auditor rebuild the digest of a logical tensor from shards laid out any way. The scheme, seeds,
 error bands and costs are documented in docs/digests.md; ``auditor/digests.py`` is the host side.
 
-Hash scheme (version 3, agents/hashing.py): the fingerprint is ``sum_i K(i) * V(x_i) mod 2**64``
-with the odd geometric key ``K(i) = u * h**i`` (a lane table times a per-block power) and ``V``
-the raw element zero-extended to 64 bits (floats: their bit pattern; integers: their value),
+Hash scheme (version 3, agents/digest/hashing.py): the fingerprint is ``sum_i K(i) * V(x_i) mod
+2**64`` with the odd geometric key ``K(i) = u * h**i`` (a lane table times a per-block power) and
+``V`` the raw element zero-extended to 64 bits (floats: their bit pattern; integers: their value),
 through mix64 for float64, integers and bool; the sketch
 adds ``sign(i) * x_i`` (finite elements, float64) to bucket ``bucket(i)``. Keys, buckets and
 signs depend on the global flat index only, so pieces merge by addition.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from numaudit.agents import hashing
+from numaudit.agents.digest import hashing
 from numaudit.agents.layout import PieceLayout, complex_real_layout
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ DEFAULT_SKETCH_K = 256
 2 KiB per record; docs/digests.md has the measured cost of other k."""
 
 FINGERPRINT_SEED = hashing.FINGERPRINT_SEED
-"""Written to Digest.fingerprint_seed: it names the hash scheme (agents/hashing.py)."""
+"""Written to Digest.fingerprint_seed: it names the hash scheme (agents/digest/hashing.py)."""
 
 SKETCH_SEED = hashing.SKETCH_SEED
 """Written to Digest.sketch_seed."""

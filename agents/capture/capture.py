@@ -5,7 +5,7 @@ digest of each tensor it sees on that tensor's device (vectorized, no host sync 
 pieces go through the fused kernel, which writes their rows straight into the host batch's
 buffers and copies small pieces' payload bytes in the same pass; rows computed on an
 accelerator are kept, and every `device_batch` captures (or at a microbatch or step boundary)
-stacked and sent to the host in one asynchronous copy (agents/batching.py). The sender thread
+stacked and sent to the host in one asynchronous copy (agents/digest/batching.py). The sender thread
 waits for that copy, builds records and does all network I/O. No hook ever raises into training:
 failures are counted, logged once per kind with the rank, and the capture is dropped.
 """
@@ -26,13 +26,14 @@ from typing import Literal
 import torch
 from torch.utils._pytree import tree_leaves
 
-from numaudit.agents import fsdp1
-from numaudit.agents.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
+from numaudit.agents.capture import fsdp1
+from numaudit.agents.capture.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
+from numaudit.agents.capture.sites import matches, normalize_site, select_modules
 from numaudit.agents.config import AgentConfig, step_selected
-from numaudit.agents.device_copy import payload_copy
-from numaudit.agents.digest import has_moments
-from numaudit.agents.fastpath import Digester
-from numaudit.agents.hooks import add_grad_hook, grad_role, graph_task_id, not_traced
+from numaudit.agents.digest.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
+from numaudit.agents.digest.device_copy import payload_copy
+from numaudit.agents.digest.digest import has_moments
+from numaudit.agents.digest.fastpath import Digester
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
 from numaudit.agents.layout import (
@@ -46,7 +47,6 @@ from numaudit.agents.layout import (
     ragged_layout,
     reduction_layout,
 )
-from numaudit.agents.sites import matches, normalize_site, select_modules
 from numaudit.protos import numaudit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Capturer:
         self._fwd_on, self._bwd_on = "fwd" in self._phases, "bwd" in self._phases
         self._step_on = step_selected(config, self.step)
         self.op_frames: list = []
-        """Frames of modules whose operations are captured now (agents/ops.py): while any is
+        """Frames of modules whose operations are captured now (agents/capture/ops.py): while any is
         open, the agent's own hooks pause that capture (`_paused`)."""
         self.ops_paused = 0
         self._run_grad_hook = not_traced(self._grad_hook_body)
@@ -321,12 +321,12 @@ class Capturer:
             self._batches.drain()
 
         wrapped = not_traced(hook)
-        wrapped._numaudit_capture = True  # agents/ops.py runs its own hook before this one
+        wrapped._numaudit_capture = True  # agents/capture/ops.py runs its own hook before this one
         return wrapped
 
     def _paused(self, fn, *args, **kwargs):
         """`fn` with op-level capture paused: the agent's own digest work is not the model's
-        operations (agents/ops.py)."""
+        operations (agents/capture/ops.py)."""
         self.ops_paused += 1
         try:
             return fn(*args, **kwargs)
@@ -826,7 +826,7 @@ class Capturer:
         payload buffer. In a training step Python runs with cold caches between the model's
         ops, where each line of the general path cost several times what a loop over it
         measures. `layout`: a plain tensor's layout when the caller worked it out (op-level
-        captures, agents/ops.py; the same object for every capture it holds for).
+        captures, agents/capture/ops.py; the same object for every capture it holds for).
         """
         try:
             tt = type(t)
@@ -970,7 +970,7 @@ class Capturer:
                 or (self.config.payload and self._wants_payload(phase, site, role))):
             # A copy taken now: the tensor may be changed in place after the hook returns. The
             # fused kernel copies the bytes while it digests them; from an accelerator the copy
-            # is started, never waited for (agents/device_copy.py).
+            # is started, never waited for (agents/digest/device_copy.py).
             if fused:
                 cap.payload, payload_at = self._batches.payload_buffer(nbytes)
             elif local.is_cpu:
@@ -980,7 +980,7 @@ class Capturer:
         self._batches.add(cap, local, layout, payload_at)
 
     def _drain(self) -> None:
-        """Digest the pending captures in one call (agents/batching.py). Never raises.
+        """Digest the pending captures in one call (agents/digest/batching.py). Never raises.
 
         Runs before the hook that queued them returns, so no tensor can have been changed in
         place in between (an in-place ReLU after the module, the optimizer after the sweep).
@@ -998,7 +998,7 @@ class Capturer:
 
     def flat_views(self, models) -> dict[int, list[fsdp1.FlatView]]:
         """The FSDP1 FlatParameters of `models`, as views per original parameter
-        (agents.fsdp1.expand). Worked out at a model's first sweep and kept: FSDP1 makes its
+        (agents.capture.fsdp1.expand). Worked out at a model's first sweep and kept: FSDP1 makes its
         FlatParameters when it wraps the model, before training (a walk over the modules cost
         1.8 ms a sweep for 1,200 of them), and the views read gradients when asked. Never
         raises: FSDP1 internals it does not know leave that model's flat parameters as they

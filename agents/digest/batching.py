@@ -3,9 +3,9 @@ delivered to the sender a batch of rows at a time.
 
 :class:`Batcher` owns the captures queued by the running hook (or parameter sweep) and the batch
 their rows go to. :meth:`Batcher.drain` digests the queue in one call before the hook returns
-(agents/fastpath.py): pieces the fused kernel takes are written straight into the host batch's
-row buffers (agents/rows.py), rows computed on an accelerator are kept apart and sent to the
-host in one asynchronous copy per batch. :meth:`Batcher.flush` hands both to the sink (the
+(agents/digest/fastpath.py): pieces the fused kernel takes are written straight into the host
+batch's row buffers (agents/digest/rows.py), rows computed on an accelerator are kept apart and sent
+to the host in one asynchronous copy per batch. :meth:`Batcher.flush` hands both to the sink (the
 sender) as :class:`HostBatch` es. Nothing here raises into training: failures go to the
 capturer's ``failed`` callback, which counts and logs them.
 """
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from numaudit.agents.config import AgentConfig
-from numaudit.agents.digest import digest_batch_to_host
-from numaudit.agents.fastpath import Digester
+from numaudit.agents.digest.digest import digest_batch_to_host
+from numaudit.agents.digest.fastpath import Digester
+from numaudit.agents.digest.rows import I64_COLUMNS, RowBatch
+from numaudit.agents.digest.sample_digest import SAMPLE_PHASES, SampleDigests, combine_units
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.rows import I64_COLUMNS, RowBatch
-from numaudit.agents.sample_digest import SAMPLE_PHASES, SampleDigests, combine_units
 
 I64_ROW_BYTES = 8 * I64_COLUMNS
 
@@ -72,7 +72,7 @@ class Capture:
     """A host copy of the piece when its bytes travel too (its C-order bytes as a memoryview
     when the fused kernel copied them into a payload arena)."""
     samples: SampleDigests | None = None
-    """Digests of the piece's samples (agents/sample_digest.py), for batch-holding captures;
+    """Digests of the piece's samples (agents/digest/sample_digest.py), for batch-holding captures;
     on the host once the batch's `HostBatch.wait` returned."""
     order: int = field(default_factory=_CAPTURE_ORDER.__next__)
     """Execution order (`Record.capture_order`): numbered when the capture is made."""
@@ -160,7 +160,8 @@ class Batcher:
         self.fused: list[tuple[Capture, bytes, torch.Tensor]] = []
         """Pieces for the fused kernel, queued by the capturer as ``(capture, descriptor,
         tensor)`` (the tensor is held until the kernel has read it): the descriptor built from
-        its cached plan (agents/capture.py ``_capture_fast``, fastpath.Digester.fused_plan)."""
+        its cached plan (agents/capture/capture.py ``_capture_fast``,
+        fastpath.Digester.fused_plan)."""
         self._kernel = digester.kernel()
         self._captures: list[Capture] = []
         """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
@@ -276,15 +277,17 @@ class Batcher:
             captures.append(cap)
 
     def _sample_digests(self, items: list[tuple[Capture, torch.Tensor]]) -> None:
-        """Digest the samples of the batch-holding captures among ``items`` (agents/
+        """Digest the samples of the batch-holding captures among ``items`` (agents/digest/
         sample_digest.py) into their `Capture.samples`: each capture's plan from the digester's
         cache, one kernel call per bucket count for all fused ones. A capture whose main digest
         failed (row -1) gets none. Never raises: a failure costs a capture its sample digests."""
         digester, dims, default = self._digester, self._batch_dims, self._batch_dim
         todo = []
         for cap, t in items:
-            if cap.row < 0 or "/" in cap.site:  # an operation's capture (agents/ops.py): its
-                continue  # keys are compared in the grouping both runs captured, no samples
+            # an operation's capture (agents/capture/ops.py): its keys are compared in the
+            # grouping both runs captured, no samples
+            if cap.row < 0 or "/" in cap.site:
+                continue
             layout = cap.layout
             if layout is None:  # no layout, no sample digests (plan_samples: None)
                 continue

@@ -1,11 +1,11 @@
 """The sender: a background thread that turns host batches into records and delivers them.
 
-It owns all I/O of the agent. A host batch becomes records as columns (`agents.columns`: numpy
-over the digest rows, no protobuf message per record), sent as packed batches (docs/protocol.md
-"Packed batches"); a peer that does not take them gets them per record (`Delivery`).
-Records are cut into batches by count, size and age and given
-consecutive sequence numbers; a `Delivery` (agents/delivery.py) streams them to the auditor (or
-to the node sidecar) and keeps each until it is acked, resending after reconnects. Records that
+It owns all I/O of the agent. A host batch becomes records as columns (`agents.delivery.columns`:
+numpy over the digest rows, no protobuf message per record), sent as packed batches
+(docs/protocol.md "Packed batches"); a peer that does not take them gets them per record
+(`Delivery`). Records are cut into batches by count, size and age and given
+consecutive sequence numbers; a `Delivery` (agents/delivery/delivery.py) streams them to the auditor
+(or to the node sidecar) and keeps each until it is acked, resending after reconnects. Records that
 cannot be delivered are written to the spool (wire/spool.py) for `auditor ingest`, or dropped
 and counted. Nothing here raises into the training thread; `submit` never blocks.
 """
@@ -20,12 +20,12 @@ import uuid
 from collections import deque
 from typing import cast
 
-from numaudit.agents.capture import Counters, HostBatch
-from numaudit.agents.columns import Part, PayloadCompressor, part_columns, split_payloads
 from numaudit.agents.config import AgentConfig
-from numaudit.agents.delivery import RUN_NAME_TAKEN, Delivery
+from numaudit.agents.delivery.columns import Part, PayloadCompressor, part_columns, split_payloads
+from numaudit.agents.delivery.delivery import RUN_NAME_TAKEN, Delivery
+from numaudit.agents.delivery.transport import GrpcTransport, SidecarTransport
+from numaudit.agents.digest.batching import Counters, HostBatch
 from numaudit.agents.identity import RankIdentity
-from numaudit.agents.transport import GrpcTransport, SidecarTransport
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.packed import RecordColumns, concat, empty
@@ -152,11 +152,12 @@ class Sender:
 
     def _directed(self, directives) -> None:
         """The auditor's directives, from the ack reader thread: handed to the op capture,
-        which applies each at the start of the step it names (agents/ops.py). Never blocks."""
+        which applies each at the start of the step it names (agents/capture/ops.py). Never
+        blocks."""
         inbox = self.directives
         if inbox is None:
             return
-        from numaudit.agents.directives import accepted
+        from numaudit.agents.delivery.directives import accepted
 
         for d in directives:
             ok = accepted(d)
@@ -341,7 +342,7 @@ class Sender:
         if not pending:
             return
         # Payload records travel packed too (PackedRecords.payloads); the delivery moves them
-        # out per record for a peer that does not take them (agents/delivery.py).
+        # out per record for a peer that does not take them (agents/delivery/delivery.py).
         cols = self._columns(pending)
         if not cols.n:
             return

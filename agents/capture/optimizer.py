@@ -12,8 +12,8 @@ that differ with no cause. `OptimizerWatch` hooks `optimizer.step`:
 
 Both are keyed by the agent's current step (the last `agent.step(i)` block entered, so calling
 `optimizer.step()` after the block is fine) and by the parameter's normalized name in the watched
-model (an FSDP1 FlatParameter: each original parameter's, agents/fsdp1.py). Cost: one digest per
-parameter per phase; capturing updates holds one copy of the parameters on their device during
+model (an FSDP1 FlatParameter: each original parameter's, agents/capture/fsdp1.py). Cost: one digest
+per parameter per phase; capturing updates holds one copy of the parameters on their device during
 `optimizer.step()`.
 """
 
@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from numaudit.agents import fsdp1
-from numaudit.agents.capture import STEP_LEVEL
+from numaudit.agents.capture import fsdp1
+from numaudit.agents.capture.capture import STEP_LEVEL
+from numaudit.agents.capture.sites import normalize_site
 from numaudit.agents.config import step_selected
-from numaudit.agents.sites import normalize_site
 
 if TYPE_CHECKING:
     from numaudit.agents.agent import Agent

@@ -17,7 +17,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from numaudit.agents.digest import FINGERPRINT_SEED, SKETCH_SEED
+from numaudit.agents.digest.digest import FINGERPRINT_SEED, SKETCH_SEED
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.checksum import crc32
@@ -201,7 +201,7 @@ def part_columns(parts: Sequence[Part]) -> RecordColumns:
 
 def _sample_columns(captures: Sequence, cols: dict, n: int
                     ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Fill the sample columns from each capture's sample digests (agents/sample_digest.py);
+    """Fill the sample columns from each capture's sample digests (agents/digest/sample_digest.py);
     their values and fingerprints, concatenated (None: no capture has any)."""
     samples = list(map(_SAMPLES, captures))
     for name in SAMPLE_COLUMNS:

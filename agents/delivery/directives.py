@@ -2,8 +2,8 @@
 
 A directive arrives on an Ack of the Ingest stream the agent already holds (docs/protocol.md,
 "Directives") and is read on the ack reader thread; the op capture applies it at the start of
-the step it names (agents/ops.py). Here it is checked against the same bounds the daemon keeps
-(wire/limits.py), so a bad one is dropped rather than acted on.
+the step it names (agents/capture/ops.py). Here it is checked against the same bounds the daemon
+keeps (wire/limits.py), so a bad one is dropped rather than acted on.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from numaudit.agents.capture.sites import normalize_site
 from numaudit.agents.layout import PieceLayout, flat_layout
-from numaudit.agents.sites import normalize_site
 
 if TYPE_CHECKING:  # the type FSDP1's flat parameters are read as (never imported to run)
     from torch.distributed.fsdp._flat_param import FlatParameter

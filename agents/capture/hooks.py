@@ -1,7 +1,7 @@
 """How the agent's hooks run: eagerly under torch.compile, gradient hooks added cheaply.
 
-The capturer (agents/capture.py) decides what a hook captures; this module owns how hooks are
-registered and entered: module forward hooks and tensor gradient hooks are disabled for
+The capturer (agents/capture/capture.py) decides what a hook captures; this module owns how hooks
+are registered and entered: module forward hooks and tensor gradient hooks are disabled for
 torch.compile (run eagerly, so the agent's state never becomes a guard of the model's graphs)
 at no cost to an eager model, and a gradient hook is put in the tensor's hook dict without a
 RemovableHandle (one per hooked output and forward: the handle was half of a hook's

@@ -1,8 +1,8 @@
 """Which implementation digests a capture: the fused kernel when it can, the eager reference
 otherwise.
 
-The fused CPU kernel (agents/kernels/cpu.py) computes the same digest as agents/digest.py in one
-pass and takes a whole list of pieces per call, so the captures of one hook (all outputs of a
+The fused CPU kernel (agents/kernels/cpu.py) computes the same digest as agents/digest/digest.py in
+one pass and takes a whole list of pieces per call, so the captures of one hook (all outputs of a
 module) or of one parameter sweep cost one kernel call. Accelerator pieces go to the Triton
 digest where it is installed and passed its self-check on that device and dtype
 (agents/kernels/accel.py), likewise a whole list per call (a few launches, whatever its
@@ -18,10 +18,10 @@ import logging
 import numpy as np
 import torch
 
-from numaudit.agents.digest import N_MOMENTS, digest_piece
+from numaudit.agents.digest.digest import N_MOMENTS, digest_piece
+from numaudit.agents.digest.rows import RowBatch
+from numaudit.agents.digest.sample_digest import SamplePlan, digest_samples_eager, plan_samples
 from numaudit.agents.layout import PieceLayout
-from numaudit.agents.rows import RowBatch
-from numaudit.agents.sample_digest import SamplePlan, digest_samples_eager, plan_samples
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ where the kernel also copies the piece's bytes. Eager pieces must be detached.""
 MAX_CACHED_MAPS = 4096
 
 SampleItem = tuple[torch.Tensor, PieceLayout, int, int]
-"""A piece whose samples are digested one by one (agents/sample_digest.py): the local tensor,
+"""A piece whose samples are digested one by one (agents/digest/sample_digest.py): the local tensor,
 the samples' common layout (`sample_digest.sample_layout`), its batch dim and the sketch's k."""
 
 

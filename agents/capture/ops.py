@@ -42,9 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from numaudit.agents.hooks import graph_task_id, not_traced
+from numaudit.agents.capture.hooks import graph_task_id, not_traced
+from numaudit.agents.capture.sites import matches, normalize_site
 from numaudit.agents.layout import PieceLayout, batch_layout, reduction_layout
-from numaudit.agents.sites import matches, normalize_site
 from numaudit.wire.ops import SCALAR_INDEX, op_name, op_site
 
 log = logging.getLogger(__name__)
@@ -530,6 +530,6 @@ def _wait_collective(name: str, out) -> None:
 
 
 def _is_dtensor(t) -> bool:
-    from numaudit.agents.capture import _is_dtensor as is_dt
+    from numaudit.agents.capture.capture import _is_dtensor as is_dt
 
     return is_dt(t)

@@ -1,5 +1,5 @@
 """The hash scheme's torch side: its tables as tensors on a device and its mixing on int64
-tensors, for the eager digest (agents/digest.py) and the kernels' launchers.
+tensors, for the eager digest (agents/digest/digest.py) and the kernels' launchers.
 
 The scheme itself (constants, keys, buckets and signs, as pure functions of a global index) is
 `numaudit.wire.hashing`, shared with the auditor; its names are re-exported here, so the agent's

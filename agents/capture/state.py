@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from numaudit.agents.capture.sites import normalize_site
 from numaudit.agents.pickles import BoundedUnpickler
-from numaudit.agents.sites import normalize_site
 
 MAX_DEPTH = 64
 """Deepest nesting of dicts, lists and tuples walked in a state dict or a pickled value."""

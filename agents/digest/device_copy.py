@@ -3,8 +3,8 @@
 A capture's payload is taken when its hook runs (the tensor may be changed in place after the
 hook returns). On CUDA the copy goes straight into pinned host memory, asynchronously, on the
 current stream: the capture's rows are on the device too, so it travels in a device batch whose
-event (agents/digest.py ``digest_batch_to_host``, recorded on the same stream when the batch is
-flushed, after this copy) the sender thread waits on before it reads anything of the batch.
+event (agents/digest/digest.py ``digest_batch_to_host``, recorded on the same stream when the batch
+is flushed, after this copy) the sender thread waits on before it reads anything of the batch.
 A device-to-host copy into pageable memory would instead wait for everything queued on the
 device, on whichever thread made it: FIELD-NOTES measured 349 us per payload on an H200 (1,936
 of them a step). Pinned buffers come from torch's caching host allocator, which reuses one only

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from numaudit.agents.transport import (
+from numaudit.agents.delivery.transport import (
     EOF_MARK,
     Stream,
     Transport,

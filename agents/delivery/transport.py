@@ -1,8 +1,8 @@
 """Transports: how a session's batches reach the next hop (the auditor over gRPC, or the node
 sidecar).
 
-Both offer the same four operations to `agents.delivery.Delivery` — register, open a stream of
-batches whose acks arrive on a queue, close the session, close the transport — and report
+Both offer the same four operations to `agents.delivery.delivery.Delivery` — register, open a stream
+of batches whose acks arrive on a queue, close the session, close the transport — and report
 failures as `TransportError` carrying a gRPC status code, so the delivery logic (what to resend,
 what to drop, when to give up) is written once.
 

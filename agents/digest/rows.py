@@ -1,18 +1,18 @@
 """Host buffers of one batch of digest rows, written in place by the fused kernel.
 
-A capture's digest is two rows (agents/digest.py): float64 ``[5 + k]`` and int64 ``[6]``. The
+A capture's digest is two rows (agents/digest/digest.py): float64 ``[5 + k]`` and int64 ``[6]``. The
 fused CPU kernel writes them straight into the rows of the batch the sender will read, so a
 capture costs no tensor allocation, slicing or stacking: two ``torch.empty`` per batch of
 ``device_batch`` captures instead of two per capture plus a ``torch.stack`` (each torch call is
 microseconds; the whole capture's budget is tens of them). Rows digested eagerly on the CPU are
-copied in; rows on an accelerator do not come here (agents/capture.py batches those apart).
+copied in; rows on an accelerator do not come here (agents/capture/capture.py batches those apart).
 """
 
 from __future__ import annotations
 
 import torch
 
-from numaudit.agents.digest import N_MOMENTS
+from numaudit.agents.digest.digest import N_MOMENTS
 
 I64_COLUMNS = 6
 

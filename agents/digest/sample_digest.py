@@ -28,9 +28,9 @@ the one of the unit as a tensor of its own (``sum_t F_t h**(t numel_s)``), its m
 its samples together. Pieces of more than ``MAX_SAMPLES`` samples get none.
 
 The sample digests run through the same implementations as the piece's own digest (a sample is
-a piece: the fused CPU kernel and Triton take lists of pieces, agents/fastpath.py), or through
-:func:`digest_samples_eager`, which digests every sample of a piece in the same few vectorized
-ops per chunk.
+a piece: the fused CPU kernel and Triton take lists of pieces, agents/digest/fastpath.py), or
+through :func:`digest_samples_eager`, which digests every sample of a piece in the same few
+vectorized ops per chunk.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from numaudit.agents import hashing
-from numaudit.agents.digest import (
+from numaudit.agents.digest import hashing
+from numaudit.agents.digest.digest import (
     N_MOMENTS,
     _bits_view,
     _chunks,
@@ -106,7 +106,7 @@ def unit_plan(n: int) -> tuple[int, int] | None:
 @dataclass(slots=True)
 class SamplePlan:
     """How the samples of captures of one layout, shape, strides and dtype are digested: worked
-    out once (`agents.fastpath.Digester.sample_plan` caches it), so that a capture's samples
+    out once (`agents.digest.fastpath.Digester.sample_plan` caches it), so that a capture's samples
     cost a dictionary lookup, an addition to a descriptor array and a share of one kernel call."""
 
     layout: PieceLayout
