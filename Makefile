@@ -65,7 +65,7 @@ test-fast: $(STAMP) $(KERNEL) postgres chromium
 # the packages typed clean so far (MYPY_PACKAGES grows one package at a time). mypy reads them
 # under their import root, numaudit.*, through links in a scratch tree.
 LINT_DIRS     := agents auditor wire numaudit
-MYPY_PACKAGES := -m numaudit -p numaudit.wire -p numaudit.protos -p numaudit.agents
+MYPY_PACKAGES := -m numaudit -p numaudit.wire -p numaudit.protos -p numaudit.agents -p numaudit.auditor
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_DIRS)

@@ -92,6 +92,7 @@ class _MetadataUnpickler(BoundedUnpickler):
         fields = self.fields.get(type(obj))
         if fields is None:
             super().build(obj, state)
+        assert fields is not None  # BoundedUnpickler.build raises for any other type
         if type(obj) is self.properties:
             if not isinstance(state, tuple) or len(state) != 5:
                 raise UnsafePickle(f"{self.where}: TensorProperties state is not 5 values")
@@ -195,6 +196,7 @@ def check_metadata(md: Any, where: Path) -> DcpLayout:
         if not isinstance(value, dict):
             raise CheckpointError(f"{where}: not DCP metadata ({attr} is {describe(value)}; "
                                   "saved by a torch without it?)")
+    assert isinstance(entries, dict) and isinstance(storage, dict)  # checked just above
     for fqn, entry in entries.items():
         if type(fqn) is not str:
             raise CheckpointError(f"{where}: state_dict_metadata: a key is {describe(fqn)}, "

@@ -15,6 +15,7 @@ A checkpoint is data from elsewhere, and its metadata names the files to read. S
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import stat
@@ -51,7 +52,7 @@ def regular(path: Path) -> os.stat_result:
     return st
 
 
-def open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> io.FileIO:
     """`path` opened for reading, unbuffered; CheckpointError unless it is a regular file."""
     regular(path)
     try:
@@ -68,7 +69,8 @@ def open_regular(path: Path) -> BinaryIO:
 
 def read_bounded(f: BinaryIO, limit: int, path: Path) -> bytes:
     """What is left of `f`, at most `limit` bytes; CheckpointError naming `path` past it."""
-    parts, got = [], 0
+    parts: list[bytes] = []
+    got = 0
     while True:
         block = f.read(min(1 << 20, limit + 1 - got))
         if not block:
@@ -107,7 +109,7 @@ class FileRanges:
         self.root = os.path.realpath(root) if root is not None else None
         self._given = Path(root) if root is not None else None
         self.max_open = max(1, max_open)
-        self._files: OrderedDict[Path, BinaryIO] = OrderedDict()
+        self._files: OrderedDict[Path, io.FileIO] = OrderedDict()
         self._checked: dict[Path, Path] = {}
         self._lock = threading.RLock()
         self.bytes_read = 0
@@ -134,7 +136,7 @@ class FileRanges:
         except OSError:
             return False
 
-    def _open(self, path: Path) -> BinaryIO:
+    def _open(self, path: Path) -> io.FileIO:
         f = self._files.get(path)
         if f is not None:
             self._files.move_to_end(path)
@@ -150,7 +152,8 @@ class FileRanges:
                   buffer: torch.Tensor | None) -> torch.Tensor:
         """`nbytes` bytes of `path` from `offset` as a uint8 tensor (in `buffer` if given)."""
         out = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer[:nbytes]
-        view = memoryview(out.numpy()).cast("B")
+        # numpy's stubs do not declare ndarray a Buffer, which it is
+        view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
         with self._lock:
             f = self._open(path)
             f.seek(offset)

@@ -55,7 +55,9 @@ class NameMap:
             m = rule.pattern.match(name)
             if m is not None:
                 groups = iter(m.groups())
-                ref = re.sub(r"\*\*|\*", lambda _, g=groups: next(g), rule.ref)
+                # mypy cannot infer a lambda with a default (it binds this rule's groups)
+                ref = re.sub(r"\*\*|\*", lambda _, g=groups: next(g),  # type: ignore[misc]
+                             rule.ref)
                 return ref, rule.transpose
         return name, False
 

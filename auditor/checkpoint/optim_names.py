@@ -105,14 +105,15 @@ class NamedByIndex(Source):
                 "(optimizer.state_dict() against get_state_dict)")
 
 
-def name_optimizer_indices(sides: dict[str, Source], *, renamed_side_may_map: bool = True
+def name_optimizer_indices(sides: dict[str, Source | str], *, renamed_side_may_map: bool = True
                            ) -> list[str]:
     """Wrap, in `sides`, a file side whose optimizer state is keyed by index when the other
     file side's is keyed by name; the notes to report. ``renamed_side_may_map`` False: the
     candidate gets a name map afterwards, so it is not renamed into the reference's names."""
-    if not all(isinstance(s, Source) for s in sides.values()) or len(sides) != 2:
+    files = {side: s for side, s in sides.items() if isinstance(s, Source)}
+    if len(files) != len(sides) or len(sides) != 2:
         return []
-    lists = {side: param_lists(src) for side, src in sides.items()}
+    lists = {side: param_lists(src) for side, src in files.items()}
     notes = []
     for side, other in (("ref", "cand"), ("cand", "ref")):
         tables = index_names(lists[side], lists[other])
@@ -122,7 +123,7 @@ def name_optimizer_indices(sides: dict[str, Source], *, renamed_side_may_map: bo
             notes.append("cand's optimizer state is keyed by parameter index and ref's by name: "
                          "not renamed, because a name map is applied to cand")
             continue
-        wrapped = NamedByIndex(sides[side], tables)
+        wrapped = NamedByIndex(files[side], tables)
         sides[side] = wrapped
         notes.append(wrapped.note(side, other))
     return notes

@@ -193,7 +193,8 @@ def read_header(files: FileRanges, path: Path, base: int = 0
         where = f"{path}: tensor {name[:200]!r}"
         if not isinstance(info, dict):
             raise CheckpointError(f"{where}: entry is not an object")
-        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        dtype_name = info.get("dtype")
+        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise CheckpointError(f"{where}: dtype {describe(info.get('dtype'))} is not one of "
                                   f"{', '.join(DTYPES)}")

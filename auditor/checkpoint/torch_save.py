@@ -38,7 +38,7 @@ def check_archive(path: Path) -> None:
         try:
             zf = zipfile.ZipFile(path)
         except zipfile.BadZipFile:
-            with io.BufferedReader(open_regular(path)) as f:  # type: ignore[arg-type]
+            with io.BufferedReader(open_regular(path)) as f:
                 for _ in range(4):  # magic, protocol, system info, the object
                     check_pickle(f, str(path))
             return
@@ -88,7 +88,8 @@ class TorchSaveSource(Source):
             if isinstance(value, torch.Tensor):
                 yield _tensor_entry(self, name, value)
             else:
-                yield Entry(name, load_value=lambda v=value: (v, ""))
+                # the default binds this value; mypy cannot infer a lambda with defaults
+                yield Entry(name, load_value=lambda v=value: (v, ""))  # type: ignore[misc]
 
     def close(self) -> None:
         self.obj = None

@@ -83,7 +83,7 @@ def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | N
 @click.option("--store", "--db", "db", type=STORE, metavar="PATH|URL",
               help=f"Read a store: a SQLite file or a postgresql:// URL (default ${ENV_DB}).")
 def calibrate(runs: tuple[str, ...], output: Path, preset: str | None,
-              policy_file: Path | None, steps: str | None, db: Path | None) -> int:
+              policy_file: Path | None, steps: str | None, db: Path | str | None) -> int:
     """Measure the noise bands among RUNS (a reference and its reruns with the same
     configuration: every pair of them) and save them for `compare --noise-bands`."""
     import os

@@ -92,7 +92,7 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
     from numaudit.auditor.checkpoint.formats import open_source
     from numaudit.auditor.checkpoint.mapping import load_map
     from numaudit.auditor.checkpoint.optim_names import name_optimizer_indices
-    from numaudit.auditor.checkpoint.sources import CheckpointError
+    from numaudit.auditor.checkpoint.sources import CheckpointError, Source
 
     # a reshard or a conversion does no arithmetic: bitwise unless told otherwise
     policy, _ = _load_policy(policy_file, preset or (None if policy_file else "bitwise"))
@@ -103,7 +103,7 @@ def checkpoint(ref: str, cand: str, policy_file: Path | None, preset: str | None
         db = Path(os.environ[ENV_DB])
     try:
         name_map = load_map(map_file) if map_file is not None else None
-        sides = {}
+        sides: dict[str, Source | str] = {}  # a stored run's name, or files
         for side, spec in (("ref", ref), ("cand", cand)):
             if spec.startswith(RUN_PREFIX):
                 if db is None:

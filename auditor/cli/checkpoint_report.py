@@ -39,7 +39,7 @@ def prefix_map(sides: dict[str, Any], directory: Path) -> tuple[Any, list[str]]:
 def suggestion_from_report(report: Any) -> list[str]:
     """Where the comparison's missing entries are one side's names with a prefix: the map
     that pairs them (for a run: side, or a prefix not applied before the comparison)."""
-    only = {"missing_in_cand": set(), "missing_in_ref": set()}
+    only: dict[str, set[str]] = {"missing_in_cand": set(), "missing_in_ref": set()}
     for f in report.findings(breaches_only=True):
         if f.verdict in only and f.key.phase == "state":
             only[f.verdict].add(f.key.site)

@@ -62,6 +62,7 @@ def ingest(spools: tuple[Path, ...], db: Path | None, address: str | None, run: 
             raise InputError(str(exc)) from None
         results = replay_into_db(files, db, run=run or "")
     else:
+        assert address is not None  # checked above: db or address
         results = replay(files, address, token=token_from_env(),
                          tls=client_tls(tls_ca, tls_cert, tls_key), run=run or "")
     failed = False

@@ -118,9 +118,12 @@ class _Group(click.Group):
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            # click's overloads (on standalone_mode) match no forwarded *args
+            return super().main(  # type: ignore[call-overload]
+                *args, standalone_mode=False, **kwargs)
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(*args, standalone_mode=False,  # type: ignore[call-overload]
+                              **kwargs)
         except click.exceptions.NoArgsIsHelpError as exc:
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc), err=True)
             sys.exit(2)
@@ -242,6 +245,7 @@ def store_or_address(db: Path | str | None, address: str | None,
         tls = tls if tls is not None else tls_from_env()
     except TLSError as exc:
         raise InputError(str(exc)) from None
+    assert address is not None  # given, or from $NUMAUDIT_ADDR (else InputError above)
     return AddressSource(address, timeout, tls=tls, token=token or token_from_env())
 
 
@@ -385,9 +389,9 @@ def port_in_use(listen: str) -> str:
     host, _, port = listen.rpartition(":")
     if not port.isdigit() or int(port) == 0:
         return ""
-    host = host.strip("[]") or None
+    bind_host = host.strip("[]") or None
     try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+        infos = socket.getaddrinfo(bind_host, int(port), type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError):
         return ""
@@ -403,7 +407,7 @@ def port_in_use(listen: str) -> str:
             if exc.errno == errno.EADDRINUSE:
                 return (f"listen: {listen}: address already in use (another auditor or another "
                         f"program listens there: stop it, or give another port; "
-                        f"--listen {host or '0.0.0.0'}:0 picks a free one)")
+                        f"--listen {bind_host or '0.0.0.0'}:0 picks a free one)")
         finally:
             sock.close()
     return ""

@@ -39,7 +39,7 @@ def _registered(source: StoreSource | AddressSource, run: str) -> bool:
 
 
 def wait_for_runs(source: StoreSource | AddressSource, runs: Sequence[str], *, timeout: float,
-                  poll: float, status: Callable[[str], None],
+                  poll: float, status: Callable[[str], object],
                   clock: Callable[[], float] = time.monotonic) -> None:
     """Return once every run of `runs` is registered in `source`; InputError after `timeout`
     seconds. `status` is told once which runs it waits for."""

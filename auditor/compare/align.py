@@ -72,7 +72,7 @@ class Key(NamedTuple):
     phase: str
     site: str
     role: str
-    index: int = 0
+    index: int = 0  # type: ignore[assignment]  # a field may shadow tuple.index; mypy objects
     call: int = 0
 
     def __str__(self) -> str:

@@ -168,7 +168,7 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
     before = (f", as backward runs the stages last to first; stages {stages[0]}-{stop} are all "
               "without them" if len(stages) > 1 else "")
     text = f"gradients stop at {where} (the first without {what} in {run}{before})"
-    later = stop + 1 if stages else None
+    later = stages[-1] + 1 if stages else None
     if later is not None and later not in stages and (keys.stage == later).any():
         text += (f", at the stage {stop} -> {later} boundary (stage {later}'s parameters "
                  "received gradients)")

@@ -107,6 +107,7 @@ class RunColumns:
     @property
     def numbered(self) -> bool:
         """Every piece carries its capture order (vacuously true without pieces)."""
+        assert self.order is not None  # __post_init__ sets it
         return bool((self.order > 0).all())
 
     @classmethod
@@ -184,7 +185,7 @@ class Catalog:
         self.placed: list[bool] = []
         """False for layouts `derived_piece` made for records moved to another place, whose
         fingerprints and sketches describe where they were digested, not where they now lie."""
-        self._layout_ids: dict[str, int] = {}
+        self._layout_ids: dict[tuple, int] = {}
         self.dtypes: list[str] = []
         self._dtype_ids: dict[str, int] = {}
         self.shapes: list[tuple] = []

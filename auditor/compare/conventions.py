@@ -120,7 +120,8 @@ def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
 
 
 def _phase(comp: Comparison, phase: int) -> np.ndarray:
-    return phase == (comp.A & 0xF)
+    phases = comp.A & 0xF
+    return phases == phase
 
 
 def _forward_matched(comp: Comparison) -> np.ndarray:
@@ -158,7 +159,9 @@ def _bwd_trial(comp: Comparison, ref_info: dict, cand_info: dict, ev: GradEviden
     snapped = {factors.snap(float(x)) for x in sb}
     if len(snapped) != 1 or None in snapped:
         return None
-    n, inverse = snapped.pop()
+    snap = snapped.pop()
+    assert snap is not None  # ruled out just above
+    n, inverse = snap
     g = 1.0 / n if inverse else float(n)
     if len(sharing(comp, ev, g)):
         return None  # the factor reaches training: it is the finding, not a convention

@@ -166,6 +166,7 @@ class LiveComparison:
     def _drilled(self, past: float, finished: bool) -> list[LiveEvent]:
         """The escalated modules' op-level comparisons whose step both runs are past, and the
         directives asked again for those a run passed without captures (`live_drill`)."""
+        assert self.drill is not None  # called only when there is a drill (`poll`)
         if not self.drill.ready(past, finished):
             return []
         mesh = {side: mesh_of(self.reader, name) for side, name in self.names.items()}

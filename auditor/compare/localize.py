@@ -100,10 +100,11 @@ def localize(comp, i: int) -> dict | None:
     shapes = comp.catalog.shapes
     mixed = shapes[rk.shape[ri]][2] != shapes[ck.shape[ci]][2]
     if mixed:  # flat pieces in one run, boxes of the tensor's shape in the other
-        rb, cb = _as_ranges(comp, rk, ri, rb), _as_ranges(comp, ck, ci, cb)
-        if rb is None or cb is None:
+        r_ranges, c_ranges = _as_ranges(comp, rk, ri, rb), _as_ranges(comp, ck, ci, cb)
+        if r_ranges is None or c_ranges is None:
             return _cannot("one run holds flat pieces (ranges of the tensor's flattening), the "
                            "other boxes of its shape that are not such ranges")
+        rb, cb = r_ranges, c_ranges
     scale = comp.bwd_factor if (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
     check = _check(comp, i)
     # samples in other orders (auditor.compare.regroup): only the logical values, the

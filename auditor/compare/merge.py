@@ -148,9 +148,9 @@ def plan_tiling(pieces: Sequence[Piece]) -> TilingPlan:
 
     flat = [i for i in present if pieces[i].flat]
     if flat and len(flat) < len(present):
-        boxes = [i for i in present if not pieces[i].flat]
+        not_flat = [i for i in present if not pieces[i].flat]
         problem = _multi_problem(
-            "disagree", [flat, boxes], "ranks disagree on the layout: ranks {r0} send flat "
+            "disagree", [flat, not_flat], "ranks disagree on the layout: ranks {r0} send flat "
             "pieces (ranges of the tensor's flattening), ranks {r1} boxes of its own shape")
         return TilingPlan(status=INCOMPLETE, problems=(problem,))
     for attr, what in (("logical_shape", "logical shape"), ("dtype", "dtype"),
@@ -255,7 +255,8 @@ def _ragged_problems(pieces: Sequence[Piece], present: list[int]) -> list[Proble
     Runs after the bounds check, before the box tiling (which would report the same faults less
     precisely: a missing part as a gap, parts out of order not at all).
     """
-    ragged = [i for i in present if pieces[i].ragged is not None]
+    parts_of = {i: r for i in present if (r := pieces[i].ragged) is not None}
+    ragged = list(parts_of)
     if not ragged:
         return []
     plain = [i for i in present if pieces[i].ragged is None]
@@ -264,15 +265,15 @@ def _ragged_problems(pieces: Sequence[Piece], present: list[int]) -> list[Proble
                                "tensor and ranks {r1} plain pieces of it")]
     counts: dict[int, list[int]] = {}
     for i in ragged:
-        counts.setdefault(pieces[i].ragged[2], []).append(i)
+        counts.setdefault(parts_of[i][2], []).append(i)
     if len(counts) > 1:
         detail = "ranks disagree on the number of ragged parts: " + ", ".join(
             f"{n} on ranks {{r{k}}}" for k, n in enumerate(counts))
         return [_multi_problem("disagree", list(counts.values()), detail)]
-    n_parts = pieces[ragged[0]].ragged[2]
+    n_parts = parts_of[ragged[0]][2]
     groups: dict[tuple[int, int], list[int]] = {}
     for i in ragged:
-        first, span, _ = pieces[i].ragged
+        first, span, _ = parts_of[i]
         groups.setdefault((first, span), []).append(i)
     problems: list[Problem] = []
     for (first, span), members in groups.items():
@@ -331,25 +332,25 @@ def _plan_reduction(pieces: Sequence[Piece], present: list[int],
     """
     first = pieces[present[0]]
     shape = first.logical_shape
-    base = dict(dtype=first.dtype, logical_shape=shape, complex_as_real=first.complex_as_real,
-                flat=first.flat)
+    base = TilingPlan(status=INCOMPLETE, dtype=first.dtype, logical_shape=shape,
+                      complex_as_real=first.complex_as_real, flat=first.flat)
     kinds = {(pieces[i].reduce, pieces[i].reduce_count) for i in present}
     if len(kinds) > 1:
         groups: dict = {}
         for i in present:
             groups.setdefault((pieces[i].reduce, pieces[i].reduce_count), []).append(i)
         parts = [f"{_reduce_text(*k)} on ranks {{r{n}}}" for n, k in enumerate(groups)]
-        return TilingPlan(status=INCOMPLETE, **base, problems=(_multi_problem(
+        return replace(base, problems=(_multi_problem(
             "disagree", list(groups.values()),
             "ranks disagree on the reduction over the batch: " + ", ".join(parts)),))
     kind, count = next(iter(kinds))
     if kind not in REDUCE_NAMES:
-        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+        return replace(base, problems=(Problem(
             "disagree", tuple(present), f"unknown reduction {kind} on ranks {{ranks}}"),))
     not_whole = tuple(i for i in present if pieces[i].offsets != (0,) * len(shape)
                       or pieces[i].shape != shape)
     if not_whole:
-        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+        return replace(base, problems=(Problem(
             "bounds", not_whole, "ranks {ranks} hold only part of a reduced value (an addend of "
                                  "a reduction over the batch must cover the whole tensor)"),))
     by_index: dict[int, list[int]] = {}
@@ -364,7 +365,7 @@ def _plan_reduction(pieces: Sequence[Piece], present: list[int],
                         "missing")
         if outside:
             what.append("some addend indices lie outside the dp size")
-        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+        return replace(base, problems=(Problem(
             "gap", tuple(present), f"{_reduce_text(kind, count)} from ranks {{ranks}}: "
                                    + "; ".join(what)),))
     take = sorted(m[0] for m in by_index.values())
@@ -376,11 +377,11 @@ def _plan_reduction(pieces: Sequence[Piece], present: list[int],
     else:
         coef = (1.0,) * len(take)
     if nones:  # a None addend next to values: that dp rank's piece is missing
-        return TilingPlan(status=INCOMPLETE, **base, problems=(Problem(
+        return replace(base, problems=(Problem(
             "none_mixed", nones, "the reduced value is None on ranks {ranks} but not on the "
                                  "others"),))
-    return TilingPlan(status=OK, take=tuple(take), replica_sets=replica_sets,
-                      partial=count > 1, reduce=kind, coef=coef, **base)
+    return replace(base, status=OK, take=tuple(take), replica_sets=replica_sets,
+                   partial=count > 1, reduce=kind, coef=coef)
 
 
 def _reduce_text(kind: int, count: int) -> str:
@@ -496,7 +497,8 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
         return LogicalDigest(NONE, None, plan)
     if plan.status == INCOMPLETE:
         return LogicalDigest(INCOMPLETE, None, plan, plan.describe(ranks))
-    digests = [d for _, d in pieces]
+    # only None pieces lack a digest, and plans never take or compare those positions
+    digests = {i: d for i, (_, d) in enumerate(pieces) if d is not None}
     for rs in plan.replica_sets:
         fps = {digests[i].fingerprint for i in rs}
         if len(fps) > 1:
@@ -522,7 +524,7 @@ def merge_pieces(pieces: Sequence[tuple[Piece, DigestValues | None]],
         boxes.setdefault(pieces[i][0].box, []).append(digests[i])
     parts = [merge_partial(v) if _is_partial(pieces, k) else v[0] for k, v in boxes.items()]
     if not parts:  # every piece empty: a tensor with no elements
-        d0 = next(d for d in digests if d is not None)
+        d0 = next(iter(digests.values()))
         merged = DigestValues.empty(d0.has_moments, d0.sketch_k)
     else:
         merged = merge_disjoint(parts)

@@ -275,7 +275,7 @@ def ordered_bits(bits: np.ndarray) -> np.ndarray:
     """
     nbits = bits.dtype.itemsize * 8
     if nbits == 64:
-        mag = (bits & np.uint64((1 << 63) - 1)).astype(np.float64)
+        mag: np.ndarray = (bits & np.uint64((1 << 63) - 1)).astype(np.float64)
         return np.where(bits >> np.uint64(63) != 0, -mag, mag)
     b = bits.astype(np.int64)
     sign = b >> (nbits - 1)

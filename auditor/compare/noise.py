@@ -88,6 +88,7 @@ def apply_bands(comp, spec: NoiseSpec) -> dict:
     """Judge every key of ``comp`` that has a band (module docstring); returns the summary the
     report carries (counts per kind)."""
     bands = spec.bands
+    assert bands is not None  # callers run resolve_bands first
     g_all = bands.locate(comp.A, comp.B, comp.catalog.site_names)
     v = comp.verdict
     counts = dict.fromkeys(KINDS, 0)
@@ -158,6 +159,7 @@ def _dtype_floor(comp, i: int) -> tuple[float, str]:
 
 def _judge(comp, i: int, g: int, measured, spec: NoiseSpec) -> str:
     bands, slack = spec.bands, spec.slack
+    assert bands is not None  # set by resolve_bands before apply_bands
     floor, dtype = _dtype_floor(comp, i)
     bitwise_key = bands.state[g] == BITWISE
     base = {"band": "bitwise" if bitwise_key else "noisy", "runs": len(bands.runs),
@@ -371,6 +373,7 @@ def _whole(comp, i: int, g: int, why: str, spec: NoiseSpec, floor: float, dtype:
            base: dict) -> str:
     """A key not measurable piece by piece: judged as a whole only where that breaches."""
     bands = spec.bands
+    assert bands is not None  # set by resolve_bands before apply_bands
     pm = comp.payload.get(i)
     rel = float(pm["rel_l2"]) if pm is not None and isinstance(pm.get("rel_l2"), float) \
         else float(comp.rel_l2[i])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -278,7 +279,9 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
     pairs = al.pairs
     out.compared = len(pairs)
     # events in execution order (the reference's numbering; backward runs it in reverse)
-    events = [(float(r), "pair", (r, c)) for r, c in pairs]
+    # (place, "pair", (ref position, cand position)) or (place, "unpaired", (side, position))
+    events: list[tuple[float, str, tuple[Any, int]]] = [
+        (float(r), "pair", (r, c)) for r, c in pairs]
     events += [(p, "unpaired", (s, o)) for p, s, o in al.unpaired()]
     events.sort(key=lambda e: e[0], reverse=(phase == BWD))
     ids = {r: comp.catalog.site_id(op_site(module, r, al.names[("ref", r)])) for r, _ in pairs}
@@ -294,7 +297,7 @@ def _call_finding(comp, g: tuple, al: Alignment, tables: dict, index: dict, per_
         kind, item = events[n][1], events[n][2]
         later[n] = later[n + 1] or (kind == "pair" and bad(item[0]))
     first_inherited: OpFinding | None = None
-    first_cast = None
+    first_cast: tuple[Any, int] | None = None
     for n, (_place, kind, item) in enumerate(events):
         if kind == "unpaired":
             if first_inherited is not None or not later[n + 1]:

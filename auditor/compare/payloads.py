@@ -41,7 +41,7 @@ def payload_keys(comp: Comparison, R: dict, C: dict, n: int) -> np.ndarray:
     return ok_r & ok_c
 
 
-def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int, rtol: float,
+def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int | np.integer, rtol: float,
                 atol: float, ref_scale: float = 1.0) -> None:
     """Exact metrics of key i from both runs' bytes (bounded by policy.payload_max_bytes);
     the reference's values are multiplied by ``ref_scale`` first (activation gradients)."""
@@ -110,7 +110,7 @@ def logical_values(comp: Comparison, which: str, g: int):
     return _assemble(comp, which, g, {}, 0)
 
 
-def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
+def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int | np.integer):
     """(float64 values, raw bits or None, dtype) of one side's logical tensor from payloads."""
     lk = comp.ref_keys if which == "ref" else comp.cand_keys
     cols = comp.ref if which == "ref" else comp.cand
@@ -144,6 +144,7 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int):
             values[box] += v * coef if coef != 1.0 else v
         else:
             values[box] = v
+            assert bits is not None  # None only for a partial sum
             bits[box] = b
     if bits is not None:
         bits = bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[

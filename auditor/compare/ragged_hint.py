@@ -23,7 +23,9 @@ def undeclared_ragged(pieces: Sequence, present: list[int]) -> tuple[list[list[i
     if any(pieces[i].ragged is not None or pieces[i].reduce or pieces[i].partial
            for i in present):
         return None
-    dp_sizes, trailing, by_rows = set(), set(), {}
+    dp_sizes: set[int] = set()
+    trailing: set[tuple[int, ...]] = set()
+    by_rows: dict[int, list[int]] = {}
     for i in present:
         p = pieces[i]
         if (not p.shape or len(p.logical_shape) != len(p.shape)

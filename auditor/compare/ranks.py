@@ -42,9 +42,11 @@ def _dim_name(mesh: dict, d: int) -> str:
 
 def fixed_dims(mesh: dict | None, ranks: Sequence[int]) -> dict[str, int]:
     """Mesh dims on which every rank of ``ranks`` has the same coordinate ({} when unknown)."""
-    coords = (mesh or {}).get("coords") or {}
-    cs = [coords.get(int(r)) for r in ranks]
-    if not cs or any(c is None for c in cs) or len({len(c) for c in cs}) != 1:
+    mesh = mesh or {}
+    coords = mesh.get("coords") or {}
+    got = [coords.get(int(r)) for r in ranks]
+    cs = [c for c in got if c is not None]
+    if not got or len(cs) < len(got) or len({len(c) for c in cs}) != 1:
         return {}
     return {_dim_name(mesh, d): cs[0][d] for d in range(len(cs[0]))
             if all(c[d] == cs[0][d] for c in cs)}
@@ -52,9 +54,11 @@ def fixed_dims(mesh: dict | None, ranks: Sequence[int]) -> dict[str, int]:
 
 def varying_dims(mesh: dict | None, ranks: Sequence[int]) -> list[str]:
     """Mesh dims along which ``ranks`` differ: what they are replicas over ([] when unknown)."""
-    coords = (mesh or {}).get("coords") or {}
-    cs = [coords.get(int(r)) for r in ranks]
-    if len(cs) < 2 or any(c is None for c in cs) or len({len(c) for c in cs}) != 1:
+    mesh = mesh or {}
+    coords = mesh.get("coords") or {}
+    got = [coords.get(int(r)) for r in ranks]
+    cs = [c for c in got if c is not None]
+    if len(got) < 2 or len(cs) < len(got) or len({len(c) for c in cs}) != 1:
         return []
     return [_dim_name(mesh, d) for d in range(len(cs[0])) if len({c[d] for c in cs}) > 1]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -128,8 +128,8 @@ class Arrays:
     """Whether the records come in (key, rank) order."""
 
 
-def _interned(lay: list[str]) -> tuple[list[str], np.ndarray]:
-    texts: dict[str, int] = dict.fromkeys(lay)  # distinct layouts, at C speed
+def _interned(lay: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    texts: dict[str, int | None] = dict.fromkeys(lay)  # distinct layouts, at C speed
     text_list = list(texts)
     for i, t in enumerate(text_list):
         texts[t] = i
@@ -202,7 +202,8 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
     count = key_segments.covered(conn, run_id)
     if not count:
         return None
-    parts, entries = [], {}
+    parts: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+    entries: dict[tuple, int] = {}
     try:
         for (blob,) in conn.execute(
                 "SELECT data FROM segments WHERE run_id = ? ORDER BY segment_id", (run_id,)):
@@ -321,7 +322,7 @@ class Digests:
         """
         n = len(rids)
         if n == 0:
-            out = {c: np.zeros(0) for c in DIGEST_COLUMNS}
+            out: dict[str, np.ndarray] = {c: np.zeros(0) for c in DIGEST_COLUMNS}
             out["sketch"], out["sketch_k"] = np.zeros((0, 0)), np.zeros(0, np.int64)
             out["sketch_seed"] = np.zeros(0, np.int64)
             return out
@@ -345,7 +346,8 @@ class Digests:
         out["sketch_seed"] = seeds[pos] if len(seeds) else np.zeros(0, np.int64)
         return out
 
-    def _of(self, uniq: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], list, np.ndarray]:
+    def _of(self, uniq: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], Sequence,
+                                             np.ndarray]:
         """(record ids found, DIGEST_COLUMNS as float64, sketch blobs, sketch seeds) of the
         sorted record ids `uniq`: from `prefetch` and only the sketches from rows when it holds
         them all, else everything from rows."""

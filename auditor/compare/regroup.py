@@ -36,6 +36,7 @@ same logical tensors (docs/comparison.md, "Regrouped microbatches").
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import overload
 
 import numpy as np
 
@@ -172,6 +173,7 @@ def _lines(notes: dict[str, list[int]]) -> list[str]:
 
 
 def _rebuilt(cols: RunColumns, new: dict) -> RunColumns:
+    assert cols.order is not None  # RunColumns.__post_init__ sets it
     out = RunColumns(cols.name, cols.side, new["A"], cols.B.copy(), cols.rank.copy(),
                      cols.stage.copy(), cols.flags.copy(), new["layout"], new["fp"],
                      cols.rid.copy(), max_rid=cols.max_rid, order=cols.order.copy())
@@ -237,10 +239,10 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool
     rows_r: dict[int, int] | None = None
     rows_c: dict[int, int] | None = None
     # keys in ref's capture order: the earliest batch-holding key sets the grouping
-    first_rid = {k: None for k in sh_r}
+    first_rid: dict[tuple[int, int], int] = {}  # every key of sh_r is some row's of at_r
     for r in at_r:
         k = (int(ph_r[r]), int(rc.B[r]))
-        if k in first_rid and first_rid[k] is None:
+        if k in sh_r and k not in first_rid:
             first_rid[k] = int(rc.rid[r])
     for k in sorted((k for k in sh_r if k in sh_c), key=lambda k: first_rid[k]):
         ref, cand = sh_r[k], sh_c[k]
@@ -260,6 +262,7 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool
             dim_of[k] = d
     if rows_r is None:
         return None, ""
+    assert rows_c is not None  # set together with rows_r
     if known is not None:
         return replace(known, dim_of={**dim_of, **known.dim_of}), ""
     alike = [rows_r[m] for m in mbs_r] == [rows_c[m] for m in mbs_c]
@@ -293,6 +296,12 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool
 
 # -- re-keying -------------------------------------------------------------------------------------
 
+@overload
+def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
+                to_target: None) -> dict[int, tuple[int, int]]: ...
+@overload
+def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
+                to_target: np.ndarray) -> dict[int, tuple[int, int]] | None: ...
 def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
                 to_target: np.ndarray | None) -> dict[int, tuple[int, int]] | None:
     """Record → (target sample position of its first row, rows) for the batch-holding records
@@ -334,6 +343,7 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
     grouping = _grouping(plan, rc.name, cc.name)
     place_c = _placements(cc, at_c, mb_c, ph_c, catalog, plan, plan.rows_cand, plan.perm)
     place_r = None
+    moves: list[tuple[str, dict[int, tuple[int, int]], np.ndarray | None]]
     # (side, its placements in the target's order, the map of its positions to it)
     if place_c is not None and _fits(place_c, plan.rows_ref):
         target, what = plan.rows_ref, f"{cc.name}'s re-keyed into {rc.name}'s"

@@ -172,8 +172,9 @@ def spread_copies(before: RunColumns, after: RunColumns, other: RunColumns,
     copies: list[tuple[int, int]] = []
     for key, rows in by_key.items():
         s = key[0]
-        to = [targets.get((s, int(mb_new[r]))) for r in rows]
-        if key in moved_keys or any(t is None for t in to) or all(
+        got = [targets.get((s, int(mb_new[r]))) for r in rows]
+        to = [t for t in got if t is not None]
+        if key in moved_keys or len(to) < len(got) or all(
                 t == {int(mb_new[r])} for t, r in zip(to, rows)):
             continue  # re-keyed, in a microbatch nothing went from, or where it was
         here, there = shapes_here.get(key), shapes_there.get(key)

@@ -66,7 +66,7 @@ def merge_side(comp: Comparison, keys_idx: np.ndarray, which: str, catalog: Cata
     d = catalog.fetch_digests(cols.rid[rows])
     n = len(rows)
     d["sum"] = d["sum"] * coef  # a mean over dp ranks: weighted addends (1 elsewhere)
-    out = {}
+    out: dict[str, np.ndarray | int] = {}
     for c in ("nan", "posinf", "neginf", "zeros", "sum", "sum_sq"):
         out[c] = segment_reduce(np.add, d[c], offsets, n, 0.0)
     out["min"] = segment_reduce(np.minimum, d["min"], offsets, n, math.inf)
@@ -148,7 +148,7 @@ def _scaled_exactly(comp: Comparison, keys: np.ndarray, ri: np.ndarray, ci: np.n
     return out
 
 
-def _digests_scaled(R: dict, C: dict, j: int) -> bool:
+def _digests_scaled(R: dict, C: dict, j: int | np.integer) -> bool:
     """Whether key j's candidate digests are exactly the reference's as scaled (`scale_bwd`):
     sketch and moments equal to the last bit, as a power-of-two factor makes them."""
     return all(np.array_equal(np.asarray(C[k][j]), np.asarray(R[k][j]), equal_nan=True)
@@ -243,8 +243,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
         cos_d = np.where(got, sampled.cos_dist, cos_d)
         cos_s = np.where(got, sampled.cos_sigma, cos_s)
         sketch_ok = sketch_ok | got
-        for j, note in sampled.notes.items():
-            comp.notes.setdefault(int(keys[j]), []).append(note)
+        for pos, note in sampled.notes.items():
+            comp.notes.setdefault(int(keys[pos]), []).append(note)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(rn > 0, dist / rn, np.where(dist > 0, np.inf, 0.0))
         rel_sigma = np.where(rn > 0, dist_sigma / rn, np.nan)
@@ -344,8 +344,8 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
         certain[abs_mode] = lb[abs_mode] > thr[abs_mode]
         code_out[abs_mode] = M_L2
         for j in np.flatnonzero(sel & pm_ok):
-            pm = comp.payload[int(keys[j])]
-            value[j] = pm["_l2"] if abs_mode[j] else pm["rel_l2"]
+            exact = comp.payload[int(keys[j])]
+            value[j] = exact["_l2"] if abs_mode[j] else exact["rel_l2"]
             sig[j], certain[j] = 0.0, False
         value[sel & scaled_exact], sig[sel & scaled_exact] = 0.0, 0.0
         certain[sel & scaled_exact] = False
@@ -365,14 +365,18 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
             amax = R["abs_max"][j]
             thr[j] = e if has_explicit[j] else (rtol[j] + atol[j] / amax if amax > 0 else math.inf)
         elif m == "allclose":
+            assert pm is not None  # a payload metric only where pm_ok (PAYLOAD_CODES above)
             value[j], thr[j] = pm["allclose"], 1.0
         elif m == "max_abs":
+            assert pm is not None  # a payload metric only where pm_ok (PAYLOAD_CODES above)
             value[j] = pm["max_abs"]
             thr[j] = e if has_explicit[j] else atol[j] + rtol[j] * R["abs_max"][j]
         elif m == "max_rel":
+            assert pm is not None  # a payload metric only where pm_ok (PAYLOAD_CODES above)
             value[j] = pm["max_rel"]
             thr[j] = e if has_explicit[j] else rtol[j]
         elif m == "ulp":
+            assert pm is not None  # a payload metric only where pm_ok (PAYLOAD_CODES above)
             if pm.get("ulp") is None:
                 comp.notes.setdefault(i, []).append("ulp needs the same float dtype in both runs: "
                                                     "compared by max_rel instead")

@@ -39,7 +39,7 @@ def state_cause(comp: Comparison, i: int) -> F.Cause:
                 f"{comp.cand.name} (a checkpoint entry: nothing upstream to inherit from)")
     if moved:
         code = int(comp.ref_keys.shape[int(comp.ri[i])])
-        shape = comp.catalog.shapes[code][0] if code >= 0 else ()
+        shape: tuple[int, ...] = comp.catalog.shapes[code][0] if code >= 0 else ()
         square = len(shape) == 2 and shape[0] == shape[1]
         return F.Cause("introduced", (
             f"{key.site} holds the same values in other positions: equal counts, sums and "

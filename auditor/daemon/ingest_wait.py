@@ -73,7 +73,7 @@ async def next_batch(batches: AsyncIterator[Any], slot: StreamSlot, slots: Recei
         return nxt.result()
     # Raise it without the cycle task -> error -> traceback -> this frame -> task, which kept
     # the caller's frame (and the 40 MiB batch it last held) alive until a full gc.
-    nxt = None
+    del nxt
     try:
         raise error
     finally:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from google.protobuf.message import Message
+
 from numaudit.auditor.daemon.validate import CorruptedInTransit, ValidationError
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.checksum import received_records_checksum
@@ -72,7 +74,7 @@ async def _parsed_stream(messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _parsed(message)
 
 
-def _serializer(cls: type) -> Callable[[Any], bytes]:
+def _serializer(cls: type[Message]) -> Callable[[Any], bytes]:
     """A response serializer that passes bytes through: a handler whose reply was serialized
     in a worker process (Compare's reply, Watch's events) returns those bytes, so the daemon
     never holds a large reply as a message or serializes it on its event loop."""

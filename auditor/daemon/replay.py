@@ -90,6 +90,7 @@ def _replay_file(stub, path: Path, metadata, run: str = "") -> ReplayResult:
         return result
     result.skipped_frames, result.skipped_bytes = spool.skipped_frames, spool.skipped_bytes
     result.problems = list(spool.problems)
+    assert spool.register is not None  # read_spool refuses a spool without one
     if run:
         spool.register.run = run
     result.run, result.rank = spool.register.run, spool.register.rank

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
@@ -298,8 +298,9 @@ class AuditorService(numaudit_pb2_grpc.AuditorServicer):
                     self._slots.release(slot)
                     cols, hashes = await self._offload(_validate_and_hash, batch)
                     session, seq = batch.session_id, batch.seq
+                    # the defaults bind this batch's values; mypy cannot infer such a lambda
                     result = await self._commit(
-                        lambda store, c=cols, h=hashes, s=session, q=seq:
+                        lambda store, c=cols, h=hashes, s=session, q=seq:  # type: ignore[misc]
                             store.ingest_columns(s, q, c, h))
                     del batch, cols, hashes  # not held while the stream waits for the next one
                 log.debug("session=%s seq=%d stored=%d duplicates=%d conflicts=%d", session, seq,
@@ -435,6 +436,7 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
             try:
                 port = server.add_secure_port(listen, credentials)
             except RuntimeError as exc:  # gRPC says only "Failed to bind" for a bad key too
+                assert tls is not None  # the credentials are made from it
                 raise RuntimeError(f"{exc} (is the address free, and is {tls.key} the key of "
                                    f"{tls.cert}?)") from None
         else:
@@ -474,6 +476,18 @@ async def serve(listen: str = limits.DEFAULT_LISTEN, db_path: str | Path = "numa
         log.info("stopped; store flushed and closed")
 
 
+class _ServeOptions(TypedDict):
+    """`serve`'s keyword arguments, as a `BackgroundServer` keeps them."""
+
+    synchronous: str
+    grace: float
+    tokens: Tokens | None
+    tls: ServerTLS | None
+    server_limits: ServerLimits | None
+    metrics: DaemonMetrics | None
+    metrics_listen: str | None
+
+
 class BackgroundServer:
     """`serve` on its own event loop in a thread, for synchronous code (tests, scripts).
 
@@ -487,9 +501,9 @@ class BackgroundServer:
                  server_limits: ServerLimits | None = None,
                  metrics: DaemonMetrics | None = None, metrics_listen: str | None = None) -> None:
         self.listen, self.db_path = listen, store_location(db_path)
-        self._kwargs = dict(synchronous=synchronous, grace=grace, tokens=tokens, tls=tls,
-                            server_limits=server_limits, metrics=metrics,
-                            metrics_listen=metrics_listen)
+        self._kwargs = _ServeOptions(synchronous=synchronous, grace=grace, tokens=tokens,
+                                     tls=tls, server_limits=server_limits, metrics=metrics,
+                                     metrics_listen=metrics_listen)
         self.address = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None

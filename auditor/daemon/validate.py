@@ -46,7 +46,13 @@ from numaudit.auditor.daemon.validate_layout import (
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits, names
 from numaudit.wire.checksum import batch_checksum, crc32
-from numaudit.wire.packed import PackedFormatError, RecordColumns, batch_columns, batch_record_count
+from numaudit.wire.packed import (
+    PackedFormatError,
+    PayloadChunk,
+    RecordColumns,
+    batch_columns,
+    batch_record_count,
+)
 
 CODECS = ("zstd", "raw")
 _PHASES = frozenset(v for v in pb.Phase.values() if v != pb.PHASE_UNSPECIFIED)
@@ -374,7 +380,7 @@ def _check_payload_header(p: pb.Payload, dtype: str, numel: int, where: str) -> 
                                               f"{p.compressed_nbytes}-byte stream")
 
 
-def check_zstd_header(prefix: bytes, raw_nbytes: int, where: str) -> None:
+def check_zstd_header(prefix: bytes | memoryview, raw_nbytes: int, where: str) -> None:
     """Refuses a zstd frame before decompressing it: size undeclared or wrong, window too large."""
     try:
         params = zstandard.get_frame_parameters(prefix)
@@ -392,7 +398,7 @@ def check_zstd_header(prefix: bytes, raw_nbytes: int, where: str) -> None:
         raise ValidationError(f"{where}.data", "zstd dictionaries are not supported")
 
 
-def verify_stream(p: pb.Payload, stream: bytes, where: str) -> None:
+def verify_stream(p: pb.Payload | PayloadChunk, stream: bytes | memoryview, where: str) -> None:
     """Checks a whole compressed stream: length, CRC-32, and for zstd a bounded decompression."""
     if len(stream) != p.compressed_nbytes:
         raise CorruptPayload(f"{where}.data", f"stream of {len(stream)} bytes, compressed_nbytes "
@@ -423,7 +429,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
+def _decompressed_size(stream: bytes | memoryview, raw_nbytes: int, where: str) -> int:
     """Bytes the stream decompresses to, reading at most raw_nbytes + 1 of them."""
     dctx = _decompressor()
     n = 0
@@ -442,7 +448,7 @@ def _decompressed_size(stream: bytes, raw_nbytes: int, where: str) -> int:
 def _verify_batch_payloads(c: RecordColumns) -> None:
     """Whole-stream checks for payloads complete in this batch (packed or per record); header
     checks for the others."""
-    complete: list[tuple[str, pb.Payload, bytes]] = []
+    complete: list[tuple[str, pb.Payload | PayloadChunk, bytes | memoryview]] = []
     groups: dict[tuple, dict[int, int]] = {}
     cols = c.cols
     for row in sorted(c.payloads):
@@ -461,8 +467,8 @@ def _verify_batch_payloads(c: RecordColumns) -> None:
     for chunks in groups.values():
         first = chunks.get(0)
         if first is not None and len(chunks) == c.payloads[first].chunk_count:
-            stream = b"".join(c.payloads[chunks[j]].data for j in range(len(chunks)))
-            complete.append((f"{c.where(first)}.payload", c.payloads[first], stream))
+            joined = b"".join(c.payloads[chunks[j]].data for j in range(len(chunks)))
+            complete.append((f"{c.where(first)}.payload", c.payloads[first], joined))
     raw_total = sum(p.raw_nbytes for _, p, _ in complete if p.codec == "zstd")
     if raw_total > limits.MAX_BATCH_RAW_BYTES:
         raise TooLarge("records", f"payloads would decompress to {raw_total} bytes, over the "

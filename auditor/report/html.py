@@ -123,8 +123,8 @@ class _Heatmap:
                     c[1] = lv
                 c[2] += n
         flat: list = []
-        for (r, c), (state, lv, n) in sorted(cells.items()):
-            flat += [r, c, state, lv, n]
+        for (r, col_at), (state, lv, n) in sorted(cells.items()):
+            flat += [r, col_at, state, lv, n]
         logs = [v for v in flat[3::5] if v is not None]
         doc = {"phase": self.phase, "rows": row_labels, "cols": col_labels, "cells": flat,
                "lo": min(logs) if logs else None, "hi": max(logs) if logs else None,
@@ -155,7 +155,7 @@ def _buckets(items: list, limit: int, label) -> tuple[list[int], list[str]]:
     return of, labels
 
 
-def measure(f: dict) -> tuple[str, float | None]:
+def measure(f: dict) -> tuple[str, float | str | None]:
     """The table's measure of a finding, the verdict's own (text, and a number to sort by):
     "×4.00" for a rescaling, "1 ulp" or "max_abs 7.45e-09" for a bitwise breach measured from
     bytes, "rel_l2 0.0123" for a metric against its threshold; "" when nothing was measured."""
@@ -178,7 +178,7 @@ def measure(f: dict) -> tuple[str, float | None]:
     return "", None
 
 
-def _row(f: dict, cell: list) -> dict:
+def _row(f: dict, cell: list | None) -> dict:
     """A finding as the table and the rank map need it."""
     k = f["key"]
     cause = f.get("cause")

@@ -227,9 +227,9 @@ def _print_listing(con, para, findings: Iterable[dict], *, show_all: bool, limit
         budget = (width or 100) - 4 - 6 - max(len(t[0][3]) for t in texts)
         if sum(widths) > budget:
             widths[1] = max(0, budget - widths[0] - widths[2])
-        texts = [("  ".join(p.ljust(w) for p, w in zip(t[0][:3], widths)) + "  " + t[0][3],
+        lines = [("  ".join(p.ljust(w) for p, w in zip(t[0][:3], widths)) + "  " + t[0][3],
                   t[1]) for t in texts]
-        for f, (line, extra) in zip(shown, texts):
+        for f, (line, extra) in zip(shown, lines):
             style = "red" if f["breach"] else ("green" if f["verdict"] == "identical" else "")
             para(line, 4, style)
             if extra and extra != common:

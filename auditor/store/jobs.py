@@ -10,13 +10,14 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 
+from numaudit.auditor.store.dbapi import SqlConnection
 from numaudit.auditor.store.errors import RunNameTaken
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from numaudit.wire.packed import RecordColumns
 
 
-def run_for_job(conn: sqlite3.Connection, req: pb.RegisterRequest) -> tuple[str, tuple | None]:
+def run_for_job(conn: SqlConnection, req: pb.RegisterRequest) -> tuple[str, tuple | None]:
     """The run name this session registers under, and its (run_id, world_size, job_id) row.
 
     Another job's session is refused (RunNameTaken), or with rename_if_taken goes to the first of

@@ -86,7 +86,7 @@ def encode(columns: Mapping[str, Sequence[Any]], rids: Sequence[int]) -> bytes:
     n = len(rids)
     layout = (columns[c] for c in LAYOUT_COLUMNS)
     keys = list(zip(*(v.tolist() if isinstance(v, np.ndarray) else v for v in layout)))
-    entries: dict[tuple, int] = dict.fromkeys(keys)  # distinct entries, at C speed
+    entries: dict[tuple, int | None] = dict.fromkeys(keys)  # distinct entries, at C speed
     for i, e in enumerate(entries):
         entries[e] = i
     codes = np.fromiter(map(entries.__getitem__, keys), dtype=np.int32, count=n)
@@ -98,9 +98,10 @@ def encode(columns: Mapping[str, Sequence[Any]], rids: Sequence[int]) -> bytes:
         if isinstance(values, np.ndarray) or None not in values:
             floats.append(np.asarray(values, dtype=np.float64))
             continue
-        values = np.asarray(values, dtype=object)  # None where the record has no moments
-        values[np.equal(values, None)] = identity
-        floats.append(values.astype(np.float64))
+        filled = np.asarray(values, dtype=object)  # None where the record has no moments
+        # numpy's stubs refuse None as an operand; on an object array it compares elementwise
+        filled[np.equal(filled, None)] = identity  # type: ignore[call-overload]
+        floats.append(filled.astype(np.float64))
     flags = np.zeros(n, np.uint8)
     for name, bit in FLAG_BITS:
         flags |= np.where(np.asarray(columns[name], dtype=np.int64) != 0, bit, 0).astype(np.uint8)

@@ -71,6 +71,7 @@ _MOMENT_DTYPE = np.dtype([(part + m, dt) for m in MOMENTS
 
 def _template(dtype: np.dtype, count: int | None) -> np.ndarray:
     t = np.zeros((), dtype)
+    assert dtype.names is not None  # the templates are of structured dtypes
     for name in dtype.names:
         if name.startswith("l_"):
             t[name] = 8
@@ -187,7 +188,8 @@ def copy_buffer(c: RecordColumns, site_ids: Sequence[int], run_id: int, rank: in
     fields["length"] = 8
     fields["value"] = words  # one big-endian conversion for all of them
     count = np.full((n, 1), len(lead) + len(COLUMNS), ">i2").view(np.uint8)
-    sections = [(count, None), (fields.view(np.uint8).reshape(n, 12 * len(names)), None)]
+    sections: list[tuple[np.ndarray, np.ndarray | None]] = [
+        (count, None), (fields.view(np.uint8).reshape(n, 12 * len(names)), None)]
 
     mom = np.empty(n, _MOMENT_DTYPE)
     mom[:] = _MOMENTS_TEMPLATE

@@ -48,6 +48,7 @@ except ModuleNotFoundError as exc:  # a plain install: SQLite only
     raise NotAStore("db: a postgresql:// store needs psycopg, which a plain install does not "
                     "bring: pip install 'numaudit[postgres]'") from None
 
+from numaudit.auditor.store.dbapi import one
 from numaudit.auditor.store.errors import StoreError, UnknownSession
 from numaudit.auditor.store.jobs import run_for_job
 from numaudit.auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
@@ -56,7 +57,7 @@ from numaudit.auditor.store.pg_copy import ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS,
 from numaudit.auditor.store.rows import sample_rows
 from numaudit.auditor.store.sqlite import SCHEMA_VERSION, IngestResult
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import RecordColumns, batch_columns, content_hashes
+from numaudit.wire.packed import PayloadChunk, RecordColumns, batch_columns, content_hashes
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ def qmark_to_pyformat(sql: str) -> str:
         elif c == ":" and i + 1 < n and (sql[i + 1].isalpha() or sql[i + 1] == "_") \
                 and (i == 0 or sql[i - 1] != ":"):
             m = re.match(r"[A-Za-z_]\w*", sql[i + 1:])
+            assert m is not None  # sql[i + 1] starts a name (the SQL is the store's own, ASCII)
             out.append(f"%({m.group(0)})s")
             i += 1 + len(m.group(0))
             continue
@@ -261,7 +263,7 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
     try:
         if readonly:
-            if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is None:
+            if one(conn.execute("SELECT to_regclass('meta')"))[0] is None:
                 raise NotAStore(f"db: {redact(url)} holds no numaudit store (no meta table)")
             app = conn.execute("SELECT value FROM meta WHERE key = 'application'").fetchone()
             if app is None or app[0] != "numaudit":
@@ -304,7 +306,7 @@ def _create_schema(conn: psycopg.Connection, url: str) -> None:
     with conn.transaction():
         # Replicas starting together must not race on CREATE TABLE IF NOT EXISTS.
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-        if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+        if one(conn.execute("SELECT to_regclass('meta')"))[0] is not None:
             app = conn.execute("SELECT value FROM meta WHERE key = 'application'").fetchone()
             if app is None or app[0] != "numaudit":
                 raise NotAStore(f"db: {redact(url)} has a meta table of another application; "
@@ -373,13 +375,13 @@ class PgStore:
         `PgWriter` run this again, and then it finds the winner's row."""
         name, row = run_for_job(self.conn, req)
         if row is None:
-            run_id = self.raw.execute(
+            run_id = one(self.raw.execute(
                 "INSERT INTO runs (name, created, world_size, mesh_shape, mesh_dim_names,"
                 " torch_version, dtype, seed, labels, job_id) VALUES"
                 " (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING run_id",
                 (name, time.time(), req.world_size, json.dumps(list(req.mesh_shape)),
                  json.dumps(list(req.mesh_dim_names)), req.torch_version, req.dtype, req.seed,
-                 json.dumps(dict(req.labels), sort_keys=True), req.job_id)).fetchone()[0]
+                 json.dumps(dict(req.labels), sort_keys=True), req.job_id)))[0]
         else:
             run_id, world_size, _ = row
             if world_size != req.world_size:
@@ -418,7 +420,7 @@ class PgStore:
         ids = {n: self._site_ids[n] for n in want if n in self._site_ids}
         missing = sorted(want - ids.keys())
         if missing:
-            found = dict(self.raw.execute(
+            found: dict[str, int] = dict(self.raw.execute(
                 "SELECT name, site_id FROM sites WHERE name = ANY(%s)", (missing,)).fetchall())
             self._site_ids.update(found)  # committed by someone: safe to cache
             ids.update(found)
@@ -427,7 +429,7 @@ class PgStore:
             # sorted, so two replicas adding overlapping names cannot deadlock
             self.raw.execute("INSERT INTO sites (name) SELECT unnest(%s::text[]) ORDER BY 1"
                              " ON CONFLICT DO NOTHING", (missing,))
-            added = dict(self.raw.execute(
+            added: dict[str, int] = dict(self.raw.execute(
                 "SELECT name, site_id FROM sites WHERE name = ANY(%s)", (missing,)).fetchall())
             self._new_sites.update(added)
             ids.update(added)
@@ -467,13 +469,12 @@ class PgStore:
         args = (cols, site_ids, run_id, rank, hashes, session_id, seq, time.time())
         cur = self.raw.cursor()
         if fresh and n and direct:
-            # The common case, no key of the batch stored yet: COPY straight into `records`.
-            # When some key is, the COPY fails and `PgWriter` runs the batch again, then
-            # through the staging table. A batch with payloads draws its record ids first, so
-            # that its chunks go straight into `payload_chunks` too: through the staging
-            # tables they needed a join on the key, which the planner ran as a scan of
-            # `records` while its statistics were those of a small table (ingest with one
-            # payload record in six went 4x slower).
+            # The common case, no key of the batch stored yet: COPY straight into `records`. When
+            # some key is, the COPY fails and `PgWriter` runs the batch again, then through the
+            # staging table. A batch with payloads draws its record ids first, so that its chunks go
+            # straight into `payload_chunks` too: through the staging tables they needed a join on
+            # the key, which the planner ran as a scan of `records` while its statistics were those
+            # of a small table (ingest with one payload record in six went 4x slower).
             rids = None
             if cols.payloads or cols.cols["sample_k"].any():
                 rids = np.sort(np.fromiter((r for (r,) in cur.execute(_NEXT_IDS, (n,))),
@@ -494,7 +495,7 @@ class PgStore:
         repeated = sorted(cols.repeated_rows())
         records = n - len(repeated)
         if not fresh:
-            same = cur.execute(_COUNT_SAME, (repeated,)).fetchone()[0]
+            same = one(cur.execute(_COUNT_SAME, (repeated,)))[0]
             cur.execute(_FLAG_CONFLICTS, (repeated,))
             return IngestResult(acked_seq=acked, duplicates=same, conflicts=records - same,
                                 resent_batch=True)
@@ -510,7 +511,7 @@ class PgStore:
 
     @staticmethod
     def _write_chunks(cur: psycopg.Cursor, table: str, ids: np.ndarray,
-                      payloads: dict[int, pb.Payload]) -> None:
+                      payloads: dict[int, pb.Payload | PayloadChunk]) -> None:
         """The payload chunks as rows of `table`, each under `ids[row]` of its record (its
         record id, or its position in the batch for the staging table)."""
         with cur.copy(_COPY[table]) as copy:
@@ -545,5 +546,5 @@ class PgStore:
             " capture_errors=%s, dropped_by_reason=%s WHERE session_id=%s",
             (time.time(), req.records_sent, req.records_dropped, req.capture_errors,
              json.dumps(dict(req.dropped_by_reason), sort_keys=True), req.session_id))
-        return self.raw.execute("SELECT COUNT(*) FROM records WHERE session_id = %s",
-                                (req.session_id,)).fetchone()[0]
+        return one(self.raw.execute("SELECT COUNT(*) FROM records WHERE session_id = %s",
+                                    (req.session_id,)))[0]

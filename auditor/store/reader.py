@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from numaudit.auditor.store.dbapi import SqlConnection
 from numaudit.auditor.store.errors import UnknownRun, UnknownSession
 from numaudit.auditor.store.location import is_postgres_url
 from numaudit.auditor.store.sqlite import connect
@@ -24,6 +25,7 @@ class Reader:
     """Read side of the store; safe to use from any thread with its own instance."""
 
     def __init__(self, path: str | Path) -> None:
+        self.conn: SqlConnection
         if is_postgres_url(path):
             from numaudit.auditor.store.postgres import QmarkConnection, pg_connect
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -171,7 +171,7 @@ INSERT_SAMPLES = ("INSERT INTO sample_digests (record_id, dim, unit, count, sket
 """One record's sample digests (a record stored again keeps the first)."""
 
 
-def sample_rows(c: RecordColumns, record_ids: Sequence[int],
+def sample_rows(c: RecordColumns, record_ids: Sequence[int] | Mapping[int, int] | np.ndarray,
                 rows: Sequence[int] | None = None) -> list[tuple]:
     """(record id, dim, unit, count, sketch_k, values as little-endian float64 bytes,
     fingerprints as little-endian uint64 bytes) of the records with sample digests (all, or

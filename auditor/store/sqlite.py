@@ -33,7 +33,13 @@ from numaudit.auditor.store.rows import (
 )
 from numaudit.auditor.store.rows import INSERT_RECORD as _INSERT_RECORD
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import RecordColumns, batch_columns, content_hashes, from_records
+from numaudit.wire.packed import (
+    PayloadChunk,
+    RecordColumns,
+    batch_columns,
+    content_hashes,
+    from_records,
+)
 
 SCHEMA_VERSION = 5
 """2 added the reduction columns of records and the job and gradient scale of sessions, 3 the
@@ -358,6 +364,7 @@ class Store:
         sid = self._site_ids.get(name)
         if sid is None:
             sid = self.conn.execute("INSERT INTO sites (name) VALUES (?)", (name,)).lastrowid
+            assert sid is not None  # set by the INSERT just run
             self._site_ids[name] = sid
         return sid
 
@@ -426,7 +433,7 @@ class Store:
             " AND rank=?", key_params,
         ).fetchone()
 
-    def _store_chunk(self, record_id: int, p: pb.Payload) -> None:
+    def _store_chunk(self, record_id: int, p: pb.Payload | PayloadChunk) -> None:
         self.conn.execute(
             "INSERT OR IGNORE INTO payload_chunks VALUES (?,?,?,?,?,?,?,?)",
             (record_id, p.chunk_index, p.chunk_count, p.codec, p.raw_nbytes,
