@@ -6,8 +6,8 @@ and dtype; its `Chunk`s are boxes of it (a DCP save writes one per shard; a safe
 is one box) whose bytes are row-major and contiguous somewhere in a file. A chunk is read in
 `boxes` of at most a given number of elements, each contiguous in the file, so a tensor of any
 size is digested in bounded memory. Non-tensor values (a learning rate, a scheduler's
-``last_epoch``) are `Entry.value` objects, made into tensors by `agents.state.leaf_tensor` as
-the live capture does.
+``last_epoch``) are `Entry.value` objects, made into tensors by
+`agents.capture.state.leaf_tensor` as the live capture does.
 """
 
 from __future__ import annotations

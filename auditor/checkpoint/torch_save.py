@@ -4,8 +4,8 @@
 them and refuses any pickle that names other than tensors and plain containers: nothing of the
 file is run. Its pickle is first run under `agents.pickles.check_pickle` (bounded memory, no key
 nested deep enough to overflow the stack when torch's loader hashes it), and the state dict is
-checked for nesting (`agents.state.check_depth`) before it is flattened. The nested state dict is
-flattened as DCP flattens it (agents/state.py), so a ``torch.save`` of
+checked for nesting (`agents.capture.state.check_depth`) before it is flattened. The nested
+state dict is flattened as DCP flattens it (agents/capture/state.py), so a ``torch.save`` of
 ``{"model": ..., "optim": ...}`` compares name for name with a DCP save of the same dict. A
 tensor's boxes are sliced from the mapping (pages are read as they are copied into the reader's
 buffer, and the kernel can drop them again); a non-contiguous saved view is made contiguous as a

@@ -51,7 +51,8 @@ PER_STEP_PHASES = frozenset({pb.PHASE_PARAM, pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD,
 AFTER_BACKWARD_PHASES = (pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE, pb.PHASE_STATE)
 """Per-step phases that come after every microbatch of the step, in this order."""
 
-# Wrapper components dropped wherever they appear (agents/sites.py does the same on capture).
+# Wrapper components dropped wherever they appear (agents/capture/sites.py does the same on
+# capture).
 _WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _LEADING_WRAPPERS = frozenset({"module"})
 

@@ -4,7 +4,7 @@ what that makes its activation gradients (docs/comparison.md, "Conventions from 
 The agent cannot see how the user's code normalizes its loss. It records each rank's loss as a
 mean over the rank's share (capture's default reduce="mean" for phase loss) and its activation
 gradients as dp_size x those of one process (the per-rank mean loss of ordinary DDP/FSDP code,
-agents/normalization.py). Code that normalizes by the global token count and sums gradients
+agents/capture/normalization.py). Code that normalizes by the global token count and sums gradients
 over ranks (torchtitan), or plain sums, break both guesses, and every data-parallel pair would
 read "scaled by 0.50" ahead of the real bug. So after a first evaluation under the declared
 conventions, `evaluate_runs` tries the other one on the evidence, each convention judged on its

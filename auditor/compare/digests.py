@@ -8,7 +8,7 @@ fingerprints (bitwise equality) and sketches (L2 distance, relative error, cosin
 
 numpy only, no torch: the daemon must start fast. The hash scheme's seeds and key constants
 are the agent's own (`numaudit.wire.hashing`, imported by both sides); the row layout mirrors
-``agents/digest.py`` (a test keeps them equal).
+``agents/digest/digest.py`` (a test keeps them equal).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class DigestValues:
     def from_rows(
         cls, f64_row: Sequence[float], i64_row: Sequence[int], has_moments: bool
     ) -> DigestValues:
-        """From one row of each of the agent's digest tensors (agents.digest.digest_piece)."""
+        """From one row of each of the agent's digest tensors
+        (agents.digest.digest.digest_piece)."""
         f = np.asarray(f64_row, dtype=np.float64)
         i = [int(v) for v in i64_row]
         if f.ndim != 1 or f.shape[0] < N_MOMENTS:

@@ -74,7 +74,7 @@ def name_factor(f: float, counts: Iterable[Count]) -> str:
 def run_counts(comp: Comparison, phase: int) -> list[Count]:
     """The counts of both runs' work a factor at `phase` can be: dp ranks (the addends of
     their loss reductions), microbatches a step, pipeline microbatches (the run label
-    pp_microbatches, agents/normalization.py note_schedule) and ranks."""
+    pp_microbatches, agents/capture/normalization.py note_schedule) and ranks."""
     memo = comp.memo.setdefault("run_counts", {})
     if phase in memo:
         return memo[phase]

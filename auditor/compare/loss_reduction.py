@@ -39,8 +39,8 @@ from numaudit.auditor.compare.grad_evidence import GradEvidence, differ_text, sh
 
 LOSS = PHASE_IDS["loss"]
 GLOBAL_NORMALIZATIONS = ("global_mean", "sum")
-"""Declared loss normalizations (agents/normalization.py) whose per-rank losses add up to the
-whole batch's loss: each rank's sum over the global count, or a plain sum."""
+"""Declared loss normalizations (agents/capture/normalization.py) whose per-rank losses add up to
+the whole batch's loss: each rank's sum over the global count, or a plain sum."""
 
 
 @dataclass

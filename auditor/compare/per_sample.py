@@ -3,7 +3,7 @@
 Regrouped microbatches (`auditor.compare.regroup`) and uneven dp shares
 (`auditor.compare.uneven`) move records to places their sketches were not made for, so the slow
 path has no sketch to measure such a key by (docs/digests.md "Placing pieces after the fact").
-Agents that sent per-sample digests (agents/sample_digest.py) make up for it: each unit of
+Agents that sent per-sample digests (agents/digest/sample_digest.py) make up for it: each unit of
 samples is keyed within the sample, so it means the same at any place, and the key's distance
 is the sum of its blocks' (`auditor.compare.sample_estimate`). Here the slow path's keys are
 turned into units: each taken piece's units at the positions its (moved) layout gives along the

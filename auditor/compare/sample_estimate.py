@@ -5,7 +5,7 @@ Each side of a key is a set of *units*. A unit covers the samples at positions `
 cnt - 1`` of the key's batch dim (in the comparison's sample order), has a nominal size ``size``
 (a power of two; ``cnt <= size``), and holds, in ``k`` buckets, ``sum_t X_t S_t``: the
 within-sample sketch of its sample ``t`` with bucket ``b`` moved to ``c = b XOR t`` and the sign
-of its Walsh character ``(-1)^<t,c>`` (agents/sample_digest.py), the moments of its samples
+of its Walsh character ``(-1)^<t,c>`` (agents/digest/sample_digest.py), the moments of its samples
 together and the fingerprint of its samples as a tensor of their own. Pieces of one
 sample (tensor-parallel shards) are units at the same place: they add.
 
