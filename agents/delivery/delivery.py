@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -119,6 +120,9 @@ class Delivery:
         self.pending_bytes = 0
         self.acked_records = 0
         self.acked_seq = 0
+        self.progress = threading.Condition()
+        """Notified whenever acks retire records (`acked_records` grew): a reader of the agent
+        as a library waits on it instead of polling (`Agent.wait_for_acks`)."""
         self.reconnects = 0
         self.registered = False
         self.fatal: str | None = None
@@ -298,10 +302,15 @@ class Delivery:
 
     def _ack(self, acked_seq: int) -> None:
         self.acked_seq = max(self.acked_seq, acked_seq)
+        retired = False
         while self.pending and self.pending[0].seq <= acked_seq:
             b = self.pending.popleft()
             self.pending_bytes -= b.nbytes
             self.acked_records += b.records
+            retired = True
+        if retired:
+            with self.progress:
+                self.progress.notify_all()
 
     def _failed(self, err: TransportError, registering: bool = False) -> None:
         code = err.code()

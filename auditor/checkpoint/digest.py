@@ -44,6 +44,8 @@ SMALL_BOX_BYTES = 1 << 20
 BACKLOG_RECORDS = 2048
 """Records digested but not yet acked before the reader waits for the daemon."""
 ACK_TIMEOUT_S = 300.0
+RECHECK_S = 0.05
+"""How long a wait for the busiest reader's acks may leave the others' unlooked at."""
 MAX_READERS = 256
 """Most pieces one tensor is cut into (each needs a reader of its own: `_Readers`, an agent
 with its threads; 1024 of them kept two cores busy with their own polling). Slabs of whole rows
@@ -321,17 +323,16 @@ class _Readers:
         items.clear()
         self._wait(BACKLOG_RECORDS)
 
-    def _summaries(self) -> list[dict]:
-        return [a.summary() for a in self.agents if a is not None]
-
     def _wait(self, keep: int) -> None:
-        """Wait until at most `keep` records are digested and not yet acked (bounded memory)."""
+        """Wait until at most `keep` records are digested and not yet acked (bounded memory):
+        woken by the acks of the reader holding the most (`Agent.wait_for_acks`), looking at
+        the others at least every `RECHECK_S`."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
         last = -1
         while True:
-            ss = self._summaries()
-            acked = sum(s["acked"] for s in ss)
-            behind = sum(s["captured"] - s["dropped"] for s in ss) - acked
+            logs = [(a, a.backlog()) for a in self.agents if a is not None]
+            acked = sum(b.acked for _, b in logs)
+            behind = sum(b.waiting for _, b in logs)
             if behind <= keep:
                 return
             if acked != last:
@@ -339,7 +340,8 @@ class _Readers:
             elif time.monotonic() > deadline:
                 raise CheckpointError(f"the auditor acked nothing for {ACK_TIMEOUT_S:.0f} s "
                                       f"({behind} records waiting)")
-            time.sleep(0.002)
+            agent, most = max(logs, key=lambda ab: ab[1].waiting)
+            agent.wait_for_acks(most.acked, RECHECK_S)
 
     def close(self) -> dict:
         """Flush every reader and close them; the summed counts."""

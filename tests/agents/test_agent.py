@@ -407,3 +407,26 @@ def test_without_a_run_name_auditing_is_off_and_nothing_is_spooled(tmp_path, cap
     assert not model.a._forward_hooks
     assert not (tmp_path / "spool").exists()
     assert "no run name" in caplog.text
+
+
+def test_a_library_caller_waits_on_the_acks_instead_of_polling(auditor_server):
+    """`backlog` counts what the auditor has not acked yet; `wait_for_acks` returns once more
+    records are acked (or at its timeout), so a caller such as `auditor checkpoint` can bound
+    what it holds without polling the agent's summary."""
+    model = Net()
+    agent = numaudit.attach(model, run="paced", address=auditor_server.address)
+    try:
+        _train(agent, model, steps=2)
+        first = agent.backlog()
+        assert first.captured > 0 and first.dropped == 0
+        b = first
+        for _ in range(400):  # each wait ends at an ack, or after its 0.05 s at the latest
+            if b.waiting == 0:
+                break
+            agent.wait_for_acks(b.acked, 0.05)
+            b = agent.backlog()
+        assert b.waiting == 0 and b.acked == b.captured == first.captured
+        agent.wait_for_acks(b.acked, 0.01)  # nothing more to ack: returns at its timeout
+    finally:
+        s = agent.close()
+    assert s["acked"] == s["captured"]
