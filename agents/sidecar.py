@@ -42,9 +42,9 @@ from pathlib import Path
 from numaudit.agents.delivery.delivery import Delivery
 from numaudit.agents.delivery.transport import GrpcTransport, unix_path
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.batches import batch_capture_count
 from numaudit.wire.channels import tls_from_env
 from numaudit.wire.names import BadName, check_run_name, check_session_id
-from numaudit.wire.packed import batch_capture_count
 from numaudit.wire.spool import (
     KIND_BATCH,
     KIND_CLOSE,

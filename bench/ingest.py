@@ -73,15 +73,10 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
     import zstandard
 
     from numaudit.protos import numaudit_pb2 as pb
+    from numaudit.wire.batches import packed_batch, split_batch
     from numaudit.wire.checksum import crc32, records_checksum
-    from numaudit.wire.packed import (
-        HAS_MOMENTS,
-        SCALAR_COLUMNS,
-        RecordColumns,
-        packed_batch,
-        split_batch,
-        to_records,
-    )
+    from numaudit.wire.packed import HAS_MOMENTS, SCALAR_COLUMNS, RecordColumns
+    from numaudit.wire.record_form import to_records
 
     rng = np.random.default_rng(seed + rank)
     sites = _sites(256)
@@ -329,7 +324,7 @@ def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None
     from numaudit.auditor.store.rows import insert_rows, record_columns, rows_of
     from numaudit.auditor.store.sqlite import connect
     from numaudit.protos import numaudit_pb2 as pb
-    from numaudit.wire.packed import content_hashes
+    from numaudit.wire.content_hash import content_hashes
 
     per = n_batches // 8
     batches = []

@@ -1,7 +1,7 @@
 """A packed RecordBatch written straight to its bytes, checksum included: the sender's encoder.
 
 `sealed_batch(session_id, seq, cols)` returns the bytes of the `RecordBatch` that
-`wire.packed.split_batch` builds from `cols`, with `records_crc32` set to the checksum the daemon
+`wire.batches.split_batch` builds from `cols`, with `records_crc32` set to the checksum the daemon
 computes from them: the same bytes as protobuf's deterministic serialization of that message,
 written without building it. Each column array, sketch and payload chunk is copied once, into
 the returned bytes. Built through protobuf, a payload's bytes were copied into the message, then
@@ -138,7 +138,7 @@ def _payloads(out: list, cols: RecordColumns) -> int:
 def sealed_batch(session_id: str, seq: int, cols: RecordColumns) -> bytes:
     """The bytes of ``split_batch(session_id, seq, cols, None)`` sealed (see the module).
     ValueError for columns with records they cannot hold as sent (``cols.unfit``, from records
-    of other senders): those travel per record (`wire.packed.packed_batch`)."""
+    of other senders): those travel per record (`wire.batches.packed_batch`)."""
     if cols.unfit:
         raise ValueError(f"cols.unfit: {len(cols.unfit)} records the columns cannot hold; "
                          "send them with packed_batch")

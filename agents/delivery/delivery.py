@@ -45,7 +45,7 @@ from numaudit.agents.delivery.transport import (
 )
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
-from numaudit.wire.packed import for_peer
+from numaudit.wire.batches import for_peer
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import grpc
 
 from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire.batches import batch_capture_count, for_peer
 from numaudit.wire.channels import open_channel
-from numaudit.wire.packed import PackedFormatError, batch_capture_count, for_peer
+from numaudit.wire.packed import PackedFormatError
 from numaudit.wire.spool import SpoolError, read_spool, spool_files
 from numaudit.wire.tls import TLSConfig
 

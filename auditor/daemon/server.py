@@ -85,7 +85,8 @@ from numaudit.auditor.store.writer import StoreWriter, WriterClosed
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.protos import numaudit_pb2_grpc
 from numaudit.wire import limits
-from numaudit.wire.packed import RecordColumns, content_hashes
+from numaudit.wire.content_hash import content_hashes
+from numaudit.wire.packed import RecordColumns
 from numaudit.wire.tls import ServerTLS
 
 log = logging.getLogger(__name__)

@@ -45,14 +45,9 @@ from numaudit.auditor.daemon.validate_layout import (
 )
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits, names
+from numaudit.wire.batches import batch_columns, batch_record_count
 from numaudit.wire.checksum import batch_checksum, crc32
-from numaudit.wire.packed import (
-    PackedFormatError,
-    PayloadChunk,
-    RecordColumns,
-    batch_columns,
-    batch_record_count,
-)
+from numaudit.wire.packed import PackedFormatError, PayloadChunk, RecordColumns
 
 CODECS = ("zstd", "raw")
 _PHASES = frozenset(v for v in pb.Phase.values() if v != pb.PHASE_UNSPECIFIED)

@@ -27,8 +27,8 @@ from numaudit.wire.packed import (
     PARTIAL,
     RecordColumns,
     take,
-    to_records,
 )
+from numaudit.wire.record_form import to_records
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a run's site names recur in every batch

@@ -8,18 +8,18 @@ What the SQLite store gets from its single writer thread comes here from the dat
 - run names and renames, session ids, site ids: unique constraints; a transaction that loses a
   race (unique violation, serialization failure, deadlock) is rolled back and run again
   (`auditor.store.postgres_writer.PgWriter`), and then sees the winner's row;
-- records unique on (run, key, rank): a fresh batch is COPYed straight into `records` (binary
-  COPY built with numpy, `auditor.store.pg_copy`); when a key of it is stored already, the COPY
-  fails, the batch is run again and goes through a per-connection staging table, inserted with
-  ``ON CONFLICT DO NOTHING``; keys already stored are compared by content hash in SQL, and
-  differing ones flagged in `conflicts`;
+- records unique on (run, key, rank): a fresh batch is COPYed straight into `records` (binary COPY
+  built with numpy, `auditor.store.pg_copy`); when a key of it is stored already, the COPY fails,
+  the batch is run again and goes through a per-connection staging table, inserted with ``ON
+  CONFLICT DO NOTHING``; keys already stored are compared by content hash in SQL, and differing ones
+  flagged in `conflicts`;
 - the order in which records commit: each carries its transaction id (`xid`), which
   `auditor.compare.columns.ReadMark` reads new records by (record ids do not commit in order).
-A batch is acked only after its transaction committed. FULL is ``synchronous_commit = on``
-(the commit's WAL is on disk before the ack). NORMAL turns it off, which is weaker than SQLite's
-NORMAL: the WAL is written and flushed by the server's WAL writer within about 3 x
-``wal_writer_delay`` (0.6 s by default), so a crash of the database server (not only of its
-machine) can lose batches acked in that window; the database stays consistent.
+A batch is acked only after its transaction committed. FULL is ``synchronous_commit = on`` (the
+commit's WAL is on disk before the ack). NORMAL turns it off, which is weaker than SQLite's NORMAL:
+the WAL is written and flushed by the server's WAL writer within about 3 x ``wal_writer_delay`` (0.6
+s by default), so a crash of the database server (not only of its machine) can lose batches acked in
+that window; the database stays consistent.
 
 `QmarkConnection` lets the read side (`auditor.store.reader`, `auditor.compare.columns`) run
 the same SQL on both backends: it rewrites SQLite's ``?`` and ``:name`` placeholders.
@@ -43,7 +43,7 @@ try:
     import psycopg
     from psycopg import errors as pg_errors
 except ModuleNotFoundError as exc:  # a plain install: SQLite only
-    if exc.name != "psycopg":
+    if exc.name != "psycopg":  # psycopg itself is there: a real error
         raise
     raise NotAStore("db: a postgresql:// store needs psycopg, which a plain install does not "
                     "bring: pip install 'numaudit[postgres]'") from None
@@ -51,13 +51,14 @@ except ModuleNotFoundError as exc:  # a plain install: SQLite only
 from numaudit.auditor.store.dbapi import one
 from numaudit.auditor.store.errors import StoreError, UnknownSession
 from numaudit.auditor.store.jobs import run_for_job
-from numaudit.auditor.store.location import is_postgres_url, redact  # noqa: F401  (re-exported)
+from numaudit.auditor.store.location import redact
 from numaudit.auditor.store.pg_copy import COLUMNS as COPY_COLUMNS
 from numaudit.auditor.store.pg_copy import ID_COLUMNS, SQL_TYPES, STAGE_COLUMNS, copy_buffer
 from numaudit.auditor.store.rows import sample_rows
 from numaudit.auditor.store.sqlite import SCHEMA_VERSION, IngestResult
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import PayloadChunk, RecordColumns, batch_columns, content_hashes
+from numaudit.wire import batches, content_hash
+from numaudit.wire.packed import PayloadChunk, RecordColumns
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +259,8 @@ def pg_connect(url: str, *, readonly: bool = False, synchronous: str = "FULL",
     try:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
     except psycopg.OperationalError as exc:
-        raise NotAStore(
-            f"db: cannot connect to {redact(url)}: "
-            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
+        why = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
+        raise NotAStore(f"db: cannot connect to {redact(url)}: {why}") from None
     try:
         if readonly:
             if one(conn.execute("SELECT to_regclass('meta')"))[0] is None:
@@ -337,8 +337,7 @@ class PgStore:
     def close(self) -> None:
         self.raw.close()
 
-    # -- transactions: one per work item (`PgWriter`); the savepoint calls exist for symmetry
-    #    with the SQLite Store
+    # -- transactions: one per work item (`PgWriter`); savepoints as in the SQLite Store
 
     def begin(self) -> None:
         self.raw.execute("BEGIN")
@@ -437,7 +436,8 @@ class PgStore:
 
     def ingest(self, batch: pb.RecordBatch, hashes: Sequence[bytes] | None = None) -> IngestResult:
         """Store one validated batch (packed, per record, or both). See `ingest_columns`."""
-        return self.ingest_columns(batch.session_id, batch.seq, batch_columns(batch), hashes)
+        cols = batches.batch_columns(batch)
+        return self.ingest_columns(batch.session_id, batch.seq, cols, hashes)
 
     def ingest_columns(self, session_id: str, seq: int, cols: RecordColumns,
                        hashes: Sequence[bytes] | None = None) -> IngestResult:
@@ -450,7 +450,7 @@ class PgStore:
         nothing and is checked the same way."""
         n = cols.n
         if hashes is None:
-            hashes = content_hashes(cols)
+            hashes = content_hash.content_hashes(cols)
         direct = (session_id, seq) not in self._staged
         self._staged.discard((session_id, seq))
         row = self.raw.execute(  # a fresh batch: advance its session (row locked till commit)

@@ -33,13 +33,10 @@ from numaudit.auditor.store.rows import (
 )
 from numaudit.auditor.store.rows import INSERT_RECORD as _INSERT_RECORD
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import (
-    PayloadChunk,
-    RecordColumns,
-    batch_columns,
-    content_hashes,
-    from_records,
-)
+from numaudit.wire.batches import batch_columns
+from numaudit.wire.content_hash import content_hashes
+from numaudit.wire.packed import PayloadChunk, RecordColumns
+from numaudit.wire.record_form import from_records
 
 SCHEMA_VERSION = 5
 """2 added the reduction columns of records and the job and gradient scale of sessions, 3 the
@@ -381,7 +378,7 @@ class Store:
         record sent again under a new sequence, a key repeated inside the batch) the bulk insert is
         rolled back to its savepoint and the batch goes row by row, counting duplicates and
         flagging conflicts.
-        `hashes` are `wire.packed.content_hashes(cols)` (computed here when None).
+        `hashes` are `wire.content_hash.content_hashes(cols)` (computed here when None).
         """
         run_id, rank, acked = self.session(session_id)
         now = time.time()

@@ -8,7 +8,9 @@ import torch
 
 import numaudit
 from numaudit.agents.delivery.columns import PayloadCompressor, part_columns, split_payloads
+from numaudit.wire import batches as WB
 from numaudit.wire import packed as P
+from numaudit.wire import record_form as RF
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,19 +41,19 @@ def test_parts_built_together_are_the_records_built_apart():
     assert len({id(p.f64) for p in parts}) > 1 and any(p.payloads for p in parts)
     apart = P.concat([part_columns([p]) for p in parts])
     together = part_columns(parts)
-    assert P.to_records(together) == P.to_records(apart)
+    assert RF.to_records(together) == RF.to_records(apart)
     assert together.record_bytes == sum(p.record_bytes() for p in parts)
     # a slice of a part is the same records as the slice of its columns
     head = parts[0].slice(1, 3)
-    assert P.to_records(part_columns([head])) == P.to_records(P.take(apart, [1, 2]))
+    assert RF.to_records(part_columns([head])) == RF.to_records(P.take(apart, [1, 2]))
 
     plain = part_columns([p for p in parts if p.payloads is None])
     single = part_columns([p for p in parts if p.payloads is not None])
-    cut = P.split_batch("s", 1, plain, single)
-    whole = P.packed_batch("s", 1, apart)
-    assert P.batch_record_count(cut) == P.batch_record_count(whole) == apart.n
+    cut = WB.split_batch("s", 1, plain, single)
+    whole = WB.packed_batch("s", 1, apart)
+    assert WB.batch_record_count(cut) == WB.batch_record_count(whole) == apart.n
     assert list(cut.records) == list(whole.records)  # the payload records, in order
-    assert P.to_records(P.batch_columns(cut)) == P.to_records(P.batch_columns(whole))
+    assert RF.to_records(WB.batch_columns(cut)) == RF.to_records(WB.batch_columns(whole))
 
 
 def _layouts():

@@ -17,7 +17,8 @@ from numaudit.agents.delivery.transport import GrpcTransport
 from numaudit.auditor.daemon.replay import replay_into_db
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire import packed as P
+from numaudit.wire import batches as WB
+from numaudit.wire import record_form as RF
 from numaudit.wire.checksum import batch_checksum, received_records_checksum
 from numaudit.wire.spool import SpoolWriter, read_spool
 from tests.auditor.builders import record, register_request
@@ -66,13 +67,13 @@ def test_agent_sends_packed_batches_that_replay_like_per_record_ones(tmp_path):
     assert not any(len(b.records) for b in contents.batches)
     for b in contents.batches:
         assert received_records_checksum(b.SerializeToString()) == b.records_crc32
-    total = sum(P.batch_record_count(b) for b in contents.batches)
+    total = sum(WB.batch_record_count(b) for b in contents.batches)
     assert total == 2 * 8
     # the same session written as a spool of an earlier build: per-record batches only
     old = SpoolWriter(tmp_path / "old", contents.register.run, 0, contents.register.session_id)
     old.append(contents.register)
     for b in contents.batches:
-        old.append(P.unpacked_batch(b))
+        old.append(WB.unpacked_batch(b))
     old.append(contents.close)
     old.close()
     (new_result,) = replay_into_db([path], tmp_path / "new.db")
@@ -145,7 +146,7 @@ def test_a_peer_without_packed_batches_gets_per_record_batches(tmp_path):
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
         peer = _OldPeer(srv.address)
         records = [record(0, j) for j in range(4)] + [record(0, 4, payload=b"\x05" * 48)]
-        packed = P.split_batch("old-0", 1, P.from_records(records), None)
+        packed = WB.split_batch("old-0", 1, RF.from_records(records), None)
         assert len(packed.packed.payloads) == 1
         d = _deliver(peer, packed, 5)
         assert not d.pending and d.acked_records == 5
@@ -160,7 +161,7 @@ def test_a_peer_without_packed_payloads_gets_the_payload_records_per_record(tmp_
     records = [record(0, j, payload=b"\x05" * 48 if j % 2 else None) for j in range(5)]
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", synchronous="NORMAL") as srv:
         peer = _OldPeer(srv.address, packed_batches=True)
-        packed = P.split_batch("old-0", 1, P.from_records(records), None)
+        packed = WB.split_batch("old-0", 1, RF.from_records(records), None)
         d = _deliver(peer, packed, 5)
         assert not d.pending and d.acked_records == 5
         (sent,) = peer.sent
@@ -184,9 +185,9 @@ def test_a_packed_batch_that_does_not_convert_is_rejected_and_the_rest_delivered
         peer = _OldPeer(srv.address)
         req = register_request(run="old", session_id="old-0")
         d = Delivery(peer, lambda: req, on_drop=lambda reason, n: drops.append((reason, n)))
-        bad = P.split_batch("old-0", 1, P.from_records([record(0, j) for j in range(3)]), None)
+        bad = WB.split_batch("old-0", 1, RF.from_records([record(0, j) for j in range(3)]), None)
         bad.packed.dims = bad.packed.dims[:-8]
-        good = P.split_batch("old-0", 2, P.from_records([record(1, j) for j in range(2)]), None)
+        good = WB.split_batch("old-0", 2, RF.from_records([record(1, j) for j in range(2)]), None)
         assert d.offer(bad, 3, bad.ByteSize()) and d.offer(good, 2, good.ByteSize())
         import time
         deadline = time.monotonic() + 20
@@ -266,7 +267,7 @@ class _RecordingPeer:
 def _sealed(seq: int) -> bytes:
     from numaudit.wire.sealed import sealed_batch
 
-    return sealed_batch("seal-0", seq, P.from_records(
+    return sealed_batch("seal-0", seq, RF.from_records(
         [record(seq, j, payload=b"\x07" * 48 if j == 1 else None) for j in range(4)]))
 
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import batches as WB
 from numaudit.wire import packed as P
 from tests.faults.corpus import real_session
 from tests.faults.harness import ROOT, Auditor, figure
@@ -165,7 +166,7 @@ def _mutate_fields(draw, b: pb.RecordBatch) -> None:
         return
     if b.HasField("packed"):
         try:
-            b.CopyFrom(P.unpacked_batch(b))
+            b.CopyFrom(WB.unpacked_batch(b))
         except P.PackedFormatError:  # a column cut short by an earlier mutation: leave it
             return
     r = b.records[draw(st.integers(0, len(b.records) - 1))]
@@ -252,7 +253,7 @@ def test_unmutated_real_batches_are_stored(daemon):
     acks = list(stub.Ingest(iter(renamed), timeout=T))
     assert [a.acked_seq for a in acks] == [b.seq for b in batches]
     assert sum(a.stored + a.duplicates + a.conflicts for a in acks) == sum(
-        P.batch_record_count(b) for b in batches)
+        WB.batch_record_count(b) for b in batches)
     assert _counts(auditor.db)[0] == before + sum(a.stored for a in acks)  # acked = in the store
 
 

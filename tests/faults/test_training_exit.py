@@ -18,7 +18,7 @@ import pytest
 from numaudit.agents.shutdown import WATCHER_GRACE_S
 from numaudit.auditor.daemon.server import BackgroundServer
 from numaudit.auditor.store import Reader
-from numaudit.wire.packed import batch_record_count
+from numaudit.wire.batches import batch_record_count
 from numaudit.wire.spool import read_spool
 from tests.faults.exit_job import UNSENT
 from tests.faults.harness import figure, free_port

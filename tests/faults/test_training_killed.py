@@ -13,7 +13,8 @@ import time
 import pytest
 
 from numaudit.auditor.daemon.replay import replay
-from numaudit.wire.packed import batch_columns, batch_record_count, to_records
+from numaudit.wire.batches import batch_columns, batch_record_count
+from numaudit.wire.record_form import to_records
 from numaudit.wire.spool import read_spool
 from tests.faults.harness import Auditor, StoreView, Writer, figure, wait_until
 

@@ -47,7 +47,8 @@ def instrument(agent, out: Path) -> None:
     """Log every batch cut, every ack and every connection failure of `agent` under `out`."""
     import numaudit.agents.delivery.sender as sender_module
     from numaudit.protos import numaudit_pb2 as pb
-    from numaudit.wire.packed import batch_columns, content_hashes
+    from numaudit.wire.batches import batch_columns
+    from numaudit.wire.content_hash import content_hashes
 
     sender = agent._sender
     delivery = sender.delivery

@@ -12,14 +12,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import batches as WB
 from numaudit.wire import checksum
 from numaudit.wire import packed as P
+from numaudit.wire import record_form as RF
 from numaudit.wire.sealed import sealed_batch
 from tests.auditor.builders import none_record, record
 
 
 def _protobufs(session: str, seq: int, cols: P.RecordColumns) -> bytes:
-    msg = P.split_batch(session, seq, cols, None, checksum=False)
+    msg = WB.split_batch(session, seq, cols, None, checksum=False)
     msg.records_crc32 = checksum.batch_checksum(msg)
     return msg.SerializeToString(deterministic=True)
 
@@ -56,14 +58,14 @@ def _records(draw):
 
 @given(_records(), st.integers(1, (1 << 62)), st.sampled_from(["s", "", "session-é" * 9]))
 def test_the_sealed_bytes_are_protobufs_serialization(records, seq, session):
-    _check(session, seq, P.from_records(records))
+    _check(session, seq, RF.from_records(records))
 
 
 def test_raw_payload_views_and_chunks_encode_as_their_bytes():
     """The agent's payload chunks (PayloadChunk, their data a memoryview of its host copy, a
     large payload cut into chunks) encode as the same Payload messages would."""
     records = [record(0, j, site=f"m{j}") for j in range(5)]
-    cols = P.from_records(records)
+    cols = RF.from_records(records)
     raw = np.random.default_rng(0).standard_normal(3000).astype("<f4")
     view = memoryview(raw).cast("B")
     cols.payloads = {
@@ -90,7 +92,7 @@ def test_columns_with_records_they_cannot_hold_are_refused():
     encoder, which writes columns only, refuses them rather than dropping them."""
     odd = record(0, 1)
     odd.layout.offsets.append(0)  # 3 offsets for a 2-dim tensor: not a column row
-    cols = P.from_records([record(0, 0), odd])
+    cols = RF.from_records([record(0, 0), odd])
     assert cols.unfit
     with pytest.raises(ValueError, match="cols.unfit: 1 records"):
         sealed_batch("s", 1, cols)

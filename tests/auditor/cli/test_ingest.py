@@ -10,7 +10,7 @@ import pytest
 
 from numaudit.auditor.store import Reader
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import batch_record_count
+from numaudit.wire.batches import batch_record_count
 from numaudit.wire.spool import SpoolWriter
 
 pytestmark = pytest.mark.timeout(60)

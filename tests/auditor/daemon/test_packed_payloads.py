@@ -17,8 +17,9 @@ from numaudit.auditor.daemon import validate_columns as vc
 from numaudit.auditor.daemon.validate import CorruptPayload, TooLarge, validate_batch
 from numaudit.auditor.store.writer import StoreWriter
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import batches as WB
 from numaudit.wire import limits
-from numaudit.wire import packed as P
+from numaudit.wire import record_form as RF
 from tests.auditor.builders import (
     batch,
     float32_bytes,
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _packed(records: list[pb.Record], seq: int = 1, session: str = "sess-0") -> pb.RecordBatch:
     """Every record packed, payloads included (what the agent sends a daemon of this build)."""
-    b = P.split_batch(session, seq, P.from_records(records), None)
+    b = WB.split_batch(session, seq, RF.from_records(records), None)
     assert not len(b.records)
     return b
 

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from numaudit.auditor.daemon.validate import ValidationError, validate_batch, validate_record
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire import batches as WB
 from numaudit.wire import limits
 from numaudit.wire import packed as P
+from numaudit.wire import record_form as RF
 from tests.auditor.builders import batch, none_record, record
 
 
@@ -97,7 +99,7 @@ def _outcome(b: pb.RecordBatch) -> str | None:
 
 
 def _packed(records: list[pb.Record]) -> pb.RecordBatch:
-    return P.packed_batch("sess-0", 1, P.from_records(records))
+    return WB.packed_batch("sess-0", 1, RF.from_records(records))
 
 
 def test_valid_variants_pass_packed_and_per_record():
@@ -106,7 +108,7 @@ def test_valid_variants_pass_packed_and_per_record():
     cols = validate_batch(batch(1, records))
     assert cols.n == len(records)
     packed = validate_batch(_packed(records))
-    assert P.to_records(packed) == records
+    assert RF.to_records(packed) == records
 
 
 @settings(max_examples=400, deadline=None)
@@ -210,7 +212,7 @@ def test_random_columns_never_crash():
     """Arbitrary numbers in every packed column: an answer or a ValidationError, never another
     exception (the daemon maps anything else to UNAVAILABLE and the agent would retry forever)."""
     rng = random.Random(7)
-    base = P.to_packed(P.from_records(_variants()))
+    base = P.to_packed(RF.from_records(_variants()))
     n = base.count
     for _ in range(300):
         m = pb.PackedRecords()

@@ -334,7 +334,8 @@ def test_a_failed_decompression_leaves_the_thread_able_to_check_the_next_payload
 def test_capture_order_is_a_count_from_zero():
     """0 is an agent of an earlier build (not numbered); a negative number is refused by name,
     per record and packed alike."""
-    from numaudit.wire import packed as P
+    from numaudit.wire import batches as WB
+    from numaudit.wire import record_form as RF
 
     for order in (0, 1, limits.MAX_CAPTURE_ORDER):
         r = record()
@@ -344,5 +345,5 @@ def test_capture_order_is_a_count_from_zero():
     bad.capture_order = -5
     err = refused(validate_batch, batch(1, [record(), bad]))
     assert str(err) == f"records[1].capture_order: -5 is not in [0, {limits.MAX_CAPTURE_ORDER}]"
-    err = refused(validate_batch, P.packed_batch("sess-0", 1, P.from_records([record(), bad])))
+    err = refused(validate_batch, WB.packed_batch("sess-0", 1, RF.from_records([record(), bad])))
     assert err.field == "packed[1].capture_order"

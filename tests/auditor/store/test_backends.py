@@ -147,7 +147,8 @@ def test_packed_payload_batches_store_their_chunks(writer, store_location):
     `records` and `payload_chunks` under ids drawn beforehand), one whose 2-chunk payload
     repeats a key (PostgreSQL: the staging path), and resends of both: every record readable
     with its own payload, nothing stored twice."""
-    from numaudit.wire.packed import from_records, split_batch
+    from numaudit.wire.batches import split_batch
+    from numaudit.wire.record_form import from_records
 
     register(writer)
     payloads = {j: float32_bytes(12 + j) for j in (0, 3, 4)}
@@ -183,7 +184,8 @@ def test_a_payload_in_chunks_is_counted_and_flagged_as_one_record(writer, store_
     """Each later chunk travels as a row repeating its record's key and content: stored,
     duplicates and conflicts count the record once, and a conflicting record is flagged once,
     on a fresh batch and on a resend alike (the agent and `auditor ingest` count the same)."""
-    from numaudit.wire.packed import from_records, split_batch
+    from numaudit.wire.batches import split_batch
+    from numaudit.wire.record_form import from_records
 
     data = float32_bytes(64)
 
@@ -226,7 +228,8 @@ def flat_column(reader, run: str = "ref") -> dict[tuple[int, int], int]:
 def test_a_flat_piece_comes_back_flat(writer, store_location):
     """Per record and packed, on a fresh batch and through a resend: the flag is stored, read
     back, and part of what a record says (sent again with only the flag changed, a conflict)."""
-    from numaudit.wire.packed import from_records, split_batch
+    from numaudit.wire.batches import split_batch
+    from numaudit.wire.record_form import from_records
 
     register(writer)
     first = [flat_record(0, 0), flat_record(0, 1, flat=False), record(0, 2)]

@@ -9,7 +9,8 @@ import pytest
 
 from numaudit.auditor.store import RECORD_COLUMNS, key_segments
 from numaudit.auditor.store.backend import open_writer
-from numaudit.wire.packed import from_records, split_batch
+from numaudit.wire.batches import split_batch
+from numaudit.wire.record_form import from_records
 from tests.auditor.builders import batch, float32_bytes, payload_for, record
 from tests.auditor.store.test_backends import call, ingest, read, register
 

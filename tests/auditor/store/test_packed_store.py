@@ -10,7 +10,9 @@ import pytest
 from numaudit.auditor.store import content_hash
 from numaudit.auditor.store.writer import StoreWriter
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire import packed as P
+from numaudit.wire import batches as WB
+from numaudit.wire import content_hash as CH
+from numaudit.wire import record_form as RF
 from tests.auditor.builders import batch, none_record, record, register_request
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,7 +61,7 @@ def _rows(db, run):
 def test_packed_and_per_record_store_the_same_rows(writer, tmp_path):
     records = _records()
     per_record = writer.submit(lambda s: s.ingest(batch(1, records))).result(10)
-    packed = P.packed_batch("sess-1", 1, P.from_records(records))
+    packed = WB.packed_batch("sess-1", 1, RF.from_records(records))
     assert len(packed.records) == 1 and packed.packed.count == len(records) - 1
     got = writer.submit(lambda s: s.ingest(packed)).result(10)
     assert per_record.stored == got.stored == len(records)
@@ -72,9 +74,9 @@ def test_packed_and_per_record_store_the_same_rows(writer, tmp_path):
 
 def test_a_record_hashes_the_same_packed_or_per_record():
     records = _records()
-    cols = P.batch_columns(P.packed_batch("s", 1, P.from_records(records)))
+    cols = WB.batch_columns(WB.packed_batch("s", 1, RF.from_records(records)))
     by_key = {}
-    for r, h in zip(P.to_records(cols), P.content_hashes(cols)):
+    for r, h in zip(RF.to_records(cols), CH.content_hashes(cols)):
         by_key[r.key.SerializeToString()] = h
     for r in records:
         assert by_key[r.key.SerializeToString()] == content_hash(r)
@@ -84,7 +86,7 @@ def test_a_record_hashes_the_same_packed_or_per_record():
 def test_resend_of_a_packed_batch_is_a_duplicate_and_changed_content_a_conflict(writer):
     records = _records()
     ingest = lambda b: writer.submit(lambda s: s.ingest(b)).result(10)  # noqa: E731
-    first = ingest(P.packed_batch("sess-0", 1, P.from_records(records)))
+    first = ingest(WB.packed_batch("sess-0", 1, RF.from_records(records)))
     assert first.stored == len(records)
     # the same records per record, at a resent seq: all duplicates
     again = ingest(batch(1, records))
@@ -93,16 +95,16 @@ def test_resend_of_a_packed_batch_is_a_duplicate_and_changed_content_a_conflict(
     # back to rows, stores the new one, counts the duplicate, flags the conflict
     changed = record(0, 1, site="layers.1", shape=(3, 3), fingerprint=12345)
     new = record(5, 0, site="layers.9")
-    mixed = ingest(P.packed_batch("sess-0", 2, P.from_records([records[0], changed, new])))
+    mixed = ingest(WB.packed_batch("sess-0", 2, RF.from_records([records[0], changed, new])))
     assert (mixed.stored, mixed.duplicates, mixed.conflicts) == (1, 1, 1)
     # a key twice inside one new batch: stored once, the second is a duplicate
-    twice = ingest(P.packed_batch("sess-0", 3, P.from_records([record(7, 0), record(7, 0)])))
+    twice = ingest(WB.packed_batch("sess-0", 3, RF.from_records([record(7, 0), record(7, 0)])))
     assert (twice.stored, twice.duplicates) == (1, 1)
 
 
 def test_failed_bulk_insert_leaves_nothing_and_the_session_unacked(writer, tmp_path):
     """A batch whose writes fail is rolled back whole (its savepoint): no rows, acked_seq kept."""
-    cols = P.from_records(_records())
+    cols = RF.from_records(_records())
     cols.cols["site"] = cols.cols["site"].copy()
     cols.sites = []  # no site table: building the rows fails inside the writer's item
     with pytest.raises(Exception):
@@ -149,6 +151,6 @@ def test_content_hash_tells_apart_what_a_linear_hash_would_not():
     variants += [flipped, swapped, moved, shorter]
     hashes = [content_hash(r) for r in variants]
     assert len(set(hashes)) == len(variants)
-    many = P.from_records([record(s, m, site=f"l{i}") for s in range(4) for m in range(8)
+    many = RF.from_records([record(s, m, site=f"l{i}") for s in range(4) for m in range(8)
                            for i in range(32)])
-    assert len(set(P.content_hashes(many))) == many.n == 1024
+    assert len(set(CH.content_hashes(many))) == many.n == 1024

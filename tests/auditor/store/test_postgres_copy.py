@@ -12,7 +12,8 @@ import pytest
 from numaudit.auditor.store import pg_copy
 from numaudit.auditor.store.rows import INSERT_COLUMNS, record_rows
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import content_hashes, from_records
+from numaudit.wire.content_hash import content_hashes
+from numaudit.wire.record_form import from_records
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,9 @@ from numaudit.auditor.daemon.validate import ValidationError, validate_batch
 from numaudit.auditor.store.backend import open_writer
 from numaudit.auditor.store.reader import Reader
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire.packed import from_packed, from_records, split_batch, to_packed, to_records
+from numaudit.wire.batches import split_batch
+from numaudit.wire.packed import from_packed, to_packed
+from numaudit.wire.record_form import from_records, to_records
 from numaudit.wire.sealed import sealed_batch
 from tests.auditor.builders import batch, float32_bytes, payload_for, record
 from tests.auditor.store.test_backends import ingest, read, register

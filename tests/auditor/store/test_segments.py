@@ -16,7 +16,8 @@ from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.store import Reader, connect, key_segments
 from numaudit.auditor.store.backend import open_writer
 from numaudit.protos import numaudit_pb2 as pb
-from numaudit.wire import packed as P
+from numaudit.wire import batches as WB
+from numaudit.wire import record_form as RF
 from tests.auditor.builders import batch, none_record, record, register_request
 from tests.auditor.synth import mlp_run, write_runs
 
@@ -103,7 +104,7 @@ def _write_odd_runs(db):
         w.submit(lambda s: s.register(register_request(run="cand", session_id="c0"))).result(10)
         recs = _odd_records()
         w.submit(lambda s: s.ingest(batch(1, recs))).result(10)
-        w.submit(lambda s: s.ingest(P.packed_batch("c0", 1, P.from_records(recs[:8])))).result(10)
+        w.submit(lambda s: s.ingest(WB.packed_batch("c0", 1, RF.from_records(recs[:8])))).result(10)
         again = [pb.Record() for _ in range(3)]
         for a, r in zip(again, recs[6:9]):
             a.CopyFrom(r)
