@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from numaudit.wire.hashing import MIX_C2, mix64_array
 from numaudit.wire.packed import IS_NONE, NOT_CONTENT, SCALAR_COLUMNS, RecordColumns
 
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_M2 = np.uint64(MIX_C2)
 _LANE_SEEDS = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD1B54A32D192ED03))
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer (a bijection of uint64), in place on a fresh array."""
-    x ^= x >> _S30
-    x *= _M1
-    x ^= x >> _S27
-    x *= _M2
-    x ^= x >> _S31
-    return x
+_mix = mix64_array
+"""splitmix64's finalizer (a bijection of uint64), in place on a fresh array."""
 
 
 _TEXT_WORDS: dict[str, int] = {}

@@ -90,6 +90,17 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def mix64_array(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on a uint64 array, in place (numpy's multiplies wrap)."""
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(MIX_SHIFTS[0])
+        z *= np.uint64(MIX_C1)
+        z ^= z >> np.uint64(MIX_SHIFTS[1])
+        z *= np.uint64(MIX_C2)
+        z ^= z >> np.uint64(MIX_SHIFTS[2])
+    return z
+
+
 def bent(u: int) -> int:
     """The 8-bit bent function of the sketch's signs: parity of (low nibble AND high nibble)."""
     t = (u & 15) & (u >> 4)
@@ -153,12 +164,7 @@ def place_table() -> np.ndarray:
     per_row = 2 * GROUPS - 1
     n = np.arange(1, PLACE_ROWS * per_row + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = n * np.uint64(GOLDEN_GAMMA) + np.uint64(PLACE_SEED)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(MIX_C1)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(MIX_C2)
-        z ^= z >> np.uint64(31)
+        z = mix64_array(n * np.uint64(GOLDEN_GAMMA) + np.uint64(PLACE_SEED))
     z = z.reshape(PLACE_ROWS, per_row)
     perm = np.tile(np.arange(GROUPS, dtype=np.int64), (PLACE_ROWS, 1))
     rows = np.arange(PLACE_ROWS)
