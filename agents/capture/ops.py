@@ -530,6 +530,6 @@ def _wait_collective(name: str, out) -> None:
 
 
 def _is_dtensor(t) -> bool:
-    from numaudit.agents.capture.capture import _is_dtensor as is_dt
+    from numaudit.agents.capture.sharding import is_dtensor as is_dt
 
     return is_dt(t)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from numaudit.agents.capture.capture import NOT_CAPTURED_AMBIGUOUS, Capturer, Counters
+from numaudit.agents.capture.capture import Capturer, Counters
+from numaudit.agents.capture.module_hooks import NOT_CAPTURED_AMBIGUOUS
 from numaudit.agents.config import AgentConfig
 from numaudit.agents.identity import RankIdentity
 

@@ -17,7 +17,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import numaudit
-from numaudit.agents.capture.capture import PHASE_IDS, Capturer, Counters
+from numaudit.agents.capture.capture import Capturer, Counters
+from numaudit.agents.capture.fused_plans import PHASE_IDS
 from numaudit.agents.capture.sites import block_sites, select_modules
 from numaudit.agents.config import AgentConfig, apply_env, check
 from numaudit.agents.identity import rank_identity

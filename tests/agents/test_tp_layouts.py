@@ -20,7 +20,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from numaudit.agents.capture.capture import Capturer, Counters, output_sharding
+from numaudit.agents.capture.capture import Capturer, Counters
+from numaudit.agents.capture.sharding import output_sharding
 from numaudit.agents.config import AgentConfig
 from numaudit.agents.identity import rank_identity
 from numaudit.agents.layout import PieceLayout, dim_shard_layout
@@ -121,7 +122,7 @@ def test_tokens_are_followed_through_blocks_no_style_declares(fake_rank, rank):
     logical (B, S, D) activation at token offset rank * S/TP, not replicas; so are the modules
     inside a block that keep the tokens (an activation between w1 and w2 keeps w1's columns),
     and their gradients. What gathers the tokens or reduces them away is not a block."""
-    from numaudit.agents.capture.capture import PHASE_IDS
+    from numaudit.agents.capture.fused_plans import PHASE_IDS
 
     fake_rank(rank)
     lays = _captured_layouts(rank)
@@ -152,7 +153,7 @@ def test_dim_shard_layout_places_a_block_of_any_dim_but_the_batch_dim():
 def test_replicate_sites_overrides_a_followed_block(fake_rank):
     fake_rank(1)
     lays = _captured_layouts(1, replicate_sites=("fwd:layers.1",))
-    from numaudit.agents.capture.capture import PHASE_IDS
+    from numaudit.agents.capture.fused_plans import PHASE_IDS
 
     assert lays[(PHASE_IDS["fwd"], "layers.1")].replica  # as declared
     assert lays[(PHASE_IDS["fwd"], "layers.1")].logical_shape == (B, S // TP, D)
@@ -167,7 +168,7 @@ def test_dtensors_on_part_of_the_mesh_are_placed_in_the_whole(fake_rank):
     covers) a replica over tp; a DTensor on both dims is placed by them."""
     from torch.distributed.tensor import DTensor
 
-    from numaudit.agents.capture.capture import PHASE_IDS
+    from numaudit.agents.capture.fused_plans import PHASE_IDS
 
     rank = 3
     fake_rank(rank)
@@ -198,16 +199,16 @@ def test_a_whole_view_of_a_block_is_the_block():
     """FSDP2's pre-forward hands its module views of the arguments: a whole view of a marked
     block, or of the tensor a marked whole view was made from, is the same block; a slice of
     it is not."""
-    from numaudit.agents.capture.capture import _mark, _mark_of
+    from numaudit.agents.capture.sharding import mark_of, set_mark
 
     x = torch.randn(B, S, D)
-    _mark(x, (1, TP, 2))
-    assert _mark_of(x.view_as(x)) == (1, TP, 2)
+    set_mark(x, (1, TP, 2))
+    assert mark_of(x.view_as(x)) == (1, TP, 2)
     base = torch.randn(B, S, D)
-    _mark(base.view_as(base), (1, TP, 1))  # marks its base too
-    assert _mark_of(base.view_as(base)) == (1, TP, 1)
-    assert _mark_of(x[:, :2]) is None and _mark_of(base[:, 4:]) is None
-    assert _mark_of(torch.randn(B, S, D)) is None
+    set_mark(base.view_as(base), (1, TP, 1))  # marks its base too
+    assert mark_of(base.view_as(base)) == (1, TP, 1)
+    assert mark_of(x[:, :2]) is None and mark_of(base[:, 4:]) is None
+    assert mark_of(torch.randn(B, S, D)) is None
 
 
 def test_a_loss_from_dtensor_logits_is_a_reduction_over_its_addends(fake_rank):
@@ -276,7 +277,7 @@ def test_a_block_is_not_inferred_from_a_shape_that_only_looks_alike(fake_rank):
     """Plain TP with an FFN of 4 x D over tp=4: w1's column block is (B, S, D), the shape of
     the block's output too, but the block's last submodule (w2, all-reduced) outputs a
     replica, so the block's output is one; a block of w1's columns is not carried over."""
-    from numaudit.agents.capture.capture import PHASE_IDS
+    from numaudit.agents.capture.fused_plans import PHASE_IDS
 
     fake_rank(2)
     mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
@@ -313,7 +314,7 @@ def test_a_submodule_whose_input_a_style_gathers_outputs_the_tokens_of_its_last_
     does the module."""
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    from numaudit.agents.capture.capture import PHASE_IDS
+    from numaudit.agents.capture.fused_plans import PHASE_IDS
 
     rank = 1
     fake_rank(rank)

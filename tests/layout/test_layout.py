@@ -38,7 +38,7 @@ FORBIDDEN = {
 }
 MAX_LINES = 550
 """No module over ~500 lines (the issue's bound, with a little slack)."""
-OVER_THE_CAP = {"agents/capture/capture.py": 1211}
+OVER_THE_CAP: dict[str, int] = {}
 """Modules still over MAX_LINES, with their length when the cap was extended to agents/ and
 wire/ (issue 42): an entry may only shrink, and goes once its module is under the cap."""
 CHECKPOINT_MAY_USE = {"agents.agent", "agents.config", "agents.identity", "agents.layout",
