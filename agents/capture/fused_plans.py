@@ -23,17 +23,7 @@ from numaudit.agents.digest.batching import Capture
 from numaudit.agents.digest.digest import has_moments
 from numaudit.agents.kernels.cpu import DTYPE_CODES, descriptor_tail, pack_head
 from numaudit.agents.layout import PieceLayout
-from numaudit.protos import numaudit_pb2 as pb
-
-PHASE_IDS = {
-    "fwd": pb.PHASE_FWD, "bwd": pb.PHASE_BWD, "grad": pb.PHASE_GRAD,
-    "param": pb.PHASE_PARAM, "loss": pb.PHASE_LOSS, "input": pb.PHASE_INPUT,
-    "optim_grad": pb.PHASE_OPTIM_GRAD, "update": pb.PHASE_UPDATE, "state": pb.PHASE_STATE,
-}
-ROLE_IDS = {
-    "output": pb.ROLE_OUTPUT, "input": pb.ROLE_INPUT, "grad_output": pb.ROLE_GRAD_OUTPUT,
-    "grad_input": pb.ROLE_GRAD_INPUT, "value": pb.ROLE_VALUE,
-}
+from numaudit.wire.vocabulary import PHASE_IDS, ROLE_IDS
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 

@@ -28,18 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.vocabulary import PHASE_IDS, PHASE_NAMES, ROLE_IDS, ROLE_NAMES, Phase, Role
 
-PHASE_NAMES: dict[int, str] = {
-    pb.PHASE_FWD: "fwd", pb.PHASE_BWD: "bwd", pb.PHASE_GRAD: "grad",
-    pb.PHASE_PARAM: "param", pb.PHASE_LOSS: "loss", pb.PHASE_INPUT: "input",
-    pb.PHASE_OPTIM_GRAD: "optim_grad", pb.PHASE_UPDATE: "update", pb.PHASE_STATE: "state",
-}
-PHASE_IDS: dict[str, int] = {v: k for k, v in PHASE_NAMES.items()}
-ROLE_NAMES: dict[int, str] = {
-    pb.ROLE_OUTPUT: "output", pb.ROLE_INPUT: "input", pb.ROLE_GRAD_OUTPUT: "grad_output",
-    pb.ROLE_GRAD_INPUT: "grad_input", pb.ROLE_VALUE: "value",
-}
-ROLE_IDS: dict[str, int] = {v: k for k, v in ROLE_NAMES.items()}
+__all__ = [  # the key vocabulary, re-exported for the comparison's modules
+    "PHASE_IDS", "PHASE_NAMES", "ROLE_IDS", "ROLE_NAMES", "Phase", "Role"]
+
 
 # Rank of each phase inside a microbatch (per-microbatch phases) or a step (per-step phases).
 PHASE_RANK: dict[int, int] = {
