@@ -21,7 +21,7 @@ from typing import Any
 import click
 
 from numaudit.auditor.cli.main import ENV_DB, STORE, InputError, StoreSource, main, with_nearest
-from numaudit.auditor.compare.policy import PRESETS, PolicyError, load_policy, preset_policy
+from numaudit.auditor.compare.policy.load import PRESETS, PolicyError, load_policy, preset_policy
 from numaudit.auditor.store import UnknownRun
 
 
@@ -44,7 +44,7 @@ def noise_options(fn: Any) -> Any:
 
 def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | None,
                local: bool, ref: str = "") -> Any:
-    """The `auditor.compare.noise.NoiseSpec` the options ask for (None without them)."""
+    """The `auditor.compare.noise.judge.NoiseSpec` the options ask for (None without them)."""
     if ref and ref in noise:
         raise InputError(f"noise: {ref!r} is the reference itself; give its reruns")
     if not noise and bands_file is None:
@@ -56,8 +56,8 @@ def noise_spec(noise: tuple[str, ...], bands_file: Path | None, slack: float | N
     if not local:
         raise InputError("noise: needs the store (--db); the daemon's Compare and Watch have "
                          "no noise bands")
-    from numaudit.auditor.compare.bands_file import BandsError, load_bands
-    from numaudit.auditor.compare.noise import DEFAULT_SLACK, NoiseSpec
+    from numaudit.auditor.compare.noise.bands_file import BandsError, load_bands
+    from numaudit.auditor.compare.noise.judge import DEFAULT_SLACK, NoiseSpec
 
     spec = NoiseSpec(reruns=tuple(dict.fromkeys(noise)),
                      slack=DEFAULT_SLACK if slack is None else slack)
@@ -88,10 +88,10 @@ def calibrate(runs: tuple[str, ...], output: Path, preset: str | None,
     configuration: every pair of them) and save them for `compare --noise-bands`."""
     import os
 
-    from numaudit.auditor.compare.bands_file import describe_file, save_bands
-    from numaudit.auditor.compare.calibrate import measure_bands
-    from numaudit.auditor.compare.comparison import CompareError
-    from numaudit.auditor.compare.selection import KeySelection
+    from numaudit.auditor.compare.measure.comparison import CompareError
+    from numaudit.auditor.compare.noise.bands_file import describe_file, save_bands
+    from numaudit.auditor.compare.noise.calibrate import measure_bands
+    from numaudit.auditor.compare.read.selection import KeySelection
     from numaudit.auditor.store.location import store_location
 
     if len(set(runs)) < 2:

@@ -219,9 +219,9 @@ def _reader(store: Path):
 
 
 def _compare(reader, runs: dict[str, str], step: int, policy):
-    from numaudit.auditor.compare.columns import KeyRangeError
     from numaudit.auditor.compare.engine import compare_runs
-    from numaudit.auditor.compare.selection import KeySelection
+    from numaudit.auditor.compare.read.columns import KeyRangeError
+    from numaudit.auditor.compare.read.selection import KeySelection
     from numaudit.auditor.store import UnknownRun
 
     select = KeySelection(step, step + 1, KeySelection.of_phases("state").phases, asked=False)

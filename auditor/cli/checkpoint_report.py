@@ -61,7 +61,7 @@ def measure_differences(report: Any, sides: dict[str, Any], name_map: Any, cap: 
     MEASURED_ENTRIES diverged tensors that both sides read from files and that fit `cap` bytes
     each, read both back and measure how much and where (max_abs, ulp, the largest
     difference's index: the finding's `metrics.payload`). Returns how many were measured."""
-    from numaudit.auditor.compare import findings as F
+    from numaudit.auditor.compare.measure import findings as F
 
     if any(isinstance(s, str) for s in sides.values()):
         return 0
@@ -110,8 +110,8 @@ def _measure(ref: tuple, cand: tuple, cap: int) -> dict | None:
     import numpy as np
     import torch
 
-    from numaudit.auditor.compare.metrics import json_float, payload_metrics
-    from numaudit.auditor.compare.ulp import ulp_distance
+    from numaudit.auditor.compare.digests.metrics import json_float, payload_metrics
+    from numaudit.auditor.compare.digests.ulp import ulp_distance
 
     (r_entry, _), (c_entry, _) = ref, cand
     itemsize = torch.empty((), dtype=r_entry.dtype).element_size()

@@ -43,7 +43,13 @@ from numaudit.auditor.cli.main import (
     with_nearest,
 )
 from numaudit.auditor.cli.wait import DEFAULT_WAIT_TIMEOUT_S, wait_for_runs
-from numaudit.auditor.compare.policy import PRESETS, Policy, PolicyError, load_policy, preset_policy
+from numaudit.auditor.compare.policy.load import (
+    PRESETS,
+    Policy,
+    PolicyError,
+    load_policy,
+    preset_policy,
+)
 from numaudit.auditor.store import UnknownRun
 from numaudit.protos import numaudit_pb2 as pb
 
@@ -131,9 +137,9 @@ def compare(ref: str, cand: str, policy_file: Path | None, preset: str | None, f
     policy, policy_text = _load_policy(policy_file, preset)
     check_outputs(output, json_output, html_output)
     remote_json: str | None = None
-    from numaudit.auditor.compare.columns import KeyRangeError
     from numaudit.auditor.compare.engine import compare_runs
-    from numaudit.auditor.compare.selection import KeySelection
+    from numaudit.auditor.compare.read.columns import KeyRangeError
+    from numaudit.auditor.compare.read.selection import KeySelection
     from numaudit.auditor.report.html import render_html
     from numaudit.auditor.report.junit import render_junit
     from numaudit.auditor.report.text import render_text
@@ -346,7 +352,7 @@ def watch(ref: str, cand: str, policy_file: Path | None, preset: str | None, fmt
           tls_cert: str | None, tls_key: str | None) -> int:
     """Compare REF and CAND while they run: findings as soon as keys are final in both; at the
     end, the summary and first divergence `auditor compare` prints (its exit code too)."""
-    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.read.columns import KeyRangeError
 
     policy, policy_text = _load_policy(policy_file, preset)
     source = _source(db, address, timeout, tls_ca, tls_cert, tls_key)
@@ -426,7 +432,7 @@ def _final_summary(source: Any, ref: str, cand: str, policy: Policy, policy_text
 
 def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all: bool) -> int:
     """Print one event; returns 1 for a breaching finding (counted once, not on announcement)."""
-    from numaudit.auditor.compare.findings import headline
+    from numaudit.auditor.compare.measure.findings import headline
 
     if fmt == "json":
         kind = "status" if doc is None else ("first_divergence" if first else "finding")
@@ -453,7 +459,7 @@ def _print_event(doc: dict | None, first: bool, status: str, fmt: str, show_all:
 
 def _print_drill_event(drill: dict, status: str, fmt: str) -> None:
     """An escalation's event: a directive sent (status), or the op-level findings of a
-    module's step (`auditor.compare.live_drill`), printed on stdout."""
+    module's step (`auditor.compare.ops.escalation`), printed on stdout."""
     if fmt == "json":
         kind = "drill" if "drill" in drill else "directive"
         click.echo(json.dumps({"event": kind, kind: drill[kind], "status": status},

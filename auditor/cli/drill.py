@@ -37,8 +37,8 @@ def _report_doc(source, ref: str, cand: str, policy, policy_text: str,
                 preset: str | None) -> dict:
     """The JSON report's head, from the store or from the daemon."""
     if isinstance(source, StoreSource):
-        from numaudit.auditor.compare.columns import KeyRangeError
         from numaudit.auditor.compare.engine import compare_runs
+        from numaudit.auditor.compare.read.columns import KeyRangeError
 
         try:
             return compare_runs(source.reader, ref, cand, policy).header_dict()
@@ -114,6 +114,6 @@ def drill(ref: str, cand: str, policy_file: Path | None, preset: str | None,
 
 
 def _headline(first: dict) -> str:
-    from numaudit.auditor.compare.findings import headline
+    from numaudit.auditor.compare.measure.findings import headline
 
     return headline(first)

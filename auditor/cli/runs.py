@@ -24,7 +24,7 @@ from numaudit.auditor.cli.main import (
     store_or_address,
     tls_options,
 )
-from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.protos import numaudit_pb2 as pb
 
 format_option = click.option("--format", "fmt", type=click.Choice(["text", "json"]),

@@ -2,24 +2,24 @@
 
     report = compare_runs("audit.db", "ref", "pp8", load_policy("policy.toml"))
 
-Pipeline, vectorized over keys (numpy columns, no Python object per record on the hot path):
+The pipeline, vectorized over keys (numpy columns, no Python object per record on the hot path),
+one subpackage a stage:
 
-1. read each run's records as columns (`auditor.compare.columns`), sites normalized and renamed;
-   runs whose steps group their samples into other microbatches are re-keyed into one grouping
-   (`auditor.compare.regroup`);
-2. merge each key's pieces into a logical digest (`auditor.compare.keys.build_keys`): tiling,
-   replica and Partial checks, once per distinct layout signature;
-3. align the two runs on the key;
-4. decide the cheap verdicts from the columns: missing, None, incomplete, replica divergence,
-   non-finite, and *identical* where the fingerprints agree — most keys of two runs that compute
-   the same thing never get further;
-5. for the rest, read moments and sketches (and payloads where both runs sent them) in chunks and
-   compute the policy's metric against its threshold (`auditor.compare.metrics`, `findings.judge`);
-6. order everything by execution order, find the first divergence, group graph breaks;
-7. with noise bands (reruns of the reference), judge every key that differs per rank piece
-   against the reference's own run-to-run noise (`auditor.compare.noise`, docs/noise.md);
-8. for the breaching keys a report lists, say which ranks' pieces differ
-   (`auditor.compare.localize`), while the store is still open.
+1. `read`: each run's records as columns, sites normalized and renamed;
+2. `merge`: records re-placed where the runs split their batches otherwise (uneven shares,
+   microbatches regrouped, outputs that do not hold the batch), then each key's pieces merged
+   into a logical digest: tiling, replica and Partial checks, once per layout signature;
+3. `measure`, driven by `auditor.compare.evaluation` under the runs' `conventions`: the two runs
+   aligned on the key; the cheap verdicts from the columns (missing, None, incomplete, replica
+   divergence, non-finite, and *identical* where the fingerprints agree: most keys of two runs
+   that compute the same thing never get further); for the rest, moments and sketches (and
+   payloads where both runs sent them) read in chunks and the `policy`'s metric computed against
+   its threshold; everything ordered by execution order;
+4. `noise`: with reruns of the reference, every key that differs judged per rank piece against
+   the reference's own run-to-run noise (docs/noise.md);
+5. `explain`: for the breaching keys a report lists, which ranks' pieces differ, while the store
+   is still open; causes, graph breaks and groups as `result.Report` is built;
+6. `ops`: the operations inside module calls, where the runs captured them (docs/drill-down.md).
 
 `auditor.compare.live.LiveComparison` runs the same pipeline incrementally for `watch`.
 """
@@ -30,20 +30,20 @@ import json
 import time
 from pathlib import Path
 
-from numaudit.auditor.compare.columns import Catalog
-from numaudit.auditor.compare.comparison import CompareError
-from numaudit.auditor.compare.conventions import evaluate_runs
-from numaudit.auditor.compare.drill import attach_ops, split_ops
-from numaudit.auditor.compare.localize import localize_breaches
-from numaudit.auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
-from numaudit.auditor.compare.payloads import measure_exact_breaches
-from numaudit.auditor.compare.policy import Policy
-from numaudit.auditor.compare.ranks import mesh_of
-from numaudit.auditor.compare.regroup import rescale_declared
-from numaudit.auditor.compare.replicas import regroup_with_replicas
+from numaudit.auditor.compare.evaluation import evaluate_runs
+from numaudit.auditor.compare.explain.localize import localize_breaches
+from numaudit.auditor.compare.measure.comparison import CompareError
+from numaudit.auditor.compare.measure.payloads import measure_exact_breaches
+from numaudit.auditor.compare.merge.ranks import mesh_of
+from numaudit.auditor.compare.merge.regroup import rescale_declared
+from numaudit.auditor.compare.merge.replicas import regroup_with_replicas
+from numaudit.auditor.compare.merge.uneven import place_uneven
+from numaudit.auditor.compare.noise.judge import NoiseSpec, apply_bands, noise_pieces, resolve_bands
+from numaudit.auditor.compare.ops.drill import attach_ops, split_ops
+from numaudit.auditor.compare.policy.load import Policy
+from numaudit.auditor.compare.read.columns import Catalog
+from numaudit.auditor.compare.read.selection import KeySelection
 from numaudit.auditor.compare.result import Report
-from numaudit.auditor.compare.selection import KeySelection
-from numaudit.auditor.compare.uneven import place_uneven
 from numaudit.auditor.store import Reader
 
 
@@ -63,7 +63,7 @@ def compare_runs(reader_or_path: Reader | str | Path, ref: str, cand: str,
 
     `select` keeps only some steps and phases of both runs (a resumed run from its first step
     on; a checkpoint's state); the report says what was left out. `noise` judges the candidate
-    against the reference's own run-to-run noise (`auditor.compare.noise`, docs/noise.md)."""
+    against the reference's own run-to-run noise (`auditor.compare.noise.judge`, docs/noise.md)."""
 
     policy = policy or Policy()
     reader, owned = _open(reader_or_path)

@@ -7,28 +7,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numaudit.auditor.compare import findings as F
-from numaudit.auditor.compare import merge as M
-from numaudit.auditor.compare.columns import Catalog, ReadMark, RunColumns
-from numaudit.auditor.compare.keys import LogicalKeys
-from numaudit.auditor.compare.live_drill import (
+from numaudit.auditor.compare.digests.metrics import PayloadUnavailable
+from numaudit.auditor.compare.explain.localize import localize
+from numaudit.auditor.compare.measure import findings as F
+from numaudit.auditor.compare.measure.order import APPROXIMATED
+from numaudit.auditor.compare.measure.verdicts import evaluate
+from numaudit.auditor.compare.merge import tiling as M
+from numaudit.auditor.compare.merge.keys import LogicalKeys
+from numaudit.auditor.compare.merge.ranks import mesh_of
+from numaudit.auditor.compare.merge.regroup import rescale_declared
+from numaudit.auditor.compare.merge.replicas import regroup_with_replicas
+from numaudit.auditor.compare.merge.uneven import place_uneven
+from numaudit.auditor.compare.noise.judge import NoiseSpec, apply_bands, noise_pieces, resolve_bands
+from numaudit.auditor.compare.ops.comparison import split_ops
+from numaudit.auditor.compare.ops.escalation import (
     LiveDrill,
     directive_status,
     drill_status,
     latest_step,
 )
-from numaudit.auditor.compare.localize import localize
-from numaudit.auditor.compare.metrics import PayloadUnavailable
-from numaudit.auditor.compare.noise import NoiseSpec, apply_bands, noise_pieces, resolve_bands
-from numaudit.auditor.compare.ops import split_ops
-from numaudit.auditor.compare.order import APPROXIMATED
-from numaudit.auditor.compare.policy import Policy
-from numaudit.auditor.compare.ranks import mesh_of
-from numaudit.auditor.compare.regroup import rescale_declared
-from numaudit.auditor.compare.replicas import regroup_with_replicas
-from numaudit.auditor.compare.segments import ranges_index
-from numaudit.auditor.compare.uneven import place_uneven
-from numaudit.auditor.compare.verdicts import evaluate
+from numaudit.auditor.compare.policy.load import Policy
+from numaudit.auditor.compare.read.columns import Catalog, ReadMark, RunColumns
+from numaudit.auditor.compare.read.segments import ranges_index
 from numaudit.auditor.store import Reader
 
 
@@ -57,14 +57,14 @@ class LiveComparison:
     included. The first divergence is announced once: when every key up to its step has been
     reported in both runs, so that no earlier divergence can still appear.
 
-    Runs that group a step's samples into other microbatches (`auditor.compare.regroup`) are
+    Runs that group a step's samples into other microbatches (`auditor.compare.merge.regroup`) are
     regrouped once that step is complete in both runs (every rank past it, or finished): until
     then a step whose keys disagree in logical shape between the runs holds back its
     per-microbatch keys, which would otherwise read as shape differences and missing keys.
 
     Each poll reports its keys in execution order, the order the agents' hooks fired
-    (`auditor.compare.order`); for runs stored by agents before capture numbers it is storage
-    order, which a status event says once.
+    (`auditor.compare.measure.order`); for runs stored by agents before capture numbers it is
+    storage order, which a status event says once.
     """
 
     def __init__(self, reader: Reader, ref: str, cand: str, policy: Policy | None = None, *,
@@ -75,12 +75,12 @@ class LiveComparison:
         reader.run_id(ref)
         reader.run_id(cand)
         self.noise = noise
-        """Noise bands the keys are judged against (`auditor.compare.noise`): measured here
+        """Noise bands the keys are judged against (`auditor.compare.noise.judge`): measured here
         from the reference's reruns, which must be stored already."""
         if noise is not None:
             resolve_bands(reader, ref, noise, self.policy)
         self.catalog = Catalog(reader, self.policy.renames)
-        from numaudit.auditor.compare.conventions import bwd_factor
+        from numaudit.auditor.compare.conventions.activation_grads import bwd_factor
         self.bwd_factor, _ = bwd_factor(reader.run_info(ref), reader.run_info(cand))
         self.cols = {side: RunColumns.empty(name, side) for side, name in self.names.items()}
         self.marks = {side: ReadMark() for side in self.names}
@@ -99,7 +99,7 @@ class LiveComparison:
         """The last regrouping's lines."""
         self.drill = LiveDrill(self.names, self.catalog) if escalate else None
         """Escalation (`auditor watch --escalate`): operation records go there, and modules
-        that introduce a divergence get directives (`auditor.compare.live_drill`)."""
+        that introduce a divergence get directives (`auditor.compare.ops.escalation`)."""
 
     def _progress(self, side: str) -> tuple[float, bool]:
         """(the step every rank of the run is past, whether the run is finished)."""
@@ -213,7 +213,7 @@ class LiveComparison:
         microbatches their steps were re-keyed into so far (`regroup.rescale_declared`)."""
         if not self.catalog.__dict__.get("regrouped_sizes"):
             return self.bwd_factor
-        from numaudit.auditor.compare.conventions import bwd_factor
+        from numaudit.auditor.compare.conventions.activation_grads import bwd_factor
         infos = {side: self.reader.run_info(name) for side, name in self.names.items()}
         rescale_declared(infos, self.catalog)
         return bwd_factor(infos["ref"], infos["cand"])[0]

@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from numaudit.auditor.compare import findings as F
-from numaudit.auditor.compare import parents
-from numaudit.auditor.compare.align import PHASE_IDS
-from numaudit.auditor.compare.breaks import graph_breaks
-from numaudit.auditor.compare.causes import excluded_by_policy
-from numaudit.auditor.compare.comparison import Comparison
-from numaudit.auditor.compare.groups import Group, group_breaches
-from numaudit.auditor.compare.policy import Policy
-from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.explain.breaks import graph_breaks
+from numaudit.auditor.compare.explain.causes import excluded_by_policy
+from numaudit.auditor.compare.explain.groups import Group, group_breaches
+from numaudit.auditor.compare.measure import findings as F
+from numaudit.auditor.compare.measure import parents
+from numaudit.auditor.compare.measure.comparison import Comparison
+from numaudit.auditor.compare.policy.load import Policy
+from numaudit.auditor.compare.read.align import PHASE_IDS
+from numaudit.auditor.compare.read.ranges import format_ranges
 
 SCHEMA = "numaudit.report"
 SCHEMA_VERSION = 5
@@ -54,14 +54,15 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     generated_unix: float = field(default_factory=time.time)
     groups: list[Group] = field(default_factory=list)
-    """Breaching findings grouped by cause, in execution order (`auditor.compare.groups`)."""
+    """Breaching findings grouped by cause, in execution order
+    (`auditor.compare.explain.groups`)."""
     group_of: np.ndarray | None = None
     """Per key: the index of its group, -1 for a key that does not breach."""
     ops: Any = None
-    """The op-level comparison (`auditor.compare.ops.OpReport`) when the runs captured
+    """The op-level comparison (`auditor.compare.ops.comparison.OpReport`) when the runs captured
     operations (docs/drill-down.md); it explains, the module-level keys decide the exit code."""
     drill: dict | None = None
-    """The rerun that drills into the first divergence's module (`auditor.compare.drill`)."""
+    """The rerun that drills into the first divergence's module (`auditor.compare.ops.drill`)."""
 
     @property
     def breaches(self) -> int:

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from numaudit.auditor.compare.policy import Policy, PolicyError, resolve_policy
+from numaudit.auditor.compare.policy.load import Policy, PolicyError, resolve_policy
 from numaudit.auditor.daemon.admission import Admission, ServerLimits
 from numaudit.auditor.daemon.auth import Unauthenticated, bearer_token
 from numaudit.auditor.daemon.validate import ValidationError, check_run_name
@@ -134,8 +134,8 @@ def _compare(db: Path, ref: str, cand: str, policy_toml: str,
     MB (37 MB for 50,000 keys per run with identical findings); built into a message and
     serialized in the daemon, it held the daemon's GIL and event loop for about 60 ms per
     compare, and Ingest acks waited behind it."""
-    from numaudit.auditor.compare.columns import KeyRangeError
     from numaudit.auditor.compare.engine import compare_runs
+    from numaudit.auditor.compare.read.columns import KeyRangeError
 
     policy = resolve_policy(policy_toml, preset, source="policy_toml")
     reader = Reader(db)
@@ -191,8 +191,8 @@ def _event_bytes(ev: Any) -> tuple[bytes, bool]:
 def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset: str,
                escalate: bool = False) -> None:
     """In the watch worker."""
-    from numaudit.auditor.compare.columns import KeyRangeError
     from numaudit.auditor.compare.live import LiveComparison
+    from numaudit.auditor.compare.read.columns import KeyRangeError
 
     policy = resolve_policy(policy_toml, preset, source="policy_toml")
     reader = Reader(db)
@@ -210,12 +210,12 @@ def _live_open(key: int, db: Path, ref: str, cand: str, policy_toml: str, preset
 def _live_poll(key: int, flush: bool,
                limit: int) -> tuple[list[bytes], int, bool, int, int, list[dict]]:
     """In the watch worker: ``(events, findings among them, finished, emitted, events left,
-    directives to send)`` (directives: `watch --escalate`, auditor.compare.live_drill).
+    directives to send)`` (directives: `watch --escalate`, auditor.compare.ops.escalation).
 
     Events a poll (or the final flush) found are handed out ``limit`` at a time;
     the store is read again only once they are all out. Each event is a serialized WatchEvent,
     which the daemon sends as it is."""
-    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.read.columns import KeyRangeError
 
     if key not in _LIVE:
         raise WorkerLost("Watch: the watch worker was restarted; watch again")

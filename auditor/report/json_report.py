@@ -9,11 +9,11 @@ from typing import IO
 
 import numpy as np
 
-from numaudit.auditor.compare import findings as F
-from numaudit.auditor.compare import merge as M
-from numaudit.auditor.compare.align import ROLE_NAMES, phase_name
-from numaudit.auditor.compare.columns import shape_flags
-from numaudit.auditor.compare.comparison import METRIC_NAMES
+from numaudit.auditor.compare.measure import findings as F
+from numaudit.auditor.compare.measure.comparison import METRIC_NAMES
+from numaudit.auditor.compare.merge import tiling as M
+from numaudit.auditor.compare.read.align import ROLE_NAMES, phase_name
+from numaudit.auditor.compare.read.columns import shape_flags
 from numaudit.auditor.compare.result import Report
 
 

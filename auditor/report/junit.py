@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator
 
-from numaudit.auditor.compare import findings as F
+from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.result import Report
 
 

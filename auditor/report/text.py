@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Iterator
 
-from numaudit.auditor.compare import findings as F
-from numaudit.auditor.compare.align import PHASE_IDS, phase_name
-from numaudit.auditor.compare.findings import format_float
-from numaudit.auditor.compare.ranges import format_ranges
+from numaudit.auditor.compare.measure import findings as F
+from numaudit.auditor.compare.measure.findings import format_float
+from numaudit.auditor.compare.read.align import PHASE_IDS, phase_name
+from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.auditor.compare.result import Report
 from numaudit.auditor.report.ops_text import print_drill
 
@@ -128,8 +128,8 @@ def _print_groups(con, para, doc: dict, groups: list[dict], width: int, printed:
     """Breaching findings by cause: each group's headline, cause, keys and shared notes."""
     from rich.text import Text
 
-    from numaudit.auditor.compare.groups import template
-    from numaudit.auditor.compare.site_sets import shorten
+    from numaudit.auditor.compare.explain.groups import template
+    from numaudit.auditor.compare.explain.site_sets import shorten
 
     con.print()
     if not groups:

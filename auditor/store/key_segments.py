@@ -1,17 +1,17 @@
 """Key segments: a stored batch's comparison columns in one blob, so a run loads as arrays.
 
 The comparison reads, for every record of a run, its key, rank, stage, a few flags, its layout,
-its fingerprint, its capture order and its record id (`auditor.compare.columns`). Read as SQL rows
-that is six Python objects a record (about 4 s per million on this machine); read from segments it
-is a few `numpy.frombuffer` calls per batch. The SQLite writer stores one segment per batch in the
-same transaction as the batch's rows (`Store.ingest_columns`), holding exactly the records that
+its fingerprint, its capture order and its record id (`auditor.compare.read.columns`). Read as SQL
+rows that is six Python objects a record (about 4 s per million on this machine); read from segments
+it is a few `numpy.frombuffer` calls per batch. The SQLite writer stores one segment per batch in
+the same transaction as the batch's rows (`Store.ingest_columns`), holding exactly the records that
 batch stored, with their record ids. The records table stays the source of truth: a run's segments
 are used only when they account for every one of its records (`complete`), so a store written
 before segments existed, or by an older numaudit, is read row by row as before.
 
 A segment also holds each record's counts and moments, so that a comparison whose keys mostly
 differ (bf16 against fp32) reads only the sketches from rows
-(`auditor.compare.reads.Digests.prefetch`).
+(`auditor.compare.read.reads.Digests.prefetch`).
 
 A segment is ``MAGIC, n, len(table)``, the layout table as JSON, then the columns of `INTS`
 (int64) and `MOMENTS` (float64), ``layout`` (int32, an index into the table) and ``flags``

@@ -14,14 +14,14 @@ What the SQLite store gets from its single writer thread comes here from the dat
   CONFLICT DO NOTHING``; keys already stored are compared by content hash in SQL, and differing ones
   flagged in `conflicts`;
 - the order in which records commit: each carries its transaction id (`xid`), which
-  `auditor.compare.columns.ReadMark` reads new records by (record ids do not commit in order).
+  `auditor.compare.read.columns.ReadMark` reads new records by (record ids do not commit in order).
 A batch is acked only after its transaction committed. FULL is ``synchronous_commit = on`` (the
 commit's WAL is on disk before the ack). NORMAL turns it off, which is weaker than SQLite's NORMAL:
 the WAL is written and flushed by the server's WAL writer within about 3 x ``wal_writer_delay`` (0.6
 s by default), so a crash of the database server (not only of its machine) can lose batches acked in
 that window; the database stays consistent.
 
-`QmarkConnection` lets the read side (`auditor.store.reader`, `auditor.compare.columns`) run
+`QmarkConnection` lets the read side (`auditor.store.reader`, `auditor.compare.read.columns`) run
 the same SQL on both backends: it rewrites SQLite's ``?`` and ``:name`` placeholders.
 """
 
@@ -106,7 +106,7 @@ ALTER TABLE records ADD COLUMN IF NOT EXISTS flat BIGINT NOT NULL DEFAULT 0;
 -- one made before records carried their capture order: its records are not numbered (0)
 ALTER TABLE records ADD COLUMN IF NOT EXISTS capture_order BIGINT NOT NULL DEFAULT 0;
 -- the transaction that stored the record: `auditor watch` reads new records by it, since with
--- concurrent writers record ids do not commit in order (auditor.compare.columns.ReadMark); a
+-- concurrent writers record ids do not commit in order (auditor.compare.read.columns.ReadMark); a
 -- btree (appended at its right edge) so a poll reads only the newest rows (a BRIN index leaves
 -- the newest ranges unsummarized until autovacuum gets to them: a scan of the table's tail)
 ALTER TABLE records ADD COLUMN IF NOT EXISTS xid BIGINT NOT NULL DEFAULT txid_current();

@@ -2,7 +2,7 @@
 
 Any number of readers, each with its own read-only connection (WAL lets them read while the single
 writer commits). The comparison reads the records table directly as columns
-(`auditor.compare.columns`); this class is everything else.
+(`auditor.compare.read.columns`); this class is everything else.
 
 A store location is a SQLite path or a ``postgresql://`` URL (`auditor.store.backend`); on
 PostgreSQL `conn` is a `postgres.QmarkConnection` in autocommit (each query sees what is

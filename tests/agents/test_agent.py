@@ -101,7 +101,7 @@ def test_payload_travels_compressed_and_round_trips(auditor_server):
 def test_incompressible_payloads_are_stored_raw_and_read_back_whole(auditor_server):
     """Float noise does not compress: after the first payload of a site the agent sends the
     bytes as they are (codec raw); every step's payload still reads back as its tensor."""
-    from numaudit.auditor.compare.metrics import bits_to_values, decode_payload
+    from numaudit.auditor.compare.digests.metrics import bits_to_values, decode_payload
 
     steps = [torch.randn(256, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
     agent = numaudit.attach(None, run="ref", address=auditor_server.address, payload=("input:x",))
@@ -127,7 +127,7 @@ def test_payloads_larger_than_a_chunk_arrive_whole_raw_and_compressed(auditor_se
     writes them straight into the sealed batch from the agent's host copy): noise as codec raw
     after the first (level 1 judged on a probe), a compressible tensor as zstd; every step's
     payload reads back as its tensor from a real daemon's store."""
-    from numaudit.auditor.compare.metrics import bits_to_values, decode_payload
+    from numaudit.auditor.compare.digests.metrics import bits_to_values, decode_payload
     from numaudit.wire import limits
 
     monkeypatch.setattr(limits, "PAYLOAD_CHUNK_BYTES", 48 << 10)

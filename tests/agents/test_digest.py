@@ -23,7 +23,7 @@ from numaudit.agents.digest.digest import (
     release_workspaces,
 )
 from numaudit.agents.layout import PieceLayout, complex_real_layout
-from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
+from numaudit.auditor.compare.digests.algebra import DigestValues, merge_disjoint, merge_partial
 
 M64 = (1 << 64) - 1
 M32 = (1 << 32) - 1

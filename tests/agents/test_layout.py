@@ -278,7 +278,7 @@ def gloo_results(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_gloo_dtensor_pieces_tile_and_digests_merge(gloo_results):
     from numaudit.agents.digest.digest import digest_piece
-    from numaudit.auditor.compare.digests import DigestValues, merge_disjoint, merge_partial
+    from numaudit.auditor.compare.digests.algebra import DigestValues, merge_disjoint, merge_partial
 
     for name, (_, shape, _) in GLOO_CASES.items():
         per_rank = [r[name] for r in gloo_results]

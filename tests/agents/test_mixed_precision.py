@@ -16,7 +16,7 @@ import torch
 
 import numaudit
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.store import RECORD_COLUMNS, Reader
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ import torch
 import numaudit
 from numaudit.agents.delivery.directives import Directive
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.store import Reader
 from numaudit.wire.ops import SCALAR_INDEX, parse_op_site
 from numaudit.wire.plan import Plan, format_plan

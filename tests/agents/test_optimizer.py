@@ -14,7 +14,7 @@ import torch
 
 import numaudit
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.store import Reader
 from numaudit.protos import numaudit_pb2 as pb
 

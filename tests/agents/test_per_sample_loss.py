@@ -13,7 +13,7 @@ import torch
 
 import numaudit
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.text import to_text
 from numaudit.auditor.store import RECORD_COLUMNS, Reader
 from numaudit.protos import numaudit_pb2 as pb

@@ -19,7 +19,7 @@ import zstandard
 
 from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
-from numaudit.auditor.compare.digests import DigestValues
+from numaudit.auditor.compare.digests.algebra import DigestValues
 from numaudit.auditor.daemon.validate import validate_batch
 from numaudit.auditor.store.backend import open_writer
 from numaudit.protos import numaudit_pb2 as pb

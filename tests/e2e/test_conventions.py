@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from tests.e2e.helpers import ROOT, Daemon, run_ok
 

@@ -42,8 +42,8 @@ def store(tmp_path_factory):
 
 def _compare(db, cand, **kw):
     from numaudit.auditor.compare.engine import compare_runs
-    from numaudit.auditor.compare.noise import NoiseSpec
-    from numaudit.auditor.compare.policy import preset_policy
+    from numaudit.auditor.compare.noise.judge import NoiseSpec
+    from numaudit.auditor.compare.policy.load import preset_policy
 
     return compare_runs(db, "ref", cand, preset_policy("bf16"),
                         noise=NoiseSpec(reruns=("ref2", "ref3"), **kw))
@@ -66,7 +66,7 @@ def test_clean_reruns_pass_within_the_reference_noise(store, cand):
 def test_a_one_percent_gradient_scale_where_reruns_are_bitwise_equal_is_the_first_divergence(
         store):
     from numaudit.auditor.compare.engine import compare_runs
-    from numaudit.auditor.compare.policy import preset_policy
+    from numaudit.auditor.compare.policy.load import preset_policy
 
     key = "grad layers.1.mlp.w1.weight value @ step 0"
     assert not _finding(compare_runs(store, "ref", "scaled", preset_policy("bf16")), key).breach
@@ -122,6 +122,6 @@ def test_calibrate_then_compare_says_where_the_reference_noise_starts(store, tmp
     assert "(the capture before it, bwd layers.1.attn grad_output @ step 0 mb 0, is bitwise " \
            "equal in every run)" in text
     assert "Likely mechanism: attention backward" in text and "sdpa_kernel" in text
-    from numaudit.auditor.compare.bands_file import load_bands
+    from numaudit.auditor.compare.noise.bands_file import load_bands
 
     assert load_bands(bands).runs == ["ref", "ref2", "ref3"]

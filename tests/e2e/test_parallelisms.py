@@ -13,7 +13,7 @@ same loop with clip_grad_norm_ and the optimizer watched (phases optim_grad and 
 global norm is bitwise identical and one clipping each stage by its local norm breaches in
 step 0 at optim_grad.
 
-Loss conventions inferred from the evidence (auditor/compare/conventions.py): torchtitan's
+Loss conventions inferred from the evidence (auditor/compare/conventions/): torchtitan's
 normalization (each rank's summed loss over the global token count), captured as every case
 captures its loss (default reduce), either backpropagated times the world size under DDP's
 averaging (`ddp_loss_sum`) or as is with the gradients summed (`ddp_grad_sum`), passes with the

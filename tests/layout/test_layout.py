@@ -27,7 +27,7 @@ FORBIDDEN = {
     "auditor.store": ("auditor.daemon", "auditor.compare", "auditor.report", "auditor.cli"),
     "auditor.compare": ("auditor.daemon", "auditor.report", "auditor.cli"),
     "auditor.report": ("auditor.daemon", "auditor.cli", "auditor.compare.engine",
-                       "auditor.compare.verdicts", "auditor.compare.slow", "auditor.compare.live"),
+                       "auditor.compare.measure.verdicts", "auditor.compare.measure.slow", "auditor.compare.live"),
     "auditor.daemon": ("auditor.cli",),
     # inside the rank side: capture -> digest <- delivery, the agent wiring the two ends together
     # (the capturer's sink is the sender's submit); the kernels are the digest's implementation

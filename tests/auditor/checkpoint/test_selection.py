@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import numaudit
-from numaudit.auditor.compare.selection import KeySelection
+from numaudit.auditor.compare.read.selection import KeySelection
 from numaudit.auditor.daemon.server import BackgroundServer
 from tests.auditor.checkpoint.helpers import cli
 

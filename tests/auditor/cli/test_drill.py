@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import numaudit
 from numaudit.auditor.cli import main
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.wire.plan import read_plan
 
 pytestmark = pytest.mark.timeout(120)

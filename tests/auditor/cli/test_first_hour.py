@@ -18,7 +18,7 @@ import torch
 
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.wire.labels import UNPASSED_MESH_LABEL
 from tests.auditor.cli.three_runs import cli, runs
 from tests.auditor.synth import RunBuilder, mlp_run, write_runs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numaudit.auditor.compare.align import (
+from numaudit.auditor.compare.read.align import (
     PHASE_IDS,
     RenameRule,
     canonical_sites,

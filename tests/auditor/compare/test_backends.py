@@ -8,7 +8,7 @@ import json
 import pytest
 
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from tests.auditor.synth import mlp_run, one_ulp, write_runs
 

@@ -11,9 +11,9 @@ from contextlib import closing
 import numpy as np
 import pytest
 
-from numaudit.auditor.compare.bands_file import BandsError, load_bands, save_bands
-from numaudit.auditor.compare.calibrate import measure_bands
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.noise.bands_file import BandsError, load_bands, save_bands
+from numaudit.auditor.compare.noise.calibrate import measure_bands
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.store import Reader
 from tests.auditor.noisy_runs import noisy_run
 from tests.auditor.synth import write_runs

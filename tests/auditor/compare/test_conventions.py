@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import parse_policy, preset_policy
+from numaudit.auditor.compare.policy.load import parse_policy, preset_policy
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.text import to_text
 from numaudit.protos import numaudit_pb2 as pb

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from numaudit.auditor.compare import digests as A
-from numaudit.auditor.compare.digests import (
+from numaudit.auditor.compare.digests import algebra as A
+from numaudit.auditor.compare.digests.algebra import (
     DigestValues,
     fingerprint_from_int64,
     fingerprint_to_int64,
@@ -20,13 +20,13 @@ from numaudit.auditor.compare.digests import (
     sketch_l2_estimate,
     sketch_rel_error,
 )
-from numaudit.auditor.compare.metrics import sketch_band
+from numaudit.auditor.compare.digests.metrics import sketch_band
 from numaudit.protos import numaudit_pb2 as pb
 
 
 def test_auditor_digests_imports_no_torch():
     """The daemon imports this module at start-up; torch would cost seconds."""
-    code = "import sys, numaudit.auditor.compare.digests; sys.exit('torch' in sys.modules)"
+    code = "import sys, numaudit.auditor.compare.digests.algebra; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -9,7 +9,7 @@ import torch
 
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.text import to_text
 from numaudit.auditor.store.writer import StoreWriter
@@ -72,7 +72,7 @@ def test_empty_against_a_tensor_is_a_shape_difference(db):
 def test_merge_side_with_an_empty_key_last_does_not_crash():
     import numpy as np
 
-    from numaudit.auditor.compare.segments import segment_reduce
+    from numaudit.auditor.compare.read.segments import segment_reduce
     v = np.arange(5.0)
     out = segment_reduce(np.add, v, np.array([0, 2, 5, 5]), 5, 0.0)
     assert out.tolist() == [1.0, 9.0, 0.0, 0.0]

@@ -15,7 +15,7 @@ import torch
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.live import LiveComparison
-from numaudit.auditor.compare.policy import parse_policy, preset_policy
+from numaudit.auditor.compare.policy.load import parse_policy, preset_policy
 from numaudit.auditor.report.text import to_text
 from numaudit.auditor.store import Reader, UnknownRun
 from tests.auditor.synth import RunBuilder, mlp_run, one_ulp, shards, write_runs

@@ -1,4 +1,4 @@
-"""Exact factors between two runs' tensors and the counts that name them (auditor.compare.factors):
+"""Exact factors between two runs' tensors and the counts that name them (auditor.compare.explain.factors):
 the pure functions, without processes or stores."""
 
 from __future__ import annotations
@@ -8,7 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from numaudit.auditor.compare.factors import MAX_NAMED, Count, exact_factor, name_factor, snap
+from numaudit.auditor.compare.explain.factors import (
+    MAX_NAMED,
+    Count,
+    exact_factor,
+    name_factor,
+    snap,
+)
 
 PP = Count(4, "pp_microbatches of pp", "pp's schedule divides by n_microbatches")
 DP = Count(2, "dp ranks of ddp", "a sum over the dp ranks where a mean was meant")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numaudit.auditor.compare.findings import group_graph_breaks, headline, judge
+from numaudit.auditor.compare.measure.findings import group_graph_breaks, headline, judge
 
 T = 1.3e-6
 REL_SIGMA = 1 / np.sqrt(512)  # k = 256

@@ -9,7 +9,7 @@ import torch
 
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.text import to_text
 from numaudit.protos import numaudit_pb2 as pb
@@ -124,7 +124,7 @@ def test_rescaled_activation_gradients_are_localized_by_their_sketches(tmp_path)
 
 
 def test_mesh_helpers_name_shared_and_varying_dims():
-    from numaudit.auditor.compare.ranks import fixed_dims, varying_dims
+    from numaudit.auditor.compare.merge.ranks import fixed_dims, varying_dims
 
     mesh = {"dims": ["dp", "tp"], "coords": {r: (r // 2, r % 2) for r in range(4)}}
     assert fixed_dims(mesh, [2, 3]) == {"dp": 1}

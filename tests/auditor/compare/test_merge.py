@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 
 from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
-from numaudit.auditor.compare.digests import DigestValues
-from numaudit.auditor.compare.merge import (
+from numaudit.auditor.compare.digests.algebra import DigestValues
+from numaudit.auditor.compare.merge.tiling import (
     INCOMPLETE,
     NONE,
     OK,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 
 from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout
-from numaudit.auditor.compare.metrics import (
+from numaudit.auditor.compare.digests.metrics import (
     PayloadUnavailable,
     bits_to_values,
     decode_payload,

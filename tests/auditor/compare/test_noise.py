@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from numaudit.auditor.compare.align import Key
-from numaudit.auditor.compare.bands import BITWISE, NOISY
-from numaudit.auditor.compare.calibrate import measure_bands
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.live import LiveComparison
-from numaudit.auditor.compare.noise import DEFAULT_SLACK, NoiseSpec, rounding_floor
-from numaudit.auditor.compare.nondeterminism import _mechanism
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.noise.bands import BITWISE, NOISY
+from numaudit.auditor.compare.noise.calibrate import measure_bands
+from numaudit.auditor.compare.noise.judge import DEFAULT_SLACK, NoiseSpec, rounding_floor
+from numaudit.auditor.compare.noise.nondeterminism import _mechanism
+from numaudit.auditor.compare.policy.load import preset_policy
+from numaudit.auditor.compare.read.align import Key
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.store import Reader
 from tests.auditor.noisy_runs import noisy_runs
@@ -71,7 +71,7 @@ def test_bands_keep_each_rank_piece(db, p):
 
 
 def _key(bands, g):
-    from numaudit.auditor.compare.nondeterminism import _key as key
+    from numaudit.auditor.compare.noise.nondeterminism import _key as key
 
     return key(bands, g)
 
@@ -163,7 +163,7 @@ def test_candidate_on_other_boxes_without_payloads_is_never_excused_as_a_whole(d
 
 
 def test_bands_saved_and_loaded_judge_as_measured_ones(db, tmp_path):
-    from numaudit.auditor.compare.bands_file import load_bands, save_bands
+    from numaudit.auditor.compare.noise.bands_file import load_bands, save_bands
 
     with closing(Reader(db)) as reader:
         bands = measure_bands(reader, ["ref", "ref2", "ref3"], preset_policy("bf16"))

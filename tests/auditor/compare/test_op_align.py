@@ -1,9 +1,9 @@
-"""Aligning two runs' operations of one module call (auditor/compare/op_align.py): an operation
+"""Aligning two runs' operations of one module call (auditor/compare/ops/align.py): an operation
 one run adds or lacks is said, never paired with the wrong partner."""
 
 from __future__ import annotations
 
-from numaudit.auditor.compare.op_align import align_ops, describe, unpaired_kind
+from numaudit.auditor.compare.ops.align import align_ops, describe, unpaired_kind
 from numaudit.wire.ops import is_collective, op_site, parse_op_site
 
 

@@ -17,8 +17,8 @@ import torch
 
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.live import LiveComparison
-from numaudit.auditor.compare.order import APPROXIMATED
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.measure.order import APPROXIMATED
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.html import to_html
 from numaudit.auditor.store import Reader
 from tests.auditor.synth import RunBuilder, shards, write_runs

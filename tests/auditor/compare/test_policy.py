@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from numaudit.auditor.compare.policy import (
+from numaudit.auditor.compare.policy.load import (
     DTYPE_TOLERANCES,
     PolicyError,
     load_policy,

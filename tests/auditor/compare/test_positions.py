@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from numaudit.auditor.compare.positions import key_positions
+from numaudit.auditor.compare.read.positions import key_positions
 
 
 def _cols(rows: list[tuple[int, int, int, int]], *, numbered: bool = True):

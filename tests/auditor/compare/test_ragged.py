@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout, ragged_layout
 from numaudit.agents.ragged import rows_from_counts
-from numaudit.auditor.compare.digests import DigestValues
-from numaudit.auditor.compare.merge import INCOMPLETE, OK, Piece, merge_pieces, plan_tiling
+from numaudit.auditor.compare.digests.algebra import DigestValues
+from numaudit.auditor.compare.merge.tiling import INCOMPLETE, OK, Piece, merge_pieces, plan_tiling
 
 K = 32
 

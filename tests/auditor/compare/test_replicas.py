@@ -1,4 +1,4 @@
-"""Outputs that do not hold the batch (auditor.compare.replicas): transformers' rotary cos/sin,
+"""Outputs that do not hold the batch (auditor.compare.merge.replicas): transformers' rotary cos/sin,
 ``[1, seq, dim]`` whole on every rank, are compared per microbatch as replicas, never joined as
 batch pieces: with one sample per rank (the agent cannot tell them from a one-row share) and
 under any grouping of the samples into microbatches.
@@ -15,7 +15,7 @@ import torch
 
 from numaudit.agents.layout import PieceLayout, batch_layout
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from tests.auditor.synth import RunBuilder, write_runs
 

@@ -1,4 +1,4 @@
-"""The per-sample estimator (auditor/compare/sample_estimate.py): blocks of samples keyed within
+"""The per-sample estimator (auditor/compare/digests/sample_estimate.py): blocks of samples keyed within
 the sample, each with its own label, measure any grouping without bias and within their stated
 band; a swap of two samples (whose differences are opposite at every index) is measured where
 summing samples keyed alike would read 0; units that do not nest are not measured.
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numaudit.agents.digest import hashing
-from numaudit.auditor.compare.metrics import sketch_band
-from numaudit.auditor.compare.sample_estimate import Units, estimate, fold
+from numaudit.auditor.compare.digests.metrics import sketch_band
+from numaudit.auditor.compare.digests.sample_estimate import Units, estimate, fold
 
 M = 96      # elements per sample
 BASE_K = 64

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from tests.auditor.synth import RunBuilder, write_runs
 
 V_PLACEMENT = {0: [0, 3], 1: [1, 2]}

@@ -1,4 +1,4 @@
-"""ULP distances (auditor.compare.ulp): by bits within a sign, in ULPs of the larger magnitude
+"""ULP distances (auditor.compare.digests.ulp): by bits within a sign, in ULPs of the larger magnitude
 across zero."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from numaudit.auditor.compare.ulp import ulp_distance, ulp_of
+from numaudit.auditor.compare.digests.ulp import ulp_distance, ulp_of
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Ranks whose pieces of one key hold different row counts, captured without declaring them
-ragged (auditor.compare.uneven): the tokens each dp rank routed to an expert. The auditor places
+ragged (auditor.compare.merge.uneven): the tokens each dp rank routed to an expert. The auditor places
 each rank's rows after those of the ranks before it, moving each piece's fingerprint with it
 (fingerprint version 3), so equal bits are identical with or without payloads; a difference is
 measured from payloads, and without the bytes it never passes.
@@ -17,8 +17,8 @@ import torch
 
 from numaudit.agents.layout import batch_layout
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.findings import measure_text
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.measure.findings import measure_text
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
 from tests.auditor.synth import RunBuilder, write_runs
 

@@ -10,7 +10,7 @@ import json
 import grpc
 import pytest
 
-from numaudit.auditor.compare import reads
+from numaudit.auditor.compare.read import reads
 from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire import limits
 from tests.auditor.builders import batch, record, register_request

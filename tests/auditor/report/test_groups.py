@@ -1,4 +1,4 @@
-"""Findings grouped by cause (auditor.compare.groups): the compact key lists, the templates that
+"""Findings grouped by cause (auditor.compare.explain.groups): the compact key lists, the templates that
 decide which causes are one, and what a group shares."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from numaudit.auditor.compare.groups import template
-from numaudit.auditor.compare.site_sets import compact_sites, shorten
+from numaudit.auditor.compare.explain.groups import template
+from numaudit.auditor.compare.explain.site_sets import compact_sites, shorten
 
 
 def _expand(text: str) -> set[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report import html as H
 from numaudit.auditor.report.json_report import to_json
 from tests import browser

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from numaudit.auditor.compare.engine import compare_runs
-from numaudit.auditor.compare.policy import preset_policy
+from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.compare.result import SCHEMA, SCHEMA_VERSION
 from numaudit.auditor.daemon.compare_service import report_json_within
 from numaudit.auditor.report.json_report import to_json

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numaudit.auditor.compare.columns import Catalog, ReadMark
 from numaudit.auditor.compare.live import LiveComparison
+from numaudit.auditor.compare.read.columns import Catalog, ReadMark
 from numaudit.auditor.store import Reader
 from numaudit.auditor.store.postgres import PgStore
 from tests.auditor.builders import batch, record, register_request

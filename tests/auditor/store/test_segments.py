@@ -1,6 +1,6 @@
 """The comparison's fast reads load a run exactly as its row read does: key segments on SQLite
 (`auditor.store.key_segments`, with a fall back to rows whenever they do not account for every
-record) and the packed one-row read on PostgreSQL (`auditor.compare.reads.pg_arrays`)."""
+record) and the packed one-row read on PostgreSQL (`auditor.compare.read.reads.pg_arrays`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sqlite3
 import numpy as np
 import pytest
 
-from numaudit.auditor.compare import reads
-from numaudit.auditor.compare.columns import Catalog
 from numaudit.auditor.compare.engine import compare_runs
+from numaudit.auditor.compare.read import reads
+from numaudit.auditor.compare.read.columns import Catalog
 from numaudit.auditor.store import Reader, connect, key_segments
 from numaudit.auditor.store.backend import open_writer
 from numaudit.protos import numaudit_pb2 as pb
@@ -231,7 +231,7 @@ def test_segments_that_disagree_with_their_count_are_not_used(odd_store, monkeyp
 
 
 def test_a_key_beyond_the_comparable_range_is_refused_from_segments_too(tmp_path, monkeypatch):
-    from numaudit.auditor.compare.columns import KeyRangeError
+    from numaudit.auditor.compare.read.columns import KeyRangeError
 
     db = tmp_path / "audit.db"
     w = open_writer(db, synchronous="NORMAL")
