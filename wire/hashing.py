@@ -1,7 +1,7 @@
 """The digest's hash scheme (version 3): index keys for the fingerprint, buckets and signs for
 the sketch, as functions of a global flat index ``i`` only (docs/digests.md). A contract of both
 ends of the wire: the agent computes digests with it, the auditor moves fingerprints and
-predicts scaled ones with it (auditor/compare/digests.py), so both import it from here.
+predicts scaled ones with it (auditor/compare/digests/algebra.py), so both import it from here.
 
 Every implementation — the eager torch path (agents/digest/digest.py, with
 agents/digest/hashing.py's torch tables), the fused CPU kernel (agents/kernels/digest_cpu.cpp) and

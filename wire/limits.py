@@ -77,7 +77,7 @@ MAX_DIRECTIVES_PER_RUN = 8
 DIRECTIVE_TTL_S = 600.0
 """A directive not delivered within this long is dropped (its step is long past)."""
 
-# Key ranges: the comparison engine packs a key into two int64s (auditor/compare/columns.py:
+# Key ranges: the comparison engine packs a key into two int64s (auditor/compare/read/columns.py:
 # step << 24 | (microbatch + 1) << 4 | phase, and site << 32 | role << 28 | index << 14 | call),
 # so the daemon refuses (INVALID_ARGUMENT) any record it could store but never compare.
 MAX_KEY_STEP = (1 << 39) - 1
