@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from numaudit.auditor.compare.digests.metrics import PayloadUnavailable
+from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.explain.localize import localize
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.order import APPROXIMATED
@@ -264,7 +265,7 @@ class LiveComparison:
             i = int(i)
             if comp.verdict[i] == F.IGNORED:
                 continue
-            f = comp.finding(i)
+            f = finding(comp, i)
             events.append(LiveEvent(finding=f))
             if f.breach:
                 self.breach_steps.add(f.key.step)
@@ -306,7 +307,7 @@ class LiveComparison:
             if self.noise is not None:
                 noise_pieces(comp)  # boxes beyond their own noise band, not the preset's
         self.announced = True
-        return [LiveEvent(finding=comp.finding(fd), first_divergence=True)]
+        return [LiveEvent(finding=finding(comp, fd), first_divergence=True)]
 
 
 def _grouped_otherwise(comp, hr: np.ndarray, hc: np.ndarray, step: np.ndarray,

@@ -17,6 +17,7 @@ import numpy as np
 
 from numaudit.auditor.compare.explain.breaks import graph_breaks
 from numaudit.auditor.compare.explain.causes import excluded_by_policy
+from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.explain.groups import Group, group_breaches
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure import parents
@@ -81,7 +82,7 @@ class Report:
     def build(cls, comp: Comparison, ref_info: dict, cand_info: dict, policy: Policy) -> Report:
         counts = comp.counts()
         fd = comp.first_divergence()
-        first = comp.finding(fd) if fd >= 0 else None
+        first = finding(comp, fd) if fd >= 0 else None
         warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info) + \
             parents.warning(comp) + steps_hint(comp)
         if first is not None and first.cause and first.key.step > 0 \
@@ -108,7 +109,7 @@ class Report:
 
     def finding(self, i: int) -> F.Finding:
         """Key i's finding, with its group."""
-        f = self.comparison.finding(i)
+        f = finding(self.comparison, i)
         if self.group_of is not None and self.group_of[i] >= 0:
             f.group = int(self.group_of[i])
         return f

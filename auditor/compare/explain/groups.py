@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.explain.site_sets import compact_sites
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.read.align import PHASE_IDS, phase_name, role_name
@@ -205,7 +206,7 @@ def group_breaches(comp: Comparison) -> tuple[list[Group], np.ndarray]:
     names = comp.memo.get("factor_names", {})
     head = f"{comp.cand.name} is {comp.ref.name} scaled by "
     for i in breaches[:GROUP_CAUSES].tolist():
-        f = comp.finding(i)
+        f = finding(comp, i)
         ci, ri = int(comp.ci[i]), int(comp.ri[i])
         stage = int(ck.stage[ci]) if ci >= 0 else (int(rk.stage[ri]) if ri >= 0 else None)
         factor = None if comp.scaled_by is None else _factor(float(comp.scaled_by[i]))

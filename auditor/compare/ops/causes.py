@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.ops.align import Alignment, op_text, unpaired_kind
 from numaudit.auditor.compare.read.align import PHASE_IDS, ROLE_IDS
 from numaudit.wire.ops import SCALAR_INDEX, is_cast, is_view
 
 if TYPE_CHECKING:
-    from numaudit.auditor.compare.ops.comparison import OpFinding
+    from numaudit.auditor.compare.ops.findings import OpFinding
 
 FWD, BWD = PHASE_IDS["fwd"], PHASE_IDS["bwd"]
 IN_ROLE = {FWD: ROLE_IDS["input"], BWD: ROLE_IDS["grad_output"]}
@@ -58,7 +59,7 @@ def dtype_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, dtypes: t
     out.op = f"{al.names[('ref', r)]} (op {r}{'' if c == r else f'; op {c} in {comp.cand.name}'})"
     outs = keys_of(index, a, sid, OUT_ROLE[phase], call)
     if outs:
-        f = comp.finding(outs[0][1])
+        f = finding(comp, outs[0][1])
         out.finding = f.as_dict()
         state = f"its output is {f.verdict} ({F.measure_text(out.finding) or f.verdict})"
     else:
@@ -112,7 +113,7 @@ def pair_finding(out: OpFinding, comp, al: Alignment, r: int, c: int, bad: list,
     name = al.names[("ref", r)]
     out.op = f"{name} (op {r}{'' if c == r else f'; op {c} in {comp.cand.name}'})"
     j, i = bad[0]
-    f = comp.finding(i)
+    f = finding(comp, i)
     out.finding, out.breach = f.as_dict(), True
     what = "output" if phase == FWD else "gradient for input"
     rel = "" if i not in per_rank else f"; {per_rank[i][1]}"

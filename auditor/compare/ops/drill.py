@@ -16,7 +16,8 @@ import numpy as np
 
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge.uneven import place_uneven
-from numaudit.auditor.compare.ops.comparison import OpReport, compare_ops, split_ops
+from numaudit.auditor.compare.ops.comparison import compare_ops, split_ops
+from numaudit.auditor.compare.ops.findings import OpReport
 from numaudit.auditor.compare.read.align import PHASE_IDS, ROLE_IDS
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns
 from numaudit.wire.ops import is_op_site
