@@ -1,9 +1,10 @@
 """Static import graph of the project's packages, for the layout tests.
 
-Reads every module with `ast` (imports inside functions count too: a lazy import is still a
-dependency; imports under `if TYPE_CHECKING:` do not, they never run) and resolves each import to the project module it loads: `from a.b import c` is
-module `a.b.c` when that file exists, else the package `a.b`; `numaudit.a.b` is the repository's
-`a.b` (the one import root, numaudit/__init__.py).
+Reads every module with `ast` and resolves each import to the project module it loads: `from
+a.b import c` is module `a.b.c` when that file exists, else the package `a.b`; `numaudit.a.b` is
+the repository's `a.b` (the one import root, numaudit/__init__.py). Every import counts: one
+inside a function (a lazy import is still a dependency) and one under `if TYPE_CHECKING:` (it
+never runs, but a reader follows it, and a circle through types is still a circle).
 """
 
 from __future__ import annotations
@@ -44,12 +45,7 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
     for mod, path in modules.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), str(path))
-        type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                     and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-                     for stmt in node.body for n in ast.walk(stmt)}
         for node in ast.walk(tree):
-            if id(node) in type_only:
-                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name.removeprefix(ROOT_PACKAGE) for a in node.names]

@@ -27,7 +27,8 @@ FORBIDDEN = {
     "auditor.store": ("auditor.daemon", "auditor.compare", "auditor.report", "auditor.cli"),
     "auditor.compare": ("auditor.daemon", "auditor.report", "auditor.cli"),
     "auditor.report": ("auditor.daemon", "auditor.cli", "auditor.compare.engine",
-                       "auditor.compare.measure.verdicts", "auditor.compare.measure.slow", "auditor.compare.live"),
+                       "auditor.compare.evaluation", "auditor.compare.measure.verdicts",
+                       "auditor.compare.measure.slow", "auditor.compare.live"),
     "auditor.daemon": ("auditor.cli",),
     # inside the rank side: capture -> digest <- delivery, the agent wiring the two ends together
     # (the capturer's sink is the sender's submit); the kernels are the digest's implementation
@@ -36,6 +37,12 @@ FORBIDDEN = {
     "agents.capture": ("agents.delivery",),
     "agents.delivery": ("agents.capture",),
 }
+COMPARE_STAGES = ("digests", "read", "policy", "merge", "measure", "explain", "conventions", "noise",
+                  "ops")
+"""auditor/compare/'s subpackages in pipeline order (its __init__ says what each owns): a stage
+imports only the stages before it, never a later one nor the drivers at the top (`engine`,
+`evaluation`, `live`); the report model (`result`) is read by `ops` alone, which attaches the
+operations to it."""
 MAX_LINES = 550
 """No module over ~500 lines (the issue's bound, with a little slack)."""
 OVER_THE_CAP: dict[str, int] = {}
@@ -66,6 +73,30 @@ def test_dependencies_point_one_way(graph, layer):
     bad = sorted(f"{m} imports {t}" for m, targets in graph.items() if _under(m, layer)
                  for t in targets for banned in FORBIDDEN[layer] if _under(t, banned))
     assert bad == []
+
+
+def test_comparison_stages_import_only_earlier_stages(graph):
+    def stage(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == ["auditor", "compare"] else None
+
+    top = {"auditor.compare." + name for name in ("engine", "evaluation", "live", "result")}
+    allowed = {s: set(COMPARE_STAGES[:k + 1]) for k, s in enumerate(COMPARE_STAGES)}
+    bad = []
+    for m, targets in graph.items():
+        s = stage(m)
+        if s not in allowed:
+            continue
+        for t in targets:
+            if t in top:
+                if not (s == "ops" and t == "auditor.compare.result"):
+                    bad.append(f"{m} imports the driver {t}")
+            elif stage(t) is not None and stage(t) not in allowed[s]:
+                bad.append(f"{m} ({s}) imports {t}, a later stage")
+    assert sorted(bad) == []
+    on_disk = sorted(p.name for p in (ROOT / "auditor" / "compare").iterdir()
+                     if (p / "__init__.py").exists())
+    assert on_disk == sorted(COMPARE_STAGES)
 
 
 def test_modules_stay_small():
@@ -117,14 +148,18 @@ def test_every_import_goes_through_the_one_import_root():
 
 
 def test_checker_finds_a_cycle_and_a_forbidden_import(tmp_path):
-    """The checker itself: a two-module cycle and a lazy import inside a function are seen."""
+    """The checker itself: a two-module cycle, a lazy import inside a function, and a circle
+    through type-only imports are seen."""
     pkg = tmp_path / "demo"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from demo import b\n")
     (pkg / "b.py").write_text("def f():\n    from demo.a import x\n")
-    (pkg / "c.py").write_text("import demo.b as bee\nfrom typing import TYPE_CHECKING\n"
-                              "if TYPE_CHECKING:\n    from demo import a\n")
+    (pkg / "c.py").write_text("import demo.b as bee\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from demo.e import E\n")
+    (pkg / "e.py").write_text("from demo import d\n")
     g = import_graph(tmp_path, ("demo",))
     assert g["demo.a"] == {"demo.b"} and g["demo.b"] == {"demo.a"} and g["demo.c"] == {"demo.b"}
-    assert cycles(g) == [["demo.a", "demo.b"]]
+    assert g["demo.d"] == {"demo.e"}
+    assert cycles(g) == [["demo.a", "demo.b"], ["demo.d", "demo.e"]]

@@ -21,6 +21,7 @@ from numaudit.auditor.compare.digests.metrics import (
     bits_to_values,
     decode_payload,
 )
+from numaudit.auditor.compare.read.sample_digests import fetch
 from numaudit.protos import numaudit_pb2 as pb
 
 ALIGN_MAX_ROWS = 4096
@@ -82,8 +83,6 @@ def sample_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
     distance to another sample's estimates the distance between the samples (a sketch is linear
     and keyed within the sample). None unless every piece has one unit per sample and holds its
     samples whole (no shard of a sample), or for more than ALIGN_MAX_ROWS samples."""
-    from numaudit.auditor.compare.measure.per_sample import fetch
-
     starts = sample_starts(rows)
     sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
     total = sum(rows.values())

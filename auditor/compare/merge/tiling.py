@@ -33,56 +33,21 @@ import numpy as np
 
 from numaudit.auditor.compare.digests.algebra import DigestValues, merge_disjoint, merge_partial
 from numaudit.auditor.compare.merge.ragged_hint import undeclared_ragged
+from numaudit.auditor.compare.read.pieces import (  # noqa: F401  (Piece: re-exported)
+    REDUCE_MEAN,
+    REDUCE_NAMES,
+    REDUCE_NONE,
+    REDUCE_SUM,
+    Piece,
+)
 from numaudit.auditor.compare.read.ranges import format_ranges
 
 MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
 
 OK, NONE, INCOMPLETE, REPLICA_DIVERGENCE = 0, 1, 2, 3
-REDUCE_NONE, REDUCE_MEAN, REDUCE_SUM = 0, 1, 2
-REDUCE_NAMES = {REDUCE_MEAN: "mean", REDUCE_SUM: "sum"}
 STATUS_NAMES = {OK: "ok", NONE: "none", INCOMPLETE: "incomplete",
                 REPLICA_DIVERGENCE: "replica_divergence"}
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One record's layout as the merge needs it."""
-
-    dtype: str
-    logical_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    replica: bool = False
-    partial: bool = False
-    complex_as_real: bool = False
-    is_none: bool = False
-    reduce: int = REDUCE_NONE
-    """REDUCE_MEAN / REDUCE_SUM: the piece is one addend of a reduction over the batch."""
-    reduce_index: int = 0
-    """The addend (dp rank) this piece holds."""
-    reduce_count: int = 1
-    """Addends that make the whole (dp size)."""
-    reduce_weight: float = 1.0
-    """Weight of the addend in a mean (its batch elements)."""
-    ragged: tuple[int, int, int] | None = None
-    """(first, span, parts): the ragged parts this piece holds (proto Layout.ragged_*)."""
-    flat: bool = False
-    """`logical_shape` is the tensor's flattening (one dim) and the piece a row-major range of it
-    (proto Layout.flat): it tiles as a 1-D box; another run may hold the tensor in its own shape."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_full(self) -> bool:
-        return (not self.is_none and self.shape == self.logical_shape
-                and not any(self.offsets))
-
-    @property
-    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return self.offsets, self.shape
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from numaudit.auditor.compare.digests.algebra import (
     fingerprint_to_int64,
     shift_fingerprint,
 )
-from numaudit.auditor.compare.merge.tiling import Piece
 from numaudit.auditor.compare.read import reads
 from numaudit.auditor.compare.read.align import RenameRule, canonical_sites, normalize_site
+from numaudit.auditor.compare.read.pieces import Piece
 from numaudit.auditor.compare.read.reads import (  # noqa: F401  (DIGEST_COLUMNS, no_gc: re-exported)
     DIGEST_COLUMNS,
     ID_CHUNK,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numaudit.auditor.compare.measure.per_sample import fetch
+from numaudit.auditor.compare.read.sample_digests import fetch
 from numaudit.auditor.daemon.validate import ValidationError, validate_batch
 from numaudit.auditor.store.backend import open_writer
 from numaudit.auditor.store.reader import Reader
