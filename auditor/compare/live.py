@@ -117,7 +117,7 @@ class LiveComparison:
         cols = self.cols[side]
         latest = np.full(max(ranks, default=0) + 1, -1, np.int64)
         if len(cols):
-            np.maximum.at(latest, cols.rank, cols.A >> 24)
+            np.maximum.at(latest, cols.rank, cols.when >> 24)
         past = min((float(latest[r]) for r in ranks - closed), default=math.inf)
         return past, finished
 
@@ -135,7 +135,8 @@ class LiveComparison:
             if not len(fresh):
                 continue
             new_rows += len(fresh)
-            late = np.array([(int(a), int(b)) in self.reported for a, b in zip(fresh.A, fresh.B)],
+            late = np.array([(int(a), int(b)) in self.reported
+                             for a, b in zip(fresh.when, fresh.where)],
                             bool) if self.reported else np.zeros(len(fresh), bool)
             if late.any() and not self._late_warned:
                 self._late_warned = True
@@ -146,8 +147,8 @@ class LiveComparison:
             done = np.concatenate([self.done[side], late])
             # keep `done` aligned with the re-sorted rows
             order = np.lexsort((np.concatenate([old.rank, fresh.rank]),
-                                np.concatenate([old.B, fresh.B]),
-                                np.concatenate([old.A, fresh.A])))
+                                np.concatenate([old.where, fresh.where]),
+                                np.concatenate([old.when, fresh.when])))
             self.done[side] = done[order]
             self.cols[side] = merged
         (past_r, fin_r), (past_c, fin_c) = self._progress("ref"), self._progress("cand")
@@ -223,7 +224,7 @@ class LiveComparison:
                  ) -> tuple[RunColumns, RunColumns]:
         """The rows of steps before ``before`` regrouped (`regroup`), the others as they are;
         the regrouping's lines are kept in ``_lines`` (`_emit` reports each once)."""
-        old_r, old_c = before > (rc.A >> 24), before > (cc.A >> 24)
+        old_r, old_c = before > (rc.when >> 24), before > (cc.when >> 24)
         if not old_r.any() or not old_c.any():
             return rc, cc
         gr, gc, lines = regroup_with_replicas(rc.take(np.flatnonzero(old_r)),
@@ -246,17 +247,19 @@ class LiveComparison:
         fresh = [line for line in lines if line not in self._notes]
         self._notes.update(fresh)
         rk, ck = comp.ref_keys, comp.cand_keys
-        step = comp.A >> 24
+        step = comp.when >> 24
         if everything:
             final = np.ones(len(comp), bool)
         else:
-            hr, hc = comp.ri >= 0, comp.ci >= 0
-            st_r = np.where(hr, rk.status[np.maximum(comp.ri, 0)] if len(rk) else -1, -1)
-            st_c = np.where(hc, ck.status[np.maximum(comp.ci, 0)] if len(ck) else -1, -1)
+            hr, hc = comp.ref_index >= 0, comp.cand_index >= 0
+            st_r = np.where(hr, rk.status[np.maximum(comp.ref_index, 0)] if len(rk) else -1, -1)
+            st_c = np.where(hc, ck.status[np.maximum(comp.cand_index, 0)] if len(ck) else -1, -1)
             copies_r = _has_copies(rk, self.catalog, rc)
             copies_c = _has_copies(ck, self.catalog, cc)
-            cp_r = np.where(hr, copies_r[np.maximum(comp.ri, 0)] if len(rk) else False, False)
-            cp_c = np.where(hc, copies_c[np.maximum(comp.ci, 0)] if len(ck) else False, False)
+            cp_r = np.where(hr, copies_r[np.maximum(comp.ref_index, 0)] if len(rk) else False,
+                            False)
+            cp_c = np.where(hc, copies_c[np.maximum(comp.cand_index, 0)] if len(ck) else False,
+                            False)
             tiled = hr & hc & np.isin(st_r, (M.OK, M.NONE)) & np.isin(st_c, (M.OK, M.NONE)) \
                 & ~cp_r & ~cp_c
             final = (tiled & ~_grouped_otherwise(comp, hr, hc, step, past)) | (step < past)
@@ -275,14 +278,14 @@ class LiveComparison:
                        for d in self.drill.flagged([e.finding for e in events if e.finding],
                                                    latest_step(self.cols))]
         # mark the rows of reported keys (by record id: regrouping re-sorts the rows)
-        for which, lk, cols, keys in (("ref", rk, comp.ref, comp.ri),
-                                      ("cand", ck, comp.cand, comp.ci)):
+        for which, lk, cols, keys in (("ref", rk, comp.ref, comp.ref_index),
+                                      ("cand", ck, comp.cand, comp.cand_index)):
             g = keys[final & (keys >= 0)]
             if not len(g):
                 continue
             rows, _ = ranges_index(lk.first[g], lk.first[g] + lk.count[g])
             self.done[which] |= np.isin(self.cols[which].rid, cols.rid[rows])
-        for a, b in zip(comp.A[final].tolist(), comp.B[final].tolist()):
+        for a, b in zip(comp.when[final].tolist(), comp.where[final].tolist()):
             self.reported.add((a, b))
         return events
 
@@ -291,13 +294,13 @@ class LiveComparison:
         parts = {}
         for side in ("ref", "cand"):
             c = self.cols[side]
-            parts[side] = c.take(np.flatnonzero(step >= (c.A >> 24)))
+            parts[side] = c.take(np.flatnonzero(step >= (c.when >> 24)))
         comp = self._evaluate(parts["ref"], parts["cand"], step + 1)
         fd = comp.first_divergence()
         if fd < 0:
             return []
-        if comp.verdict[fd] in (F.DIVERGED, F.NONFINITE) and comp.ri[fd] >= 0 \
-                and comp.ci[fd] >= 0:
+        if comp.verdict[fd] in (F.DIVERGED, F.NONFINITE) and comp.ref_index[fd] >= 0 \
+                and comp.cand_index[fd] >= 0:
             try:
                 got = localize(comp, fd)
             except PayloadUnavailable:
@@ -320,9 +323,9 @@ def _grouped_otherwise(comp, hr: np.ndarray, hc: np.ndarray, step: np.ndarray,
     both = hr & hc
     differ = np.zeros(len(comp), bool)
     if both.any():
-        differ[both] = rk.shape[comp.ri[both]] != ck.shape[comp.ci[both]]
+        differ[both] = rk.shape[comp.ref_index[both]] != ck.shape[comp.cand_index[both]]
     open_steps = np.unique(step[differ & (step >= past)])
-    per_mb = ((comp.A >> 4) & 0xFFFFF) > 0  # microbatch + 1: 0 for per-step keys
+    per_mb = ((comp.when >> 4) & 0xFFFFF) > 0  # microbatch + 1: 0 for per-step keys
     return per_mb & np.isin(step, open_steps)
 
 

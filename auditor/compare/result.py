@@ -150,7 +150,7 @@ def steps_hint(comp: Comparison) -> list[str]:
     """Where one run has steps the other lacks before or after all of the other's (a longer
     run, a run resumed later): their keys all read missing, and `--steps` compares the steps
     both have."""
-    steps = {side: np.unique(lk.A >> 24) for side, lk in (("ref", comp.ref_keys),
+    steps = {side: np.unique(lk.when >> 24) for side, lk in (("ref", comp.ref_keys),
                                                           ("cand", comp.cand_keys))}
     r, c = steps["ref"], steps["cand"]
     if not len(r) or not len(c):

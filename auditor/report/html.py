@@ -316,7 +316,7 @@ def html_findings(report: Report) -> Iterator[dict]:
     roles = dict(ROLE_NAMES)
     full = {"breach": 0, "other": 0}
     idx = comp.indices()
-    A, B = comp.A[idx].tolist(), comp.B[idx].tolist()
+    A, B = comp.when[idx].tolist(), comp.where[idx].tolist()
     verdict, breach = comp.verdict[idx].tolist(), comp.breach[idx].tolist()
     value, order = comp.value[idx].tolist(), comp.rank_in_order[idx].tolist()
     for j, i in enumerate(idx.tolist()):

@@ -40,7 +40,8 @@ class _IdenticalWriter:
         """Identical findings, and close ones without notes or payload metrics."""
         c = self.comp
         v = c.verdict[idx]
-        ok = ((v == F.IDENTICAL) | (v == F.CLOSE)) & (c.ri[idx] >= 0) & (c.ci[idx] >= 0)
+        both = (c.ref_index[idx] >= 0) & (c.cand_index[idx] >= 0)
+        ok = ((v == F.IDENTICAL) | (v == F.CLOSE)) & both
         if c.notes:
             ok &= ~np.isin(idx, list(c.notes))
         if c.payload:
@@ -52,8 +53,8 @@ class _IdenticalWriter:
     def render_many(self, idx: np.ndarray) -> list[str]:
         c = self.comp
         rk, ck = c.ref_keys, c.cand_keys
-        ri, ci = c.ri[idx], c.ci[idx]
-        A, B = c.A[idx].tolist(), c.B[idx].tolist()
+        ri, ci = c.ref_index[idx], c.cand_index[idx]
+        A, B = c.when[idx].tolist(), c.where[idx].tolist()
         none = (rk.status[ri] == M.NONE).tolist()
         r_first, r_count = rk.first[ri].tolist(), rk.count[ri].tolist()
         c_first, c_count = ck.first[ci].tolist(), ck.count[ci].tolist()

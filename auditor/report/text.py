@@ -330,10 +330,10 @@ def text_findings(report: Report, show_all: bool, limit: int) -> Iterator[dict]:
     grad, grad_none = PHASE_IDS["grad"], F.GRAD_NONE
     listed: dict[tuple, int] = {}
     for i in comp.indices(breaches_only=not show_all).tolist():
-        ri, ci = int(comp.ri[i]), int(comp.ci[i])
+        ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
         stage = int(ck.stage[ci]) if ci >= 0 else None
         ref_stage = int(rk.stage[ri]) if ri >= 0 else None
-        ph, v = int(comp.A[i] & 0xF), int(comp.verdict[i])
+        ph, v = int(comp.when[i] & 0xF), int(comp.verdict[i])
         group = (ph, stage if stage is not None else (ref_stage or -1))
         listable = not (collapse and ph == grad and v == grad_none)
         n = listed.get(group, 0)

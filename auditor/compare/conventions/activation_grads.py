@@ -63,7 +63,7 @@ def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
 
 
 def _phase(comp: Comparison, phase: int) -> np.ndarray:
-    phases = comp.A & 0xF
+    phases = comp.when & 0xF
     return phases == phase
 
 
@@ -71,8 +71,8 @@ def forward_matched(comp: Comparison) -> np.ndarray:
     """Per key, whether every input, activation and loss of its microbatch passes: only there
     do activation gradients show the scale backward starts from (where the forward already
     differs, a later step after a gradient bug, they differ for that reason)."""
-    block = comp.A >> 4  # step and microbatch
-    forward = np.isin(comp.A & 0xF, (PHASE_IDS["input"], PHASE_IDS["fwd"], PHASE_IDS["loss"]))
+    block = comp.when >> 4  # step and microbatch
+    forward = np.isin(comp.when & 0xF, (PHASE_IDS["input"], PHASE_IDS["fwd"], PHASE_IDS["loss"]))
     return ~np.isin(block, block[forward & comp.breach])
 
 

@@ -49,15 +49,15 @@ class GradEvidence:
 
 def grad_evidence(comp: Comparison) -> GradEvidence:
     """The parameter gradients of `comp` as evidence (see `GradEvidence`)."""
-    grad = np.flatnonzero(((comp.A & 0xF) == GRAD) & (comp.verdict != F.IGNORED))
+    grad = np.flatnonzero(((comp.when & 0xF) == GRAD) & (comp.verdict != F.IGNORED))
     bad = grad[comp.breach[grad]]
     bad = bad[np.argsort(comp.rank_in_order[bad], kind="stable")]
     if not len(grad):
         return GradEvidence(grad, bad, "no parameter gradient (phase grad) was captured to show "
                                        "the training step matches")
-    both = grad[(comp.ri[grad] >= 0) & (comp.ci[grad] >= 0)]
+    both = grad[(comp.ref_index[grad] >= 0) & (comp.cand_index[grad] >= 0)]
     rk = comp.ref_keys
-    r = comp.ri[both]
+    r = comp.ref_index[both]
     live = (rk.status[r] == M.OK) & (rk.all_zero[r] != 1) if len(r) else np.zeros(0, bool)
     if not live.any():
         return GradEvidence(grad, bad, "no parameter gradient that is not zero or None was "
@@ -78,7 +78,8 @@ def sharing(comp: Comparison, ev: GradEvidence, factor: float) -> np.ndarray:
     bad = ev.bad[comp.verdict[ev.bad] == F.DIVERGED]
     if not len(bad) or not np.isfinite(factor):
         return bad[:0]
-    blind = bad[np.isnan(comp.norm_ratio[bad]) & (comp.ri[bad] >= 0) & (comp.ci[bad] >= 0)]
+    both = (comp.ref_index[bad] >= 0) & (comp.cand_index[bad] >= 0)
+    blind = bad[np.isnan(comp.norm_ratio[bad]) & both]
     if len(blind):
         factors.factor_evidence(comp, blind)
     if comp.scaled_by is None:

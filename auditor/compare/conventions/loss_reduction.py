@@ -59,8 +59,8 @@ class LossDecision:
 
 def compared(comp: Comparison, phase: int) -> np.ndarray:
     """Keys of a phase both runs hold and the policy compares."""
-    return np.flatnonzero((phase == (comp.A & 0xF)) & (comp.verdict != F.IGNORED)
-                          & (comp.ri >= 0) & (comp.ci >= 0))
+    return np.flatnonzero((phase == (comp.when & 0xF)) & (comp.verdict != F.IGNORED)
+                          & (comp.ref_index >= 0) & (comp.cand_index >= 0))
 
 
 def declared_normalization(info: dict) -> str:
@@ -85,7 +85,7 @@ def decide(comp: Comparison, rc: RunColumns, cc: RunColumns, run: Callable[..., 
     side = next((s for s in ("cand", "ref") if _mean_side(comp, loss, s)), None)
     if side is None:
         return None
-    sub = tuple(c.take(np.flatnonzero((c.A & 0xF) == LOSS)) for c in (rc, cc))
+    sub = tuple(c.take(np.flatnonzero((c.when & 0xF) == LOSS)) for c in (rc, cc))
     summed = run(sub, loss_sum=side)
     t = _Trial(comp, summed, side, loss)
     declared = declared_normalization(infos[side])
@@ -107,7 +107,7 @@ def decide(comp: Comparison, rc: RunColumns, cc: RunColumns, run: Callable[..., 
 def _mean_side(comp: Comparison, keys: np.ndarray, side: str) -> bool:
     """Every one of these keys is, in this run, a mean over several dp ranks' addends."""
     lk = comp.ref_keys if side == "ref" else comp.cand_keys
-    g = (comp.ri if side == "ref" else comp.ci)[keys]
+    g = (comp.ref_index if side == "ref" else comp.cand_index)[keys]
     return bool(len(g)) and bool(((lk.reduced[g] == M.REDUCE_MEAN) & lk.partial[g]).all())
 
 
@@ -120,9 +120,10 @@ class _Trial:
         self.other = comp.ref.name if side == "cand" else comp.cand.name
         self.n = factors.dp_size(comp, side)
         keys = compared(summed, LOSS)
-        sum_ok = {(int(summed.A[i]), int(summed.B[i])) for i in keys[~summed.breach[keys]]}
-        mean_ok = {(int(comp.A[i]), int(comp.B[i])) for i in loss[~comp.breach[loss]]}
-        self.held = np.array([(int(comp.A[i]), int(comp.B[i])) in sum_ok for i in loss], bool)
+        sum_ok = {(int(summed.when[i]), int(summed.where[i])) for i in keys[~summed.breach[keys]]}
+        mean_ok = {(int(comp.when[i]), int(comp.where[i])) for i in loss[~comp.breach[loss]]}
+        self.held = np.array([(int(comp.when[i]), int(comp.where[i])) in sum_ok for i in loss],
+                             bool)
         self.explains = bool(self.held.any()) and mean_ok <= sum_ok
         self.mean_only = len(mean_ok - sum_ok)
         self.mean_ratio = _median_ratio(comp, loss[self.held]) if self.held.any() else \
@@ -130,7 +131,7 @@ class _Trial:
         self.sum_ratio = _median_ratio(summed, keys)
 
     def breaching(self) -> list[int]:
-        return np.flatnonzero(self.comp.breach & ((self.comp.A & 0xF) == LOSS)).tolist()
+        return np.flatnonzero(self.comp.breach & ((self.comp.when & 0xF) == LOSS)).tolist()
 
     def _where(self) -> str:
         held = int(self.held.sum())

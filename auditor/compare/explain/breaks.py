@@ -20,14 +20,14 @@ from numaudit.wire.labels import CAPTURE_DEPTH_LABEL
 def graph_breaks(comp) -> list[F.GraphBreak]:
     """Group grad_none and all-zero parameter gradients (GRAD phase) by run, stage and module."""
     grad = PHASE_IDS["grad"]
-    is_grad = grad == (comp.A & 0xF)
+    is_grad = grad == (comp.when & 0xF)
     if not is_grad.any():
         return []
     rk, ck = comp.ref_keys, comp.cand_keys
     names = {"ref": comp.ref.name, "cand": comp.cand.name}
     site_names = comp.catalog.site_names
     idx = np.flatnonzero(is_grad & (comp.verdict != F.IGNORED))
-    ri, ci = comp.ri[idx], comp.ci[idx]
+    ri, ci = comp.ref_index[idx], comp.cand_index[idx]
     both_ok = (ri >= 0) & (ci >= 0)
     zr = np.where(both_ok, rk.all_zero[np.maximum(ri, 0)] if len(rk) else -1, -1)
     zc = np.where(both_ok, ck.all_zero[np.maximum(ci, 0)] if len(ck) else -1, -1)
@@ -41,14 +41,14 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
     totals_module: dict[tuple[str, str], set[str]] = {}
     for i, r, c, is_none, zd, z_ref in zip(idx.tolist(), ri.tolist(), ci.tolist(),
                                             none.tolist(), zero_diff.tolist(), zr.tolist()):
-        site = site_names.get(int(comp.B[i] >> 32), "")
+        site = site_names.get(int(comp.where[i] >> 32), "")
         stage = int(comp.order_stage[i])
         for side, present in (("ref", r >= 0), ("cand", c >= 0)):
             if present:
                 totals_run[side].add(site)
                 totals_stage.setdefault((side, stage), set()).add(site)
                 totals_module.setdefault((side, site_module(site)), set()).add(site)
-        step = int(comp.A[i] >> 24)
+        step = int(comp.when[i] >> 24)
         if is_none:
             side = "cand" if ck.status[c] == M.NONE else "ref"
             entries.append((side, "none", stage, site, step))
@@ -99,7 +99,7 @@ def _consecutive_stages(cut: list[F.GraphBreak]) -> list[list[F.GraphBreak]]:
 
 def _bwd_of(comp, keys, sites_mask: np.ndarray) -> tuple[int, int]:
     """(captured, all zero) activation gradients (phase bwd, merged) among the masked keys."""
-    bwd = sites_mask & (PHASE_IDS["bwd"] == (keys.A & 0xF)) & (keys.status == M.OK)
+    bwd = sites_mask & (PHASE_IDS["bwd"] == (keys.when & 0xF)) & (keys.status == M.OK)
     return int(bwd.sum()), int((bwd & (keys.all_zero == 1)).sum())
 
 
@@ -113,7 +113,7 @@ def _module_boundary(comp, b: F.GraphBreak, keys, run: str) -> str:
                 "dropped (a split backward's weight step); the captures cannot tell which")
     site_ids = np.array([sid for sid, name in comp.catalog.site_names.items()
                          if name == b.module or name.startswith(b.module + ".")], np.int64)
-    in_module = np.isin(keys.B >> 32, site_ids)
+    in_module = np.isin(keys.where >> 32, site_ids)
     n, zero = _bwd_of(comp, keys, in_module)
     if n == 0:
         return _no_bwd_at(comp, keys, run, b.module, in_module)
@@ -130,13 +130,13 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
     CAPTURE_DEPTH_LABEL), or the agent did not hook it. Only the first asks to capture bwd."""
     what = "to tell frozen parameters from a graph cut before the module"
     name = module or "(root)"
-    if not (PHASE_IDS["bwd"] == (keys.A & 0xF)).any():
+    if not (PHASE_IDS["bwd"] == (keys.when & 0xF)).any():
         return (f"{run} captured no activation gradient (phase bwd) of {name}: capture bwd "
                 f"{what}")
     side = "cand" if keys is comp.cand_keys else "ref"
     limit = comp.labels.get(side, {}).get(CAPTURE_DEPTH_LABEL, "")
     level = module.count(".") + 1 if module else 0
-    fwd = int((in_module & (PHASE_IDS["fwd"] == (keys.A & 0xF))).sum())
+    fwd = int((in_module & (PHASE_IDS["fwd"] == (keys.when & 0xF))).sum())
     if limit.isdigit() and level > int(limit) and not fwd:  # (hooked inside a block: has fwd)
         return (f"{run} captured activation gradients (phase bwd) of modules down to depth "
                 f"{limit} (the agent's max_depth) and {name} is at depth {level}, so it has "
@@ -162,7 +162,7 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
     stop = stages[-1] if stages else None  # the first stage backward reaches without them
     in_stage = keys.stage == stop if stages else np.ones(len(keys), bool)
     where = f"stage {stop}" if stages else "the model"
-    phase = keys.A & 0xF
+    phase = keys.when & 0xF
     bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
     fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
     before = (f", as backward runs the stages last to first; stages {stages[0]}-{stop} are all "
@@ -173,7 +173,7 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
         text += (f", at the stage {stop} -> {later} boundary (stage {later}'s parameters "
                  "received gradients)")
     n_bwd, n_zero = _bwd_of(comp, keys, in_stage)
-    if not (PHASE_IDS["bwd"] == (keys.A & 0xF)).any():
+    if not (PHASE_IDS["bwd"] == (keys.when & 0xF)).any():
         return text + (f"; {run} captured no activation gradients (phase bwd), so whether "
                        "backward reached the stage cannot be told: capture bwd to locate the cut")
     if n_bwd and n_zero == n_bwd:
@@ -183,9 +183,9 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
     if len(fwd):
         # the stage's input activation: its earliest forward capture
         first = fwd[np.argmin(keys.pos[fwd])]
-        site_id = int(keys.B[first] >> 32)
+        site_id = int(keys.where[first] >> 32)
         site = comp.catalog.site_names.get(site_id, "?")
-        back = bwd & (site_id == (keys.B >> 32))
+        back = bwd & (site_id == (keys.where >> 32))
         if back.any():
             zeros = f"; {n_zero} of them all zero" if n_zero else ", none all zero"
             return text + (f": the backward of its input activation ({site}) was captured "

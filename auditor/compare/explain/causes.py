@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def cause(comp: Comparison, i: int) -> F.Cause:
     found = _cause(comp, i)
-    if found.kind == "introduced" and int(comp.A[i] & 0xF) == PHASE_IDS["fwd"]:
+    if found.kind == "introduced" and int(comp.when[i] & 0xF) == PHASE_IDS["fwd"]:
         site = comp.key(i).site
         note = _batch_stats_note(comp, site) or _dropout_note(comp, site)
         if note:
@@ -80,8 +80,8 @@ def _dropout_note(comp: Comparison, site: str) -> str:
 
 
 def _cause(comp: Comparison, i: int) -> F.Cause:
-    step = int(comp.A[i] >> 24)
-    phase = int(comp.A[i] & 0xF)
+    step = int(comp.when[i] >> 24)
+    phase = int(comp.when[i] & 0xF)
     if int(comp.verdict[i]) == F.REPLICA_DIVERGENCE:
         return _replica_cause(comp, i)
     if phase == PHASE_IDS["input"]:
@@ -96,7 +96,7 @@ def _cause(comp: Comparison, i: int) -> F.Cause:
         return state_cause(comp, i)
     key = comp.key(i)
     if key.role == "output":
-        site_id = int(comp.B[i] >> 32)
+        site_id = int(comp.where[i] >> 32)
         j = comp.find(step, key.microbatch, phase, site_id, 2, key.index, key.call)
         if j < 0 and key.index:
             j = comp.find(step, key.microbatch, phase, site_id, 2, 0, key.call)
@@ -136,7 +136,7 @@ def _replica_cause(comp: Comparison, i: int) -> F.Cause:
     from numaudit.auditor.compare.read.ranges import format_ranges
 
     key = comp.key(i)
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     on_cand = ci >= 0 and comp.cand_keys.status[ci] == M.REPLICA_DIVERGENCE
     side, g = ("cand", ci) if on_cand else ("ref", ri)
     lk = comp.cand_keys if on_cand else comp.ref_keys
@@ -179,13 +179,13 @@ execution order is another parameter's, which it is not computed from."""
 
 def _other_parameter(comp: Comparison, i: int, p: int) -> bool:
     """Key p is another parameter's key of a per-parameter phase than key i's."""
-    return int(comp.A[i] & 0xF) in PER_PARAMETER and int(comp.A[p] & 0xF) in PER_PARAMETER \
-        and int(comp.B[i] >> 32) != int(comp.B[p] >> 32)
+    return int(comp.when[i] & 0xF) in PER_PARAMETER and int(comp.when[p] & 0xF) in PER_PARAMETER \
+        and int(comp.where[i] >> 32) != int(comp.where[p] >> 32)
 
 
 def _zero_cut(comp: Comparison, i: int, p: int) -> F.Cause | None:
     """An activation gradient that is all zero in one run only: backward was cut before it."""
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     if ri < 0 or ci < 0:
         return None
     zr, zc = int(comp.ref_keys.all_zero[ri]), int(comp.cand_keys.all_zero[ci])
@@ -203,7 +203,7 @@ def _seed_cause(comp: Comparison, i: int, p: int) -> F.Cause | None:
     """The first activation gradient of its microbatch's backward, after a loss (or forward)
     that matched: it is computed from where backward starts, the seed (the scale the loss's
     backward starts from) and the loss function's own gradient, not by its module."""
-    if p < 0 or int(comp.A[p] & 0xF) == PHASE_IDS["bwd"] or comp.breach[p]:
+    if p < 0 or int(comp.when[p] & 0xF) == PHASE_IDS["bwd"] or comp.breach[p]:
         return None
     prev, key = comp.key(p), comp.key(i)
     matched = f"{prev} {F.VERDICT_NAMES[int(comp.verdict[p])]}"
@@ -304,9 +304,9 @@ def excluded_by_policy(comp: Comparison, step: int, phases: tuple[int, ...]) -> 
     """"were captured but excluded by the policy (rule ...)" where every key of `step` in
     `phases` was excluded by the policy (there is at least one), else "": what tells "not
     captured" apart from "not compared" when a step has no compared key of those phases."""
-    lo = int(np.searchsorted(comp.A, step << 24, "left"))
-    hi = int(np.searchsorted(comp.A, (step + 1) << 24, "left"))
-    mine = np.isin(comp.A[lo:hi] & 0xF, phases)
+    lo = int(np.searchsorted(comp.when, step << 24, "left"))
+    hi = int(np.searchsorted(comp.when, (step + 1) << 24, "left"))
+    mine = np.isin(comp.when[lo:hi] & 0xF, phases)
     ignored = mine & (comp.verdict[lo:hi] == F.IGNORED)
     if not ignored.any() or (mine & ~ignored).any():
         return ""
@@ -314,11 +314,11 @@ def excluded_by_policy(comp: Comparison, step: int, phases: tuple[int, ...]) -> 
     return f"were captured but excluded by the policy ({rules})"
 
 def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
-    site = comp.catalog.site_names.get(int(comp.B[i] >> 32), "")
+    site = comp.catalog.site_names.get(int(comp.where[i] >> 32), "")
     module = site.rsplit(".", 1)[0] if "." in site else ""
     bwd = comp.step_keys(step, (PHASE_IDS["bwd"],))
     mod_id = comp.catalog.site_id(module) if module else None
-    mine = bwd[(comp.B[bwd] >> 32) == mod_id] if mod_id is not None else bwd[:0]
+    mine = bwd[(comp.where[bwd] >> 32) == mod_id] if mod_id is not None else bwd[:0]
     if len(mine):
         bad = mine[comp.breach[mine]]
         if len(bad):
@@ -340,7 +340,7 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
         j = int(bad[np.argmin(comp.rank_in_order[bad])])
         return F.Cause("inherited", f"activations of the step already differ (first: "
                                     f"{comp.key(j)})", comp.key(j))
-    is_bwd = (comp.A[act] & 0xF) == PHASE_IDS["bwd"]
+    is_bwd = (comp.when[act] & 0xF) == PHASE_IDS["bwd"]
     bwd_n = int(np.count_nonzero(is_bwd))
     fwd_n = len(act) - bwd_n
     close_fwd = int(np.count_nonzero(comp.verdict[act[~is_bwd]] == F.CLOSE))
@@ -382,8 +382,8 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     if step == 0:
         return F.Cause("introduced", "the initial weights differ (initialization, seed or "
                                      "checkpoint loading)")
-    site_id = int(comp.B[i] >> 32)
-    role = int((comp.B[i] >> 28) & 0xF)
+    site_id = int(comp.where[i] >> 32)
+    role = int((comp.where[i] >> 28) & 0xF)
     g = comp.find(step - 1, -1, PHASE_IDS["grad"], site_id, role)
     p = comp.find(step - 1, -1, PHASE_IDS["param"], site_id, role)
     for phase, what in (("update", "the update applied to it"),

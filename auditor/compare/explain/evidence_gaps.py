@@ -19,8 +19,8 @@ def uncompared(comp: Comparison, j: int) -> str:
         return "was not captured in either run"
     v = int(comp.verdict[j])
     if v == F.IGNORED:
-        held = [run for run, k in ((comp.ref.name, comp.ri[j]), (comp.cand.name, comp.ci[j]))
-                if k >= 0]
+        held = [run for run, k in ((comp.ref.name, comp.ref_index[j]),
+                                   (comp.cand.name, comp.cand_index[j])) if k >= 0]
         where = "" if len(held) == 2 else f" in {held[0]} only"
         rule = comp.rule_labels[int(comp.rule[j])]
         return f"was captured{where} but excluded by the policy ({rule})"

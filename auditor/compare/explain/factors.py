@@ -127,8 +127,8 @@ def _microbatches_per_step(comp: Comparison, side: str) -> int:
     lk = comp.cand_keys if side == "cand" else comp.ref_keys
     if not len(lk):
         return 0
-    mb = ((lk.A >> 4) & 0xFFFFF).astype(np.int64) - 1
-    step = lk.A >> 24
+    mb = ((lk.when >> 4) & 0xFFFFF).astype(np.int64) - 1
+    step = lk.when >> 24
     s0 = step.min()
     return len(np.unique(mb[(step == s0) & (mb >= 0)]))
 
@@ -162,11 +162,11 @@ def factor_evidence(comp: Comparison, keys: np.ndarray) -> None:
         comp.scaled_by = np.full(len(comp), np.nan)
     if comp.scaled_resid is None:
         comp.scaled_resid = np.full(len(comp), np.nan)
-    R = merge_side(comp, comp.ri[keys], "ref", comp.catalog)
-    C = merge_side(comp, comp.ci[keys], "cand", comp.catalog)
+    R = merge_side(comp, comp.ref_index[keys], "ref", comp.catalog)
+    C = merge_side(comp, comp.cand_index[keys], "cand", comp.catalog)
     ok = R["sketch_ok"] & C["sketch_ok"] & (R["k"] == C["k"])
     for j, i in enumerate(keys.tolist()):
-        ri, ci = int(comp.ri[i]), int(comp.ci[i])
+        ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
         try:
             rv, _, dt = logical_values(comp, "ref", ri)
             cv, _, _ = logical_values(comp, "cand", ci)
@@ -204,11 +204,11 @@ def factor_evidence(comp: Comparison, keys: np.ndarray) -> None:
 
 def phase_meaning(comp: Comparison, i: int) -> str:
     """What a uniform factor between the runs means at key i's phase."""
-    phase = int(comp.A[i] & 0xF)
+    phase = int(comp.when[i] & 0xF)
     if phase == PHASE_IDS["update"]:
-        site_id = int(comp.B[i] >> 32)
-        role = int((comp.B[i] >> 28) & 0xF)
-        step = int(comp.A[i] >> 24)
+        site_id = int(comp.where[i] >> 32)
+        role = int((comp.where[i] >> 28) & 0xF)
+        step = int(comp.when[i] >> 24)
         j = comp.find(step, -1, PHASE_IDS["optim_grad"], site_id, role)
         if j >= 0 and comp.verdict[j] != F.IGNORED and not comp.breach[j]:
             return (f"its optim_grad matched ({F.VERDICT_NAMES[int(comp.verdict[j])]}), so the "
@@ -235,13 +235,13 @@ def annotate(comp: Comparison) -> None:
     if comp.scaled_by is None:
         comp.scaled_by = np.full(len(comp), np.nan)
     diverged = comp.breach & (comp.verdict == F.DIVERGED)
-    blind = diverged & np.isnan(comp.norm_ratio) & (comp.ri >= 0) & (comp.ci >= 0)
+    blind = diverged & np.isnan(comp.norm_ratio) & (comp.ref_index >= 0) & (comp.cand_index >= 0)
     if blind.any():
         factor_evidence(comp, np.flatnonzero(blind))
     exact = comp.memo.get("exact_factor", set())
     for i in np.flatnonzero(diverged & np.isfinite(comp.scaled_by)).tolist():
         f = float(comp.scaled_by[i])
-        phase = int(comp.A[i] & 0xF)
+        phase = int(comp.when[i] & 0xF)
         named = name_factor(f, run_counts(comp, phase))
         if phase == PHASE_IDS["update"] and "no count of the runs' work" in named:
             named = ""  # an update's factor no count explains is said by its phase's meaning

@@ -22,7 +22,7 @@ def finding(comp: Comparison, i: int, *, with_cause: bool = True) -> F.Finding:
     divergence (`auditor.compare.explain.causes`)."""
     i = int(i)
     v = int(comp.verdict[i])
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     rk, ck = comp.ref_keys, comp.cand_keys
     cat = comp.catalog
     ranks = {"ref": rk.ranks(comp.ref, ri) if ri >= 0 else [],
@@ -88,7 +88,7 @@ def _metrics(comp: Comparison, i: int, ri: int, ci: int) -> dict:
         out["scaled_by"] = _jf(comp.scaled_by[i])
     if i in comp.noise:
         out["noise"] = comp.noise[i]
-    if comp.bwd_factor != 1.0 and (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] \
+    if comp.bwd_factor != 1.0 and (int(comp.when[i]) & 0xF) == PHASE_IDS["bwd"] \
             and not math.isnan(comp.rel_l2[i]):
         out["ref_scaled_by"] = comp.bwd_factor
     return out
@@ -116,7 +116,7 @@ def _detail(comp: Comparison, i: int, v: int, ri: int, ci: int) -> str:
             return unrun
         text = tied.missing_detail(comp, i, side) or (
             f"not in {run}'s state (not saved, or left out when it was saved or loaded)"
-            if int(comp.A[i] & 0xF) == PHASE_IDS["state"] else f"not captured in {run}")
+            if int(comp.when[i] & 0xF) == PHASE_IDS["state"] else f"not captured in {run}")
         return text + (" (expected by policy)" if comp.expected[i] else "")
     if v == F.NONFINITE:
         d = comp.nonfinite_detail(i)

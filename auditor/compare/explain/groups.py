@@ -207,7 +207,7 @@ def group_breaches(comp: Comparison) -> tuple[list[Group], np.ndarray]:
     head = f"{comp.cand.name} is {comp.ref.name} scaled by "
     for i in breaches[:GROUP_CAUSES].tolist():
         f = finding(comp, i)
-        ci, ri = int(comp.ci[i]), int(comp.ri[i])
+        ci, ri = int(comp.cand_index[i]), int(comp.ref_index[i])
         stage = int(ck.stage[ci]) if ci >= 0 else (int(rk.stage[ri]) if ri >= 0 else None)
         factor = None if comp.scaled_by is None else _factor(float(comp.scaled_by[i]))
         if f.cause is not None:
@@ -232,12 +232,12 @@ def _group_unexamined(comp: Comparison, idx: np.ndarray, groups: list[Group],
     """Breaches past GROUP_CAUSES, grouped from the columns by phase, stage, verdict and
     factor (their causes are not worked out)."""
     ck, rk = comp.cand_keys, comp.ref_keys
-    ci, ri = comp.ci[idx], comp.ri[idx]
+    ci, ri = comp.cand_index[idx], comp.ref_index[idx]
     stage = np.where(ci >= 0, ck.stage[np.maximum(ci, 0)],
                      np.where(ri >= 0, rk.stage[np.maximum(ri, 0)], -2)).astype(np.int64)
     factor = (np.full(len(idx), np.nan) if comp.scaled_by is None else
               np.array([_factor(float(v)) or np.nan for v in comp.scaled_by[idx]]))
-    cols = np.stack([comp.A[idx] & 0xF, stage, comp.verdict[idx].astype(np.int64),
+    cols = np.stack([comp.when[idx] & 0xF, stage, comp.verdict[idx].astype(np.int64),
                      np.nan_to_num(factor, nan=-1.0).view(np.int64)], axis=1)
     _, first, inverse = np.unique(cols, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
@@ -246,12 +246,12 @@ def _group_unexamined(comp: Comparison, idx: np.ndarray, groups: list[Group],
         j = int(members[0])
         st = int(stage[first[u]])
         fac = factor[first[u]]
-        g = Group(len(groups), phase_name(int(comp.A[j]) & 0xF), None if st == -2 else st,
+        g = Group(len(groups), phase_name(int(comp.when[j]) & 0xF), None if st == -2 else st,
                   F.VERDICT_NAMES[int(comp.verdict[j])], causes_examined=False,
                   scaled_by=None if math.isnan(fac) else float(fac))
         g.first_order = int(comp.rank_in_order[j])
         g.count = len(members)
-        A, B = comp.A[members], comp.B[members]
+        A, B = comp.when[members], comp.where[members]
         g.steps = set((A >> 24).tolist())
         g.microbatches = {m for m in (((A >> 4) & 0xFFFFF) - 1).tolist() if m >= 0}
         names = comp.catalog.site_names

@@ -60,11 +60,12 @@ def localize_breaches(comp) -> None:
     if not len(idx):
         return
     v = comp.verdict[idx]
-    idx = idx[((v == F.DIVERGED) | (v == F.NONFINITE)) & (comp.ri[idx] >= 0) & (comp.ci[idx] >= 0)]
+    both = (comp.ref_index[idx] >= 0) & (comp.cand_index[idx] >= 0)
+    idx = idx[((v == F.DIVERGED) | (v == F.NONFINITE)) & both]
     taken: dict[tuple[int, int], int] = {}
     stage = comp.cand_keys.stage
     for i in idx.tolist():
-        group = (int(comp.A[i] & 0xF), int(stage[int(comp.ci[i])]))
+        group = (int(comp.when[i] & 0xF), int(stage[int(comp.cand_index[i])]))
         n = taken.get(group, 0)
         if n >= LOCALIZE_PER_GROUP:
             continue
@@ -85,7 +86,7 @@ def _cannot(why: str) -> dict:
 def localize(comp, i: int) -> dict | None:
     """The ``pieces`` field of finding ``i`` (both runs hold the key); None when each run holds
     the tensor as one piece (the finding's ranks already say all there is)."""
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     rk, ck = comp.ref_keys, comp.cand_keys
     if rk.status[ri] != M.OK or ck.status[ci] != M.OK:
         return _cannot("a run's pieces do not make one logical tensor")
@@ -105,11 +106,11 @@ def localize(comp, i: int) -> dict | None:
             return _cannot("one run holds flat pieces (ranges of the tensor's flattening), the "
                            "other boxes of its shape that are not such ranges")
         rb, cb = r_ranges, c_ranges
-    scale = comp.bwd_factor if (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
+    scale = comp.bwd_factor if (int(comp.when[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
     check = _check(comp, i)
     # samples in other orders (auditor.compare.merge.regroup): only the logical values, the
     # reference's in the candidate's order, compare box by box
-    permuted = (int(comp.A[i]), int(comp.B[i])) in comp.catalog.sample_orders
+    permuted = (int(comp.when[i]), int(comp.where[i])) in comp.catalog.sample_orders
     if set(rb) == set(cb) and not permuted:
         return _equal_boxes(comp, i, rb, cb, scale, check)
     if permuted or _inside(cb, rb):
@@ -181,10 +182,10 @@ def _inside(small: dict, big: dict) -> bool:
 def _check(comp, i: int):
     rk, ck = comp.ref_keys, comp.cand_keys
     dts = comp.catalog.dtypes
-    site = comp.catalog.site_names.get(int(comp.B[i] >> 32), "")
-    return comp.policy.check(phase_name(int(comp.A[i]) & 0xF), site,
-                             role_name((int(comp.B[i]) >> 28) & 0xF),
-                             dts[rk.dtype[comp.ri[i]]], dts[ck.dtype[comp.ci[i]]])
+    site = comp.catalog.site_names.get(int(comp.where[i] >> 32), "")
+    return comp.policy.check(phase_name(int(comp.when[i]) & 0xF), site,
+                             role_name((int(comp.where[i]) >> 28) & 0xF),
+                             dts[rk.dtype[comp.ref_index[i]]], dts[ck.dtype[comp.cand_index[i]]])
 
 
 def _measure(r: np.ndarray, c: np.ndarray, check) -> tuple[bool, float]:
@@ -217,7 +218,7 @@ def _policy_test(check):
 
 
 def _equal_boxes(comp, i, rb: dict, cb: dict, scale: float, check) -> dict:
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     exact = bool(comp.ref_keys.exact[ri] and comp.cand_keys.exact[ci]) and scale == 1.0
     results, todo = [], []
     for box, crows in cb.items():

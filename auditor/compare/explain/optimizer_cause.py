@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 def optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
     """optim_grad against the gradient after backward; update against what the optimizer got."""
-    site_id = int(comp.B[i] >> 32)
-    role = int((comp.B[i] >> 28) & 0xF)
+    site_id = int(comp.where[i] >> 32)
+    role = int((comp.where[i] >> 28) & 0xF)
     if phase == PHASE_IDS["optim_grad"]:
         before, name = PHASE_IDS["grad"], "grad"
     else:
@@ -63,7 +63,7 @@ def _consumed_scaling(comp: Comparison, step: int) -> str:
         return memo[step]
     keys = comp.step_keys(step, (PHASE_IDS["optim_grad"],))
     # None or all-zero gradients are identical under any factor: they say nothing about it
-    ri = comp.ri[keys]
+    ri = comp.ref_index[keys]
     rk = comp.ref_keys
     blank = (ri >= 0) & (comp.verdict[keys] == F.IDENTICAL)
     if len(rk):
@@ -119,7 +119,7 @@ def _per_rank_factors(comp: Comparison, keys: np.ndarray, factor: np.ndarray) ->
     (parameters sharded whole to ranks, or a rank's only range of them); {} where a rank's
     gradients do not share one, or no rank holds any alone."""
     per: dict[int, list[float]] = {}
-    for g, f in zip(comp.ci[keys].tolist(), factor.tolist()):
+    for g, f in zip(comp.cand_index[keys].tolist(), factor.tolist()):
         if g < 0:
             continue
         rows = [r for held in key_boxes(comp, "cand", g).values() for r in held]

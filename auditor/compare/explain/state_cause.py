@@ -38,7 +38,7 @@ def state_cause(comp: Comparison, i: int) -> F.Cause:
         base = (f"{key.site} is {values[0]} in {comp.ref.name}, {values[1]} in "
                 f"{comp.cand.name} (a checkpoint entry: nothing upstream to inherit from)")
     if moved:
-        code = int(comp.ref_keys.shape[int(comp.ri[i])])
+        code = int(comp.ref_keys.shape[int(comp.ref_index[i])])
         shape: tuple[int, ...] = comp.catalog.shapes[code][0] if code >= 0 else ()
         square = len(shape) == 2 and shape[0] == shape[1]
         return F.Cause("introduced", (
@@ -53,7 +53,7 @@ def state_cause(comp: Comparison, i: int) -> F.Cause:
 def _permuted(comp: Comparison, i: int) -> float | None:
     """The sketch's relative L2 distance when the moments say the same multiset of values
     and the sketch says far apart; None otherwise."""
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     if ri < 0 or ci < 0 or not comp.ref_keys.has_moments[ri] or not comp.cand_keys.has_moments[ci]:
         return None
     if comp.ref_keys.partial[ri] or comp.cand_keys.partial[ci]:
@@ -88,7 +88,7 @@ def _hint(fn, comp: Comparison, i: int):
 def _single_values(comp: Comparison, i: int) -> tuple[str, str] | None:
     """Both sides' value of a one-element entry (a step count, a learning rate, a dataloader's
     position), from the payloads; None when either is not one element."""
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     if ri < 0 or ci < 0:
         return None
     for keys, g in ((comp.ref_keys, ri), (comp.cand_keys, ci)):

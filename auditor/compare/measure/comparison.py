@@ -32,7 +32,8 @@ class CompareError(Exception):
 
 @dataclass
 class Comparison:
-    """Every aligned key's verdict and metrics, as arrays (one entry per key, (A, B) order)."""
+    """Every aligned key's verdict and metrics, as arrays: one entry per key, in (when, where)
+    order."""
 
     ref: RunColumns
     cand: RunColumns
@@ -40,10 +41,15 @@ class Comparison:
     cand_keys: LogicalKeys
     catalog: Catalog
     policy: Policy
-    A: np.ndarray
-    B: np.ndarray
-    ri: np.ndarray
-    ci: np.ndarray
+    when: np.ndarray
+    """Per key, when in training it was captured: step << 24 | (microbatch + 1) << 4 | phase
+    (`auditor.compare.read.columns`); keys are sorted by (when, where)."""
+    where: np.ndarray
+    """Per key, where in the model: site << 32 | role << 28 | index << 14 | call."""
+    ref_index: np.ndarray
+    """Per key, its index in `ref_keys` (-1: the reference has no such key)."""
+    cand_index: np.ndarray
+    """Per key, its index in `cand_keys` (-1: the candidate has no such key)."""
     verdict: np.ndarray
     breach: np.ndarray
     expected: np.ndarray
@@ -101,12 +107,12 @@ class Comparison:
     ``noise``)."""
 
     def __len__(self) -> int:
-        return len(self.A)
+        return len(self.when)
 
     # -- keys -----------------------------------------------------------------------------------
 
     def key(self, i: int) -> Key:
-        a, b = int(self.A[i]), int(self.B[i])
+        a, b = int(self.when[i]), int(self.where[i])
         return Key(step=a >> 24, microbatch=((a >> 4) & 0xFFFFF) - 1, phase=phase_name(a & 0xF),
                    site=self.catalog.site_names.get(b >> 32, f"site#{b >> 32}"),
                    role=role_name((b >> 28) & 0xF), index=(b >> 14) & 0x3FFF, call=b & 0x3FFF)
@@ -116,10 +122,10 @@ class Comparison:
         """Index of a key, or -1."""
         a = (step << 24) | ((microbatch + 1) << 4) | phase
         b = (site_id << 32) | (role << 28) | (index << 14) | call
-        lo = int(np.searchsorted(self.A, a, "left"))
-        hi = int(np.searchsorted(self.A, a, "right"))
-        j = lo + int(np.searchsorted(self.B[lo:hi], b))
-        return j if j < hi and self.B[j] == b else -1
+        lo = int(np.searchsorted(self.when, a, "left"))
+        hi = int(np.searchsorted(self.when, a, "right"))
+        j = lo + int(np.searchsorted(self.where[lo:hi], b))
+        return j if j < hi and self.where[j] == b else -1
 
     def passes(self, i: int) -> bool:
         return not bool(self.breach[i])
@@ -154,7 +160,7 @@ class Comparison:
 
     def step_keys(self, step: int, phases: tuple[int, ...]) -> np.ndarray:
         """Compared (not ignored) keys of one step in the given phases."""
-        lo = int(np.searchsorted(self.A, step << 24, "left"))
-        hi = int(np.searchsorted(self.A, (step + 1) << 24, "left"))
+        lo = int(np.searchsorted(self.when, step << 24, "left"))
+        hi = int(np.searchsorted(self.when, (step + 1) << 24, "left"))
         idx = np.arange(lo, hi)
-        return idx[np.isin(self.A[lo:hi] & 0xF, phases) & (self.verdict[lo:hi] != F.IGNORED)]
+        return idx[np.isin(self.when[lo:hi] & 0xF, phases) & (self.verdict[lo:hi] != F.IGNORED)]

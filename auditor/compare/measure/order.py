@@ -22,7 +22,7 @@ from numaudit.auditor.compare.read.align import (
     exec_order,
     fill_positions,
 )
-from numaudit.auditor.compare.read.columns import unpack_a
+from numaudit.auditor.compare.read.columns import unpack_when
 
 APPROXIMATED = "execution order is approximated by storage order"
 """How the warning about runs without capture numbers starts (`auditor watch` shows it too)."""
@@ -34,15 +34,15 @@ def order_keys(comp: Comparison) -> None:
     if K == 0:
         return
     rk, ck = comp.ref_keys, comp.cand_keys
-    hr, hc = comp.ri >= 0, comp.ci >= 0
-    step, mb, phase = unpack_a(comp.A)
-    site = comp.B >> 32
+    hr, hc = comp.ref_index >= 0, comp.cand_index >= 0
+    step, mb, phase = unpack_when(comp.when)
+    site = comp.where >> 32
     # stage the key ran in: the candidate's; for keys it lacks, the candidate's stage of the site
-    cand_stage = _stage_of(ck, comp.ci, hc, site)
-    ref_stage = _stage_of(rk, comp.ri, hr, site)
+    cand_stage = _stage_of(ck, comp.cand_index, hc, site)
+    ref_stage = _stage_of(rk, comp.ref_index, hr, site)
     stage = np.where(hc | (cand_stage >= 0), cand_stage, ref_stage)
-    ref_pos = np.where(hr, rk.pos[np.maximum(comp.ri, 0)] if len(rk) else 0, np.nan)
-    cand_pos = np.where(hc, ck.pos[np.maximum(comp.ci, 0)] if len(ck) else 0, np.nan)
+    ref_pos = np.where(hr, rk.pos[np.maximum(comp.ref_index, 0)] if len(rk) else 0, np.nan)
+    cand_pos = np.where(hc, ck.pos[np.maximum(comp.cand_index, 0)] if len(ck) else 0, np.nan)
     # the frame: the reference's positions, unless only the candidate's are capture numbers
     if rk.numbered or not ck.numbered:
         frame, own, frame_stage, has = ref_pos, cand_pos, ref_stage, hr
@@ -52,8 +52,8 @@ def order_keys(comp: Comparison) -> None:
     if has.all():
         pos = frame
     else:  # place the other run's keys within their (step, microbatch, phase, stage) group
-        g_order = np.lexsort((stage, comp.A))
-        ga, gs = comp.A[g_order], stage[g_order]
+        g_order = np.lexsort((stage, comp.when))
+        ga, gs = comp.when[g_order], stage[g_order]
         gnew = np.ones(K, bool)
         gnew[1:] = (ga[1:] != ga[:-1]) | (gs[1:] != gs[:-1])
         group = np.empty(K, np.int64)

@@ -40,11 +40,11 @@ def unrun_parents(A: np.ndarray, B: np.ndarray, ri: np.ndarray, ci: np.ndarray,
         miss = np.flatnonzero((idx < 0) & acts)
         if not len(miss) or not len(lk):
             continue
-        held = np.flatnonzero(np.isin(lk.A, np.unique(A[miss])) & (lk.stage >= 0))
+        held = np.flatnonzero(np.isin(lk.when, np.unique(A[miss])) & (lk.stage >= 0))
         if not len(held):
             continue
         inside: set[tuple[int, str]] = set()
-        for a, site in set(zip(lk.A[held].tolist(), (lk.B[held] >> 32).tolist())):
+        for a, site in set(zip(lk.when[held].tolist(), (lk.where[held] >> 32).tolist())):
             parts = catalog.site_names.get(site, "").split(".")
             inside.update((a, ".".join(parts[:n])) for n in range(1, len(parts)))
         for i in miss.tolist():

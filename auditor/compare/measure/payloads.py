@@ -46,8 +46,8 @@ def payload_for(comp: Comparison, i: int, R: dict, C: dict, j: int | np.integer,
     """Exact metrics of key i from both runs' bytes (bounded by policy.payload_max_bytes);
     the reference's values are multiplied by ``ref_scale`` first (activation gradients)."""
     try:
-        ref_vals, ref_bits, dt_r = _assemble(comp, "ref", int(comp.ri[i]), R, j)
-        cand_vals, cand_bits, dt_c = _assemble(comp, "cand", int(comp.ci[i]), C, j)
+        ref_vals, ref_bits, dt_r = _assemble(comp, "ref", int(comp.ref_index[i]), R, j)
+        cand_vals, cand_bits, dt_c = _assemble(comp, "cand", int(comp.cand_index[i]), C, j)
     except PayloadUnavailable as exc:
         comp.notes.setdefault(i, []).append(f"payload not used: {exc}")
         return
@@ -149,7 +149,7 @@ def _assemble(comp: Comparison, which: str, g: int, S: dict, j: int | np.integer
     if bits is not None:
         bits = bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[
             ITEMSIZE[dtype]])
-    order = cat.sample_orders.get((int(lk.A[g]), int(lk.B[g]))) if which == "ref" else None
+    order = cat.sample_orders.get((int(lk.when[g]), int(lk.where[g]))) if which == "ref" else None
     if order is not None:  # the reference's rows in the candidate's sample order
         perm, d = order
         values = np.take(values, perm, axis=d)
@@ -172,11 +172,11 @@ def measure_exact_breaches(comp: Comparison, limit: int = MEASURED_EXACT) -> Non
     exact = list(METRICS).index("exact")  # its code in comp.metric (comparison.METRIC_CODES)
     todo = [int(i) for i in comp.indices(breaches_only=True)
             if int(comp.verdict[i]) == F.DIVERGED and int(comp.metric[i]) == exact
-            and int(i) not in comp.payload and comp.ri[i] >= 0 and comp.ci[i] >= 0]
+            and int(i) not in comp.payload and comp.ref_index[i] >= 0 and comp.cand_index[i] >= 0]
     for i in todo[:limit]:
         try:
-            ref_vals, ref_bits, dt_r = logical_values(comp, "ref", int(comp.ri[i]))
-            cand_vals, cand_bits, dt_c = logical_values(comp, "cand", int(comp.ci[i]))
+            ref_vals, ref_bits, dt_r = logical_values(comp, "ref", int(comp.ref_index[i]))
+            cand_vals, cand_bits, dt_c = logical_values(comp, "cand", int(comp.cand_index[i]))
         except PayloadUnavailable:
             continue
         if ref_vals.shape != cand_vals.shape:

@@ -57,9 +57,9 @@ def _sides(comp, g_ref: np.ndarray, g_cand: np.ndarray):
         if not fetched:
             return None
         seg = np.repeat(np.arange(len(g)), np.diff(np.append(offsets, len(rows))))
-        orders = [cat.sample_orders.get((int(lk.A[x]), int(lk.B[x]))) if which == "ref"
+        orders = [cat.sample_orders.get((int(lk.when[x]), int(lk.where[x]))) if which == "ref"
                   else None for x in g]
-        keyed = [(int(lk.A[x]), int(lk.B[x])) for x in g]
+        keyed = [(int(lk.when[x]), int(lk.where[x])) for x in g]
         sides.append(_units(cat, cols, rows, coef, seg, len(g), fetched, orders, keyed))
     (ref, ref_bad, ref_numel, ref_exact), (cand, cand_bad, cand_numel, cand_exact) = sides
     bad = ref_bad | cand_bad | (ref_numel != cand_numel)
@@ -74,7 +74,7 @@ def measure(comp, keys: np.ndarray, want: np.ndarray, rn: np.ndarray, cn: np.nda
     at = np.flatnonzero(want)
     if not len(at):
         return None
-    got = _sides(comp, comp.ri[keys[at]], comp.ci[keys[at]])
+    got = _sides(comp, comp.ref_index[keys[at]], comp.cand_index[keys[at]])
     if got is None:
         return None
     ref, cand, _, numel_s, exact = got
@@ -120,8 +120,8 @@ def _units(cat, cols, rows: np.ndarray, coef: np.ndarray, seg: np.ndarray, n: in
            ) -> tuple[Units, np.ndarray, np.ndarray, np.ndarray]:
     """One side's units of the keys (segments ``seg`` of its taken rows), and per key whether
     some piece cannot be described so, its sample's element count, and whether every unit's
-    fingerprint was made with the comparison's seeds. ``keyed``: each key's (A, B), under which
-    the stages that move pieces record the dim they moved them along (``sample_dims``)."""
+    fingerprint was made with the comparison's seeds. ``keyed``: each key's (when, where), under
+    which the stages that move pieces record the dim they moved them along (``sample_dims``)."""
     bad = np.zeros(n, bool)
     numel_s = np.full(n, -1, np.int64)
     exact = np.ones(n, bool)
@@ -199,11 +199,11 @@ def localize_boxes(comp, i: int, boxes: dict, scale: float, beyond) -> list | No
     is not such a box. ``beyond(rel, dist, ref_norm, numel)`` is the policy's test. A box whose
     samples cannot be measured apart (coarse units across its edge) differs, with no
     rel_l2."""
-    got = _sides(comp, comp.ri[[i]], comp.ci[[i]])
+    got = _sides(comp, comp.ref_index[[i]], comp.cand_index[[i]])
     if got is None or not got[2][0]:
         return None
     ref, cand, _, numel_s, exact = got
-    shape = comp.catalog.shapes[int(comp.cand_keys.shape[comp.ci[i]])][0]
+    shape = comp.catalog.shapes[int(comp.cand_keys.shape[comp.cand_index[i]])][0]
     dims = {int(d) for d in _unit_dims(comp, i)}
     if len(dims) != 1:
         return None
@@ -250,7 +250,7 @@ def localize_boxes(comp, i: int, boxes: dict, scale: float, beyond) -> list | No
 def _unit_dims(comp, i: int) -> set[int]:
     """The batch dims the sample digests of key ``i``'s pieces were made along."""
     out = set()
-    for which, g in (("ref", int(comp.ri[i])), ("cand", int(comp.ci[i]))):
+    for which, g in (("ref", int(comp.ref_index[i])), ("cand", int(comp.cand_index[i]))):
         lk = comp.ref_keys if which == "ref" else comp.cand_keys
         cols = comp.ref if which == "ref" else comp.cand
         rows = lk.taken_row[lk.taken_start[g]:lk.taken_start[g + 1]]

@@ -46,8 +46,8 @@ def store_nonfinite(comp: Comparison, keys: np.ndarray, R: dict, C: dict) -> Non
 def record_ids(comp: Comparison, keys: np.ndarray) -> np.ndarray:
     """The record ids `merge_side` reads for these logical keys, both sides."""
     out = []
-    for lk, cols, side in ((comp.ref_keys, comp.ref, comp.ri), (comp.cand_keys, comp.cand,
-                                                                 comp.ci)):
+    for lk, cols, side in ((comp.ref_keys, comp.ref, comp.ref_index), (comp.cand_keys, comp.cand,
+                                                                 comp.cand_index)):
         idx = side[keys]
         idx = idx[idx >= 0]
         rows_idx, _ = ranges_index(lk.taken_start[idx], lk.taken_start[idx + 1])
@@ -104,7 +104,7 @@ def scale_bwd(comp: Comparison, keys: np.ndarray, R: dict) -> np.ndarray:
     fs = np.ones(len(keys))
     if f == 1.0:
         return fs
-    bwd = (comp.A[keys] & 0xF) == PHASE_IDS["bwd"]
+    bwd = (comp.when[keys] & 0xF) == PHASE_IDS["bwd"]
     if not bwd.any():
         return fs
     fs[bwd] = f
@@ -196,7 +196,7 @@ def slow_chunk(comp: Comparison, keys: np.ndarray, metric_all, explicit_all, rto
                reader: Reader, elementwise_all: np.ndarray | None = None) -> None:
     """Metrics and verdicts for keys whose fingerprints could not decide."""
     cat, pol = comp.catalog, comp.policy
-    ri, ci = comp.ri[keys], comp.ci[keys]
+    ri, ci = comp.ref_index[keys], comp.cand_index[keys]
     R = merge_side(comp, ri, "ref", cat)
     C = merge_side(comp, ci, "cand", cat)
     numel = comp.cand_keys.numel[ci].astype(np.float64)

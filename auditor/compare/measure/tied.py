@@ -38,7 +38,7 @@ def _ties(comp: Comparison, side: str, a: str, b: str) -> bool:
 def missing_detail(comp: Comparison, i: int, side: str) -> str:
     """The detail of key i absent from run `side` because that run ties its parameter to
     another name ("" where no tie explains it)."""
-    if int(comp.A[i]) & 0xF not in PARAMETER_PHASES:
+    if int(comp.when[i]) & 0xF not in PARAMETER_PHASES:
         return ""
     site = comp.key(i).site
     name = tied_names(comp, side).get(site)
@@ -58,7 +58,7 @@ def missing_detail(comp: Comparison, i: int, side: str) -> str:
 def tied_note(comp: Comparison, i: int) -> str:
     """Where key i's parameter is tied to another name in one run only: why its gradient (and
     so its value) can differ between runs that are otherwise the same ("" elsewhere)."""
-    if int(comp.A[i]) & 0xF not in PARAMETER_PHASES:
+    if int(comp.when[i]) & 0xF not in PARAMETER_PHASES:
         return ""
     site = comp.key(i).site
     for side, other_side in (("ref", "cand"), ("cand", "ref")):

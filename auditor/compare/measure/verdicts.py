@@ -39,11 +39,11 @@ _NONFINITE = {"match": 0, "forbid": 1, "allow": 2}
 
 def align_keys(r: LogicalKeys, c: LogicalKeys):
     """(A, B, ref index, cand index) of the union of both runs' keys, in key order."""
-    if len(r) == len(c) and np.array_equal(r.A, c.A) and np.array_equal(r.B, c.B):
+    if len(r) == len(c) and np.array_equal(r.when, c.when) and np.array_equal(r.where, c.where):
         idx = np.arange(len(r))
-        return r.A, r.B, idx, idx.copy()
-    A = np.concatenate([r.A, c.A])
-    B = np.concatenate([r.B, c.B])
+        return r.when, r.where, idx, idx.copy()
+    A = np.concatenate([r.when, c.when])
+    B = np.concatenate([r.where, c.where])
     side = np.concatenate([np.zeros(len(r), np.int8), np.ones(len(c), np.int8)])
     src = np.concatenate([np.arange(len(r)), np.arange(len(c))])
     order = np.lexsort((side, B, A))
@@ -223,8 +223,9 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     t2 = time.perf_counter()
 
     comp = Comparison(
-        ref=ref, cand=cand, ref_keys=rk, cand_keys=ck, catalog=catalog, policy=policy, A=A, B=B,
-        ri=ri, ci=ci, verdict=verdict, breach=np.zeros(K, bool), expected=expected,
+        ref=ref, cand=cand, ref_keys=rk, cand_keys=ck, catalog=catalog, policy=policy,
+        when=A, where=B,
+        ref_index=ri, cand_index=ci, verdict=verdict, breach=np.zeros(K, bool), expected=expected,
         metric=out_metric, value=value, sigma=sigma, threshold=threshold, uncertain=uncertain,
         rule=rule, rule_labels=list(labels), rel_l2=nan.copy(), rel_sigma=nan.copy(),
         cos_dist=nan.copy(), cos_sigma=nan.copy(), norm_ratio=nan.copy(),
@@ -241,8 +242,8 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     catalog.prefetch_digests(record_ids(comp, np.concatenate([nf_keys, slow])))
     for s0 in range(0, len(nf_keys), SLOW_CHUNK):
         chunk = nf_keys[s0:s0 + SLOW_CHUNK]
-        R = merge_side(comp, comp.ri[chunk], "ref", catalog, sketches=False)
-        C = merge_side(comp, comp.ci[chunk], "cand", catalog, sketches=False)
+        R = merge_side(comp, comp.ref_index[chunk], "ref", catalog, sketches=False)
+        C = merge_side(comp, comp.cand_index[chunk], "cand", catalog, sketches=False)
         store_nonfinite(comp, chunk, R, C)
     for s in range(0, len(slow), SLOW_CHUNK):
         slow_chunk(comp, slow[s:s + SLOW_CHUNK], metric, explicit, rtol, atol, reader,

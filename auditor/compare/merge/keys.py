@@ -29,14 +29,15 @@ from numaudit.auditor.compare.read.segments import ranges_index, unique
 
 @dataclass
 class LogicalKeys:
-    """Every key of one run, merged: one entry per key, in (A, B) order.
+    """Every key of one run, merged: one entry per key, in (when, where) order
+    (`RunColumns.when`, `RunColumns.where`).
 
     ``taken_row[taken_start[g]:taken_start[g + 1]]`` are the rows (of the run's columns) whose
     digests make up key g's logical digest.
     """
 
-    A: np.ndarray
-    B: np.ndarray
+    when: np.ndarray
+    where: np.ndarray
     first: np.ndarray
     """Row of the key's first piece (lowest rank)."""
     count: np.ndarray
@@ -75,7 +76,7 @@ class LogicalKeys:
     by agents before capture numbers), which approximate execution order by storage order."""
 
     def __len__(self) -> int:
-        return len(self.A)
+        return len(self.when)
 
     def ranks(self, cols, g: int) -> list[int]:
         s = int(self.first[g])
@@ -89,8 +90,8 @@ def build_keys(cols, catalog) -> LogicalKeys:
     if n:
         new = np.empty(n, dtype=bool)
         new[0] = True
-        np.not_equal(cols.A[1:], cols.A[:-1], out=new[1:])
-        new[1:] |= cols.B[1:] != cols.B[:-1]
+        np.not_equal(cols.when[1:], cols.when[:-1], out=new[1:])
+        new[1:] |= cols.where[1:] != cols.where[:-1]
         starts = np.flatnonzero(new)
     else:
         starts = np.zeros(0, np.int64)
@@ -151,7 +152,7 @@ def build_keys(cols, catalog) -> LogicalKeys:
                 if G else np.zeros(0, np.int64))
     pos, numbered = key_positions(cols, starts, counts)
     return LogicalKeys(
-        A=cols.A[starts], B=cols.B[starts], first=starts, count=counts, status=status,
+        when=cols.when[starts], where=cols.where[starts], first=starts, count=counts, status=status,
         dtype=dtype, shape=shape, numel=numel, nonfinite=nonfinite, all_zero=zeros, fp=fp,
         exact=exact, partial=partial, has_moments=has_moments, stage=cols.stage[starts],
         pos=pos, taken_start=taken_start, taken_row=tr, taken_coef=tc,
@@ -165,7 +166,7 @@ def merged_as_sum(lk: LogicalKeys, phase: int) -> LogicalKeys:
     addends make when each rank's value was a sum (or normalized by the whole batch), not a
     mean over its share (`auditor.compare.conventions`). Their addend-tuple fingerprints no longer
     describe the merged value, so such keys are compared by their metrics."""
-    sel = (phase == (lk.A & 0xF)) & (lk.reduced == REDUCE_MEAN) & lk.partial
+    sel = (phase == (lk.when & 0xF)) & (lk.reduced == REDUCE_MEAN) & lk.partial
     if not sel.any():
         return lk
     g = np.flatnonzero(sel)

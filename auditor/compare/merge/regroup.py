@@ -47,7 +47,7 @@ from numaudit.auditor.compare.merge.samples import (
     share_dim,
 )
 from numaudit.auditor.compare.merge.tiling import REDUCE_NONE
-from numaudit.auditor.compare.read.columns import Catalog, RunColumns, unpack_a
+from numaudit.auditor.compare.read.columns import Catalog, RunColumns, unpack_when
 from numaudit.protos import numaudit_pb2 as pb
 
 BATCH_PHASES = (pb.PHASE_INPUT, pb.PHASE_FWD, pb.PHASE_BWD)
@@ -80,10 +80,10 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
     """The two runs' columns with differently grouped steps re-keyed into one grouping, and one
     line per kind of regrouping for the report's warnings (empty when the runs group alike)."""
     notes: dict[str, list[int]] = {}
-    s_r, mb_r, ph_r = unpack_a(rc.A)
-    s_c, mb_c, ph_c = unpack_a(cc.A)
-    new_r = {"A": rc.A.copy(), "layout": rc.layout.copy(), "fp": rc.fp.copy()}
-    new_c = {"A": cc.A.copy(), "layout": cc.layout.copy(), "fp": cc.fp.copy()}
+    s_r, mb_r, ph_r = unpack_when(rc.when)
+    s_c, mb_c, ph_c = unpack_when(cc.when)
+    new_r = {"when": rc.when.copy(), "layout": rc.layout.copy(), "fp": rc.fp.copy()}
+    new_c = {"when": cc.when.copy(), "layout": cc.layout.copy(), "fp": cc.fp.copy()}
     changed = False
     probed = False
     """Whether a step grouped alike was aligned already: reading a step's rows costs payload
@@ -122,7 +122,7 @@ def regroup(rc: RunColumns, cc: RunColumns, catalog: Catalog
 
 def _step_rows_of(cols: RunColumns, mb: np.ndarray, step: int) -> np.ndarray:
     """Rows of ``step``'s per-microbatch records (columns are sorted by A, step first)."""
-    lo, hi = np.searchsorted(cols.A, [step << 24, (step + 1) << 24])
+    lo, hi = np.searchsorted(cols.when, [step << 24, (step + 1) << 24])
     return lo + np.flatnonzero(mb[lo:hi] >= 0)
 
 
@@ -148,7 +148,7 @@ def _alike(rc, cc, at_r, at_c, ph_r, ph_c, codes) -> bool:
         at = at[np.isin(ph[at], BATCH_PHASES)]
         sid = codes[0][cols.layout[at]]
         keep = sid >= 0
-        A, B, sid = cols.A[at][keep], cols.B[at][keep], sid[keep]
+        A, B, sid = cols.when[at][keep], cols.where[at][keep], sid[keep]
         new = np.ones(len(A), bool)
         new[1:] = (A[1:] != A[:-1]) | (B[1:] != B[:-1]) | (sid[1:] != sid[:-1])
         return A[new], B[new], sid[new]
@@ -162,12 +162,12 @@ def _probe(rc, cc, at_r, at_c, ph_r, ph_c) -> tuple[np.ndarray, np.ndarray]:
     runs: enough to tell whether samples were dealt, without looking at every key."""
     fwd = at_r[ph_r[at_r] == pb.PHASE_FWD]
     first = fwd[np.argsort(rc.rid[fwd], kind="stable")]
-    _, at = np.unique(rc.B[first], return_index=True)
-    keys = set(rc.B[first[np.sort(at)[:4]]].tolist())
+    _, at = np.unique(rc.where[first], return_index=True)
+    keys = set(rc.where[first[np.sort(at)[:4]]].tolist())
 
     def rows(cols, at, ph):
         return at[(ph[at] == pb.PHASE_INPUT) | ((ph[at] == pb.PHASE_FWD)
-                                                & np.isin(cols.B[at], list(keys)))]
+                                                & np.isin(cols.where[at], list(keys)))]
     return rows(rc, at_r, ph_r), rows(cc, at_c, ph_c)
 
 
@@ -179,7 +179,7 @@ def _lines(notes: dict[str, list[int]]) -> list[str]:
 
 def _rebuilt(cols: RunColumns, new: dict) -> RunColumns:
     assert cols.order is not None  # RunColumns.__post_init__ sets it
-    out = RunColumns(cols.name, cols.side, new["A"], cols.B.copy(), cols.rank.copy(),
+    out = RunColumns(cols.name, cols.side, new["when"], cols.where.copy(), cols.rank.copy(),
                      cols.stage.copy(), cols.flags.copy(), new["layout"], new["fp"],
                      cols.rid.copy(), max_rid=cols.max_rid, order=cols.order.copy())
     out.sort()
@@ -199,13 +199,13 @@ def _shapes(cols: RunColumns, at: np.ndarray, mb: np.ndarray, ph: np.ndarray, ca
     shares: dict[tuple[int, int], int] = {}
     if not len(at):
         return out, shares
-    combo = np.stack([cols.A[at], cols.B[at], cols.layout[at].astype(np.int64)], axis=1)
+    combo = np.stack([cols.when[at], cols.where[at], cols.layout[at].astype(np.int64)], axis=1)
     _, first = np.unique(combo, axis=0, return_index=True)
     for r in at[np.sort(first)]:
         piece = catalog.pieces[cols.layout[r]]
         if piece.is_none or piece.flat or piece.ragged is not None:
             continue
-        k = (int(ph[r]), int(cols.B[r]))
+        k = (int(ph[r]), int(cols.where[r]))
         out.setdefault(k, {})[int(mb[r])] = piece.logical_shape
         d = share_dim(piece)
         if d is not None:
@@ -246,7 +246,7 @@ def _plan(step, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, probe: bool
     # keys in ref's capture order: the earliest batch-holding key sets the grouping
     first_rid: dict[tuple[int, int], int] = {}  # every key of sh_r is some row's of at_r
     for r in at_r:
-        k = (int(ph_r[r]), int(rc.B[r]))
+        k = (int(ph_r[r]), int(rc.where[r]))
         if k in sh_r and k not in first_rid:
             first_rid[k] = int(rc.rid[r])
     for k in sorted((k for k in sh_r if k in sh_c), key=lambda k: first_rid[k]):
@@ -315,7 +315,7 @@ def _placements(cols, at, mb, ph, catalog, plan: StepPlan, rows: dict[int, int],
     starts = sample_starts(rows)
     out = {}
     for r in at[np.isin(ph[at], BATCH_PHASES)]:
-        d = plan.dim_of.get((int(ph[r]), int(cols.B[r])))
+        d = plan.dim_of.get((int(ph[r]), int(cols.where[r])))
         if d is None:
             continue
         piece = catalog.pieces[cols.layout[r]]
@@ -381,7 +381,7 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
                 "compare runs whose ranks take consecutive shares of the batch")
     starts = sample_starts(target)
     sample_dims = catalog.__dict__.setdefault("sample_dims", {})
-    """(A, B) of a re-keyed key -> the dim its pieces moved along (`per_sample`: a piece's
+    """(when, where) of a re-keyed key -> the dim its pieces moved along (`per_sample`: a piece's
     sample digests follow it only along its samples' dim)."""
     sizes = catalog.__dict__.setdefault("regrouped_sizes", {"ref": set(), "cand": set()})
     """Per side: (its microbatch's samples, the target microbatch's) of every re-keyed piece
@@ -392,15 +392,15 @@ def _apply(plan: StepPlan, rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog,
             (cc, new_c, mb_c, ph_c, at_c, plan.rows_cand))
         for r, (g0, n) in place.items():
             t = _target_mb(g0, n, starts, target)
-            d = plan.dim_of[(int(ph[r]), int(cols.B[r]))]
+            d = plan.dim_of[(int(ph[r]), int(cols.where[r]))]
             piece = catalog.pieces[cols.layout[r]]
             logical, offsets = list(piece.logical_shape), list(piece.offsets)
             logical[d], offsets[d] = target[t], g0 - starts[t]
             new["layout"][r], new["fp"][r] = catalog.moved(
                 replace(piece, logical_shape=tuple(logical), offsets=tuple(offsets)),
                 int(cols.layout[r]), int(cols.fp[r]), exact=plan.dealt is None)
-            new["A"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
-            sample_dims[(int(new["A"][r]), int(cols.B[r]))] = d
+            new["when"][r] = (plan.step << 24) | ((t + 1) << 4) | int(ph[r])
+            sample_dims[(int(new["when"][r]), int(cols.where[r]))] = d
             sizes[side].add((rows[int(mb[r])], target[t]))
         _regroup_losses(cols, at, mb, ph, catalog, plan.step, rows, target, starts, to_target,
                         new)
@@ -454,7 +454,7 @@ def _regroup_losses(cols, at, mb, ph, catalog, step: int, rows: dict[int, int],
         t = _target_mb(g0, share, starts, target)
         if t < 0:
             return
-        groups.setdefault((int(cols.B[r]), t), []).append((g0, int(r), share))
+        groups.setdefault((int(cols.where[r]), t), []).append((g0, int(r), share))
     for (_, t), addends in groups.items():
         addends.sort()
         for i, (_, r, share) in enumerate(addends):
@@ -462,7 +462,7 @@ def _regroup_losses(cols, at, mb, ph, catalog, step: int, rows: dict[int, int],
             new["layout"][r] = catalog.derived_piece(
                 replace(catalog.pieces[code], reduce_index=i, reduce_count=len(addends),
                         reduce_weight=float(share)), int(code), placed=True)
-            new["A"][r] = (step << 24) | ((t + 1) << 4) | pb.PHASE_LOSS
+            new["when"][r] = (step << 24) | ((t + 1) << 4) | pb.PHASE_LOSS
 
 
 def _grouping(plan: StepPlan, ref: str, cand: str) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from numaudit.auditor.compare.digests.algebra import shift_fingerprint
 from numaudit.auditor.compare.merge.regroup import regroup
 from numaudit.auditor.compare.merge.samples import share_dim
-from numaudit.auditor.compare.read.columns import Catalog, RunColumns, translation, unpack_a
+from numaudit.auditor.compare.read.columns import Catalog, RunColumns, translation, unpack_when
 from numaudit.protos import numaudit_pb2 as pb
 
 SPREAD_PHASES = (pb.PHASE_FWD, pb.PHASE_INPUT)
@@ -59,7 +59,7 @@ def _key_starts(cols: RunColumns) -> np.ndarray:
         return np.zeros(0, np.int64)
     new = np.empty(n, bool)
     new[0] = True
-    new[1:] = (cols.A[1:] != cols.A[:-1]) | (cols.B[1:] != cols.B[:-1])
+    new[1:] = (cols.when[1:] != cols.when[:-1]) | (cols.where[1:] != cols.where[:-1])
     return np.flatnonzero(new)
 
 
@@ -77,7 +77,7 @@ def collapse_copies(cols: RunColumns, other: RunColumns, catalog: Catalog) -> Ru
                         & (np.minimum.reduceat(d, starts) == np.maximum.reduceat(d, starts))]
     if not len(candidates):
         return cols
-    phases = unpack_a(cols.A[candidates])[2]
+    phases = unpack_when(cols.when[candidates])[2]
     candidates = candidates[np.isin(phases, (pb.PHASE_FWD, pb.PHASE_INPUT, pb.PHASE_BWD))]
     shapes = _step_shapes(other, catalog)
     layout, fp = cols.layout.copy(), cols.fp.copy()
@@ -87,8 +87,8 @@ def collapse_copies(cols: RunColumns, other: RunColumns, catalog: Catalog) -> Ru
         dim = int(d[s])
         pieces = [catalog.pieces[int(c)] for c in cols.layout[rows]]
         one = _as_one_row(pieces[0], dim)
-        step, phase = int(cols.A[s]) >> 24, int(cols.A[s]) & 0xF
-        if shapes.get((step, phase, int(cols.B[s]))) != {one.logical_shape}:
+        step, phase = int(cols.when[s]) >> 24, int(cols.when[s]) & 0xF
+        if shapes.get((step, phase, int(cols.where[s]))) != {one.logical_shape}:
             continue
         placed = []
         for r, piece in zip(rows.tolist(), pieces):
@@ -127,8 +127,8 @@ def _step_shapes(cols: RunColumns, catalog: Catalog) -> dict[tuple[int, int, int
     out: dict[tuple[int, int, int], set] = {}
     if not len(cols):
         return out
-    step, mb, phase = unpack_a(cols.A)
-    combo = np.stack([step, phase, cols.B, cols.layout.astype(np.int64)], axis=1)
+    step, mb, phase = unpack_when(cols.when)
+    combo = np.stack([step, phase, cols.where, cols.layout.astype(np.int64)], axis=1)
     for s, p, b, code in np.unique(combo[mb >= 0], axis=0).tolist():
         piece = catalog.pieces[int(code)]
         if not piece.is_none:
@@ -150,25 +150,25 @@ def spread_copies(before: RunColumns, after: RunColumns, other: RunColumns,
     at = order[np.clip(np.searchsorted(before.rid[order], after.rid), 0, len(order) - 1)]
     if not np.array_equal(before.rid[at], after.rid):
         return after  # rows regroup did not take from `before`: nothing to map
-    a_old = before.A[at]
-    moved = (a_old != after.A) | (before.layout[at] != after.layout)
+    a_old = before.when[at]
+    moved = (a_old != after.when) | (before.layout[at] != after.layout)
     if not moved.any():
         return after
-    step, mb_new, phase = unpack_a(after.A)
-    mb_old = unpack_a(a_old)[1]
+    step, mb_new, phase = unpack_when(after.when)
+    mb_old = unpack_when(a_old)[1]
     targets: dict[tuple[int, int], set[int]] = {}
     moved_keys: set[tuple[int, int, int]] = set()
     for r in np.flatnonzero(moved & (mb_new >= 0)).tolist():
         targets.setdefault((int(step[r]), int(mb_old[r])), set()).add(int(mb_new[r]))
-        moved_keys.add((int(step[r]), int(phase[r]), int(after.B[r])))
-    s_old, m_old, _ = unpack_a(before.A)
+        moved_keys.add((int(step[r]), int(phase[r]), int(after.where[r])))
+    s_old, m_old, _ = unpack_when(before.when)
     mbs: dict[int, set[int]] = {}
     for s, m in np.unique(np.stack([s_old, m_old], 1)[m_old >= 0], axis=0).tolist():
         mbs.setdefault(s, set()).add(m)
     shapes_here, shapes_there = _step_shapes(after, catalog), _step_shapes(other, catalog)
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for r in np.flatnonzero(~moved & (mb_new >= 0) & np.isin(phase, SPREAD_PHASES)).tolist():
-        by_key.setdefault((int(step[r]), int(phase[r]), int(after.B[r])), []).append(r)
+        by_key.setdefault((int(step[r]), int(phase[r]), int(after.where[r])), []).append(r)
     copies: list[tuple[int, int]] = []
     for key, rows in by_key.items():
         s = key[0]
@@ -189,8 +189,8 @@ def spread_copies(before: RunColumns, after: RunColumns, other: RunColumns,
     keep[[r for r, _ in copies]] = False
     rows_ = np.array([r for r, _ in copies], np.int64)
     extra = after.take(rows_)
-    extra.A = ((extra.A >> 24) << 24) | ((np.array([t for _, t in copies], np.int64) + 1) << 4) \
-        | (extra.A & 0xF)
+    copy_mb = np.array([t for _, t in copies], np.int64) + 1
+    extra.when = ((extra.when >> 24) << 24) | (copy_mb << 4) | (extra.when & 0xF)
     extra.layout = np.array([_replica_code(catalog, int(c)) for c in extra.layout],
                             after.layout.dtype)
     return after.take(np.flatnonzero(keep)).concat(extra)

@@ -43,7 +43,7 @@ def step_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
     """One run's step of batch-holding key ``key`` as [samples, features] float64 rows, rebuilt
     from its pieces' payloads (None when a piece has none)."""
     starts = sample_starts(rows)
-    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    sel = at[(ph[at] == key[0]) & (cols.where[at] == key[1])]
     if not len(sel):
         return None
     pieces = [catalog.pieces[cols.layout[r]] for r in sel]
@@ -84,7 +84,7 @@ def sample_rows(cols, at, mb, ph, catalog, key, d, rows) -> np.ndarray | None:
     and keyed within the sample). None unless every piece has one unit per sample and holds its
     samples whole (no shard of a sample), or for more than ALIGN_MAX_ROWS samples."""
     starts = sample_starts(rows)
-    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    sel = at[(ph[at] == key[0]) & (cols.where[at] == key[1])]
     total = sum(rows.values())
     if not len(sel) or total > ALIGN_MAX_ROWS:
         return None
@@ -217,7 +217,7 @@ def round_robin(cols, at, mb, ph, catalog, key, d, rows, perm: np.ndarray) -> in
     if np.array_equal(perm, np.arange(len(perm))):
         return None
     starts = sample_starts(rows)
-    sel = at[(ph[at] == key[0]) & (cols.B[at] == key[1])]
+    sel = at[(ph[at] == key[0]) & (cols.where[at] == key[1])]
     boxes = sorted({(int(mb[r]), catalog.pieces[cols.layout[r]].offsets[d],
                      catalog.pieces[cols.layout[r]].shape[d],
                      catalog.pieces[cols.layout[r]].logical_shape[d]) for r in sel

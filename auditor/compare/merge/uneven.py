@@ -48,7 +48,8 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
     and the key stays incomplete, saying so."""
     if not len(cols):
         return cols, []
-    starts = np.flatnonzero(np.r_[True, (cols.A[1:] != cols.A[:-1]) | (cols.B[1:] != cols.B[:-1])])
+    starts = np.flatnonzero(np.r_[True, (cols.when[1:] != cols.when[:-1])
+                                  | (cols.where[1:] != cols.where[:-1])])
     logical_id, logical_numel, numel = _layout_arrays(catalog)
     codes = cols.layout
     lid = logical_id[codes]
@@ -73,19 +74,19 @@ def place_uneven(cols: RunColumns, catalog: Catalog, other: RunColumns
             continue
         placed = _placed(pieces, present, codes[rows], cols.fp[rows], catalog)
         if not disagree[k] and catalog.pieces[placed[0][1]].logical_shape != _shape_in(
-                other, catalog, int(cols.A[rows[0]]), int(cols.B[rows[0]])):
+                other, catalog, int(cols.when[rows[0]]), int(cols.where[rows[0]])):
             continue
         catalog.__dict__.setdefault("sample_dims", {})[
-            (int(cols.A[rows[0]]), int(cols.B[rows[0]]))] = 0  # rows moved along dim 0
+            (int(cols.when[rows[0]]), int(cols.where[rows[0]]))] = 0  # rows moved along dim 0
         for j, code, moved_fp in placed:
             layout[rows[j]], fp[rows[j]] = code, moved_fp
             unshifted |= not catalog.seeds_ok[code]
-        site = catalog.site_names.get(int(cols.B[rows[0]] >> 32), "?")
+        site = catalog.site_names.get(int(cols.where[rows[0]] >> 32), "?")
         sites[site] = sites.get(site, 0) + 1
-        globs.add(f"{phase_name(int(cols.A[rows[0]]) & 0xF)}:{_glob(site)}")
+        globs.add(f"{phase_name(int(cols.when[rows[0]]) & 0xF)}:{_glob(site)}")
     if not sites:
         return cols, []
-    out = RunColumns(cols.name, cols.side, cols.A, cols.B, cols.rank, cols.stage, cols.flags,
+    out = RunColumns(cols.name, cols.side, cols.when, cols.where, cols.rank, cols.stage, cols.flags,
                      layout, fp, cols.rid, max_rid=cols.max_rid, order=cols.order)
     return out, [_warning(cols.name, sites, unshifted, sorted(globs))]
 
@@ -112,9 +113,9 @@ def _even_shares(pieces: list, present: list[int]) -> bool:
 
 def _shape_in(cols: RunColumns, catalog: Catalog, a: int, b: int) -> tuple[int, ...] | None:
     """The logical shape of key (a, b)'s first present piece in ``cols`` (sorted by A, B)."""
-    lo, hi = np.searchsorted(cols.A, a, "left"), np.searchsorted(cols.A, a, "right")
-    lo2 = lo + int(np.searchsorted(cols.B[lo:hi], b, "left"))
-    hi2 = lo + int(np.searchsorted(cols.B[lo:hi], b, "right"))
+    lo, hi = np.searchsorted(cols.when, a, "left"), np.searchsorted(cols.when, a, "right")
+    lo2 = lo + int(np.searchsorted(cols.where[lo:hi], b, "left"))
+    hi2 = lo + int(np.searchsorted(cols.where[lo:hi], b, "right"))
     for code in cols.layout[lo2:hi2]:
         piece = catalog.pieces[int(code)]
         if not piece.is_none:

@@ -46,9 +46,9 @@ class Bands:
     """Pairs of runs measured (every pair of `runs`)."""
     sites: list[str]
     dtypes: list[str]
-    A: np.ndarray
+    when: np.ndarray
     """Key part A (step, microbatch, phase), as the comparison packs it."""
-    B: np.ndarray
+    where: np.ndarray
     """Key part B with the site as an index into `sites`: ``site << 32 | role, index, call``."""
     state: np.ndarray
     dtype: np.ndarray
@@ -87,7 +87,7 @@ class Bands:
     (`auditor.compare.noise.nondeterminism`)."""
 
     def __len__(self) -> int:
-        return len(self.A)
+        return len(self.when)
 
     def counts(self) -> dict[str, int]:
         c = np.bincount(self.state.astype(np.int64), minlength=3)
@@ -99,8 +99,8 @@ class Bands:
                                                 int(self.piece_start[g + 1]))}
 
     def locate(self, A: np.ndarray, B: np.ndarray, site_names: dict[int, str]) -> np.ndarray:
-        """Per key of a comparison (its A and B, site ids named by ``site_names``): the index of
-        its band, or -1."""
+        """Per key of a comparison (its when and where, site ids named by ``site_names``): the index
+        of its band, or -1."""
         idx = {name: j for j, name in enumerate(self.sites)}
         sid = (np.asarray(B, np.int64) >> 32)
         top = int(sid.max(initial=0)) + 1
@@ -111,8 +111,8 @@ class Bands:
         bsite = lut[sid] if len(sid) else sid
         q = np.zeros(len(A), _KEY_DTYPE)
         q["a"], q["b"] = A, (bsite << 32) | (np.asarray(B, np.int64) & 0xFFFFFFFF)
-        keys = np.zeros(len(self.A), _KEY_DTYPE)
-        keys["a"], keys["b"] = self.A, self.B
+        keys = np.zeros(len(self.when), _KEY_DTYPE)
+        keys["a"], keys["b"] = self.when, self.where
         pos = np.searchsorted(keys, q)
         inside = pos < len(keys)
         found = np.zeros(len(A), bool)
@@ -155,9 +155,9 @@ class BandBuilder:
             v = int(comp.verdict[i])
             if v == F.IGNORED:
                 continue
-            a, b = int(comp.A[i]), int(comp.B[i])
+            a, b = int(comp.when[i]), int(comp.where[i])
             key = (a, cat.site_names.get(b >> 32, f"site#{b >> 32}"), b & 0xFFFFFFFF)
-            ri = int(comp.ri[i])
+            ri = int(comp.ref_index[i])
             dt = cat.dtypes[rk.dtype[ri]] if ri >= 0 and rk.dtype[ri] >= 0 else None
             numel = int(rk.numel[ri]) if ri >= 0 else -1
             e = self.entries.get(key)
@@ -231,7 +231,7 @@ class BandBuilder:
         meta = dict(meta or {})
         meta.setdefault("created_unix", time.time())
         bands = Bands(
-            runs=self.runs, pairs=self.pairs, sites=sites, dtypes=dtypes, A=A, B=B,
+            runs=self.runs, pairs=self.pairs, sites=sites, dtypes=dtypes, when=A, where=B,
             state=state, dtype=dtype, numel=numel, differ=differ, piece_start=piece_start,
             p_box=p_box,
             p_bitwise=np.array(pcols["bitwise"], bool),

@@ -70,7 +70,8 @@ def save_bands(bands: Bands, path: str | Path) -> None:
         **{k: v for k, v in bands.meta.items() if k != "order"},
     }
     cols = {
-        "key_a": bands.A, "key_b": bands.B, "key_state": bands.state, "key_dtype": bands.dtype,
+        "key_a": bands.when, "key_b": bands.where, "key_state": bands.state,
+        "key_dtype": bands.dtype,
         "key_numel": bands.numel,
         "key_differ": bands.differ, "key_reason": key_reason, "piece_start": bands.piece_start,
         **{f"key_{f}": getattr(bands, f) for f in KEY_FIELDS},
@@ -206,7 +207,7 @@ def _bands(meta, cols: dict, err) -> Bands:
             raise err(f, "a negative distance")
     boxes = _boxes(cols, P, err)
     return Bands(
-        runs=runs, pairs=pairs, sites=sites, dtypes=dtypes, A=a, B=b, state=state,
+        runs=runs, pairs=pairs, sites=sites, dtypes=dtypes, when=a, where=b, state=state,
         dtype=cols["key_dtype"], numel=cols["key_numel"], differ=cols["key_differ"],
         piece_start=ps, p_box=boxes,
         p_bitwise=cols["p_bitwise"], **{f: cols[f"key_{f}"] for f in KEY_FIELDS},

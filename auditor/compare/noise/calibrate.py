@@ -73,7 +73,7 @@ def measure_bands(reader: Reader, runs: list[str], policy: Policy, *,
         comp = pair_comparison(reader, a, b, policy, select)
         v = comp.verdict
         keys = np.flatnonzero(((v == F.CLOSE) | (v == F.DIVERGED)) & (comp.metric != M_SHAPE)
-                              & (comp.ri >= 0) & (comp.ci >= 0))
+                              & (comp.ref_index >= 0) & (comp.cand_index >= 0))
         measured = measure_keys(comp, keys, policy)
         builder.add(comp, measured)
         first = first or comp

@@ -89,27 +89,27 @@ def apply_bands(comp, spec: NoiseSpec) -> dict:
     report carries (counts per kind)."""
     bands = spec.bands
     assert bands is not None  # callers run resolve_bands first
-    g_all = bands.locate(comp.A, comp.B, comp.catalog.site_names)
+    g_all = bands.locate(comp.when, comp.where, comp.catalog.site_names)
     v = comp.verdict
     counts = dict.fromkeys(KINDS, 0)
     differing = (v != F.IDENTICAL) & (v != F.IGNORED)
     counts["unbanded"] = int((differing & (g_all < 0)).sum())
     judged = np.flatnonzero(((v == F.CLOSE) | (v == F.DIVERGED)) & (comp.metric != M_SHAPE)
-                            & (comp.ri >= 0) & (comp.ci >= 0) & (g_all >= 0))
+                            & (comp.ref_index >= 0) & (comp.cand_index >= 0) & (g_all >= 0))
     unusable = judged[bands.state[g_all[judged]] == UNUSABLE]
     for i in unusable.tolist():
         counts["not_applied"] += 1
         _record(comp, i, {"kind": "not_applied", "band": "none",
                           "reason": bands.reasons.get(int(g_all[i]), "")})
     judged = judged[bands.state[g_all[judged]] != UNUSABLE]
-    numel = comp.ref_keys.numel[comp.ri[judged]]
+    numel = comp.ref_keys.numel[comp.ref_index[judged]]
     other = judged[(bands.numel[g_all[judged]] >= 0) & (bands.numel[g_all[judged]] != numel)]
     for i in other.tolist():
         counts["not_applied"] += 1
         _record(comp, i, {"kind": "not_applied", "band": "none",
                           "reason": "the bands were measured on another tensor at this key "
                                     f"({int(bands.numel[g_all[i]])} elements, here "
-                                    f"{int(comp.ref_keys.numel[comp.ri[i]])}: microbatches "
+                                    f"{int(comp.ref_keys.numel[comp.ref_index[i]])}: microbatches "
                                     "grouped otherwise?)"})
     judged = np.setdiff1d(judged, other)
     measured = measure_keys(comp, judged)
@@ -150,8 +150,8 @@ def _band_of(bands: Bands, g: int, box, same_policy: bool) -> tuple | None:
 
 def _dtype_floor(comp, i: int) -> tuple[float, str]:
     dts = comp.catalog.dtypes
-    names = [dts[lk.dtype[g]] for lk, g in ((comp.ref_keys, int(comp.ri[i])),
-                                            (comp.cand_keys, int(comp.ci[i])))
+    names = [dts[lk.dtype[g]] for lk, g in ((comp.ref_keys, int(comp.ref_index[i])),
+                                            (comp.cand_keys, int(comp.cand_index[i])))
              if g >= 0 and lk.dtype[g] >= 0]
     floors = [(rounding_floor(d), d) for d in names]
     return max(floors) if floors else (0.0, "")
@@ -168,7 +168,7 @@ def _judge(comp, i: int, g: int, measured, spec: NoiseSpec) -> str:
     if isinstance(measured, str):
         return _whole(comp, i, g, measured, spec, floor, dtype, base)
     rows = []
-    logical = tuple(comp.catalog.shapes[comp.ref_keys.shape[int(comp.ri[i])]][0])
+    logical = tuple(comp.catalog.shapes[comp.ref_keys.shape[int(comp.ref_index[i])]][0])
     for p in measured:
         band = _band_of(bands, g, p.box, spec_policy_same(bands, comp))
         if band is None:  # another sharding of the reference: no band is this box's

@@ -83,11 +83,11 @@ def describe_noise(bands, comp=None) -> dict:
         kp = None  # the capture before it belongs to another block: no module between them
     phases: dict[str, list[int]] = {}
     for g in range(len(bands)):
-        ph = phase_name(int(bands.A[g]) & 0xF)
+        ph = phase_name(int(bands.when[g]) & 0xF)
         c = phases.setdefault(ph, [0, 0])
         c[1] += 1
         c[0] += int(bands.state[g] == NOISY)
-    steps = sorted({int(bands.A[g]) >> 24 for g in noisy})
+    steps = sorted({int(bands.when[g]) >> 24 for g in noisy})
     rel = np.where(np.isnan(bands.rel[noisy]), -1.0, bands.rel[noisy])
     worst = int(noisy[int(np.argmax(rel))])
     mechanism = _mechanism(kf, kp)
@@ -110,7 +110,7 @@ def describe_noise(bands, comp=None) -> dict:
 
 
 def _key(bands, g: int) -> Key:
-    a, b = int(bands.A[g]), int(bands.B[g])
+    a, b = int(bands.when[g]), int(bands.where[g])
     return key_of(a, bands.sites[b >> 32], b & 0xFFFFFFFF)
 
 

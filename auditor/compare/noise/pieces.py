@@ -102,19 +102,19 @@ def measure_keys(comp, keys, policy=None) -> dict[int, list[PieceDistance] | str
 
 
 def _scale(comp, i: int) -> float:
-    return comp.bwd_factor if (int(comp.A[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
+    return comp.bwd_factor if (int(comp.when[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
 
 
 def _plan(comp, i: int, todo: list, policy):
     """Pieces of key i decided without reading digests (bitwise boxes, whole keys), or the
     reason it cannot be measured; pairs of rows left to measure are appended to ``todo``."""
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     rk, ck = comp.ref_keys, comp.cand_keys
     if ri < 0 or ci < 0 or rk.status[ri] != M.OK or ck.status[ci] != M.OK:
         return "a run's pieces do not make one logical tensor"
     if rk.partial[ri] or ck.partial[ci] or rk.reduced[ri] or ck.reduced[ci]:
         return [_whole(comp, i)]
-    if (int(comp.A[i]), int(comp.B[i])) in comp.catalog.sample_orders:
+    if (int(comp.when[i]), int(comp.where[i])) in comp.catalog.sample_orders:
         return "the samples lie in other orders in the two runs (regrouped by the auditor)"
     placed = comp.catalog.placed
     rb, cb = key_boxes(comp, "ref", ri), key_boxes(comp, "cand", ci)
@@ -148,7 +148,7 @@ def _whole(comp, i: int) -> PieceDistance:
     """The whole key as one piece, from the comparison's own metrics."""
     pm = comp.payload.get(i)
     if pm is not None:
-        numel = max(int(comp.cand_keys.numel[int(comp.ci[i])]), 1)
+        numel = max(int(comp.cand_keys.numel[int(comp.cand_index[i])]), 1)
         return PieceDistance(None, [], bool(pm.get("_bitwise")), _num(pm["rel_l2"]), 0.0,
                              _num(pm["max_abs"]), _num(pm["max_abs"]), _num(pm.get("ulp")),
                              (pm.get("mismatched") or 0) / numel, NAN, "key",
@@ -170,15 +170,15 @@ def _num(v) -> float:
 def _check(comp, i: int, policy):
     rk, ck = comp.ref_keys, comp.cand_keys
     dts = comp.catalog.dtypes
-    site = comp.catalog.site_names.get(int(comp.B[i] >> 32), "")
-    return policy.check(phase_name(int(comp.A[i]) & 0xF), site,
-                        role_name((int(comp.B[i]) >> 28) & 0xF),
-                        dts[rk.dtype[comp.ri[i]]], dts[ck.dtype[comp.ci[i]]])
+    site = comp.catalog.site_names.get(int(comp.where[i] >> 32), "")
+    return policy.check(phase_name(int(comp.when[i]) & 0xF), site,
+                        role_name((int(comp.where[i]) >> 28) & 0xF),
+                        dts[rk.dtype[comp.ref_index[i]]], dts[ck.dtype[comp.cand_index[i]]])
 
 
 def _sliced(comp, i: int, rb: dict, ranks: dict, policy):
     """Both logical tensors from payloads, cut at the reference's boxes."""
-    ri, ci = int(comp.ri[i]), int(comp.ci[i])
+    ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
     rids = np.concatenate([
         comp.ref.rid[comp.ref_keys.taken_row[comp.ref_keys.taken_start[ri]:
                                              comp.ref_keys.taken_start[ri + 1]]],

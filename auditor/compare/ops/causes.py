@@ -80,7 +80,7 @@ def breaching(comp, index, a, sid, role, call, per_rank) -> bool:
 
 
 def _dtype(comp, i: int, side: str) -> str | None:
-    k = int(comp.ri[i] if side == "ref" else comp.ci[i])
+    k = int(comp.ref_index[i] if side == "ref" else comp.cand_index[i])
     lk = comp.ref_keys if side == "ref" else comp.cand_keys
     if k < 0 or lk.dtype[k] < 0:
         return None
@@ -89,7 +89,7 @@ def _dtype(comp, i: int, side: str) -> str | None:
 
 def _scalar(comp, i: int, side: str) -> float | None:
     """The value of a 0-dim key (a float argument), from its record's moments."""
-    k = int(comp.ri[i] if side == "ref" else comp.ci[i])
+    k = int(comp.ref_index[i] if side == "ref" else comp.cand_index[i])
     lk, cols = (comp.ref_keys, comp.ref) if side == "ref" else (comp.cand_keys, comp.cand)
     if k < 0:
         return None

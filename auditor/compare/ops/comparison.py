@@ -49,7 +49,7 @@ def split_ops(cols: RunColumns, catalog: Catalog) -> tuple[RunColumns, RunColumn
     """(records of modules, parameters and the rest; records of operations)."""
     if not len(cols):
         return cols, cols
-    site = cols.B >> 32
+    site = cols.where >> 32
     flags = np.zeros(int(site.max()) + 1, bool)
     for sid in np.unique(site).tolist():
         flags[sid] = OP_SEP in catalog.site_names.get(sid, "")
@@ -117,7 +117,8 @@ def _table(cols: RunColumns, catalog: Catalog) -> _Table:
     site_of: dict[tuple, int] = {}
     parsed: dict[int, tuple[str, int, str]] = {}
     if len(cols):
-        combo = np.unique(np.stack([cols.A, cols.B >> 32, cols.B & 0x3FFF], axis=1), axis=0)
+        combo = np.unique(np.stack([cols.when, cols.where >> 32, cols.where & 0x3FFF], axis=1),
+                          axis=0)
         for a, sid, call in combo.tolist():
             p = parsed.get(sid)
             if p is None:
@@ -142,9 +143,9 @@ def _rekey(cols: RunColumns, table: _Table, aligned: dict, catalog: Catalog,
     with; records of unpaired operations are left out (said by the alignment instead)."""
     if not len(cols):
         return cols
-    site, call = cols.B >> 32, cols.B & 0x3FFF
+    site, call = cols.where >> 32, cols.where & 0x3FFF
     new_site = np.full(len(cols), -1, np.int64)
-    combo, inv = np.unique(np.stack([cols.A, site, call], axis=1), axis=0, return_inverse=True)
+    combo, inv = np.unique(np.stack([cols.when, site, call], axis=1), axis=0, return_inverse=True)
     targets = np.full(len(combo), -1, np.int64)
     for k, (a, sid, c) in enumerate(combo.tolist()):
         module, ordinal, name = table.parsed.get(sid, ("", -1, ""))
@@ -163,7 +164,7 @@ def _rekey(cols: RunColumns, table: _Table, aligned: dict, catalog: Catalog,
     new_site = targets[inv.reshape(-1)]
     keep = new_site >= 0
     out = cols.take(keep)
-    out.B = (new_site[keep] << 32) | (out.B & 0xFFFFFFFF)
+    out.where = (new_site[keep] << 32) | (out.where & 0xFFFFFFFF)
     out.sort()
     return out
 
@@ -171,8 +172,8 @@ def _rekey(cols: RunColumns, table: _Table, aligned: dict, catalog: Catalog,
 def _key_index(comp) -> dict[tuple, list[tuple[int, int]]]:
     """(A, site id, role, call) -> [(index, key)] of the comparison's keys."""
     out: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-    B = comp.B
-    for i, (a, b) in enumerate(zip(comp.A.tolist(), B.tolist())):
+    B = comp.where
+    for i, (a, b) in enumerate(zip(comp.when.tolist(), B.tolist())):
         out[(a, b >> 32, (b >> 28) & 0xF, b & 0x3FFF)].append(((b >> 14) & 0x3FFF, i))
     return out
 
@@ -184,7 +185,7 @@ def _per_rank(comp) -> dict[int, tuple[bool, str]]:
     out = {}
     rk, ck = comp.ref_keys, comp.cand_keys
     for i in np.flatnonzero(comp.verdict == F.REPLICA_DIVERGENCE).tolist():
-        ri, ci = int(comp.ri[i]), int(comp.ci[i])
+        ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])
         if ri < 0 or ci < 0 or rk.status[ri] != M.REPLICA_DIVERGENCE \
                 or ck.status[ci] != M.REPLICA_DIVERGENCE or rk.count[ri] != ck.count[ci]:
             continue

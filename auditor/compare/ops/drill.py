@@ -40,11 +40,11 @@ def module_breaches(comp: Comparison) -> set[tuple[int, str, int]]:
     out = set()
     out_role = ROLE_IDS["output"]
     fwd = PHASE_IDS["fwd"]
-    idx = np.flatnonzero(comp.breach & (fwd == (comp.A & 0xF))
-                         & (out_role == ((comp.B >> 28) & 0xF)))
+    idx = np.flatnonzero(comp.breach & (fwd == (comp.when & 0xF))
+                         & (out_role == ((comp.where >> 28) & 0xF)))
     for i in idx.tolist():
-        b = int(comp.B[i])
-        out.add((int(comp.A[i]), comp.catalog.site_names.get(b >> 32, ""), b & 0x3FFF))
+        b = int(comp.where[i])
+        out.add((int(comp.when[i]), comp.catalog.site_names.get(b >> 32, ""), b & 0x3FFF))
     return out
 
 

@@ -130,20 +130,20 @@ class LiveDrill:
         cols = self.ops[side]
         if not len(cols):
             return cols
-        keep = ask.step == (cols.A >> 24)
-        sites = np.unique(cols.B[keep] >> 32).tolist()
+        keep = ask.step == (cols.when >> 24)
+        sites = np.unique(cols.where[keep] >> 32).tolist()
         wanted = np.zeros(int(max(sites, default=0)) + 1, bool)
         for sid in sites:
             parsed = parse_op_site(self.catalog.site_names.get(sid, ""))
             wanted[sid] = parsed is not None and parsed[0] in ask.ops
-        keep &= wanted[np.minimum(cols.B >> 32, len(wanted) - 1)] & \
-            (len(wanted) > (cols.B >> 32))
+        keep &= wanted[np.minimum(cols.where >> 32, len(wanted) - 1)] & \
+            (len(wanted) > (cols.where >> 32))
         return cols.take(keep)
 
 
 def latest_step(cols: dict[str, RunColumns]) -> int:
     """The latest step either run has sent records of (-1: none)."""
-    return max((int((c.A >> 24).max()) for c in cols.values() if len(c)), default=-1)
+    return max((int((c.when >> 24).max()) for c in cols.values() if len(c)), default=-1)
 
 
 def directive_status(d: dict, names: dict[str, str]) -> str:

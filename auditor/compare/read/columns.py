@@ -64,7 +64,7 @@ class KeyRangeError(ValueError):
     """A key field beyond what the packed comparison key holds."""
 
 
-_FIELDS = ("A", "B", "rank", "stage", "flags", "layout", "fp", "rid", "order")
+_FIELDS = ("when", "where", "rank", "stage", "flags", "layout", "fp", "rid", "order")
 NONFINITE_FLAG = 2
 """flags bit: the piece holds NaN or Inf."""
 ALL_ZERO_FLAG = 1
@@ -80,8 +80,10 @@ class RunColumns:
     name: str
     side: str
     """"ref" or "cand"."""
-    A: np.ndarray
-    B: np.ndarray
+    when: np.ndarray
+    """Per record, when in training: step << 24 | (microbatch + 1) << 4 | phase (`unpack_when`)."""
+    where: np.ndarray
+    """Per record, where in the model: site << 32 | role << 28 | index << 14 | call."""
     rank: np.ndarray
     stage: np.ndarray
     flags: np.ndarray
@@ -99,10 +101,10 @@ class RunColumns:
 
     def __post_init__(self) -> None:
         if self.order is None:
-            self.order = np.zeros(len(self.A), np.int64)
+            self.order = np.zeros(len(self.when), np.int64)
 
     def __len__(self) -> int:
-        return len(self.A)
+        return len(self.when)
 
     @property
     def numbered(self) -> bool:
@@ -125,7 +127,7 @@ class RunColumns:
         return out
 
     def sort(self) -> None:
-        order = np.lexsort((self.rank, self.B, self.A))
+        order = np.lexsort((self.rank, self.where, self.when))
         if np.any(order[1:] < order[:-1]):
             for f in _FIELDS:
                 setattr(self, f, getattr(self, f)[order])
@@ -154,12 +156,12 @@ class ReadMark:
     seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
-def unpack_a(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unpack_when(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """step, microbatch, phase."""
     return A >> 24, ((A >> 4) & 0xFFFFF) - 1, A & 0xF
 
 
-def unpack_b(B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def unpack_where(B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """site id, role, index, call."""
     return B >> 32, (B >> 28) & 0xF, (B >> 14) & 0x3FFF, B & 0x3FFF
 
@@ -179,8 +181,8 @@ class Catalog:
         self._seeds: tuple[int, int] | None = None
         self.has_moments: list[bool] = []
         self.sample_orders: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
-        """(A, B) of a key re-keyed by `auditor.compare.merge.regroup` for runs whose samples lie in
-        other orders → (perm, batch dim): the candidate's row g is the reference's row
+        """(when, where) of a key re-keyed by `auditor.compare.merge.regroup` for runs whose samples
+        lie in other orders → (perm, batch dim): the candidate's row g is the reference's row
         perm[g]; the reference's values are put in the candidate's order before comparing."""
         self.placed: list[bool] = []
         """False for layouts `derived_piece` made for records moved to another place, whose
@@ -491,8 +493,8 @@ def _columns(cat: Catalog, arrays: Arrays | None, run: str, side: str) -> RunCol
                      dtype=np.int32)
     cols = RunColumns(
         name=run, side=side,
-        A=arrays.A,
-        B=arrays.B,
+        when=arrays.when,
+        where=arrays.where,
         rank=(R >> 40).astype(np.int32),
         stage=(((R >> 8) & 0x7FFFFFFF) - 1).astype(np.int32),
         flags=(R & 3).astype(np.uint8),
@@ -501,10 +503,10 @@ def _columns(cat: Catalog, arrays: Arrays | None, run: str, side: str) -> RunCol
         rid=arrays.rid,
         order=arrays.order,
     )
-    site = cols.B >> 32
+    site = cols.where >> 32
     lut = cat.site_lut(side, int(site.max()))
     canon = lut[site]
     if np.any(canon != site):
-        cols.B = (canon << 32) | (cols.B & 0xFFFFFFFF)
+        cols.where = (canon << 32) | (cols.where & 0xFFFFFFFF)
         cols.sort()
     return cols

@@ -51,7 +51,7 @@ def key_positions(cols, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndar
         # is the lowest rank, whose row comes first in each key's
         return order[starts].astype(np.float64), True
     key = np.repeat(np.arange(G), counts)
-    group = _ids(cols.A, cols.stage[starts][key].astype(np.int64))
+    group = _ids(cols.when, cols.stage[starts][key].astype(np.int64))
     pair = _ids(group, rank)  # (group, rank) of each row
     n_pairs = int(pair.max()) + 1
     pair_group = np.zeros(n_pairs, np.int64)

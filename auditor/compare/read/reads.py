@@ -35,7 +35,7 @@ from numaudit.auditor.store import Reader, key_segments
 
 # Packed key: A = step << 24 | (microbatch + 1) << 4 | phase,
 #             B = site << 32 | role << 28 | index << 14 | call.
-# Both preserve the key's sort order, so (A, B) sorts like the key.
+# Both preserve the key's sort order, so (when, where) sorts like the key.
 MAX_STEP = (1 << 39) - 1
 MAX_MICROBATCH = (1 << 20) - 2
 MAX_SITE_ID = (1 << 31) - 1
@@ -115,8 +115,8 @@ class Arrays:
     """A run's records as read, before interning: packed keys and bits as `SELECT` computes
     them, each record's layout text as an index into `texts`."""
 
-    A: np.ndarray
-    B: np.ndarray
+    when: np.ndarray
+    where: np.ndarray
     R: np.ndarray
     texts: list[str]
     text_code: np.ndarray
@@ -144,7 +144,7 @@ def row_arrays(rows: list[tuple]) -> Arrays | None:
     A, B, R, lay, fp, rid, order = zip(*rows)
     texts, code = _interned(lay)
     return Arrays(
-        A=np.fromiter(A, dtype=np.int64, count=n), B=np.fromiter(B, dtype=np.int64, count=n),
+        when=np.fromiter(A, dtype=np.int64, count=n), where=np.fromiter(B, dtype=np.int64, count=n),
         R=np.fromiter(R, dtype=np.int64, count=n), texts=texts, text_code=code,
         fp=np.fromiter(fp, dtype=np.int64, count=n), rid=np.fromiter(rid, dtype=np.int64, count=n),
         order=np.fromiter(order, dtype=np.int64, count=n))
@@ -178,12 +178,12 @@ def pg_arrays(reader: Reader, params: dict) -> Arrays | None:
     if not all(len(a) == n for a in (A, B, R, fp, rid, order, lay)):
         return None
     texts, code = _interned(lay)
-    return Arrays(A=A, B=B, R=R, texts=texts, text_code=code, fp=fp, rid=rid, order=order,
+    return Arrays(when=A, where=B, R=R, texts=texts, text_code=code, fp=fp, rid=rid, order=order,
                   sorted=False)
 
 
 def pg_packed(reader: Reader, params: dict, where: str) -> tuple:
-    """(count, A, B, R, fingerprints, record ids, capture orders as packed bytea, layouts) of
+    """(count, when, where, R, fingerprints, record ids, capture orders as packed bytea, layouts) of
     the run's records (and `where`)."""
     packed = ", ".join(f"string_agg(int8send({c}), ''::bytea)"
                        for c in ("a", "b", "r", "fp", "rid", "co"))
@@ -248,8 +248,8 @@ def segment_arrays(reader: Reader, run_id: int, fs: int, ss: int,
         (seeds_ok[code] << 2) | bit(ks.NONFINITE, 1) | bit(ks.ALL_ZERO, 0) | \
         (out_of_range.astype(np.int64) << 39)
     return Arrays(
-        A=(step << 24) | ((mb + 1) << 4) | c["phase"],
-        B=(site << 32) | (c["role"] << 28) | (idx << 14) | call,
+        when=(step << 24) | ((mb + 1) << 4) | c["phase"],
+        where=(site << 32) | (c["role"] << 28) | (idx << 14) | call,
         R=R, texts=texts, text_code=code, fp=c["fingerprint"], rid=c["record_id"],
         order=c["capture_order"], sorted=False)
 

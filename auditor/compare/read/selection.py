@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from numaudit.auditor.compare.read.align import PHASE_IDS, PHASE_NAMES
-from numaudit.auditor.compare.read.columns import RunColumns, unpack_a
+from numaudit.auditor.compare.read.columns import RunColumns, unpack_when
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class KeySelection:
         return cls(phases=frozenset(PHASE_IDS[n] for n in names))
 
     def apply(self, cols: RunColumns) -> RunColumns:
-        step, _, phase = unpack_a(cols.A)
+        step, _, phase = unpack_when(cols.when)
         keep = np.ones(len(cols), dtype=bool)
         if self.first is not None:
             keep &= step >= self.first

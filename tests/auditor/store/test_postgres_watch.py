@@ -59,7 +59,7 @@ def test_a_lower_record_id_committed_late_is_read_once(pg_url):
         b.ingest(batch(2, [record(1, 0)], session_id="ref-1"))
         b.commit()
         fourth, _ = catalog.load_new("ref", "ref", mark)
-        assert fourth.rank.tolist() == [1] and (fourth.A >> 24).tolist() == [1]
+        assert fourth.rank.tolist() == [1] and (fourth.when >> 24).tolist() == [1]
     finally:
         reader.close()
         a.close()

@@ -79,7 +79,7 @@ def _load(db, run: str, *, rows: bool, monkeypatch) -> tuple:
 def _assert_same_load(db, run: str, monkeypatch) -> int:
     seg, seg_pieces, seg_bits, seg_warn = _load(db, run, rows=False, monkeypatch=monkeypatch)
     row, row_pieces, row_bits, _ = _load(db, run, rows=True, monkeypatch=monkeypatch)
-    for f in ("A", "B", "rank", "stage", "flags", "fp", "rid"):
+    for f in ("when", "where", "rank", "stage", "flags", "fp", "rid"):
         assert np.array_equal(getattr(seg, f), getattr(row, f)), f
     assert seg.max_rid == row.max_rid
     assert seg_pieces == row_pieces and seg_bits == row_bits
@@ -275,7 +275,7 @@ def test_a_run_too_large_for_one_postgresql_value_is_read_in_blocks(pg_url, monk
         blocks, _, _, _ = _load(pg_url, "cand", rows=False, monkeypatch=monkeypatch)
     rows, _, _, _ = _load(pg_url, "cand", rows=True, monkeypatch=monkeypatch)
     assert len(calls) > 4 and calls[0] == ""
-    for f in ("A", "B", "rank", "stage", "flags", "fp", "rid"):
+    for f in ("when", "where", "rank", "stage", "flags", "fp", "rid"):
         assert np.array_equal(getattr(blocks, f), getattr(rows, f)), f
 
 
