@@ -23,8 +23,8 @@ from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure import parents
 from numaudit.auditor.compare.measure.comparison import Comparison
 from numaudit.auditor.compare.policy.load import Policy
-from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.auditor.compare.read.ranges import format_ranges
+from numaudit.wire.vocabulary import Phase
 
 SCHEMA = "numaudit.report"
 SCHEMA_VERSION = 5
@@ -86,8 +86,8 @@ class Report:
         warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info) + \
             parents.warning(comp) + steps_hint(comp)
         if first is not None and first.cause and first.key.step > 0 \
-                and not comp.step_keys(first.key.step, (PHASE_IDS["param"],)).size:
-            params = (PHASE_IDS["param"],)
+                and not comp.step_keys(first.key.step, (Phase.PARAM,)).size:
+            params = (Phase.PARAM,)
             what = excluded_by_policy(comp, first.key.step, params) or "were not captured"
             first.notes.append(f"parameter values {what}: a divergence of the weights "
                                "(an optimizer difference) would first show here")

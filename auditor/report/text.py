@@ -7,10 +7,11 @@ from collections.abc import Iterable, Iterator
 
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.findings import format_float
-from numaudit.auditor.compare.read.align import PHASE_IDS, phase_name
+from numaudit.auditor.compare.read.align import phase_name
 from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.auditor.compare.result import Report
 from numaudit.auditor.report.ops_text import print_drill
+from numaudit.wire.vocabulary import Phase
 
 TEXT_ROWS_PER_GROUP = 50
 """Breaching findings listed per (phase, stage) group in the text report unless --limit says."""
@@ -327,7 +328,7 @@ def text_findings(report: Report, show_all: bool, limit: int) -> Iterator[dict]:
     comp = report.comparison
     rk, ck = comp.ref_keys, comp.cand_keys
     collapse = bool(report.graph_breaks)
-    grad, grad_none = PHASE_IDS["grad"], F.GRAD_NONE
+    grad, grad_none = Phase.GRAD, F.GRAD_NONE
     listed: dict[tuple, int] = {}
     for i in comp.indices(breaches_only=not show_all).tolist():
         ri, ci = int(comp.ref_index[i]), int(comp.cand_index[i])

@@ -17,9 +17,9 @@ from numaudit.auditor.compare.conventions.loss_reduction import compared as _com
 from numaudit.auditor.compare.explain import factors
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.comparison import Comparison
-from numaudit.auditor.compare.read.align import PHASE_IDS
+from numaudit.wire.vocabulary import Phase
 
-BWD = PHASE_IDS["bwd"]
+BWD = Phase.BWD
 
 
 def bwd_warning(comp: Comparison, ev: GradEvidence, g: float, total: float, why: str) -> str:
@@ -72,7 +72,7 @@ def forward_matched(comp: Comparison) -> np.ndarray:
     do activation gradients show the scale backward starts from (where the forward already
     differs, a later step after a gradient bug, they differ for that reason)."""
     block = comp.when >> 4  # step and microbatch
-    forward = np.isin(comp.when & 0xF, (PHASE_IDS["input"], PHASE_IDS["fwd"], PHASE_IDS["loss"]))
+    forward = np.isin(comp.when & 0xF, (Phase.INPUT, Phase.FWD, Phase.LOSS))
     return ~np.isin(block, block[forward & comp.breach])
 
 

@@ -19,12 +19,12 @@ import numpy as np
 from numaudit.auditor.compare.explain import factors
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge import tiling as M
-from numaudit.auditor.compare.read.align import PHASE_IDS
+from numaudit.wire.vocabulary import Phase
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison
 
-GRAD = PHASE_IDS["grad"]
+GRAD = Phase.GRAD
 SAME_FACTOR_RTOL = 1e-4
 """How close two factors (norm ratios) must be to be one factor: far below any difference of
 counts, far above the rounding of a norm ratio measured from float64 moments or bytes."""

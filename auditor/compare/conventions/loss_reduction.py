@@ -34,10 +34,10 @@ from numaudit.auditor.compare.explain import factors
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.comparison import Comparison
 from numaudit.auditor.compare.merge import tiling as M
-from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.auditor.compare.read.columns import RunColumns
+from numaudit.wire.vocabulary import Phase
 
-LOSS = PHASE_IDS["loss"]
+LOSS = Phase.LOSS
 GLOBAL_NORMALIZATIONS = ("global_mean", "sum")
 """Declared loss normalizations (agents/capture/normalization.py) whose per-rank losses add up to
 the whole batch's loss: each rank's sum over the global count, or a plain sum."""

@@ -13,13 +13,14 @@ import numpy as np
 
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge import tiling as M
-from numaudit.auditor.compare.read.align import PHASE_IDS, site_module
+from numaudit.auditor.compare.read.align import site_module
 from numaudit.wire.labels import CAPTURE_DEPTH_LABEL
+from numaudit.wire.vocabulary import Phase
 
 
 def graph_breaks(comp) -> list[F.GraphBreak]:
     """Group grad_none and all-zero parameter gradients (GRAD phase) by run, stage and module."""
-    grad = PHASE_IDS["grad"]
+    grad = Phase.GRAD
     is_grad = grad == (comp.when & 0xF)
     if not is_grad.any():
         return []
@@ -99,7 +100,7 @@ def _consecutive_stages(cut: list[F.GraphBreak]) -> list[list[F.GraphBreak]]:
 
 def _bwd_of(comp, keys, sites_mask: np.ndarray) -> tuple[int, int]:
     """(captured, all zero) activation gradients (phase bwd, merged) among the masked keys."""
-    bwd = sites_mask & (PHASE_IDS["bwd"] == (keys.when & 0xF)) & (keys.status == M.OK)
+    bwd = sites_mask & ((keys.when & 0xF) == Phase.BWD) & (keys.status == M.OK)
     return int(bwd.sum()), int((bwd & (keys.all_zero == 1)).sum())
 
 
@@ -130,13 +131,13 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
     CAPTURE_DEPTH_LABEL), or the agent did not hook it. Only the first asks to capture bwd."""
     what = "to tell frozen parameters from a graph cut before the module"
     name = module or "(root)"
-    if not (PHASE_IDS["bwd"] == (keys.when & 0xF)).any():
+    if not ((keys.when & 0xF) == Phase.BWD).any():
         return (f"{run} captured no activation gradient (phase bwd) of {name}: capture bwd "
                 f"{what}")
     side = "cand" if keys is comp.cand_keys else "ref"
     limit = comp.labels.get(side, {}).get(CAPTURE_DEPTH_LABEL, "")
     level = module.count(".") + 1 if module else 0
-    fwd = int((in_module & (PHASE_IDS["fwd"] == (keys.when & 0xF))).sum())
+    fwd = int((in_module & ((keys.when & 0xF) == Phase.FWD)).sum())
     if limit.isdigit() and level > int(limit) and not fwd:  # (hooked inside a block: has fwd)
         return (f"{run} captured activation gradients (phase bwd) of modules down to depth "
                 f"{limit} (the agent's max_depth) and {name} is at depth {level}, so it has "
@@ -163,8 +164,8 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
     in_stage = keys.stage == stop if stages else np.ones(len(keys), bool)
     where = f"stage {stop}" if stages else "the model"
     phase = keys.when & 0xF
-    bwd = in_stage & (phase == PHASE_IDS["bwd"]) & (keys.status == M.OK)
-    fwd = np.flatnonzero(in_stage & (phase == PHASE_IDS["fwd"]))
+    bwd = in_stage & (phase == Phase.BWD) & (keys.status == M.OK)
+    fwd = np.flatnonzero(in_stage & (phase == Phase.FWD))
     before = (f", as backward runs the stages last to first; stages {stages[0]}-{stop} are all "
               "without them" if len(stages) > 1 else "")
     text = f"gradients stop at {where} (the first without {what} in {run}{before})"
@@ -173,7 +174,7 @@ def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) ->
         text += (f", at the stage {stop} -> {later} boundary (stage {later}'s parameters "
                  "received gradients)")
     n_bwd, n_zero = _bwd_of(comp, keys, in_stage)
-    if not (PHASE_IDS["bwd"] == (keys.when & 0xF)).any():
+    if not ((keys.when & 0xF) == Phase.BWD).any():
         return text + (f"; {run} captured no activation gradients (phase bwd), so whether "
                        "backward reached the stage cannot be told: capture bwd to locate the cut")
     if n_bwd and n_zero == n_bwd:

@@ -21,6 +21,7 @@ from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.auditor.compare.read.segments import unique
 from numaudit.wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
+from numaudit.wire.vocabulary import Phase
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 def cause(comp: Comparison, i: int) -> F.Cause:
     found = _cause(comp, i)
-    if found.kind == "introduced" and int(comp.when[i] & 0xF) == PHASE_IDS["fwd"]:
+    if found.kind == "introduced" and int(comp.when[i] & 0xF) == Phase.FWD:
         site = comp.key(i).site
         note = _batch_stats_note(comp, site) or _dropout_note(comp, site)
         if note:
@@ -84,15 +85,15 @@ def _cause(comp: Comparison, i: int) -> F.Cause:
     phase = int(comp.when[i] & 0xF)
     if int(comp.verdict[i]) == F.REPLICA_DIVERGENCE:
         return _replica_cause(comp, i)
-    if phase == PHASE_IDS["input"]:
+    if phase == Phase.INPUT:
         return _input_cause(comp, i)
-    if phase == PHASE_IDS["param"]:
+    if phase == Phase.PARAM:
         return _param_cause(comp, i, step)
-    if phase == PHASE_IDS["grad"]:
+    if phase == Phase.GRAD:
         return _grad_cause(comp, i, step)
-    if phase in (PHASE_IDS["optim_grad"], PHASE_IDS["update"]):
+    if phase in (Phase.OPTIM_GRAD, Phase.UPDATE):
         return optimizer_cause(comp, i, step, phase)
-    if phase == PHASE_IDS["state"]:
+    if phase == Phase.STATE:
         return state_cause(comp, i)
     key = comp.key(i)
     if key.role == "output":
@@ -103,7 +104,7 @@ def _cause(comp: Comparison, i: int) -> F.Cause:
         if j >= 0 and comp.verdict[j] != F.IGNORED:
             return _judged(comp, j, "its input", i)
     p = int(comp.pred[i])
-    if phase == PHASE_IDS["bwd"]:
+    if phase == Phase.BWD:
         zero = _zero_cut(comp, i, p)
         if zero is not None:
             return zero
@@ -203,7 +204,7 @@ def _seed_cause(comp: Comparison, i: int, p: int) -> F.Cause | None:
     """The first activation gradient of its microbatch's backward, after a loss (or forward)
     that matched: it is computed from where backward starts, the seed (the scale the loss's
     backward starts from) and the loss function's own gradient, not by its module."""
-    if p < 0 or int(comp.when[p] & 0xF) == PHASE_IDS["bwd"] or comp.breach[p]:
+    if p < 0 or int(comp.when[p] & 0xF) == Phase.BWD or comp.breach[p]:
         return None
     prev, key = comp.key(p), comp.key(i)
     matched = f"{prev} {F.VERDICT_NAMES[int(comp.verdict[p])]}"
@@ -283,7 +284,7 @@ def _unmeasured_below(comp: Comparison, j: int, i: int) -> bool:
 
 
 def _block_start_cause(comp: Comparison, step: int) -> F.Cause:
-    params = comp.step_keys(step, (PHASE_IDS["param"],))
+    params = comp.step_keys(step, (Phase.PARAM,))
     if len(params):
         bad = params[comp.breach[params]]
         if len(bad):
@@ -292,7 +293,7 @@ def _block_start_cause(comp: Comparison, step: int) -> F.Cause:
                            comp.key(j))
         return F.Cause("introduced", "first capture of its microbatch, and every parameter "
                                      "value of the step matched")
-    excluded = excluded_by_policy(comp, step, (PHASE_IDS["param"],))
+    excluded = excluded_by_policy(comp, step, (Phase.PARAM,))
     if excluded:
         return F.Cause("unknown", f"first capture of its microbatch; parameter values {excluded}"
                                   ", so the weights cannot be ruled out")
@@ -316,7 +317,7 @@ def excluded_by_policy(comp: Comparison, step: int, phases: tuple[int, ...]) -> 
 def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
     site = comp.catalog.site_names.get(int(comp.where[i] >> 32), "")
     module = site.rsplit(".", 1)[0] if "." in site else ""
-    bwd = comp.step_keys(step, (PHASE_IDS["bwd"],))
+    bwd = comp.step_keys(step, (Phase.BWD,))
     mod_id = comp.catalog.site_id(module) if module else None
     mine = bwd[(comp.where[bwd] >> 32) == mod_id] if mod_id is not None else bwd[:0]
     if len(mine):
@@ -325,7 +326,7 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
             j = int(bad[np.argmin(comp.rank_in_order[bad])])
             return F.Cause("inherited", f"its module's activation gradient differs "
                                         f"({comp.key(j)})", comp.key(j))
-    act_phases = (PHASE_IDS["fwd"], PHASE_IDS["bwd"], PHASE_IDS["loss"], PHASE_IDS["input"])
+    act_phases = (Phase.FWD, Phase.BWD, Phase.LOSS, Phase.INPUT)
     act = comp.step_keys(step, act_phases)
     if not len(act):
         excluded = excluded_by_policy(comp, step, act_phases)
@@ -340,13 +341,13 @@ def _grad_cause(comp: Comparison, i: int, step: int) -> F.Cause:
         j = int(bad[np.argmin(comp.rank_in_order[bad])])
         return F.Cause("inherited", f"activations of the step already differ (first: "
                                     f"{comp.key(j)})", comp.key(j))
-    is_bwd = (comp.when[act] & 0xF) == PHASE_IDS["bwd"]
+    is_bwd = (comp.when[act] & 0xF) == Phase.BWD
     bwd_n = int(np.count_nonzero(is_bwd))
     fwd_n = len(act) - bwd_n
     close_fwd = int(np.count_nonzero(comp.verdict[act[~is_bwd]] == F.CLOSE))
     close_bwd = int(np.count_nonzero(comp.verdict[act[is_bwd]] == F.CLOSE))
     if bwd_n == 0:
-        excluded = excluded_by_policy(comp, step, (PHASE_IDS["bwd"],))
+        excluded = excluded_by_policy(comp, step, (Phase.BWD,))
         if excluded:
             return F.Cause("unknown", f"the {fwd_n} compared activations of the step match; "
                                       f"its activation gradients (phase bwd) {excluded}: let "
@@ -384,8 +385,8 @@ def _param_cause(comp: Comparison, i: int, step: int) -> F.Cause:
                                      "checkpoint loading)")
     site_id = int(comp.where[i] >> 32)
     role = int((comp.where[i] >> 28) & 0xF)
-    g = comp.find(step - 1, -1, PHASE_IDS["grad"], site_id, role)
-    p = comp.find(step - 1, -1, PHASE_IDS["param"], site_id, role)
+    g = comp.find(step - 1, -1, Phase.GRAD, site_id, role)
+    p = comp.find(step - 1, -1, Phase.PARAM, site_id, role)
     for phase, what in (("update", "the update applied to it"),
                         ("optim_grad", "the gradient the optimizer consumed")):
         j = comp.find(step - 1, -1, PHASE_IDS[phase], site_id, role)

@@ -24,7 +24,7 @@ import numpy as np
 from numaudit.auditor.compare.digests.integer_ratio import INTEGER_RTOL, MAX_NAMED, snap  # noqa: F401
 from numaudit.auditor.compare.digests.metrics import EPS64, MACHINE_EPS
 from numaudit.auditor.compare.measure import findings as F
-from numaudit.auditor.compare.read.align import PHASE_IDS
+from numaudit.wire.vocabulary import Phase
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison
@@ -79,7 +79,7 @@ def run_counts(comp: Comparison, phase: int) -> list[Count]:
     if phase in memo:
         return memo[phase]
     out: list[Count] = []
-    is_grad = phase in (PHASE_IDS["grad"], PHASE_IDS["optim_grad"], PHASE_IDS["update"])
+    is_grad = phase in (Phase.GRAD, Phase.OPTIM_GRAD, Phase.UPDATE)
     for side in ("cand", "ref"):
         cols = comp.cand if side == "cand" else comp.ref
         name = cols.name
@@ -205,11 +205,11 @@ def factor_evidence(comp: Comparison, keys: np.ndarray) -> None:
 def phase_meaning(comp: Comparison, i: int) -> str:
     """What a uniform factor between the runs means at key i's phase."""
     phase = int(comp.when[i] & 0xF)
-    if phase == PHASE_IDS["update"]:
+    if phase == Phase.UPDATE:
         site_id = int(comp.where[i] >> 32)
         role = int((comp.where[i] >> 28) & 0xF)
         step = int(comp.when[i] >> 24)
-        j = comp.find(step, -1, PHASE_IDS["optim_grad"], site_id, role)
+        j = comp.find(step, -1, Phase.OPTIM_GRAD, site_id, role)
         if j >= 0 and comp.verdict[j] != F.IGNORED and not comp.breach[j]:
             return (f"its optim_grad matched ({F.VERDICT_NAMES[int(comp.verdict[j])]}), so the "
                     "optimizer applied the same gradient with another step size: a learning "
@@ -219,11 +219,11 @@ def phase_meaning(comp: Comparison, i: int) -> str:
             return "the gradient the optimizer consumed (optim_grad) already differs"
         return ("a learning rate or optimizer hyper-parameter ratio, or a gradient scaled "
                 "before the optimizer (optim_grad not captured to tell)")
-    if phase in (PHASE_IDS["grad"], PHASE_IDS["optim_grad"]):
+    if phase in (Phase.GRAD, Phase.OPTIM_GRAD):
         return ("a uniform factor on the gradients: their reduction over ranks (a sum for a "
                 "mean), accumulation, a pipeline's scale_grads, gradient clipping or loss "
                 "scaling")
-    if phase in (PHASE_IDS["loss"], PHASE_IDS["bwd"]):
+    if phase in (Phase.LOSS, Phase.BWD):
         return "a uniform factor no declared loss normalization explains"
     return "a uniform factor"
 
@@ -243,10 +243,10 @@ def annotate(comp: Comparison) -> None:
         f = float(comp.scaled_by[i])
         phase = int(comp.when[i] & 0xF)
         named = name_factor(f, run_counts(comp, phase))
-        if phase == PHASE_IDS["update"] and "no count of the runs' work" in named:
+        if phase == Phase.UPDATE and "no count of the runs' work" in named:
             named = ""  # an update's factor no count explains is said by its phase's meaning
         resid = comp.scaled_resid[i] if comp.scaled_resid is not None else np.nan
-        scaled_ref = comp.bwd_factor != 1.0 and phase == PHASE_IDS["bwd"]
+        scaled_ref = comp.bwd_factor != 1.0 and phase == Phase.BWD
         beyond = " beyond the factor the runs' loss normalizations imply" if scaled_ref else ""
         if i in exact:
             how = "exactly (every element, from both runs' bytes)"

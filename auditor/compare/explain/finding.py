@@ -14,7 +14,7 @@ from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure import parents, tied
 from numaudit.auditor.compare.measure.comparison import METRIC_NAMES, Comparison
 from numaudit.auditor.compare.merge import tiling as M
-from numaudit.auditor.compare.read.align import PHASE_IDS
+from numaudit.wire.vocabulary import Phase
 
 
 def finding(comp: Comparison, i: int, *, with_cause: bool = True) -> F.Finding:
@@ -88,7 +88,7 @@ def _metrics(comp: Comparison, i: int, ri: int, ci: int) -> dict:
         out["scaled_by"] = _jf(comp.scaled_by[i])
     if i in comp.noise:
         out["noise"] = comp.noise[i]
-    if comp.bwd_factor != 1.0 and (int(comp.when[i]) & 0xF) == PHASE_IDS["bwd"] \
+    if comp.bwd_factor != 1.0 and (int(comp.when[i]) & 0xF) == Phase.BWD \
             and not math.isnan(comp.rel_l2[i]):
         out["ref_scaled_by"] = comp.bwd_factor
     return out
@@ -116,7 +116,7 @@ def _detail(comp: Comparison, i: int, v: int, ri: int, ci: int) -> str:
             return unrun
         text = tied.missing_detail(comp, i, side) or (
             f"not in {run}'s state (not saved, or left out when it was saved or loaded)"
-            if int(comp.when[i] & 0xF) == PHASE_IDS["state"] else f"not captured in {run}")
+            if int(comp.when[i] & 0xF) == Phase.STATE else f"not captured in {run}")
         return text + (" (expected by policy)" if comp.expected[i] else "")
     if v == F.NONFINITE:
         d = comp.nonfinite_detail(i)

@@ -45,7 +45,8 @@ from numaudit.auditor.compare.measure import per_sample
 from numaudit.auditor.compare.measure.payloads import logical_values
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.merge.ranks import box_text, fixed_dims, key_boxes
-from numaudit.auditor.compare.read.align import PHASE_IDS, phase_name, role_name
+from numaudit.auditor.compare.read.align import phase_name, role_name
+from numaudit.wire.vocabulary import Phase
 
 LOCALIZE_PER_GROUP = 50
 """Breaching findings localized per (phase, stage) group, in execution order (the text report
@@ -106,7 +107,7 @@ def localize(comp, i: int) -> dict | None:
             return _cannot("one run holds flat pieces (ranges of the tensor's flattening), the "
                            "other boxes of its shape that are not such ranges")
         rb, cb = r_ranges, c_ranges
-    scale = comp.bwd_factor if (int(comp.when[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
+    scale = comp.bwd_factor if (int(comp.when[i]) & 0xF) == Phase.BWD else 1.0
     check = _check(comp, i)
     # samples in other orders (auditor.compare.merge.regroup): only the logical values, the
     # reference's in the candidate's order, compare box by box

@@ -12,8 +12,8 @@ from numaudit.auditor.compare.explain.evidence_gaps import gap_remedy, uncompare
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.merge.ranks import key_boxes
-from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.auditor.compare.read.segments import unique
+from numaudit.wire.vocabulary import Phase
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison
@@ -23,10 +23,10 @@ def optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
     """optim_grad against the gradient after backward; update against what the optimizer got."""
     site_id = int(comp.where[i] >> 32)
     role = int((comp.where[i] >> 28) & 0xF)
-    if phase == PHASE_IDS["optim_grad"]:
-        before, name = PHASE_IDS["grad"], "grad"
+    if phase == Phase.OPTIM_GRAD:
+        before, name = Phase.GRAD, "grad"
     else:
-        before, name = PHASE_IDS["optim_grad"], "optim_grad"
+        before, name = Phase.OPTIM_GRAD, "optim_grad"
     j = comp.find(step, -1, before, site_id, role)
     gap = uncompared(comp, j)
     if gap:
@@ -36,7 +36,7 @@ def optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
     if comp.breach[j]:
         return F.Cause("inherited", f"its {name} already differs ({F.VERDICT_NAMES[v]})",
                        comp.key(j))
-    if phase == PHASE_IDS["update"]:
+    if phase == Phase.UPDATE:
         return F.Cause("introduced", f"its optim_grad matched ({F.VERDICT_NAMES[v]}) but the "
                                      "update applied differs: learning rate, optimizer state or "
                                      "the update rule", comp.key(j))
@@ -61,7 +61,7 @@ def _consumed_scaling(comp: Comparison, step: int) -> str:
     memo = comp.memo.setdefault("consumed_scaling", {})
     if step in memo:
         return memo[step]
-    keys = comp.step_keys(step, (PHASE_IDS["optim_grad"],))
+    keys = comp.step_keys(step, (Phase.OPTIM_GRAD,))
     # None or all-zero gradients are identical under any factor: they say nothing about it
     ri = comp.ref_index[keys]
     rk = comp.ref_keys

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,28 @@ import numpy as np
 from numaudit.auditor.compare.read.align import Key
 from numaudit.auditor.compare.read.ranges import format_ranges
 
-IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, \
-    INCOMPLETE, REPLICA_DIVERGENCE, CONFLICT, IGNORED = range(11)
-VERDICT_NAMES = ("identical", "close", "diverged", "missing_in_ref", "missing_in_cand",
-                 "grad_none", "nonfinite", "incomplete", "replica_divergence", "conflict",
-                 "ignored")
+
+class Verdict(IntEnum):
+    """What a comparison says of one key (docs/report-schema.md, ``verdict``); the codes of
+    `Comparison.verdict`, in this order."""
+
+    IDENTICAL = 0
+    CLOSE = 1
+    DIVERGED = 2
+    MISSING_IN_REF = 3
+    MISSING_IN_CAND = 4
+    GRAD_NONE = 5
+    NONFINITE = 6
+    INCOMPLETE = 7
+    REPLICA_DIVERGENCE = 8
+    CONFLICT = 9
+    IGNORED = 10
+
+
+IDENTICAL, CLOSE, DIVERGED, MISSING_IN_REF, MISSING_IN_CAND, GRAD_NONE, NONFINITE, INCOMPLETE, \
+    REPLICA_DIVERGENCE, CONFLICT, IGNORED = tuple(Verdict)
+"""The verdicts by bare name, as the comparison's modules spell them (``F.DIVERGED``)."""
+VERDICT_NAMES = tuple(v.name.lower() for v in Verdict)
 VERDICTS = VERDICT_NAMES[:IGNORED]
 """Verdicts a finding can have (ignored keys produce no finding, only a count)."""
 PASSING = frozenset({IDENTICAL, CLOSE, IGNORED})

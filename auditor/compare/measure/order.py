@@ -18,11 +18,11 @@ from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.comparison import Comparison
 from numaudit.auditor.compare.read.align import (
     AFTER_BACKWARD_PHASES,
-    PHASE_IDS,
     exec_order,
     fill_positions,
 )
 from numaudit.auditor.compare.read.columns import unpack_when
+from numaudit.wire.vocabulary import Phase
 
 APPROXIMATED = "execution order is approximated by storage order"
 """How the warning about runs without capture numbers starts (`auditor watch` shows it too)."""
@@ -70,7 +70,7 @@ def order_keys(comp: Comparison) -> None:
     # predecessor: previous non-ignored key in order within the same step block
     seq = order[comp.verdict[order] != F.IGNORED]
     blk_mb = mb[seq].copy()
-    blk_mb[phase[seq] == PHASE_IDS["param"]] = -(1 << 40)
+    blk_mb[phase[seq] == Phase.PARAM] = -(1 << 40)
     blk_mb[np.isin(phase[seq], AFTER_BACKWARD_PHASES)] = 1 << 40
     same = np.zeros(len(seq), bool)
     if len(seq) > 1:

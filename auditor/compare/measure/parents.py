@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numaudit.auditor.compare.measure import findings as F
-from numaudit.auditor.compare.read.align import PHASE_IDS
+from numaudit.wire.vocabulary import Phase
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison
     from numaudit.auditor.compare.merge.keys import LogicalKeys
     from numaudit.auditor.compare.read.columns import Catalog
 
-ACTIVATION_PHASES = (PHASE_IDS["fwd"], PHASE_IDS["bwd"])
+ACTIVATION_PHASES = (Phase.FWD, Phase.BWD)
 MEMO = "unrun_parents"
 """`Comparison.memo` entry: {key index: the side whose stages never ran the module}."""
 

@@ -21,10 +21,10 @@ from numaudit.auditor.compare.measure.comparison import M_L2, METRIC_CODES, Comp
 from numaudit.auditor.compare.measure.findings import format_float
 from numaudit.auditor.compare.measure.payloads import payload_for, payload_keys
 from numaudit.auditor.compare.policy.load import METRICS, PAYLOAD_METRICS
-from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.auditor.compare.read.columns import Catalog
 from numaudit.auditor.compare.read.segments import ranges_index, segment_reduce, unique
 from numaudit.auditor.store import Reader
+from numaudit.wire.vocabulary import Phase
 
 SLOW_CHUNK = 8192
 """Keys whose moments and sketches are read and compared per round (bounds memory: 2 x 8192 x k
@@ -104,7 +104,7 @@ def scale_bwd(comp: Comparison, keys: np.ndarray, R: dict) -> np.ndarray:
     fs = np.ones(len(keys))
     if f == 1.0:
         return fs
-    bwd = (comp.when[keys] & 0xF) == PHASE_IDS["bwd"]
+    bwd = (comp.when[keys] & 0xF) == Phase.BWD
     if not bwd.any():
         return fs
     fs[bwd] = f

@@ -28,10 +28,11 @@ from numaudit.auditor.compare.measure.slow import (
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.merge.keys import LogicalKeys, build_keys, merged_as_sum
 from numaudit.auditor.compare.policy.load import Check, Policy
-from numaudit.auditor.compare.read.align import PHASE_IDS, PHASE_NAMES, ROLE_NAMES
+from numaudit.auditor.compare.read.align import PHASE_NAMES, ROLE_NAMES
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns, shape_flags
 from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.auditor.store import Reader
+from numaudit.wire.vocabulary import Phase
 
 _ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
 _NONFINITE = {"match": 0, "forbid": 1, "allow": 2}
@@ -76,9 +77,9 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     rk = build_keys(ref, catalog)
     ck = build_keys(cand, catalog)
     if loss_sum == "ref":
-        rk = merged_as_sum(rk, PHASE_IDS["loss"])
+        rk = merged_as_sum(rk, Phase.LOSS)
     elif loss_sum == "cand":
-        ck = merged_as_sum(ck, PHASE_IDS["loss"])
+        ck = merged_as_sum(ck, Phase.LOSS)
     t1 = time.perf_counter()
     A, B, ri, ci = align_keys(rk, ck)
     K = len(A)
@@ -180,7 +181,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         # activation gradients must equal the reference's times the factor: equal bits are a
         # difference (unless both are all zero)
         z_r, z_c = side(rk.all_zero, ck.all_zero, 0)
-        same &= (PHASE_IDS["bwd"] != (A & 0xF)) | ((z_r == 1) & (z_c == 1))
+        same &= (Phase.BWD != (A & 0xF)) | ((z_r == 1) & (z_c == 1))
     out_metric[assign(same, F.IDENTICAL)] = METRIC_CODES["exact"]
     hm_r, hm_c = side(rk.has_moments, ck.has_moments, False)
     exact_metric = metric == METRIC_CODES["exact"]
@@ -189,7 +190,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
         upcast_equal(fp_r, fp_c, dt_r, dt_c, catalog.dtypes) if catalog.fingerprints_v3
         else False)
     if bwd_factor != 1.0:
-        upcast &= PHASE_IDS["bwd"] != (A & 0xF)
+        upcast &= Phase.BWD != (A & 0xF)
     same_values = assign(upcast & ~exact_metric, F.CLOSE)
     out_metric[same_values], value[same_values] = metric[same_values], 0.0
     for i in np.flatnonzero(upcast):
@@ -202,7 +203,7 @@ def evaluate(ref: RunColumns, cand: RunColumns, catalog: Catalog, policy: Policy
     if bwd_factor != 1.0:
         # activation gradients must be the reference's times the factor: unequal fingerprints
         # say nothing, the slow path judges them against the scaled reference
-        exact_metric &= PHASE_IDS["bwd"] != (A & 0xF)
+        exact_metric &= Phase.BWD != (A & 0xF)
     m = assign((exact_metric | ~hm_r | ~hm_c) & ex_r & ex_c, F.DIVERGED)
     out_metric[m] = METRIC_CODES["exact"]
     for i in np.flatnonzero(m & ~exact_metric):

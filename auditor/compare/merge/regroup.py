@@ -48,9 +48,9 @@ from numaudit.auditor.compare.merge.samples import (
 )
 from numaudit.auditor.compare.merge.tiling import REDUCE_NONE
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns, unpack_when
-from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.vocabulary import Phase
 
-BATCH_PHASES = (pb.PHASE_INPUT, pb.PHASE_FWD, pb.PHASE_BWD)
+BATCH_PHASES = (Phase.INPUT, Phase.FWD, Phase.BWD)
 """Per-microbatch phases whose tensors hold the microbatch's samples along a batch dim."""
 
 
@@ -160,13 +160,13 @@ def _alike(rc, cc, at_r, at_c, ph_r, ph_c, codes) -> bool:
 def _probe(rc, cc, at_r, at_c, ph_r, ph_c) -> tuple[np.ndarray, np.ndarray]:
     """The rows of the keys `align_samples` reads (the input, the first activations) in both
     runs: enough to tell whether samples were dealt, without looking at every key."""
-    fwd = at_r[ph_r[at_r] == pb.PHASE_FWD]
+    fwd = at_r[ph_r[at_r] == Phase.FWD]
     first = fwd[np.argsort(rc.rid[fwd], kind="stable")]
     _, at = np.unique(rc.where[first], return_index=True)
     keys = set(rc.where[first[np.sort(at)[:4]]].tolist())
 
     def rows(cols, at, ph):
-        return at[(ph[at] == pb.PHASE_INPUT) | ((ph[at] == pb.PHASE_FWD)
+        return at[(ph[at] == Phase.INPUT) | ((ph[at] == Phase.FWD)
                                                 & np.isin(cols.where[at], list(keys)))]
     return rows(rc, at_r, ph_r), rows(cc, at_c, ph_c)
 
@@ -437,7 +437,7 @@ def _regroup_losses(cols, at, mb, ph, catalog, step: int, rows: dict[int, int],
     microbatch."""
     src_starts = sample_starts(rows)
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for r in at[ph[at] == pb.PHASE_LOSS]:
+    for r in at[ph[at] == Phase.LOSS]:
         piece = catalog.pieces[cols.layout[r]]
         m = int(mb[r])
         if piece.reduce == REDUCE_NONE or piece.is_none or m not in rows:
@@ -462,7 +462,7 @@ def _regroup_losses(cols, at, mb, ph, catalog, step: int, rows: dict[int, int],
             new["layout"][r] = catalog.derived_piece(
                 replace(catalog.pieces[code], reduce_index=i, reduce_count=len(addends),
                         reduce_weight=float(share)), int(code), placed=True)
-            new["when"][r] = (step << 24) | ((t + 1) << 4) | pb.PHASE_LOSS
+            new["when"][r] = (step << 24) | ((t + 1) << 4) | Phase.LOSS
 
 
 def _grouping(plan: StepPlan, ref: str, cand: str) -> str:

@@ -33,9 +33,9 @@ from numaudit.auditor.compare.digests.algebra import shift_fingerprint
 from numaudit.auditor.compare.merge.regroup import regroup
 from numaudit.auditor.compare.merge.samples import share_dim
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns, translation, unpack_when
-from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.vocabulary import Phase
 
-SPREAD_PHASES = (pb.PHASE_FWD, pb.PHASE_INPUT)
+SPREAD_PHASES = (Phase.FWD, Phase.INPUT)
 """Per-microbatch phases whose keys that hold no batch are the same in every microbatch."""
 
 
@@ -78,7 +78,7 @@ def collapse_copies(cols: RunColumns, other: RunColumns, catalog: Catalog) -> Ru
     if not len(candidates):
         return cols
     phases = unpack_when(cols.when[candidates])[2]
-    candidates = candidates[np.isin(phases, (pb.PHASE_FWD, pb.PHASE_INPUT, pb.PHASE_BWD))]
+    candidates = candidates[np.isin(phases, (Phase.FWD, Phase.INPUT, Phase.BWD))]
     shapes = _step_shapes(other, catalog)
     layout, fp = cols.layout.copy(), cols.fp.copy()
     changed = False

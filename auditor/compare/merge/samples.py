@@ -22,7 +22,7 @@ from numaudit.auditor.compare.digests.metrics import (
     decode_payload,
 )
 from numaudit.auditor.compare.read.sample_digests import fetch
-from numaudit.protos import numaudit_pb2 as pb
+from numaudit.wire.vocabulary import Phase
 
 ALIGN_MAX_ROWS = 4096
 """Rows matched one by one to align samples (the nearest-row search is quadratic)."""
@@ -163,10 +163,10 @@ def align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, r
     from the rows of the input, else the earliest activations; perm None (and why) when the rows
     do not pair up, the identity when no key has payloads in both runs."""
     n = sum(rows_r.values())
-    keys = sorted(dim_of, key=lambda k: (k[0] != pb.PHASE_INPUT, k[0] != pb.PHASE_FWD))
+    keys = sorted(dim_of, key=lambda k: (k[0] != Phase.INPUT, k[0] != Phase.FWD))
     # input first, then activations in ref's capture order (dim_of's insertion order)
-    order = [k for k in keys if k[0] == pb.PHASE_INPUT] + \
-        [k for k in dim_of if k[0] == pb.PHASE_FWD]
+    order = [k for k in keys if k[0] == Phase.INPUT] + \
+        [k for k in dim_of if k[0] == Phase.FWD]
     for key in order[:4]:
         d = dim_of[key]
         ref = step_rows(rc, at_r, mb_r, ph_r, catalog, key, d, rows_r)
@@ -182,7 +182,7 @@ def align_samples(rc, cc, at_r, at_c, mb_r, mb_c, ph_r, ph_c, catalog, dim_of, r
             ref, cand = _folded(ref, k), _folded(cand, k)
         perm = match_rows(ref, cand, skip=0 if how == "rows" else 1)
         site = catalog.site_names.get(key[1] >> 32, f"site {key[1] >> 32}")
-        phase = "input" if key[0] == pb.PHASE_INPUT else "fwd"
+        phase = "input" if key[0] == Phase.INPUT else "fwd"
         if perm is None:
             return None, (f"the runs group their samples differently, and the {how} of "
                           f"{phase} {site} do not pair up one to one between them: their "

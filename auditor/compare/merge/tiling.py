@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 
 import numpy as np
 
@@ -45,9 +46,25 @@ from numaudit.auditor.compare.read.ranges import format_ranges
 MAX_GAP_CELLS = 1 << 20
 """Grid cells examined to locate a coverage gap; beyond this only the count is reported."""
 
-OK, NONE, INCOMPLETE, REPLICA_DIVERGENCE = 0, 1, 2, 3
-STATUS_NAMES = {OK: "ok", NONE: "none", INCOMPLETE: "incomplete",
-                REPLICA_DIVERGENCE: "replica_divergence"}
+
+
+class Status(IntEnum):
+    """What merging one key's pieces gave (`TilingPlan.status`, `LogicalKeys.status`)."""
+
+    OK = 0
+    """A logical tensor: its pieces tile it, replicas agree."""
+    NONE = 1
+    """The tensor was None on every rank (a gradient that never came)."""
+    INCOMPLETE = 2
+    """The pieces do not make the tensor: a gap, an overlap, shapes or dtypes that disagree."""
+    REPLICA_DIVERGENCE = 3
+    """Pieces that should be copies of one another differ."""
+
+
+OK, NONE, INCOMPLETE, REPLICA_DIVERGENCE = (Status.OK, Status.NONE, Status.INCOMPLETE,
+                                            Status.REPLICA_DIVERGENCE)
+"""The statuses by bare name, as the merge's callers spell them (``M.OK``)."""
+STATUS_NAMES = {s: s.name.lower() for s in Status}
 
 
 @dataclass(frozen=True)
@@ -70,7 +87,7 @@ class Problem:
 class TilingPlan:
     """How the pieces of every key with one signature merge into a logical digest."""
 
-    status: int
+    status: Status
     """OK, NONE (every piece is None), INCOMPLETE or REPLICA_DIVERGENCE (structural: a None
     piece where replicas hold values); value-level replica checks happen when applied."""
     take: tuple[int, ...] = ()
@@ -437,7 +454,7 @@ def _fmt_value(v: object) -> str:
 class LogicalDigest:
     """A key's logical digest in one run, with how it was rebuilt."""
 
-    status: int
+    status: Status
     digest: DigestValues | None
     plan: TilingPlan
     message: str = ""

@@ -43,7 +43,8 @@ from numaudit.auditor.compare.measure import per_sample
 from numaudit.auditor.compare.measure.payloads import logical_values
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.merge.ranks import key_boxes
-from numaudit.auditor.compare.read.align import PHASE_IDS, phase_name, role_name
+from numaudit.auditor.compare.read.align import phase_name, role_name
+from numaudit.wire.vocabulary import Phase
 
 NAN = math.nan
 
@@ -102,7 +103,7 @@ def measure_keys(comp, keys, policy=None) -> dict[int, list[PieceDistance] | str
 
 
 def _scale(comp, i: int) -> float:
-    return comp.bwd_factor if (int(comp.when[i]) & 0xF) == PHASE_IDS["bwd"] else 1.0
+    return comp.bwd_factor if (int(comp.when[i]) & 0xF) == Phase.BWD else 1.0
 
 
 def _plan(comp, i: int, todo: list, policy):

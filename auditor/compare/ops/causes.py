@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.ops.align import Alignment, op_text, unpaired_kind
-from numaudit.auditor.compare.read.align import PHASE_IDS, ROLE_IDS
 from numaudit.wire.ops import SCALAR_INDEX, is_cast, is_view
+from numaudit.wire.vocabulary import Phase, Role
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.ops.findings import OpFinding
 
-FWD, BWD = PHASE_IDS["fwd"], PHASE_IDS["bwd"]
-IN_ROLE = {FWD: ROLE_IDS["input"], BWD: ROLE_IDS["grad_output"]}
+FWD, BWD = Phase.FWD, Phase.BWD
+IN_ROLE = {FWD: Role.INPUT, BWD: Role.GRAD_OUTPUT}
 """What an operation reads: forward, its inputs; backward, the gradients reaching its outputs."""
-OUT_ROLE = {FWD: ROLE_IDS["output"], BWD: ROLE_IDS["grad_input"]}
+OUT_ROLE = {FWD: Role.OUTPUT, BWD: Role.GRAD_INPUT}
 PASSING = (F.IDENTICAL, F.CLOSE, F.IGNORED)
 
 
@@ -199,7 +199,7 @@ def _forward_differs(comp, index: dict, a: int, sid: int, call: int,
     """For an operation's backward: its forward's first input or output that breaches (what
     the backward saved from it), as text; None when the forward matched."""
     fa = a - BWD + FWD
-    for role in (ROLE_IDS["input"], ROLE_IDS["output"]):
+    for role in (Role.INPUT, Role.OUTPUT):
         for _, x in keys_of(index, fa, sid, role, call):
             if not passes(comp, x, per_rank):
                 return f"{comp.key(x)} {F.VERDICT_NAMES[int(comp.verdict[x])]}"

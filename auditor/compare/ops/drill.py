@@ -18,10 +18,10 @@ from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge.uneven import place_uneven
 from numaudit.auditor.compare.ops.comparison import compare_ops, split_ops
 from numaudit.auditor.compare.ops.findings import OpReport
-from numaudit.auditor.compare.read.align import PHASE_IDS, ROLE_IDS
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns
 from numaudit.wire.ops import is_op_site
 from numaudit.wire.plan import Plan
+from numaudit.wire.vocabulary import Phase, Role
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison
@@ -38,8 +38,8 @@ computation (the backward seed: where backward starts, the loss's gradient)."""
 def module_breaches(comp: Comparison) -> set[tuple[int, str, int]]:
     """(A, module site, call) of every module forward output that breaches."""
     out = set()
-    out_role = ROLE_IDS["output"]
-    fwd = PHASE_IDS["fwd"]
+    out_role = Role.OUTPUT
+    fwd = Phase.FWD
     idx = np.flatnonzero(comp.breach & (fwd == (comp.when & 0xF))
                          & (out_role == ((comp.where >> 28) & 0xF)))
     for i in idx.tolist():

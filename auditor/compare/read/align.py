@@ -27,7 +27,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from numaudit.protos import numaudit_pb2 as pb
 from numaudit.wire.vocabulary import PHASE_IDS, PHASE_NAMES, ROLE_IDS, ROLE_NAMES, Phase, Role
 
 __all__ = [  # the key vocabulary, re-exported for the comparison's modules
@@ -36,12 +35,12 @@ __all__ = [  # the key vocabulary, re-exported for the comparison's modules
 
 # Rank of each phase inside a microbatch (per-microbatch phases) or a step (per-step phases).
 PHASE_RANK: dict[int, int] = {
-    pb.PHASE_PARAM: 0, pb.PHASE_INPUT: 1, pb.PHASE_FWD: 2, pb.PHASE_LOSS: 3, pb.PHASE_BWD: 4,
-    pb.PHASE_GRAD: 5, pb.PHASE_OPTIM_GRAD: 6, pb.PHASE_UPDATE: 7, pb.PHASE_STATE: 8,
+    Phase.PARAM: 0, Phase.INPUT: 1, Phase.FWD: 2, Phase.LOSS: 3, Phase.BWD: 4,
+    Phase.GRAD: 5, Phase.OPTIM_GRAD: 6, Phase.UPDATE: 7, Phase.STATE: 8,
 }
-PER_STEP_PHASES = frozenset({pb.PHASE_PARAM, pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE,
-                             pb.PHASE_STATE})
-AFTER_BACKWARD_PHASES = (pb.PHASE_GRAD, pb.PHASE_OPTIM_GRAD, pb.PHASE_UPDATE, pb.PHASE_STATE)
+PER_STEP_PHASES = frozenset({Phase.PARAM, Phase.GRAD, Phase.OPTIM_GRAD, Phase.UPDATE,
+                             Phase.STATE})
+AFTER_BACKWARD_PHASES = (Phase.GRAD, Phase.OPTIM_GRAD, Phase.UPDATE, Phase.STATE)
 """Per-step phases that come after every microbatch of the step, in this order."""
 
 # Wrapper components dropped wherever they appear (agents/capture/sites.py does the same on
@@ -177,9 +176,9 @@ def exec_order(step: np.ndarray, microbatch: np.ndarray, phase: np.ndarray, stag
 
     phase_rank = _lookup(phase, PHASE_RANK, 9)
     mb = microbatch.astype(np.int64).copy()
-    mb[phase == pb.PHASE_PARAM] = MB_PARAM
+    mb[phase == Phase.PARAM] = MB_PARAM
     mb[np.isin(phase, AFTER_BACKWARD_PHASES)] = MB_GRAD
-    bwd = phase == pb.PHASE_BWD
+    bwd = phase == Phase.BWD
     stage_rank = stage.astype(np.int64).copy()
     stage_rank[bwd] = -stage_rank[bwd]
     if substage is None:
