@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from numaudit.auditor.compare.ops.findings import OpFinding
 
 FWD, BWD = Phase.FWD, Phase.BWD
-IN_ROLE = {FWD: Role.INPUT, BWD: Role.GRAD_OUTPUT}
+IN_ROLE: dict[int, int] = {FWD: Role.INPUT, BWD: Role.GRAD_OUTPUT}
 """What an operation reads: forward, its inputs; backward, the gradients reaching its outputs."""
-OUT_ROLE = {FWD: Role.OUTPUT, BWD: Role.GRAD_INPUT}
+OUT_ROLE: dict[int, int] = {FWD: Role.OUTPUT, BWD: Role.GRAD_INPUT}
 PASSING = (F.IDENTICAL, F.CLOSE, F.IGNORED)
 
 

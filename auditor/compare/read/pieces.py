@@ -21,7 +21,7 @@ class Reduce(IntEnum):
 
 
 REDUCE_NONE, REDUCE_MEAN, REDUCE_SUM = Reduce.NONE, Reduce.MEAN, Reduce.SUM
-REDUCE_NAMES = {Reduce.MEAN: "mean", Reduce.SUM: "sum"}
+REDUCE_NAMES: dict[int, str] = {Reduce.MEAN: "mean", Reduce.SUM: "sum"}
 
 
 @dataclass(frozen=True)
