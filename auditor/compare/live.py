@@ -41,7 +41,7 @@ class LiveEvent:
     first_divergence: bool = False
     status: str = ""
     directive: dict | None = None
-    """With escalation: a directive to send both runs' agents (`live_drill`)."""
+    """With escalation: a directive to send both runs' agents (`ops.escalation`)."""
     drill: dict | None = None
     """With escalation: the op-level comparison of an escalated module's step."""
 
@@ -167,7 +167,7 @@ class LiveComparison:
 
     def _drilled(self, past: float, finished: bool) -> list[LiveEvent]:
         """The escalated modules' op-level comparisons whose step both runs are past, and the
-        directives asked again for those a run passed without captures (`live_drill`)."""
+        directives asked again for those a run passed without captures (`ops.escalation`)."""
         assert self.drill is not None  # called only when there is a drill (`poll`)
         if not self.drill.ready(past, finished):
             return []

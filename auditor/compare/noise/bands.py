@@ -145,7 +145,7 @@ class BandBuilder:
         self.first_order: dict[tuple[int, str, int], int] = {}
 
     def add(self, comp, measured: dict[int, list[PieceDistance] | str]) -> None:
-        """The distances of one pair's comparison (``measured``: `noise_pieces.measure_keys` of
+        """The distances of one pair's comparison (``measured``: `pieces.measure_keys` of
         its keys that are not identical)."""
         self.pairs += 1
         first = self.pairs == 1

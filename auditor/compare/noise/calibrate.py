@@ -4,7 +4,7 @@ Every pair of the given runs (the reference and its reruns, one configuration) i
 `compare_runs` compares two runs (pieces re-placed where the ranks' rows are uneven, microbatches
 regrouped), under a measuring policy (relative L2 for every floating key, the user's renames and
 payload budget), so that every key that is not bitwise equal gets its distances whatever the
-user's preset; the keys' pieces are then measured one by one (`noise_pieces`) and the pairs
+user's preset; the keys' pieces are then measured one by one (`noise.pieces`) and the pairs
 combined into `Bands` (docs/noise.md). n runs make n (n - 1) / 2 pairs: 3 for a reference and 2
 reruns.
 """

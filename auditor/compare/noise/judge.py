@@ -3,7 +3,7 @@
 With noise bands (`auditor.compare.noise.bands`: distances among reruns of the reference, per key
 and per piece), every key of the comparison that is neither identical nor a structural finding
 (missing, None, non-finite, incomplete, replicas, conflict, shape) is measured piece by piece on
-the reference's boxes (`noise_pieces`) and judged box by box against that box's own band:
+the reference's boxes (`noise.pieces`) and judged box by box against that box's own band:
 
 - a box whose reruns were bitwise equal allows the rounding floor of its dtype
   (`rounding_floor`) and nothing more, whatever the preset allows;

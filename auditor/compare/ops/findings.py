@@ -30,7 +30,7 @@ class OpFinding:
     finding: dict | None = None
     """The first differing output's finding (as the report's findings), when one differs."""
     structure: list[str] = field(default_factory=list)
-    """How the runs' operation sequences differ (op_align.describe)."""
+    """How the runs' operation sequences differ (`auditor.compare.ops.align.describe`)."""
     compared: int = 0
     """Operations both runs ran, compared."""
 
