@@ -12,7 +12,21 @@ from enum import IntEnum
 from numaudit.protos import numaudit_pb2 as pb
 
 
-class Phase(IntEnum):
+class _Named(IntEnum):
+    """A wire number with the lowercase name users type and reports print."""
+
+    @property
+    def label(self) -> str:
+        """``fwd``, ``optim_grad``, ``grad_output``."""
+        return self.name.lower()
+
+    @classmethod
+    def of(cls, label: str):
+        """The member a label names; KeyError for an unknown one."""
+        return cls[label.upper()]
+
+
+class Phase(_Named):
     """When in a step a tensor was captured (a record's ``phase``)."""
 
     FWD = pb.PHASE_FWD
@@ -25,18 +39,8 @@ class Phase(IntEnum):
     UPDATE = pb.PHASE_UPDATE
     STATE = pb.PHASE_STATE
 
-    @property
-    def label(self) -> str:
-        """The name users type and reports print: ``fwd``, ``optim_grad``."""
-        return self.name.lower()
 
-    @classmethod
-    def of(cls, label: str) -> Phase:
-        """The phase a label names; KeyError for an unknown one."""
-        return cls[label.upper()]
-
-
-class Role(IntEnum):
+class Role(_Named):
     """What a captured tensor is to its site (a record's ``role``)."""
 
     OUTPUT = pb.ROLE_OUTPUT
@@ -44,14 +48,6 @@ class Role(IntEnum):
     GRAD_OUTPUT = pb.ROLE_GRAD_OUTPUT
     GRAD_INPUT = pb.ROLE_GRAD_INPUT
     VALUE = pb.ROLE_VALUE
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-    @classmethod
-    def of(cls, label: str) -> Role:
-        return cls[label.upper()]
 
 
 PHASE_IDS: dict[str, int] = {p.label: int(p) for p in Phase}
