@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from numaudit.auditor.compare.digests.metrics import json_float
 from numaudit.auditor.compare.read.align import Key
 from numaudit.auditor.compare.read.ranges import format_ranges
 
@@ -154,9 +155,9 @@ class Finding:
             "shape": self.shape,
             "numel": self.numel,
             "metric": self.metric,
-            "value": _jf(self.value),
-            "sigma": _jf(self.sigma),
-            "threshold": _jf(self.threshold),
+            "value": json_float(self.value),
+            "sigma": json_float(self.sigma),
+            "threshold": json_float(self.threshold),
             "uncertain": self.uncertain,
             "metrics": self.metrics,
             "rule": self.rule,
@@ -190,16 +191,6 @@ def headline(f: dict) -> str:
     if f.get("detail"):
         text += f" — {f['detail']}"
     return text
-
-
-def _jf(v: float | None) -> float | str | None:
-    if v is None:
-        return None
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return float(v)
 
 
 def _lower_bound_only(f: dict, metrics: dict) -> bool:
