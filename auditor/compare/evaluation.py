@@ -33,9 +33,9 @@ from numaudit.auditor.compare.explain import factors
 from numaudit.auditor.compare.measure.comparison import Comparison
 from numaudit.auditor.compare.measure.verdicts import evaluate
 from numaudit.auditor.compare.policy.load import Policy
-from numaudit.auditor.compare.read.align import Phase
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns
 from numaudit.auditor.store import Reader
+from numaudit.wire.vocabulary import Phase
 
 
 def evaluate_runs(rc: RunColumns, cc: RunColumns, catalog: Catalog, policy: Policy,

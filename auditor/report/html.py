@@ -18,11 +18,12 @@ import math
 from collections.abc import Iterable, Iterator
 
 from numaudit.auditor.compare.measure import findings as F
-from numaudit.auditor.compare.read.align import ROLE_NAMES, phase_name
+from numaudit.auditor.compare.read.align import phase_name
 from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.auditor.compare.result import Report
 from numaudit.auditor.report.html_assets import CSS, JS, SVG_DEFS
 from numaudit.auditor.report.text import noise_line, run_text, summary_line
+from numaudit.wire.vocabulary import ROLE_NAMES
 
 MAX_ROWS = 64
 """Heatmap rows per phase; more modules are bucketed into this many rows."""

@@ -12,9 +12,10 @@ import numpy as np
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.comparison import METRIC_NAMES
 from numaudit.auditor.compare.merge import tiling as M
-from numaudit.auditor.compare.read.align import ROLE_NAMES, phase_name
+from numaudit.auditor.compare.read.align import phase_name
 from numaudit.auditor.compare.read.columns import shape_flags
 from numaudit.auditor.compare.result import Report
+from numaudit.wire.vocabulary import ROLE_NAMES
 
 
 class _IdenticalWriter:

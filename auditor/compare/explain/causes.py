@@ -18,10 +18,9 @@ from numaudit.auditor.compare.explain.state_cause import state_cause
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.tied import tied_note
 from numaudit.auditor.compare.merge import tiling as M
-from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.auditor.compare.read.segments import unique
 from numaudit.wire.labels import BATCH_STATS_LABEL, DROPOUT_LABEL, UNPASSED_MESH_LABEL
-from numaudit.wire.vocabulary import Phase
+from numaudit.wire.vocabulary import PHASE_IDS, Phase
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison

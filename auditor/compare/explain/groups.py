@@ -33,8 +33,9 @@ import numpy as np
 from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.explain.site_sets import compact_sites
 from numaudit.auditor.compare.measure import findings as F
-from numaudit.auditor.compare.read.align import PHASE_IDS, phase_name, role_name
+from numaudit.auditor.compare.read.align import phase_name, role_name
 from numaudit.auditor.compare.read.ranges import format_ranges
+from numaudit.wire.vocabulary import PHASE_IDS
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison

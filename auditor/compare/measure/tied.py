@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from numaudit.auditor.compare.read.align import PHASE_IDS
 from numaudit.wire.labels import TIED_LABEL
+from numaudit.wire.vocabulary import PHASE_IDS
 
 if TYPE_CHECKING:
     from numaudit.auditor.compare.measure.comparison import Comparison

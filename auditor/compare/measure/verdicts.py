@@ -28,11 +28,10 @@ from numaudit.auditor.compare.measure.slow import (
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.merge.keys import LogicalKeys, build_keys, merged_as_sum
 from numaudit.auditor.compare.policy.load import Check, Policy
-from numaudit.auditor.compare.read.align import PHASE_NAMES, ROLE_NAMES
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns, shape_flags
 from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.auditor.store import Reader
-from numaudit.wire.vocabulary import Phase
+from numaudit.wire.vocabulary import PHASE_NAMES, ROLE_NAMES, Phase
 
 _ACTIONS = {"compare": 0, "ignore": 1, "expect_missing": 2}
 _NONFINITE = {"match": 0, "forbid": 1, "allow": 2}

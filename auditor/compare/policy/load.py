@@ -42,7 +42,8 @@ from numaudit.auditor.compare.policy.model import (  # noqa: F401  (the policy A
     looser,
     tolerance,
 )
-from numaudit.auditor.compare.read.align import PHASE_IDS, ROLE_IDS, RenameRule, glob_to_regex
+from numaudit.auditor.compare.read.align import RenameRule, glob_to_regex
+from numaudit.wire.vocabulary import PHASE_IDS, ROLE_IDS
 
 MAX_POLICY_CHARS = 256 << 10
 """Policy text longer than this is refused before it is parsed (a Compare request carries it)."""

@@ -27,11 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from numaudit.wire.vocabulary import PHASE_IDS, PHASE_NAMES, ROLE_IDS, ROLE_NAMES, Phase, Role
-
-__all__ = [  # the key vocabulary, re-exported for the comparison's modules
-    "PHASE_IDS", "PHASE_NAMES", "ROLE_IDS", "ROLE_NAMES", "Phase", "Role"]
-
+from numaudit.wire.vocabulary import PHASE_NAMES, ROLE_NAMES, Phase
 
 # Rank of each phase inside a microbatch (per-microbatch phases) or a step (per-step phases).
 PHASE_RANK: dict[int, int] = {

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numaudit.auditor.compare.read.align import PHASE_IDS, PHASE_NAMES
 from numaudit.auditor.compare.read.columns import RunColumns, unpack_when
+from numaudit.wire.vocabulary import PHASE_IDS, PHASE_NAMES
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from numaudit.auditor.compare.read.align import (
-    PHASE_IDS,
     RenameRule,
     canonical_sites,
     exec_order,
@@ -13,6 +12,7 @@ from numaudit.auditor.compare.read.align import (
     glob_to_regex,
     normalize_site,
 )
+from numaudit.wire.vocabulary import PHASE_IDS
 
 
 def test_normalize_site_strips_wrappers_like_the_agent():
