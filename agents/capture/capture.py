@@ -27,7 +27,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from numaudit.agents.capture import fsdp1, fused_plans, module_hooks, piece_layouts
-from numaudit.agents.capture.fused_plans import PHASE_IDS, ROLE_IDS, dtype_name
+from numaudit.agents.capture.fused_plans import (
+    FusedPlan,
+    PlanKey,
+    SplitPlan,
+    SplitPlanKey,
+    dtype_name,
+)
 from numaudit.agents.capture.hooks import add_grad_hook, grad_role, not_traced
 from numaudit.agents.capture.module_hooks import NOT_CAPTURED_SHAPE_INFERENCE
 from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS
@@ -40,6 +46,7 @@ from numaudit.agents.digest.digest import has_moments
 from numaudit.agents.digest.fastpath import Digester
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.layout import PieceLayout, complex_real_layout, ragged_layout, reduction_layout
+from numaudit.wire.vocabulary import PHASE_IDS, ROLE_IDS
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +95,12 @@ class Capturer:
         self._layouts: dict[tuple, PieceLayout] = {}
         """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
         capture of a site and shape (invalidated when hook_modules learns column shards)."""
-        self._plans: dict[tuple, tuple | None] = {}
-        """(phase, site, role, shape, strides, dtype) -> what every capture of such a plain CPU
-        tensor shares (layout, dtype name, descriptor base and tail, payload size, ...), or None
-        when it takes the general path: see :meth:`_capture_fast`. A DTensor's local shard is
-        keyed by its DTensor layout too."""
+        self._plans: dict[PlanKey, FusedPlan | None] = {}
+        """What every capture of such a plain CPU tensor (or DTensor's local shard) shares, or
+        None when it takes the general path: see :meth:`_capture_fast`."""
+        self._split_plans: dict[SplitPlanKey, SplitPlan | None] = {}
+        """What the row segments of such a tensor share, or None when they take the general
+        path: see :meth:`_split_fast`."""
         self._ragged_layouts: dict[tuple, PieceLayout] = {}
         """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
         self._dtensor_layouts: dict[tuple, tuple] = {}
@@ -180,6 +188,7 @@ class Capturer:
             self.config = dataclasses.replace(self.config, payload=globs)
             self._payload_sites.clear()
             self._plans.clear()
+            self._split_plans.clear()
         return old
 
     def start_step(self, step: int) -> None:

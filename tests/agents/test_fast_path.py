@@ -256,7 +256,7 @@ def test_expert_segments_take_the_fast_path_and_record_what_the_general_path_doe
     assert fast.keys() == ref.keys()
     # per step: 3 microbatches x 4 segments x (output, its gradient, strided, ids, big)
     assert len(fast) == 2 * 3 * 4 * 5
-    assert [p for key, p in cap._plans.items() if key[0] == "split" and p is not None]
+    assert [p for p in cap._split_plans.values() if p is not None]
     for key, (layout, dtype, payload, i64, f64) in fast.items():
         r_layout, r_dtype, r_payload, r_i64, r_f64 = ref[key]
         assert (layout, dtype) == (r_layout, r_dtype), key
@@ -314,6 +314,7 @@ def test_captures_under_other_indices_share_one_plan_but_where_a_module_says_its
     cap.hook_modules(torch.nn.ModuleDict({"lstm": lstm}))
     with torch.no_grad():
         lstm(torch.randn(2, 2, 8))  # seq-first: output (2, 2, 8), h_n and c_n (2, 2, 8)
-    layouts = {key[3]: plan[0] for key, plan in cap._plans.items() if key[1] == "lstm"}
+    layouts = {key[3]: plan.layout for key, plan in cap._plans.items()
+               if key[1] == "lstm" and plan is not None}
     assert layouts[1].logical_shape == (2, 4, 8)  # the batch on dim 1: seq-first, and h_n/c_n
     assert len(layouts) == 1 and len(cap._plans) == 2
