@@ -35,9 +35,9 @@ from numaudit.agents.capture.fused_plans import (
     dtype_name,
 )
 from numaudit.agents.capture.hooks import add_grad_hook, grad_role, not_traced
-from numaudit.agents.capture.module_hooks import NOT_CAPTURED_SHAPE_INFERENCE
-from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS
-from numaudit.agents.capture.sharding import avg_ranks, is_dtensor, local_shard
+from numaudit.agents.capture.module_hooks import NOT_CAPTURED_SHAPE_INFERENCE, LastOutput
+from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS, MeshLayout
+from numaudit.agents.capture.sharding import OutputBlock, avg_ranks, is_dtensor, local_shard
 from numaudit.agents.capture.sites import matches, normalize_site
 from numaudit.agents.config import AgentConfig, step_selected
 from numaudit.agents.digest.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
@@ -103,15 +103,14 @@ class Capturer:
         path: see :meth:`_split_fast`."""
         self._ragged_layouts: dict[tuple, PieceLayout] = {}
         """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
-        self._dtensor_layouts: dict[tuple, tuple] = {}
-        """(id(mesh), placements, global shape, phase) -> (weak reference to the mesh, layout
-        of this rank's shard): worked out once (torch's local shape and offset computation
-        cost ~50 us a capture). The reference tells a reused id apart without keeping the
-        mesh, and with it its process groups, alive until the interpreter's teardown."""
+        self._dtensor_layouts: dict[tuple, MeshLayout] = {}
+        """(id(mesh), placements, global shape, phase) -> the layout of this rank's shard and
+        its mesh: worked out once (torch's local shape and offset computation cost ~50 us a
+        capture)."""
         self._batch_dims: dict[tuple[str, int], int] = {}
         """(site, output index) -> the dim a torch module's output holds the batch on, where
         it is not `config.batch_dim` (`output_batch_dims`)."""
-        self._flat_views: dict[int, tuple] = {}
+        self._flat_views: dict[int, tuple[weakref.ref, dict[int, list[fsdp1.FlatView]]]] = {}
         """id(model) -> (weak reference to it, its FSDP1 views): `flat_views`."""
         self._logged: set[str] = set()
         self._handles: list = []
@@ -125,17 +124,16 @@ class Capturer:
         size 1 on the batch dim, computed from an input holding the microbatch's `_rows`):
         replicas, their gradients addends of a sum over dp. Kept for the run: the same output
         in a microbatch of one sample per rank is the replica it was."""
-        self._output_shards: dict[str, tuple[int, int, int]] = {}
-        """Module site -> (dim, shards, coordinate) of a tensor-parallel output that each rank
-        holds a block of as a plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
+        self._output_shards: dict[str, OutputBlock] = {}
+        """Module site -> the block this rank holds of its tensor-parallel output, held as a
+        plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
         self._declared: set[str] = set()
         """Sites whose output layout a tensor-parallel style states: not inferred from their
         inputs."""
         self._follow = ident.ranks_per_dp_rank > 1
         """Ranks besides the dp ranks exist (tp, cp, ep): plain outputs may be shards."""
-        self._last_output: tuple | None = None
-        """(site, shape, block or None) of the last hooked output: a module's hook runs after
-        its submodules', so when that is a submodule's, it ran in this call of the module."""
+        self._last_output: LastOutput | None = None
+        """The last hooked output, when it is a tensor-parallel block (:meth:`_follow_shards`)."""
         self._digester = Digester(config.digest)
         self._batches = Batcher(self._digester, config, sink, counters, self._failed,
                                 batch_dims=self._batch_dims)

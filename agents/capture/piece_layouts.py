@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,17 @@ PER_STEP_PHASES = ("grad", "param", "optim_grad", "update", "state")
 """Phases captured once per step, of parameters and state_dict entries: full tensors (replicas
 over dp) unless DTensors."""
 MAX_CACHED_LAYOUTS = 8192
+
+
+class MeshLayout(NamedTuple):
+    """A DTensor shard's layout as ``cap._dtensor_layouts`` caches it (`dtensor_piece_layout`),
+    with the mesh it was worked out for."""
+
+    mesh: weakref.ref
+    """A weak reference to the DeviceMesh: tells a reused ``id(mesh)`` apart without keeping
+    the mesh, and with it its process groups, alive until the interpreter's teardown."""
+    layout: PieceLayout
+    """This rank's shard's layout, placed in the job's world (`in_world`)."""
 
 
 def per_sample(cap, t: torch.Tensor | None) -> bool:
@@ -170,13 +182,13 @@ def dtensor_piece_layout(cap, t, phase: str) -> PieceLayout:
     mesh = t.device_mesh
     key = (id(mesh), tuple(t.placements), t.shape, phase)
     hit = cap._dtensor_layouts.get(key)
-    if hit is None or hit[0]() is not mesh:
+    if hit is None or hit.mesh() is not mesh:
         # raises for placements it cannot place: not cached
         layout = cap._in_world(dtensor_layout(t), mesh, phase)
         if len(cap._dtensor_layouts) >= MAX_CACHED_LAYOUTS:
             cap._dtensor_layouts.clear()
-        hit = cap._dtensor_layouts[key] = (weakref.ref(mesh), layout)
-    return hit[1]
+        hit = cap._dtensor_layouts[key] = MeshLayout(weakref.ref(mesh), layout)
+    return hit.layout
 
 
 def in_world(cap, layout: PieceLayout, mesh, phase: str) -> PieceLayout:

@@ -78,6 +78,14 @@ class Capture:
     """Execution order (`Record.capture_order`): numbered when the capture is made."""
 
 
+FusedItem = tuple[Capture, bytes, torch.Tensor]
+"""A piece queued for the fused kernel (`Batcher.fused`): its Capture, its descriptor
+(agents/kernels/cpu.py ``descriptor``: built from the capturer's cached plan,
+agents/capture/fused_plans.py) and the tensor, held until the kernel has read it. A plain tuple,
+not a NamedTuple: one is made per capture on the fast path, where a NamedTuple's constructor
+would be a Python call."""
+
+
 @dataclass
 class HostBatch:
     """Captures whose digests were stacked and sent to the host in one transfer."""
@@ -157,11 +165,9 @@ class Batcher:
         self._failed = failed
         self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int | None]] = []
         """Pieces for Digester.digest (the general path)."""
-        self.fused: list[tuple[Capture, bytes, torch.Tensor]] = []
-        """Pieces for the fused kernel, queued by the capturer as ``(capture, descriptor,
-        tensor)`` (the tensor is held until the kernel has read it): the descriptor built from
-        its cached plan (agents/capture/capture.py ``_capture_fast``,
-        fastpath.Digester.fused_plan)."""
+        self.fused: list[FusedItem] = []
+        """Pieces for the fused kernel, queued by the capturer (agents/capture/fused_plans.py
+        ``capture_fast``, ``split_fast``)."""
         self._kernel = digester.kernel()
         self._captures: list[Capture] = []
         """Captures of the host batch being filled (their rows in `_rows`; None captures)."""
