@@ -27,16 +27,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from numaudit.agents.capture import fsdp1, fused_plans, module_hooks, piece_layouts
-from numaudit.agents.capture.fused_plans import (
-    FusedPlan,
-    PlanKey,
-    SplitPlan,
-    SplitPlanKey,
-    dtype_name,
-)
+from numaudit.agents.capture.fused_plans import PlanCache, dtype_name
 from numaudit.agents.capture.hooks import add_grad_hook, grad_role, not_traced
 from numaudit.agents.capture.module_hooks import NOT_CAPTURED_SHAPE_INFERENCE, LastOutput
-from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS, MeshLayout
+from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS, LayoutCache
 from numaudit.agents.capture.sharding import OutputBlock, avg_ranks, is_dtensor, local_shard
 from numaudit.agents.capture.sites import matches, normalize_site
 from numaudit.agents.config import AgentConfig, step_selected
@@ -92,21 +86,11 @@ class Capturer:
         """Microbatch of the last forward chunk whose loss has not been captured yet."""
         self._payload_sites: dict[tuple[str, str, str], bool] = {}
         """(phase, site, role) -> whether the `payload` globs ask for its bytes."""
-        self._layouts: dict[tuple, PieceLayout] = {}
-        """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
-        capture of a site and shape (invalidated when hook_modules learns column shards)."""
-        self._plans: dict[PlanKey, FusedPlan | None] = {}
-        """What every capture of such a plain CPU tensor (or DTensor's local shard) shares, or
-        None when it takes the general path: see :meth:`_capture_fast`."""
-        self._split_plans: dict[SplitPlanKey, SplitPlan | None] = {}
-        """What the row segments of such a tensor share, or None when they take the general
-        path: see :meth:`_split_fast`."""
-        self._ragged_layouts: dict[tuple, PieceLayout] = {}
-        """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
-        self._dtensor_layouts: dict[tuple, MeshLayout] = {}
-        """(id(mesh), placements, global shape, phase) -> the layout of this rank's shard and
-        its mesh: worked out once (torch's local shape and offset computation cost ~50 us a
-        capture)."""
+        self._layouts = LayoutCache()
+        """Pieces' layouts, worked out once per site and shape (agents/capture/piece_layouts.py)."""
+        self._plans = PlanCache()
+        """The fast path's plans, worked out once per site, shape, strides and dtype
+        (agents/capture/fused_plans.py)."""
         self._batch_dims: dict[tuple[str, int], int] = {}
         """(site, output index) -> the dim a torch module's output holds the batch on, where
         it is not `config.batch_dim` (`output_batch_dims`)."""
@@ -186,7 +170,6 @@ class Capturer:
             self.config = dataclasses.replace(self.config, payload=globs)
             self._payload_sites.clear()
             self._plans.clear()
-            self._split_plans.clear()
         return old
 
     def start_step(self, step: int) -> None:

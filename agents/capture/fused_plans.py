@@ -3,9 +3,9 @@
 Functions of the `Capturer` (agents/capture/capture.py binds them as its methods, `cap` being
 the capturer). Everything but a plain CPU tensor's data pointer is the same for every capture
 of a site, role, shape, strides and dtype (its layout, dtype name, descriptor base and tail,
-payload size), so it is worked out once (`new_plan`: a `FusedPlan`, kept in ``cap._plans``;
-`new_split_plan`: a `SplitPlan` for row segments, kept in ``cap._split_plans``); a capture then
-is a dict lookup, one struct pack and the Capture (`capture_fast`; `split_fast` for row
+payload size), so it is worked out once (`new_plan`: a `FusedPlan`; `new_split_plan`: a
+`SplitPlan` for row segments) and kept in the capturer's `PlanCache` (``cap._plans``); a capture
+then is a dict lookup, one struct pack and the Capture (`capture_fast`; `split_fast` for row
 segments, `capture_split`). Also the dtype names a Capture carries (`dtype_name`).
 
 The plans are NamedTuples: a capture unpacks one as fast as a plain tuple, and each field says
@@ -102,6 +102,28 @@ SplitPlanKey = tuple[str, str, str, torch.Size, tuple[int, ...], torch.dtype]
 """What a `SplitPlan` is cached under: ``(phase, site, role, inner shape (dims 1..), strides,
 dtype)``."""
 
+class PlanCache:
+    """The capturer's cached plans (``Capturer._plans``), one dict per kind, each bounded by
+    MAX_CACHED_LAYOUTS. A plan is worked out from its site's layout and the payload globs: the
+    capturer clears the cache when either changes (`Capturer.set_payload_globs`; a site's
+    outputs found batchless or its tensor-parallel block changed, agents/capture/module_hooks.py).
+    """
+
+    __slots__ = ("fused", "split")
+
+    def __init__(self) -> None:
+        self.fused: dict[PlanKey, FusedPlan | None] = {}
+        """A tensor's `FusedPlan`, or None when such tensors take the general path
+        (`capture_fast`)."""
+        self.split: dict[SplitPlanKey, SplitPlan | None] = {}
+        """A tensor's `SplitPlan` for its row segments, or None when they take the general
+        path (`split_fast`)."""
+
+    def clear(self) -> None:
+        self.fused.clear()
+        self.split.clear()
+
+
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
@@ -144,12 +166,13 @@ def split_fast(cap, t: torch.Tensor, counts: list[int], layouts: list[PieceLayou
     if type(t) is not torch.Tensor or not t.is_cpu or not t.dim() or sum(counts) != len(t):
         return False
     key: SplitPlanKey = (phase, site, role, t.shape[1:], t.stride(), t.dtype)
-    plan: SplitPlan | Literal[False] | None = cap._split_plans.get(key, False)
+    plans = cap._plans.split
+    plan: SplitPlan | Literal[False] | None = plans.get(key, False)
     if plan is False:
         plan = new_split_plan(cap, t, phase, site, role)
-        if len(cap._split_plans) >= MAX_CACHED_LAYOUTS:
-            cap._split_plans.clear()
-        cap._split_plans[key] = plan
+        if len(plans) >= MAX_CACHED_LAYOUTS:
+            plans.clear()
+        plans[key] = plan
     if plan is None:
         return False
     dtype, moments, code, ndim, row_bytes, row_gstride, row_step, stride0, tail, \
@@ -231,13 +254,14 @@ def capture_fast(cap, t: torch.Tensor, phase: str, site: str, role: str, index: 
         key: PlanKey = ((phase, site, role, dim, t.shape, t.stride(), t.dtype)
                         if dt_layout is None else
                         (phase, site, role, dim, t.shape, t.stride(), t.dtype, id(dt_layout)))
-        plan: FusedPlan | Literal[False] | None = cap._plans.get(key, False)
+        plans = cap._plans.fused
+        plan: FusedPlan | Literal[False] | None = plans.get(key, False)
         if plan is False or (dt_layout is not None and plan is not None
                              and plan.layout is not dt_layout):
             plan = new_plan(cap, t, phase, site, role, dt_layout, index)
-            if len(cap._plans) >= MAX_CACHED_LAYOUTS:
-                cap._plans.clear()
-            cap._plans[key] = plan
+            if len(plans) >= MAX_CACHED_LAYOUTS:
+                plans.clear()
+            plans[key] = plan
         if plan is None:
             return False
         layout, dtype, moments, code, ndim, base, tail, payload_n, phase_id, role_id = plan

@@ -113,7 +113,7 @@ def note_batchless(cap, site: str, inputs: tuple, tensors: list) -> None:
         if not holds_batch(shape, d, cap._rows, [tuple(x.shape) for x in inputs
                                                  if isinstance(x, torch.Tensor)]):
             cap._batchless.add((site, shape))
-            cap._layouts.clear()  # its plans and layouts were a share's
+            cap._layouts.plain.clear()  # its plans and layouts were a share's
             cap._plans.clear()
 
 
@@ -198,7 +198,7 @@ def set_shards(cap, site: str, shards: OutputBlock | None) -> None:
         del cap._output_shards[site]
     else:
         cap._output_shards[site] = shards
-    cap._layouts.clear()  # cached layouts and plans of this site are stale
+    cap._layouts.plain.clear()  # cached layouts and plans of this site are stale
     cap._plans.clear()
 
 
