@@ -12,7 +12,8 @@ failures are counted, logged once per kind with the rank, and the capture is dro
 The `Capturer` owns the per-rank capture state and the captures' entry points; its module and
 gradient hooks (module_hooks.py), the layouts of its pieces (piece_layouts.py) and its fast path
 through cached fused-kernel plans (fused_plans.py) are functions of the capturer, bound in its
-class body as its methods.
+class body as its methods. The caches of those two are their modules' own types, held here:
+`LayoutCache` (``_layouts``) and `PlanCache` (``_plans``).
 """
 
 from __future__ import annotations
