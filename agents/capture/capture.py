@@ -69,9 +69,13 @@ class Capturer:
         self.stage = -1
         self._calls: Counter[tuple[int, str]] = Counter()
         self._bwd_seen: set[tuple] = set()
-        self._no_grad_calls: dict[tuple, deque] = {}
-        """(step, microbatch, site) → calls of forwards run without grad (reentrant checkpoint)."""
-        self._ambiguous: set[tuple] = set()
+        """Keys of the gradients captured in this step (a gradient hook's: step, microbatch,
+        site, index, call, role; other backward hooks' their own): one capture per key."""
+        self._no_grad_calls: dict[tuple[int, int, str], deque[tuple[int, int]]] = {}
+        """(step, microbatch, site) -> (call, stage) of its forwards run without grad (a
+        reentrant checkpoint's, replayed in backward: `replayed`)."""
+        self._ambiguous: set[tuple[int, int, str]] = set()
+        """(step, microbatch, site) whose no-grad forwards replay in an order not known."""
         self.in_chunk = 0
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
         self.outside_chunk = False

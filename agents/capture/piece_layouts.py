@@ -51,14 +51,14 @@ class LayoutCache:
     __slots__ = ("plain", "ragged", "dtensor")
 
     def __init__(self) -> None:
-        self.plain: dict[tuple, PieceLayout] = {}
+        self.plain: dict[tuple[str, str, tuple[int, ...], bool | None, int], PieceLayout] = {}
         """(phase, site, shape, replicate, batch dim) -> a plain tensor's layout (`plain_layout`):
         cleared, with the plans worked out from them, when a site's outputs turn out not to hold
         the batch or its tensor-parallel block changes (agents/capture/module_hooks.py)."""
-        self.ragged: dict[tuple, PieceLayout] = {}
+        self.ragged: dict[tuple[int, tuple[int, ...], int, int, int, int, int], PieceLayout] = {}
         """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout
         (`segment_layouts`)."""
-        self.dtensor: dict[tuple, MeshLayout] = {}
+        self.dtensor: dict[tuple[int, tuple, torch.Size, str], MeshLayout] = {}
         """(id(mesh), placements, global shape, phase) -> this rank's shard's layout and its
         mesh (`dtensor_piece_layout`): worked out once, as torch's local shape and offset
         computation cost ~50 us a capture."""
