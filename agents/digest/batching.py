@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -101,6 +102,17 @@ class HostBatch:
             self.ready.synchronize()
 
 
+class CountsSnapshot(NamedTuple):
+    """The agent's counts at one moment (`Counters.snapshot`), read together under the lock."""
+
+    captured: int
+    """Captures made (records digested or recorded as None)."""
+    errors: int
+    """Failures counted instead of raised into training."""
+    dropped: dict[str, int]
+    """Records dropped, by reason."""
+
+
 class Counters:
     """Thread-safe counts the agent reports at close."""
 
@@ -136,9 +148,9 @@ class Counters:
         with self._lock:
             return dict(self.not_captured)
 
-    def snapshot(self) -> tuple[int, int, dict[str, int]]:
+    def snapshot(self) -> CountsSnapshot:
         with self._lock:
-            return self.captured, self.errors, dict(self.dropped)
+            return CountsSnapshot(self.captured, self.errors, dict(self.dropped))
 
 
 class Batcher:
