@@ -7,7 +7,17 @@
             loss = loss_fn(model(x)); loss.backward()
     agent.close()
 
-Imports are lazy so that `python -m numaudit.agents.sidecar` does not load torch.
+What a training script uses is exported here (docs/agent.md): `attach` (also `numaudit.attach`,
+the user's door), the `Agent` it returns, its `AgentConfig`, and `Backlog`, what
+`Agent.backlog()` returns. Pipeline schedules (`numaudit.agents.pipeline`) and ragged rows
+(`numaudit.agents.ragged`) are their own modules. Imports are lazy so that
+`python -m numaudit.agents.sidecar` does not load torch.
+
+Owns the subpackages `capture` (hooks and what they capture, on the training thread), `digest`
+(on-device digests gathered into host row batches), `delivery` (records streamed to the
+auditor), `kernels` (the digest's fused implementations), and beside them the entry points
+(`agent`, `config`), the rank's identity and pieces' layouts, the pipeline and ragged helpers,
+the bounded unpickler, shutdown and the node sidecar.
 """
 
 from __future__ import annotations
@@ -15,14 +25,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from numaudit.agents.agent import Agent, attach
+    from numaudit.agents.agent import Agent, Backlog, attach
     from numaudit.agents.config import AgentConfig
 
-__all__ = ["Agent", "AgentConfig", "attach"]
+__all__ = ["Agent", "AgentConfig", "Backlog", "attach"]
 
 
 def __getattr__(name: str):
-    if name in ("Agent", "attach"):
+    if name in ("Agent", "Backlog", "attach"):
         from numaudit.agents import agent as module
 
         return getattr(module, name)
@@ -30,4 +40,4 @@ def __getattr__(name: str):
         from numaudit.agents.config import AgentConfig
 
         return AgentConfig
-    raise AttributeError(f"module 'agents' has no attribute {name!r}")
+    raise AttributeError(f"module 'numaudit.agents' has no attribute {name!r}")

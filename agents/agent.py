@@ -22,6 +22,7 @@ from numaudit.agents.capture.normalization import (
     note_tied_parameters,
     note_unpassed_mesh,
 )
+from numaudit.agents.capture.optimizer import OptimizerWatch
 from numaudit.agents.config import AgentConfig, apply_env, check
 from numaudit.agents.identity import RankIdentity, job_identity, rank_identity
 
@@ -127,7 +128,8 @@ class Agent:
             self.capturer._failed("watch", exc)
             return 0
 
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer, *, updates: bool = True):
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer, *,
+                        updates: bool = True) -> OptimizerWatch | None:
         """Capture gradients as `optimizer.step()` consumes them (phase optim_grad: after
         clipping, unscaling, any gradient transformation) and, with `updates`, the change it
         applies to each parameter (phase update). Returns the hooks' handle (`.remove()`),
@@ -135,9 +137,7 @@ class Agent:
         if not self.active:
             return None
         try:
-            from numaudit.agents.capture.optimizer import OptimizerWatch
-
-            return OptimizerWatch(self, optimizer, updates=updates)
+            return OptimizerWatch(self.capturer, self._models, optimizer, updates=updates)
         except Exception as exc:
             self.capturer._failed("watch_optimizer", exc)
             return None

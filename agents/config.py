@@ -2,7 +2,8 @@
 
 Precedence, lowest first: the dataclass defaults < arguments to `agents.attach` < environment.
 The environment wins so that an operator can redirect or switch off auditing of a job without
-touching its code. Every variable is named once here; docs/agent.md lists them.
+touching its code; a drill-down plan file sits between the arguments and the environment
+(`apply_plan`). Every variable is named once here; docs/agent.md lists them.
 """
 
 from __future__ import annotations
@@ -283,12 +284,32 @@ def apply_env(config: AgentConfig, env: Mapping[str, str] | None = None) -> Agen
     if env.get(ENV_PLAN):
         changes["plan"] = env[ENV_PLAN]
     out = dataclasses.replace(config, **changes)
-    if out.plan:
-        # between the arguments and the variables
-        from numaudit.agents.capture.plan import apply_plan
-
+    if out.plan:  # between the arguments and the variables
         out = apply_plan(out, out.plan, explicit=set(changes))
     return out
+
+
+def apply_plan(config: AgentConfig, path: str, *, explicit: set[str]) -> AgentConfig:
+    """`config` with the drill-down plan at `path` applied (`NUMAUDIT_PLAN`, `attach(plan=)`);
+    `explicit`: fields the environment set (they win). ValueError naming the file and field for
+    a plan that cannot be read.
+
+    The plan's settings sit between the arguments and the environment: its `ops` and `steps`
+    replace the arguments' unless a NUMAUDIT_* variable sets them, and its `payload` globs are
+    added to whatever payload globs are set (raw bytes of the drilled module's outputs come on
+    top of what the run already sends). The format is `wire.plan`'s, the one the auditor
+    writes.
+    """
+    from numaudit.wire.plan import read_plan
+
+    plan = read_plan(path)
+    changes: dict = {}
+    if "ops" not in explicit:
+        changes["ops"] = plan.ops
+    if "steps" not in explicit:
+        changes["steps"] = frozenset(plan.steps) if plan.steps else None
+    changes["payload"] = tuple(dict.fromkeys((*config.payload, *plan.payload)))
+    return dataclasses.replace(config, **changes)
 
 
 def check(config: AgentConfig) -> None:

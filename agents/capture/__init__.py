@@ -7,8 +7,8 @@ where each captured piece sits in `piece_layouts`, its cached fused-kernel fast 
 their bytes (`sharding`), the names of sites whatever wraps a module (`sites`), FSDP1's flat
 parameters seen as the originals (`fsdp1`), operations inside named modules (`ops`), the
 optimizer's phases optim_grad and update (`optimizer`), state dicts as the auditor keys them
-(`state`), the run's declared loss normalization (`normalization`) and the drill-down plan
-applied to the configuration (`plan`).
+(`state`) and the run's declared loss normalization (`normalization`). (The drill-down plan
+applied to the configuration is the configuration's: `agents.config.apply_plan`.)
 
 Hand-offs: it receives the model, the `AgentConfig` and the `RankIdentity` from `agents.agent`;
 each captured tensor, with its place in the logical tensor (`agents.layout.PieceLayout`), goes

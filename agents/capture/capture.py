@@ -12,7 +12,8 @@ failures are counted, logged once per kind with the rank, and the capture is dro
 The `Capturer` owns the per-rank capture state and the captures' entry points; its module and
 gradient hooks (module_hooks.py), the layouts of its pieces (piece_layouts.py) and its fast path
 through cached fused-kernel plans (fused_plans.py) are functions of the capturer, bound in its
-class body as its methods.
+class body as its methods. The caches of those two are their modules' own types, held here:
+`LayoutCache` (``_layouts``) and `PlanCache` (``_plans``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from collections.abc import Callable, Iterator
 import torch
 
 from numaudit.agents.capture import fsdp1, fused_plans, module_hooks, piece_layouts
-from numaudit.agents.capture.fused_plans import PHASE_IDS, ROLE_IDS, dtype_name
+from numaudit.agents.capture.fused_plans import PlanCache, dtype_name
 from numaudit.agents.capture.hooks import add_grad_hook, grad_role, not_traced
-from numaudit.agents.capture.module_hooks import NOT_CAPTURED_SHAPE_INFERENCE
-from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS
-from numaudit.agents.capture.sharding import avg_ranks, is_dtensor, local_shard
+from numaudit.agents.capture.module_hooks import NOT_CAPTURED_SHAPE_INFERENCE, LastOutput
+from numaudit.agents.capture.piece_layouts import MAX_CACHED_LAYOUTS, LayoutCache
+from numaudit.agents.capture.sharding import OutputBlock, avg_ranks, is_dtensor, local_shard
 from numaudit.agents.capture.sites import matches, normalize_site
 from numaudit.agents.config import AgentConfig, step_selected
 from numaudit.agents.digest.batching import Batcher, Capture, Counters, HostBatch  # noqa: F401 (re-exported)
@@ -40,6 +41,7 @@ from numaudit.agents.digest.digest import has_moments
 from numaudit.agents.digest.fastpath import Digester
 from numaudit.agents.identity import RankIdentity
 from numaudit.agents.layout import PieceLayout, complex_real_layout, ragged_layout, reduction_layout
+from numaudit.wire.vocabulary import PHASE_IDS, ROLE_IDS
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +69,13 @@ class Capturer:
         self.stage = -1
         self._calls: Counter[tuple[int, str]] = Counter()
         self._bwd_seen: set[tuple] = set()
-        self._no_grad_calls: dict[tuple, deque] = {}
-        """(step, microbatch, site) → calls of forwards run without grad (reentrant checkpoint)."""
-        self._ambiguous: set[tuple] = set()
+        """Keys of the gradients captured in this step (a gradient hook's: step, microbatch,
+        site, index, call, role; other backward hooks' their own): one capture per key."""
+        self._no_grad_calls: dict[tuple[int, int, str], deque[tuple[int, int]]] = {}
+        """(step, microbatch, site) -> (call, stage) of its forwards run without grad (a
+        reentrant checkpoint's, replayed in backward: `replayed`)."""
+        self._ambiguous: set[tuple[int, int, str]] = set()
+        """(step, microbatch, site) whose no-grad forwards replay in an order not known."""
         self.in_chunk = 0
         """Depth of pipeline-schedule chunk methods running now (agents/pipeline.py)."""
         self.outside_chunk = False
@@ -85,25 +91,15 @@ class Capturer:
         """Microbatch of the last forward chunk whose loss has not been captured yet."""
         self._payload_sites: dict[tuple[str, str, str], bool] = {}
         """(phase, site, role) -> whether the `payload` globs ask for its bytes."""
-        self._layouts: dict[tuple, PieceLayout] = {}
-        """(phase, site, shape, replicate) -> layout of a plain tensor: the same for every
-        capture of a site and shape (invalidated when hook_modules learns column shards)."""
-        self._plans: dict[tuple, tuple | None] = {}
-        """(phase, site, role, shape, strides, dtype) -> what every capture of such a plain CPU
-        tensor shares (layout, dtype name, descriptor base and tail, payload size, ...), or None
-        when it takes the general path: see :meth:`_capture_fast`. A DTensor's local shard is
-        keyed by its DTensor layout too."""
-        self._ragged_layouts: dict[tuple, PieceLayout] = {}
-        """(rows, inner shape, offset, total, part, parts, span) -> a segment's ragged layout."""
-        self._dtensor_layouts: dict[tuple, tuple] = {}
-        """(id(mesh), placements, global shape, phase) -> (weak reference to the mesh, layout
-        of this rank's shard): worked out once (torch's local shape and offset computation
-        cost ~50 us a capture). The reference tells a reused id apart without keeping the
-        mesh, and with it its process groups, alive until the interpreter's teardown."""
+        self._layouts = LayoutCache()
+        """Pieces' layouts, worked out once per site and shape (agents/capture/piece_layouts.py)."""
+        self._plans = PlanCache()
+        """The fast path's plans, worked out once per site, shape, strides and dtype
+        (agents/capture/fused_plans.py)."""
         self._batch_dims: dict[tuple[str, int], int] = {}
         """(site, output index) -> the dim a torch module's output holds the batch on, where
         it is not `config.batch_dim` (`output_batch_dims`)."""
-        self._flat_views: dict[int, tuple] = {}
+        self._flat_views: dict[int, tuple[weakref.ref, dict[int, list[fsdp1.FlatView]]]] = {}
         """id(model) -> (weak reference to it, its FSDP1 views): `flat_views`."""
         self._logged: set[str] = set()
         self._handles: list = []
@@ -117,17 +113,16 @@ class Capturer:
         size 1 on the batch dim, computed from an input holding the microbatch's `_rows`):
         replicas, their gradients addends of a sum over dp. Kept for the run: the same output
         in a microbatch of one sample per rank is the replica it was."""
-        self._output_shards: dict[str, tuple[int, int, int]] = {}
-        """Module site -> (dim, shards, coordinate) of a tensor-parallel output that each rank
-        holds a block of as a plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
+        self._output_shards: dict[str, OutputBlock] = {}
+        """Module site -> the block this rank holds of its tensor-parallel output, held as a
+        plain tensor (:func:`output_sharding`, :meth:`_follow_shards`)."""
         self._declared: set[str] = set()
         """Sites whose output layout a tensor-parallel style states: not inferred from their
         inputs."""
         self._follow = ident.ranks_per_dp_rank > 1
         """Ranks besides the dp ranks exist (tp, cp, ep): plain outputs may be shards."""
-        self._last_output: tuple | None = None
-        """(site, shape, block or None) of the last hooked output: a module's hook runs after
-        its submodules', so when that is a submodule's, it ran in this call of the module."""
+        self._last_output: LastOutput | None = None
+        """The last hooked output, when it is a tensor-parallel block (:meth:`_follow_shards`)."""
         self._digester = Digester(config.digest)
         self._batches = Batcher(self._digester, config, sink, counters, self._failed,
                                 batch_dims=self._batch_dims)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from numaudit.agents.capture.hooks import add_grad_hook, graph_task_id, not_traced
 from numaudit.agents.capture.sharding import (
+    OutputBlock,
     followed,
     is_dtensor,
     mark_of,
@@ -37,6 +39,20 @@ NOT_CAPTURED_SHAPE_INFERENCE = "pipeline_shape_inference"
 """Captures made while a watched pipeline stage's module ran outside the schedule's chunk
 methods: the schedule inferring shapes on the first step. No microbatch was running, so no key
 is right for them (see :attr:`Capturer.outside_chunk`)."""
+
+
+class LastOutput(NamedTuple):
+    """The last hooked module output when it is a tensor-parallel block
+    (`Capturer._last_output`, set by `follow_shards`; None when the last output is not a
+    block): a module's hook runs after its submodules', so when this is a submodule's, it ran
+    in this call of the module."""
+
+    site: str
+    """The module that output it."""
+    shape: tuple[int, ...]
+    """Its first output tensor's shape."""
+    block: OutputBlock
+    """The tensor-parallel block that output is."""
 
 
 def hook_modules(cap, model: torch.nn.Module, stage: int = -1, *,
@@ -97,7 +113,7 @@ def note_batchless(cap, site: str, inputs: tuple, tensors: list) -> None:
         if not holds_batch(shape, d, cap._rows, [tuple(x.shape) for x in inputs
                                                  if isinstance(x, torch.Tensor)]):
             cap._batchless.add((site, shape))
-            cap._layouts.clear()  # its plans and layouts were a share's
+            cap._layouts.plain.clear()  # its plans and layouts were a share's
             cap._plans.clear()
 
 
@@ -175,14 +191,14 @@ def skip_outside_chunk(cap, output, fwd: bool, bwd: bool) -> None:
         cap.counters.miss(NOT_CAPTURED_SHAPE_INFERENCE, n)
 
 
-def set_shards(cap, site: str, shards: tuple[int, int, int] | None) -> None:
+def set_shards(cap, site: str, shards: OutputBlock | None) -> None:
     if cap._output_shards.get(site) == shards:
         return
     if shards is None:
         del cap._output_shards[site]
     else:
         cap._output_shards[site] = shards
-    cap._layouts.clear()  # cached layouts and plans of this site are stale
+    cap._layouts.plain.clear()  # cached layouts and plans of this site are stale
     cap._plans.clear()
 
 
@@ -210,14 +226,14 @@ def follow_shards(cap, site: str, inputs: tuple, tensors: list) -> None:
                 found = followed(mark, x, tensors)
                 break
         last = cap._last_output
-        if (found is None and last is not None and last[2] is not None and tensors
-                and last[0].startswith(f"{site}." if site else "")
-                and last[1] == tuple(tensors[0].shape) and not is_dtensor(tensors[0])):
+        if (found is None and last is not None and tensors
+                and last.site.startswith(f"{site}." if site else "")
+                and last.shape == tuple(tensors[0].shape) and not is_dtensor(tensors[0])):
             # No marked input (a pipeline stage's first block gets its tokens from the
             # previous stage; PrepareModuleInput hands a module its input gathered), but
             # the submodule that ran last in this call output a block of this output's
             # shape: ``x + cap.w2(...)`` adds that block to x.
-            found = last[2]
+            found = last.block
         if found != shards:
             cap._set_shards(site, found)
             shards = found
@@ -226,7 +242,8 @@ def follow_shards(cap, site: str, inputs: tuple, tensors: list) -> None:
             if not is_dtensor(t):  # redistribute(async_op=True) leaves before to_local()
                 set_mark(t, shards)
     if tensors:
-        cap._last_output = (site, tuple(tensors[0].shape), shards)
+        cap._last_output = (LastOutput(site, tuple(tensors[0].shape), shards)
+                            if shards is not None else None)
 
 
 def replayed(cap, site: str, stage: int, output) -> None:

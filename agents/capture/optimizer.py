@@ -20,26 +20,31 @@ per parameter per phase; capturing updates holds one copy of the parameters on t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
 from numaudit.agents.capture import fsdp1
-from numaudit.agents.capture.capture import STEP_LEVEL
+from numaudit.agents.capture.capture import STEP_LEVEL, Capturer
 from numaudit.agents.capture.sites import normalize_site
 from numaudit.agents.config import step_selected
-
-if TYPE_CHECKING:
-    from numaudit.agents.agent import Agent
 
 log = logging.getLogger(__name__)
 
 
 class OptimizerWatch:
-    """Hooks on one optimizer; `remove()` takes them off. Never raises into training."""
+    """Hooks on one optimizer; `remove()` takes them off. Never raises into training.
 
-    def __init__(self, agent: Agent, optimizer: torch.optim.Optimizer, *, updates: bool) -> None:
-        self.agent = agent
+    Made by `Agent.watch_optimizer` (only where the agent is on) from what the hooks need of
+    the agent: its `capturer` (the current step, its step selection, the captures) and
+    `models`, the agent's watched ``(module, stage)`` list itself, read at every step so that
+    modules watched later are named too.
+    """
+
+    def __init__(self, capturer: Capturer, models: Sequence[tuple[torch.nn.Module, int]],
+                 optimizer: torch.optim.Optimizer, *, updates: bool) -> None:
+        self.capturer = capturer
+        self.models = models
         self.optimizer = optimizer
         self.updates = updates
         self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -54,7 +59,7 @@ class OptimizerWatch:
     def _named(self) -> list[tuple[str, int, torch.Tensor]]:
         """(site, stage, parameter) of every parameter the optimizer holds, in its order."""
         names: dict[int, tuple[str, int]] = {}
-        for module, stage in self.agent._models:
+        for module, stage in self.models:
             for name, p in module.named_parameters():
                 names.setdefault(id(p), (normalize_site(name), stage))
         out = []
@@ -65,13 +70,13 @@ class OptimizerWatch:
         return out
 
     def _pre(self, optimizer, args, kwargs) -> None:
-        capturer = self.agent.capturer
+        capturer = self.capturer
         self._before.clear()
         try:
             if not self._stepping():
                 return
             named = self._named()
-            views = capturer.flat_views(module for module, _ in self.agent._models)
+            views = capturer.flat_views(module for module, _ in self.models)
             # one sweep: every gradient digested in one kernel call
             capturer.capture_values(fsdp1.sweep(named, views, True, capturer._failed),
                                     phase="optim_grad")
@@ -82,12 +87,12 @@ class OptimizerWatch:
             capturer._failed("optimizer step pre-hook", exc)
 
     def _post(self, optimizer, args, kwargs) -> None:
-        capturer = self.agent.capturer
+        capturer = self.capturer
         try:
             if not self._before:
                 return
             names = {id(p): (site, stage) for site, stage, p in self._named()}
-            views = capturer.flat_views(module for module, _ in self.agent._models)
+            views = capturer.flat_views(module for module, _ in self.models)
             for p, before in self._before:
                 site, stage = names[id(p)]
                 update = p.detach() - before
@@ -105,5 +110,6 @@ class OptimizerWatch:
             self._before.clear()
 
     def _stepping(self) -> bool:
-        """Whether this step is captured at all (the agent is on and the step is selected)."""
-        return self.agent.active and step_selected(self.agent.config, self.agent.capturer.step)
+        """Whether this step is captured at all: the step selection (`steps`, `step_every`,
+        `step_first`) takes the capturer's current step."""
+        return step_selected(self.capturer.config, self.capturer.step)

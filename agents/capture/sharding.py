@@ -1,27 +1,43 @@
 """Where a module's output sits across tensor-parallel ranks, and DTensors read as their bytes.
 
 Owns what a tensor-parallel style states about a module's output (`output_sharding`: a block of
-one dim, or a replica), the mark a plain tensor-parallel output carries so that the modules it
-flows into can tell their outputs are blocks too (`SHARD_MARK`, `set_mark`, `mark_of`, `followed`),
-the dim torch's own modules hold the batch on (`output_batch_dims`), and reading a DTensor
-without its dispatch: `is_dtensor`, `local_shard`, `avg_ranks`. Used by the capturer's hooks
-and layouts (agents/capture/module_hooks.py, piece_layouts.py, fused_plans.py, capture.py).
+one dim, an `OutputBlock`, or a replica), the mark a plain tensor-parallel output carries so
+that the modules it flows into can tell their outputs are blocks too (`SHARD_MARK`, `set_mark`,
+`mark_of`, `followed`), the dim torch's own modules hold the batch on (`output_batch_dims`),
+and reading a DTensor without its dispatch: `is_dtensor`, `local_shard`, `avg_ranks`. Used by
+the capturer's hooks and layouts (agents/capture/module_hooks.py, piece_layouts.py,
+fused_plans.py, capture.py).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from numaudit.agents.identity import RankIdentity
 
+
+class OutputBlock(NamedTuple):
+    """This rank's block of a tensor-parallel output held as a plain tensor: dim `dim` cut into
+    `shards` equal blocks, of which this rank holds block `coordinate`
+    (agents.layout.dim_shard_layout places it in the logical tensor)."""
+
+    dim: int
+    """The sharded dim (negative: from the end, as a style's ``Shard(-1)`` says)."""
+    shards: int
+    """How many equal blocks the dim is cut into (the tensor-parallel mesh dim's size)."""
+    coordinate: int
+    """Which block this rank holds (its coordinate on that mesh dim)."""
+
+
 SHARD_MARK = "_numaudit_shard"
-"""Attribute a plain tensor-parallel output carries: its (dim, shards, coordinate), so that the
-modules it flows into can tell their outputs are blocks too (`Capturer._follow_shards`)."""
+"""Attribute a plain tensor-parallel output carries: its `OutputBlock`, so that the modules it
+flows into can tell their outputs are blocks too (`Capturer._follow_shards`)."""
 
 
-def set_mark(t: torch.Tensor, shards: tuple[int, int, int]) -> None:
+def set_mark(t: torch.Tensor, shards: OutputBlock) -> None:
     """Mark `t`, and its base when `t` is a whole view of it: a module's input is often such
     a view of what an earlier module returned (FSDP2's pre-forward hands its module views of
     the arguments, and their base is the tensor the previous module's view was made from)."""
@@ -35,7 +51,7 @@ def set_mark(t: torch.Tensor, shards: tuple[int, int, int]) -> None:
         pass  # modules it flows into are taken as replicas
 
 
-def mark_of(x: torch.Tensor) -> tuple[int, int, int] | None:
+def mark_of(x: torch.Tensor) -> OutputBlock | None:
     """The block `x` is marked as: its own mark, or its base's when it is a whole view of it."""
     mark = getattr(x, SHARD_MARK, None)
     if mark is None and x._is_view():
@@ -45,8 +61,7 @@ def mark_of(x: torch.Tensor) -> tuple[int, int, int] | None:
     return mark
 
 
-def followed(mark: tuple[int, int, int], x: torch.Tensor,
-              tensors: list) -> tuple[int, int, int] | None:
+def followed(mark: OutputBlock, x: torch.Tensor, tensors: list) -> OutputBlock | None:
     """The block of a module's output whose input `x` is the block `mark`: the same when the
     first output keeps x's rank and the sharded dim's size, else None."""
     dim, shards, coordinate = mark
@@ -56,14 +71,14 @@ def followed(mark: tuple[int, int, int], x: torch.Tensor,
     if (out is None or is_dtensor(out) or out.dim() != n or not 0 < d < n
             or out.shape[d] != x.shape[d]):
         return None
-    return d, shards, coordinate
+    return mark if d == dim else OutputBlock(d, shards, coordinate)
 
 
 def output_sharding(module: torch.nn.Module,
-                    ident: RankIdentity) -> tuple[bool, tuple[int, int, int] | None]:
+                    ident: RankIdentity) -> tuple[bool, OutputBlock | None]:
     """(declared, block): whether a tensor-parallel style states `module`'s output layout,
-    and if so the (dim, shards, coordinate) of the plain tensor each rank holds (None: a
-    replica, or a DTensor that carries its own layout).
+    and if so the block of the plain tensor each rank holds (None: a replica, or a DTensor
+    that carries its own layout).
 
     A ColwiseParallel or RowwiseParallel module converts its output to ``output_layouts`` in a
     forward hook (``torch.distributed.tensor.parallel``), and hands each rank its local tensor
@@ -106,9 +121,9 @@ def _style_output(module: torch.nn.Module):
     return None
 
 
-def _mesh_block(placements: tuple, mesh, ident: RankIdentity) -> tuple[int, int, int] | None:
-    """(dim, shards, coordinate) of this rank's local tensor under `placements` on a 1-dim
-    non-dp `mesh` when they shard one dim; None for a replica (or what this cannot place)."""
+def _mesh_block(placements: tuple, mesh, ident: RankIdentity) -> OutputBlock | None:
+    """The block of this rank's local tensor under `placements` on a 1-dim non-dp `mesh` when
+    they shard one dim; None for a replica (or what this cannot place)."""
     from torch.distributed.tensor.placement_types import Shard
 
     if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
@@ -116,7 +131,7 @@ def _mesh_block(placements: tuple, mesh, ident: RankIdentity) -> tuple[int, int,
     coordinate = mesh.get_coordinate()
     if coordinate is None or ident.is_dp_mesh(mesh):
         return None
-    return int(placements[0].dim), int(mesh.size(0)), int(coordinate[0])
+    return OutputBlock(int(placements[0].dim), int(mesh.size(0)), int(coordinate[0]))
 
 
 _DTENSOR: list = []

@@ -467,7 +467,7 @@ class Sender:
             self.spilled += unacked  # already written ahead
             unacked = 0
         self.counters.drop("unacked_at_close", unacked)
-        if (not d.registered and d.fatal is None and self.counters.snapshot()[0]
+        if (not d.registered and d.fatal is None and self.counters.snapshot().captured
                 and time.monotonic() < self._deadline):
             # nothing was ever sent: register anyway so the drop counts reach the auditor
             d.register_only(max(0.05, min(1.0, self._deadline - time.monotonic())))

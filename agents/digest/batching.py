@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -78,6 +79,14 @@ class Capture:
     """Execution order (`Record.capture_order`): numbered when the capture is made."""
 
 
+FusedItem = tuple[Capture, bytes, torch.Tensor]
+"""A piece queued for the fused kernel (`Batcher.fused`): its Capture, its descriptor
+(agents/kernels/cpu.py ``descriptor``: built from the capturer's cached plan,
+agents/capture/fused_plans.py) and the tensor, held until the kernel has read it. A plain tuple,
+not a NamedTuple: one is made per capture on the fast path, where a NamedTuple's constructor
+would be a Python call."""
+
+
 @dataclass
 class HostBatch:
     """Captures whose digests were stacked and sent to the host in one transfer."""
@@ -91,6 +100,17 @@ class HostBatch:
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
+
+
+class CountsSnapshot(NamedTuple):
+    """The agent's counts at one moment (`Counters.snapshot`), read together under the lock."""
+
+    captured: int
+    """Captures made (records digested or recorded as None)."""
+    errors: int
+    """Failures counted instead of raised into training."""
+    dropped: dict[str, int]
+    """Records dropped, by reason."""
 
 
 class Counters:
@@ -128,9 +148,9 @@ class Counters:
         with self._lock:
             return dict(self.not_captured)
 
-    def snapshot(self) -> tuple[int, int, dict[str, int]]:
+    def snapshot(self) -> CountsSnapshot:
         with self._lock:
-            return self.captured, self.errors, dict(self.dropped)
+            return CountsSnapshot(self.captured, self.errors, dict(self.dropped))
 
 
 class Batcher:
@@ -157,11 +177,9 @@ class Batcher:
         self._failed = failed
         self._pending: list[tuple[Capture, torch.Tensor, PieceLayout, int | None]] = []
         """Pieces for Digester.digest (the general path)."""
-        self.fused: list[tuple[Capture, bytes, torch.Tensor]] = []
-        """Pieces for the fused kernel, queued by the capturer as ``(capture, descriptor,
-        tensor)`` (the tensor is held until the kernel has read it): the descriptor built from
-        its cached plan (agents/capture/capture.py ``_capture_fast``,
-        fastpath.Digester.fused_plan)."""
+        self.fused: list[FusedItem] = []
+        """Pieces for the fused kernel, queued by the capturer (agents/capture/fused_plans.py
+        ``capture_fast``, ``split_fast``)."""
         self._kernel = digester.kernel()
         self._captures: list[Capture] = []
         """Captures of the host batch being filled (their rows in `_rows`; None captures)."""

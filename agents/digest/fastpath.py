@@ -14,6 +14,7 @@ piece at a time.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,25 @@ Piece = tuple[torch.Tensor, PieceLayout, int | None]
 where the kernel also copies the piece's bytes. Eager pieces must be detached."""
 
 MAX_CACHED_MAPS = 4096
+
+
+class FusedDescriptor(NamedTuple):
+    """What every fused-kernel descriptor of a piece shares, whatever its data and payload
+    addresses (`Digester.fused_plan`): a caller that caches it per site, shape, strides and
+    dtype builds a capture's descriptor as ``pack_head(t.data_ptr(), code, ndim, base,
+    payload_at) + tail`` (agents/kernels/cpu.py ``descriptor``)."""
+
+    code: int
+    """The kernel's code of the piece's dtype (agents/kernels/cpu.py ``DTYPE_CODES``)."""
+    ndim: int
+    """The piece's number of dims (the tail holds one entry per dim)."""
+    base: int
+    """Flat index, in the logical tensor, of the piece's first element (its offsets times the
+    logical tensor's row-major strides: agents/kernels/cpu.py ``index_map``)."""
+    tail: bytes
+    """The descriptor's part after its head: ``(size, stride, gstride)`` of each dim as int64s
+    (agents/kernels/cpu.py ``descriptor_tail``)."""
+
 
 SampleItem = tuple[torch.Tensor, PieceLayout, int, int]
 """A piece whose samples are digested one by one (agents/digest/sample_digest.py): the local tensor,
@@ -75,12 +95,12 @@ class Digester:
         """The fused kernel digests this piece (and can copy its payload bytes while at it)."""
         return self._cpu is not None and self._cpu.supports(t) and not t.dtype.is_complex
 
-    def fused_plan(self, t: torch.Tensor,
-                   layout: PieceLayout) -> tuple[int, int, int, bytes] | None:
-        """``(dtype code, ndim, base, descriptor tail)`` of a piece the fused kernel takes, else
-        None: what a caller caches per site, shape, strides and dtype so that a capture's
-        descriptor is one ``pack_head(t.data_ptr(), code, ndim, base, payload) + tail``
-        (agents/kernels/cpu.py). ``t`` may be a Parameter (its data is a plain tensor's)."""
+    def fused_plan(self, t: torch.Tensor, layout: PieceLayout) -> FusedDescriptor | None:
+        """What every descriptor of a piece like ``t`` placed by ``layout`` shares, when the
+        fused kernel takes it, else None: what a caller caches per site, shape, strides and
+        dtype so that a capture's descriptor is one ``pack_head(t.data_ptr(), code, ndim,
+        base, payload) + tail`` (agents/kernels/cpu.py). ``t`` may be a Parameter (its data is
+        a plain tensor's)."""
         cpu = self._cpu
         if cpu is None or t.dtype.is_complex:
             return None
@@ -88,7 +108,8 @@ class Digester:
         if not cpu.supports(plain):
             return None
         base, gs = cpu.index_map(tuple(t.shape), layout)
-        return cpu.DTYPE_CODES[t.dtype], t.dim(), base, cpu.descriptor_tail(t, gs)
+        return FusedDescriptor(cpu.DTYPE_CODES[t.dtype], t.dim(), base,
+                               cpu.descriptor_tail(t, gs))
 
     def kernel(self):
         """The fused kernel's batch call (agents/kernels/cpu.py ``kernel``); None without it."""

@@ -418,6 +418,7 @@ def test_a_library_caller_waits_on_the_acks_instead_of_polling(auditor_server):
     try:
         _train(agent, model, steps=2)
         first = agent.backlog()
+        assert isinstance(first, numaudit.agents.Backlog)  # exported for a caller's types
         assert first.captured > 0 and first.dropped == 0
         b = first
         for _ in range(400):  # each wait ends at an ack, or after its 0.05 s at the latest

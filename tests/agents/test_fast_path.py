@@ -54,7 +54,7 @@ def _records(digest: str) -> dict[tuple, tuple]:
         cap.capture_parameters(model, grads=True)
         cap.capture_parameters(model, grads=False)
         model.zero_grad(set_to_none=True)
-    fast_plans = sum(p is not None for p in cap._plans.values())
+    fast_plans = sum(p is not None for p in cap._plans.fused.values())
     assert (fast_plans > 10) if digest == "auto" else fast_plans == 0, fast_plans
     out = {}
     for b in batches:
@@ -190,7 +190,7 @@ def test_dtensor_captures_take_the_fast_path_and_record_what_the_general_path_do
         # captures (the empty shard on ranks 2 and 3) and the parameter's gradient and value
         assert {k[2] for k in fast} == {1, 2, 3, 4}, sorted(fast)
         assert len(fast) == 2 * (1 + 1 + 4 + (rank >= 2) + 1 + 1), sorted(fast)
-        dtensor_plans = [p for key, p in cap._plans.items() if len(key) == 8]  # keyed by the layout too
+        dtensor_plans = [p for key, p in cap._plans.fused.items() if len(key) == 8]  # keyed by the layout too
         assert dtensor_plans and all(p is not None for p in dtensor_plans)
         for key, (layout, dtype, i64, f64) in fast.items():
             r_layout, r_dtype, r_i64, r_f64 = ref[key]
@@ -256,7 +256,7 @@ def test_expert_segments_take_the_fast_path_and_record_what_the_general_path_doe
     assert fast.keys() == ref.keys()
     # per step: 3 microbatches x 4 segments x (output, its gradient, strided, ids, big)
     assert len(fast) == 2 * 3 * 4 * 5
-    assert [p for key, p in cap._plans.items() if key[0] == "split" and p is not None]
+    assert [p for p in cap._plans.split.values() if p is not None]
     for key, (layout, dtype, payload, i64, f64) in fast.items():
         r_layout, r_dtype, r_payload, r_i64, r_f64 = ref[key]
         assert (layout, dtype) == (r_layout, r_dtype), key
@@ -286,7 +286,7 @@ def test_the_dtensor_layout_cache_keeps_no_mesh_alive(fake_rank):
     mesh = DeviceMesh("cpu", torch.arange(4))
     dt = DTensor.from_local(torch.randn(3, 5), mesh, [Shard(0)], run_check=False)
     cap.capture(dt, phase="fwd", site="x")
-    assert cap._dtensor_layouts and cap.counters.captured == 1 and not cap.counters.errors
+    assert cap._layouts.dtensor and cap.counters.captured == 1 and not cap.counters.errors
     gone = weakref.ref(mesh)
     del dt, mesh
     gc.collect()
@@ -309,11 +309,12 @@ def test_captures_under_other_indices_share_one_plan_but_where_a_module_says_its
     t = torch.randn(2, 2, 8)
     for i in range(50):
         cap.capture(t, phase="fwd", site="x", index=i)
-    assert len(cap._plans) == 1
+    assert len(cap._plans.fused) == 1
     lstm = torch.nn.LSTM(8, 8, num_layers=2)
     cap.hook_modules(torch.nn.ModuleDict({"lstm": lstm}))
     with torch.no_grad():
         lstm(torch.randn(2, 2, 8))  # seq-first: output (2, 2, 8), h_n and c_n (2, 2, 8)
-    layouts = {key[3]: plan[0] for key, plan in cap._plans.items() if key[1] == "lstm"}
+    layouts = {key[3]: plan.layout for key, plan in cap._plans.fused.items()
+               if key[1] == "lstm" and plan is not None}
     assert layouts[1].logical_shape == (2, 4, 8)  # the batch on dim 1: seq-first, and h_n/c_n
-    assert len(layouts) == 1 and len(cap._plans) == 2
+    assert len(layouts) == 1 and len(cap._plans.fused) == 2

@@ -147,6 +147,21 @@ def test_every_import_goes_through_the_one_import_root():
     assert bare == []
 
 
+def test_the_users_door_loads_no_torch_and_names_the_agents_api():
+    """`import numaudit` and `numaudit.agents` (the node sidecar's package) load no torch until
+    a name is used, and `numaudit.agents` exports what a training script uses (README,
+    docs/agent.md): resolving them is tests/agents/test_agent.py's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numaudit, numaudit.agents as a; assert 'torch' not in sys.modules; "
+            "print(sorted(a.__all__))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['Agent', 'AgentConfig', 'Backlog', 'attach']"
+
+
 def test_checker_finds_a_cycle_and_a_forbidden_import(tmp_path):
     """The checker itself: a two-module cycle, a lazy import inside a function, and a circle
     through type-only imports are seen."""
