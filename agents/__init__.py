@@ -7,10 +7,11 @@
             loss = loss_fn(model(x)); loss.backward()
     agent.close()
 
-What a training script uses is exported here (docs/agent.md): `attach` (also `numaudit.attach`,
-the user's door), the `Agent` it returns, its `AgentConfig`, and `Backlog`, what
-`Agent.backlog()` returns. Pipeline schedules (`numaudit.agents.pipeline`) and ragged rows
-(`numaudit.agents.ragged`) are their own modules. Imports are lazy so that
+What a training script uses is exported here and from `numaudit` itself (docs/agent.md):
+`attach` (the user's door), the `Agent` it returns, its `AgentConfig`, `Backlog` (what
+`Agent.backlog()` returns), `ragged_rows` and `RaggedRows` (rows of a ragged output, from
+`numaudit.agents.ragged`), and `watch_stages` and `agent_loss` (a pipeline schedule's stages and
+loss, from `numaudit.agents.pipeline`). Imports are lazy so that
 `python -m numaudit.agents.sidecar` does not load torch.
 
 Owns the subpackages `capture` (hooks and what they capture, on the training thread), `digest`
@@ -27,17 +28,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from numaudit.agents.agent import Agent, Backlog, attach
     from numaudit.agents.config import AgentConfig
+    from numaudit.agents.pipeline import agent_loss, watch_stages
+    from numaudit.agents.ragged import RaggedRows, ragged_rows
 
-__all__ = ["Agent", "AgentConfig", "Backlog", "attach"]
+USER_API = {
+    "attach": "agent", "Agent": "agent", "Backlog": "agent", "AgentConfig": "config",
+    "ragged_rows": "ragged", "RaggedRows": "ragged",
+    "watch_stages": "pipeline", "agent_loss": "pipeline",
+}
+"""What a training script uses, and the module under `numaudit.agents` that defines each."""
+
+__all__ = ["Agent", "AgentConfig", "Backlog", "RaggedRows", "agent_loss", "attach", "ragged_rows",
+           "watch_stages"]
 
 
 def __getattr__(name: str):
-    if name in ("Agent", "Backlog", "attach"):
-        from numaudit.agents import agent as module
+    if name in USER_API:
+        import importlib
 
-        return getattr(module, name)
-    if name == "AgentConfig":
-        from numaudit.agents.config import AgentConfig
-
-        return AgentConfig
+        return getattr(importlib.import_module(f"numaudit.agents.{USER_API[name]}"), name)
     raise AttributeError(f"module 'numaudit.agents' has no attribute {name!r}")

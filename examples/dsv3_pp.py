@@ -60,7 +60,6 @@ from examples.dsv3.data import batches, local_batch
 from examples.dsv3.model import ModelArgs, Transformer, loss_fn, prune_to_stage
 from examples.dsv3_spmd import full_grads
 from examples.teardown import exit_rank
-from numaudit.agents.pipeline import agent_loss, watch_stages
 
 RUN_ENV = "NUMAUDIT_RUN"
 """Run name when --name is not given. The agent reads it too and, when both are set, lets it win
@@ -398,10 +397,10 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> list[float
     # The audit agent. Its stage modules are added by `watch_stages` once they exist; the
     # schedule's loss function is wrapped so each microbatch's (unscaled) loss is captured.
     agent = numaudit.attach(run=args.name, mesh=mesh, dp_dim="dp", **agent_options(args))
-    run = build(args, mesh, loss=agent_loss(agent, loss_fn, site=LOSS_SITE))
+    run = build(args, mesh, loss=numaudit.agent_loss(agent, loss_fn, site=LOSS_SITE))
     if args.inject is not None:
         INJECTIONS[args.inject](run)
-    watch_stages(agent, run.stages)  # captures keyed by the schedule's microbatch and stage ids
+    numaudit.watch_stages(agent, run.stages)  # keyed by the schedule's microbatch and stage ids
     for module in run.modules:
         capture_input_tokens(agent, module)  # on the first stage only
         capture_experts(agent, module, run.mesh["dp"].get_group())

@@ -35,7 +35,6 @@ from torch import nn
 
 import numaudit
 from examples.teardown import exit_rank
-from numaudit.agents.ragged import RaggedRows, ragged_rows
 
 DIM, HIDDEN, EXPERTS, TOP_K, LAYERS = 16, 32, 8, 2, 4
 BATCH, SEQ = 4, 3
@@ -118,7 +117,7 @@ class MoELayer(nn.Module):
         outs = []
         for j, e in enumerate(self.owned):
             total = sum(by_source[s][j] for s in range(ep))
-            whole = RaggedRows(offset=0, total=total, part=0, parts=ep, span=ep)
+            whole = numaudit.RaggedRows(offset=0, total=total, part=0, parts=ep, span=ep)
             if self.audit is not None:
                 self.audit(self, per_expert[j], None, (e, whole))
             outs.append(self.experts[str(e)](per_expert[j]))
@@ -177,7 +176,7 @@ def audit_experts(agent, model: TinyMoE, group=None, backward: bool = False) -> 
 
         def audit(moe, t, counts, owner, role="input", _site=site):
             if owner is None:  # every expert local: this rank's rows of each, placed by counts
-                rows = ragged_rows(counts, group) if role == "input" else moe._rows
+                rows = numaudit.ragged_rows(counts, group) if role == "input" else moe._rows
                 moe._rows = rows
                 agent.capture_segments(t, counts, rows, site=_site, role=role,
                                        backward=backward)

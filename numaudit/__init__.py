@@ -53,14 +53,18 @@ if not (_HERE / "agents").is_dir() and (_HERE.parent / "agents" / "__init__.py")
     sys.meta_path.insert(0, _CheckoutFolders(_HERE.parent))
 
 if TYPE_CHECKING:
-    from numaudit.agents.agent import Agent, attach
+    from numaudit.agents.agent import Agent, Backlog, attach
     from numaudit.agents.config import AgentConfig
+    from numaudit.agents.pipeline import agent_loss, watch_stages
+    from numaudit.agents.ragged import RaggedRows, ragged_rows
 
-__all__ = ["Agent", "AgentConfig", "attach"]
+__all__ = ["Agent", "AgentConfig", "Backlog", "RaggedRows", "agent_loss", "attach", "ragged_rows",
+           "watch_stages"]
+"""What a training script uses (`numaudit.agents.USER_API`): `import numaudit` is all it needs."""
 
 
 def __getattr__(name: str):
-    if name in ("Agent", "attach", "AgentConfig"):
+    if name in __all__:
         from numaudit import agents
 
         return getattr(agents, name)

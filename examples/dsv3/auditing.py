@@ -92,13 +92,13 @@ def capture_experts(agent, model: torch.nn.Module, group) -> None:
     alike (the same layers in the same order in both example runs), so it cannot deadlock.
     Experts that got no tokens on a rank still send their empty piece.
     """
-    from numaudit.agents.ragged import ragged_rows
+    import numaudit
 
     for name, layer in getattr(model, "layers", {}).items():
         site = f"layers.{name}.moe.experts"
 
         def on_experts(moe, expert_in, expert_out, counts, _site=site) -> None:
-            rows = ragged_rows(counts, group)
+            rows = numaudit.ragged_rows(counts, group)
             agent.capture_segments(expert_in, counts, rows, site=_site, role="input")
             agent.capture_segments(expert_out, counts, rows, site=_site, role="output",
                                    backward=True)

@@ -155,11 +155,13 @@ def test_the_users_door_loads_no_torch_and_names_the_agents_api():
     import sys
 
     code = ("import sys, numaudit, numaudit.agents as a; assert 'torch' not in sys.modules; "
+            "assert sorted(a.__all__) == sorted(a.USER_API) == sorted(numaudit.__all__); "
             "print(sorted(a.__all__))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['Agent', 'AgentConfig', 'Backlog', 'attach']"
+    assert done.stdout.strip() == ("['Agent', 'AgentConfig', 'Backlog', 'RaggedRows', "
+                                   "'agent_loss', 'attach', 'ragged_rows', 'watch_stages']")
 
 
 def test_checker_finds_a_cycle_and_a_forbidden_import(tmp_path):
