@@ -52,7 +52,11 @@ def _shape_for(n_keys: int) -> tuple[int, int, int, int]:
 def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
                 sketch_k: int = SKETCH_K, close_fraction: float = CLOSE_FRACTION) -> dict:
     """Write runs "ref" (1 piece per key) and "cand" (``pieces`` shards per key)."""
-    from numaudit.auditor.compare.digests.algebra import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+    from numaudit.auditor.compare.digests.algebra import (
+        FINGERPRINT_SEED,
+        SKETCH_SEED,
+        fingerprint_to_int64,
+    )
     from numaudit.auditor.store import connect
 
     steps, mbs, modules, params = _shape_for(n_keys)

@@ -36,8 +36,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "examples" / "policies" / "ds3_vs_pp.toml"
@@ -156,9 +156,9 @@ class Outcome:
     json_report: Path | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds per phase: daemon, ref, cand, compare, total."""
-    also: dict[str, "Outcome"] = dataclasses.field(default_factory=dict)
+    also: dict[str, Outcome] = dataclasses.field(default_factory=dict)
     """The `--also` candidates' outcomes, by run name (rc and reports; timings not split)."""
-    drill: "Outcome | None" = None
+    drill: Outcome | None = None
     """With `--drill`: the comparison of both runs rerun with the drill-down plan."""
 
 

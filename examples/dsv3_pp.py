@@ -84,7 +84,7 @@ class PipelineRun:
     """The schedule; `schedule.step(...)` runs all microbatches of one step."""
     optimizer: torch.optim.Optimizer
     """One optimizer over the parameters of both local stages."""
-    loss: "MicrobatchMean"
+    loss: MicrobatchMean
     """The schedule's loss function (per-microbatch loss / n_microbatches)."""
 
     @property

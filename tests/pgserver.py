@@ -86,7 +86,7 @@ class PgServer:
                                 f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
         return proc
 
-    def start(self) -> "PgServer":
+    def start(self) -> PgServer:
         if not self.data.exists():
             self._run("initdb", "-D", str(self.data), "-U", self._user, "--auth=trust",
                       "-E", "UTF8", "--locale=C", "--no-sync")

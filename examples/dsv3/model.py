@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ class ModelArgs:
         """Full per-head query/key width (rotated part plus unrotated part)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def scaled(self, factor: int) -> "ModelArgs":
+    def scaled(self, factor: int) -> ModelArgs:
         """The same architecture `factor` times wider (dims, latent, expert widths); depth unchanged."""
         if factor < 1:
             raise ValueError(f"scale factor must be >= 1, got {factor}")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 import zstandard

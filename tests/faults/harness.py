@@ -19,9 +19,9 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -318,7 +318,7 @@ class StoreView:
     """The run's key segments hold exactly its records, by record id (auditor.store.key_segments)."""
 
     @classmethod
-    def read(cls, db: Path, run: str = "faults") -> "StoreView":
+    def read(cls, db: Path, run: str = "faults") -> StoreView:
         conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
         try:
             integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]

@@ -21,8 +21,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 UP, DOWN = "up", "down"
 """UP: client (agent) -> server (auditor); DOWN: server -> client."""
@@ -194,7 +194,7 @@ class FaultProxy:
         for t in self._threads:
             t.join(2.0)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -243,7 +243,7 @@ class FaultProxy:
                     continue  # paused: read nothing, so the sender's buffers fill up
                 try:
                     data = src.recv(_CHUNK)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     break
@@ -269,7 +269,7 @@ class FaultProxy:
                 continue
             try:
                 n = dst.send(view)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             view = view[n:]
 
