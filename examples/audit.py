@@ -64,12 +64,12 @@ class Daemon:
     def __init__(self, db: Path, log: Path) -> None:
         self.port_file = db.with_suffix(".port")
         self.port_file.unlink(missing_ok=True)
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
-             "--port-file", str(self.port_file)],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
+        with open(log, "w") as out:  # the daemon writes its own copy of the file descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
+                 "--db", str(db), "--port-file", str(self.port_file)],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            )
         deadline = time.monotonic() + 60
         while not (self.port_file.exists() and self.port_file.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -86,7 +86,6 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
         self.port_file.unlink(missing_ok=True)
 
 
