@@ -328,7 +328,7 @@ def test_hung_auditor_close_spills_and_returns_in_time(tmp_path):
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(16)
-        address = "127.0.0.1:%d" % hung.getsockname()[1]
+        address = f"127.0.0.1:{hung.getsockname()[1]}"
         model = Net()
         agent = numaudit.attach(model, run="ref", address=address, spool_dir=str(spool),
                               flush_timeout_s=1.0, connect_timeout_s=0.3)

@@ -95,7 +95,8 @@ def _start_sidecar(sock: str, spool: Path, auditor: str | None, log: Path) -> su
     cmd = [sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sock, "--spool", str(spool)]
     if auditor:
         cmd += ["--auditor", auditor]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    with open(log, "ab") as out:  # the sidecar writes its own copy of the file descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     assert wait_for_socket(sock, 20), log.read_text()
     return proc
 

@@ -112,7 +112,8 @@ def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=
                     backward(loss)
         if clip is not None:
             clip(model)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def run_single(run: str, clip: bool = False) -> None:
@@ -407,7 +408,8 @@ def run_pp(case: str, run: str) -> None:
             clip_global(params, MAX_NORM, mesh.get_group("pp"))
         elif case == "pp_clip_local":  # planted: each stage clips by its own gradient norm
             torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
     agent.close()
 
 

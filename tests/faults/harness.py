@@ -87,16 +87,16 @@ class Auditor:
         """Start and wait until it listens; returns the monotonic time it was seen ready."""
         port_file = self.tmp / "auditor.port"
         port_file.unlink(missing_ok=True)
-        out = open(self.log, "a")
-        out.write(f"--- start {self.starts} at {time.monotonic():.3f}\n")
-        out.flush()
-        self.proc = subprocess.Popen(
-            [PY, "-m", "numaudit.auditor", "serve", "--listen", self.address, "--db", str(self.db),
-             "--port-file", str(port_file), "--grace", str(self.grace), *self.extra],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=self.preexec_fn,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        out.close()
+        with open(self.log, "a") as out:  # the daemon writes its own copy of the descriptor
+            out.write(f"--- start {self.starts} at {time.monotonic():.3f}\n")
+            out.flush()
+            self.proc = subprocess.Popen(
+                [PY, "-m", "numaudit.auditor", "serve", "--listen", self.address,
+                 "--db", str(self.db), "--port-file", str(port_file),
+                 "--grace", str(self.grace), *self.extra],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=self.preexec_fn,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         proc, launched = self.proc, time.monotonic()
 
         def ready() -> bool:
@@ -215,7 +215,8 @@ class Writer:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"writer still running after {timeout}s:\n{_tail(self.log)}")
+            raise AssertionError(
+                f"writer still running after {timeout}s:\n{_tail(self.log)}") from None
         return rc
 
     def finish(self, timeout: float) -> dict:

@@ -19,11 +19,12 @@ REPO = Path(__file__).resolve().parents[3]
 def daemon(db: Path, *args: str, log_level: str = "warning") -> Iterator[tuple[subprocess.Popen, str]]:
     """Yields (process, "127.0.0.1:PORT"); stderr goes to `db`.log (read it after the block)."""
     port_file = db.with_suffix(".port")
-    err = open(db.with_suffix(".log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
-         "--port-file", str(port_file), "--grace", "1", "--log-level", log_level, *args],
-        cwd=REPO, stderr=err, env={**os.environ, "PYTHONPATH": str(REPO)})
+    with open(db.with_suffix(".log"), "w") as err:  # the daemon writes its own copy of the fd
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
+             "--db", str(db), "--port-file", str(port_file), "--grace", "1",
+             "--log-level", log_level, *args],
+            cwd=REPO, stderr=err, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         deadline = time.monotonic() + 30
         while not port_file.exists():
@@ -39,7 +40,6 @@ def daemon(db: Path, *args: str, log_level: str = "warning") -> Iterator[tuple[s
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        err.close()
 
 
 def rss_bytes(pid: int) -> int:

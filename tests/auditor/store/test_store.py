@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import pytest
@@ -94,7 +95,7 @@ def test_failed_transaction_does_not_leave_stale_site_ids(writer, tmp_path):
     release.set()
     blocker.result(10)  # committed alone; the next group holds doomed + failing
     for fut in (doomed, failing):
-        with pytest.raises(Exception):
+        with pytest.raises(sqlite3.OperationalError):  # the group's transaction is gone
             fut.result(10)
     writer.submit(lambda s: s.ingest(batch(1, [record(0, 0, "site.b")]))).result(10)
     writer.submit(lambda s: s.ingest(batch(2, [record(0, 1, "site.a")]))).result(10)
@@ -154,7 +155,7 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
     from numaudit.auditor.store import sqlite as store_sqlite
 
     old = store_sqlite._SCHEMA
-    for table, column, decl in store_sqlite._ADDED_COLUMNS:
+    for _table, column, decl in store_sqlite._ADDED_COLUMNS:
         old = old.replace(f",\n    {column} {decl}", "").replace(f", {column} {decl}", "")
     assert "reduce_weight" not in old and "grad_scale" not in old
     db = tmp_path / "v1.db"
