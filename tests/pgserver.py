@@ -92,7 +92,8 @@ class PgServer:
                       "-E", "UTF8", "--locale=C", "--no-sync")
         if not self.port:
             self.port = free_port()
-        opts = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.sock}"
+        opts = (f"-c listen_addresses=127.0.0.1 -p {self.port}"
+                f" -c unix_socket_directories={self.sock}"
                 " -c max_connections=200 -c fsync=on -c shared_buffers=128MB")
         self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"),
                   "-w", "-t", "60", "start")

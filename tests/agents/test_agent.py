@@ -313,7 +313,8 @@ def test_without_auditor_records_are_spooled_and_ingest_replays_them_once(tmp_pa
     assert s["dropped"] == 0 and s["spooled"] == s["captured"] > 0
     db = tmp_path / "replay.db"
     (first,) = replay_into_db([spool], db)
-    assert (first.run, first.stored, first.rejected, first.skipped_frames) == ("offline", s["captured"], [], 0)
+    assert (first.run, first.stored, first.rejected, first.skipped_frames) == (
+        "offline", s["captured"], [], 0)
     (again,) = replay_into_db([spool], db)
     assert again.stored == 0 and again.duplicates == s["captured"]
     rows = _records(db, "offline")

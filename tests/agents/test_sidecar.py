@@ -208,7 +208,8 @@ def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
         assert received_records_checksum(body) == batch.records_crc32
 
 
-def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tmp_path, monkeypatch):
+def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tmp_path,
+                                                              monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     sock = f"unix://{tmp_path}/node.sock"
     agent = agents.attach(None, run="ref", sidecar=sock, start_sidecar=True,

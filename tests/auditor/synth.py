@@ -1,9 +1,9 @@
 """Synthetic runs written through the real ingest path, for the comparison tests.
 
 Tensors are real torch tensors; pieces are digested by the agent's own code
-(`agents.digest.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`), wrapped in
-protobuf records, validated as the daemon does, and stored by `StoreWriter` + `Store.ingest` into
-a real SQLite file or PostgreSQL database (`open_writer`).
+(`agents.digest.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`),
+wrapped in protobuf records, validated as the daemon does, and stored by `StoreWriter` +
+`Store.ingest` into a real SQLite file or PostgreSQL database (`open_writer`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Daemon:
-    """`python -m numaudit.auditor serve` on a free port; stop() sends SIGTERM and returns the exit code."""
+    """`python -m numaudit.auditor serve` on a free port; stop() sends SIGTERM and returns the exit
+    code."""
 
     def __init__(self, tmp: Path, name: str = "audit") -> None:
         self.db = tmp / f"{name}.db"

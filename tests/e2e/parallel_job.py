@@ -3,11 +3,12 @@
     python tests/e2e/parallel_job.py single:ref                       # the reference, one process
     torchrun --standalone --nproc-per-node 2 tests/e2e/parallel_job.py ddp:ddp fsdp:fsdp ...
 
-Each argument is CASE:RUN (CASE+rename: with NUMAUDIT_RENAME_IF_TAKEN=1); the cases of one job run one after another in the same process group,
-each with a fresh model (same seed), its own agent and run name. Every non-pipelined case runs
-the README's snippet verbatim (per-rank mean loss, DDP/FSDP averaging, `bwd` captured, every rank
-attached); pipelined cases use agents.pipeline as the README says. Planted bugs are cases too.
-Environment: NUMAUDIT_ADDR (the shared daemon), NUMAUDIT_PHASES (bwd added by the test).
+Each argument is CASE:RUN (CASE+rename: with NUMAUDIT_RENAME_IF_TAKEN=1); the cases of one job run
+one after another in the same process group, each with a fresh model (same seed), its own agent and
+run name. Every non-pipelined case runs the README's snippet verbatim (per-rank mean loss, DDP/FSDP
+averaging, `bwd` captured, every rank attached); pipelined cases use agents.pipeline as the README
+says. Planted bugs are cases too. Environment: NUMAUDIT_ADDR (the shared daemon), NUMAUDIT_PHASES
+(bwd added by the test).
 
 Gradient clipping (issue 11): `single_clip` is the reference (the README loop with
 `torch.nn.utils.clip_grad_norm_` before `optimizer.step()`, the optimizer watched: phases

@@ -1,7 +1,7 @@
 """Processes and store checks shared by the fault tests.
 
-- `Auditor`: `python -m numaudit.auditor serve` on a fixed loopback port and db, so it can be SIGKILLed,
-  SIGSTOPped, SIGTERMed and started again on the same address and file.
+- `Auditor`: `python -m numaudit.auditor serve` on a fixed loopback port and db, so it can be
+  SIGKILLed, SIGSTOPped, SIGTERMed and started again on the same address and file.
 - `Writer`: tests/faults/writer_job.py as a subprocess ("the training process"), and readers for
   what it logged (batches cut, acks, failures, its final report).
 - `StoreView`: what a store file holds for a run, checked against what the writers produced.
@@ -61,7 +61,7 @@ def _tail(path: Path, n: int = 3000) -> str:
         return "(no log)"
 
 
-# -- the auditor daemon -----------------------------------------------------------------------------
+# -- the auditor daemon ----------------------------------------------------------------------------
 
 class Auditor:
     """`auditor serve` on 127.0.0.1:`port` over `db`; restartable on the same address and file."""
@@ -150,7 +150,7 @@ class Auditor:
             self.proc.wait(10)
 
 
-# -- the training process ---------------------------------------------------------------------------
+# -- the training process --------------------------------------------------------------------------
 
 class Writer:
     """tests/faults/writer_job.py in a subprocess, with readers for its logs.
@@ -293,7 +293,7 @@ class Writer:
         return sorted(self.spool.glob("*.spool")) if self.spool.exists() else []
 
 
-# -- what the store holds ---------------------------------------------------------------------------
+# -- what the store holds --------------------------------------------------------------------------
 
 def _segments_match(conn: sqlite3.Connection, run_id: int) -> bool:
     from numaudit.auditor.store import key_segments
@@ -316,7 +316,8 @@ class StoreView:
     integrity: str
     sessions: list[dict] = field(default_factory=list)
     segments_match: bool = True
-    """The run's key segments hold exactly its records, by record id (auditor.store.key_segments)."""
+    """The run's key segments hold exactly its records, by record id
+    (auditor.store.key_segments)."""
 
     @classmethod
     def read(cls, db: Path, run: str = "faults") -> StoreView:

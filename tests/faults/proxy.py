@@ -130,7 +130,8 @@ class FaultProxy:
         """Probability that a forwarded chunk has one byte flipped."""
         self.corrupt_directions: tuple[str, ...] = (UP,)
         self.corrupt_after = 0
-        """Bytes of each connection (per direction) left intact first: 0 corrupts the preface too."""
+        """Bytes of each connection (per direction) left intact first: 0 corrupts the preface
+        too."""
         self.rewrite: Callable[[str, bytes], bytes] | None = None
         """A deterministic mutation hook (direction, chunk) -> chunk."""
         self.break_frames_p = 0.0

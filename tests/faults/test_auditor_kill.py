@@ -90,7 +90,8 @@ def _check(run: dict) -> None:
         assert len(mine) + s["dropped"] == s["captured"] == rep["records"], (len(mine), s)
         assert mine == job.expected_keys(rep["records"]) or s["dropped"], "keys differ"
         (session,) = [x for x in view.sessions if x["session_id"] == rep["session_id"]]
-        assert (session["records_sent"], session["records_dropped"]) == (s["captured"], s["dropped"])
+        assert (session["records_sent"], session["records_dropped"]) == (s["captured"],
+                                                                         s["dropped"])
     assert all(r.rejected == [] and r.error is None for r in run["results"])
     spilled = sum(r["summary"]["spooled"] for r in reports)
     assert spilled > 0 and sum(r.stored for r in run["results"]) <= spilled
@@ -139,7 +140,8 @@ def test_sigkill_restart_many_times_two_ranks(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_graceful_restart_loses_nothing(tmp_path):
-    """SIGTERM: streams end with UNAVAILABLE after their commit; the agent resumes on the new one."""
+    """SIGTERM: streams end with UNAVAILABLE after their commit; the agent resumes on the new
+    one."""
     auditor = Auditor(tmp_path)
     writer = None
     try:

@@ -109,8 +109,8 @@ def test_policy_file_with_preset_override(db):
 
 
 def test_the_installed_command_runs(db):
-    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "compare", "ref", "bumped", "--db",
-                           str(db), "--format", "json"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "compare", "ref", "bumped",
+                           "--db", str(db), "--format", "json"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["summary"]["breaches"] >= 1

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @contextlib.contextmanager
-def daemon(db: Path, *args: str, log_level: str = "warning") -> Iterator[tuple[subprocess.Popen, str]]:
+def daemon(db: Path, *args: str,
+           log_level: str = "warning") -> Iterator[tuple[subprocess.Popen, str]]:
     """Yields (process, "127.0.0.1:PORT"); stderr goes to `db`.log (read it after the block)."""
     port_file = db.with_suffix(".port")
     with open(db.with_suffix(".log"), "w") as err:  # the daemon writes its own copy of the fd
@@ -29,7 +30,8 @@ def daemon(db: Path, *args: str, log_level: str = "warning") -> Iterator[tuple[s
         deadline = time.monotonic() + 30
         while not port_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"auditor serve did not start: {db.with_suffix('.log').read_text()}")
+                log = db.with_suffix(".log").read_text()
+                raise RuntimeError(f"auditor serve did not start: {log}")
             time.sleep(0.05)
         yield proc, f"127.0.0.1:{port_file.read_text().strip()}"
     finally:

@@ -70,7 +70,8 @@ def test_store_errors(writer):
 
 
 def test_cancelled_work_is_skipped_and_the_writer_keeps_going(writer):
-    """A future cancelled while queued (an ingest stream that went away) must not kill the writer."""
+    """A future cancelled while queued (an ingest stream that went away) must not kill the
+    writer."""
     entered, release, ran = threading.Event(), threading.Event(), []
     blocker = writer.submit(lambda s: (entered.set(), release.wait(10)))
     assert entered.wait(10)
