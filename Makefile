@@ -61,10 +61,11 @@ test: $(STAMP) $(KERNEL) postgres chromium
 test-fast: $(STAMP) $(KERNEL) postgres chromium
 	$(PY) -m pytest -q -m "not slow"
 
-# The code's own hygiene (CI, before make test): ruff over the product's packages, and mypy over
-# the packages typed clean so far (MYPY_PACKAGES grows one package at a time). mypy reads them
-# under their import root, numaudit.*, through links in a scratch tree.
-LINT_DIRS     := agents auditor wire numaudit
+# The code's own hygiene (CI, before make test): ruff over the product's packages and over the
+# tests, benchmarks and examples that show how to use them, and mypy over the packages typed clean
+# so far (MYPY_PACKAGES grows one package at a time). mypy reads them under their import root,
+# numaudit.*, through links in a scratch tree.
+LINT_DIRS     := agents auditor wire numaudit tests bench examples
 MYPY_PACKAGES := -m numaudit -p numaudit.wire -p numaudit.protos -p numaudit.agents -p numaudit.auditor
 
 lint: $(STAMP)

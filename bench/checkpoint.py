@@ -36,6 +36,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -194,11 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.dtype:
             for fmt in args.format:
                 path = _save(Path(tmp), getattr(torch, name), mib, fmt)
-                read_fn = lambda: _read_only(path, cap // 3)  # noqa: E731
-                audit_fn = lambda: _audit(path, cap)  # noqa: E731
+                read_fn = partial(_read_only, path, cap // 3)
+                audit_fn = partial(_audit, path, cap)
                 read_fn()  # warm the page cache
                 rb, rt = _best(read_fn)
-                db, dt = _best(lambda: _digest_only(path))
+                db, dt = _best(partial(_digest_only, path))
                 ab, at = _best(audit_fn)
                 read, dig, aud = rb / rt / 1e9, db / dt / 1e9, ab / at / 1e9
                 line = (f"{name:>9} {fmt:>12} {read:>6.2f} {dig:>7.2f} {aud:>6.2f} "

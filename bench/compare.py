@@ -52,7 +52,11 @@ def _shape_for(n_keys: int) -> tuple[int, int, int, int]:
 def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
                 sketch_k: int = SKETCH_K, close_fraction: float = CLOSE_FRACTION) -> dict:
     """Write runs "ref" (1 piece per key) and "cand" (``pieces`` shards per key)."""
-    from numaudit.auditor.compare.digests.algebra import FINGERPRINT_SEED, SKETCH_SEED, fingerprint_to_int64
+    from numaudit.auditor.compare.digests.algebra import (
+        FINGERPRINT_SEED,
+        SKETCH_SEED,
+        fingerprint_to_int64,
+    )
     from numaudit.auditor.store import connect
 
     steps, mbs, modules, params = _shape_for(n_keys)
@@ -90,7 +94,8 @@ def build_store(path: Path, n_keys: int, pieces: int, seed: int = 0,
         conn.execute("INSERT INTO runs (run_id, name, created, world_size, mesh_shape,"
                      " mesh_dim_names, torch_version, dtype, seed, labels)"
                      " VALUES (?,?,?,?,?,?,?,?,?,?)",
-                     (run_id, name, time.time(), n_pieces, "[]", "[]", "2.13.0", "float32", 0, "{}"))
+                     (run_id, name, time.time(), n_pieces, "[]", "[]", "2.13.0", "float32", 0,
+                      "{}"))
         for r in range(n_pieces):
             conn.execute("INSERT INTO sessions (session_id, run_id, rank, local_rank, host,"
                          " mesh_coordinate, stages, registered, closed) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -141,8 +146,9 @@ def _insert(conn, rows) -> None:
         " stage, is_none, dtype, logical_shape, offsets, shape, replica, partial, complex_as_real,"
         " numel, nan, posinf, neginf, zeros, has_moments, sum, sum_sq, min, max, abs_max,"
         " fingerprint, fingerprint_seed, sketch, sketch_seed, content_hash, session_id, seq,"
-        " received, capture_order) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-        "?,?,?,?,?,?,?,?,?)", rows)
+        " received, capture_order)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        rows)
 
 
 def _ensure_segments(db: Path) -> None:

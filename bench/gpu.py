@@ -39,6 +39,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -104,14 +105,14 @@ def throughput(k: int, sizes: list[int], repeats: int) -> dict[tuple, float]:
             layout = PieceLayout((rows, 4096), (0, 2048), (rows, 2048))
         dst = torch.empty_like(src)
         gb = src.nbytes / 1e9
-        copy = gb / (_cuda_ms(lambda: dst.copy_(src), repeats) / 1e3)
+        copy = gb / (_cuda_ms(partial(dst.copy_, src), repeats) / 1e3)
         eager = float("nan")
         if mib == 16 and kind == "whole":
-            eager = gb / (_cuda_ms(lambda: digest_piece(piece, layout, sketch_k=k), 3) / 1e3)
+            eager = gb / (_cuda_ms(partial(digest_piece, piece, layout, sketch_k=k), 3) / 1e3)
         tri = float("nan")
         if not isinstance(impl, str):
             prepared = [impl.prepare(piece, layout)]
-            tri = gb / (_cuda_ms(lambda: impl.digest_rows(prepared, sketch_k=k), repeats) / 1e3)
+            tri = gb / (_cuda_ms(partial(impl.digest_rows, prepared, sketch_k=k), repeats) / 1e3)
         out[(dtype, mib, kind)] = tri
         print(f"| {dtype} | {mib} MiB {kind} | {copy:.0f} | {tri:.0f} | {tri / copy:.0%} | "
               f"{eager:.0f} |", flush=True)
@@ -215,7 +216,7 @@ def _sweep_child(k: int) -> int:
         n = 256 * MiB // torch.tensor([], dtype=dtype).element_size()
         src = torch.randn(n, device="cuda").to(dtype)
         prepared = [impl.prepare(src, PieceLayout.full((n,)))]
-        ms = _cuda_ms(lambda: impl.digest_rows(prepared, sketch_k=k), 10)
+        ms = _cuda_ms(partial(impl.digest_rows, prepared, sketch_k=k), 10)
         cells.append(f"{src.nbytes / 1e6 / ms:.0f}")
     print(" | ".join(cells))
     return 0

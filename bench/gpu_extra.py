@@ -25,6 +25,13 @@ def ds3_overhead(repeats: int) -> None:
     from examples.dsv3.data import batches
     from examples.dsv3.model import ModelArgs
 
+    def step(model, ag, i, mbs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        O._step(model, ag, i, mbs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     print("| scale | phases | off (ms) | on (ms) | on/off |\n|---:|---|---:|---:|---:|")
     for bwd in (False, True):
         off, on = O._model(8).cuda(), O._model(8).cuda()
@@ -32,19 +39,11 @@ def ds3_overhead(repeats: int) -> None:
         agent = O._attach(on, phases)
         mbs = [(x.cuda(), y.cuda()) for x, y in next(batches(
             0, 0, O.MICROBATCHES, O.MICROBATCH_SIZE, O.SEQ_LEN, ModelArgs().vocab_size))]
-
-        def step(model, ag, i):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            O._step(model, ag, i, mbs)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
-
-        step(off, None, 0), step(on, agent, 0)
+        step(off, None, 0, mbs), step(on, agent, 0, mbs)
         t_off, t_on = [], []
         for i in range(repeats):
-            t_off.append(step(off, None, i + 1))
-            t_on.append(step(on, agent, i + 1))
+            t_off.append(step(off, None, i + 1, mbs))
+            t_on.append(step(on, agent, i + 1, mbs))
         agent.close(timeout=5.0)
         a, b = statistics.median(t_off), statistics.median(t_on)
         print(f"| 8 | {','.join(phases)} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f}x |",
@@ -90,9 +89,10 @@ def checkpoint_roundtrip(device: str = "cuda") -> bool:
         reports = {}
         for name in ("same", "ulp"):
             out = Path(tmp) / f"{name}.json"
-            code = subprocess.run([sys.executable, "-m", "numaudit.auditor", "checkpoint", "run:live",
-                                   f"{tmp}/{name}", "--db", str(db), "--format", "json", "-o",
-                                   str(out)], capture_output=True, timeout=300).returncode
+            code = subprocess.run([sys.executable, "-m", "numaudit.auditor", "checkpoint",
+                                   "run:live", f"{tmp}/{name}", "--db", str(db), "--format",
+                                   "json", "-o", str(out)],
+                                  capture_output=True, timeout=300).returncode
             reports[name] = code, json.loads(out.read_text())
     (same_code, same), (ulp_code, ulp) = reports["same"], reports["ulp"]
     identical = same["summary"]["verdicts"].get("identical", 0)

@@ -112,7 +112,7 @@ def overhead(args: DecoderArgs, steps: int, device: str = "cuda",
             sides[name] = {"model": model, "opt": opt, "agent": agent, "times": [],
                            "drain": [], "tally": _Tally(agent) if agent else None}
         for i in range(steps + 1):  # step 0 warms up (compiles, self-checks, allocations)
-            for name, side in sides.items():
+            for side in sides.values():
                 agent = side["agent"]
                 captured0 = agent.counters.snapshot()[0] if agent else 0
                 _sync(device)

@@ -20,14 +20,16 @@ channel lists all of them (gRPC round robin, `wire.channels`), as agents do.
 
 `--format packed` sends packed batches (RecordBatch.packed, payloads in PackedRecords.payloads);
 `split` sends the payload-carrying records per record beside the packed rest (agents before
-packed payloads); `records` sends every record as one message (agents before packed batches). `--server-root` runs the daemon from another
-checkout (e.g. an export of an older commit) for a before/after comparison.
+packed payloads); `records` sends every record as one message (agents before packed batches).
+`--server-root` runs the daemon from another checkout (e.g. an export of an older commit) for a
+before/after comparison.
 
 Printed per configuration: records/s and MB/s of record bytes (the serialized records on the
 wire) from the first send to the last ack, ack latency p50/p99 (send of a batch to its ack), the
 load average, and the CPU seconds the daemons and the client processes used while streaming
-(the clients share the machine's cores with the daemons). Under load the ack latency is mostly queueing (Little's law: sessions x window
-batches in flight at the measured rate); for one batch's latency use `--sessions 2 --window 1`.
+(the clients share the machine's cores with the daemons). Under load the ack latency is mostly
+queueing (Little's law: sessions x window batches in flight at the measured rate); for one
+batch's latency use `--sessions 2 --window 1`.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def build_batches(rank: int, n_batches: int, per_batch: int, k: int, fmt: str,
         cols["min"][:] = -rng.uniform(3, 6, n)
         cols["max"][:] = rng.uniform(3, 6, n)
         cols["abs_max"][:] = np.maximum(-cols["min"], cols["max"])
-        cols["fingerprint"][:] = rng.integers(0, 1 << 63, n, dtype=np.int64).astype(np.uint64) * 2 + 1
+        odd = rng.integers(0, 1 << 63, n, dtype=np.int64).astype(np.uint64) * 2 + 1
+        cols["fingerprint"][:] = odd
         cols["fingerprint_seed"][:] = 0x5EED
         cols["sketch_seed"][:] = 0x5CE7
         cols["sketch_len"][:] = k
@@ -281,7 +284,8 @@ def run_one(k: int, fmt: str, replicas: int, args: argparse.Namespace, tmp: Path
             except Exception:  # queue.Empty: is every client, every daemon still there?
                 if (any(p.exitcode not in (None, 0) for p in procs)
                         or any(d.poll() is not None for _, d in daemons)):
-                    raise RuntimeError("a client or a daemon failed; see the output above")
+                    raise RuntimeError(
+                        "a client or a daemon failed; see the output above") from None
         load = os.getloadavg()[0]
         daemon_cpu = sum(_cpu_seconds(d.pid) for _, d in daemons) - daemon_cpu0
         for p in procs:
@@ -313,10 +317,10 @@ CREATE TABLE probe_keys (run_id INTEGER, step INTEGER, microbatch INTEGER, phase
 def store_probe(k: int, batch: int, n_batches: int = 64, group: int = 8) -> None:
     """The store's share of a batch, in this process: rows as `Store.ingest_columns` writes them
     (`record_columns` + `insert_rows` into `records`, and the batch's key segment) against a
-    columnar layout that is NOT the store's (one row per batch holding the packed columns as received, plus a narrow
-    WITHOUT ROWID key table that keeps (run, key, rank) unique with the content hash for
-    conflicts). Same batches, group commits of `group` batches, synchronous=FULL; wall and
-    this thread's CPU per batch, and bytes per record on disk after a checkpoint."""
+    columnar layout that is NOT the store's (one row per batch holding the packed columns as
+    received, plus a narrow WITHOUT ROWID key table that keeps (run, key, rank) unique with the
+    content hash for conflicts). Same batches, group commits of `group` batches, synchronous=FULL;
+    wall and this thread's CPU per batch, and bytes per record on disk after a checkpoint."""
     import itertools
 
     from numaudit.auditor.daemon.validate import validate_batch

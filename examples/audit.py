@@ -36,8 +36,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "examples" / "policies" / "ds3_vs_pp.toml"
@@ -64,12 +64,12 @@ class Daemon:
     def __init__(self, db: Path, log: Path) -> None:
         self.port_file = db.with_suffix(".port")
         self.port_file.unlink(missing_ok=True)
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
-             "--port-file", str(self.port_file)],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
+        with open(log, "w") as out:  # the daemon writes its own copy of the file descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
+                 "--db", str(db), "--port-file", str(self.port_file)],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            )
         deadline = time.monotonic() + 60
         while not (self.port_file.exists() and self.port_file.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -86,7 +86,6 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
         self.port_file.unlink(missing_ok=True)
 
 
@@ -156,9 +155,9 @@ class Outcome:
     json_report: Path | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds per phase: daemon, ref, cand, compare, total."""
-    also: dict[str, "Outcome"] = dataclasses.field(default_factory=dict)
+    also: dict[str, Outcome] = dataclasses.field(default_factory=dict)
     """The `--also` candidates' outcomes, by run name (rc and reports; timings not split)."""
-    drill: "Outcome | None" = None
+    drill: Outcome | None = None
     """With `--drill`: the comparison of both runs rerun with the drill-down plan."""
 
 

@@ -83,7 +83,7 @@ class PipelineRun:
     """The schedule; `schedule.step(...)` runs all microbatches of one step."""
     optimizer: torch.optim.Optimizer
     """One optimizer over the parameters of both local stages."""
-    loss: "MicrobatchMean"
+    loss: MicrobatchMean
     """The schedule's loss function (per-microbatch loss / n_microbatches)."""
 
     @property
@@ -100,7 +100,8 @@ class PipelineRun:
 
 
 def _inject_reshard_after_forward(run: PipelineRun) -> None:
-    """Reshard layers after forward (FSDP2's default): the ZBV split backward then drops their grads.
+    """Reshard layers after forward (FSDP2's default): the ZBV split backward then drops their
+    grads.
 
     The origin bug: stage 3's layer gradients are None, stages 1 and 2 hold sums over only some
     microbatches (docs/dsv3.md).
@@ -273,7 +274,8 @@ INJECTIONS: dict[str, Callable[[PipelineRun], None]] = {
 """Faults `--inject NAME` plants after the run is built, to show what an audit catches."""
 
 OnStep = Callable[[int, PipelineRun, list[float]], None]
-"""Called after a step's schedule ran, before the optimizer: (step, run, this rank's microbatch losses)."""
+"""Called after a step's schedule ran, before the optimizer: (step, run, this rank's microbatch
+losses)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -288,8 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--scale", type=int, default=1, help="model width multiplier (ModelArgs.scaled)")
     p.add_argument("--dump", type=Path, default=None,
-                   help="global rank 0 writes the full gradients of all stages, per-microbatch outputs "
-                        "and losses to this .pt file")
+                   help="global rank 0 writes the full gradients of all stages, per-microbatch "
+                        "outputs and losses to this .pt file")
     p.add_argument("--inject", choices=sorted(INJECTIONS), default=None,
                    help="plant a known fault (see INJECTIONS)")
     p.add_argument("--also", action="append", default=[], metavar="NAME:INJECT",
@@ -443,8 +445,8 @@ def _warn_missing_grads(run: PipelineRun, name: str) -> None:
     t = torch.tensor([sum(p.grad is None for p in params), len(params)])
     dist.all_reduce(t)  # each parameter counted once per dp rank
     if dist.get_rank() == 0 and t[0] > 0:
-        print(f"[{name}] WARNING: {t[0].item()} of {t[1].item()} parameter-gradient pieces are None",
-              flush=True)
+        print(f"[{name}] WARNING: {t[0].item()} of {t[1].item()} parameter-gradient pieces are "
+              "None", flush=True)
 
 
 def _global_mean(losses: list[float]) -> float:

@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--scale", type=int, default=1, help="model width multiplier (ModelArgs.scaled)")
     p.add_argument("--dump", type=Path, default=None,
-                   help="rank 0 writes full gradients, per-microbatch outputs and losses to this .pt file")
+                   help="rank 0 writes full gradients, per-microbatch outputs and losses to this "
+                        ".pt file")
     add_audit_args(p)
     return p.parse_args(argv)
 
@@ -131,17 +132,21 @@ def _global_mean(losses: list[float]) -> float:
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient as a plain full tensor (collective over the mesh); None stays None."""
+    """Every parameter's gradient as a plain full tensor (collective over the mesh); None stays
+    None."""
     grads = {}
     for name, param in model.named_parameters():
         g = param.grad
-        grads[name] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        if g is not None:
+            g = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        grads[name] = g
     return grads
 
 
 def dump_step(path: Path, step: int, model: torch.nn.Module, outputs: list[torch.Tensor],
               losses: list[float], dp_mesh) -> None:
-    """Rank 0 writes {step: {grads, outputs [dp, mb, ...], losses [dp, mb]}} to path (all steps so far)."""
+    """Rank 0 writes {step: {grads, outputs [dp, mb, ...], losses [dp, mb]}} to path (all steps
+    so far)."""
     grads = full_grads(model)
     group = dp_mesh.get_group()
     local_out = torch.stack(outputs)
@@ -152,7 +157,8 @@ def dump_step(path: Path, step: int, model: torch.nn.Module, outputs: list[torch
     dist.all_gather(gathered_loss, local_loss, group=group)
     if dist.get_rank() == 0:
         record = torch.load(path) if step > 0 and path.exists() else {}
-        record[step] = {"grads": grads, "outputs": torch.stack(gathered), "losses": torch.stack(gathered_loss)}
+        record[step] = {"grads": grads, "outputs": torch.stack(gathered),
+                        "losses": torch.stack(gathered_loss)}
         torch.save(record, path)
 
 

@@ -9,10 +9,11 @@ Each rank routes its own tokens, so every expert sees a different number of rows
 owns half of the experts and tokens travel to their expert's owner by all-to-all; the owner's rows
 for an expert arrive in source-rank order, which is the order of the logical tensor, so its one
 piece holds every part. `--backward` also runs backward: the all-to-alls are autograd-aware
-(torch.distributed._functional_collectives.all_to_all_single_autograd), the loss is a mean over the global batch on
-every rank (loss_normalization="global_mean": each rank's share of one mean), the gradients of
-parameters held by several ranks are summed over them, and the experts' gradients (phase bwd, the
-same ragged pieces as their activations) and every parameter's gradient (phase grad) are captured.
+(torch.distributed._functional_collectives.all_to_all_single_autograd), the loss is a mean
+over the global batch on every rank (loss_normalization="global_mean": each rank's share of one
+mean), the gradients of parameters held by several ranks are summed over them, and the experts'
+gradients (phase bwd, the same ragged pieces as their activations) and every parameter's
+gradient (phase grad) are captured.
 `--skip-renorm-layer N` plants a routing bug: layer N's top-k weights are not renormalized.
 `--sum-expert-grads` plants a reduction bug of expert parallelism: the experts' gradients are
 summed over the ranks as if every rank held the same experts (rank r's expert e gets the

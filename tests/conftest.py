@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
+import torch
 from hypothesis import settings
+
+from numaudit.auditor.daemon.server import BackgroundServer
+from numaudit.protos import numaudit_pb2_grpc
+from numaudit.wire import limits
+
+if TYPE_CHECKING:
+    from tests.pgserver import PgServer
 
 # Property tests draw the same examples on every run: a statistical band checked at 4 sigma fails
 # by chance once in a few thousand fresh examples, and `make test` must never fail by chance.
@@ -17,16 +26,11 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("NUMAUDIT_HYPOTHESIS_PROFILE", "ci"))
 
-import torch
-
 if not torch.cuda.is_available():
     # The Triton digest's tests run under Triton's CPU interpreter here. Triton reads this when it
-    # is first imported, and torch.compile's inductor imports it in earlier tests.
+    # is first imported, and torch.compile's inductor imports it in earlier tests. (Neither torch
+    # nor the daemon imported above imports Triton; this runs before any test module is imported.)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from numaudit.auditor.daemon.server import BackgroundServer
-from numaudit.protos import numaudit_pb2_grpc
-from numaudit.wire import limits
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,10 +60,10 @@ def auditor_stub(auditor_server: BackgroundServer) -> Iterator[numaudit_pb2_grpc
         yield numaudit_pb2_grpc.AuditorStub(channel)
 
 
-# -- A real PostgreSQL server (tests/pgserver.py) ---------------------------------------------------
+# -- A real PostgreSQL server (tests/pgserver.py) --------------------------------------------------
 
 @pytest.fixture(scope="session")
-def pg_server() -> Iterator["PgServer"]:
+def pg_server() -> Iterator[PgServer]:
     """One PostgreSQL 15 cluster for the whole test session, in a temporary directory.
 
     Fails (never skips) when PostgreSQL cannot start, unless NUMAUDIT_PG=skip says to skip."""

@@ -86,13 +86,14 @@ class PgServer:
                                 f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
         return proc
 
-    def start(self) -> "PgServer":
+    def start(self) -> PgServer:
         if not self.data.exists():
             self._run("initdb", "-D", str(self.data), "-U", self._user, "--auth=trust",
                       "-E", "UTF8", "--locale=C", "--no-sync")
         if not self.port:
             self.port = free_port()
-        opts = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.sock}"
+        opts = (f"-c listen_addresses=127.0.0.1 -p {self.port}"
+                f" -c unix_socket_directories={self.sock}"
                 " -c max_connections=200 -c fsync=on -c shared_buffers=128MB")
         self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"),
                   "-w", "-t", "60", "start")

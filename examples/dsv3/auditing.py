@@ -107,7 +107,8 @@ def capture_experts(agent, model: torch.nn.Module, group) -> None:
 
 
 def close_agent(agent, name: str) -> None:
-    """Flush the agent (collective: every rank must call it) and print the job's totals on rank 0."""
+    """Flush the agent (collective: every rank must call it) and print the job's totals on
+    rank 0."""
     import torch.distributed as dist
 
     s = agent.close()

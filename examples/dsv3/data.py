@@ -19,8 +19,10 @@ NOISE_FRACTION = 0.1
 """Share of tokens replaced by uniformly random ones."""
 
 
-def step_samples(seed: int, step: int, dp_rank: int, n_samples: int, seq_len: int, vocab: int) -> torch.Tensor:
-    """n_samples sequences of seq_len + 1 tokens for one (step, dp rank); int64 [n_samples, seq_len + 1]."""
+def step_samples(seed: int, step: int, dp_rank: int, n_samples: int, seq_len: int,
+                 vocab: int) -> torch.Tensor:
+    """n_samples sequences of seq_len + 1 tokens for one (step, dp rank); int64
+    [n_samples, seq_len + 1]."""
     gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 65_537 + dp_rank) % (2**63))
     start = torch.randint(0, vocab, (n_samples, 1), generator=gen)
     stride = torch.randint(1, 8, (n_samples, 1), generator=gen)
@@ -41,7 +43,8 @@ def batches(
     """
     step = 0
     while True:
-        samples = step_samples(seed, step, dp_rank, n_microbatches * microbatch_size, seq_len, vocab)
+        samples = step_samples(seed, step, dp_rank, n_microbatches * microbatch_size, seq_len,
+                               vocab)
         tokens, targets = samples[:, :-1], samples[:, 1:]
         yield [
             (tokens[j * microbatch_size:(j + 1) * microbatch_size].contiguous(),
@@ -52,5 +55,6 @@ def batches(
 
 
 def local_batch(microbatches: list[Microbatch]) -> Microbatch:
-    """The whole local batch (microbatches concatenated in order), as a pipeline schedule takes it."""
+    """The whole local batch (microbatches concatenated in order), as a pipeline schedule takes
+    it."""
     return (torch.cat([t for t, _ in microbatches]), torch.cat([y for _, y in microbatches]))

@@ -1,8 +1,8 @@
 """A small DeepSeek-V3-style transformer, written to be audited.
 
-Each block is RMSNorm -> multi-head latent attention -> RMSNorm -> mixture of experts, with residual
-connections around both. The module names follow DeepSeek-V3 / torchtitan (`layers.2.moe.experts.w1`)
-so that digests from this model read like digests from the real one.
+Each block is RMSNorm -> multi-head latent attention -> RMSNorm -> mixture of experts, with
+residual connections around both. The module names follow DeepSeek-V3 / torchtitan
+(`layers.2.moe.experts.w1`) so that digests from this model read like digests from the real one.
 
 Two properties matter more here than speed:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,8 @@ class ModelArgs:
     dim: int = 64
     """Model (residual stream) width."""
     n_layers: int = 4
-    """Number of transformer blocks; a pipeline split gives each stage a contiguous range of them."""
+    """Number of transformer blocks; a pipeline split gives each stage a contiguous range of
+    them."""
     n_heads: int = 4
     """Attention heads."""
     kv_lora_rank: int = 32
@@ -42,7 +43,8 @@ class ModelArgs:
     qk_nope_head_dim: int = 16
     """Per-head query/key width that carries no positional rotation."""
     qk_rope_head_dim: int = 8
-    """Per-head query/key width that gets the rotary embedding (the key part is shared by all heads)."""
+    """Per-head query/key width that gets the rotary embedding (the key part is shared by all
+    heads)."""
     v_head_dim: int = 16
     """Per-head value width."""
     n_routed_experts: int = 4
@@ -50,7 +52,8 @@ class ModelArgs:
     n_activated_experts: int = 2
     """Experts each token is sent to (top-k of the router scores)."""
     n_shared_experts: int = 1
-    """Shared experts every token goes through; they form one SwiGLU of this many times `moe_inter_dim`."""
+    """Shared experts every token goes through; they form one SwiGLU of this many times
+    `moe_inter_dim`."""
     moe_inter_dim: int = 64
     """Hidden width of one expert's SwiGLU."""
     max_seq_len: int = 64
@@ -67,8 +70,9 @@ class ModelArgs:
         """Full per-head query/key width (rotated part plus unrotated part)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def scaled(self, factor: int) -> "ModelArgs":
-        """The same architecture `factor` times wider (dims, latent, expert widths); depth unchanged."""
+    def scaled(self, factor: int) -> ModelArgs:
+        """The same architecture `factor` times wider (dims, latent, expert widths); depth
+        unchanged."""
         if factor < 1:
             raise ValueError(f"scale factor must be >= 1, got {factor}")
         return dataclasses.replace(
@@ -129,7 +133,8 @@ class Attention(nn.Module):
 
         kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin)
-        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, self.n_heads, self.nope_dim + self.v_dim)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, self.n_heads,
+                                               self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
 
@@ -178,7 +183,8 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """Routed experts as stacked weights: w1, w3 [experts, hidden, dim]; w2 [experts, dim, hidden]."""
+    """Routed experts as stacked weights: w1, w3 [experts, hidden, dim]; w2 [experts, dim,
+    hidden]."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -210,7 +216,8 @@ class MoE(nn.Module):
         """Called with (self, expert inputs, expert outputs, rows per expert) after the experts
         ran: the audit path (examples/dsv3/auditing.py `capture_experts`). None: nothing."""
         self.drop_expert: int | None = None
-        """Fault injection only: the tokens routed to this expert are dropped (their slot adds 0)."""
+        """Fault injection only: the tokens routed to this expert are dropped (their slot
+        adds 0)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -315,7 +322,8 @@ def _name_seed(seed: int, name: str) -> int:
 def stage_layer_ids(n_layers: int, stage_index: int, num_stages: int) -> list[int]:
     """The contiguous layers a stage owns: an even split, earlier stages taking any remainder."""
     if not 0 <= stage_index < num_stages <= n_layers:
-        raise ValueError(f"cannot give stage {stage_index} of {num_stages} a share of {n_layers} layers")
+        raise ValueError(f"cannot give stage {stage_index} of {num_stages} a share of "
+                         f"{n_layers} layers")
     base, extra = divmod(n_layers, num_stages)
     start = stage_index * base + min(stage_index, extra)
     return list(range(start, start + base + (1 if stage_index < extra else 0)))

@@ -26,7 +26,7 @@ def main() -> None:
         try:
             await asyncio.wait_for(ran.wait(), 10.0)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     ok = loop.run_until_complete(wait())

@@ -313,7 +313,8 @@ def test_without_auditor_records_are_spooled_and_ingest_replays_them_once(tmp_pa
     assert s["dropped"] == 0 and s["spooled"] == s["captured"] > 0
     db = tmp_path / "replay.db"
     (first,) = replay_into_db([spool], db)
-    assert (first.run, first.stored, first.rejected, first.skipped_frames) == ("offline", s["captured"], [], 0)
+    assert (first.run, first.stored, first.rejected, first.skipped_frames) == (
+        "offline", s["captured"], [], 0)
     (again,) = replay_into_db([spool], db)
     assert again.stored == 0 and again.duplicates == s["captured"]
     rows = _records(db, "offline")
@@ -328,7 +329,7 @@ def test_hung_auditor_close_spills_and_returns_in_time(tmp_path):
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(16)
-        address = "127.0.0.1:%d" % hung.getsockname()[1]
+        address = f"127.0.0.1:{hung.getsockname()[1]}"
         model = Net()
         agent = numaudit.attach(model, run="ref", address=address, spool_dir=str(spool),
                               flush_timeout_s=1.0, connect_timeout_s=0.3)

@@ -43,7 +43,8 @@ def test_the_close_summary_shows_and_a_taken_name_spools_for_ingest(tmp_path):
         assert len(lines) == 2, proc.stderr
         first, second = lines
         # logging was never configured: the INFO line shows anyway, once per close
-        assert first.startswith("INFO numaudit.agents.summary: rank 0: numaudit run=taken: captured ")
+        assert first.startswith(
+            "INFO numaudit.agents.summary: rank 0: numaudit run=taken: captured ")
         assert re.search(r"acked by the auditor (\d+), spooled 0, dropped 0", first)
         n = int(re.search(r"captured (\d+)", first).group(1))
         assert second.startswith("WARNING numaudit.agents.summary: rank 0:")

@@ -50,9 +50,9 @@ def test_compiled_model_captures_like_eager_and_does_not_recompile_on_toggle():
     graphs: list[int] = []
     counters.clear()
     got, after_step = _train(True, graphs)
-    # Dynamo never traces the agent's hooks (agents.capture.hooks.not_traced): the one graph break is
-    # where a compiled frame calls a disabled hook; none inside the hook's own code, and no
-    # frame of it is compiled (that would be another break, at the disabled call within).
+    # Dynamo never traces the agent's hooks (agents.capture.hooks.not_traced): the one graph break
+    # is where a compiled frame calls a disabled hook; none inside the hook's own code, and no frame
+    # of it is compiled (that would be another break, at the disabled call within).
     breaks = [k.splitlines()[0] for k in counters["graph_break"]]
     assert breaks and set(breaks) == {"Skip inlining `torch.compiler.disable()`d function"}, \
         breaks

@@ -73,7 +73,8 @@ def test_capturer_captures_only_selected_steps():
         cap.start_step(step)
         assert cap.wants("input") == (step in (0, 2, 4))
         cap.capture(torch.ones(4), phase="input", site="x")  # explicit captures follow it too
-        cap.capture_segments(torch.ones(3, 2), [1, 2], [RaggedRows(0, 1, 0, 1), RaggedRows(0, 2, 0, 1)],
+        cap.capture_segments(torch.ones(3, 2), [1, 2],
+                             [RaggedRows(0, 1, 0, 1), RaggedRows(0, 2, 0, 1)],
                              phase="fwd", site="experts", role="output")
         cap.flush()
     assert [(c.step, c.site) for b in batches for c in b.captures] == [

@@ -2,11 +2,11 @@
 
 On CUDA a device batch reaches the sender with its rows and payloads in host buffers that
 asynchronous copies are still filling, and an event recorded after those copies
-(agents/digest/digest.py ``digest_batch_to_host``, agents/digest/device_copy.py). The training thread never
-waits on it; the sender must, before it reads anything of the batch. Here a batch made by the
-agent's own capture path is handed to the sender with its buffers blanked and a CPU stand-in
-for the event that fills them when waited on: what a real daemon stores is what the "copies"
-wrote only if the sender waited first, on its own thread.
+(agents/digest/digest.py ``digest_batch_to_host``, agents/digest/device_copy.py). The training
+thread never waits on it; the sender must, before it reads anything of the batch. Here a batch made
+by the agent's own capture path is handed to the sender with its buffers blanked and a CPU stand-in
+for the event that fills them when waited on: what a real daemon stores is what the "copies" wrote
+only if the sender waited first, on its own thread.
 """
 
 from __future__ import annotations

@@ -190,7 +190,8 @@ def test_dtensor_captures_take_the_fast_path_and_record_what_the_general_path_do
         # captures (the empty shard on ranks 2 and 3) and the parameter's gradient and value
         assert {k[2] for k in fast} == {1, 2, 3, 4}, sorted(fast)
         assert len(fast) == 2 * (1 + 1 + 4 + (rank >= 2) + 1 + 1), sorted(fast)
-        dtensor_plans = [p for key, p in cap._plans.fused.items() if len(key) == 8]  # keyed by the layout too
+        # keyed by the layout too
+        dtensor_plans = [p for key, p in cap._plans.fused.items() if len(key) == 8]
         assert dtensor_plans and all(p is not None for p in dtensor_plans)
         for key, (layout, dtype, i64, f64) in fast.items():
             r_layout, r_dtype, r_i64, r_f64 = ref[key]

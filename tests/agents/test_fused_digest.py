@@ -59,7 +59,8 @@ def assert_same(t: torch.Tensor, layout: PieceLayout, k: int = K) -> None:
         assert torch.equal(got64, ref64)
 
 
-def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int, specials: list[int]) -> torch.Tensor:
+def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int,
+            specials: list[int]) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     n = math.prod(shape)
     if dtype.is_floating_point or dtype.is_complex:

@@ -124,7 +124,8 @@ def test_shard_pieces_are_boxes_that_tile(case):
             index = replay_box(global_shape, mesh_shape, coord, placements, d)
             assert lay.shape[d] == index.numel()
             if index.numel():
-                assert torch.equal(index, torch.arange(lay.offsets[d], lay.offsets[d] + lay.shape[d]))
+                expected = torch.arange(lay.offsets[d], lay.offsets[d] + lay.shape[d])
+                assert torch.equal(index, expected)
     assert (cover == copies).all()
 
 

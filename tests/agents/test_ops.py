@@ -1,5 +1,5 @@
-"""Op-level captures (agents/capture/ops.py) against a real auditor: what is captured, where, and what
-the comparison makes of it (issue 43)."""
+"""Op-level captures (agents/capture/ops.py) against a real auditor: what is captured, where, and
+what the comparison makes of it (issue 43)."""
 
 from __future__ import annotations
 

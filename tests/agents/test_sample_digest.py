@@ -1,5 +1,6 @@
-"""Per-sample digests (agents/digest/sample_digest.py): each unit's digest is the definition's (Python,
-unbounded integers mod 2**64), whichever implementation made it, and what the hooks record."""
+"""Per-sample digests (agents/digest/sample_digest.py): each unit's digest is the definition's
+(Python, unbounded integers mod 2**64), whichever implementation made it, and what the hooks
+record."""
 
 from __future__ import annotations
 

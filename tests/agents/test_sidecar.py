@@ -95,7 +95,8 @@ def _start_sidecar(sock: str, spool: Path, auditor: str | None, log: Path) -> su
     cmd = [sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sock, "--spool", str(spool)]
     if auditor:
         cmd += ["--auditor", auditor]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    with open(log, "ab") as out:  # the sidecar writes its own copy of the file descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     assert wait_for_socket(sock, 20), log.read_text()
     return proc
 
@@ -207,7 +208,8 @@ def test_the_sidecar_spools_the_bytes_a_rank_sent(tmp_path, monkeypatch):
         assert received_records_checksum(body) == batch.records_crc32
 
 
-def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tmp_path, monkeypatch):
+def test_attach_starts_the_node_sidecar_which_exits_when_idle(auditor_server, tmp_path,
+                                                              monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     sock = f"unix://{tmp_path}/node.sock"
     agent = agents.attach(None, run="ref", sidecar=sock, start_sidecar=True,

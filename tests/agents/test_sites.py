@@ -15,7 +15,8 @@ def test_wrapper_prefixes_are_stripped():
 
 
 def _model():
-    return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
+    return torch.nn.Sequential(torch.nn.Linear(2, 2),
+                               torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
 
 
 def test_selection_by_glob_depth_and_exclusion():

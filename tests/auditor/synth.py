@@ -1,18 +1,18 @@
 """Synthetic runs written through the real ingest path, for the comparison tests.
 
 Tensors are real torch tensors; pieces are digested by the agent's own code
-(`agents.digest.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`), wrapped in
-protobuf records, validated as the daemon does, and stored by `StoreWriter` + `Store.ingest` into
-a real SQLite file or PostgreSQL database (`open_writer`).
+(`agents.digest.digest.digest_piece`) with the agent's layouts (`agents.layout.PieceLayout`),
+wrapped in protobuf records, validated as the daemon does, and stored by `StoreWriter` +
+`Store.ingest` into a real SQLite file or PostgreSQL database (`open_writer`).
 """
 
 from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 import zstandard

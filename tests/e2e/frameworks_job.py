@@ -63,7 +63,8 @@ def readme_loop(agent, model, optimizer, microbatches_of, loss_of, backward=None
                     loss = loss_of(x)
                     agent.capture(loss, site="loss", phase="loss")
                     (backward or torch.Tensor.backward)(loss)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 # -- transformers ----------------------------------------------------------------------------------
@@ -210,7 +211,8 @@ def run_tt(case: str, run: str) -> None:
                     loss = loss_of(x)
                     agent.capture(loss, site="loss", phase="loss", reduce="sum")
                     backward(loss)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
     agent.close()
 
 

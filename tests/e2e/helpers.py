@@ -13,18 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Daemon:
-    """`python -m numaudit.auditor serve` on a free port; stop() sends SIGTERM and returns the exit code."""
+    """`python -m numaudit.auditor serve` on a free port; stop() sends SIGTERM and returns the exit
+    code."""
 
     def __init__(self, tmp: Path, name: str = "audit") -> None:
         self.db = tmp / f"{name}.db"
         self.port_file = tmp / f"{name}.port"
         self.log = tmp / f"{name}.log"
-        self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
-             "--db", str(self.db), "--port-file", str(self.port_file)],
-            stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
+        with open(self.log, "w") as out:  # the daemon writes its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
+                 "--db", str(self.db), "--port-file", str(self.port_file)],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            )
         deadline = time.monotonic() + 30
         while not (self.port_file.exists() and self.port_file.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -35,10 +36,7 @@ class Daemon:
     def stop(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._out.close()
+        return self.proc.wait(timeout)
 
 
 def torchrun(script: str, nproc: int, *args: str, env: dict | None = None,

@@ -1,6 +1,7 @@
-"""Several runs of examples/tiny_moe.py in one torchrun job, one after another.
+r"""Several runs of examples/tiny_moe.py in one torchrun job, one after another.
 
-    torchrun --standalone --nproc-per-node 2 tests/e2e/moe_job.py "ddp --backward" "ep --ep --backward"
+    torchrun --standalone --nproc-per-node 2 tests/e2e/moe_job.py \
+        "ddp --backward" "ep --ep --backward"
 
 Each argument is one run: its run name, then tiny_moe.py's own options. Every run is tiny_moe's
 `main()` with those options, as `torchrun ... examples/tiny_moe.py --name NAME OPTIONS...` runs it

@@ -3,11 +3,12 @@
     python tests/e2e/parallel_job.py single:ref                       # the reference, one process
     torchrun --standalone --nproc-per-node 2 tests/e2e/parallel_job.py ddp:ddp fsdp:fsdp ...
 
-Each argument is CASE:RUN (CASE+rename: with NUMAUDIT_RENAME_IF_TAKEN=1); the cases of one job run one after another in the same process group,
-each with a fresh model (same seed), its own agent and run name. Every non-pipelined case runs
-the README's snippet verbatim (per-rank mean loss, DDP/FSDP averaging, `bwd` captured, every rank
-attached); pipelined cases use agents.pipeline as the README says. Planted bugs are cases too.
-Environment: NUMAUDIT_ADDR (the shared daemon), NUMAUDIT_PHASES (bwd added by the test).
+Each argument is CASE:RUN (CASE+rename: with NUMAUDIT_RENAME_IF_TAKEN=1); the cases of one job run
+one after another in the same process group, each with a fresh model (same seed), its own agent and
+run name. Every non-pipelined case runs the README's snippet verbatim (per-rank mean loss, DDP/FSDP
+averaging, `bwd` captured, every rank attached); pipelined cases use agents.pipeline as the README
+says. Planted bugs are cases too. Environment: NUMAUDIT_ADDR (the shared daemon), NUMAUDIT_PHASES
+(bwd added by the test).
 
 Gradient clipping (issue 11): `single_clip` is the reference (the README loop with
 `torch.nn.utils.clip_grad_norm_` before `optimizer.step()`, the optimizer watched: phases
@@ -112,7 +113,8 @@ def readme_loop(agent, model, optimizer, microbatches_of, loss_of=loss_fn, clip=
                     backward(loss)
         if clip is not None:
             clip(model)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def run_single(run: str, clip: bool = False) -> None:
@@ -407,7 +409,8 @@ def run_pp(case: str, run: str) -> None:
             clip_global(params, MAX_NORM, mesh.get_group("pp"))
         elif case == "pp_clip_local":  # planted: each stage clips by its own gradient norm
             torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
     agent.close()
 
 

@@ -112,7 +112,8 @@ def run_pp(case: str, run: str) -> None:
             args = (x,) if holds_first else ()
             kwargs = {"target": target} if holds_last else {}
             schedule.step(*args, **kwargs)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
     write_summary(run, agent.close())
 
 

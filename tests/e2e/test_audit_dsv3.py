@@ -81,8 +81,9 @@ class Audits:
         for preset in presets:
             out = self.build / f"report-{name}-{preset}.json"
             procs[preset] = out, subprocess.Popen(
-                [sys.executable, "-m", "numaudit.auditor", "compare", "ref", name, "--db", str(outcome.db),
-                 "--preset", preset, "--format", "json", "-o", str(out)], cwd=audit.ROOT)
+                [sys.executable, "-m", "numaudit.auditor", "compare", "ref", name,
+                 "--db", str(outcome.db), "--preset", preset, "--format", "json", "-o", str(out)],
+                cwd=audit.ROOT)
         return {preset: (proc.wait(300), json.loads(out.read_text()))
                 for preset, (out, proc) in procs.items()}
 

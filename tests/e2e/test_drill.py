@@ -30,8 +30,9 @@ def test_watch_escalate_names_the_operation_for_step_1_without_a_rerun(tmp_path)
     daemon = Daemon(tmp_path)
     try:
         watch = subprocess.Popen(
-            [sys.executable, "-m", "numaudit.auditor", "watch", "ref", "cand", "--escalate", "--address",
-             daemon.address, "--wait", "--poll", "0.2", "--preset", "fp32", "--format", "json"],
+            [sys.executable, "-m", "numaudit.auditor", "watch", "ref", "cand", "--escalate",
+             "--address", daemon.address, "--wait", "--poll", "0.2", "--preset", "fp32",
+             "--format", "json"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         jobs = [_job("ref", 1.0, daemon.address), _job("cand", 0.5, daemon.address)]
         outs = [job.communicate(timeout=200)[0] for job in jobs]

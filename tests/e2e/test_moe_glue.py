@@ -32,8 +32,8 @@ def store(tmp_path_factory):
             ref = pool.submit(run_ok, [sys.executable, str(JOB), "ref:ref"],
                               dict(env, WORLD_SIZE="1"))
             run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc-per-node=2", str(JOB), "ddp:ddp", "ddp_bug:ddp_bug", "ddp_nopay:ddp_nopay",
-                    "ddp_bug_nopay:ddp_bug_nopay"], env)
+                    "--nproc-per-node=2", str(JOB), "ddp:ddp", "ddp_bug:ddp_bug",
+                    "ddp_nopay:ddp_nopay", "ddp_bug_nopay:ddp_bug_nopay"], env)
             ref.result()
         yield daemon.db
     finally:

@@ -64,8 +64,9 @@ def moe_store(tmp_path_factory):
 
 def compare(db, tmp, ref: str, cand: str) -> tuple[int, dict]:
     out = tmp / f"{ref}-{cand}.json"
-    rc = subprocess.call([sys.executable, "-m", "numaudit.auditor", "compare", ref, cand, "--db", str(db),
-                          "--preset", "fp32", "--format", "json", "-o", str(out)], cwd=ROOT)
+    rc = subprocess.call([sys.executable, "-m", "numaudit.auditor", "compare", ref, cand,
+                          "--db", str(db), "--preset", "fp32", "--format", "json", "-o", str(out)],
+                         cwd=ROOT)
     return rc, json.loads(out.read_text())
 
 

@@ -104,8 +104,8 @@ class Matrix:
         return code, (json.loads(text) if fmt == "json" else text)
 
     def show(self, run: str) -> str:
-        return _run([sys.executable, "-m", "numaudit.auditor", "show", run, "--db", str(self.daemon.db)],
-                    dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+        return _run([sys.executable, "-m", "numaudit.auditor", "show", run,
+                     "--db", str(self.daemon.db)], dict(os.environ, PYTHONPATH=str(ROOT))).stdout
 
 
 @pytest.fixture(scope="module")
@@ -399,11 +399,13 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
                if "ERROR" in line and "ALREADY_EXISTS" in line and "'ddp' belongs to another job"
                in line]
     assert len(refused) == 2, log[-3000:]  # one clear error per rank
-    spooled = re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, spooled 370 in \S+, "
-                         r"dropped 0; .*`(auditor ingest \S+ --run NEW_NAME --address \S+)` "
+    spooled = re.findall(r"numaudit run=ddp: captured 370: acked by the auditor 0, "
+                         r"spooled 370 in \S+, dropped 0; "
+                         r".*`(auditor ingest \S+ --run NEW_NAME --address \S+)` "
                          r"stores them under a new name", log)
     assert len(spooled) == 2, log[-3000:]  # nothing lost to the name clash: told how to keep it
-    assert len(re.findall(r"numaudit run=ddp\.2: captured 370: acked by the auditor 370,", log)) == 2
+    kept = re.findall(r"numaudit run=ddp\.2: captured 370: acked by the auditor 370,", log)
+    assert len(kept) == 2
     shown = matrix.show("ddp")
     assert "2 ranks registered" in shown and "740 records" in shown  # the first job's, untouched
     assert "conflicts: 0" in shown
@@ -411,8 +413,8 @@ def test_rerun_under_an_existing_name_is_refused_then_renamed(matrix):
     assert code == 0 and report["runs"]["cand"]["ranks_registered"] == 2
     # the refused job's spools, stored as its log says, under a new name: the same run as ddp
     files = [cmd.split()[2] for cmd in spooled]
-    _run([sys.executable, "-m", "numaudit.auditor", "ingest", *files, "--run", "ddp_kept", "--address",
-          matrix.daemon.address], dict(os.environ, PYTHONPATH=str(ROOT)))
+    _run([sys.executable, "-m", "numaudit.auditor", "ingest", *files, "--run", "ddp_kept",
+          "--address", matrix.daemon.address], dict(os.environ, PYTHONPATH=str(ROOT)))
     code, report = matrix.compare("ddp_kept", ref="ddp")
     assert code == 0 and report["summary"]["keys"] == 370, report["summary"]
 

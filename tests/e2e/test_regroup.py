@@ -61,7 +61,8 @@ def _phases(report: dict) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("cand, grouping", [
-    ("acc4", "acc1 groups the step's 16 samples as 1 microbatch of 16, acc4 as 4 microbatches of 4"),
+    ("acc4", "acc1 groups the step's 16 samples as 1 microbatch of 16, acc4 as 4 "
+             "microbatches of 4"),
     ("ddp_local", "acc1 groups the step's 16 samples as 1 microbatch of 16, ddp_local as 2 "
                   "microbatches of 8")])
 def test_accumulation_and_local_microbatches_compare_with_one_batch(store, cand, grouping):

@@ -97,7 +97,8 @@ def test_layouts_tile_every_logical_tensor(tiny_store):
 
 def test_parameter_outside_the_graph_is_an_explicit_none_record(tiny_store):
     db, _ = tiny_store
-    rows = [r for r in Reader(db).records("tiny") if r[3] == "head.unused" and r[2] == pb.PHASE_GRAD]
+    rows = [r for r in Reader(db).records("tiny")
+            if r[3] == "head.unused" and r[2] == pb.PHASE_GRAD]
     assert sorted(r[7] for r in rows) == [0, 1]
     assert all(r[9] == 1 for r in rows)
     assert Reader(db).none_grad_sites("tiny") == ["head.unused"]

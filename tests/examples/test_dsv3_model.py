@@ -58,8 +58,9 @@ def test_expert_bias_is_a_buffer_and_experts_are_stacked():
     assert "layers.0.moe.router.expert_bias" in buffers
     assert not any("expert_bias" in n for n in params)
     args = model.args
-    assert params["layers.2.moe.experts.w1"].shape == (args.n_routed_experts, args.moe_inter_dim, args.dim)
-    assert params["layers.2.moe.experts.w2"].shape == (args.n_routed_experts, args.dim, args.moe_inter_dim)
+    experts, hidden = args.n_routed_experts, args.moe_inter_dim
+    assert params["layers.2.moe.experts.w1"].shape == (experts, hidden, args.dim)
+    assert params["layers.2.moe.experts.w2"].shape == (experts, args.dim, hidden)
     assert "layers.2.moe.shared_experts.w3.weight" in params
     assert "layers.2.moe.router.gate.weight" in params
 
@@ -68,7 +69,8 @@ def test_init_is_deterministic_from_the_seed():
     a, b, c = _model(seed=3), _model(seed=3), _model(seed=4)
     state_a, state_b, state_c = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
-    assert not torch.equal(state_a["layers.0.attention.wq.weight"], state_c["layers.0.attention.wq.weight"])
+    wq = "layers.0.attention.wq.weight"
+    assert not torch.equal(state_a[wq], state_c[wq])
 
 
 def test_stage_init_matches_full_model_init():
@@ -92,7 +94,8 @@ def test_stage_split_keeps_fqns_and_partitions_the_model():
         assert (stage.output is not None) == (s == NUM_STAGES - 1)
         seen += names
     assert sorted(seen) == sorted(full_names)  # every parameter in exactly one stage
-    assert "layers.2.moe.experts.w1" in {n for n, _ in prune_to_stage(_model(), 2, NUM_STAGES).named_parameters()}
+    stage_2 = prune_to_stage(_model(), 2, NUM_STAGES)
+    assert "layers.2.moe.experts.w1" in {n for n, _ in stage_2.named_parameters()}
 
 
 def test_stages_in_sequence_are_bitwise_the_full_model():
@@ -155,5 +158,6 @@ def test_targets_are_next_tokens_and_local_batch_splits_back():
     tokens, targets = local_batch(mbs)
     assert torch.equal(tokens[:, 1:], targets[:, :-1])
     # What a pipeline schedule does with the local batch: equal chunks along dim 0.
-    for j, (chunk_x, chunk_y) in enumerate(zip(torch.tensor_split(tokens, 4), torch.tensor_split(targets, 4))):
+    chunks = zip(torch.tensor_split(tokens, 4), torch.tensor_split(targets, 4))
+    for j, (chunk_x, chunk_y) in enumerate(chunks):
         assert torch.equal(chunk_x, mbs[j][0]) and torch.equal(chunk_y, mbs[j][1])

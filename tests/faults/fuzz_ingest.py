@@ -19,7 +19,8 @@ from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports(include=["numaudit.auditor.daemon.validate", "numaudit.auditor.store"]):
+with atheris.instrument_imports(include=["numaudit.auditor.daemon.validate",
+                                         "numaudit.auditor.store"]):
     from numaudit.auditor.daemon.validate import ValidationError
     from numaudit.auditor.store import Store, StoreError
 

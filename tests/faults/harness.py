@@ -1,7 +1,7 @@
 """Processes and store checks shared by the fault tests.
 
-- `Auditor`: `python -m numaudit.auditor serve` on a fixed loopback port and db, so it can be SIGKILLed,
-  SIGSTOPped, SIGTERMed and started again on the same address and file.
+- `Auditor`: `python -m numaudit.auditor serve` on a fixed loopback port and db, so it can be
+  SIGKILLed, SIGSTOPped, SIGTERMed and started again on the same address and file.
 - `Writer`: tests/faults/writer_job.py as a subprocess ("the training process"), and readers for
   what it logged (batches cut, acks, failures, its final report).
 - `StoreView`: what a store file holds for a run, checked against what the writers produced.
@@ -19,9 +19,9 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -61,7 +61,7 @@ def _tail(path: Path, n: int = 3000) -> str:
         return "(no log)"
 
 
-# -- the auditor daemon -----------------------------------------------------------------------------
+# -- the auditor daemon ----------------------------------------------------------------------------
 
 class Auditor:
     """`auditor serve` on 127.0.0.1:`port` over `db`; restartable on the same address and file."""
@@ -87,16 +87,16 @@ class Auditor:
         """Start and wait until it listens; returns the monotonic time it was seen ready."""
         port_file = self.tmp / "auditor.port"
         port_file.unlink(missing_ok=True)
-        out = open(self.log, "a")
-        out.write(f"--- start {self.starts} at {time.monotonic():.3f}\n")
-        out.flush()
-        self.proc = subprocess.Popen(
-            [PY, "-m", "numaudit.auditor", "serve", "--listen", self.address, "--db", str(self.db),
-             "--port-file", str(port_file), "--grace", str(self.grace), *self.extra],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=self.preexec_fn,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        out.close()
+        with open(self.log, "a") as out:  # the daemon writes its own copy of the descriptor
+            out.write(f"--- start {self.starts} at {time.monotonic():.3f}\n")
+            out.flush()
+            self.proc = subprocess.Popen(
+                [PY, "-m", "numaudit.auditor", "serve", "--listen", self.address,
+                 "--db", str(self.db), "--port-file", str(port_file),
+                 "--grace", str(self.grace), *self.extra],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=self.preexec_fn,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         proc, launched = self.proc, time.monotonic()
 
         def ready() -> bool:
@@ -150,7 +150,7 @@ class Auditor:
             self.proc.wait(10)
 
 
-# -- the training process ---------------------------------------------------------------------------
+# -- the training process --------------------------------------------------------------------------
 
 class Writer:
     """tests/faults/writer_job.py in a subprocess, with readers for its logs.
@@ -215,7 +215,8 @@ class Writer:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"writer still running after {timeout}s:\n{_tail(self.log)}")
+            raise AssertionError(
+                f"writer still running after {timeout}s:\n{_tail(self.log)}") from None
         return rc
 
     def finish(self, timeout: float) -> dict:
@@ -292,7 +293,7 @@ class Writer:
         return sorted(self.spool.glob("*.spool")) if self.spool.exists() else []
 
 
-# -- what the store holds ---------------------------------------------------------------------------
+# -- what the store holds --------------------------------------------------------------------------
 
 def _segments_match(conn: sqlite3.Connection, run_id: int) -> bool:
     from numaudit.auditor.store import key_segments
@@ -315,10 +316,11 @@ class StoreView:
     integrity: str
     sessions: list[dict] = field(default_factory=list)
     segments_match: bool = True
-    """The run's key segments hold exactly its records, by record id (auditor.store.key_segments)."""
+    """The run's key segments hold exactly its records, by record id
+    (auditor.store.key_segments)."""
 
     @classmethod
-    def read(cls, db: Path, run: str = "faults") -> "StoreView":
+    def read(cls, db: Path, run: str = "faults") -> StoreView:
         conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
         try:
             integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]

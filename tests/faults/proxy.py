@@ -21,8 +21,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 UP, DOWN = "up", "down"
 """UP: client (agent) -> server (auditor); DOWN: server -> client."""
@@ -130,7 +130,8 @@ class FaultProxy:
         """Probability that a forwarded chunk has one byte flipped."""
         self.corrupt_directions: tuple[str, ...] = (UP,)
         self.corrupt_after = 0
-        """Bytes of each connection (per direction) left intact first: 0 corrupts the preface too."""
+        """Bytes of each connection (per direction) left intact first: 0 corrupts the preface
+        too."""
         self.rewrite: Callable[[str, bytes], bytes] | None = None
         """A deterministic mutation hook (direction, chunk) -> chunk."""
         self.break_frames_p = 0.0
@@ -194,7 +195,7 @@ class FaultProxy:
         for t in self._threads:
             t.join(2.0)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -243,7 +244,7 @@ class FaultProxy:
                     continue  # paused: read nothing, so the sender's buffers fill up
                 try:
                     data = src.recv(_CHUNK)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     break
@@ -269,7 +270,7 @@ class FaultProxy:
                 continue
             try:
                 n = dst.send(view)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             view = view[n:]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from functools import partial
 
 import pytest
 
@@ -36,6 +37,10 @@ def _kill_restart_run(tmp_path, *, kills: int, writers: int, rate: float, seed: 
                               "--flush-timeout", str(FLUSH_S)], inprocess=inprocess)
                 for r in range(writers)]
         wait_until(lambda: all(j.acks() for j in jobs), 60, "first acks")
+
+        def acked_after(t: float) -> bool:
+            return all(j.first_ack_after(t) for j in jobs)
+
         deadline = time.monotonic() + budget_s
         reconnect_s = []
         for _ in range(kills):
@@ -45,8 +50,7 @@ def _kill_restart_run(tmp_path, *, kills: int, writers: int, rate: float, seed: 
             auditor.kill()
             time.sleep(rng.uniform(0.0, 0.5))
             ready = auditor.start()
-            wait_until(lambda: all(j.first_ack_after(ready) for j in jobs), 30,
-                       "acks after the restart")
+            wait_until(partial(acked_after, ready), 30, "acks after the restart")
             reconnect_s.append(max(j.first_ack_after(ready) for j in jobs) - ready)
         time.sleep(rng.uniform(0.1, 0.5))
         auditor.kill()  # down for good while the training job ends: close() must spill
@@ -86,7 +90,8 @@ def _check(run: dict) -> None:
         assert len(mine) + s["dropped"] == s["captured"] == rep["records"], (len(mine), s)
         assert mine == job.expected_keys(rep["records"]) or s["dropped"], "keys differ"
         (session,) = [x for x in view.sessions if x["session_id"] == rep["session_id"]]
-        assert (session["records_sent"], session["records_dropped"]) == (s["captured"], s["dropped"])
+        assert (session["records_sent"], session["records_dropped"]) == (s["captured"],
+                                                                         s["dropped"])
     assert all(r.rejected == [] and r.error is None for r in run["results"])
     spilled = sum(r["summary"]["spooled"] for r in reports)
     assert spilled > 0 and sum(r.stored for r in run["results"]) <= spilled
@@ -135,7 +140,8 @@ def test_sigkill_restart_many_times_two_ranks(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_graceful_restart_loses_nothing(tmp_path):
-    """SIGTERM: streams end with UNAVAILABLE after their commit; the agent resumes on the new one."""
+    """SIGTERM: streams end with UNAVAILABLE after their commit; the agent resumes on the new
+    one."""
     auditor = Auditor(tmp_path)
     writer = None
     try:

@@ -1,4 +1,5 @@
-"""An auditor that never started: training is not blocked, close is bounded, the spill replays once."""
+"""An auditor that never started: training is not blocked, close is bounded, the spill replays
+once."""
 
 from __future__ import annotations
 

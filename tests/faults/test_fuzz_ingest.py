@@ -30,8 +30,8 @@ from numaudit.wire import packed as P
 from tests.faults.corpus import real_session
 from tests.faults.harness import ROOT, Auditor, figure
 
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED,
-            grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED}
+REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED}
 T = 10
 _counter = itertools.count()
 _tried = {"bytes": 0, "fields": 0, "accepted": 0, "refused": 0}
@@ -189,7 +189,8 @@ def _mutate_fields(draw, b: pb.RecordBatch) -> None:
             delta = draw(st.sampled_from([-1, 1, 1 << 20, 1 << 40]))
             value = getattr(p, field) + delta
             lo, hi = {"crc32": (0, (1 << 32) - 1), "chunk_index": (-(1 << 31), (1 << 31) - 1),
-                      "chunk_count": (-(1 << 31), (1 << 31) - 1)}.get(field, (-(1 << 63), (1 << 63) - 1))
+                      "chunk_count": (-(1 << 31), (1 << 31) - 1),
+                      }.get(field, (-(1 << 63), (1 << 63) - 1))
             setattr(p, field, min(max(value, lo), hi))
     elif choice == "shape" and not r.is_none and r.layout.shape:
         dim = draw(st.integers(0, len(r.layout.shape) - 1))
@@ -273,6 +274,7 @@ def test_atheris_on_the_ingest_path(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     done = re.search(r"Done (\d+) runs in (\d+) second", out)
-    executed = int(done.group(1)) if done else int(re.findall(r"stat::number_of_executed_units:\s*(\d+)", out)[-1])
+    executed = (int(done.group(1)) if done else
+                int(re.findall(r"stat::number_of_executed_units:\s*(\d+)", out)[-1]))
     figure("fuzz.atheris_runs", executed)
     assert executed >= 500, out[-2000:]

@@ -39,9 +39,9 @@ def _wait(predicate, timeout: float = 60.0) -> bool:
 def test_a_full_spool_acks_nothing_it_did_not_write(tmp_path):
     sock = f"unix://{tmp_path}/s.sock"
     spool = tmp_path / "relay"
-    log = open(tmp_path / "sidecar.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sock,
-                             "--spool", str(spool)], cwd=ROOT, stdout=log, stderr=log)
+    with open(tmp_path / "sidecar.log", "ab") as log:  # the sidecar writes its own copy of it
+        proc = subprocess.Popen([sys.executable, "-m", "numaudit.agents.sidecar", "--listen", sock,
+                                 "--spool", str(spool)], cwd=ROOT, stdout=log, stderr=log)
     try:
         assert wait_for_socket(sock, 60)
         # room for the registration and about three batches of ~21 KB

@@ -2,12 +2,12 @@
 
     python -m tests.faults.writer_job --out DIR --records N [--address HOST:PORT] [--rate R] ...
 
-Record i has the key (step = i // per_step, microbatch 0, phase input, site "s{i % per_step}",
-role value) and the tensor `arange(8) + i` (float32), so a test can re-derive every key it should
-find in the store. Records carry no per-sample digests unless --sample-digests: they made each
-of these 8-element records ~4 times larger on the wire (~1.3 KB instead of ~320 bytes), and the
-tests' sizes (a link's seconds at its rate, a memory budget, a tmpfs) are set for the small ones. The job writes, under --out, as it goes (line-buffered, so a SIGKILL loses at
-most the line being written):
+Record i has the key (step = i // per_step, microbatch 0, phase input, site "s{i % per_step}", role
+value) and the tensor `arange(8) + i` (float32), so a test can re-derive every key it should find in
+the store. Records carry no per-sample digests unless --sample-digests: they made each of these
+8-element records ~4 times larger on the wire (~1.3 KB instead of ~320 bytes), and the tests' sizes
+(a link's seconds at its rate, a memory budget, a tmpfs) are set for the small ones. The job writes,
+under --out, as it goes (line-buffered, so a SIGKILL loses at most the line being written):
 
 - batches.jsonl: every batch the sender cut: its seq and, per record, the key and the content hash
   the daemon will compute (`auditor.store.content_hash`) — the proof that a stored row is one this

@@ -37,8 +37,8 @@ FORBIDDEN = {
     "agents.capture": ("agents.delivery",),
     "agents.delivery": ("agents.capture",),
 }
-COMPARE_STAGES = ("digests", "read", "policy", "merge", "measure", "explain", "conventions", "noise",
-                  "ops")
+COMPARE_STAGES = ("digests", "read", "policy", "merge", "measure", "explain", "conventions",
+                  "noise", "ops")
 """auditor/compare/'s subpackages in pipeline order (its __init__ says what each owns): a stage
 imports only the stages before it, never a later one nor the drivers at the top (`engine`,
 `evaluation`, `live`); the report model (`result`) is read by `ops` alone, which attaches the

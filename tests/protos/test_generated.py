@@ -24,6 +24,7 @@ def test_generated_code_is_not_stale(tmp_path):
          "--grpc_python_out=.", "--pyi_out=.", "numaudit/protos/numaudit.proto"],
         cwd=tmp_path, check=True, capture_output=True, timeout=60,
     )
+    fresh, committed = tmp_path / "numaudit" / "protos", REPO / "protos"
     stale = [name for name in GENERATED
-             if (tmp_path / "numaudit" / "protos" / name).read_bytes() != (REPO / "protos" / name).read_bytes()]
+             if (fresh / name).read_bytes() != (committed / name).read_bytes()]
     assert not stale, f"stale generated code: {stale}; run `make proto` and commit the result"

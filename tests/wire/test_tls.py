@@ -1,4 +1,5 @@
-"""TLS and mutual TLS with a throwaway CA: the agent, the CLI and raw clients against real daemons."""
+"""TLS and mutual TLS with a throwaway CA: the agent, the CLI and raw clients against real
+daemons."""
 
 from __future__ import annotations
 
@@ -169,8 +170,9 @@ def test_serve_and_runs_over_mutual_tls(pki, tmp_path):
     env["NUMAUDIT_TOKEN"] = READER
 
     def auditor(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "numaudit.auditor", *args], cwd=REPO, text=True,
-                              capture_output=True, timeout=30, env={**env, **extra_env})
+        return subprocess.run([sys.executable, "-m", "numaudit.auditor", *args], cwd=REPO,
+                              text=True, capture_output=True, timeout=30,
+                              env={**env, **extra_env})
 
     try:
         for _ in range(300):

@@ -1,9 +1,9 @@
 """What the checkpoint tests share: real saves (DCP, hand-written safetensors) and the CLI.
 
-`cli` runs `auditor ...` in this process through the same click `main` that `python -m numaudit.auditor`
-calls (exit code, stdout, stderr), since a subprocess spends ~3 s importing torch and this folder
-has a time budget; `auditor` runs it as a subprocess, for the tests that need the real process
-(one line on stderr, what a pickle may do to the process, peak RSS).
+`cli` runs `auditor ...` in this process through the same click `main` that `python -m
+numaudit.auditor` calls (exit code, stdout, stderr), since a subprocess spends ~3 s importing torch
+and this folder has a time budget; `auditor` runs it as a subprocess, for the tests that need the
+real process (one line on stderr, what a pickle may do to the process, peak RSS).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.timeout(120),
 MiB = 1 << 20
 TENSOR_BYTES = 3000 * 4000 * 4  # 48 MB: 12M float32
 
-# `python -c PEAK OUT ARGS...` runs `python -m numaudit.auditor ARGS...` and writes its VmHWM (KiB) to OUT
+# `python -c PEAK OUT ARGS...` runs `python -m numaudit.auditor ARGS...` and writes its VmHWM (KiB)
+# to OUT
 PEAK = """
 import atexit, runpy, sys
 out, sys.argv = sys.argv[1], ["auditor", *sys.argv[2:]]
@@ -50,8 +51,8 @@ runpy.run_module("auditor", run_name="__main__", alter_sys=True)
 
 
 def start(*args: str, out: Path):
-    """Start `python -m numaudit.auditor ARGS...`; a function that waits for it and returns (exit code,
-    peak RSS in bytes, stdout, stderr)."""
+    """Start `python -m numaudit.auditor ARGS...`; a function that waits for it and returns
+    (exit code, peak RSS in bytes, stdout, stderr)."""
     stdout, stderr, peak = (out.with_suffix(s) for s in (".out", ".err", ".peak"))
     with open(stdout, "w") as o, open(stderr, "w") as e:
         proc = subprocess.Popen([sys.executable, "-c", PEAK, str(peak), *map(str, args)],

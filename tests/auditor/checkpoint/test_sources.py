@@ -45,7 +45,7 @@ def test_boxes_tile_the_array_once_in_contiguous_bounded_boxes(shape, cap):
 def test_boxes_of_a_scalar_and_of_an_empty_array():
     assert list(boxes((), 1)) == [((), (), 0)]
     assert list(boxes((), 0)) == [((), (), 0)]
-    for offsets, box, start in boxes((3, 0, 2), 1):
+    for _offsets, box, start in boxes((3, 0, 2), 1):
         assert math.prod(box) == 0 and start == 0
 
 

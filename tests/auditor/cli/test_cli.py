@@ -55,8 +55,8 @@ def free_port() -> int:
 def test_serve_subprocess_port_file_and_sigterm(tmp_path):
     db, port_file = tmp_path / "audit.db", tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0", "--db", str(db),
-         "--port-file", str(port_file), "--grace", "2"],
+        [sys.executable, "-m", "numaudit.auditor", "serve", "--listen", "127.0.0.1:0",
+         "--db", str(db), "--port-file", str(port_file), "--grace", "2"],
         cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         line, seen = "", []

@@ -81,14 +81,16 @@ def test_json_output_beside_any_format(db, tmp_path, daemon):
     assert cli("compare", "ref", "bumped", "--db", str(db), "--format", "json", "-o",
                str(alone)).exit_code == 1
     srv, _ = daemon
+
+    def drop(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in ("generated_unix", "timings")}
+
     for source in (("--db", str(db)), ("--address", srv.address)):
         for fmt in ("text", "junit"):
             both = tmp_path / f"both-{fmt}-{source[0][2:]}.json"
             res = cli("compare", "ref", "bumped", *source, "--format", fmt, "--json-output",
                       str(both))
             assert res.exit_code == 1 and res.output.strip()
-            drop = lambda d: {k: v for k, v in d.items() if k not in ("generated_unix",
-                                                                      "timings")}  # noqa: E731
             assert drop(json.loads(both.read_text())) == drop(json.loads(alone.read_text()))
     same = cli("compare", "ref", "bumped", "--db", str(db), "-o", str(alone), "--json-output",
                str(alone))
@@ -107,8 +109,8 @@ def test_policy_file_with_preset_override(db):
 
 
 def test_the_installed_command_runs(db):
-    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "compare", "ref", "bumped", "--db",
-                           str(db), "--format", "json"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "numaudit.auditor", "compare", "ref", "bumped",
+                           "--db", str(db), "--format", "json"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["summary"]["breaches"] >= 1

@@ -74,8 +74,8 @@ def test_a_run_with_more_steps_gets_a_steps_hint(db):
 
 
 def test_watch_ends_with_the_summary_and_first_divergence_of_compare(db):
-    watched = subprocess.run([sys.executable, "-m", "numaudit.auditor", "watch", "ref", "bumped", "--db",
-                              str(db), "--poll", "0.1"], cwd=REPO, capture_output=True,
+    watched = subprocess.run([sys.executable, "-m", "numaudit.auditor", "watch", "ref", "bumped",
+                              "--db", str(db), "--poll", "0.1"], cwd=REPO, capture_output=True,
                              text=True, timeout=60)
     compared = cli("compare", "ref", "bumped", "--db", db)
     assert watched.returncode == compared.exit_code == 1, watched.stderr
@@ -92,8 +92,8 @@ def test_watch_ends_with_the_summary_and_first_divergence_of_compare(db):
 STARTED = ("import sys, runpy; sys.stderr.write('started\\n'); sys.stderr.flush(); "
            "sys.argv = ['auditor'] + sys.argv[1:]; runpy.run_module('auditor', "
            "run_name='__main__')")
-"""`python -m numaudit.auditor ARGS`, saying "started" once the interpreter is up (before then a Ctrl-C
-is the interpreter's own start-up failing, whatever the program)."""
+"""`python -m numaudit.auditor ARGS`, saying "started" once the interpreter is up (before then a
+Ctrl-C is the interpreter's own start-up failing, whatever the program)."""
 
 
 @pytest.mark.parametrize("after_s", [0.1, 0.3, 0.6])

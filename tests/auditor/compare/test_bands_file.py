@@ -33,8 +33,8 @@ def saved(tmp_path_factory):
 def test_saved_bands_read_back_equal(saved):
     bands, path = saved
     got = load_bands(path)
-    for f in ("when", "where", "state", "dtype", "numel", "differ", "rel", "sigma", "max_abs", "bound",
-              "ulp", "share", "piece_start", "p_bitwise", "p_rel", "p_sigma", "p_max_abs",
+    for f in ("when", "where", "state", "dtype", "numel", "differ", "rel", "sigma", "max_abs",
+              "bound", "ulp", "share", "piece_start", "p_bitwise", "p_rel", "p_sigma", "p_max_abs",
               "p_bound", "p_ulp", "p_share"):
         assert np.array_equal(getattr(got, f), getattr(bands, f), equal_nan=True), f
     assert (got.p_box, got.runs, got.sites, got.dtypes, got.pairs) == \

@@ -1,6 +1,6 @@
 """A module below the agent's max_depth that was hooked anyway, inside a repeated block
-(agents/capture/sites.py, block_depth: transformers' model.layers.N.input_layernorm at depth 4 under the
-default max_depth of 3): a graph break there is not explained as "deeper than max_depth"."""
+(agents/capture/sites.py, block_depth: transformers' model.layers.N.input_layernorm at depth 4 under
+the default max_depth of 3): a graph break there is not explained as "deeper than max_depth"."""
 
 from __future__ import annotations
 

@@ -181,7 +181,8 @@ def _pairs(count: int, seed: int):
         elif kind == 2:  # differences confined to 5% of the elements
             noise = noise * (torch.rand(n, generator=g) < 0.05)
         elif kind == 3:  # one diverged column of a [rows, 64] matrix
-            noise = (noise.view(-1)[: n - n % 64].view(-1, 64) * (torch.arange(64) == 7)).reshape(-1)
+            column_7 = torch.arange(64) == 7
+            noise = (noise.view(-1)[: n - n % 64].view(-1, 64) * column_7).reshape(-1)
             a = a[: noise.numel()]
         elif kind == 4:  # a contiguous block differs
             mask = torch.zeros(n, dtype=torch.bool)

@@ -407,7 +407,8 @@ def test_live_comparison_reports_keys_as_they_complete(db):
         assert not any(e.first_divergence for e in events)
         assert not live.finished
         part2 = RunBuilder("cand", world_size=2)
-        part2.records = {r: [x for x in recs if x.key.step == 1] for r, recs in full.records.items()}
+        part2.records = {r: [x for x in recs if x.key.step == 1]
+                         for r, recs in full.records.items()}
         part2.write(db)  # new sessions of the same ranks, closed
         events += live.poll() + live.flush()
     finally:

@@ -403,8 +403,8 @@ def test_without_a_tie_label_a_missing_parameter_is_just_not_captured(db):
 
 def _deep_break_runs(db: Path, labels: dict, *, on: str = "cand"):
     """Both runs capture fwd and bwd of the depth-2 modules only; cand's gradient of a
-    parameter of a depth-4 module (agents/capture/sites.py `depth`: dots + 1) is None while the other
-    parameters got theirs."""
+    parameter of a depth-4 module (agents/capture/sites.py `depth`: dots + 1) is None while the
+    other parameters got theirs."""
     g = _gen(5)
     acts = {m: torch.randn(4, 8, generator=g) for m in ("layers.0", "layers.1")}  # depth 2
     grads = {s: torch.randn(8, 8, generator=g)

@@ -1,5 +1,5 @@
-"""Exact factors between two runs' tensors and the counts that name them (auditor.compare.explain.factors):
-the pure functions, without processes or stores."""
+"""Exact factors between two runs' tensors and the counts that name them
+(auditor.compare.explain.factors): the pure functions, without processes or stores."""
 
 from __future__ import annotations
 

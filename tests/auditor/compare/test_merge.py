@@ -105,8 +105,9 @@ def test_merge_pieces_matches_the_whole_tensor():
     t = torch.randn(6, 5)
     whole = digest(t, PieceLayout.full((6, 5)))
     lays = [PieceLayout((6, 5), (0, 0), (4, 5)), PieceLayout((6, 5), (4, 0), (2, 5))]
-    merged = merge_pieces([(as_piece(l), digest(t[l.offsets[0]:l.offsets[0] + l.shape[0]], l))
-                           for l in lays])
+    pieces = [(as_piece(lay), digest(t[lay.offsets[0]:lay.offsets[0] + lay.shape[0]], lay))
+              for lay in lays]
+    merged = merge_pieces(pieces)
     assert merged.status == OK and merged.exact
     assert merged.digest.fingerprint == whole.fingerprint
     assert merged.digest.sketch == pytest.approx(whole.sketch)

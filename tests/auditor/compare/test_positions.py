@@ -17,8 +17,9 @@ def _cols(rows: list[tuple[int, int, int, int]], *, numbered: bool = True):
     key, rank, order, rid = (np.array(c, np.int64) for c in zip(*rows))
     if not numbered:
         order = np.zeros_like(order)
-    cols = SimpleNamespace(when=np.full(len(rows), 5 << 24), rank=rank, stage=np.full(len(rows), -1),
-                           order=order, rid=rid, numbered=bool((order > 0).all()))
+    cols = SimpleNamespace(when=np.full(len(rows), 5 << 24), rank=rank,
+                           stage=np.full(len(rows), -1), order=order, rid=rid,
+                           numbered=bool((order > 0).all()))
     starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
     counts = np.diff(np.r_[starts, len(rows)])
     return cols, starts, counts

@@ -156,7 +156,7 @@ def test_an_undeclared_ragged_output_is_named_as_such(rows):
     assert problem.kind == "ragged_undeclared"
     text = plan.describe(list(range(len(rows))))
     assert "row counts differ" in text and "ragged_rows(counts, dp_group)" in text
-    for k, r in enumerate(rows):
+    for r in rows:
         assert f"{r} on ranks" in text
     assert f"{rows[0]} on ranks 0" in text
 

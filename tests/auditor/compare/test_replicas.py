@@ -1,7 +1,7 @@
-"""Outputs that do not hold the batch (auditor.compare.merge.replicas): transformers' rotary cos/sin,
-``[1, seq, dim]`` whole on every rank, are compared per microbatch as replicas, never joined as
-batch pieces: with one sample per rank (the agent cannot tell them from a one-row share) and
-under any grouping of the samples into microbatches.
+"""Outputs that do not hold the batch (auditor.compare.merge.replicas): transformers' rotary
+cos/sin, ``[1, seq, dim]`` whole on every rank, are compared per microbatch as replicas, never
+joined as batch pieces: with one sample per rank (the agent cannot tell them from a one-row share)
+and under any grouping of the samples into microbatches.
 
 Real tensors digested by the agent's code with the agent's layouts, stored through the ingest
 path (tests/auditor/synth)."""

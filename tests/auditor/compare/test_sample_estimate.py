@@ -1,6 +1,6 @@
-"""The per-sample estimator (auditor/compare/digests/sample_estimate.py): blocks of samples keyed within
-the sample, each with its own label, measure any grouping without bias and within their stated
-band; a swap of two samples (whose differences are opposite at every index) is measured where
+"""The per-sample estimator (auditor/compare/digests/sample_estimate.py): blocks of samples keyed
+within the sample, each with its own label, measure any grouping without bias and within their
+stated band; a swap of two samples (whose differences are opposite at every index) is measured where
 summing samples keyed alike would read 0; units that do not nest are not measured.
 
 A toy scheme stands in for the agent's hash here (the estimator only needs what the real one

@@ -1,5 +1,5 @@
-"""ULP distances (auditor.compare.digests.ulp): by bits within a sign, in ULPs of the larger magnitude
-across zero."""
+"""ULP distances (auditor.compare.digests.ulp): by bits within a sign, in ULPs of the larger
+magnitude across zero."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Ranks whose pieces of one key hold different row counts, captured without declaring them
-ragged (auditor.compare.merge.uneven): the tokens each dp rank routed to an expert. The auditor places
-each rank's rows after those of the ranks before it, moving each piece's fingerprint with it
+ragged (auditor.compare.merge.uneven): the tokens each dp rank routed to an expert. The auditor
+places each rank's rows after those of the ranks before it, moving each piece's fingerprint with it
 (fingerprint version 3), so equal bits are identical with or without payloads; a difference is
 measured from payloads, and without the bytes it never passes.
 

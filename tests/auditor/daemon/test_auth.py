@@ -1,8 +1,8 @@
 """Access control against a real daemon: the token x run x RPC matrix, streams, the token file.
 
-The matrix (`TABLE`) is written out by hand, not derived from auditor/daemon/auth.py, so that it states
-the rules: 7 tokens x 2 runs x 7 RPCs = 98 cells, each asserting an exact outcome. Compare and
-Watch answer whatever their handler says once authorized ("H": what an open daemon with the same
+The matrix (`TABLE`) is written out by hand, not derived from auditor/daemon/auth.py, so that it
+states the rules: 7 tokens x 2 runs x 7 RPCs = 98 cells, each asserting an exact outcome. Compare
+and Watch answer whatever their handler says once authorized ("H": what an open daemon with the same
 store answers, UNIMPLEMENTED until the engine is wired), so auth provably runs before them.
 """
 
@@ -363,15 +363,15 @@ def test_tokens_never_reach_the_daemon_log_and_cli_uses_numaudit_token(tmp_path)
                 attempt(stub, admin, rpc, "A", f"log-{tok}-{rpc}")
         env = {**os.environ, "NUMAUDIT_TOKEN": SECRET["read-A"]}
         env.pop("NUMAUDIT_DB", None)
-        runs = subprocess.run([sys.executable, "-m", "numaudit.auditor", "runs", "--address", address,
-                               "--format", "json"], cwd=REPO, capture_output=True, text=True,
-                              timeout=30, env=env)
+        runs = subprocess.run([sys.executable, "-m", "numaudit.auditor", "runs",
+                               "--address", address, "--format", "json"], cwd=REPO,
+                              capture_output=True, text=True, timeout=30, env=env)
         assert runs.returncode == 0, runs.stderr
         assert [r["run"] for r in json.loads(runs.stdout)] == [RUN["A"]]
         env["NUMAUDIT_TOKEN"] = SECRET["wrong"]
-        show = subprocess.run([sys.executable, "-m", "numaudit.auditor", "show", RUN["A"], "--address",
-                               address], cwd=REPO, capture_output=True, text=True, timeout=30,
-                              env=env)
+        show = subprocess.run([sys.executable, "-m", "numaudit.auditor", "show", RUN["A"],
+                               "--address", address], cwd=REPO, capture_output=True, text=True,
+                              timeout=30, env=env)
         assert show.returncode == 2 and "UNAUTHENTICATED" in show.stderr
     finally:
         proc.send_signal(signal.SIGTERM)

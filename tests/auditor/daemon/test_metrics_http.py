@@ -75,7 +75,8 @@ def test_scraping_faster_renders_no_more_often(monkeypatch):
 
     server = MetricsServer("127.0.0.1", 0, render)
     try:
-        address = "%s:%d" % server.server_address[:2]
+        host, port = server.server_address[:2]
+        address = f"{host}:{port}"
         started = time.monotonic()
         for _ in range(100):
             assert _scrape(address) == "numaudit_auditor_x 1\n"

@@ -161,8 +161,8 @@ def test_packed_only_faults_name_the_field_and_record():
     b = _packed(records)
     b.ClearField("records_crc32")
     b.packed.microbatch = b.packed.microbatch[:-1]
-    assert _outcome(b) == (f"packed.microbatch: {8 * len(records) - 1} bytes; count {len(records)} x 8 "
-                           f"bytes (int64) = {8 * len(records)}")
+    assert _outcome(b) == (f"packed.microbatch: {8 * len(records) - 1} bytes; "
+                           f"count {len(records)} x 8 bytes (int64) = {8 * len(records)}")
     b = _packed(records)
     b.ClearField("records_crc32")
     flags = bytearray(b.packed.flags)

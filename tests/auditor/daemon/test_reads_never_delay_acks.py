@@ -42,7 +42,8 @@ def loop(call):
             time.sleep(0.1)
 show = lambda: stub.DescribeRun(pb.DescribeRunRequest(run="ref"), timeout=60)
 runs = lambda: stub.ListRuns(pb.ListRunsRequest(), timeout=60)
-compare = lambda: stub.Compare(pb.CompareRequest(ref="ref", cand="cand", preset="loose"), timeout=120)
+compare = lambda: stub.Compare(pb.CompareRequest(ref="ref", cand="cand", preset="loose"),
+                               timeout=120)
 watch = lambda: [e for e in stub.Watch(pb.WatchRequest(ref="ref", cand="cand", timeout_s=0.2,
                                                         poll_interval_s=0.05), timeout=120)]
 for name in sys.argv[2].split(","):
@@ -89,8 +90,9 @@ def test_ack_p99_stays_low_while_reads_and_compares_run(tmp_path):
         baseline = sorted(_timed_acks(address, "quiet"))  # same daemon, no readers
         # The readers stand for clients on other machines: niced, so that on this 2-core machine
         # they do not take the daemon's CPU (what is measured is the daemon's own isolation).
+        which = os.environ.get("READERS", "show,show,runs,compare,watch")
         readers = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", _READERS, address,
-                                    os.environ.get("READERS", "show,show,runs,compare,watch")], cwd=REPO,
+                                    which], cwd=REPO,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env={"PYTHONPATH": str(REPO)})
         try:

@@ -92,7 +92,7 @@ def test_busy_streams_cannot_starve_a_rank_new_to_the_daemon():
         t_new = asyncio.ensure_future(slots.acquire(newcomer))
         await asyncio.sleep(0)
         order = []
-        for turn in range(4):  # each holder in turn receives a batch, gives its slot back and
+        for _turn in range(4):  # each holder in turn receives a batch, gives its slot back and
             holder = next(s for s in busy if s.holding)  # at once asks for the next one
             slots.received(holder)
             slots.release(holder)

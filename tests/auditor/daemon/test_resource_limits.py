@@ -63,7 +63,8 @@ async def _ends(calls: list, timeout: float) -> dict:
 
 def test_many_streams_and_watches_are_capped(tmp_path):
     db = tmp_path / "a.db"
-    with daemon(db, "--max-streams", str(MAX_STREAMS), "--idle-timeout", str(IDLE_S)) as (proc, address):
+    with daemon(db, "--max-streams", str(MAX_STREAMS),
+                "--idle-timeout", str(IDLE_S)) as (proc, address):
         with grpc.insecure_channel(address, options=limits.client_options()) as ch:
             stub = numaudit_pb2_grpc.AuditorStub(ch)
             for run in ("ref", "cand", "live"):
@@ -118,9 +119,11 @@ def test_many_streams_and_watches_are_capped(tmp_path):
                     loop.run_until_complete(channel.close())
             finally:
                 loop.close()
-    print(f"FIGURE streams={STREAMS} watches={WATCHES} outcome={ {str(k): v for k, v in outcome.items()} } "
+    print(f"FIGURE streams={STREAMS} watches={WATCHES} "
+          f"outcome={ {str(k): v for k, v in outcome.items()} } "
           f"flood={flood_s:.1f}s rss_before={rss_before >> 20}MiB rss_flood={rss_flood >> 20}MiB "
-          f"rss_after_idle={rss_after_idle >> 20}MiB ack_max_during={during * 1e3:.1f}ms over {len(latencies)} acks "
+          f"rss_after_idle={rss_after_idle >> 20}MiB ack_max_during={during * 1e3:.1f}ms "
+          f"over {len(latencies)} acks "
           f"idle_wait={idle_wait_s:.1f}s idle_codes={ {str(k): v for k, v in idle_codes.items()} }")
     exhausted = outcome.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0)
     # Held: the cap (the agent's own stream is one of them) and 8 watches (per caller). On a

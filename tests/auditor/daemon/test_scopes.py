@@ -4,6 +4,8 @@ outside the read scope stay invisible; refusals by the token check are counted i
 
 from __future__ import annotations
 
+from functools import partial
+
 import grpc
 import pytest
 
@@ -116,8 +118,8 @@ def test_refusals_of_the_token_check_are_counted(served):
     for i in range(20):
         assert code(lambda: nobody.ListRuns(pb.ListRunsRequest(), timeout=T)) == \
             "UNAUTHENTICATED"
-        assert code(lambda: reader.Register(register_request(run="exp", session_id=f"r-{i}"),
-                                            timeout=T)) == "PERMISSION_DENIED"
+        request = register_request(run="exp", session_id=f"r-{i}")
+        assert code(partial(reader.Register, request, timeout=T)) == "PERMISSION_DENIED"
 
     def count(method: str, status: str) -> float:
         return sum(s.value for m in metrics.registry.collect() for s in m.samples

@@ -162,7 +162,7 @@ def test_register_resumes_session(auditor_stub):
     assert registered(auditor_stub).acked_seq == 2
 
 
-# -- Idempotence and conflicts ------------------------------------------------------------------------
+# -- Idempotence and conflicts ---------------------------------------------------------------------
 
 def _batches():
     return [batch(1, [record(0, j) for j in range(4)]),
@@ -208,7 +208,7 @@ def test_conflict_is_flagged_and_the_original_kept(auditor_server, auditor_stub)
     assert auditor_stub.DescribeRun(pb.DescribeRunRequest(run="ref"), timeout=T).conflicts == 1
 
 
-# -- Bad input ---------------------------------------------------------------------------------------
+# -- Bad input -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
@@ -265,19 +265,24 @@ INVALID, PRECONDITION, DATA_LOSS, EXHAUSTED = (
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 BAD_BATCHES = {
-    "schema_version_2": (_set("schema_version", 2), PRECONDITION, "schema_version: version 2 is not supported; this auditor supports 1"),
+    "schema_version_2": (_set("schema_version", 2), PRECONDITION,
+                         "schema_version: version 2 is not supported; this auditor supports 1"),
     "schema_version_unset": (_set("schema_version", 0), INVALID, "schema_version: not set"),
-    "unknown_session": (_set("session_id", "nobody"), PRECONDITION, "session_id: 'nobody' is not registered"),
+    "unknown_session": (_set("session_id", "nobody"), PRECONDITION,
+                        "session_id: 'nobody' is not registered"),
     "empty_session": (_set("session_id", ""), INVALID, "session_id: missing"),
     "seq_zero": (_set("seq", 0), INVALID, "seq: 0 is not >= 1"),
     "negative_step": (_set("records[0].key.step", -1), INVALID, "records[0].key.step"),
     "microbatch": (_set("records[0].key.microbatch", -2), INVALID, "records[0].key.microbatch"),
-    "phase_unset": (_set("records[1].key.phase", 0), INVALID, "records[1].key.phase: 0 is not a known Phase"),
+    "phase_unset": (_set("records[1].key.phase", 0), INVALID,
+                    "records[1].key.phase: 0 is not a known Phase"),
     "phase_unknown": (_set("records[1].key.phase", 99), INVALID, "records[1].key.phase: 99"),
     "role_unknown": (_set("records[0].key.role", 42), INVALID, "records[0].key.role"),
     "site_empty": (_set("records[0].key.site", ""), INVALID, "records[0].key.site: missing"),
-    "site_control": (_set("records[0].key.site", "a\x00b"), INVALID, "records[0].key.site: contains non-printable"),
-    "site_long": (_set("records[0].key.site", "x" * 513), INVALID, "records[0].key.site: 513 characters"),
+    "site_control": (_set("records[0].key.site", "a\x00b"), INVALID,
+                     "records[0].key.site: contains non-printable"),
+    "site_long": (_set("records[0].key.site", "x" * 513), INVALID,
+                  "records[0].key.site: 513 characters"),
     "index": (_set("records[0].key.index", -1), INVALID, "records[0].key.index"),
     "call": (_set("records[0].key.call", -3), INVALID, "records[0].key.call"),
     "stage": (_set("records[0].stage", -2), INVALID, "records[0].stage"),
@@ -285,39 +290,70 @@ BAD_BATCHES = {
         _then(_set("records[0].layout.logical_shape", [10, 3]),
               _set("records[0].layout.offsets", [9, 0])),
         INVALID, "records[0].layout.offsets: offset 9 + shape 4 exceeds logical_shape 10 on dim 0"),
-    "layout_lengths": (_set("records[0].layout.offsets", [0]), INVALID, "records[0].layout.offsets: lengths differ"),
-    "negative_dim": (_set("records[0].layout.logical_shape", [-8, 3]), INVALID, "records[0].layout.logical_shape[0]: -8 is negative"),
-    "dtype_unknown": (_set("records[0].layout.dtype", "float33"), INVALID, "records[0].layout.dtype: 'float33' is not a known dtype"),
-    "dtype_missing": (_set("records[0].layout.dtype", ""), INVALID, "records[0].layout.dtype: missing"),
-    "complex_as_real_shape": (_set("records[0].layout.complex_as_real", True), INVALID, "records[0].layout.shape: complex_as_real needs a trailing dim of 2"),
-    "complex_as_real_dtype": (_then(_set("records[0].layout.dtype", "int32"), _set("records[0].layout.complex_as_real", True)), INVALID, "records[0].layout.dtype: complex_as_real needs the real floating dtype"),
-    "numel": (_set("records[0].digest.numel", 13), INVALID, "records[0].digest.numel: 13 != prod(layout.shape) = 12"),
+    "layout_lengths": (_set("records[0].layout.offsets", [0]), INVALID,
+                       "records[0].layout.offsets: lengths differ"),
+    "negative_dim": (_set("records[0].layout.logical_shape", [-8, 3]), INVALID,
+                     "records[0].layout.logical_shape[0]: -8 is negative"),
+    "dtype_unknown": (_set("records[0].layout.dtype", "float33"), INVALID,
+                      "records[0].layout.dtype: 'float33' is not a known dtype"),
+    "dtype_missing": (_set("records[0].layout.dtype", ""), INVALID,
+                      "records[0].layout.dtype: missing"),
+    "complex_as_real_shape": (_set("records[0].layout.complex_as_real", True), INVALID,
+                              "records[0].layout.shape: complex_as_real needs a trailing dim of 2"),
+    "complex_as_real_dtype": (
+        _then(_set("records[0].layout.dtype", "int32"),
+              _set("records[0].layout.complex_as_real", True)),
+        INVALID, "records[0].layout.dtype: complex_as_real needs the real floating dtype"),
+    "numel": (_set("records[0].digest.numel", 13), INVALID,
+              "records[0].digest.numel: 13 != prod(layout.shape) = 12"),
     "nan_count": (_set("records[0].digest.nan_count", 13), INVALID, "records[0].digest.nan_count"),
-    "negative_count": (_set("records[0].digest.zero_count", -1), INVALID, "records[0].digest.zero_count"),
-    "counts_sum": (_set("records[0].digest.posinf_count", 11), INVALID, "records[0].digest.nan_count: nan + posinf"),
+    "negative_count": (_set("records[0].digest.zero_count", -1), INVALID,
+                       "records[0].digest.zero_count"),
+    "counts_sum": (_set("records[0].digest.posinf_count", 11), INVALID,
+                   "records[0].digest.nan_count: nan + posinf"),
     "sum_nan": (_set("records[0].digest.sum", math.nan), INVALID, "records[0].digest.sum: NaN"),
     "max_nan": (_set("records[0].digest.max", math.nan), INVALID, "records[0].digest.max: NaN"),
-    "sum_sq_negative": (_set("records[0].digest.sum_sq", -1.0), INVALID, "records[0].digest.sum_sq"),
-    "sketch_nan": (_set("records[0].digest.sketch", [0.0, math.nan]), INVALID, "records[0].digest.sketch[1]: NaN"),
-    "sketch_huge": (_set("records[0].digest.sketch", [0.0] * 65537), EXHAUSTED, "records[0].digest.sketch: 65537 buckets"),
-    "sketch_without_moments": (_set("records[0].digest.has_moments", False), INVALID, "records[0].digest.sketch: must be empty"),
-    "none_with_layout": (_set("records[2].layout.dtype", "float32"), INVALID, "records[2].layout: must be empty when is_none"),
-    "none_with_digest": (_set("records[2].digest.numel", 1), INVALID, "records[2].digest: must be empty when is_none"),
-    "codec": (_set("records[1].payload.codec", "lz4"), INVALID, "records[1].payload.codec: 'lz4' is not one of zstd, raw"),
-    "raw_nbytes_vs_shape": (_payload(40, _GOOD_FRAME), INVALID, "records[1].payload.raw_nbytes: 40 != prod(layout.shape) 12 x itemsize 4 (float32) = 48"),
+    "sum_sq_negative": (_set("records[0].digest.sum_sq", -1.0), INVALID,
+                        "records[0].digest.sum_sq"),
+    "sketch_nan": (_set("records[0].digest.sketch", [0.0, math.nan]), INVALID,
+                   "records[0].digest.sketch[1]: NaN"),
+    "sketch_huge": (_set("records[0].digest.sketch", [0.0] * 65537), EXHAUSTED,
+                    "records[0].digest.sketch: 65537 buckets"),
+    "sketch_without_moments": (_set("records[0].digest.has_moments", False), INVALID,
+                               "records[0].digest.sketch: must be empty"),
+    "none_with_layout": (_set("records[2].layout.dtype", "float32"), INVALID,
+                         "records[2].layout: must be empty when is_none"),
+    "none_with_digest": (_set("records[2].digest.numel", 1), INVALID,
+                         "records[2].digest: must be empty when is_none"),
+    "codec": (_set("records[1].payload.codec", "lz4"), INVALID,
+              "records[1].payload.codec: 'lz4' is not one of zstd, raw"),
+    "raw_nbytes_vs_shape": (
+        _payload(40, _GOOD_FRAME), INVALID,
+        "records[1].payload.raw_nbytes: 40 != prod(layout.shape) 12 x itemsize 4 (float32) = 48"),
     "crc": (_set("records[1].payload.crc32", 12345), DATA_LOSS, "records[1].payload.crc32"),
-    "compressed_nbytes": (_set("records[1].payload.compressed_nbytes", 5), DATA_LOSS, "records[1].payload.data: "),
-    "chunk_index": (_set("records[1].payload.chunk_index", 1), INVALID, "records[1].payload.chunk_index: 1 is not in [0, chunk_count 1)"),
-    "chunk_count": (_set("records[1].payload.chunk_count", 0), INVALID, "records[1].payload.chunk_count"),
+    "compressed_nbytes": (_set("records[1].payload.compressed_nbytes", 5), DATA_LOSS,
+                          "records[1].payload.data: "),
+    "chunk_index": (_set("records[1].payload.chunk_index", 1), INVALID,
+                    "records[1].payload.chunk_index: 1 is not in [0, chunk_count 1)"),
+    "chunk_count": (_set("records[1].payload.chunk_count", 0), INVALID,
+                    "records[1].payload.chunk_count"),
     "truncated_frame": (_payload(48, _GOOD_FRAME[:-6]), DATA_LOSS, "records[1].payload.data: zstd"),
-    "garbage_frame": (_payload(48, _GOOD_FRAME[:6] + b"\xff" * 20), DATA_LOSS, "records[1].payload.data: zstd decompression failed"),
-    "not_zstd": (_payload(48, b"plain text, not a frame"), DATA_LOSS, "records[1].payload.data: not a zstd frame"),
-    "frame_without_size": (_payload(48, _NO_SIZE), INVALID, "records[1].payload.data: zstd frame does not declare its content size"),
-    "bomb_header_64GiB": (_payload(48, zstd_header(64 << 30)), DATA_LOSS, "records[1].payload.data: zstd frame declares 68719476736 bytes, raw_nbytes says 48"),
-    "huge_window": (_payload(48, zstd_header(48, window_log=31)), EXHAUSTED, "records[1].payload.data: zstd window of 2147483648 bytes"),
-    "raw_size_mismatch": (_payload(48, bytes(47), codec="raw"), INVALID, "records[1].payload.compressed_nbytes: 47 != raw_nbytes 48"),
-    "too_many_records": (lambda b: b.records.extend([record(5, j) for j in range(limits.MAX_BATCH_RECORDS)]),
-                         EXHAUSTED, "records: 4099 records exceed the per-batch limit of 4096"),
+    "garbage_frame": (_payload(48, _GOOD_FRAME[:6] + b"\xff" * 20), DATA_LOSS,
+                      "records[1].payload.data: zstd decompression failed"),
+    "not_zstd": (_payload(48, b"plain text, not a frame"), DATA_LOSS,
+                 "records[1].payload.data: not a zstd frame"),
+    "frame_without_size": (_payload(48, _NO_SIZE), INVALID,
+                           "records[1].payload.data: zstd frame does not declare its content size"),
+    "bomb_header_64GiB": (
+        _payload(48, zstd_header(64 << 30)), DATA_LOSS,
+        "records[1].payload.data: zstd frame declares 68719476736 bytes, raw_nbytes says 48"),
+    "huge_window": (_payload(48, zstd_header(48, window_log=31)), EXHAUSTED,
+                    "records[1].payload.data: zstd window of 2147483648 bytes"),
+    "raw_size_mismatch": (_payload(48, bytes(47), codec="raw"), INVALID,
+                          "records[1].payload.compressed_nbytes: 47 != raw_nbytes 48"),
+    "too_many_records": (
+        lambda b: b.records.extend([record(5, j) for j in range(limits.MAX_BATCH_RECORDS)]),
+        EXHAUSTED, "records: 4099 records exceed the per-batch limit of 4096"),
 }
 
 
@@ -351,7 +387,8 @@ def test_zstd_bomb_claiming_64GiB_is_refused_before_allocating(shared):
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.monotonic()
     _assert_refused(server, stub, bad, EXHAUSTED,
-                    "records[1].payload.raw_nbytes: 68719476736 exceeds the per-record payload limit")
+                    "records[1].payload.raw_nbytes: 68719476736 exceeds the per-record payload "
+                    "limit")
     assert time.monotonic() - start < 2
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 256 << 10  # KiB
 
@@ -398,15 +435,23 @@ def test_rejected_batch_ends_the_stream_after_earlier_acks(shared):
 BAD_REGISTER = {
     "run_name": (dict(run="bad name!"), INVALID, "run: 'bad name!' is not a run name"),
     "run_long": (dict(run="r" * 129), INVALID, "run: "),
-    "world_size_zero": (dict(world_size=0, mesh_shape=[], mesh_dim_names=[], mesh_coordinate=[]), INVALID, "world_size: 0"),
-    "rank_beyond": (dict(rank=2, mesh_coordinate=[1]), INVALID, "rank: 2 is not in [0, world_size 2)"),
-    "mesh_product": (dict(mesh_shape=[3], mesh_coordinate=[0]), INVALID, "mesh_shape: [3] has 3 ranks, world_size is 2"),
-    "mesh_coordinate": (dict(mesh_coordinate=[2]), INVALID, "mesh_coordinate[0]: 2 is not in [0, mesh_shape 2)"),
-    "mesh_names": (dict(mesh_dim_names=["a", "b"]), INVALID, "mesh_dim_names: 2 names for 1 mesh dims"),
-    "version": (dict(schema_version=7), PRECONDITION, "schema_version: version 7 is not supported; this auditor supports 1"),
+    "world_size_zero": (
+        dict(world_size=0, mesh_shape=[], mesh_dim_names=[], mesh_coordinate=[]), INVALID,
+        "world_size: 0"),
+    "rank_beyond": (dict(rank=2, mesh_coordinate=[1]), INVALID,
+                    "rank: 2 is not in [0, world_size 2)"),
+    "mesh_product": (dict(mesh_shape=[3], mesh_coordinate=[0]), INVALID,
+                     "mesh_shape: [3] has 3 ranks, world_size is 2"),
+    "mesh_coordinate": (dict(mesh_coordinate=[2]), INVALID,
+                        "mesh_coordinate[0]: 2 is not in [0, mesh_shape 2)"),
+    "mesh_names": (dict(mesh_dim_names=["a", "b"]), INVALID,
+                   "mesh_dim_names: 2 names for 1 mesh dims"),
+    "version": (dict(schema_version=7), PRECONDITION,
+                "schema_version: version 7 is not supported; this auditor supports 1"),
     "world_size_changed": (dict(session_id="other", world_size=4, mesh_shape=[4]), PRECONDITION,
                            "world_size: 4 differs from run 'ref''s 2"),
-    "session_other_rank": (dict(rank=1, mesh_coordinate=[1]), PRECONDITION, "session_id: already registered"),
+    "session_other_rank": (dict(rank=1, mesh_coordinate=[1]), PRECONDITION,
+                           "session_id: already registered"),
 }
 
 
@@ -423,7 +468,8 @@ def test_bad_register(shared, case):
 def test_bad_close_and_describe(shared):
     server, stub, _ = shared
     before = dump(server.db_path)
-    err = rpc_error(stub.CloseSession, pb.CloseSessionRequest(schema_version=1, session_id="nobody"))
+    err = rpc_error(stub.CloseSession,
+                    pb.CloseSessionRequest(schema_version=1, session_id="nobody"))
     assert err.code() == PRECONDITION and "session_id: 'nobody' is not registered" in err.details()
     err = rpc_error(stub.CloseSession, pb.CloseSessionRequest(
         schema_version=1, session_id="sess-0", records_dropped=-1))

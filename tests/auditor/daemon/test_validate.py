@@ -216,8 +216,8 @@ def test_kinds_of_register_errors():
     assert refused(validate_register, register_request(rank=-1)).field == "rank"
     assert refused(validate_register, register_request(local_rank=-1)).field == "local_rank"
     assert refused(validate_register, register_request(stages=[-1])).field == "stages[0]"
-    assert refused(validate_register, register_request(
-        mesh_shape=[2, 1], mesh_dim_names=["a", "a"], mesh_coordinate=[0, 0])).field == "mesh_dim_names"
+    twice = register_request(mesh_shape=[2, 1], mesh_dim_names=["a", "a"], mesh_coordinate=[0, 0])
+    assert refused(validate_register, twice).field == "mesh_dim_names"
     labels = {f"k{i}": "v" for i in range(limits.MAX_LABELS + 1)}
     assert isinstance(refused(validate_register, register_request(labels=labels)), TooLarge)
     assert refused(validate_register, register_request(session_id="x" * 65)).field == "session_id"

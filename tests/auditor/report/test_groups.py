@@ -1,5 +1,5 @@
-"""Findings grouped by cause (auditor.compare.explain.groups): the compact key lists, the templates that
-decide which causes are one, and what a group shares."""
+"""Findings grouped by cause (auditor.compare.explain.groups): the compact key lists, the templates
+that decide which causes are one, and what a group shares."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def test_page_is_self_contained(bumped):
     data = blob(page)
     assert data["first"]["site"] == "layers.1" and data["first"]["cell"] is not None
     assert {h["phase"] for h in data["heatmaps"]} >= {"fwd", "bwd", "grad", "loss"}
-    assert data["findings"] and all(not f["verdict"] == "identical" for f in data["findings"])
+    assert data["findings"] and all(f["verdict"] != "identical" for f in data["findings"])
 
 
 def test_json_and_report_paths_give_the_same_page(bumped):

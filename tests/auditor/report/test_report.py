@@ -118,7 +118,7 @@ def test_text_report_sections_and_width(report):
     assert "Backward-graph breaks" in text and "layers.0" in text
     assert "Breaching findings: 4 in 4 groups by cause; --verbose lists every finding" in text
     assert "by phase and stage" not in text
-    assert max(len(l) for l in lines) <= 80
+    assert max(len(line) for line in lines) <= 80
     verbose = to_text(report, width=80, verbose=True)
     assert verbose.startswith(text.replace("; --verbose lists every finding", "")[:-1])
     assert "Breaching findings, by phase and stage" in verbose

@@ -191,7 +191,7 @@ def test_a_payload_in_chunks_is_counted_and_flagged_as_one_record(writer, store_
 
     def chunked(seq, fingerprint=0xDEADBEEF):
         rows = [record(1, 1)]
-        for i, part in enumerate((data[:100], data[100:200], data[200:])):
+        for i in range(3):
             r = record(1, 0, payload=data, fingerprint=fingerprint)
             whole = r.payload.data
             cut = -(-len(whole) // 3)

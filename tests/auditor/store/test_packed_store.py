@@ -44,7 +44,14 @@ def _records() -> list[pb.Record]:
                   record(0, 0, site="emb", payload=b"\x07" * 48)]
 
 
-_COLUMNS = ('step', 'microbatch', 'phase', 'role', 'idx', 'call', 'rank', 'stage', 'is_none', 'dtype', 'logical_shape', 'offsets', 'shape', 'replica', 'partial', 'complex_as_real', 'numel', 'nan', 'posinf', 'neginf', 'zeros', 'has_moments', 'sum', 'sum_sq', 'min', 'max', 'abs_max', 'fingerprint', 'fingerprint_seed', 'sketch', 'sketch_seed', 'content_hash', 'reduce', 'reduce_weight', 'reduce_index', 'reduce_count', 'ragged_parts', 'ragged_first', 'ragged_span', 'flat')
+_COLUMNS = (
+    "step", "microbatch", "phase", "role", "idx", "call", "rank", "stage", "is_none", "dtype",
+    "logical_shape", "offsets", "shape", "replica", "partial", "complex_as_real", "numel", "nan",
+    "posinf", "neginf", "zeros", "has_moments", "sum", "sum_sq", "min", "max", "abs_max",
+    "fingerprint", "fingerprint_seed", "sketch", "sketch_seed", "content_hash", "reduce",
+    "reduce_weight", "reduce_index", "reduce_count", "ragged_parts", "ragged_first", "ragged_span",
+    "flat",
+)
 
 
 def _rows(db, run):
@@ -107,11 +114,12 @@ def test_failed_bulk_insert_leaves_nothing_and_the_session_unacked(writer, tmp_p
     cols = RF.from_records(_records())
     cols.cols["site"] = cols.cols["site"].copy()
     cols.sites = []  # no site table: building the rows fails inside the writer's item
-    with pytest.raises(Exception):
+    with pytest.raises(IndexError):  # the batch's site index into an empty site table
         writer.submit(lambda s: s.ingest_columns("sess-0", 1, cols)).result(10)
     conn = sqlite3.connect(tmp_path / "audit.db")
     assert conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 0
-    assert conn.execute("SELECT acked_seq FROM sessions WHERE session_id='sess-0'").fetchone() == (0,)
+    acked = conn.execute("SELECT acked_seq FROM sessions WHERE session_id='sess-0'").fetchone()
+    assert acked == (0,)
     conn.close()
 
 
@@ -141,7 +149,8 @@ def test_content_hash_tells_apart_what_a_linear_hash_would_not():
     flipped.digest.sum, flipped.digest.min = -base.digest.sum, -base.digest.min
     swapped = pb.Record()
     swapped.CopyFrom(base)
-    swapped.digest.sketch[1], swapped.digest.sketch[2] = base.digest.sketch[2], base.digest.sketch[1]
+    sketch = swapped.digest.sketch
+    sketch[1], sketch[2] = base.digest.sketch[2], base.digest.sketch[1]
     moved = pb.Record()
     moved.CopyFrom(base)
     moved.digest.nan_count, moved.digest.zero_count = base.digest.zero_count, base.digest.nan_count

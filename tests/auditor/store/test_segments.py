@@ -139,7 +139,8 @@ def test_segments_of_a_sharded_training_run_load_like_rows(tmp_path, monkeypatch
     assert _assert_same_load(db, "ref", monkeypatch) > 0
     assert _assert_same_load(db, "cand", monkeypatch) > 0
     conn = connect(db)
-    assert all(key_segments.complete(conn, rid) for (rid,) in conn.execute("SELECT run_id FROM runs"))
+    run_ids = conn.execute("SELECT run_id FROM runs")
+    assert all(key_segments.complete(conn, rid) for (rid,) in run_ids)
     conn.close()
 
 

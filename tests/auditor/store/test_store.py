@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import pytest
@@ -69,7 +70,8 @@ def test_store_errors(writer):
 
 
 def test_cancelled_work_is_skipped_and_the_writer_keeps_going(writer):
-    """A future cancelled while queued (an ingest stream that went away) must not kill the writer."""
+    """A future cancelled while queued (an ingest stream that went away) must not kill the
+    writer."""
     entered, release, ran = threading.Event(), threading.Event(), []
     blocker = writer.submit(lambda s: (entered.set(), release.wait(10)))
     assert entered.wait(10)
@@ -94,7 +96,7 @@ def test_failed_transaction_does_not_leave_stale_site_ids(writer, tmp_path):
     release.set()
     blocker.result(10)  # committed alone; the next group holds doomed + failing
     for fut in (doomed, failing):
-        with pytest.raises(Exception):
+        with pytest.raises(sqlite3.OperationalError):  # the group's transaction is gone
             fut.result(10)
     writer.submit(lambda s: s.ingest(batch(1, [record(0, 0, "site.b")]))).result(10)
     writer.submit(lambda s: s.ingest(batch(2, [record(0, 1, "site.a")]))).result(10)
@@ -154,7 +156,7 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
     from numaudit.auditor.store import sqlite as store_sqlite
 
     old = store_sqlite._SCHEMA
-    for table, column, decl in store_sqlite._ADDED_COLUMNS:
+    for _table, column, decl in store_sqlite._ADDED_COLUMNS:
         old = old.replace(f",\n    {column} {decl}", "").replace(f", {column} {decl}", "")
     assert "reduce_weight" not in old and "grad_scale" not in old
     db = tmp_path / "v1.db"
