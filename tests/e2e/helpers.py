@@ -39,6 +39,22 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
+SHELL_SETTINGS = ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES",
+                  "NUMAUDIT_BATCH_DIM")
+"""Variables a developer's shell may hold that would rename a test job's runs or change what its
+agents capture: a test job's environment never inherits them."""
+
+
+def job_env(daemon: Daemon, phases: str = "fwd,bwd,grad,loss") -> dict[str, str]:
+    """The environment of a test job whose agents stream to `daemon`: the phases they capture,
+    one thread per rank, the checkout importable, none of `SHELL_SETTINGS`."""
+    env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES=phases,
+               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for var in SHELL_SETTINGS:
+        env.pop(var, None)
+    return env
+
+
 def torchrun(script: str, nproc: int, *args: str, env: dict | None = None,
              timeout: float = 180) -> subprocess.CompletedProcess:
     """Run an example under torchrun (gloo, CPU); fails the test with its output on error."""

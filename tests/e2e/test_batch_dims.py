@@ -7,12 +7,11 @@ hidden states hold it on dim 1 whatever `batch_first` says); sequence-first code
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon, compare_json, run_ok
+from tests.e2e.helpers import ROOT, Daemon, compare_json, job_env, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -25,9 +24,7 @@ def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batch_dims")
     daemon = Daemon(tmp)
     try:
-        env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES="fwd,bwd,grad,loss",
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        env.pop("NUMAUDIT_BATCH_DIM", None)
+        env = job_env(daemon)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ref = pool.submit(run_ok, [sys.executable, str(JOB), "single:ref",
                                      "single_seq:ref_seq"], dict(env, WORLD_SIZE="1"))

@@ -11,7 +11,6 @@ captured as the README does (the default reduce) and with ``reduce="sum"`` (``_d
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.policy.load import preset_policy
 from numaudit.auditor.report.json_report import to_json
-from tests.e2e.helpers import ROOT, Daemon, run_ok
+from tests.e2e.helpers import ROOT, Daemon, job_env, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,10 +32,7 @@ def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("conventions")
     daemon = Daemon(tmp)
     try:
-        env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES="fwd,bwd,grad,loss",
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        for var in ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES"):
-            env.pop(var, None)
+        env = job_env(daemon)
         run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node=2", str(JOB), *(f"{c}:{c}" for c in CASES)], env)
         yield daemon.db

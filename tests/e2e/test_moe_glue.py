@@ -7,12 +7,11 @@ a bug in one expert on one rank is the first divergence, at that expert and rank
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon, compare_json, run_ok
+from tests.e2e.helpers import ROOT, Daemon, compare_json, job_env, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,10 +23,7 @@ JOB = ROOT / "tests" / "e2e" / "moe_glue_job.py"
 def store(tmp_path_factory):
     daemon = Daemon(tmp_path_factory.mktemp("moe_glue"))
     try:
-        env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES="fwd,bwd,grad,loss",
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        for var in ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES"):
-            env.pop(var, None)
+        env = job_env(daemon)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ref = pool.submit(run_ok, [sys.executable, str(JOB), "ref:ref"],
                               dict(env, WORLD_SIZE="1"))

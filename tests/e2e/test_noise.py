@@ -9,12 +9,11 @@ of 4 a clean pair breaches in fewer than 1 of 1,000 comparisons of this job (doc
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon, run_ok
+from tests.e2e.helpers import ROOT, Daemon, job_env, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,10 +28,7 @@ def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("noise")
     daemon = Daemon(tmp)
     try:
-        env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES="fwd,bwd,grad,loss",
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        for var in ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES"):
-            env.pop(var, None)
+        env = job_env(daemon)
         run_ok([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node=2", str(JOB), *RUNS], env)
         yield daemon.db

@@ -9,12 +9,11 @@ never pass without either; a declared grad_scale follows the re-keying."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, Daemon, compare_json, run_ok
+from tests.e2e.helpers import ROOT, Daemon, compare_json, job_env, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,10 +26,7 @@ def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("regroup")
     daemon = Daemon(tmp)
     try:
-        env = dict(os.environ, NUMAUDIT_ADDR=daemon.address, NUMAUDIT_PHASES="fwd,bwd,grad,loss",
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        for var in ("NUMAUDIT_RUN", "NUMAUDIT_RENAME_IF_TAKEN", "NUMAUDIT_PAYLOAD_MAX_BYTES"):
-            env.pop(var, None)
+        env = job_env(daemon)
         single = dict(env, WORLD_SIZE="1")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             jobs = [pool.submit(run_ok, [sys.executable, str(JOB), "acc1:acc1", "acc4:acc4",
