@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from numaudit.auditor.compare.read.ranges import integer_runs
+
 
 class _Node:
     __slots__ = ("children", "end")
@@ -51,15 +53,7 @@ def _label(names: list[str]) -> str:
         return names[0]
     numbers = sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n)
     words = [n for n in names if not (n.isdigit() and str(int(n)) == n)]
-    runs: list[str] = []
-    i = 0
-    while i < len(numbers):
-        j = i
-        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
-            j += 1
-        runs.append(str(numbers[i]) if i == j else f"{numbers[i]}-{numbers[j]}")
-        i = j + 1
-    parts = runs + words
+    parts = integer_runs(numbers) + words
     if len(parts) == 1:
         return parts[0]
     return "{" + ",".join(parts) + "}"
