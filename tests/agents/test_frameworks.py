@@ -176,7 +176,7 @@ def test_rotary_output_is_a_replica_and_its_gradient_a_sum_over_dp(fake_rank, ro
     """dp=4 with `rows` samples per rank: [1, S, D] rotary output is a replica of one box
     (not a share of [4, S, D]) and its gradient each dp rank's addend of a sum; with one sample
     per rank the agent cannot tell, records a share, and the auditor decides by fingerprints
-    (tests/auditor/compare/test_replicas.py)."""
+    (tests/auditor/compare/merge/test_replicas.py)."""
     fake_rank(1)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     batches = []

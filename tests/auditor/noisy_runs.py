@@ -1,5 +1,5 @@
 """Synthetic runs of a reference whose backward is nondeterministic on rank 0, for the noise-band
-tests (tests/auditor/compare/test_noise.py, tests/auditor/cli/test_calibrate.py).
+tests (tests/auditor/compare/noise/test_noise.py, tests/auditor/cli/test_calibrate.py).
 
 Two ranks, one step, one microbatch, float32. Every run holds the same tensors but for its
 noise: a seeded random 1/16 of the elements of rank 0's share of the attention's activation

@@ -15,7 +15,7 @@ from numaudit.auditor.compare.policy.load import (
     resolve_policy,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_defaults_follow_assert_close_and_the_looser_dtype_wins():
