@@ -18,11 +18,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import numaudit
 from numaudit.agents.capture.capture import Capturer, Counters
-from numaudit.agents.capture.fused_plans import PHASE_IDS
 from numaudit.agents.capture.sites import block_sites, select_modules
 from numaudit.agents.config import AgentConfig, apply_env, check
 from numaudit.agents.identity import rank_identity
 from numaudit.agents.layout import PieceLayout, batch_rows, holds_batch
+from numaudit.wire.vocabulary import PHASE_IDS
 
 B, S, D = 4, 8, 16
 

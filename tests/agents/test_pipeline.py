@@ -30,7 +30,7 @@ _JOB = textwrap.dedent('''
     agent = numaudit.attach(run="pp")
     stage = PipelineStage(model, 0, 1, torch.device("cpu"))  # no shapes: inferred on step 0
     seen = collections.Counter()
-    from numaudit.agents.capture.fused_plans import PHASE_IDS
+    from numaudit.wire.vocabulary import PHASE_IDS
     phases = {v: k for k, v in PHASE_IDS.items()}
     sink = agent.capturer._batches._sink  # every capture, hooks' and agent.capture's
     def spy(batch):

@@ -122,7 +122,7 @@ def test_tokens_are_followed_through_blocks_no_style_declares(fake_rank, rank):
     logical (B, S, D) activation at token offset rank * S/TP, not replicas; so are the modules
     inside a block that keep the tokens (an activation between w1 and w2 keeps w1's columns),
     and their gradients. What gathers the tokens or reduces them away is not a block."""
-    from numaudit.agents.capture.fused_plans import PHASE_IDS
+    from numaudit.wire.vocabulary import PHASE_IDS
 
     fake_rank(rank)
     lays = _captured_layouts(rank)
@@ -153,7 +153,7 @@ def test_dim_shard_layout_places_a_block_of_any_dim_but_the_batch_dim():
 def test_replicate_sites_overrides_a_followed_block(fake_rank):
     fake_rank(1)
     lays = _captured_layouts(1, replicate_sites=("fwd:layers.1",))
-    from numaudit.agents.capture.fused_plans import PHASE_IDS
+    from numaudit.wire.vocabulary import PHASE_IDS
 
     assert lays[(PHASE_IDS["fwd"], "layers.1")].replica  # as declared
     assert lays[(PHASE_IDS["fwd"], "layers.1")].logical_shape == (B, S // TP, D)
@@ -168,7 +168,7 @@ def test_dtensors_on_part_of_the_mesh_are_placed_in_the_whole(fake_rank):
     covers) a replica over tp; a DTensor on both dims is placed by them."""
     from torch.distributed.tensor import DTensor
 
-    from numaudit.agents.capture.fused_plans import PHASE_IDS
+    from numaudit.wire.vocabulary import PHASE_IDS
 
     rank = 3
     fake_rank(rank)
@@ -277,7 +277,7 @@ def test_a_block_is_not_inferred_from_a_shape_that_only_looks_alike(fake_rank):
     """Plain TP with an FFN of 4 x D over tp=4: w1's column block is (B, S, D), the shape of
     the block's output too, but the block's last submodule (w2, all-reduced) outputs a
     replica, so the block's output is one; a block of w1's columns is not carried over."""
-    from numaudit.agents.capture.fused_plans import PHASE_IDS
+    from numaudit.wire.vocabulary import PHASE_IDS
 
     fake_rank(2)
     mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
@@ -314,7 +314,7 @@ def test_a_submodule_whose_input_a_style_gathers_outputs_the_tokens_of_its_last_
     does the module."""
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    from numaudit.agents.capture.fused_plans import PHASE_IDS
+    from numaudit.wire.vocabulary import PHASE_IDS
 
     rank = 1
     fake_rank(rank)

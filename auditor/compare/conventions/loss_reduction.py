@@ -33,8 +33,8 @@ from numaudit.auditor.compare.conventions.grad_evidence import GradEvidence, dif
 from numaudit.auditor.compare.explain import factors
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.comparison import Comparison
-from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.read.columns import RunColumns
+from numaudit.auditor.compare.read.pieces import REDUCE_MEAN
 from numaudit.wire.vocabulary import Phase
 
 LOSS = Phase.LOSS
@@ -108,7 +108,7 @@ def _mean_side(comp: Comparison, keys: np.ndarray, side: str) -> bool:
     """Every one of these keys is, in this run, a mean over several dp ranks' addends."""
     lk = comp.ref_keys if side == "ref" else comp.cand_keys
     g = (comp.ref_index if side == "ref" else comp.cand_index)[keys]
-    return bool(len(g)) and bool(((lk.reduced[g] == M.REDUCE_MEAN) & lk.partial[g]).all())
+    return bool(len(g)) and bool(((lk.reduced[g] == REDUCE_MEAN) & lk.partial[g]).all())
 
 
 class _Trial:

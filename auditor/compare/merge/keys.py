@@ -16,12 +16,11 @@ import numpy as np
 from numaudit.auditor.compare.merge.tiling import (
     INCOMPLETE,
     NONE,
-    REDUCE_MEAN,
-    REDUCE_SUM,
     REPLICA_DIVERGENCE,
     TilingPlan,
     plan_tiling,
 )
+from numaudit.auditor.compare.read.pieces import REDUCE_MEAN, REDUCE_SUM
 from numaudit.auditor.compare.read.positions import key_positions
 from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.auditor.compare.read.segments import ranges_index, unique

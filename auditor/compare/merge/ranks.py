@@ -12,7 +12,7 @@ import json
 import sqlite3
 from collections.abc import Sequence
 
-from numaudit.auditor.compare.merge import tiling as M
+from numaudit.auditor.compare.read.pieces import Piece
 
 
 def mesh_of(reader, run: str) -> dict:
@@ -81,7 +81,7 @@ def key_boxes(comp, side: str, g: int) -> dict[tuple, list[int]]:
     first, count = int(lk.first[g]), int(lk.count[g])
     out: dict[tuple, list[int]] = {}
     for r in range(first, first + count):
-        p: M.Piece = comp.catalog.pieces[int(cols.layout[r])]
+        p: Piece = comp.catalog.pieces[int(cols.layout[r])]
         if p.is_none or p.numel == 0:
             continue
         out.setdefault(p.box, []).append(r)

@@ -46,8 +46,8 @@ from numaudit.auditor.compare.merge.samples import (
     sample_starts,
     share_dim,
 )
-from numaudit.auditor.compare.merge.tiling import REDUCE_NONE
 from numaudit.auditor.compare.read.columns import Catalog, RunColumns, unpack_when
+from numaudit.auditor.compare.read.pieces import REDUCE_NONE
 from numaudit.wire.vocabulary import Phase
 
 BATCH_PHASES = (Phase.INPUT, Phase.FWD, Phase.BWD)

@@ -34,13 +34,7 @@ import numpy as np
 
 from numaudit.auditor.compare.digests.algebra import DigestValues, merge_disjoint, merge_partial
 from numaudit.auditor.compare.merge.ragged_hint import undeclared_ragged
-from numaudit.auditor.compare.read.pieces import (  # noqa: F401  (Piece: re-exported)
-    REDUCE_MEAN,
-    REDUCE_NAMES,
-    REDUCE_NONE,
-    REDUCE_SUM,
-    Piece,
-)
+from numaudit.auditor.compare.read.pieces import REDUCE_MEAN, REDUCE_NAMES, REDUCE_NONE, Piece
 from numaudit.auditor.compare.read.ranges import format_ranges
 
 MAX_GAP_CELLS = 1 << 20

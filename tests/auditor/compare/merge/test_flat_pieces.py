@@ -15,8 +15,9 @@ import torch
 from numaudit.agents.layout import PieceLayout
 from numaudit.auditor.compare.engine import compare_runs
 from numaudit.auditor.compare.measure.verdicts import same_shapes
-from numaudit.auditor.compare.merge.tiling import INCOMPLETE, Piece, plan_tiling
+from numaudit.auditor.compare.merge.tiling import INCOMPLETE, plan_tiling
 from numaudit.auditor.compare.policy.load import preset_policy
+from numaudit.auditor.compare.read.pieces import Piece
 from numaudit.auditor.report.json_report import to_json
 from numaudit.auditor.report.text import to_text
 from tests.auditor.synth import RunBuilder, piece_record, write_runs

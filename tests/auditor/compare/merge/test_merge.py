@@ -17,10 +17,10 @@ from numaudit.auditor.compare.merge.tiling import (
     NONE,
     OK,
     REPLICA_DIVERGENCE,
-    Piece,
     merge_pieces,
     plan_tiling,
 )
+from numaudit.auditor.compare.read.pieces import Piece
 
 
 def piece(logical, offsets, shape, **kw) -> Piece:

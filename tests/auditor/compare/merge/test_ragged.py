@@ -11,7 +11,8 @@ from numaudit.agents.digest.digest import digest_piece
 from numaudit.agents.layout import PieceLayout, ragged_layout
 from numaudit.agents.ragged import rows_from_counts
 from numaudit.auditor.compare.digests.algebra import DigestValues
-from numaudit.auditor.compare.merge.tiling import INCOMPLETE, OK, Piece, merge_pieces, plan_tiling
+from numaudit.auditor.compare.merge.tiling import INCOMPLETE, OK, merge_pieces, plan_tiling
+from numaudit.auditor.compare.read.pieces import Piece
 
 K = 32
 
