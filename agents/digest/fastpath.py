@@ -242,43 +242,26 @@ class Digester:
         for i, (plan, _) in enumerate(items):
             (groups.setdefault(plan.kd, []) if plan.descriptors is not None else rest).append(i)
         for kd, at in groups.items():
-            if len(at) == 1:
-                plan, t = items[at[0]]
+            descs = []
+            for i in at:
+                plan, t = items[i]
                 assert plan.descriptors is not None  # grouped: only plans with descriptors
-                joined = plan.descriptors.copy()
-                joined[:, 0] += t.data_ptr()
-                blob, total = joined.tobytes(), plan.count
-            else:
-                descs = []
-                for i in at:
-                    plan, t = items[i]
-                    assert plan.descriptors is not None  # grouped: only plans with descriptors
-                    arr = plan.descriptors.copy()
-                    arr[:, 0] += t.data_ptr()
-                    descs.append(arr)
-                # the kernel reads descriptors one after another: pieces of another ndim have
-                # rows of another width, which one array could not hold
-                blob = b"".join(a.tobytes() for a in descs)
-                total = sum(len(a) for a in descs)
+                arr = plan.descriptors.copy()
+                arr[:, 0] += t.data_ptr()
+                descs.append(arr.tobytes())
+            # the kernel reads descriptors one after another: pieces of another ndim have rows
+            # of another width, which one array could not hold (join of one is that one)
+            blob = b"".join(descs)
+            counts = [items[i][0].count for i in at]
+            total = sum(counts)
             arena = self._sample_rows.get(kd)
             if arena is None:
                 arena = self._sample_rows[kd] = _SampleRows(kd)
             f64, i64, f64_at, i64_at = arena.take(total)
-            try:
-                cpu = self._cpu
-                assert cpu is not None  # descriptors are planned only with the kernel
-                bad = cpu.kernel()(total, blob, kd, f64_at, i64_at)
-                if bad:
-                    raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
-            except Exception as exc:
-                for i in at:
-                    out[i] = exc
-                continue
-            first = 0
-            for i in at:
-                n = items[i][0].count
-                out[i] = (f64[first:first + n], i64[first:first + n])
-                first += n
+            cpu = self._cpu
+            assert cpu is not None  # descriptors are planned only with the kernel
+            if _sample_kernel(cpu, total, blob, kd, f64_at, i64_at, at, out):
+                _deal_rows(out, at, counts, f64, i64)
         if rest:
             got = self.digest_samples([(t, p.slayout, p.dim, p.kd)
                                        for p, t in (items[i] for i in rest)])
@@ -316,18 +299,9 @@ class Digester:
             return
         f64 = torch.empty((total, N_MOMENTS + k), dtype=torch.float64)
         i64 = torch.empty((total, 6), dtype=torch.int64)
-        try:
-            bad = cpu.kernel()(total, b"".join(descs), k, f64.data_ptr(), i64.data_ptr())
-            if bad:
-                raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
-        except Exception as exc:
-            for i in ok:
-                out[i] = exc
-            return
-        first = 0
-        for i, n in zip(ok, counts):
-            out[i] = (f64[first:first + n], i64[first:first + n])
-            first += n
+        if _sample_kernel(cpu, total, b"".join(descs), k, f64.data_ptr(), i64.data_ptr(), ok,
+                          out):
+            _deal_rows(out, ok, counts, f64, i64)
 
     def _samples_triton(self, items: list[SampleItem], at: list[int], k: int, out: list) -> None:
         triton = self._triton
@@ -378,3 +352,26 @@ class _SampleRows:
         self.used = a + n
         return (self.f64[a:a + n], self.i64[a:a + n], self.f64_at + a * 8 * (N_MOMENTS + self.k),
                 self.i64_at + a * 48)
+
+
+def _sample_kernel(cpu, total: int, blob: bytes, k: int, f64_at: int, i64_at: int,
+                   at: list[int], out: list) -> bool:
+    """One fused-kernel call digesting ``total`` samples' descriptors into the rows at the two
+    addresses; on failure each item of ``at`` gets the exception in ``out`` and False returns."""
+    try:
+        bad = cpu.kernel()(total, blob, k, f64_at, i64_at)
+        if bad:
+            raise RuntimeError(f"samples[{bad - 1}]: descriptor rejected by the kernel")
+    except Exception as exc:
+        for i in at:
+            out[i] = exc
+        return False
+    return True
+
+
+def _deal_rows(out: list, at: list[int], counts: list[int], f64, i64) -> None:
+    """Consecutive rows of ``f64``/``i64`` to the items of ``at``, ``counts[j]`` to the j-th."""
+    first = 0
+    for i, n in zip(at, counts):
+        out[i] = (f64[first:first + n], i64[first:first + n])
+        first += n

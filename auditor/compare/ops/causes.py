@@ -258,16 +258,21 @@ def _first_other_dtype(comp, al: Alignment, o: int, pairs: list, index: dict, a:
     for r, c in pairs:
         if c < o or is_view(al.names[("ref", r)]):  # the first operation that computes
             continue
-        outs = keys_of(index, a, ids[r], OUT_ROLE[phase], call)
-        for _, i in outs:
-            dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
-            if dr and dc and dr != dc:
-                return (f"from it on {op_text(al, 'ref', r)} computes in {dc} in "
-                        f"{comp.cand.name} and in {dr} in {comp.ref.name}")
-        ins = keys_of(index, a, ids[r], IN_ROLE[phase], call)
-        for _, i in ins:
-            dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
-            if dr and dc and dr != dc:
-                return (f"{op_text(al, 'ref', r)} gets {dc} inputs in {comp.cand.name}, {dr} "
-                        f"in {comp.ref.name}")
+        got = _dtypes_differ(comp, keys_of(index, a, ids[r], OUT_ROLE[phase], call))
+        if got:
+            return (f"from it on {op_text(al, 'ref', r)} computes in {got[1]} in "
+                    f"{comp.cand.name} and in {got[0]} in {comp.ref.name}")
+        got = _dtypes_differ(comp, keys_of(index, a, ids[r], IN_ROLE[phase], call))
+        if got:
+            return (f"{op_text(al, 'ref', r)} gets {got[1]} inputs in {comp.cand.name}, "
+                    f"{got[0]} in {comp.ref.name}")
     return ""
+
+
+def _dtypes_differ(comp, keys) -> tuple[str, str] | None:
+    """(ref's dtype, cand's) of the first of ``keys`` both runs hold in different dtypes."""
+    for _, i in keys:
+        dr, dc = _dtype(comp, i, "ref"), _dtype(comp, i, "cand")
+        if dr and dc and dr != dc:
+            return dr, dc
+    return None
