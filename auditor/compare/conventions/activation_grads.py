@@ -25,14 +25,14 @@ BWD = Phase.BWD
 def bwd_warning(comp: Comparison, ev: GradEvidence, g: float, total: float, why: str) -> str:
     """The run-level warning for activation gradients compared after the factor the evidence
     showed (`bwd_trial`), with a note on each of them when no rescaling was needed."""
+    bwd = _compared(comp, BWD)
     if comp.bwd_factor == 1.0:  # no rescaling, so scale_bwd said nothing
-        for i in _compared(comp, BWD).tolist():
+        for i in bwd.tolist():
             comp.notes.setdefault(i, []).append(f"compared as they are, inferred from "
                                                 f"the evidence ({why})")
     grads = ("while the parameter gradients agree" if not len(ev.bad) else
              f"while the parameter gradients differ ({differ_text(comp, ev)}) but none "
              f"by that x{F.format_float(g)}")
-    bwd = _compared(comp, BWD)
     seen = int(forward_matched(comp)[bwd].sum())
     where = "" if seen == len(bwd) else (f" in the microbatches whose forward matched "
                                          f"({seen} of {len(bwd)})")
@@ -44,7 +44,7 @@ def bwd_warning(comp: Comparison, ev: GradEvidence, g: float, total: float, why:
 
 def bwd_breaches(comp: Comparison) -> bool:
     """Whether an activation gradient of a microbatch whose forward matched still breaches."""
-    return bool((comp.breach & _phase(comp, BWD) & forward_matched(comp)).any())
+    return bool((comp.breach & ((comp.when & 0xF) == BWD) & forward_matched(comp)).any())
 
 
 def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
@@ -60,11 +60,6 @@ def bwd_factor(ref_info: dict, cand_info: dict) -> tuple[float, list[str]]:
     if r is None or c is None or not r or not c:
         return 1.0, warnings
     return float(c) / float(r), warnings
-
-
-def _phase(comp: Comparison, phase: int) -> np.ndarray:
-    phases = comp.when & 0xF
-    return phases == phase
 
 
 def forward_matched(comp: Comparison) -> np.ndarray:
