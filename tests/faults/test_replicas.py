@@ -209,8 +209,8 @@ def test_a_replica_frozen_in_a_transaction_does_not_stall_the_other(tmp_path, pg
         jobs = [Writer(tmp_path, f"rank{r}", records=200_000, address=address, rank=r,
                        world_size=4, extra=["--rate", "400", "--until-file", str(stop_file),
                                             "--flush-timeout", str(FLUSH_S),
-                                            "--ack-timeout", "3"])
-                for r in range(4)]
+                                            "--ack-timeout", "3", "--dial-start", str(r % 2)])
+                for r in range(4)]  # two agents start on each replica: B has writes to catch
         wait_until(lambda: all(j.acks() for j in jobs), 90, "first acks")
         time.sleep(1.0)
         _freeze_in_a_transaction(reps[1], pg_url, app)

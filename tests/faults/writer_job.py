@@ -106,6 +106,26 @@ def instrument(agent, out: Path) -> None:
     delivery._failed = logged_failed
 
 
+def _attach_dialing(start: int | None, **options):
+    """`numaudit.attach(None, **options)`, its transport dialing replica `start` first instead of
+    a random one: a test that needs agents on every replica places them. Fails loudly at start-up
+    if the transport's start is no longer drawn by `random.randrange` into `_at`."""
+    import numaudit
+    import numaudit.agents.delivery.transport as transport_module
+
+    if start is None:
+        return numaudit.attach(None, **options)
+    drawn = transport_module.random
+    transport_module.random = type("Fixed", (), {"randrange": staticmethod(lambda n: start % n)})
+    try:
+        agent = numaudit.attach(None, **options)
+    finally:
+        transport_module.random = drawn
+    transport = agent._sender.delivery.transport
+    assert transport._at == start % len(transport._replicas), "the dial start was not placed"
+    return agent
+
+
 class _Items:
     """The DataLoader's dataset: item i is record i's tensor (made in a forked worker)."""
 
@@ -145,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataloader-workers", type=int, default=0,
                    help="after the first ack, feed the rest through a forking DataLoader")
     p.add_argument("--no-close", action="store_true", help="exit without agent.close()")
+    p.add_argument("--dial-start", type=int, default=None,
+                   help="index of the replica in --address dialed first (default: a random one)")
     p.add_argument("--sample-digests", action="store_true",
                    help="per-sample digests of the records (off: the tests' sizes assume none)")
     args = p.parse_args(argv)
@@ -173,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("max_unacked_bytes", args.max_unacked_bytes)):
         if value is not None:
             options[name] = value
-    agent = numaudit.attach(None, run=args.run, address=args.address, **options)
+    agent = _attach_dialing(args.dial_start, run=args.run, address=args.address, **options)
     instrument(agent, args.out)
     progress = args.out / "progress"
     base = torch.arange(BASE_NUMEL, dtype=torch.float32)
