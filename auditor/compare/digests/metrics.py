@@ -305,13 +305,13 @@ class PayloadMetrics:
 
     def as_dict(self) -> dict:
         return {
-            "max_abs": _j(self.max_abs), "max_rel": _j(self.max_rel),
-            "allclose": _j(self.allclose), "mismatched": self.mismatched,
-            "rel_l2": _j(self.rel_l2), "ulp": _j(self.ulp),
+            "max_abs": json_float(self.max_abs), "max_rel": json_float(self.max_rel),
+            "allclose": json_float(self.allclose), "mismatched": self.mismatched,
+            "rel_l2": json_float(self.rel_l2), "ulp": json_float(self.ulp),
             "nonfinite_mismatch": self.nonfinite_mismatch,
             "worst": None if self.worst_index is None else {
-                "index": list(self.worst_index), "ref": _j(self.worst_ref),
-                "cand": _j(self.worst_cand)},
+                "index": list(self.worst_index), "ref": json_float(self.worst_ref),
+                "cand": json_float(self.worst_cand)},
         }
 
 
@@ -360,16 +360,14 @@ def payload_metrics(ref: np.ndarray, cand: np.ndarray, *, rtol: float, atol: flo
     )
 
 
-def _j(v: float | None) -> float | str | None:
-    """A float for JSON: inf and nan as strings (JSON has neither)."""
+def json_float(v: float | None, nan: str | None = "nan") -> float | str | None:
+    """A float for JSON, which has no infinities or NaN: ±inf as "inf"/"-inf", NaN as `nan`
+    ("nan", or None where a NaN only means "not measured", as in a finding's metrics)."""
     if v is None:
         return None
     v = float(v)
     if math.isnan(v):
-        return "nan"
+        return nan
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return v
-
-
-json_float = _j

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from numaudit.auditor.compare.digests.metrics import json_float
 from numaudit.auditor.compare.explain import causes
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure import parents, tied
@@ -147,10 +148,6 @@ def _json_floats(v):
     return v
 
 
-def _jf(v: float):
-    v = float(v)
-    if math.isnan(v):
-        return None
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return v
+def _jf(v: float) -> float | str | None:
+    """A metric for the report: NaN (not measured) as null."""
+    return json_float(v, nan=None)

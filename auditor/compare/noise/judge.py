@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numaudit.auditor.compare.digests.metrics import ITEMSIZE, MACHINE_EPS
+from numaudit.auditor.compare.digests.metrics import ITEMSIZE, MACHINE_EPS, json_float
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.measure.comparison import M_SHAPE, METRIC_CODES, METRIC_NAMES
 from numaudit.auditor.compare.measure.findings import format_float
@@ -278,13 +278,9 @@ def _piece_dict(comp, r: dict) -> dict:
             "allclose": _jf(p.allclose), "band_allclose": _jf(r["band_allclose"])}
 
 
-def _jf(v: float):
-    v = float(v)
-    if math.isnan(v):
-        return None
-    if math.isinf(v):
-        return "inf"
-    return v
+def _jf(v: float) -> float | str | None:
+    """A distance for the report: NaN (not measured) as null."""
+    return json_float(v, nan=None)
 
 
 def _where(r: dict) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import zlib
@@ -19,6 +20,7 @@ from numaudit.auditor.compare.digests.metrics import (
     PayloadUnavailable,
     bits_to_values,
     decode_payload,
+    json_float,
     ordered_bits,
     payload_metrics,
     ratio,
@@ -162,3 +164,12 @@ def test_ulp_distance_and_exact_metrics():
     nan = payload_metrics(np.array([1.0, np.nan]), np.array([1.0, 2.0]), rtol=0, atol=0)
     assert nan.nonfinite_mismatch == 1 and nan.mismatched == 1
     assert pm.as_dict()["worst"]["index"] == [0]
+
+
+def test_json_float_keeps_the_sign_of_an_infinity_and_writes_nan_as_asked():
+    """The report schema's numbers: ±inf as "inf"/"-inf" everywhere; NaN as "nan" where it is a
+    value, null where a NaN only means "not measured" (a finding's metrics, noise distances)."""
+    values = [1.5, math.inf, -math.inf, math.nan, None]
+    assert [json_float(v) for v in values] == [1.5, "inf", "-inf", "nan", None]
+    assert [json_float(v, nan=None) for v in values] == [1.5, "inf", "-inf", None, None]
+    json.dumps([json_float(v) for v in values], allow_nan=False)  # strict JSON
