@@ -17,6 +17,7 @@ from numaudit.agents.capture.capture import AUTO, Capturer, Counters, HostBatch
 from numaudit.agents.capture.normalization import (
     grad_scale,
     note_batch_norms,
+    note_block_lists,
     note_capture_depth,
     note_dropouts,
     note_tied_parameters,
@@ -120,6 +121,7 @@ class Agent:
             note_batch_norms(self.ident, module)
             note_dropouts(self.ident, module)
             note_tied_parameters(self.ident, module)
+            note_block_lists(self.ident, module)
             note_unpassed_mesh(self.ident, module)
             n = self.capturer.hook_modules(module, stage, pipelined=pipelined)
             self.ops.watch(module, stage)

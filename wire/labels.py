@@ -22,6 +22,14 @@ CAPTURE_DEPTH_LABEL = "capture_max_depth"
 """The agent's max_depth: modules deeper than this many dotted levels are not hooked, so they
 have no activation (fwd) or activation-gradient (bwd) captures of their own."""
 
+BLOCK_DEPTH_LABEL = "capture_block_depth"
+"""The agent's block_depth: inside a repeated block (a child of a ModuleList or ModuleDict, such
+as ``layers.3``) modules this many levels down are hooked even past max_depth; 0 = none."""
+
+BLOCK_LISTS_LABEL = "block_lists"
+"""The sites of a run's ModuleLists and ModuleDicts, joined by ", ": their children are the
+repeated blocks block_depth counts from (``model.layers`` for ``model.layers.3``)."""
+
 UNPASSED_MESH_LABEL = "unpassed_mesh"
 """Set ("1") by a rank attached without a device mesh whose model holds DTensors: the job has a
 mesh the agent was not given, so the auditor may advise passing it (to name mesh dims); a plain

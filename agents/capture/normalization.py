@@ -25,7 +25,8 @@ records what it does to parameter gradients so a reader of `auditor show` can se
 user's code that make a correct run differ from the reference by design (each rank's batch
 statistics; random masks), so that the auditor can say so where one introduces a difference.
 `note_tied_parameters` lists the parameters held under two names (captured under the first only)
-and `note_capture_depth` the agent's max_depth, so that the auditor tells a parameter or module
+and `note_capture_depth` the agent's max_depth and block_depth (`note_block_lists` the containers
+whose children are blocks), so that the auditor tells a parameter or module
 that was not captured apart from one captured under another name or left out by the depth.
 """
 
@@ -38,6 +39,8 @@ from numaudit.agents.config import AgentConfig
 from numaudit.agents.identity import RankIdentity
 from numaudit.wire.labels import (
     BATCH_STATS_LABEL,
+    BLOCK_DEPTH_LABEL,
+    BLOCK_LISTS_LABEL,
     CAPTURE_DEPTH_LABEL,
     DROPOUT_LABEL,
     TIED_LABEL,
@@ -129,6 +132,17 @@ def note_tied_parameters(ident: RankIdentity, module: Any) -> None:
     _note_sites(ident, TIED_LABEL, pairs)
 
 
+def note_block_lists(ident: RankIdentity, module: Any) -> None:
+    """Record the ModuleLists and ModuleDicts of ``module`` in the run's labels: their children
+    are the repeated blocks `block_depth` counts levels from (agents/capture/sites.py), so the
+    auditor can tell a module left out by block_depth from one left out by max_depth."""
+    import torch
+
+    _note_sites(ident, BLOCK_LISTS_LABEL, [
+        name for name, m in module.named_modules()
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))])
+
+
 def note_unpassed_mesh(ident: RankIdentity, module: Any) -> None:
     """A model holding DTensors while attach got no mesh: the job has a mesh the agent could
     name dims by (UNPASSED_MESH_LABEL)."""
@@ -143,9 +157,11 @@ def note_unpassed_mesh(ident: RankIdentity, module: Any) -> None:
 
 
 def note_capture_depth(ident: RankIdentity, config: AgentConfig) -> None:
-    """Record the agent's max_depth in the run's labels: a module deeper than it has no fwd or
-    bwd captures, and the auditor says so rather than asking to capture a phase that was."""
+    """Record the agent's max_depth and block_depth in the run's labels: a module deeper than
+    they reach has no fwd or bwd captures, and the auditor says so (and which of the two to
+    raise) rather than asking to capture a phase that was."""
     ident.labels.setdefault(CAPTURE_DEPTH_LABEL, str(config.max_depth))
+    ident.labels.setdefault(BLOCK_DEPTH_LABEL, str(config.block_depth))
 
 
 def _note_sites(ident: RankIdentity, label: str, names: list[str], max_chars: int = 1024) -> None:

@@ -166,6 +166,28 @@ def test_dropout_sites_reach_the_store_as_a_label_in_any_run(auditor_server):
     assert DROPOUT_LABEL not in ident.labels
 
 
+def test_the_depths_and_the_block_lists_reach_the_store_as_labels(auditor_server):
+    """What the agent's depths left out, for the auditor's advice on a module without
+    captures: max_depth, block_depth and the ModuleLists/ModuleDicts whose children are the
+    blocks block_depth counts from (under their normalized sites), not a Sequential."""
+    from numaudit.wire.labels import BLOCK_DEPTH_LABEL, BLOCK_LISTS_LABEL, CAPTURE_DEPTH_LABEL
+
+    inner = torch.nn.Module()
+    inner.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+    inner.experts = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)})
+    inner.head = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    net = torch.nn.Module()
+    net.model = inner
+    agent = numaudit.attach(net, run="depths", address=auditor_server.address, max_depth=2,
+                            block_depth=2)
+    _one_step(agent)
+    agent.close()
+    info, _ = _run_info(auditor_server.db_path, "depths")
+    assert info["labels"][CAPTURE_DEPTH_LABEL] == "2"
+    assert info["labels"][BLOCK_DEPTH_LABEL] == "2"
+    assert info["labels"][BLOCK_LISTS_LABEL] == "model.layers, model.experts"
+
+
 def test_plain_tensors_are_replicas_when_other_ranks_share_the_dp_rank(auditor_server,
                                                                         monkeypatch):
     monkeypatch.setenv("RANK", "1")

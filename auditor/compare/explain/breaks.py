@@ -14,7 +14,7 @@ import numpy as np
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.read.align import site_module
-from numaudit.wire.labels import CAPTURE_DEPTH_LABEL
+from numaudit.wire.labels import BLOCK_DEPTH_LABEL, BLOCK_LISTS_LABEL, CAPTURE_DEPTH_LABEL
 from numaudit.wire.vocabulary import Phase
 
 
@@ -134,15 +134,25 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
     if not ((keys.when & 0xF) == Phase.BWD).any():
         return (f"{run} captured no activation gradient (phase bwd) of {name}: capture bwd "
                 f"{what}")
-    side = "cand" if keys is comp.cand_keys else "ref"
-    limit = comp.labels.get(side, {}).get(CAPTURE_DEPTH_LABEL, "")
+    labels = comp.labels.get("cand" if keys is comp.cand_keys else "ref", {})
+    limit = labels.get(CAPTURE_DEPTH_LABEL, "")
     level = module.count(".") + 1 if module else 0
     fwd = int((in_module & ((keys.when & 0xF) == Phase.FWD)).sum())
     if limit.isdigit() and level > int(limit) and not fwd:  # (hooked inside a block: has fwd)
-        return (f"{run} captured activation gradients (phase bwd) of modules down to depth "
-                f"{limit} (the agent's max_depth) and {name} is at depth {level}, so it has "
-                f"none: raise max_depth to {level} (NUMAUDIT_DEPTH={level}; modules= can then "
-                f"narrow the hooks to it) {what}")
+        deeper = (f"{run} captured activation gradients (phase bwd) of modules down to depth "
+                  f"{limit} (the agent's max_depth) and {name} is at depth {level}")
+        raise_depth = (f"max_depth to {level} (NUMAUDIT_DEPTH={level}; modules= can then narrow "
+                       "the hooks to it)")
+        block, inside = _enclosing_block(module, labels.get(BLOCK_LISTS_LABEL, ""))
+        reach = labels.get(BLOCK_DEPTH_LABEL, "")
+        if not (block and reach.isdigit()):
+            return f"{deeper}, so it has none: raise {raise_depth} {what}"
+        if inside > int(reach):
+            return (f"{deeper}, {inside} levels inside the repeated block {block}, and the "
+                    f"agent hooks {reach} inside each block (block_depth), so it has none: raise "
+                    f"block_depth to {inside} (NUMAUDIT_BLOCK_DEPTH={inside}, that level in "
+                    f"every block) or {raise_depth} {what}")
+        # within block_depth of its block: it was in reach, so it was not hooked (below)
     if not module:
         return (f"{run} captured activation gradients (phase bwd) of submodules, but the root "
                 "module is never hooked: nothing tells frozen parameters of its own from a "
@@ -155,6 +165,18 @@ def _no_bwd_at(comp, keys, run: str, module: str, in_module: np.ndarray) -> str:
     return (f"{run} captured activation gradients (phase bwd) of other modules but neither the "
             f"forward nor the backward of {name}: the agent did not hook it (modules= or "
             f"exclude=) or it did not run, so hook it {what}")
+
+
+def _enclosing_block(module: str, lists: str) -> tuple[str, int]:
+    """(the outermost repeated block holding `module`, the levels `module` lies inside it), as
+    the agent's block_depth counts them (agents/capture/sites.py); ("", 0) when no container
+    in `lists` (BLOCK_LISTS_LABEL) holds it."""
+    containers = set(lists.split(", ")) - {"", "..."}
+    parts = module.split(".")
+    for n in range(1, len(parts)):
+        if ".".join(parts[:n]) in containers:
+            return ".".join(parts[:n + 1]), len(parts) - n - 1
+    return "", 0
 
 
 def _stage_boundary(comp, cut: list[F.GraphBreak], keys, run: str, kind: str) -> str:
