@@ -68,7 +68,9 @@ class Agent:
 
     After `attach` returns, no method raises into training: failures are counted and logged
     once. `step(i)` and `microbatch(j)` are context managers that key what is captured inside
-    them; parameter gradients are captured when a step block exits (before optimizer.step()).
+    them; parameter gradients (and values) are captured when a step block exits, or just
+    before an optimizer steps inside it, whichever comes first: before the update and before a
+    `zero_grad()` clears them, wherever the training loop calls `optimizer.step()`.
     """
 
     def __init__(self, config: AgentConfig, ident: RankIdentity) -> None:
@@ -100,6 +102,15 @@ class Agent:
         agents/capture/ops.py)."""
         if self._sender is not None and config.directives:
             self._sender.directives = self.ops.inbox
+        self._in_step = False
+        """Inside a `step` block."""
+        self._grads_taken = False
+        """This step's parameter gradients are captured (by an optimizer's step inside it)."""
+        self._optimizer_hook = None
+        if self.active:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._optimizer_hook = register_optimizer_step_pre_hook(self._optimizer_stepping)
 
     def _sink(self, batch: HostBatch) -> None:
         if self._sender is not None:
@@ -149,6 +160,7 @@ class Agent:
         """Key captures inside the block by `step`; capture parameter gradients at its end."""
         if self.active:
             self.capturer.start_step(step)
+            self._in_step, self._grads_taken = True, False
             try:
                 if self.ops.start_step(step, self.capturer._step_on):
                     self.capturer._step_on = True  # a directive of the auditor names this step
@@ -160,12 +172,30 @@ class Agent:
             # The step failed: its gradients are not the step's (and a rerun under the same run
             # name must not conflict with them). Flush what was captured, then re-raise.
             if self.active:
+                self._in_step = False
                 self.capturer.flush()
             raise
         if self.active:
-            self.capture_gradients()
+            self._in_step = False
+            if not self._grads_taken:
+                self.capture_gradients()
             self.capturer.flush()
             self.ops.end_step()  # a directive's hooks and payload globs last one step
+
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """Every optimizer's step pre-hook (torch's global one): the first optimizer stepping
+        inside a step block over parameters of a watched model captures the step's parameter
+        gradients and values now, before its update and the `zero_grad()` that usually follows
+        (captured at the block's exit, they would all be None, alike in both runs)."""
+        if not self._in_step or self._grads_taken or self._closed:
+            return
+        try:
+            watched = {id(p) for module, _ in self._models for p in module.parameters()}
+            if any(id(p) in watched for group in optimizer.param_groups for p in group["params"]):
+                self._grads_taken = True
+                self.capture_gradients()
+        except Exception as exc:  # never into training
+            self.capturer._failed("capture_gradients", exc)
 
     @contextlib.contextmanager
     def microbatch(self, microbatch: int) -> Iterator[None]:
@@ -288,6 +318,8 @@ class Agent:
                     self.capturer.flush()
                     self.capturer.remove_hooks()
                     self.ops.remove_hooks()
+                if self._optimizer_hook is not None:
+                    self._optimizer_hook.remove()
                 if self._sender is not None:
                     self._sender.close(self.config.flush_timeout_s if timeout is None
                                        else timeout)

@@ -34,28 +34,42 @@ class Net(torch.nn.Module):
 
 
 def _job(address: str, run: str, clip: str, *, steps: int = 2, via_attach: bool = False,
-         max_norm: float = 0.5) -> dict:
+         max_norm: float = 0.5, watch: bool = True, inside: bool = False) -> dict:
+    """Two microbatches a step, then clipping, `opt.step()` and `opt.zero_grad()` after the
+    step block (`inside`: at the end of the block, as most training loops have them)."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # no watched parameter
     if via_attach:
         agent = numaudit.attach(model, run=run, address=address, optimizer=opt)
     else:
         agent = numaudit.attach(model, run=run, address=address, phases=("fwd", "grad", "param"))
-        agent.watch_optimizer(opt)
+        if watch:
+            agent.watch_optimizer(opt)
     gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        with agent.step(step):
-            for j in range(2):
-                with agent.microbatch(j):
-                    loss = model(torch.randn(4, 8, generator=gen)).square().mean() * 10
-                    loss.backward()
-        if clip == "global":
+
+    def update() -> None:
+        if clip == "none":
+            pass
+        elif clip == "global":
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
         else:  # each "stage" by its own norm
             torch.nn.utils.clip_grad_norm_(model.a.parameters(), max_norm=max_norm)
             torch.nn.utils.clip_grad_norm_(model.b.parameters(), max_norm=max_norm)
         opt.step()
         opt.zero_grad()
+
+    for step in range(steps):
+        with agent.step(step):
+            for j in range(2):
+                with agent.microbatch(j):
+                    loss = model(torch.randn(4, 8, generator=gen)).square().mean() * 10
+                    loss.backward()
+                    other.step()  # steps nothing watched: takes no gradients early
+            if inside:
+                update()
+        if not inside:
+            update()
     return agent.close()
 
 
@@ -111,3 +125,31 @@ def test_another_max_norm_is_named_as_one_factor_on_every_gradient(auditor_serve
     assert "gradients matched before the optimizer" in first.cause.reason
     assert "every gradient the optimizer consumed is scaled by x0.5 " in first.cause.reason, \
         first.cause.reason
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["optimizer_watched", "optimizer_unknown"])
+def test_an_optimizer_stepping_inside_the_step_block_is_seen_before_it_clears_the_gradients(
+        auditor_server, watch):
+    """`opt.step(); opt.zero_grad()` at the end of the step block, as most loops have it: the
+    parameter gradients and values are captured just before the optimizer steps (whether or not
+    the agent was given it), so they equal those of the same run stepping after the block, not
+    None in both runs at the block's exit (which compared "identical" whatever the gradients)."""
+    addr, db = auditor_server.address, auditor_server.db_path
+    ref, cand = f"after-{watch}", f"inside-{watch}"
+    _job(addr, ref, "none", watch=watch)  # (clipping inside the block would come before them)
+    _job(addr, cand, "none", watch=watch, inside=True)
+    reader = Reader(db)
+    try:
+        grads = {(r[0], r[3]): r for r in reader.records(cand) if r[2] == pb.PHASE_GRAD}
+    finally:
+        reader.close()
+    assert grads  # both steps' gradients, of a.weight ... spare.bias
+    report = compare_runs(db, ref, cand, preset_policy("bitwise"))
+    assert report.exit_code == 0 and report.first is None
+    found = {(f.key.step, f.key.phase, f.key.site): f for f in report.findings()}
+    for step in (0, 1):
+        for site in ("a.weight", "b.bias"):
+            f = found[(step, "grad", site)]
+            assert f.verdict == "identical" and f.dtype == {"ref": "float32", "cand": "float32"}
+            assert found[(step, "param", site)].verdict == "identical"
+    assert found[(0, "grad", "spare.weight")].dtype == {"ref": None, "cand": None}  # never used
