@@ -253,10 +253,14 @@ def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Caus
                                          f"rel_l2 {at_least}{F.format_float(after)}: far beyond an "
                                          "amplified rounding difference, the module computes "
                                          "otherwise", prev)
+        start = _first_not_identical(comp, j)
+        begins = "" if start == j else (
+            f"; the runs first differ at {comp.key(start)} (within tolerance, rel_l2 "
+            f"{F.format_float(float(comp.rel_l2[start]))}; the capture before it is identical)")
         return F.Cause("introduced", f"{what} ({prev}) is within tolerance but not identical "
                                      f"(rel_l2 {F.format_float(before)}; this capture "
                                      f"{at_least}{F.format_float(after)}): the module may amplify "
-                                     "a rounding difference", prev)
+                                     f"a rounding difference{begins}", prev)
     if v in (F.MISSING_IN_REF, F.MISSING_IN_CAND, F.INCOMPLETE):
         return F.Cause("unknown", f"{what} ({prev}) could not be compared "
                                   f"({F.VERDICT_NAMES[v]})", prev)
@@ -270,6 +274,17 @@ def _judged(comp: Comparison, j: int, what: str, i: int | None = None) -> F.Caus
                                      ": the difference most likely arises here", prev)
     return F.Cause("inherited", f"{what} ({prev}) already differs "
                                 f"({F.VERDICT_NAMES[v]})", prev)
+
+
+def _first_not_identical(comp: Comparison, j: int) -> int:
+    """The earliest of the unbroken run of captures within tolerance but not identical that
+    ends at key j, walking back in execution order: where a small difference first shows (a
+    module that computes almost the same, found by the capture after it breaching). Key j itself
+    unless that run starts at an identical capture; no claim where it starts otherwise."""
+    start, k = j, int(comp.pred[j])
+    while k >= 0 and comp.verdict[k] == F.CLOSE:
+        start, k = k, int(comp.pred[k])
+    return start if k >= 0 and comp.verdict[k] == F.IDENTICAL else j
 
 
 def _unmeasured_below(comp: Comparison, j: int, i: int) -> bool:

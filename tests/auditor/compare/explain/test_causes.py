@@ -318,3 +318,29 @@ def test_any_difference_at_the_first_activation_gradient_points_at_where_backwar
     assert f.cause.reason.startswith("the first activation gradient of backward differs while "
                                      "the capture before it matched (fwd head output @ step 0 "
                                      "mb 0 identical): what differs is where backward starts")
+
+
+def test_a_breach_amplifying_a_small_difference_names_where_the_runs_first_differ(tmp_path):
+    """A module computing almost the same (an exact GELU for a tanh one) stays within tolerance,
+    and so does the block around it; the LayerNorm after them breaches by amplifying the small
+    difference. The cause names the capture where the runs first differ (the first close after
+    an identical one), not only the capture right before the breach."""
+    g = torch.Generator().manual_seed(3)
+    chain = [("embed", 0.0), ("h.0.mlp", 3e-7), ("h.0", 3e-7), ("h.1.ln", 2e-5)]
+    acts = {site: torch.randn(8, 64, generator=g) for site, _ in chain}
+    noise = {site: torch.randn(8, 64, generator=g) for site, _ in chain}
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b, is_cand in ((ref, False), (cand, True)):
+        for site, rel in chain:
+            a = acts[site]
+            b.add_full(a + rel * noise[site] * a.abs() if is_cand else a, step=0, microbatch=0,
+                       phase="fwd", site=site, role="output")
+    write_runs(tmp_path / "a.db", ref, cand)
+    report = compare_runs(tmp_path / "a.db", "ref", "cand", preset_policy("fp32"))
+    verdicts = {f.key.site: f.verdict for f in report.findings()}
+    assert verdicts == {"embed": "identical", "h.0.mlp": "close", "h.0": "close",
+                        "h.1.ln": "diverged"}, verdicts
+    f = report.first
+    assert f.key.site == "h.1.ln" and "may amplify a rounding difference" in f.cause.reason
+    assert "the runs first differ at fwd h.0.mlp output @ step 0 mb 0" in f.cause.reason, \
+        f.cause.reason
