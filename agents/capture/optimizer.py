@@ -1,10 +1,11 @@
 """Gradients as the optimizer sees them, and the update it applies (phases optim_grad, update).
 
 Parameter gradients (phase `grad`) are captured when a step block exits: after backward, before
-anything the training loop does to them. What the optimizer consumes can differ — gradient
-clipping, unscaling, a gradient transformation — and a bug there (each pipeline stage clipping by
-its local norm instead of the global one) would otherwise show only one step later, as weights
-that differ with no cause. `OptimizerWatch` hooks `optimizer.step`:
+anything the training loop does to them after the block (or, when an optimizer steps inside the
+block, just before it: `Agent._optimizer_stepping`). What the optimizer consumes can differ —
+gradient clipping, unscaling, a gradient transformation — and a bug there (each pipeline stage
+clipping by its local norm instead of the global one) would otherwise show only one step later,
+as weights that differ with no cause. `OptimizerWatch` hooks `optimizer.step`:
 
 - a step pre-hook captures every parameter's `.grad` as phase `optim_grad` (None recorded
   explicitly, as for `grad`), and, when updates are captured, keeps a copy of each parameter;
