@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from numaudit.auditor.compare.explain.breaks import graph_breaks
+from numaudit.auditor.compare.explain.breaks import gradients_none_in_both, graph_breaks
 from numaudit.auditor.compare.explain.causes import excluded_by_policy
 from numaudit.auditor.compare.explain.finding import finding
 from numaudit.auditor.compare.explain.groups import Group, group_breaches
@@ -84,7 +84,7 @@ class Report:
         fd = comp.first_divergence()
         first = finding(comp, fd) if fd >= 0 else None
         warnings = list(comp.catalog.warnings) + _run_warnings(ref_info, cand_info) + \
-            parents.warning(comp) + steps_hint(comp)
+            parents.warning(comp) + steps_hint(comp) + gradients_none_in_both(comp)
         if first is not None and first.cause and first.key.step > 0 \
                 and not comp.step_keys(first.key.step, (Phase.PARAM,)).size:
             params = (Phase.PARAM,)

@@ -14,6 +14,7 @@ import numpy as np
 from numaudit.auditor.compare.measure import findings as F
 from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.read.align import site_module
+from numaudit.auditor.compare.read.ranges import format_ranges
 from numaudit.wire.labels import BLOCK_DEPTH_LABEL, BLOCK_LISTS_LABEL, CAPTURE_DEPTH_LABEL
 from numaudit.wire.vocabulary import Phase
 
@@ -58,6 +59,29 @@ def graph_breaks(comp) -> list[F.GraphBreak]:
     breaks = F.group_graph_breaks(entries, totals_stage, totals_run, names, totals_module)
     _add_boundary(comp, breaks)
     return breaks
+
+
+def gradients_none_in_both(comp) -> list[str]:
+    """A warning for the steps whose compared parameter gradients are all None in both runs:
+    they compare as identical, which says nothing of what backward computed. Gradients cleared
+    (a `zero_grad()`) before they were captured look so, alike in both runs whatever differs."""
+    idx = np.flatnonzero(((comp.when & 0xF) == Phase.GRAD) & (comp.verdict != F.IGNORED)
+                         & (comp.ref_index >= 0) & (comp.cand_index >= 0))
+    if not idx.size:
+        return []
+    none = (comp.ref_keys.status[comp.ref_index[idx]] == M.NONE) & \
+        (comp.cand_keys.status[comp.cand_index[idx]] == M.NONE)
+    steps = comp.when[idx] >> 24
+    empty = [int(s) for s in np.unique(steps) if none[steps == s].all()]
+    if not empty:
+        return []
+    n = int(np.isin(steps, empty).sum())
+    return [f"every parameter gradient of step{'s' if len(empty) > 1 else ''} "
+            f"{format_ranges(empty)} is None in both runs ({n} gradients): they compare as "
+            "identical but show nothing of backward. If backward ran, the "
+            "gradients were cleared (zero_grad) before they were captured: the agent captures "
+            "them when the step block exits, or just before a torch.optim optimizer steps "
+            "inside it; step any other optimizer after the block"]
 
 
 def _add_boundary(comp, breaks: list[F.GraphBreak]) -> None:

@@ -328,6 +328,41 @@ def test_an_update_scaled_while_optim_grad_matches_is_a_learning_rate(db):
     assert "optim_grad) already differs" in note and "learning rate" not in note
 
 
+def _cleared_runs(db: Path, *, frozen_only: bool = False):
+    """Both runs captured their gradients after a zero_grad (None) while the optimizer consumed
+    gradients that differ; `frozen_only`: one of the two parameters has its gradient."""
+    g = _gen(4)
+    og, gw = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    ref, cand = RunBuilder("ref"), RunBuilder("cand")
+    for b, k in ((ref, 1.0), (cand, 1.5)):
+        b.add_none(0, step=0, site="layers.0.weight")
+        if frozen_only:
+            _grad(b, gw, "layers.1.weight")
+        else:
+            b.add_none(0, step=0, site="layers.1.weight")
+        _grad(b, og * k, "layers.0.weight", phase="optim_grad")
+    write_runs(db, ref, cand)
+    return compare_runs(db, "ref", "cand", preset_policy("fp32"))
+
+
+def test_gradients_none_in_both_runs_are_not_taken_for_evidence(db):
+    """None in both runs compares as identical; when every gradient of a step is None in both,
+    the report warns that it says nothing of backward, and the optimizer's gradient, which
+    differs, is not said to differ 'after the gradients matched'."""
+    report = _cleared_runs(db)
+    assert _finding(report, "grad").verdict == "identical"
+    [warning] = [w for w in report.warnings if "None in both runs" in w]
+    assert warning.startswith("every parameter gradient of step 0 is None in both runs (2 "
+                              "gradients)") and "zero_grad" in warning, warning
+    first = report.first
+    assert first.key.phase == "optim_grad" and first.cause.kind == "unknown"
+    assert "its grad is None in both runs" in first.cause.reason
+    assert "matched before the optimizer" not in first.cause.reason
+    # a frozen parameter (None in both) beside one with a gradient: no warning
+    partly = _cleared_runs(db.with_name("partly.db"), frozen_only=True)
+    assert not [w for w in partly.warnings if "None in both runs" in w]
+
+
 # -- 3. tied parameters (compare/tied.py) -------------------------------------------------------
 
 TIE = "output.weight=tok_embeddings.weight"
