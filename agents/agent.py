@@ -105,7 +105,8 @@ class Agent:
         self._in_step = False
         """Inside a `step` block."""
         self._grads_taken = False
-        """This step's parameter gradients are captured (by an optimizer's step inside it)."""
+        """This step's parameter gradients are captured (`capture_gradients` inside the block,
+        by the user or before an optimizer's step)."""
         self._optimizer_hook = None
         if self.active:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -192,7 +193,6 @@ class Agent:
         try:
             watched = {id(p) for module, _ in self._models for p in module.parameters()}
             if any(id(p) in watched for group in optimizer.param_groups for p in group["params"]):
-                self._grads_taken = True
                 self.capture_gradients()
         except Exception as exc:  # never into training
             self.capturer._failed("capture_gradients", exc)
@@ -287,9 +287,11 @@ class Agent:
             self.capturer._failed("capture_state_dict", exc)
 
     def capture_gradients(self) -> None:
-        """Capture every watched parameter's gradient now (None recorded explicitly)."""
+        """Capture every watched parameter's gradient (None recorded explicitly) and, with phase
+        param, its value now; inside a step block, in place of the capture at its exit."""
         if not self.active:
             return
+        self._grads_taken = self._in_step
         for module, stage in self._models:
             self.capturer.capture_parameters(module, grads=True, stage=stage)
             self.capturer.capture_parameters(module, grads=False, stage=stage)

@@ -153,3 +153,33 @@ def test_an_optimizer_stepping_inside_the_step_block_is_seen_before_it_clears_th
             assert f.verdict == "identical" and f.dtype == {"ref": "float32", "cand": "float32"}
             assert found[(step, "param", site)].verdict == "identical"
     assert found[(0, "grad", "spare.weight")].dtype == {"ref": None, "cand": None}  # never used
+
+
+def test_gradients_captured_by_hand_inside_the_block_are_not_captured_again_at_its_exit(
+        auditor_server):
+    """A hand-written update (no torch.optim optimizer to hook) that clears the gradients inside
+    the step block, after `agent.capture_gradients()`: the gradients are those of backward, each
+    captured once (no conflict with a second, None capture at the block's exit)."""
+    addr, db = auditor_server.address, auditor_server.db_path
+    _job(addr, "by-hand-ref", "none", watch=False)
+    model = Net()
+    agent = numaudit.attach(model, run="by-hand", address=addr, phases=("fwd", "grad", "param"))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        with agent.step(step):
+            for j in range(2):
+                with agent.microbatch(j):
+                    model(torch.randn(4, 8, generator=gen)).square().mean().mul(10).backward()
+            agent.capture_gradients()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    summary = agent.close()
+    assert summary["conflicts"] == 0 and summary["dropped"] == 0, summary
+    report = compare_runs(db, "by-hand-ref", "by-hand", preset_policy("bitwise"))
+    found = {(f.key.step, f.key.phase, f.key.site): f for f in report.findings()}
+    assert found[(0, "grad", "a.weight")].verdict == "identical"
+    assert found[(0, "grad", "a.weight")].dtype == {"ref": "float32", "cand": "float32"}
+    assert not [w for w in report.warnings if "None in both runs" in w]
