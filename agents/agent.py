@@ -111,7 +111,10 @@ class Agent:
         if self.active:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            self._optimizer_hook = register_optimizer_step_pre_hook(self._optimizer_stepping)
+            from numaudit.agents.capture.hooks import not_traced
+
+            self._optimizer_hook = register_optimizer_step_pre_hook(
+                not_traced(self._optimizer_stepping))  # a compiled optimizer step: run eagerly
 
     def _sink(self, batch: HostBatch) -> None:
         if self._sender is not None:
