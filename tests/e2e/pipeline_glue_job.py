@@ -10,7 +10,8 @@ block's input activation under phase fwd. The pipelined stages are built without
 so each schedule infers shapes on the first step by running every stage's module once outside
 its chunks (stages after the first on empty tensors). Cases:
 
-- `gpipe`: 2 stages on 2 ranks, ScheduleGPipe.
+- `gpipe`: 2 stages on 2 ranks, ScheduleGPipe; the optimizer steps (and zero_grad) inside the
+  step block, where the reference steps after it.
 - `dualpipev`, `dualpipev_detach`: 4 stages on 2 ranks in DualPipeV's V (rank 0 holds stages 0
   and 3, rank 1 stages 1 and 2); `_detach`: stage 2 detaches its input (planted: the gradient
   stops at the stage 1 -> 2 boundary, so stages 0 and 1 get all-zero parameter gradients).
@@ -112,8 +113,12 @@ def run_pp(case: str, run: str) -> None:
             args = (x,) if holds_first else ()
             kwargs = {"target": target} if holds_last else {}
             schedule.step(*args, **kwargs)
-        optimizer.step()
-        optimizer.zero_grad()
+            if case == "gpipe":  # as most loops have it: seen before it steps (agent.py)
+                optimizer.step()
+                optimizer.zero_grad()
+        if case != "gpipe":
+            optimizer.step()
+            optimizer.zero_grad()
     write_summary(run, agent.close())
 
 
