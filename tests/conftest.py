@@ -47,6 +47,17 @@ def _environment_ends_with_its_module() -> Iterator[None]:
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test: float reductions are bit-stable only at a fixed thread
+    count (FIELD-NOTES; torchrun jobs use 1), and small tensors gain nothing from a second
+    thread that, on a busy machine, every op would wait to be scheduled."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def auditor_server(tmp_path: Path) -> Iterator[BackgroundServer]:
     """A running daemon (grpc.aio in a background thread); `.address`, `.db_path`."""
     with BackgroundServer("127.0.0.1:0", tmp_path / "audit.db", grace=1.0) as server:

@@ -25,6 +25,8 @@ from numaudit.agents.digest.digest import (
 from numaudit.agents.layout import PieceLayout, complex_real_layout
 from numaudit.auditor.compare.digests.algebra import DigestValues, merge_disjoint, merge_partial
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 M64 = (1 << 64) - 1
 M32 = (1 << 32) - 1
 K = 16  # small sketches keep the pure-Python reference fast
@@ -64,16 +66,6 @@ def ref_digest(t: torch.Tensor, layout: PieceLayout, k: int):
 def as_values(t: torch.Tensor, layout: PieceLayout, k: int = K, **kw) -> DigestValues:
     f, i = (_digest(t, layout, k, **kw) if kw else digest_piece(t, layout, sketch_k=k))
     return DigestValues.from_rows(f.tolist(), i.tolist(), has_moments(t.dtype))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors gain nothing from a second intra-op thread, and on a busy machine every op
-    would wait for it to be scheduled."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -36,15 +36,9 @@ from numaudit.agents.layout import PieceLayout
 from tests.agents.test_digest import ref_digest
 from tests.agents.test_fast_path import _Net
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 M64 = (1 << 64) - 1
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def ref_units(t: torch.Tensor, layout: PieceLayout, dim: int, unit: int, k: int):

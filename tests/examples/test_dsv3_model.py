@@ -14,17 +14,10 @@ from examples.dsv3.model import (
     stage_layer_ids,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NUM_STAGES = 4
 SEQ = 16
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Float reductions are only bit-stable at a fixed thread count (FIELD-NOTES); torchrun uses 1.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(seed: int = 0, args: ModelArgs | None = None) -> Transformer:

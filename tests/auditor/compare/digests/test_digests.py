@@ -148,16 +148,6 @@ def test_merge_partial_marks_what_is_unknown():
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture
-def one_thread():
-    """Small tensors gain nothing from a second intra-op thread, and on a busy machine every op
-    would wait for it to be scheduled."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _digest(x, k: int = 256):
     from numaudit.agents.digest.digest import digest_piece
     from numaudit.agents.layout import PieceLayout
