@@ -69,8 +69,7 @@ def gradients_none_in_both(comp) -> list[str]:
                          & (comp.ref_index >= 0) & (comp.cand_index >= 0))
     if not idx.size:
         return []
-    none = (comp.ref_keys.status[comp.ref_index[idx]] == M.NONE) & \
-        (comp.cand_keys.status[comp.cand_index[idx]] == M.NONE)
+    none = comp.none_in_both(idx)
     steps = comp.when[idx] >> 24
     empty = [int(s) for s in np.unique(steps) if none[steps == s].all()]
     if not empty:

@@ -36,7 +36,7 @@ def optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
     if comp.breach[j]:
         return F.Cause("inherited", f"its {name} already differs ({F.VERDICT_NAMES[v]})",
                        comp.key(j))
-    if phase == Phase.OPTIM_GRAD and _none_in_both(comp, j):
+    if phase == Phase.OPTIM_GRAD and comp.none_in_both(np.array([j]))[0]:
         return F.Cause("unknown", "its grad is None in both runs while the optimizer consumed a "
                                   "gradient: the gradients were cleared (zero_grad) before they "
                                   "were captured, so where the difference arises cannot be told "
@@ -54,12 +54,6 @@ def optimizer_cause(comp: Comparison, i: int, step: int, phase: int) -> F.Cause:
     text = (f"the gradients matched before the optimizer (its grad: {F.VERDICT_NAMES[v]}"
             f"{every}) and differ as it consumed them")
     return F.Cause("introduced", f"{text}: {_consumed_scaling(comp, step)}", comp.key(j))
-
-
-def _none_in_both(comp: Comparison, j: int) -> bool:
-    """Key j (held by both runs) is None in both."""
-    return bool(comp.ref_keys.status[comp.ref_index[j]] == M.NONE
-                and comp.cand_keys.status[comp.cand_index[j]] == M.NONE)
 
 
 SCALE_AGREEMENT = 1e-4

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from numaudit.auditor.compare.measure import findings as F
+from numaudit.auditor.compare.merge import tiling as M
 from numaudit.auditor.compare.merge.keys import LogicalKeys
 from numaudit.auditor.compare.policy.load import METRICS, Policy
 from numaudit.auditor.compare.read.align import Key, phase_name, role_name
@@ -148,6 +149,12 @@ class Comparison:
         if not include_identical:
             keep &= self.verdict[idx] != F.IDENTICAL
         return idx[keep]
+
+    def none_in_both(self, idx: np.ndarray) -> np.ndarray:
+        """Per key of `idx`: held by both runs and None in both (a gradient neither run got)."""
+        held = (self.ref_index[idx] >= 0) & (self.cand_index[idx] >= 0)
+        return held & (self.ref_keys.status[np.maximum(self.ref_index[idx], 0)] == M.NONE) \
+            & (self.cand_keys.status[np.maximum(self.cand_index[idx], 0)] == M.NONE)
 
     def counts(self) -> dict[str, int]:
         c = np.bincount(self.verdict.astype(np.int64), minlength=len(F.VERDICT_NAMES))
